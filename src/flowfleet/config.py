@@ -1,0 +1,237 @@
+"""run.yaml: the whole run's typed, validated configuration, and the presets `flowfleet init` writes.
+
+Every stage reads RunConfig from RUN_ROOT/run.yaml before doing any work; a bad key or value is one
+line naming it (ConfigError). Derived facts (latent shape, text width) are checked here so that an
+expert trained anywhere from the same run.yaml is compatible with every other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.models.config import DiTConfig
+from flowfleet.storage import RunRoot
+
+RUN_FILE = "run.yaml"
+
+
+class ConfigError(FlowfleetError):
+    """A run configuration that cannot be used; the message names the file and key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ------------------------------------------------------------------------------------------------
+#                                          Sections
+# ------------------------------------------------------------------------------------------------
+
+
+class DataConfig(_Strict):
+    source: Literal["mnist", "shapes", "folder", "webdataset", "parquet", "hf_disk"] = "mnist"
+    path: str | None = None  # folder / tar glob / parquet glob / save_to_disk folder
+    image_size: int = Field(32, ge=8, le=4096)
+    channels: Literal[1, 3] = 1  # image channels fed to the latent encoder
+    limit: int | None = Field(None, ge=1)  # use only the first `limit` items
+    count: int = Field(4000, ge=1)  # shapes: how many images to draw
+    seed: int = 0  # shapes: drawing seed
+    image_column: str = "image"
+    text_column: str = "text"
+    shard_size: int = Field(1024, ge=1)  # items per shard
+    batch_size: int = Field(64, ge=1)  # encoder batch
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataConfig":
+        if self.source in ("folder", "webdataset", "parquet", "hf_disk") and not self.path:
+            raise ValueError(f"path: required for source {self.source!r}")
+        return self
+
+
+class LatentEncoderConfig(_Strict):
+    name: Literal["pixels", "sd-vae-ft-mse"] = "pixels"
+    path: str = "stabilityai/sd-vae-ft-mse"  # hub id or local folder
+    scaling_factor: float = 0.18215
+    sample: bool = False  # sample the posterior instead of taking its mean
+
+
+class SemanticEncoderConfig(_Strict):
+    name: Literal["inception", "dinov2", "pixels"] = "inception"
+    path: str = "facebook/dinov2-large"
+
+
+class TextEncoderConfig(_Strict):
+    name: Literal["minilm", "clip", "none"] = "minilm"
+    path: str = "openai/clip-vit-large-patch14"
+    max_length: int = Field(16, ge=1, le=512)
+
+    @property
+    def width(self) -> int:
+        return {"minilm": 384, "clip": 768, "none": 0}[self.name]
+
+
+class EncodersConfig(_Strict):
+    latent: LatentEncoderConfig = LatentEncoderConfig()
+    semantic: SemanticEncoderConfig = SemanticEncoderConfig()
+    text: TextEncoderConfig = TextEncoderConfig()
+
+
+class ClusterConfig(_Strict):
+    k: int = Field(4, ge=1, le=1024)
+    mode: Literal["kmeans", "random"] = "kmeans"
+    fine_k: int = Field(64, ge=1)  # stage-1 clusters (capped at the sample count)
+    sample_size: int = Field(100_000, ge=1)  # stage-1 fitted on this many samples
+    iters: int = Field(25, ge=1)
+    balance: bool = False
+    seed: int = 0
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(1000, ge=1)
+    batch_size: int = Field(64, ge=1)  # per optimiser step, across accumulation and DDP ranks
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    ema_decay: float = Field(0.9999, ge=0, le=1)
+    grad_clip: float | None = Field(None, gt=0)
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # autocast on CUDA only; CPU runs fp32
+    time_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    ckpt_every: int = Field(500, ge=1)
+    sample_every: int = Field(500, ge=1)
+    log_every: int = Field(10, ge=1)
+    seed: int = 0
+    max_bad_steps: int = Field(3, ge=1)  # consecutive non-finite losses before stopping
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size: {self.batch_size} is not divisible by grad_accum {self.grad_accum}")
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps: {self.warmup_steps} exceeds steps {self.steps}")
+        return self
+
+
+class MonolithConfig(_Strict):
+    enabled: bool = True
+    match_compute: bool = True  # steps so that training FLOPs equal the sum over experts
+
+
+class SamplingConfig(_Strict):
+    steps: int = Field(30, ge=1)
+    sampler: Literal["euler", "heun"] = "euler"
+    cfg: float = Field(4.0, ge=0)
+    shift: float = Field(1.0, gt=0)
+    strategy: str = "top2"
+    route_every: int = Field(1, ge=1)
+
+
+class StorageConfig(_Strict):
+    endpoint_url: str | None = None
+    options: dict[str, Any] = {}
+
+
+# ------------------------------------------------------------------------------------------------
+#                                          The run
+# ------------------------------------------------------------------------------------------------
+
+
+class RunConfig(_Strict):
+    name: str = "run"
+    data: DataConfig = DataConfig()
+    encoders: EncodersConfig = EncodersConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    expert: DiTConfig
+    router: DiTConfig
+    train: TrainConfig = TrainConfig()
+    router_train: TrainConfig = TrainConfig(lr=5e-5, schedule="cosine")
+    monolith: MonolithConfig = MonolithConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    storage: StorageConfig = StorageConfig()
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of what the latent encoder writes."""
+        s = self.data.image_size
+        if self.encoders.latent.name == "sd-vae-ft-mse":
+            return 4, s // 8, s // 8
+        return self.data.channels, s, s
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        c, h, w = self.latent_shape
+        if self.encoders.latent.name == "sd-vae-ft-mse" and self.data.image_size % 8:
+            raise ValueError(f"data.image_size: {self.data.image_size} must be divisible by 8 for the VAE")
+        for name, model in (("expert", self.expert), ("router", self.router)):
+            if tuple(model.input_size) != (h, w):
+                raise ValueError(f"{name}.input_size: {tuple(model.input_size)} differs from the latent size {(h, w)}")
+            if model.in_channels != c:
+                raise ValueError(f"{name}.in_channels: {model.in_channels} differs from the latent channels {c}")
+        if self.router.num_outputs != self.cluster.k:
+            raise ValueError(f"router.num_outputs: {self.router.num_outputs} differs from cluster.k {self.cluster.k}")
+        if self.router.conditioning != "none":
+            raise ValueError("router.conditioning: the router sees only (x_t, t); must be 'none'")
+        if self.expert.num_outputs:
+            raise ValueError("expert.num_outputs: experts predict velocities; must be 0")
+        if self.expert.uses_text:
+            if self.encoders.text.name == "none":
+                raise ValueError(f"expert.conditioning: {self.expert.conditioning} needs a text encoder")
+            if self.expert.text_dim != self.encoders.text.width:
+                raise ValueError(
+                    f"expert.text_dim: {self.expert.text_dim} differs from the {self.encoders.text.name} "
+                    f"text width {self.encoders.text.width}"
+                )
+            if self.expert.conditioning == "cross_attn" and self.expert.text_len != self.encoders.text.max_length:
+                raise ValueError(
+                    f"expert.text_len: {self.expert.text_len} differs from encoders.text.max_length "
+                    f"{self.encoders.text.max_length}"
+                )
+        return self
+
+    # -- files ---------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = RUN_FILE) -> "RunConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a mapping at the top level")
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as err:
+            raise ConfigError(f"{where}: {describe_validation_error(err)}") from None
+
+    def save(self, root: RunRoot) -> None:
+        root.write_yaml(self.to_dict(), RUN_FILE)
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """The first error as 'dotted.key: message'. Our model-level validators phrase their messages as
+    'key: message' relative to the section they validate; those keys are joined onto the section path."""
+    first = err.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif first["type"] == "value_error":
+        key, sep, rest = msg.partition(": ")
+        if sep and key.replace(".", "").replace("_", "").isalnum():
+            loc, msg = loc + [key], rest
+    return f"{'.'.join(loc) or '(top level)'}: {msg}"
+
+
+def load_run_config(root: RunRoot) -> RunConfig:
+    """Read and validate RUN_ROOT/run.yaml; one-line ConfigError otherwise."""
+    where = root.url_of(RUN_FILE)
+    if not root.exists(RUN_FILE):
+        raise ConfigError(f"{where}: missing; create it with `flowfleet init {root.url} --preset mnist`")
+    try:
+        raw = root.read_yaml(RUN_FILE)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return RunConfig.from_dict(raw, where)

@@ -1,0 +1,1 @@
+"""Data sources, encoders, shards and the `prepare` stage."""

@@ -1,0 +1,125 @@
+"""Shard sets: the on-disk contract between prepare, cluster and the training jobs.
+
+A shard set is a folder (in a run root) holding `manifest.json` and `shard-00000.safetensors`, ...
+Each shard holds, for n items:
+
+    latents      [n, C, H, W] float32   what experts and the router learn (pixels or VAE latents)
+    features     [n, F]       float32   semantic features used for clustering
+    text_tokens  [n, L, T]    float16   per-token text embeddings (cross-attention)
+    text_mask    [n, L]       uint8     1 = real token
+    text_pooled  [n, T]       float32   pooled text embedding
+    labels       [n]          int64     source labels when known (MNIST digit, shape id), else -1
+    index        [n]          int64     global item index in data/ (stable across partitions)
+
+and captions as JSON in the safetensors metadata. `data/` is the full prepared set;
+`partitions/k/` holds partition k only, so an expert job needs nothing else from the run root.
+A shard becomes part of the set when the manifest naming it is written (after the shard).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import safetensors.torch
+import torch
+
+from flowfleet.storage import RunRoot
+
+MANIFEST = "manifest.json"
+FIELDS = ("latents", "features", "text_tokens", "text_mask", "text_pooled", "labels", "index")
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+@dataclass
+class ShardSetManifest:
+    """What a shard set holds. `extra` carries stage-specific records (encoders, fingerprint, skipped)."""
+
+    shards: list[dict[str, Any]] = field(default_factory=list)  # [{"name", "count"}]
+    fields: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"shape", "dtype"}
+    complete: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def count(self) -> int:
+        return sum(s["count"] for s in self.shards)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "complete": self.complete, "shards": self.shards, "fields": self.fields,
+                **self.extra}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ShardSetManifest":
+        known = {"count", "complete", "shards", "fields"}
+        return cls(shards=list(raw.get("shards", [])), fields=dict(raw.get("fields", {})),
+                   complete=bool(raw.get("complete", False)),
+                   extra={k: v for k, v in raw.items() if k not in known})
+
+
+class ShardSet:
+    """Read and append shards of one folder of a run root."""
+
+    def __init__(self, root: RunRoot, folder: str):
+        self.root = root
+        self.folder = folder
+
+    @property
+    def url(self) -> str:
+        return self.root.url_of(self.folder)
+
+    def exists(self) -> bool:
+        return self.root.exists(self.folder, MANIFEST)
+
+    def manifest(self) -> ShardSetManifest:
+        if not self.exists():
+            raise FileNotFoundError(f"{self.root.url_of(self.folder, MANIFEST)}: missing")
+        return ShardSetManifest.from_dict(self.root.read_json(self.folder, MANIFEST))
+
+    def write_manifest(self, manifest: ShardSetManifest) -> None:
+        self.root.write_json(manifest.to_dict(), self.folder, MANIFEST)
+
+    def append(self, manifest: ShardSetManifest, tensors: dict[str, torch.Tensor], captions: list[str]) -> None:
+        """Write the next shard, then the manifest that names it (so a crash never exposes half a shard)."""
+        n = len(captions)
+        for name, t in tensors.items():
+            if t.shape[0] != n:
+                raise ValueError(f"shard field {name!r} has {t.shape[0]} rows, expected {n}")
+        name = shard_name(len(manifest.shards))
+        meta = {"captions": json.dumps(captions)}
+        data = safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
+        self.root.write_bytes(data, self.folder, name)
+        if not manifest.fields:
+            manifest.fields = {k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype).removeprefix("torch.")}
+                               for k, v in tensors.items()}
+        manifest.shards.append({"name": name, "count": n})
+        self.write_manifest(manifest)
+
+    def read_shard(self, name: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+        raw = self.root.read_bytes(self.folder, name)
+        tensors = safetensors.torch.load(raw)
+        meta = _safetensors_metadata(raw)
+        return tensors, json.loads(meta.get("captions", "[]"))
+
+    def load(self, fields: Iterable[str] = FIELDS, with_captions: bool = False):
+        """Concatenate the requested fields of every shard (in-memory; fine up to a few GB)."""
+        manifest = self.manifest()
+        fields = [f for f in fields if f in manifest.fields]
+        parts: dict[str, list[torch.Tensor]] = {f: [] for f in fields}
+        captions: list[str] = []
+        for shard in manifest.shards:
+            tensors, caps = self.read_shard(shard["name"])
+            for f in fields:
+                parts[f].append(tensors[f])
+            captions.extend(caps)
+        out = {f: torch.cat(v) if v else torch.empty(0) for f, v in parts.items()}
+        return (out, captions) if with_captions else out
+
+
+def _safetensors_metadata(raw: bytes) -> dict[str, str]:
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_len])
+    return header.get("__metadata__", {}) or {}

@@ -1,0 +1,24 @@
+"""Flow matching: the one home of flowfleet's time convention.
+
+path.py      interpolant x_t, target velocity, timestep scaling for the embedder
+loss.py      training-time sampling of t and the velocity regression loss
+sampler.py   t-grids, Euler/Heun ODE integration from t=1 (noise) to t=0 (data), CFG
+ensemble.py  combining expert velocities with router weights (top-k renormalised, full)
+"""
+
+from flowfleet.flow.ensemble import combine, routing_weights, parse_strategy, Strategy
+from flowfleet.flow.loss import flow_matching_loss, sample_t
+from flowfleet.flow.path import (
+    TIME_CONVENTION,
+    embedder_timestep,
+    interpolate,
+    target_velocity,
+    x0_from_velocity,
+)
+from flowfleet.flow.sampler import cfg_combine, integrate, time_grid
+
+__all__ = [
+    "TIME_CONVENTION", "embedder_timestep", "interpolate", "target_velocity", "x0_from_velocity",
+    "flow_matching_loss", "sample_t", "time_grid", "integrate", "cfg_combine",
+    "combine", "routing_weights", "parse_strategy", "Strategy",
+]

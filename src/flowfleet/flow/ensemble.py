@@ -1,0 +1,65 @@
+"""Combining expert velocities (paris Eq. 13-15).
+
+routing_weights turns router probabilities [B, K] into a per-sample selection: the indices of the
+experts that must run for each sample and their weights (renormalised over the selection, so they
+sum to 1). combine() applies them. The routed pipeline groups samples by expert so that only the
+selected experts ever run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """top-k routing; k == K (or `full`) is the full ensemble."""
+
+    k: int | None  # None = all experts ("full")
+    name: str
+
+    def resolve_k(self, num_experts: int) -> int:
+        if self.k is None:
+            return num_experts
+        if self.k > num_experts:
+            raise ValueError(f"strategy {self.name!r}: k={self.k} exceeds the {num_experts} experts present")
+        return self.k
+
+
+def parse_strategy(text: str) -> Strategy:
+    """'top1' | 'top2' | 'topk:K' | 'full' -> Strategy; anything else is a one-line ValueError."""
+    s = text.strip().lower()
+    if s == "full":
+        return Strategy(None, "full")
+    k_text = None
+    if s.startswith("topk:"):
+        k_text = s[5:]
+    elif s.startswith("top") and s[3:].isdigit():
+        k_text = s[3:]
+    if k_text is None or not k_text.isdigit() or int(k_text) < 1:
+        raise ValueError(f"unknown strategy {text!r} (expected top1, top2, topk:K or full)")
+    return Strategy(int(k_text), s)
+
+
+def routing_weights(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [B, K] -> (indices [B, k], weights [B, k]); weights renormalised to sum to 1 per sample.
+    With k = 1 the weight is exactly 1 on the argmax expert."""
+    if not 1 <= k <= probs.shape[1]:
+        raise ValueError(f"k={k} outside 1..{probs.shape[1]}")
+    top_p, top_i = probs.topk(k, dim=1)
+    weights = top_p / top_p.sum(dim=1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+    return top_i, weights
+
+
+def dense_weights(indices: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(indices [B, k], weights [B, k]) -> dense [B, K] with zeros for unselected experts."""
+    dense = torch.zeros(indices.shape[0], num_experts, dtype=weights.dtype, device=weights.device)
+    return dense.scatter(1, indices, weights)
+
+
+def combine(velocities: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """velocities [K, B, ...] and dense weights [B, K] -> sum_k w[b, k] v[k, b]  ([B, ...])."""
+    w = weights.transpose(0, 1).reshape(*weights.shape[::-1], *([1] * (velocities.ndim - 2)))
+    return (w.to(velocities.dtype) * velocities).sum(dim=0)

@@ -1,0 +1,58 @@
+"""ODE samplers over a t-grid from 1 (noise) to 0 (data), and classifier-free guidance."""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import torch
+
+VelocityFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]  # (x_t, t[B], step index) -> v
+SamplerName = Literal["euler", "heun"]
+
+
+def time_grid(steps: int, shift: float = 1.0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """steps + 1 decreasing times from 1 to 0. shift > 1 spends more steps at high noise
+    (SD3's t' = s t / (1 + (s - 1) t))."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    t = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    t = shift * t / (1.0 + (shift - 1.0) * t)
+    return t.to(device=device, dtype=torch.float32)
+
+
+def integrate(
+    velocity_fn: VelocityFn,
+    x1: torch.Tensor,
+    grid: torch.Tensor,
+    sampler: SamplerName = "euler",
+    callback: Callable[[int, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """Integrate dx/dt = v(x, t) along `grid` (decreasing) starting from noise x1.
+
+    Heun uses the trapezoid correction on every step except the last one into t = 0, which is a
+    plain Euler step (as in EDM), so the network is never asked for the velocity at t = 0 exactly.
+    velocity_fn receives the step index so callers can cache per-step work (routing, comm).
+    """
+    if sampler not in ("euler", "heun"):
+        raise ValueError(f"unknown sampler {sampler!r} (expected euler or heun)")
+    x = x1
+    n = x.shape[0]
+    for i in range(len(grid) - 1):
+        t_cur, t_next = grid[i], grid[i + 1]
+        dt = (t_next - t_cur).to(x.dtype)
+        v = velocity_fn(x, t_cur.expand(n), i)
+        x_next = x + dt * v
+        if sampler == "heun" and float(t_next) > 0.0:
+            v_next = velocity_fn(x_next, t_next.expand(n), i)
+            x_next = x + dt * 0.5 * (v + v_next)
+        x = x_next
+        if callback is not None:
+            callback(i, x)
+    return x
+
+
+def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Classifier-free guidance on all channels: v_u + s (v_c - v_u). scale = 1 is no guidance."""
+    return v_uncond + scale * (v_cond - v_uncond)

@@ -1,0 +1,110 @@
+"""Typed configuration of a DiT backbone (expert or router), with the DiT paper's size presets."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flowfleet.flow.path import TIME_CONVENTION
+
+# DiT paper, Table 1: (depth, hidden size, heads). `tiny` is flowfleet's CPU test size.
+DIT_SIZES: dict[str, tuple[int, int, int]] = {
+    "tiny": (4, 128, 4),
+    "S": (12, 384, 6),
+    "B": (12, 768, 12),
+    "L": (24, 1024, 16),
+    "XL": (28, 1152, 16),
+}
+
+Conditioning = Literal["none", "class", "pooled", "cross_attn"]
+AdaLN = Literal["zero", "single"]
+
+
+def parse_size(size: str) -> tuple[int, int, int, int | None]:
+    """'B/2' -> (depth, hidden, heads, patch); 'tiny' -> (..., None)."""
+    name, _, patch = size.partition("/")
+    if name not in DIT_SIZES:
+        raise ValueError(f"unknown DiT size {size!r} (expected one of {', '.join(DIT_SIZES)} with /2, /4 or /8)")
+    if patch and patch not in ("1", "2", "4", "8"):
+        raise ValueError(f"unknown patch size in {size!r} (expected /1, /2, /4 or /8)")
+    depth, hidden, heads = DIT_SIZES[name]
+    return depth, hidden, heads, int(patch) if patch else None
+
+
+class DiTConfig(BaseModel):
+    """Everything needed to build a DiT; saved beside its weights as config.json."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    size: str | None = Field(None, description="preset such as 'B/2'; fills depth/hidden/heads/patch")
+    input_size: tuple[int, int] = (32, 32)  # latent (H, W)
+    in_channels: int = Field(4, ge=1)
+    out_channels: int | None = Field(None, ge=1)  # None = in_channels (velocity); 2*in = learned sigma
+    patch_size: int = Field(2, ge=1)
+    hidden_size: int = Field(384, ge=8)
+    depth: int = Field(12, ge=1)
+    num_heads: int = Field(6, ge=1)
+    mlp_ratio: float = Field(4.0, gt=0)
+    adaln: AdaLN = "zero"
+    conditioning: Conditioning = "none"
+    num_classes: int = Field(0, ge=0)  # for conditioning == "class"
+    text_dim: int = Field(0, ge=0)  # width of the text encoder's tokens / pooled vector
+    text_len: int = Field(0, ge=0)  # token sequence length (cross_attn)
+    add_pooled: bool = False  # cross_attn: also add the pooled text vector to the timestep embedding
+    cond_dropout: float = Field(0.1, ge=0.0, lt=1.0)  # null-condition probability for CFG training
+    num_outputs: int = Field(0, ge=0)  # > 0: classification head over this many classes (router)
+    time_convention: str = TIME_CONVENTION
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_size(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("size"):
+            depth, hidden, heads, patch = parse_size(data["size"])
+            data = dict(data)
+            data.setdefault("depth", depth)
+            data.setdefault("hidden_size", hidden)
+            data.setdefault("num_heads", heads)
+            if patch is not None:
+                data.setdefault("patch_size", patch)
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "DiTConfig":
+        h, w = self.input_size
+        if h < 1 or w < 1:
+            raise ValueError(f"input_size: must be positive, got {self.input_size}")
+        if h % self.patch_size or w % self.patch_size:
+            raise ValueError(f"input_size: {self.input_size} is not divisible by patch_size {self.patch_size}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size: {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError("hidden_size: head dimension must be even")
+        if self.hidden_size % 4:
+            raise ValueError("hidden_size: must be divisible by 4 for the 2-D sin-cos position embedding")
+        if self.conditioning == "class" and self.num_classes < 1:
+            raise ValueError("num_classes: must be >= 1 with class conditioning")
+        if self.conditioning in ("pooled", "cross_attn") and self.text_dim < 1:
+            raise ValueError(f"text_dim: must be >= 1 with {self.conditioning} conditioning")
+        if self.conditioning == "cross_attn" and self.text_len < 1:
+            raise ValueError("text_len: must be >= 1 with cross_attn conditioning")
+        if self.time_convention != TIME_CONVENTION:
+            raise ValueError(f"time_convention: {self.time_convention!r} differs from flowfleet's {TIME_CONVENTION!r}")
+        return self
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        return self.input_size[0] // self.patch_size, self.input_size[1] // self.patch_size
+
+    @property
+    def num_tokens(self) -> int:
+        gh, gw = self.grid_size
+        return gh * gw
+
+    @property
+    def out_ch(self) -> int:
+        return self.out_channels or self.in_channels
+
+    @property
+    def uses_text(self) -> bool:
+        return self.conditioning in ("pooled", "cross_attn")

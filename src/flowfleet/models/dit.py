@@ -1,0 +1,198 @@
+"""The Diffusion Transformer shared by experts and routers (DiT reference model, Peebles & Xie).
+
+Deliberate differences from facebookresearch/DiT, each optional except the first:
+  * no learned sigma by default (out_channels = in_channels, a velocity); set out_channels = 2C for the
+    paper's learned-sigma head (used to check parameter counts);
+  * non-square latents: the position grid is (H/p) x (W/p);
+  * conditioning: class labels (DiT), a pooled text vector added to the timestep embedding, or
+    cross-attention to text tokens between self-attention and MLP (paris §2.4.2, PixArt-alpha);
+  * adaLN-single (PixArt-alpha, paris §2.4.3): one global t-MLP plus a learned [6, D] table per block.
+    The gate rows of the tables start at zero so every block is the identity at initialisation, in the
+    spirit of adaLN-Zero (PixArt starts them random);
+  * num_outputs > 0 replaces the final layer by a classification head (the router, paris §2.5).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.modeling_utils import ModelMixin
+from torch import nn
+
+from flowfleet.flow.path import TIME_CONVENTION, embedder_timestep
+from flowfleet.models.config import DiTConfig
+from flowfleet.models.embeddings import (
+    LabelEmbedder,
+    PatchEmbed,
+    PooledTextEmbedder,
+    TextTokenProjector,
+    TimestepEmbedder,
+    sincos_2d,
+)
+from flowfleet.models.layers import ClassifierHead, DiTBlock, FinalLayer
+
+
+class DiTModel(ModelMixin, ConfigMixin):
+    """x_t [B, C, H, W], t [B] in [0, 1], condition -> velocity [B, C, H, W] (or logits [B, K]).
+
+    Condition keywords: `labels` [B] (class), `text_pooled` [B, T] (pooled), `text_tokens` [B, L, T] and
+    `text_mask` [B, L] (cross_attn). `drop` [B] bool replaces the condition by the null condition
+    (classifier-free guidance).
+    """
+
+    config_name = "config.json"
+    _supports_gradient_checkpointing = False
+
+    @register_to_config
+    def __init__(
+        self,
+        size: str | None = None,
+        input_size: tuple[int, int] = (32, 32),
+        in_channels: int = 4,
+        out_channels: int | None = None,
+        patch_size: int = 2,
+        hidden_size: int = 384,
+        depth: int = 12,
+        num_heads: int = 6,
+        mlp_ratio: float = 4.0,
+        adaln: str = "zero",
+        conditioning: str = "none",
+        num_classes: int = 0,
+        text_dim: int = 0,
+        text_len: int = 0,
+        add_pooled: bool = False,
+        cond_dropout: float = 0.1,
+        num_outputs: int = 0,
+        time_convention: str = TIME_CONVENTION,
+    ):
+        super().__init__()
+        cfg = DiTConfig(
+            input_size=tuple(input_size), in_channels=in_channels, out_channels=out_channels,
+            patch_size=patch_size, hidden_size=hidden_size, depth=depth, num_heads=num_heads,
+            mlp_ratio=mlp_ratio, adaln=adaln, conditioning=conditioning, num_classes=num_classes,
+            text_dim=text_dim, text_len=text_len, add_pooled=add_pooled, cond_dropout=cond_dropout,
+            num_outputs=num_outputs, time_convention=time_convention,
+        )
+        self.cfg = cfg
+        d = cfg.hidden_size
+        gh, gw = cfg.grid_size
+
+        self.x_embedder = PatchEmbed(cfg.in_channels, d, cfg.patch_size)
+        self.t_embedder = TimestepEmbedder(d)
+        self.register_buffer("pos_embed", sincos_2d(d, gh, gw)[None], persistent=False)  # [1, N, D] fixed
+        self.y_embedder = LabelEmbedder(cfg.num_classes, d) if cfg.conditioning == "class" else None
+        use_pooled = cfg.conditioning == "pooled" or (cfg.conditioning == "cross_attn" and cfg.add_pooled)
+        self.pooled_embedder = PooledTextEmbedder(cfg.text_dim, d) if use_pooled else None
+        cross = cfg.conditioning == "cross_attn"
+        self.text_projector = TextTokenProjector(cfg.text_dim, cfg.text_len, d) if cross else None
+        # adaLN-single: one global MLP from c to all six modulation chunks.
+        self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d)) if cfg.adaln == "single" else None
+
+        self.blocks = nn.ModuleList(
+            [DiTBlock(d, cfg.num_heads, cfg.mlp_ratio, cfg.adaln, cross) for _ in range(cfg.depth)]
+        )
+        if cfg.num_outputs:
+            self.head = ClassifierHead(d, cfg.num_outputs)
+            self.final_layer = None
+        else:
+            self.head = None
+            self.final_layer = FinalLayer(d, cfg.patch_size, cfg.out_ch, cfg.adaln)
+        self.initialize_weights()
+
+    @classmethod
+    def from_dit_config(cls, cfg: DiTConfig) -> "DiTModel":
+        return cls(**cfg.model_dump())
+
+    # ----------------------------------------------------------------------------------------------
+    #                                     Initialisation
+    # ----------------------------------------------------------------------------------------------
+
+    def initialize_weights(self) -> None:
+        def _basic_init(module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+        self.apply(_basic_init)
+        w = self.x_embedder.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        if self.y_embedder is not None:
+            nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        if self.t_block is not None:
+            nn.init.normal_(self.t_block[1].weight, std=0.02)
+        for block in self.blocks:
+            if self.cfg.adaln == "zero":
+                nn.init.zeros_(block.adaLN_modulation[-1].weight)
+                nn.init.zeros_(block.adaLN_modulation[-1].bias)
+            else:
+                nn.init.normal_(block.scale_shift_table, std=self.cfg.hidden_size**-0.5)
+                with torch.no_grad():
+                    block.scale_shift_table[[2, 5]] = 0.0  # gates: identity blocks at init
+            if block.cross_attn is not None:
+                nn.init.zeros_(block.cross_attn.proj.weight)
+                nn.init.zeros_(block.cross_attn.proj.bias)
+        if self.final_layer is not None:
+            if self.cfg.adaln == "zero":
+                nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
+                nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
+            nn.init.zeros_(self.final_layer.linear.weight)
+            nn.init.zeros_(self.final_layer.linear.bias)
+        if self.head is not None:
+            nn.init.zeros_(self.head.adaLN_modulation[-1].weight)
+            nn.init.zeros_(self.head.adaLN_modulation[-1].bias)
+
+    # ----------------------------------------------------------------------------------------------
+    #                                        Forward
+    # ----------------------------------------------------------------------------------------------
+
+    def conditioning(self, t: torch.Tensor, labels=None, text_pooled=None, text_tokens=None,
+                     text_mask=None, drop=None):
+        """-> c [B, D] (timestep + global condition), block modulation input, cross-attn context and mask."""
+        c = self.t_embedder(embedder_timestep(t))  # [B, D]
+        if self.y_embedder is not None:
+            c = c + self.y_embedder(labels, drop)  # [B, D]
+        if self.pooled_embedder is not None:
+            c = c + self.pooled_embedder(text_pooled, drop)  # [B, D]
+        ctx = ctx_mask = None
+        if self.text_projector is not None:
+            ctx, ctx_mask = self.text_projector(text_tokens, text_mask, drop)  # [B, L, D], [B, L]
+        block_c = self.t_block(c) if self.t_block is not None else c  # [B, 6D] or [B, D]
+        return c, block_c, ctx, ctx_mask
+
+    def unpatchify(self, x: torch.Tensor, grid_h: int) -> torch.Tensor:
+        """[B, gh*gw, p*p*C] -> [B, C, gh*p, gw*p]."""
+        p, ch = self.cfg.patch_size, self.cfg.out_ch
+        b, n, _ = x.shape
+        grid_w = n // grid_h
+        x = x.reshape(b, grid_h, grid_w, p, p, ch)
+        x = torch.einsum("nhwpqc->nchpwq", x)
+        return x.reshape(b, ch, grid_h * p, grid_w * p)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, labels=None, text_pooled=None, text_tokens=None,
+                text_mask=None, drop=None) -> torch.Tensor:
+        if x.shape[-2:] != tuple(self.cfg.input_size) or x.shape[1] != self.cfg.in_channels:
+            raise ValueError(
+                f"input of shape {tuple(x.shape[1:])} does not match the model's "
+                f"({self.cfg.in_channels}, {self.cfg.input_size[0]}, {self.cfg.input_size[1]})"
+            )
+        t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
+        h = self.x_embedder(x) + self.pos_embed.to(x.dtype)  # [B, N, D]
+        c, block_c, ctx, ctx_mask = self.conditioning(t, labels, text_pooled, text_tokens, text_mask, drop)
+        for block in self.blocks:
+            h = block(h, block_c, ctx, ctx_mask)  # [B, N, D]
+        if self.head is not None:
+            return self.head(h, c)  # [B, K]
+        h = self.final_layer(h, c)  # [B, N, p*p*C]
+        return self.unpatchify(h, self.cfg.grid_size[0])  # [B, C, H, W]
+
+
+class DiTExpert(DiTModel):
+    """An expert: a DiT predicting the flow-matching velocity of its own data partition."""
+
+
+class DiTRouter(DiTModel):
+    """The router: a DiT trunk without text and a K-way head, p(k | x_t, t) (paris §2.5)."""

@@ -1,0 +1,1 @@
+"""Pipeline stages as plain, importable functions (one module per stage)."""

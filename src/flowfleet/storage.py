@@ -1,0 +1,171 @@
+"""The run root: a local folder or any fsspec URL (s3://, gs://, memory://) that jobs meet through.
+
+All writes are atomic: on a local disk a temp file is fsynced and renamed over the target; on an
+object store a single PUT is already all-or-nothing, and multi-file artefacts (checkpoints, model
+folders) become visible only through a small manifest written last. Transient storage errors are
+retried with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import posixpath
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import fsspec
+import yaml
+
+T = TypeVar("T")
+
+# Errors worth retrying on a remote store (timeouts, throttling, connection resets).
+_TRANSIENT = (ConnectionError, TimeoutError, OSError)
+
+
+def with_retries(fn: Callable[[], T], *, what: str, attempts: int = 5, base_delay: float = 0.2) -> T:
+    """Run fn, retrying transient errors with exponential backoff; FileNotFoundError is not retried."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise
+        except _TRANSIENT as err:  # noqa: PERF203
+            if i == attempts - 1:
+                raise OSError(f"{what}: failed after {attempts} attempts: {err}") from err
+            time.sleep(base_delay * 2**i)
+    raise AssertionError("unreachable")
+
+
+class RunRoot:
+    """A folder-like view of a run root. Paths given to methods are relative to the root."""
+
+    def __init__(self, url: str | os.PathLike, storage_options: dict[str, Any] | None = None):
+        url = str(url)
+        options = dict(storage_options or {})
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        if url.startswith("s3://") and endpoint and "endpoint_url" not in options:
+            options["endpoint_url"] = endpoint
+        self.fs, path = fsspec.core.url_to_fs(url, **options)
+        self.url = url
+        self.root = path.rstrip("/") if path != "/" else path
+        self.is_local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+
+    def __repr__(self) -> str:
+        return f"RunRoot({self.url!r})"
+
+    # -- paths ---------------------------------------------------------------------------------------
+
+    def path(self, *parts: str) -> str:
+        """Absolute path inside the filesystem (what fs methods take)."""
+        return posixpath.join(self.root, *parts) if parts else self.root
+
+    def url_of(self, *parts: str) -> str:
+        """A URL a user can pass on the command line."""
+        if self.is_local:
+            return self.path(*parts)
+        return self.fs.unstrip_protocol(self.path(*parts))
+
+    def local_path(self, *parts: str) -> Path | None:
+        return Path(self.path(*parts)) if self.is_local else None
+
+    # -- queries -------------------------------------------------------------------------------------
+
+    def exists(self, *parts: str) -> bool:
+        return with_retries(lambda: self.fs.exists(self.path(*parts)), what=f"exists {self.url_of(*parts)}")
+
+    def ls(self, *parts: str) -> list[str]:
+        """Names (not paths) directly under a folder; [] if it does not exist."""
+        p = self.path(*parts)
+        if not self.exists(*parts):
+            return []
+        self.fs.invalidate_cache(p)
+        entries = with_retries(lambda: self.fs.ls(p, detail=False), what=f"list {self.url_of(*parts)}")
+        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+    # -- bytes ---------------------------------------------------------------------------------------
+
+    def read_bytes(self, *parts: str) -> bytes:
+        p = self.path(*parts)
+        return with_retries(lambda: self.fs.cat_file(p), what=f"read {self.url_of(*parts)}")
+
+    def write_bytes(self, data: bytes, *parts: str) -> None:
+        """Atomic write: readers see the old file or the whole new one, never a prefix."""
+        p = self.path(*parts)
+        if self.is_local:
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(p), prefix=".tmp-" + os.path.basename(p))
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, p)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+            return
+        with_retries(lambda: self.fs.pipe_file(p, data), what=f"write {self.url_of(*parts)}")
+
+    def remove(self, *parts: str, recursive: bool = False) -> None:
+        if self.exists(*parts):
+            with_retries(lambda: self.fs.rm(self.path(*parts), recursive=recursive), what=f"remove {self.url_of(*parts)}")
+
+    # -- structured ----------------------------------------------------------------------------------
+
+    def read_json(self, *parts: str) -> Any:
+        raw = self.read_bytes(*parts)
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{self.url_of(*parts)}: not valid JSON ({err.msg} at line {err.lineno})") from None
+
+    def write_json(self, obj: Any, *parts: str) -> None:
+        self.write_bytes(json.dumps(obj, indent=2, sort_keys=False, default=str).encode(), *parts)
+
+    def read_yaml(self, *parts: str) -> Any:
+        try:
+            return yaml.safe_load(io.BytesIO(self.read_bytes(*parts)))
+        except yaml.YAMLError as err:
+            raise ValueError(f"{self.url_of(*parts)}: not valid YAML ({str(err).splitlines()[0]})") from None
+
+    def write_yaml(self, obj: Any, *parts: str) -> None:
+        self.write_bytes(yaml.safe_dump(obj, sort_keys=False).encode(), *parts)
+
+    def append_line(self, line: str, *parts: str) -> None:
+        """Append one line to a log file (metrics.jsonl). Local: a real append; remote: rewrite."""
+        if self.is_local:
+            p = self.path(*parts)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "a") as f:
+                f.write(line.rstrip("\n") + "\n")
+            return
+        old = self.read_bytes(*parts) if self.exists(*parts) else b""
+        self.write_bytes(old + line.rstrip("\n").encode() + b"\n", *parts)
+
+    # -- folders -------------------------------------------------------------------------------------
+
+    def put_dir(self, local_dir: str | os.PathLike, *parts: str) -> None:
+        """Copy a local folder's files into the run root (each file written atomically)."""
+        local_dir = Path(local_dir)
+        for f in sorted(local_dir.rglob("*")):
+            if f.is_file():
+                rel = f.relative_to(local_dir).as_posix()
+                self.write_bytes(f.read_bytes(), *parts, rel)
+
+    def get_dir(self, local_dir: str | os.PathLike, *parts: str) -> Path:
+        """Copy a folder of the run root to a local folder (or return it directly when local)."""
+        if self.is_local:
+            return Path(self.path(*parts))
+        local_dir = Path(local_dir)
+        base = self.path(*parts)
+        for p in with_retries(lambda: self.fs.find(base), what=f"list {self.url_of(*parts)}"):
+            rel = posixpath.relpath(p, base)
+            dest = local_dir / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(with_retries(lambda p=p: self.fs.cat_file(p), what=f"read {p}"))
+        return local_dir
