@@ -1,0 +1,386 @@
+"""FleetPipeline: K experts + a router sampled as one model (paris §2.7).
+
+    pipe = FleetPipeline.from_pretrained("runs/r/model", offload=2)
+    out = pipe(["a handwritten digit seven"], n=16, strategy="top2", cfg=2.0, seed=0)
+    out.images  # [16, C, H, W] in [-1, 1];  out.trace: what the router chose per step and sample
+
+The sampling loop is `flowfleet.flow.integrate` over a velocity function (x_t, t, step) -> v. The
+routed one (RoutedVelocity) runs the router on x_t (no text) every `route_every` steps, keeps the
+top-k present experts per sample with renormalised weights, and runs each selected expert only on its
+own samples (flowfleet.sampling.routing). Anything with that signature can replace it
+(`sample(..., velocity_fn=...)`), e.g. a patch-parallel version of the same computation.
+
+Experts and the router are callables in the model-call convention of docs/contracts.md, so the same
+loop samples DiT modules, counting wrappers (tests) and the closed-form flows of flowfleet.toy.
+FleetPipeline is a plain class rather than a diffusers DiffusionPipeline: diffusers loads every
+component eagerly, while a fleet loads experts lazily and may keep only M of them resident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.flow import integrate, parse_strategy, time_grid
+from flowfleet.flow.ensemble import Strategy
+from flowfleet.flow.sampler import VelocityFn
+from flowfleet.models.files import load_model, read_dit_config
+from flowfleet.sampling.index import ModelIndex, SchedulerConfig, expert_folder, read_model_index
+from flowfleet.sampling.routing import Condition, Selection, present_probs, run_selected, select_experts
+from flowfleet.sampling.store import ExpertStore
+from flowfleet.sampling.trace import RoutingTrace
+from flowfleet.storage import RunRoot
+
+RouterFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x_t [B, C, H, W], t [B]) -> logits [B, K]
+TEXT_CONDITIONING = ("pooled", "cross_attn")
+
+
+# --------------------------------------------------------------------------------------------------
+#                                   Settings and results
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """One generate call's choices, validated against the fleet before any work."""
+
+    strategy: Strategy
+    k: int  # experts per sample per step
+    steps: int
+    sampler: str
+    cfg: float
+    shift: float
+    route_every: int
+    seed: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"strategy": self.strategy.name, "k": self.k, "steps": self.steps, "sampler": self.sampler,
+                "cfg": self.cfg, "shift": self.shift, "route_every": self.route_every, "seed": self.seed}
+
+
+@dataclass
+class FleetOutput:
+    images: torch.Tensor  # [n, C_img, H_img, W_img] in [-1, 1]
+    latents: torch.Tensor  # [n, C, H, W] what the experts denoised
+    trace: RoutingTrace
+    settings: SamplingSettings
+    prompts: list[str] = field(default_factory=list)  # per sample ("" without text)
+
+
+# --------------------------------------------------------------------------------------------------
+#                               The per-step velocity (the seam)
+# --------------------------------------------------------------------------------------------------
+
+
+class RoutedVelocity:
+    """(x_t, t, step) -> v of the routed fleet, with classifier-free guidance on all channels.
+
+    The router sees x_t and t only (paris §2.5), so one router pass serves the conditional and the
+    unconditional rows. It runs on every evaluation when route_every == 1 (Heun's corrector included)
+    and otherwise on the first evaluation of every route_every-th step, its selection being reused in
+    between.
+    """
+
+    def __init__(self, pipe: "FleetPipeline", cond: Condition, k: int, cfg: float, route_every: int,
+                 trace: RoutingTrace):
+        self.pipe, self.cond, self.k, self.cfg = pipe, cond, k, cfg
+        self.route_every = route_every
+        self.guided = pipe.guidance_applies(cfg)
+        self.trace = trace
+        self._selection: Selection | None = None
+        self._last_step = -1
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor, step: int) -> torch.Tensor:
+        first_eval = step != self._last_step
+        reroute = (self._selection is None or self.route_every == 1
+                   or (first_eval and step % self.route_every == 0))
+        if reroute:
+            probs = self.pipe.router_probs(x, t)  # [B, P]
+            self._selection = select_experts(probs, self.pipe.present, self.pipe.num_experts, self.k)
+            self.trace.router_calls += 1
+        if first_eval:
+            self.trace.record(float(t[0]), self._selection, routed=reroute)
+            self._last_step = step
+        return run_selected(self.pipe.experts, x, t, self.cond, self._selection, self.cfg, self.guided,
+                            self.trace.stats)
+
+
+# --------------------------------------------------------------------------------------------------
+#                                        The pipeline
+# --------------------------------------------------------------------------------------------------
+
+
+class FleetPipeline:
+    """Experts (an ExpertStore), a router callable, optional text encoder and latent decoder.
+
+    router=None is allowed for a fleet of one expert (a monolith sampled through the same loop).
+    """
+
+    def __init__(
+        self,
+        experts: ExpertStore,
+        router: RouterFn | None,
+        *,
+        latent_shape: Sequence[int],
+        conditioning: str = "none",
+        num_classes: int = 0,
+        text_encoder: Any = None,
+        latent_decoder: Any = None,
+        scheduler: SchedulerConfig | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        index: ModelIndex | None = None,
+    ):
+        if router is None and len(experts.present) != 1:
+            raise ValueError("a router is required for a fleet of more than one expert")
+        self.experts = experts
+        self.router = router
+        self.latent_shape = tuple(int(s) for s in latent_shape)
+        self.conditioning = conditioning
+        self.num_classes = num_classes
+        self.text_encoder = text_encoder
+        self.latent_decoder = latent_decoder
+        self.scheduler = scheduler or SchedulerConfig()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.index = index
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    @property
+    def present(self) -> tuple[int, ...]:
+        return self.experts.present
+
+    # -- loading ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str,
+        *,
+        device: torch.device | str = "cpu",
+        offload: int | None = None,
+        text_encoder: Any = None,
+        latent_decoder: Any = None,
+        load_encoders: bool = True,
+    ) -> "FleetPipeline":
+        """Open an assembled fleet. The router loads now; experts load when first selected.
+
+        text_encoder / latent_decoder: objects following docs/contracts.md (`.encode(captions)`,
+        `.decode(latents)`); when None and load_encoders, they are built from the references in the
+        folder with flowfleet.data.encoders.
+        """
+        from flowfleet.models.dit import DiTExpert, DiTRouter
+
+        root = RunRoot(model_dir)
+        index = read_model_index(root)
+        c, h, w = index.latent_shape
+        for k in index.present_experts:  # fail now, not when the router first selects a broken expert
+            folder = expert_folder(k)
+            if not root.exists(folder):
+                raise FlowfleetError(f"{root.url_of(folder)}: missing (model_index.json lists expert {k})")
+            cfg = read_dit_config(root, folder)
+            if (cfg.in_channels, *cfg.input_size) != (c, h, w):
+                raise FlowfleetError(f"{root.url_of(folder)}: expert {k} denoises {(cfg.in_channels, *cfg.input_size)}, "
+                                     f"model_index.json says latent_shape {(c, h, w)}")
+        if not root.exists("router"):
+            raise FlowfleetError(f"{root.url_of('router')}: missing (the fleet's router)")
+        router = load_model(DiTRouter, root, "router").to(device)
+        if router.cfg.num_outputs != index.num_experts:
+            raise FlowfleetError(f"{root.url_of('router')}: num_outputs {router.cfg.num_outputs} differs from "
+                                 f"the fleet's K = {index.num_experts}")
+
+        def load_expert(k: int) -> DiTExpert:
+            return load_model(DiTExpert, root, expert_folder(k)).to(device)
+
+        store = ExpertStore(load_expert, index.present_experts, index.num_experts, offload)
+        pipe = cls(store, router, latent_shape=index.latent_shape, conditioning=index.conditioning,
+                   num_classes=index.num_classes, text_encoder=text_encoder, latent_decoder=latent_decoder,
+                   scheduler=index.scheduler, device=device, index=index)
+        if load_encoders:
+            pipe.load_encoders()
+        return pipe
+
+    def load_encoders(self) -> None:
+        """Build the text encoder and latent decoder from the folder's references, where not given."""
+        if self.index is None:
+            return
+        if self.text_encoder is None and self.conditioning in TEXT_CONDITIONING:
+            self.text_encoder = build_text_encoder_from(self.index, self.device)
+        if self.latent_decoder is None:
+            self.latent_decoder = build_latent_decoder_from(self.index, self.device)
+
+    # -- routing and guidance ---------------------------------------------------------------------------
+
+    def router_probs(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """p(k | x_t, t) over the present experts, [B, P] (renormalised when some are absent)."""
+        if self.router is None:
+            return torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
+        return present_probs(self.router(x, t), self.present)
+
+    def guidance_applies(self, cfg: float) -> bool:
+        """CFG needs a condition to drop; scale 1 is no guidance (and saves the unconditional pass)."""
+        return self.conditioning != "none" and cfg != 1.0
+
+    def velocity_fn(self, cond: Condition, k: int, cfg: float, route_every: int, trace: RoutingTrace) -> VelocityFn:
+        """The per-step velocity (x_t, t, step) -> v of this fleet; see RoutedVelocity."""
+        return RoutedVelocity(self, cond, k, cfg, route_every, trace)
+
+    # -- settings -----------------------------------------------------------------------------------------
+
+    def settings(self, strategy: str | None = None, steps: int | None = None, sampler: str | None = None,
+                 cfg: float | None = None, shift: float | None = None, route_every: int | None = None,
+                 seed: int = 0) -> SamplingSettings:
+        """Fill unset choices from the fleet's scheduler config and validate them (one-line errors)."""
+        sch = self.scheduler
+        name = strategy if strategy is not None else sch.strategy
+        try:
+            strat = parse_strategy(name)
+            k = strat.resolve_k(len(self.present))
+        except ValueError as err:
+            raise FlowfleetError(f"--strategy: {err}") from None
+        steps = sch.steps if steps is None else steps
+        sampler = sch.sampler if sampler is None else sampler
+        cfg = sch.cfg if cfg is None else cfg
+        shift = sch.shift if shift is None else shift
+        route_every = sch.route_every if route_every is None else route_every
+        if steps < 1:
+            raise FlowfleetError(f"--steps: must be >= 1, got {steps}")
+        if sampler not in ("euler", "heun"):
+            raise FlowfleetError(f"--sampler: unknown sampler {sampler!r} (expected euler or heun)")
+        if cfg < 0:
+            raise FlowfleetError(f"--cfg: must be >= 0, got {cfg}")
+        if shift <= 0:
+            raise FlowfleetError(f"--shift: must be > 0, got {shift}")
+        if route_every < 1:
+            raise FlowfleetError(f"--route-every: must be >= 1, got {route_every}")
+        return SamplingSettings(strat, k, steps, sampler, float(cfg), float(shift), route_every, seed)
+
+    # -- conditioning ------------------------------------------------------------------------------------
+
+    def check_condition(self, prompts: Sequence[str] | None, labels: Sequence[int] | None) -> None:
+        """Validate prompts / labels for this fleet's conditioning (before any encoder is loaded)."""
+        if self.conditioning in TEXT_CONDITIONING:
+            if not prompts:
+                raise FlowfleetError("--prompt: required (the experts are text-conditioned)")
+            for p in prompts:
+                if not p.strip():
+                    raise FlowfleetError("--prompt: empty prompt")
+        elif self.conditioning == "class":
+            if not labels:
+                raise FlowfleetError("--label: required (the experts are class-conditioned)")
+            bad = [y for y in labels if not 0 <= y < self.num_classes]
+            if bad:
+                raise FlowfleetError(f"--label: {bad[0]} outside 0..{self.num_classes - 1}")
+
+    def encode_condition(self, prompts: Sequence[str] | None, labels: Sequence[int] | None, n: int
+                         ) -> tuple[Condition, list[str]]:
+        """Per-sample Condition for n samples, cycling through the prompts (or labels)."""
+        self.check_condition(prompts, labels)
+        if self.conditioning in TEXT_CONDITIONING:
+            prompts = list(prompts or [])
+            if self.text_encoder is None:
+                raise FlowfleetError("text encoder: none loaded for this text-conditioned fleet")
+            emb = self.text_encoder.encode(prompts)  # tokens [P, L, T], mask [P, L], pooled [P, T]
+            width = self.index.text_width if self.index is not None else emb.tokens.shape[-1]
+            if emb.tokens.shape[-1] != width:
+                raise FlowfleetError(f"text encoder: width {emb.tokens.shape[-1]} differs from the experts' "
+                                     f"text width {width}")
+            which = torch.arange(n) % len(prompts)
+            cond = Condition(
+                text_tokens=emb.tokens[which].to(self.device, self.dtype),
+                text_mask=emb.mask[which].to(self.device).bool(),
+                text_pooled=emb.pooled[which].to(self.device, self.dtype),
+            )
+            return cond, [prompts[i] for i in which.tolist()]
+        if self.conditioning == "class":
+            labels = list(labels or [])
+            which = torch.arange(n) % len(labels)
+            return Condition(labels=torch.tensor(labels, device=self.device)[which]), [""] * n
+        return Condition(), [""] * n
+
+    # -- sampling ----------------------------------------------------------------------------------------
+
+    def sample(self, noise: torch.Tensor, cond: Condition, settings: SamplingSettings,
+               velocity_fn: VelocityFn | None = None, progress: bool = False) -> tuple[torch.Tensor, RoutingTrace]:
+        """Integrate from noise x_1 to x_0 with the routed velocity (or the given velocity_fn)."""
+        trace = RoutingTrace(self.num_experts)
+        vf = velocity_fn or self.velocity_fn(cond, settings.k, settings.cfg, settings.route_every, trace)
+        grid = time_grid(settings.steps, settings.shift, device=noise.device)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=settings.steps, desc=f"sampling ({settings.strategy.name})", unit="step", leave=False)
+        try:
+            with torch.inference_mode():
+                x0 = integrate(vf, noise, grid, settings.sampler,  # type: ignore[arg-type]
+                               callback=(lambda i, x: bar.update(1)) if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        return x0, trace
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> images in [-1, 1] (identity for pixel-space fleets)."""
+        images = self.latent_decoder.decode(latents) if self.latent_decoder is not None else latents
+        return images.clamp(-1.0, 1.0)
+
+    def __call__(self, prompts: Sequence[str] | None = None, n: int = 16, *, labels: Sequence[int] | None = None,
+                 strategy: str | None = None, steps: int | None = None, sampler: str | None = None,
+                 cfg: float | None = None, shift: float | None = None, route_every: int | None = None,
+                 seed: int = 0, batch_size: int | None = None, progress: bool = False) -> FleetOutput:
+        """Generate n samples. Noise for all n comes from one seeded generator, so the batch size does
+        not change the images."""
+        if n < 1:
+            raise FlowfleetError(f"--n: must be >= 1, got {n}")
+        settings = self.settings(strategy, steps, sampler, cfg, shift, route_every, seed)
+        cond, per_sample_prompts = self.encode_condition(prompts, labels, n)
+        gen = torch.Generator().manual_seed(seed)
+        noise = torch.randn(n, *self.latent_shape, generator=gen, dtype=self.dtype).to(self.device)
+        bs = batch_size or n
+        latents, traces = [], []
+        for start in range(0, n, bs):
+            rows = torch.arange(start, min(start + bs, n), device=self.device)
+            x0, trace = self.sample(noise[rows], cond.select(rows), settings, progress=progress)
+            latents.append(x0)
+            traces.append(trace)
+        latents_t = torch.cat(latents)
+        with torch.inference_mode():
+            images = self.decode(latents_t)
+        return FleetOutput(images, latents_t, RoutingTrace.concat(traces), settings, per_sample_prompts)
+
+
+# --------------------------------------------------------------------------------------------------
+#                          Encoders from the folder's references (issue 3)
+# --------------------------------------------------------------------------------------------------
+
+
+def _encoders_module():
+    try:
+        from flowfleet.data import encoders
+    except ImportError:
+        raise FlowfleetError("encoders: flowfleet.data.encoders is not available in this install "
+                             "(pass text_encoder= / latent_decoder= objects instead)") from None
+    return encoders
+
+
+def build_text_encoder_from(index: ModelIndex, device: torch.device | str) -> Any:
+    """The text encoder the fleet was trained with, from its reference (never copied into the folder)."""
+    cfg = index.text_config()
+    if cfg is None or cfg.name == "none":
+        raise FlowfleetError("model_index.json: text-conditioned experts but no text encoder reference")
+    return _encoders_module().build_text_encoder(cfg, device)
+
+
+def build_latent_decoder_from(index: ModelIndex, device: torch.device | str) -> Any:
+    """The latent encoder (for .decode). Pixel-space fleets need none: their 'latents' are images."""
+    cfg = index.latent_config()
+    if cfg.name == "pixels":
+        return None
+    return _encoders_module().build_latent_encoder(cfg, index.image_channels, device)

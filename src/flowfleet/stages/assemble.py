@@ -1,0 +1,231 @@
+"""Stage `assemble`: the finished experts (EMA weights) + router -> one diffusers-style model folder.
+
+Reads RUN_ROOT/run.yaml, experts/k/{status.json,final/} and router/{status.json,final/} (contract in
+docs/contracts.md) and writes RUN_ROOT/model (or --out) as described in flowfleet.sampling.index.
+Every component's config is checked against run.yaml before anything is written: an expert trained
+elsewhere with another latent shape, patch size, text width or time convention is refused with a line
+naming the expert and the field. With allow_partial, experts that are not finished are left out (a
+warning); the router's probabilities are then renormalised over the present experts at sampling time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowfleet import __version__
+from flowfleet.config import RUN_FILE, RunConfig, load_run_config
+from flowfleet.errors import FlowfleetError
+from flowfleet.models.config import DiTConfig
+from flowfleet.models.files import ModelFileError, load_model, read_dit_config
+from flowfleet.sampling.index import (
+    INDEX_FILE,
+    PIXEL_NOTE,
+    ModelIndex,
+    SchedulerConfig,
+    expert_folder,
+)
+from flowfleet.storage import RunRoot
+
+STATUS_FILE = "status.json"
+FINAL = "final"
+
+
+@dataclass
+class AssembleResult:
+    out: str  # URL of the model folder
+    num_experts: int
+    present: list[int]
+    missing: dict[int, str] = field(default_factory=dict)  # expert -> why it was left out
+    warnings: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------------
+#                                      Job folders
+# --------------------------------------------------------------------------------------------------
+
+
+def job_finished(root: RunRoot, *job: str) -> tuple[bool, str, dict[str, Any]]:
+    """(finished, reason if not, status dict). Finished = status.json says done and final/ exists."""
+    where = root.url_of(*job)
+    if not root.exists(*job, STATUS_FILE):
+        if not root.exists(*job):
+            return False, f"{where}: missing (never started)", {}
+        return False, f"{root.url_of(*job, STATUS_FILE)}: missing", {}
+    try:
+        status = root.read_json(*job, STATUS_FILE)
+    except ValueError as err:
+        return False, str(err), {}
+    state = status.get("state") if isinstance(status, dict) else None
+    if state != "done":
+        step = f" at step {status.get('step')}/{status.get('total_steps')}" if isinstance(status, dict) else ""
+        return False, f"{where}: state {state!r}{step}, not done", status if isinstance(status, dict) else {}
+    if not root.exists(*job, FINAL, "config.json"):
+        return False, f"{root.url_of(*job, FINAL)}: missing although status.json says done", status
+    return True, "", status
+
+
+# --------------------------------------------------------------------------------------------------
+#                                    Compatibility checks
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_shape(who: str, where: str, cfg: DiTConfig, run: RunConfig) -> None:
+    c, h, w = run.latent_shape
+    if cfg.in_channels != c or tuple(cfg.input_size) != (h, w):
+        raise FlowfleetError(f"{who} ({where}): latent shape {(cfg.in_channels, *cfg.input_size)} (in_channels, "
+                             f"input_size) differs from the run's latent shape {(c, h, w)}")
+
+
+def check_expert(k: int, where: str, cfg: DiTConfig, run: RunConfig) -> None:
+    """Refuse an expert that cannot be sampled with the others; names the expert and the field."""
+    who = f"expert {k}"
+    ref = run.expert
+    _check_shape(who, where, cfg, run)
+    if cfg.num_outputs:
+        raise FlowfleetError(f"{who} ({where}): num_outputs {cfg.num_outputs}: a router head, not a velocity expert")
+    if cfg.out_ch != cfg.in_channels:
+        raise FlowfleetError(f"{who} ({where}): out_channels {cfg.out_ch} differs from in_channels "
+                             f"{cfg.in_channels} (learned-sigma heads cannot be sampled as velocities)")
+    if cfg.patch_size != ref.patch_size:
+        raise FlowfleetError(f"{who} ({where}): patch_size {cfg.patch_size} differs from run.yaml "
+                             f"expert.patch_size {ref.patch_size}")
+    if cfg.conditioning != ref.conditioning:
+        raise FlowfleetError(f"{who} ({where}): conditioning {cfg.conditioning!r} differs from run.yaml "
+                             f"expert.conditioning {ref.conditioning!r}")
+    if cfg.uses_text and cfg.text_dim != ref.text_dim:
+        raise FlowfleetError(f"{who} ({where}): text_dim (text width) {cfg.text_dim} differs from run.yaml "
+                             f"expert.text_dim {ref.text_dim} ({run.encoders.text.name})")
+    if cfg.conditioning == "cross_attn" and cfg.text_len != ref.text_len:
+        raise FlowfleetError(f"{who} ({where}): text_len {cfg.text_len} differs from run.yaml "
+                             f"expert.text_len {ref.text_len}")
+    if cfg.conditioning == "class" and cfg.num_classes != ref.num_classes:
+        raise FlowfleetError(f"{who} ({where}): num_classes {cfg.num_classes} differs from run.yaml "
+                             f"expert.num_classes {ref.num_classes}")
+
+
+def check_router(where: str, cfg: DiTConfig, run: RunConfig) -> None:
+    _check_shape("router", where, cfg, run)
+    if cfg.num_outputs != run.cluster.k:
+        raise FlowfleetError(f"router ({where}): num_outputs {cfg.num_outputs} differs from K = "
+                             f"{run.cluster.k} experts (run.yaml cluster.k)")
+
+
+def _read_config(who: str, root: RunRoot, *parts: str) -> DiTConfig:
+    """read_dit_config with the component named (time convention, bad fields: ModelFileError)."""
+    try:
+        return read_dit_config(root, *parts)
+    except ModelFileError as err:
+        raise FlowfleetError(f"{who}: {err}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+#                                          The stage
+# --------------------------------------------------------------------------------------------------
+
+
+def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = False,
+             progress: bool = False) -> AssembleResult:
+    """Check, then copy experts + router into a model folder; model_index.json is written last."""
+    from flowfleet.models.dit import DiTExpert, DiTRouter
+
+    root = RunRoot(run_root)
+    run = load_run_config(root)
+    num_experts = run.cluster.k
+
+    # 1. Everything is checked before anything is written.
+    ok, why, router_status = job_finished(root, "router")
+    if not ok:
+        raise FlowfleetError(f"router: not finished ({why}); train it with `flowfleet train-router {root.url}`")
+    router_cfg = _read_config("router", root, "router", FINAL)
+    check_router(root.url_of("router", FINAL, "config.json"), router_cfg, run)
+
+    present: list[int] = []
+    missing: dict[int, str] = {}
+    statuses: dict[int, dict[str, Any]] = {}
+    for k in range(num_experts):
+        job = ("experts", str(k))
+        ok, why, status = job_finished(root, *job)
+        if not ok:
+            missing[k] = why
+            continue
+        cfg = _read_config(f"expert {k}", root, *job, FINAL)
+        check_expert(k, root.url_of(*job, FINAL, "config.json"), cfg, run)
+        present.append(k)
+        statuses[k] = status
+    if missing and not allow_partial:
+        first = next(iter(missing))
+        raise FlowfleetError(f"expert {first} is not finished ({missing[first]}); {len(missing)} of {num_experts} "
+                             f"experts missing — wait for them or pass --allow-partial")
+    if not present:
+        raise FlowfleetError(f"no finished expert among the {num_experts} in {root.url_of('experts')}")
+    warnings = [f"partial fleet: expert {k} left out ({why}); router probabilities are renormalised over "
+                f"experts {present}" for k, why in missing.items()]
+
+    # 2. Write components, then the index.
+    out_root = RunRoot(out) if out else RunRoot(root.url_of("model"))
+    out_root.remove(INDEX_FILE)  # the folder stops being a model until the new index lands
+    for name in out_root.ls():
+        if name.startswith("expert_") and name.removeprefix("expert_") not in {str(k) for k in present}:
+            out_root.remove(name, recursive=True)  # stale expert of an earlier assembly
+
+    components = [("router", ("router", FINAL), DiTRouter)] + [
+        (expert_folder(k), ("experts", str(k), FINAL), DiTExpert) for k in present]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(components), desc="assemble", unit="model", leave=False)
+    for dest, src, cls in components:
+        load_model(cls, root, *src)  # strict: weights match config.json (refuse a corrupted file now)
+        for name in root.ls(*src):
+            out_root.write_bytes(root.read_bytes(*src, name), dest, name)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    out_root.write_bytes(root.read_bytes(RUN_FILE), RUN_FILE)
+    ref = run.expert
+    text_cfg = run.encoders.text if ref.uses_text else None
+    if text_cfg is not None:
+        out_root.write_json({**text_cfg.model_dump(mode="json"), "width": text_cfg.width,
+                             "_note": "a reference: flowfleet.data.encoders.build_text_encoder loads it; "
+                                      "the encoder itself is not copied"}, "text_encoder", "config.json")
+    latent_cfg = run.encoders.latent
+    if latent_cfg.name == "pixels":
+        out_root.write_bytes(b"This fleet works in pixel space: its 'latents' are images in [-1, 1], "
+                             b"so there is no vae/ folder and generate does not decode.\n", PIXEL_NOTE)
+    else:
+        out_root.write_json({**latent_cfg.model_dump(mode="json"),
+                             "_note": "a reference: flowfleet.data.encoders.build_latent_encoder loads it"},
+                            "vae", "config.json")
+
+    index = ModelIndex(
+        flowfleet_version=__version__,
+        num_experts=num_experts,
+        present_experts=present,
+        latent_shape=run.latent_shape,
+        image_channels=run.data.channels,
+        conditioning=ref.conditioning,
+        num_classes=ref.num_classes,
+        text_width=ref.text_dim if ref.uses_text else 0,
+        text_len=ref.text_len if ref.conditioning == "cross_attn" else 0,
+        latent_encoder=latent_cfg.model_dump(mode="json"),
+        text_encoder_config=text_cfg.model_dump(mode="json") if text_cfg is not None else None,
+        scheduler=SchedulerConfig(**run.sampling.model_dump()),
+        router=("flowfleet", "DiTRouter"),
+        text_encoder=("flowfleet", "TextEncoderReference") if text_cfg is not None else (None, None),
+        vae=("flowfleet", "LatentEncoderReference") if latent_cfg.name != "pixels" else (None, None),
+        source={
+            "run_root": root.url, "run_name": run.name, "assembled_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "router": {"step": router_status.get("step"), "samples_seen": router_status.get("samples_seen")},
+            "experts": {str(k): {"step": s.get("step"), "samples_seen": s.get("samples_seen")}
+                        for k, s in statuses.items()},
+            "missing_experts": {str(k): why for k, why in missing.items()},
+        },
+        **{expert_folder(k): ["flowfleet", "DiTExpert"] for k in present},
+    )
+    out_root.write_json(index.to_json_dict(), INDEX_FILE)
+    return AssembleResult(out_root.url, num_experts, present, missing, warnings)

@@ -1,0 +1,105 @@
+"""Stage `generate`: sample an assembled fleet and leave the images and the routing views on disk.
+
+Writes FILE.png (the grid), FILE.routing.json (per-sample expert choices per step, usage counts, the
+settings) and FILE.routing.png (router probabilities over the steps) side by side; FILE may be any
+fsspec URL. Settings and conditioning are validated before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.sampling.pipeline import FleetOutput, FleetPipeline
+from flowfleet.sampling.views import image_grid, png_bytes, routing_heatmap
+from flowfleet.storage import RunRoot
+
+
+@dataclass
+class GenerateResult:
+    output: FleetOutput
+    png: str  # URL of the grid
+    routing_json: str
+    heatmap: str
+    loads: Counter[int]  # expert -> times loaded (lazy loading / --offload)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise FlowfleetError(f"--device: {device} requested but CUDA is not available")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise FlowfleetError(f"--device: unknown device {device!r} (expected cpu, cuda, cuda:N or auto)") from None
+
+
+def sibling_paths(out: str) -> tuple[str, str, str, str]:
+    """FILE.png -> (folder, 'FILE.png', 'FILE.routing.json', 'FILE.routing.png')."""
+    folder, name = posixpath.split(out)
+    if not name.lower().endswith(".png"):
+        raise FlowfleetError(f"--out: {out!r} must name a .png file")
+    stem = name[:-4]
+    return folder or ".", name, f"{stem}.routing.json", f"{stem}.routing.png"
+
+
+def generate(
+    model_dir: str,
+    *,
+    prompts: Sequence[str] | None = None,
+    labels: Sequence[int] | None = None,
+    n: int = 16,
+    strategy: str | None = None,
+    steps: int | None = None,
+    sampler: str | None = None,
+    cfg: float | None = None,
+    shift: float | None = None,
+    seed: int = 0,
+    out: str | None = None,
+    offload: int | None = None,
+    route_every: int | None = None,
+    batch_size: int | None = None,
+    device: str = "auto",
+    text_encoder: Any = None,
+    latent_decoder: Any = None,
+    progress: bool = False,
+) -> GenerateResult:
+    if offload is not None and offload < 1:
+        raise FlowfleetError(f"--offload: must be >= 1, got {offload}")
+    if batch_size is not None and batch_size < 1:
+        raise FlowfleetError(f"--batch-size: must be >= 1, got {batch_size}")
+    if n < 1:
+        raise FlowfleetError(f"--n: must be >= 1, got {n}")
+    dev = resolve_device(device)
+    pipe = FleetPipeline.from_pretrained(model_dir, device=dev, offload=offload, text_encoder=text_encoder,
+                                         latent_decoder=latent_decoder, load_encoders=False)
+    settings = pipe.settings(strategy, steps, sampler, cfg, shift, route_every, seed)  # one-line errors
+    pipe.check_condition(prompts, labels)
+    if out is None:
+        out = RunRoot(model_dir).url_of("samples", f"{settings.strategy.name.replace(':', '')}-seed{seed}.png")
+    folder, png_name, json_name, heat_name = sibling_paths(out)
+    pipe.load_encoders()
+
+    result = pipe(prompts, n, labels=labels, strategy=settings.strategy.name, steps=settings.steps,
+                  sampler=settings.sampler, cfg=settings.cfg, shift=settings.shift,
+                  route_every=settings.route_every, seed=seed, batch_size=batch_size, progress=progress)
+
+    dest = RunRoot(folder)
+    dest.write_bytes(png_bytes(image_grid(result.images)), png_name)
+    routing = {
+        "model": model_dir,
+        "settings": result.settings.to_json(),
+        "present_experts": list(pipe.present),
+        "prompts": result.prompts,
+        **result.trace.to_json(loads=pipe.experts.loads),
+    }
+    dest.write_json(routing, json_name)
+    dest.write_bytes(routing_heatmap(result.trace), heat_name)
+    return GenerateResult(result, dest.url_of(png_name), dest.url_of(json_name), dest.url_of(heat_name),
+                          Counter(pipe.experts.loads))
