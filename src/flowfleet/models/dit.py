@@ -7,8 +7,8 @@ Deliberate differences from facebookresearch/DiT, each optional except the first
   * conditioning: class labels (DiT), a pooled text vector added to the timestep embedding, or
     cross-attention to text tokens between self-attention and MLP (paris §2.4.2, PixArt-alpha);
   * adaLN-single (PixArt-alpha, paris §2.4.3): one global t-MLP plus a learned [6, D] table per block.
-    The gate rows of the tables start at zero so every block is the identity at initialisation, in the
-    spirit of adaLN-Zero (PixArt starts them random);
+    The global MLP's output layer and the gate rows of the tables start at zero so every block is the
+    identity at initialisation, in the spirit of adaLN-Zero (PixArt starts both random);
   * num_outputs > 0 replaces the final layer by a classification head (the router, paris §2.5).
 """
 
@@ -122,8 +122,9 @@ class DiTModel(ModelMixin, ConfigMixin):
             nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
-        if self.t_block is not None:
-            nn.init.normal_(self.t_block[1].weight, std=0.02)
+        if self.t_block is not None:  # zero like adaLN-Zero's per-block MLPs (PixArt: normal 0.02)
+            nn.init.zeros_(self.t_block[1].weight)
+            nn.init.zeros_(self.t_block[1].bias)
         for block in self.blocks:
             if self.cfg.adaln == "zero":
                 nn.init.zeros_(block.adaLN_modulation[-1].weight)

@@ -1,0 +1,32 @@
+"""The command line: every stage listed, one-line errors, init end to end."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from flowfleet.cli import STAGES, build_parser, main
+from flowfleet.commands import not_implemented
+
+
+def test_help_lists_every_stage():
+    out = subprocess.run([sys.executable, "-m", "flowfleet.cli", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for stage in STAGES:
+        assert f"    {stage}" in out, stage
+    assert set(build_parser()._subparsers._group_actions[0].choices) == set(STAGES)
+
+
+def test_unimplemented_stage_says_so_and_fails(capsys):
+    rc = not_implemented(99)(argparse.Namespace(command="frobnicate"))
+    assert rc == 2 and "not implemented yet" in capsys.readouterr().err
+
+
+def test_init_and_its_errors(tmp_path, capsys):
+    assert main(["init", str(tmp_path / "r"), "--preset", "mnist-tiny"]) == 0
+    assert (tmp_path / "r" / "run.yaml").exists()
+    assert main(["init", str(tmp_path / "r"), "--preset", "mnist-tiny"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already exists" in err[0]
+    assert main(["init", str(tmp_path / "r"), "--preset", "mnist", "--force"]) == 0

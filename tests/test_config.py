@@ -1,0 +1,75 @@
+"""run.yaml: presets validate and round-trip; bad keys and impossible values name the key."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from flowfleet.config import ConfigError, RunConfig, load_run_config
+from flowfleet.presets import PRESETS, preset
+from flowfleet.stages.init import init_run
+from flowfleet.storage import RunRoot
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_validate_and_round_trip(name, tmp_path):
+    init_run(str(tmp_path / name), name)
+    cfg = load_run_config(RunRoot(tmp_path / name))
+    assert cfg == preset(name, name=name)
+    assert cfg.router.num_outputs == cfg.cluster.k
+
+
+def test_paris_presets_follow_the_paper():
+    b2, xl2 = preset("paris-b2"), preset("paris-xl2")
+    assert (b2.expert.hidden_size, b2.expert.depth, b2.expert.num_heads, b2.expert.patch_size) == (768, 12, 12, 2)
+    assert (b2.router.hidden_size, b2.router.depth) == (384, 12)  # DiT-S router
+    assert (xl2.expert.hidden_size, xl2.expert.depth, xl2.expert.num_heads) == (1152, 28, 16)
+    assert xl2.router.hidden_size == 768  # DiT-B router
+    for cfg in (b2, xl2):
+        assert cfg.latent_shape == (4, 32, 32)
+        assert cfg.encoders.latent.name == "sd-vae-ft-mse" and cfg.encoders.text.name == "clip"
+        assert cfg.expert.text_dim == 768 and cfg.train.lr == 1e-4 and cfg.train.ema_decay == 0.9999
+        assert cfg.train.batch_size == 256 and cfg.train.grad_accum > 1 and cfg.cluster.k == 8
+
+
+def _with(change) -> dict:
+    raw = preset("mnist").to_dict()
+    change(raw)
+    return raw
+
+
+@pytest.mark.parametrize("change, key", [
+    (lambda r: r["train"].update(bogus=1), "train.bogus: unknown key"),
+    (lambda r: r.update(extra=1), "extra: unknown key"),
+    (lambda r: r["train"].update(lr=-1), "train.lr"),
+    (lambda r: r["train"].update(batch_size=10, grad_accum=3), "train.batch_size"),
+    (lambda r: r["expert"].update(hidden_size=130), "expert.hidden_size"),
+    (lambda r: r["cluster"].update(k=5), "router.num_outputs"),
+    (lambda r: r["expert"].update(text_dim=768), "expert.text_dim"),
+    (lambda r: r["expert"].update(input_size=[16, 16]), "expert.input_size"),
+    (lambda r: r["data"].update(source="folder"), "data.path"),
+    (lambda r: r["data"].update(source="imagenet"), "data.source"),
+])
+def test_bad_config_names_the_key(change, key):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict(_with(change), "run.yaml")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"run.yaml: {key}"), msg
+
+
+def test_load_run_config_errors(tmp_path):
+    root = RunRoot(tmp_path)
+    with pytest.raises(ConfigError, match="missing"):
+        load_run_config(root)
+    (tmp_path / "run.yaml").write_text("data: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_run_config(root)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_with(lambda r: r["sampling"].update(steps=0))))
+    with pytest.raises(ConfigError, match="sampling.steps"):
+        load_run_config(root)
+
+
+def test_init_on_an_fsspec_url():
+    init_run("memory://flowfleet-cfg/run", "mnist-tiny")
+    cfg = load_run_config(RunRoot("memory://flowfleet-cfg/run"))
+    assert cfg.data.source == "mnist" and cfg.cluster.k == 3
