@@ -1,0 +1,338 @@
+"""FleetPipeline's routed sampling (paris §2.7): exactness on the closed-form toy, per-sample top-k that
+runs only the selected experts, renormalised weights, router caching, lazy loading and offloading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.flow import cfg_combine, integrate, time_grid
+from flowfleet.flow.ensemble import combine
+from flowfleet.models.dit import DiTExpert, DiTRouter
+from flowfleet.sampling import Condition, ExpertStore, FleetPipeline, RoutingTrace
+from flowfleet.sampling.synthetic import HashTextEncoder, randomize_, tiny_run_config
+from flowfleet.toy import GaussianMixture, cluster_posterior
+
+CLUSTERS = [[0, 1], [2, 3], [4, 5]]
+
+
+# --------------------------------------------------------------------------------------------------
+#                                          Helpers
+# --------------------------------------------------------------------------------------------------
+
+
+class Counting:
+    """Wraps an expert callable and records every call's inputs."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls: list[dict] = []
+
+    def __call__(self, x, t, **cond):
+        self.calls.append({"x": x.clone(), "t": t.clone(), "drop": cond.get("drop")})
+        return self.fn(x, t, **cond)
+
+
+class FixedRouter:
+    """Router whose logits do not depend on x: row b of `logits` for sample b (cycled)."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+        self.calls = 0
+
+    def __call__(self, x, t):
+        self.calls += 1
+        idx = torch.arange(x.shape[0]) % self.logits.shape[0]
+        return self.logits[idx].to(x.dtype)
+
+
+def toy_pipeline(router=None) -> tuple[FleetPipeline, GaussianMixture]:
+    mix = GaussianMixture.default()
+    experts = [(lambda sub: (lambda x, t, **_: sub.velocity(x, t)))(mix.subset(c)) for c in CLUSTERS]
+    if router is None:
+        def router(x, t):
+            return cluster_posterior(mix, CLUSTERS, x, t).log()  # softmax(log p) = p
+    pipe = FleetPipeline(ExpertStore.from_callables(experts), router, latent_shape=(2,), dtype=torch.float64)
+    return pipe, mix
+
+
+@pytest.fixture(scope="module")
+def dit_fleet():
+    """4 random tiny DiT experts (8x8x1, hidden 32, depth 1, cross-attn) and a random router."""
+    cfg = tiny_run_config(4)
+    experts = [randomize_(DiTExpert.from_dit_config(cfg.expert), seed=k).eval() for k in range(4)]
+    router = randomize_(DiTRouter.from_dit_config(cfg.router), seed=99).eval()
+    return cfg, experts, router
+
+
+def dit_pipeline(dit_fleet, *, router=None, present=None, max_resident=None):
+    cfg, experts, dit_router = dit_fleet
+    wrapped = [Counting(e) for e in experts]
+    store = ExpertStore.from_callables(wrapped, present=present, max_resident=max_resident)
+    pipe = FleetPipeline(store, router or dit_router, latent_shape=(1, 8, 8), conditioning="cross_attn",
+                         text_encoder=HashTextEncoder(384, 4))
+    return pipe, wrapped
+
+
+def encoded(pipe, n):
+    cond, _ = pipe.encode_condition(["a digit", "two small digits", "a very round zero here"], None, n)
+    return cond
+
+
+def one_step(pipe, x, t, cond, strategy, cfg=2.0):
+    """One routed velocity evaluation and its trace."""
+    s = pipe.settings(strategy, cfg=cfg)
+    trace = RoutingTrace(pipe.num_experts)
+    with torch.no_grad():
+        v = pipe.velocity_fn(cond, s.k, s.cfg, s.route_every, trace)(x, t, 0)
+    return v, trace
+
+
+def dense_reference(pipe, experts, x, t, cond, cfg, probs=None):
+    """sum_k p(k) v_k with every expert run on every sample (what top-k must equal for k = K)."""
+    with torch.no_grad():
+        if probs is None:
+            probs = torch.softmax(pipe.router(x, t), dim=1)
+        vs = []
+        for e in experts:
+            drop = torch.cat([torch.zeros(len(x), dtype=torch.bool), torch.ones(len(x), dtype=torch.bool)])
+            v = e(torch.cat([x, x]), torch.cat([t, t]), drop=drop, **cond.repeat(2).kwargs())
+            vs.append(cfg_combine(*v.chunk(2), cfg))
+        return combine(torch.stack(vs), probs)
+
+
+# --------------------------------------------------------------------------------------------------
+#                          Closed-form toy: the fleet equals the global flow
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampler", ["euler", "heun"])
+def test_full_ensemble_with_exact_router_equals_global_closed_form_flow(sampler):
+    pipe, mix = toy_pipeline()
+    noise = torch.randn(128, 2, dtype=torch.float64)
+    settings = pipe.settings("full", steps=16, sampler=sampler, cfg=1.0)
+    x0, trace = pipe.sample(noise, Condition(), settings)
+    ref = integrate(lambda x, t, i: mix.velocity(x, t), noise, time_grid(16).double(), sampler)
+    assert torch.allclose(x0, ref, atol=1e-9, rtol=0), (x0 - ref).abs().max()
+    # and it really is sampling the mixture: every sample ends next to one of the six means
+    nearest = torch.cdist(x0, mix.means).min(dim=1).values
+    assert (nearest < 4 * mix.stds.max()).float().mean() > 0.97
+    assert trace.num_steps == 16 and trace.stats.calls[0] > 0
+
+
+def test_toy_ensemble_with_a_wrong_router_does_not_equal_the_global_flow():
+    """The equality above is a property of the exact posterior, not of the test."""
+    pipe, mix = toy_pipeline(router=FixedRouter(torch.zeros(1, 3, dtype=torch.float64)))  # uniform
+    noise = torch.randn(64, 2, dtype=torch.float64)
+    x0, _ = pipe.sample(noise, Condition(), pipe.settings("full", steps=24, cfg=1.0))
+    ref = integrate(lambda x, t, i: mix.velocity(x, t), noise, time_grid(24).double(), "euler")
+    assert (x0 - ref).abs().max() > 0.1
+
+
+def test_toy_top1_follows_the_posterior_argmax_and_lands_in_its_cluster():
+    pipe, mix = toy_pipeline()
+    noise = torch.randn(128, 2, dtype=torch.float64)
+    x0, trace = pipe.sample(noise, Condition(), pipe.settings("top1", steps=24, cfg=1.0))
+    for probs, experts, weights in zip(trace.probs, trace.experts, trace.weights):
+        assert torch.equal(experts[:, 0], probs.argmax(1))
+        assert torch.equal(weights, torch.ones_like(weights))
+    final_cluster = trace.experts[-1][:, 0]
+    comp = torch.cdist(x0, mix.means).argmin(dim=1)
+    cluster_of = torch.tensor([i for i, c in enumerate(CLUSTERS) for _ in c])
+    assert (cluster_of[comp] == final_cluster).float().mean() > 0.95
+
+
+# --------------------------------------------------------------------------------------------------
+#                                Per-sample top-k with DiT experts
+# --------------------------------------------------------------------------------------------------
+
+
+def test_topk_with_k_equal_K_equals_the_dense_full_ensemble(dit_fleet):
+    pipe, wrapped = dit_pipeline(dit_fleet)
+    x, t = torch.randn(6, 1, 8, 8), torch.rand(6)
+    cond = encoded(pipe, 6)
+    ref = dense_reference(pipe, dit_fleet[1], x, t, cond, cfg=2.0)
+    v_topk, _ = one_step(pipe, x, t, cond, "topk:4")
+    v_full, _ = one_step(pipe, x, t, cond, "full")
+    assert torch.allclose(v_topk, ref, atol=1e-5)
+    assert torch.equal(v_topk, v_full)
+    assert ref.abs().mean() > 1e-2  # random experts give non-trivial velocities
+
+
+def test_top1_picks_the_argmax_expert_per_sample(dit_fleet):
+    pipe, wrapped = dit_pipeline(dit_fleet)
+    x, t = torch.randn(8, 1, 8, 8), torch.rand(8)
+    cond = encoded(pipe, 8)
+    v, trace = one_step(pipe, x, t, cond, "top1")
+    with torch.no_grad():
+        argmax = pipe.router(x, t).argmax(1)
+    assert torch.equal(trace.experts[0][:, 0], argmax)
+    assert len(set(argmax.tolist())) > 1  # the batch really mixes experts
+    onehot = torch.nn.functional.one_hot(argmax, 4).double()
+    ref = dense_reference(pipe, dit_fleet[1], x, t, cond, cfg=2.0, probs=onehot)
+    assert torch.allclose(v, ref, atol=1e-5)
+
+
+def test_only_selected_experts_run_each_on_exactly_its_samples(dit_fleet):
+    # sample 0 -> experts {2, 0}, 1 -> {2, 3}, 2 -> {0, 2}; expert 1 is never in anyone's top-2
+    logits = torch.tensor([[2.0, -9, 3.0, 0.0], [-1.0, -9, 3.0, 2.0], [3.0, -9, 2.0, 0.0]])
+    pipe, wrapped = dit_pipeline(dit_fleet, router=FixedRouter(logits))
+    x, t = torch.randn(3, 1, 8, 8), torch.rand(3)
+    cond = encoded(pipe, 3)
+    v, trace = one_step(pipe, x, t, cond, "top2", cfg=3.0)
+    expected_rows = {0: [0, 2], 1: [], 2: [0, 1, 2], 3: [1]}
+    for k, rows in expected_rows.items():
+        calls = wrapped[k].calls
+        if not rows:
+            assert calls == [], f"expert {k} ran although no sample selected it"
+            continue
+        assert len(calls) == 1, f"expert {k} should run once (cond + uncond batched)"
+        call = calls[0]
+        n = len(rows)
+        assert call["x"].shape[0] == 2 * n
+        assert torch.equal(call["x"], torch.cat([x[rows], x[rows]]))
+        assert torch.equal(call["drop"], torch.tensor([False] * n + [True] * n))
+    assert dict(trace.stats.rows) == {0: 4, 2: 6, 3: 2}
+    ref = dense_reference(pipe, dit_fleet[1], x, t, cond, cfg=3.0,
+                          probs=torch.zeros(3, 4).scatter(1, trace.experts[0], trace.weights[0].float()))
+    assert torch.allclose(v, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["top1", "top2", "topk:3", "full"])
+def test_weights_sum_to_one_and_follow_the_router(dit_fleet, strategy):
+    pipe, _ = dit_pipeline(dit_fleet)
+    noise = torch.randn(5, 1, 8, 8)
+    settings = pipe.settings(strategy, steps=3, cfg=1.5)
+    _, trace = pipe.sample(noise, encoded(pipe, 5), settings)
+    k = settings.k
+    for probs, experts, weights in zip(trace.probs, trace.experts, trace.weights):
+        assert experts.shape == weights.shape == (5, k)
+        assert torch.allclose(weights.sum(1), torch.ones(5), atol=1e-6)
+        picked = probs.gather(1, experts)
+        assert torch.allclose(weights, picked / picked.sum(1, keepdim=True), atol=1e-6)
+        assert torch.all(picked.min(1).values >= probs.topk(k, 1).values[:, -1] - 1e-7)
+
+
+def test_partial_fleet_renormalises_over_present_experts(dit_fleet):
+    pipe, wrapped = dit_pipeline(dit_fleet, present=[0, 2, 3])
+    x, t = torch.randn(6, 1, 8, 8), torch.rand(6)
+    cond = encoded(pipe, 6)
+    v, trace = one_step(pipe, x, t, cond, "full")
+    with torch.no_grad():
+        p = torch.softmax(pipe.router(x, t), dim=1)
+    renorm = p[:, [0, 2, 3]] / p[:, [0, 2, 3]].sum(1, keepdim=True)
+    assert torch.allclose(trace.probs[0][:, [0, 2, 3]], renorm.float(), atol=1e-6)
+    assert torch.all(trace.probs[0][:, 1] == 0)
+    assert wrapped[1].calls == []
+    dense = torch.zeros(6, 4)
+    dense[:, [0, 2, 3]] = renorm
+    ref = dense_reference(pipe, dit_fleet[1], x, t, cond, cfg=2.0, probs=dense)
+    assert torch.allclose(v, ref, atol=1e-5)
+    with pytest.raises(FlowfleetError, match="k=4 exceeds the 3 experts present"):
+        pipe.settings("topk:4")
+
+
+# --------------------------------------------------------------------------------------------------
+#                                  Router caching, loading, batches
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampler,route_every,router_calls", [
+    ("euler", 1, 6), ("euler", 2, 3), ("euler", 4, 2), ("heun", 1, 11), ("heun", 3, 2)])
+def test_route_every_reuses_the_router_choice_in_between(dit_fleet, sampler, route_every, router_calls):
+    _, _, dit_router = dit_fleet
+    counting = Counting(dit_router)
+    pipe, _ = dit_pipeline(dit_fleet, router=counting)
+    settings = pipe.settings("top1", steps=6, sampler=sampler, route_every=route_every)
+    _, trace = pipe.sample(torch.randn(4, 1, 8, 8), encoded(pipe, 4), settings)
+    assert len(counting.calls) == router_calls == trace.router_calls
+    assert trace.routed == [i % route_every == 0 for i in range(6)]
+    for i in range(6):  # in between, the selection of the last routed step is reused
+        last = i - i % route_every
+        assert torch.equal(trace.experts[i], trace.experts[last])
+
+
+def test_experts_load_lazily_and_offload_bounds_the_resident_set(dit_fleet):
+    cfg, experts, _ = dit_fleet
+    resident_sizes = []
+    store = None
+
+    def loader(k):
+        resident_sizes.append(len(store.resident))
+        return experts[k]
+
+    # samples alternate between experts 1 and 3; 0 and 2 are never selected
+    logits = torch.tensor([[0.0, 5.0, 0.0, 1.0], [0.0, 1.0, 0.0, 5.0]])
+    store = ExpertStore(loader, range(4), 4, max_resident=None)
+    pipe = FleetPipeline(store, FixedRouter(logits), latent_shape=(1, 8, 8), conditioning="cross_attn",
+                         text_encoder=HashTextEncoder(384, 4))
+    pipe(["a digit"], n=4, strategy="top1", steps=3, cfg=2.0)
+    assert dict(store.loads) == {1: 1, 3: 1}  # lazily, once each
+    store = ExpertStore(loader, range(4), 4, max_resident=1)
+    pipe.experts = store
+    out = pipe(["a digit"], n=4, strategy="top1", steps=3, cfg=2.0)
+    assert max(resident_sizes) <= 1 and len(store.resident) == 1
+    # 3 steps x 2 experts with room for 1: the expert still resident runs first at each step, so only one
+    # load per step after the first (4 loads, 3 releases) instead of two (6, 5)
+    assert (store.loads[1] + store.loads[3], sum(store.releases.values())) == (4, 3)
+    ref = FleetPipeline(ExpertStore.from_callables(experts), FixedRouter(logits), latent_shape=(1, 8, 8),
+                        conditioning="cross_attn", text_encoder=HashTextEncoder(384, 4))
+    assert torch.equal(out.images, ref(["a digit"], n=4, strategy="top1", steps=3, cfg=2.0).images)
+
+
+def test_batching_and_seed_determine_the_images(dit_fleet):
+    pipe, _ = dit_pipeline(dit_fleet)
+    kw = dict(n=5, strategy="top2", steps=3, cfg=2.0, seed=7)
+    a = pipe(["a digit", "another"], **kw)
+    b = pipe(["a digit", "another"], batch_size=2, **kw)
+    assert torch.allclose(a.images, b.images, atol=1e-6)
+    assert torch.equal(torch.stack(a.trace.experts), torch.stack(b.trace.experts))
+    c = pipe(["a digit", "another"], **{**kw, "seed": 8})
+    assert not torch.allclose(a.images, c.images)
+    assert a.prompts == ["a digit", "another", "a digit", "another", "a digit"]
+    assert a.images.shape == (5, 1, 8, 8) and a.images.abs().max() <= 1
+
+
+def test_cfg_scale_one_runs_no_unconditional_pass(dit_fleet):
+    pipe, wrapped = dit_pipeline(dit_fleet)
+    x, t = torch.randn(4, 1, 8, 8), torch.rand(4)
+    one_step(pipe, x, t, encoded(pipe, 4), "full", cfg=1.0)
+    for w in wrapped:
+        assert [c["x"].shape[0] for c in w.calls] == [4]
+
+
+def test_single_expert_without_router_is_a_monolith(dit_fleet):
+    _, experts, _ = dit_fleet
+    pipe = FleetPipeline(ExpertStore.from_callables(experts[:1]), None, latent_shape=(1, 8, 8),
+                         conditioning="cross_attn", text_encoder=HashTextEncoder(384, 4))
+    x, t = torch.randn(3, 1, 8, 8), torch.rand(3)
+    cond = encoded(pipe, 3)
+    v, trace = one_step(pipe, x, t, cond, "top1")
+    ref = dense_reference(pipe, experts[:1], x, t, cond, cfg=2.0, probs=torch.ones(3, 1))
+    assert torch.allclose(v, ref, atol=1e-6)
+    with pytest.raises(ValueError, match="router is required"):
+        FleetPipeline(ExpertStore.from_callables(experts), None, latent_shape=(1, 8, 8))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(strategy="best"), "--strategy: unknown strategy 'best'"),
+    (dict(strategy="top5"), "--strategy: strategy 'top5': k=5 exceeds the 4 experts present"),
+    (dict(strategy="topk:0"), "--strategy: unknown strategy"),
+    (dict(steps=0), "--steps: must be >= 1"),
+    (dict(sampler="rk4"), "--sampler: unknown sampler 'rk4'"),
+    (dict(route_every=0), "--route-every: must be >= 1"),
+])
+def test_bad_settings_are_one_line_errors(dit_fleet, kwargs, message):
+    pipe, _ = dit_pipeline(dit_fleet)
+    with pytest.raises(FlowfleetError, match=message.replace("(", r"\(")) as info:
+        pipe.settings(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("prompts,message", [([], "--prompt: required"), (["ok", "  "], "--prompt: empty prompt")])
+def test_bad_prompts_are_one_line_errors(dit_fleet, prompts, message):
+    pipe, wrapped = dit_pipeline(dit_fleet)
+    with pytest.raises(FlowfleetError, match=message):
+        pipe(prompts, n=2, steps=2)
+    assert all(w.calls == [] for w in wrapped)
