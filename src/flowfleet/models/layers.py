@@ -99,9 +99,12 @@ class DiTBlock(nn.Module):
         mod = self.scale_shift_table[None] + c.reshape(c.shape[0], 6, -1)  # [B, 6, D]
         return list(mod.unbind(1))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, ctx=None, ctx_mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, ctx=None, ctx_mask=None, attn=None) -> torch.Tensor:
+        """`attn` (default self.attn) is the self-attention callable [B, N, D] -> [B, N, D]; patch-parallel
+        wrappers (flowfleet.parallel.dit) pass one whose keys/values also cover the other image bands."""
+        attn = self.attn if attn is None else attn
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.modulation(c)
-        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))  # [B, N, D]
+        x = x + gate_msa.unsqueeze(1) * attn(modulate(self.norm1(x), shift_msa, scale_msa))  # [B, N, D]
         if self.cross_attn is not None:
             x = x + self.cross_attn(self.norm_cross(x), ctx, ctx_mask)  # [B, N, D]
         x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))  # [B, N, D]

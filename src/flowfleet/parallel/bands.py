@@ -1,0 +1,62 @@
+"""Which part of the image a rank owns: N contiguous, patch-aligned bands of token rows.
+
+A DiT's tokens are the (H/p) x (W/p) patch grid in row-major order, so a band of whole token rows is
+a contiguous slice of the token sequence and a contiguous slice of p-pixel rows of the latent:
+
+    latent rows   [r * R * p, (r + 1) * R * p)        R = (H/p) / N token rows per band
+    tokens        [r * R * W/p, (r + 1) * R * W/p)
+
+Concatenating the bands of ranks 0..N-1 in order restores the full image and the full sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowfleet.errors import FlowfleetError
+
+
+@dataclass(frozen=True)
+class BandLayout:
+    grid_h: int  # token rows of the whole latent (H / p)
+    grid_w: int  # token columns (W / p)
+    patch: int  # p
+    bands: int  # N
+    index: int  # this rank's band, 0..N-1
+
+    @classmethod
+    def for_latent(cls, input_size: tuple[int, int], patch: int, bands: int, index: int) -> "BandLayout":
+        h, w = input_size
+        grid_h, grid_w = h // patch, w // patch
+        if bands < 1 or not 0 <= index < bands:
+            raise FlowfleetError(f"band {index} of {bands}: invalid band layout")
+        if grid_h % bands:
+            raise FlowfleetError(
+                f"--nproc: the latent's {grid_h} token rows ({h} px / patch {patch}) cannot be split into "
+                f"{bands} equal bands; use a number of image bands that divides {grid_h}")
+        return cls(grid_h, grid_w, patch, bands, index)
+
+    @property
+    def rows(self) -> int:
+        """Token rows per band."""
+        return self.grid_h // self.bands
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per band."""
+        return self.rows * self.grid_w
+
+    @property
+    def token_slice(self) -> slice:
+        return slice(self.index * self.tokens, (self.index + 1) * self.tokens)
+
+    @property
+    def pixel_slice(self) -> slice:
+        """This band's rows of the latent (dimension -2)."""
+        return slice(self.index * self.rows * self.patch, (self.index + 1) * self.rows * self.patch)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C, H, W] -> this band [B, C, R*p, W] (a view)."""
+        return x[..., self.pixel_slice, :]

@@ -1,0 +1,309 @@
+"""One communication manager per patch-parallel run: registered buffers, one flat allocation, batched
+asynchronous all-gathers, per-step byte counts, and one clear error when a rank dies or stalls.
+
+Layers talk to the manager by name and never call torch.distributed themselves:
+
+    comm.register("expert0.block3.attn", shape, family="expert0")   # once per layer, before allocate()
+    comm.allocate()                                                 # one flat send + one flat receive buffer
+    full = comm.gather(name, fresh)             # blocking all-gather of this step's data      (sync)
+    stale = comm.wait(name)                     # what the last gather of this slot delivered   (displaced)
+    comm.enqueue(name, fresh)                   # asynchronous all-gather for the next step     (displaced)
+
+A slot is a [shape] region of the flat buffers; the receive side holds every rank's copy,
+[group size, *shape]. Consecutive slots of one `family` (the layers of one model, which always run
+together) form batches of about `batch_bytes`; a batch's all-gather starts when its last slot is
+enqueued, and `wait(name)` blocks only on the batch holding that slot, so a layer waits for exactly
+the data it needs while the rest keeps flowing. Shapes are arbitrary and `rows` selects leading-dim
+entries (batch rows), so the same slots serve attention keys/values, convolution halos (register a
+[B, C, halo, W] slot per boundary) and normalisation statistics.
+
+Why hand-written: torch.distributed offers collectives but no register-once flat buffer with batched
+asynchronous gathers; distrifuser's comm manager (read, not copied) is the model for this one.
+
+Bandwidth accounting: for each all-gather a rank must deliver its own chunk to the other size - 1
+ranks, so it counts (size - 1) * chunk bytes; a broadcast counts (size - 1) * bytes on the source.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from flowfleet.errors import FlowfleetError
+
+
+class ParallelError(FlowfleetError):
+    """A collective failed: another rank died, stalled past the timeout, or the group is misconfigured."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """Ranks that communicate: the torch process group (None = the default group), this process's index
+    in it and its size. A group of size 1 never calls torch.distributed."""
+
+    pg: Any
+    rank: int
+    size: int
+
+    @staticmethod
+    def solo() -> "Group":
+        return Group(None, 0, 1)
+
+
+@dataclass
+class _Slot:
+    name: str
+    family: str
+    shape: tuple[int, ...]
+    start: int
+    numel: int
+    batch: int = -1
+    enqueued: bool = False
+
+
+@dataclass
+class _Batch:
+    slots: list[int]
+    start: int
+    end: int
+    pending: int = 0  # slots enqueued since the last issue
+    handle: Any = None  # torch.distributed Work while in flight
+    label: str = ""
+
+
+@dataclass
+class _Counter:
+    step: int = 0
+    by_step: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, nbytes: int) -> None:
+        self.by_step[self.step] += nbytes
+
+
+class CommManager:
+    """Flat-buffer all-gathers within `bands` (the ranks splitting one image) plus one-off collectives
+    over `world` (all ranks: step outputs, routing decisions)."""
+
+    def __init__(self, bands: Group, world: Group | None = None, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, batch_bytes: int = 8 << 20, timeout_s: float = 60.0):
+        self.bands = bands
+        self.world = world or bands
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.batch_bytes = int(batch_bytes)
+        self.timeout_s = float(timeout_s)
+        self._slots: list[_Slot] = []
+        self._index: dict[str, int] = {}
+        self._batches: list[_Batch] = []
+        self._numel = 0
+        self._send: torch.Tensor | None = None  # [numel]
+        self._recv: torch.Tensor | None = None  # [group size, numel]
+        self._bytes = _Counter()
+
+    # ----------------------------------------------------------------------------------------------
+    #                                   Registration
+    # ----------------------------------------------------------------------------------------------
+
+    def register(self, name: str, shape: tuple[int, ...], family: str = "") -> None:
+        """Reserve a [shape] slot. Once per layer, in forward order, before allocate()."""
+        if self._send is not None:
+            raise RuntimeError(f"comm buffer {name!r} registered after allocate()")
+        if name in self._index:
+            raise RuntimeError(f"comm buffer {name!r} registered twice")
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        self._index[name] = len(self._slots)
+        self._slots.append(_Slot(name, family, tuple(int(s) for s in shape), self._numel, numel))
+        self._numel += numel
+
+    def allocate(self) -> None:
+        """One flat send buffer and one flat receive buffer for every slot; slots -> batches."""
+        if self._send is not None:
+            return
+        self._send = torch.zeros(self._numel, device=self.device, dtype=self.dtype)
+        self._recv = torch.zeros(self.bands.size, self._numel, device=self.device, dtype=self.dtype)
+        elem = self._send.element_size()
+        for i, slot in enumerate(self._slots):
+            last = self._batches[-1] if self._batches else None
+            same_family = last is not None and self._slots[last.slots[-1]].family == slot.family
+            if not same_family or (last.end - last.start + slot.numel) * elem > self.batch_bytes:
+                self._batches.append(_Batch([], slot.start, slot.start, label=slot.name))
+                last = self._batches[-1]
+            last.slots.append(i)
+            last.end = slot.start + slot.numel
+            slot.batch = len(self._batches) - 1
+
+    @property
+    def num_batches(self) -> int:
+        return len(self._batches)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes held by the flat buffers (send + receive)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self._numel * (1 + self.bands.size) * elem
+
+    # ----------------------------------------------------------------------------------------------
+    #                                 Registered slots
+    # ----------------------------------------------------------------------------------------------
+
+    def gather(self, name: str, tensor: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocking all-gather of this slot now -> every rank's data for `rows`, [size, len(rows), ...].
+
+        rows: indices along the slot's first dimension that `tensor` fills (None = the leading ones)."""
+        slot = self._slot(name)
+        self._await(slot.batch)  # an in-flight asynchronous gather of this slot must land first
+        self._write(slot, tensor, rows)
+        with self._guard("all-gather", name):
+            self._all_gather(slot.start, slot.start + slot.numel, async_op=False)
+        full = self._view(slot)
+        return full[:, : tensor.shape[0]] if rows is None else full[:, rows]
+
+    def wait(self, name: str) -> torch.Tensor:
+        """Every rank's last delivered data of this slot, [size, *shape], waiting only for its own batch.
+
+        The returned tensor is a view of the receive buffer: copy what you need before enqueue()."""
+        slot = self._slot(name)
+        self._await(slot.batch)
+        return self._view(slot)
+
+    def enqueue(self, name: str, tensor: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Stage this slot's fresh data; its batch's asynchronous all-gather starts once all its slots are in."""
+        slot = self._slot(name)
+        batch = self._batches[slot.batch]
+        if slot.enqueued:
+            raise RuntimeError(f"comm buffer {name!r} enqueued twice before its batch was sent")
+        self._await(slot.batch)  # never overwrite data that an in-flight gather is still reading
+        self._write(slot, tensor, rows)
+        slot.enqueued = True
+        batch.pending += 1
+        if batch.pending == len(batch.slots):
+            self._issue(slot.batch)
+
+    def flush(self, family: str | None = None) -> None:
+        """Start the gathers of partially enqueued batches (of one family, or all)."""
+        for i, batch in enumerate(self._batches):
+            if batch.pending and (family is None or self._slots[batch.slots[0]].family == family):
+                self._issue(i)
+
+    def drain(self) -> None:
+        """Flush, then wait for every in-flight gather (before tearing the process group down)."""
+        self.flush()
+        for i in range(len(self._batches)):
+            self._await(i)
+
+    # ----------------------------------------------------------------------------------------------
+    #                         One-off collectives over all ranks
+    # ----------------------------------------------------------------------------------------------
+
+    def all_gather_world(self, tensor: torch.Tensor, what: str = "step output") -> torch.Tensor:
+        """Blocking all-gather over every rank -> [world size, *tensor.shape]."""
+        if self.world.size == 1:
+            return tensor[None]
+        tensor = tensor.contiguous()
+        outs = [torch.empty_like(tensor) for _ in range(self.world.size)]
+        with self._guard("all-gather", what, world=True):
+            dist.all_gather(outs, tensor, group=self.world.pg)
+        self._bytes.add((self.world.size - 1) * tensor.numel() * tensor.element_size())
+        return torch.stack(outs)
+
+    def broadcast_world(self, tensor: torch.Tensor, src: int = 0, what: str = "routing") -> torch.Tensor:
+        """Every rank gets rank `src`'s tensor (same shape and dtype on every rank)."""
+        if self.world.size == 1:
+            return tensor
+        tensor = tensor.contiguous().clone()
+        with self._guard("broadcast", what, world=True):
+            dist.broadcast(tensor, src=src, group=self.world.pg)
+        if self.world.rank == src:
+            self._bytes.add((self.world.size - 1) * tensor.numel() * tensor.element_size())
+        return tensor
+
+    # ----------------------------------------------------------------------------------------------
+    #                                 Byte counter
+    # ----------------------------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        """Count what follows as step `step`'s traffic."""
+        self._bytes.step = int(step)
+
+    @property
+    def bytes_by_step(self) -> dict[int, int]:
+        """Bytes this rank sent per sampler step."""
+        return dict(self._bytes.by_step)
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(self._bytes.by_step.values())
+
+    # ----------------------------------------------------------------------------------------------
+    #                                   Internals
+    # ----------------------------------------------------------------------------------------------
+
+    def _slot(self, name: str) -> _Slot:
+        if self._send is None:
+            raise RuntimeError("CommManager.allocate() has not been called")
+        try:
+            return self._slots[self._index[name]]
+        except KeyError:
+            raise RuntimeError(f"comm buffer {name!r} was never registered") from None
+
+    def _view(self, slot: _Slot) -> torch.Tensor:
+        return self._recv[:, slot.start: slot.start + slot.numel].view(self.bands.size, *slot.shape)
+
+    def _write(self, slot: _Slot, tensor: torch.Tensor, rows: torch.Tensor | None) -> None:
+        if tuple(tensor.shape[1:]) != slot.shape[1:] or tensor.shape[0] > slot.shape[0]:
+            raise RuntimeError(f"comm buffer {slot.name!r}: tensor {tuple(tensor.shape)} does not fit slot {slot.shape}")
+        view = self._send[slot.start: slot.start + slot.numel].view(slot.shape)
+        if rows is None:
+            view[: tensor.shape[0]].copy_(tensor)
+        else:
+            view.index_copy_(0, rows, tensor.to(view.dtype))
+
+    def _all_gather(self, start: int, end: int, async_op: bool):
+        size = self.bands.size
+        self._bytes.add((size - 1) * (end - start) * self._send.element_size())
+        if size == 1:
+            self._recv[0, start:end].copy_(self._send[start:end])
+            return None
+        outs = [self._recv[r, start:end] for r in range(size)]
+        return dist.all_gather(outs, self._send[start:end], group=self.bands.pg, async_op=async_op)
+
+    def _issue(self, index: int) -> None:
+        batch = self._batches[index]
+        with self._guard("all-gather", batch.label):
+            batch.handle = self._all_gather(batch.start, batch.end, async_op=True)
+        batch.pending = 0
+        for i in batch.slots:
+            self._slots[i].enqueued = False
+
+    def _await(self, index: int) -> None:
+        batch = self._batches[index]
+        if batch.handle is None:
+            return
+        handle, batch.handle = batch.handle, None
+        with self._guard("asynchronous all-gather", batch.label):
+            handle.wait()
+
+    @contextmanager
+    def _guard(self, op: str, what: str, world: bool = False) -> Iterator[None]:
+        """Turn a backend failure (peer closed, timeout) into one line naming the op, rank and timeout."""
+        group = self.world if world else self.bands
+        t0 = time.monotonic()
+        try:
+            yield
+        except RuntimeError as err:  # DistBackendError and gloo/NCCL errors are RuntimeErrors
+            reason = (str(err).strip().splitlines() or ["?"])[0]
+            if "] " in reason:  # drop gloo's "[/path/to/file.cc:123] " prefix
+                reason = reason.split("] ", 1)[1]
+            raise ParallelError(
+                f"{op} of {what!r} failed on rank {group.rank} of {group.size} after "
+                f"{time.monotonic() - t0:.1f} s (timeout {self.timeout_s:g} s): another rank died or stalled "
+                f"({reason[:160]})"
+            ) from err

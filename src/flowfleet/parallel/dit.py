@@ -1,0 +1,142 @@
+"""A DiT run on one band of the image, per layer kind (DistriFusion, papers/distrifusion §4).
+
+    patch embedding   local: the band's patches + its slice of the fixed position embedding
+    self-attention    local queries against the keys/values of the whole image; the other bands'
+                      keys/values come from the ParallelMode's exchange (sync / displaced / naive)
+    cross-attention   local (text keys/values are the same on every rank)
+    MLP, adaLN        local (token-wise; the conditioning vector is computed on every rank)
+    final layer       local: the band's velocity, [B, C, R*p, W]
+
+Only self-attention communicates. Each of its layers owns one comm slot of [B, 2, heads, band tokens,
+head dim] (its keys and values) and does wait -> compute -> enqueue against the shared CommManager.
+The wrappers hold references to the model's own modules (no copies, no parameters of their own), so
+a single-band run is the model's forward and an N-band `sync` run equals it up to float rounding.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.models.config import DiTConfig
+from flowfleet.models.dit import DiTModel
+from flowfleet.models.layers import SelfAttention
+from flowfleet.parallel.bands import BandLayout
+from flowfleet.parallel.comm import CommManager
+from flowfleet.parallel.mode import ParallelMode
+
+
+def attention_slot_shape(cfg: DiTConfig, layout: BandLayout, batch: int) -> tuple[int, ...]:
+    """One self-attention layer's keys and values for this band: [B, 2, heads, band tokens, head dim]."""
+    return (batch, 2, cfg.num_heads, layout.tokens, cfg.hidden_size // cfg.num_heads)
+
+
+def register_dit(comm: CommManager, name: str, cfg: DiTConfig, layout: BandLayout, batch: int) -> None:
+    """Reserve one slot per self-attention layer of a DiT (before comm.allocate())."""
+    shape = attention_slot_shape(cfg, layout, batch)
+    for i in range(cfg.depth):
+        comm.register(f"{name}.blocks.{i}.attn", shape, family=name)
+
+
+# --------------------------------------------------------------------------------------------------
+#                                      Layer wrappers
+# --------------------------------------------------------------------------------------------------
+
+
+class PatchEmbedBand:
+    """[B, C, R*p, W] band -> [B, band tokens, D]: the model's patch embedding plus its position slice."""
+
+    def __init__(self, model: DiTModel, layout: BandLayout):
+        self.x_embedder = model.x_embedder
+        self.pos = model.pos_embed[:, layout.token_slice]  # [1, band tokens, D]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.x_embedder(x) + self.pos.to(x.dtype)  # [B, n, D]
+
+
+class SelfAttentionBand:
+    """Local queries, keys/values of every band. One method per ParallelMode."""
+
+    def __init__(self, attn: SelfAttention, comm: CommManager, slot: str):
+        self.attn = attn
+        self.comm = comm
+        self.slot = slot
+        self.me = comm.bands.rank
+        self._paths = {
+            ParallelMode.SYNC: self._sync,
+            ParallelMode.DISPLACED: self._displaced,
+            ParallelMode.NAIVE: self._naive,
+        }
+
+    def __call__(self, x: torch.Tensor, *, mode: ParallelMode, rows: torch.Tensor | None,
+                 prefetch: bool) -> torch.Tensor:
+        q, k, v = self.attn.forward_qkv(x)  # each [B, H, n, Dh]
+        kv = torch.stack((k, v), dim=1)  # [B, 2, H, n, Dh]: this band's fresh keys and values
+        kv_all = self._paths[mode](kv, rows, prefetch)  # [B, 2, H, N (or n for naive), Dh]
+        return self.attn.attend(q, kv_all[:, 0], kv_all[:, 1])  # [B, n, D]
+
+    def _merge(self, kv: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
+        """Own fresh band + the other ranks' bands ([size, B, 2, H, n, Dh]) -> [B, 2, H, size*n, Dh]."""
+        parts = [kv if r == self.me else others[r] for r in range(others.shape[0])]
+        return torch.cat(parts, dim=3)
+
+    def _sync(self, kv, rows, prefetch):
+        return self._merge(kv, self.comm.gather(self.slot, kv, rows))  # blocks on this step's K/V
+
+    def _displaced(self, kv, rows, prefetch):
+        stale = self.comm.wait(self.slot)  # [size, B_slot, 2, H, n, Dh]: the previous step's K/V
+        stale = stale[:, : kv.shape[0]] if rows is None else stale[:, rows]  # copies (index) or view
+        full = self._merge(kv, stale)  # copies: the receive buffer may be refilled from here on
+        if prefetch:
+            self.comm.enqueue(self.slot, kv, rows)  # gathered while later layers compute
+        return full
+
+    def _naive(self, kv, rows, prefetch):
+        return kv  # this band only: no interaction between bands
+
+
+# --------------------------------------------------------------------------------------------------
+#                                      The band model
+# --------------------------------------------------------------------------------------------------
+
+
+class PatchParallelDiT:
+    """DiTModel forward on one band: (x band [B, C, R*p, W], t [B], condition) -> velocity band.
+
+    `name` must match the one passed to register_dit for this model; `rows` maps the batch onto the
+    slots' batch rows (which samples these are), so `displaced` reuses each sample's own previous keys
+    and values even when routing changes the batch.
+    """
+
+    def __init__(self, model: DiTModel, comm: CommManager, name: str, layout: BandLayout):
+        if model.head is not None:
+            raise FlowfleetError(f"{name}: a router (classification head) cannot run patch-parallel")
+        gh, gw = model.cfg.grid_size
+        if (gh, gw, model.cfg.patch_size) != (layout.grid_h, layout.grid_w, layout.patch):
+            raise FlowfleetError(f"{name}: token grid {gh}x{gw} (patch {model.cfg.patch_size}) differs from the "
+                                 f"band layout's {layout.grid_h}x{layout.grid_w} (patch {layout.patch})")
+        self.model = model
+        self.name = name
+        self.layout = layout
+        self.comm = comm
+        self.embed = PatchEmbedBand(model, layout)
+        self.attn = [SelfAttentionBand(b.attn, comm, f"{name}.blocks.{i}.attn") for i, b in enumerate(model.blocks)]
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor, *, mode: ParallelMode, rows: torch.Tensor | None = None,
+                 prefetch: bool = True, drop: torch.Tensor | None = None, **cond: Any) -> torch.Tensor:
+        m, lay = self.model, self.layout
+        if x.shape[1] != m.cfg.in_channels or tuple(x.shape[-2:]) != (lay.rows * lay.patch, lay.grid_w * lay.patch):
+            raise ValueError(f"{self.name}: band input {tuple(x.shape[1:])} does not match band "
+                             f"({m.cfg.in_channels}, {lay.rows * lay.patch}, {lay.grid_w * lay.patch})")
+        t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
+        h = self.embed(x)  # [B, n, D]
+        c, block_c, ctx, ctx_mask = m.conditioning(t, drop=drop, **cond)  # replicated on every rank
+        for block, attn in zip(m.blocks, self.attn):
+            h = block(h, block_c, ctx, ctx_mask, attn=partial(attn, mode=mode, rows=rows, prefetch=prefetch))
+        if prefetch and mode is ParallelMode.DISPLACED:
+            self.comm.flush(self.name)
+        h = m.final_layer(h, c)  # [B, n, p*p*C]
+        return m.unpatchify(h, lay.rows)  # [B, C, R*p, W]

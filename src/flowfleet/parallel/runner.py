@@ -1,0 +1,210 @@
+"""The per-step velocity function of a fleet split over N ranks (DistriFusion for routed DiT experts).
+
+At every evaluation (x_t [B, C, H, W] identical on all ranks, t [B], sampler step):
+
+  1. routing: route(x_t, t) on every rank, then rank 0's decision is broadcast, so all ranks run the
+     same experts on the same samples even where kernels are not bit-reproducible (GPUs);
+  2. every selected expert runs patch-parallel on its own samples: each rank embeds and denoises only
+     its band of token rows (flowfleet.parallel.dit), self-attention seeing the other bands through the
+     plan's ParallelMode. `displaced` runs `sync` on step 0 and `warmup` more steps, and also for an
+     expert whose samples' keys/values were not refreshed at the previous evaluation (routing changed);
+  3. classifier-free guidance: with N even (and plan.cfg_split), ranks [0, N/2) run the conditional rows
+     and ranks [N/2, N) the unconditional rows, each half patch-parallel over N/2 ranks (paper §5.2);
+     otherwise every rank runs both halves of its band;
+  4. one all-gather of the band outputs gives every rank the full velocity for the sampler update.
+
+Ensemble weights and CFG are linear, so weighting band outputs before the gather and guiding after it
+equals the single-device "guide each expert, then combine" up to float rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.flow.ensemble import dense_weights
+from flowfleet.flow.sampler import cfg_combine
+from flowfleet.models.config import DiTConfig
+from flowfleet.models.dit import DiTModel
+from flowfleet.parallel.bands import BandLayout
+from flowfleet.parallel.comm import CommManager
+from flowfleet.parallel.dit import PatchParallelDiT, register_dit
+from flowfleet.parallel.launch import DistContext
+from flowfleet.parallel.mode import ParallelMode
+
+RouteFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (x_t [B, C, H, W], t [B]) -> (global expert ids [B, k] int64, weights [B, k] summing to 1 per sample)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How one image is spread over the ranks."""
+
+    mode: ParallelMode = ParallelMode.SYNC
+    warmup: int = 0  # synchronous steps after the first one (displaced only)
+    cfg_split: bool = True  # with guidance and an even rank count, split cond/uncond across rank groups
+    batch_bytes: int = 8 << 20  # asynchronous all-gathers are batched up to this many bytes
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", ParallelMode.parse(self.mode))
+        if self.warmup < 0:
+            raise FlowfleetError(f"--warmup: must be >= 0, got {self.warmup}")
+        if self.batch_bytes < 1:
+            raise FlowfleetError(f"batch_bytes: must be >= 1, got {self.batch_bytes}")
+
+
+class PatchParallelRunner:
+    """Experts split over the ranks of `ctx` for batches of up to `batch` samples.
+
+    configs: every expert that may run (id -> DiTConfig), so each layer's comm slot is registered once
+    up front; get_expert(id) returns the loaded model when it is first needed (lazy stores welcome).
+    """
+
+    def __init__(self, ctx: DistContext, configs: Mapping[int, DiTConfig], get_expert: Callable[[int], DiTModel],
+                 plan: ParallelPlan, *, batch: int, guided: bool, dtype: torch.dtype = torch.float32):
+        if not configs:
+            raise FlowfleetError("no experts to run")
+        ids = sorted(configs)
+        ref = configs[ids[0]]
+        for k in ids[1:]:
+            c = configs[k]
+            if (c.input_size, c.patch_size, c.in_channels) != (ref.input_size, ref.patch_size, ref.in_channels):
+                raise FlowfleetError(f"expert {k}: latent {c.in_channels}x{c.input_size} / patch {c.patch_size} "
+                                     f"differs from expert {ids[0]}'s {ref.in_channels}x{ref.input_size} / "
+                                     f"patch {ref.patch_size}")
+        self.ctx, self.plan, self.guided = ctx, plan, guided
+        self.get_expert = get_expert
+        self.batch = batch
+        self.split = guided and plan.cfg_split and ctx.world_size % 2 == 0
+        self.groups = 2 if self.split else 1
+        bands = ctx.subgroups(ctx.world_size // self.groups) if ctx.world_size > 1 else ctx.world
+        self.group_index = ctx.rank // bands.size  # 0: conditional rows, 1: unconditional (when split)
+        self.layout = BandLayout.for_latent(ref.input_size, ref.patch_size, bands.size, bands.rank)
+        self.comm = CommManager(bands, ctx.world, device=ctx.device, dtype=dtype, batch_bytes=plan.batch_bytes,
+                                timeout_s=ctx.timeout_s)
+        # A band group of one rank owns the whole image: nothing to exchange, every mode is the plain model.
+        self.mode = plan.mode if bands.size > 1 else ParallelMode.NAIVE
+        self.slot_rows = batch * (2 if guided and not self.split else 1)
+        self.expert_ids = ids
+        self.num_experts = ids[-1] + 1
+        if self.mode.exchanges:
+            for k in ids:
+                register_dit(self.comm, expert_name(k), configs[k], self.layout, self.slot_rows)
+        self.comm.allocate()
+        self._wrapped: dict[int, tuple[DiTModel, PatchParallelDiT]] = {}
+
+    def expert(self, k: int) -> PatchParallelDiT:
+        model = self.get_expert(k)
+        cached = self._wrapped.get(k)
+        if cached is None or cached[0] is not model:  # (re)loaded by a lazy store
+            cached = (model, PatchParallelDiT(model, self.comm, expert_name(k), self.layout))
+            self._wrapped[k] = cached
+        return cached[1]
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor on every rank (e.g. the starting noise)."""
+        return self.comm.broadcast_world(x, what="starting noise")
+
+    def velocity(self, cond: Mapping[str, torch.Tensor | None], *, cfg_scale: float = 1.0,
+                 route: RouteFn | None = None, steps: int | None = None) -> "ParallelVelocity":
+        """The per-step velocity (x_t, t, step) -> v for one sampling run of up to `batch` samples.
+
+        steps: the run's step count, so the last step does not prefetch activations nobody will read."""
+        self.comm.drain()  # a previous run's last gathers must land before their slots are reused
+        if route is None and len(self.expert_ids) != 1:
+            raise FlowfleetError("a routing function is required for more than one expert")
+        return ParallelVelocity(self, {k: v for k, v in cond.items() if v is not None}, cfg_scale, route, steps)
+
+    def close(self) -> None:
+        self.comm.drain()
+
+
+def expert_name(k: int) -> str:
+    return f"expert{k}"
+
+
+class ParallelVelocity:
+    """(x_t, t, step) -> v for the sampler; see the module docstring for what one call does."""
+
+    def __init__(self, runner: PatchParallelRunner, cond: dict[str, torch.Tensor], cfg_scale: float,
+                 route: RouteFn | None, steps: int | None):
+        self.r = runner
+        self.cond = cond
+        self.cfg_scale = float(cfg_scale)
+        self.route = route
+        self.steps = steps
+        self.evals = 0
+        # Per expert and slot row: the evaluation whose keys/values the receive buffer holds.
+        self._fresh_at: dict[int, torch.Tensor] = {}
+        self.modes: list[dict[int, ParallelMode]] = []  # per evaluation: the mode each expert ran in
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor, step: int) -> torch.Tensor:
+        r = self.r
+        b = x.shape[0]
+        if b > r.batch:
+            raise FlowfleetError(f"batch of {b} samples exceeds the parallel runner's {r.batch}")
+        self.evals += 1
+        r.comm.begin_step(step)
+        mode = r.mode.at_step(step, r.plan.warmup)
+        experts, weights = self._routing(x, t)
+        dense = dense_weights(experts, weights, r.num_experts)  # [B, K]
+        x_band = r.layout.split(x)  # [B, C, R*p, W]
+        acc = torch.zeros_like(x_band)
+        ran: dict[int, ParallelMode] = {}
+        for k in torch.unique(experts).tolist():  # ascending: the same order on every rank
+            rows = (experts == k).any(dim=1).nonzero(as_tuple=True)[0]  # [n_k]
+            v, ran[k] = self._run_expert(k, x_band, t, rows, mode, step)
+            w = dense[rows, k].to(v.dtype).reshape(-1, 1, 1, 1)
+            acc.index_add_(0, rows, w * v)
+        self.modes.append(ran)
+        bands = r.comm.all_gather_world(acc)  # [world, B, C, R*p, W]
+        nb = r.layout.bands
+        halves = [torch.cat(list(bands[g * nb:(g + 1) * nb]), dim=-2) for g in range(r.groups)]  # [B, C, H, W]
+        if r.split:
+            return cfg_combine(halves[0], halves[1], self.cfg_scale)
+        return halves[0]
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _routing(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = x.shape[0]
+        if self.route is None:
+            only = self.r.expert_ids[0]
+            return (torch.full((b, 1), only, dtype=torch.long, device=x.device),
+                    torch.ones(b, 1, dtype=x.dtype, device=x.device))
+        experts, weights = self.route(x, t)
+        k = experts.shape[1]
+        packed = torch.cat([experts.double(), weights.double()], dim=1)  # [B, 2k]: one broadcast
+        packed = self.r.comm.broadcast_world(packed, what="routing decision")
+        return packed[:, :k].round().long(), packed[:, k:].to(x.dtype)
+
+    def _run_expert(self, k: int, x_band: torch.Tensor, t: torch.Tensor, rows: torch.Tensor, mode: ParallelMode,
+                    step: int) -> tuple[torch.Tensor, ParallelMode]:
+        r = self.r
+        n = rows.numel()
+        xk, tk = x_band[rows], t[rows]
+        ck = {name: c[rows] for name, c in self.cond.items()}
+        drop = None
+        slot_rows = rows
+        doubled = r.guided and not r.split
+        if doubled:  # [cond rows; uncond rows] in one batch; uncond rows live in the slot's second half
+            xk, tk = torch.cat([xk, xk]), torch.cat([tk, tk])
+            ck = {name: torch.cat([c, c]) for name, c in ck.items()}
+            drop = torch.arange(2 * n, device=xk.device) >= n
+            slot_rows = torch.cat([rows, rows + r.batch])
+        elif r.guided:  # this rank group runs one half of the CFG batch
+            drop = torch.full((n,), r.group_index == 1, dtype=torch.bool, device=xk.device)
+        fresh = self._fresh_at.setdefault(k, torch.full((r.slot_rows,), -2, dtype=torch.long))
+        if mode is ParallelMode.DISPLACED and not bool((fresh[slot_rows.cpu()] == self.evals - 1).all()):
+            mode = ParallelMode.SYNC  # no previous-step keys/values for (some of) these samples
+        prefetch = self.steps is None or step < self.steps - 1
+        v = r.expert(k)(xk, tk, mode=mode, rows=slot_rows, prefetch=prefetch, drop=drop, **ck)
+        if mode is ParallelMode.SYNC or (mode is ParallelMode.DISPLACED and prefetch):
+            fresh[slot_rows.cpu()] = self.evals
+        if doubled:
+            v_cond, v_uncond = v.chunk(2)
+            v = cfg_combine(v_cond, v_uncond, self.cfg_scale)
+        return v, mode
