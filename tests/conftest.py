@@ -24,3 +24,37 @@ def run_root(tmp_path):
     path = tmp_path / "run"
     path.mkdir()
     return path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server on 127.0.0.1 for the session; yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_endpoint, monkeypatch, request):
+    """A fresh bucket on the moto server; AWS_ENDPOINT_URL points every RunRoot at it."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    bucket = "ff-" + request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")[:40]
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
+    fs.mkdir(bucket)
+    yield f"s3://{bucket}"
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -1,0 +1,86 @@
+"""RunRoot: atomic writes, retries of transient errors, and the same API on S3 (moto on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flowfleet.models.config import DiTConfig
+from flowfleet.models.dit import DiTExpert
+from flowfleet.models.files import load_model, save_model
+from flowfleet.storage import RunRoot, with_retries
+
+
+def test_json_yaml_and_listing(tmp_path):
+    root = RunRoot(tmp_path)
+    root.write_json({"a": 1}, "x", "a.json")
+    root.write_yaml({"b": [1, 2]}, "x", "b.yaml")
+    assert root.read_json("x", "a.json") == {"a": 1}
+    assert root.read_yaml("x", "b.yaml") == {"b": [1, 2]}
+    assert root.ls("x") == ["a.json", "b.yaml"] and root.ls("nothing") == []
+    (tmp_path / "x" / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+        root.read_json("x", "bad.json")
+
+
+def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    root = RunRoot(tmp_path)
+    root.write_bytes(b"old", "f.bin")
+
+    def boom(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(OSError, match="disk full"):
+        root.write_bytes(b"new-and-longer", "f.bin")
+    assert (tmp_path / "f.bin").read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["f.bin"]
+
+
+def test_retries_transient_errors_then_gives_up():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("reset by peer")
+        return "ok"
+
+    assert with_retries(flaky, what="read x", base_delay=0.001) == "ok" and len(calls) == 3
+    with pytest.raises(OSError, match="read y: failed after 2 attempts"):
+        with_retries(lambda: (_ for _ in ()).throw(TimeoutError("slow")), what="read y", attempts=2,
+                     base_delay=0.001)
+    with pytest.raises(FileNotFoundError):  # not transient: no retry
+        with_retries(lambda: (_ for _ in ()).throw(FileNotFoundError("gone")), what="read z")
+
+
+def test_append_line(tmp_path):
+    root = RunRoot(tmp_path)
+    root.append_line('{"step": 1}', "job", "metrics.jsonl")
+    root.append_line('{"step": 2}', "job", "metrics.jsonl")
+    assert (tmp_path / "job" / "metrics.jsonl").read_text().splitlines() == ['{"step": 1}', '{"step": 2}']
+
+
+def test_s3_round_trip_of_files_and_models(s3_url, tmp_path):
+    root = RunRoot(f"{s3_url}/run")
+    assert not root.is_local
+    root.write_json({"k": 3}, "a", "b.json")
+    root.append_line("one", "log.txt")
+    root.append_line("two", "log.txt")
+    assert root.read_json("a", "b.json") == {"k": 3}
+    assert root.read_bytes("log.txt") == b"one\ntwo\n"
+    assert root.ls("a") == ["b.json"] and root.url_of("a").startswith("s3://")
+
+    model = DiTExpert.from_dit_config(DiTConfig(size="tiny/2", input_size=(8, 8), in_channels=1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    save_model(model, root, "experts", "0", "final")
+    loaded = load_model(DiTExpert, root, "experts", "0", "final")
+    x, t = torch.randn(2, 1, 8, 8), torch.rand(2)
+    with torch.no_grad():
+        assert torch.equal(model(x, t), loaded(x, t))
+    local = root.get_dir(tmp_path / "copy", "experts", "0")
+    assert sorted(p.name for p in (local / "final").iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
