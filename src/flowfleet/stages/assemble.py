@@ -17,6 +17,7 @@ from typing import Any
 from flowfleet import __version__
 from flowfleet.config import RUN_FILE, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
+from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.files import ModelFileError, load_model, read_dit_config
 from flowfleet.sampling.index import (
@@ -113,7 +114,17 @@ def check_router(where: str, cfg: DiTConfig, run: RunConfig) -> None:
 
 
 def _read_config(who: str, root: RunRoot, *parts: str) -> DiTConfig:
-    """read_dit_config with the component named (time convention, bad fields: ModelFileError)."""
+    """A component's config.json, validated; the time convention is checked first and named as such."""
+    where = root.url_of(*parts, "config.json")
+    if root.exists(*parts, "config.json"):
+        try:
+            raw = root.read_json(*parts, "config.json")
+        except ValueError:
+            raw = None  # read_dit_config below reports the corrupted JSON
+        convention = raw.get("time_convention", TIME_CONVENTION) if isinstance(raw, dict) else TIME_CONVENTION
+        if convention != TIME_CONVENTION:
+            raise FlowfleetError(f"{who} ({where}): time_convention {convention!r} differs from flowfleet's "
+                                 f"{TIME_CONVENTION!r}")
     try:
         return read_dit_config(root, *parts)
     except ModelFileError as err:
