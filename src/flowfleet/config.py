@@ -106,6 +106,7 @@ class TrainConfig(_Strict):
     log_every: int = Field(10, ge=1)
     seed: int = 0
     max_bad_steps: int = Field(3, ge=1)  # consecutive non-finite losses before stopping
+    keep_checkpoints: int = Field(2, ge=1)  # newest complete checkpoints kept per job
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

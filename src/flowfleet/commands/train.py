@@ -3,24 +3,157 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
 
-from flowfleet.commands import add_run_root, not_implemented
+from flowfleet.commands import add_run_root
+
+_RESUME = ("Resumes from the job's newest checkpoint when there is one. SIGTERM or Ctrl-C: finish the step, "
+           "checkpoint, mark the job 'stopped' and exit 0; re-run the same command to continue.")
+
+
+def _job_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: this rank's GPU, else CPU)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train-expert", help="train expert k on partition k only (an isolated job)")
+    p = sub.add_parser(
+        "train-expert", help="train expert k on partition k only (an isolated job)",
+        description="Train expert K on RUN_ROOT/partitions/K with the run.yaml `expert` model and `train` "
+        "settings. Reads nothing but run.yaml and partitions/K; writes experts/K/ (status.json, metrics.jsonl, "
+        "tb/, checkpoints/, samples/, final/). Under `torchrun --nproc_per_node N flowfleet train-expert ...` "
+        "the job uses DDP over that node's devices (NCCL on GPUs, gloo on CPU). " + _RESUME)
     add_run_root(p)
-    p.add_argument("--expert", type=int, required=True, metavar="K")
-    p.set_defaults(func=not_implemented(4))
-    p = sub.add_parser("train-router", help="train the router p(k | x_t, t) on all data")
+    p.add_argument("--expert", type=int, required=True, metavar="K", help="partition / expert number, 0..K-1")
+    _job_options(p)
+    p.set_defaults(func=run_expert)
+
+    p = sub.add_parser(
+        "train-router", help="train the router p(k | x_t, t) on all data",
+        description="Train the DiT router on RUN_ROOT/data with cross-entropy against the cluster ids in "
+        "clusters/assignments.safetensors, x_t at t ~ U[0,1] (run.yaml `router`, `router_train`). Writes "
+        "router/ and router/report.json (accuracy per t-bucket). " + _RESUME)
     add_run_root(p)
-    p.set_defaults(func=not_implemented(4))
-    p = sub.add_parser("train-monolith", help="train the single-model baseline on all data")
+    _job_options(p)
+    p.set_defaults(func=run_router)
+
+    p = sub.add_parser(
+        "train-monolith", help="train the single-model baseline on all data",
+        description="Train one model of the expert architecture on all of RUN_ROOT/data: the baseline for "
+        "evaluation. Writes monolith/. " + _RESUME)
     add_run_root(p)
-    p.set_defaults(func=not_implemented(4))
-    p = sub.add_parser("train-all", help="run every expert job, the router and the monolith as local processes")
+    p.add_argument("--match-compute", action=argparse.BooleanOptionalAction, default=None,
+                   help="set the steps so its training FLOPs equal the sum of the K experts' "
+                   "(default: run.yaml monolith.match_compute)")
+    _job_options(p)
+    p.set_defaults(func=run_monolith)
+
+    p = sub.add_parser(
+        "train-all", help="run every expert job, the router and the monolith as local processes",
+        description="Run the K expert jobs, the router and (if run.yaml monolith.enabled) the monolith as "
+        "separate processes on this machine, N at a time, longest first. Finished jobs are skipped, "
+        "unfinished ones resume. Each job's output goes to its folder's train.log.")
     add_run_root(p)
-    p.set_defaults(func=not_implemented(4))
-    p = sub.add_parser("status", help="table of every job's state from its status file")
+    p.add_argument("--parallel", type=int, default=None, metavar="N",
+                   help="jobs at a time (default: one per GPU, else one per CPU core; cores are shared out "
+                   "as each job's thread count)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_all)
+
+    p = sub.add_parser("status", help="table of every job's state from its status file",
+                       description="One table of all jobs of the run from their status.json: state, "
+                       "step/total, progress, age of the heartbeat, last loss.")
     add_run_root(p)
-    p.set_defaults(func=not_implemented(4))
+    p.add_argument("--json", action="store_true", help="print the status files as one JSON list instead")
+    p.set_defaults(func=run_status)
+
+
+def _options(args: argparse.Namespace):
+    from flowfleet.train.loop import TrainOptions
+
+    return TrainOptions(progress=not args.no_progress, device=args.device)
+
+
+def _report(status) -> int:
+    import os
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if status.state == "done":
+        print(f"{status.job}: done ({status.step}/{status.total_steps} steps, last loss "
+              f"{status.last_loss if status.last_loss is not None else 'n/a'})")
+    else:
+        print(f"{status.job}: {status.state} at step {status.step}/{status.total_steps}. {status.message}")
+    return 0
+
+
+def run_expert(args: argparse.Namespace) -> int:
+    from flowfleet.stages.train import train_expert
+
+    return _report(train_expert(args.run_root, args.expert, options=_options(args)))
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from flowfleet.stages.train import train_router
+
+    return _report(train_router(args.run_root, options=_options(args)))
+
+
+def run_monolith(args: argparse.Namespace) -> int:
+    from flowfleet.stages.train import train_monolith
+
+    return _report(train_monolith(args.run_root, match_compute=args.match_compute, options=_options(args)))
+
+
+def run_all(args: argparse.Namespace) -> int:
+    from flowfleet.errors import FlowfleetError
+    from flowfleet.stages.train import train_all
+
+    if args.parallel is not None and args.parallel < 1:
+        raise FlowfleetError(f"--parallel: must be >= 1, got {args.parallel}")
+    outcome = train_all(args.run_root, parallel=args.parallel, progress=not args.no_progress)
+    for name, result in outcome.results.items():
+        why = outcome.messages.get(name, "")
+        print(f"{name}: {result}" + (f" ({why})" if why and result not in ("skipped",) else ""))
+    return 0 if outcome.ok else 1
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from flowfleet.stages.train import job_status
+
+    rows = job_status(args.run_root)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        return 0
+    colours = {"done": "green", "running": "cyan", "failed": "red", "stopped": "yellow", "pending": "dim"}
+    table = Table(title=f"jobs of {args.run_root}")
+    for col in ("job", "state", "step", "progress", "heartbeat", "last loss", "host", "message"):
+        table.add_column(col, justify="right" if col in ("step", "progress", "last loss") else "left",
+                         overflow="fold")
+    now = time.time()
+    for r in rows:
+        state = r.state
+        if state == "running" and not r.is_live(now=now):
+            state = "running?"  # heartbeat stale: the process probably died
+        frac = r.step / r.total_steps if r.total_steps else 0.0
+        table.add_row(
+            r.job, f"[{colours.get(r.state, 'white')}]{state}[/]", f"{r.step}/{r.total_steps}", f"{100 * frac:.0f}%",
+            _age(r.heartbeat_age(now)), "-" if r.last_loss is None else f"{r.last_loss:.4f}",
+            f"{r.host}:{r.pid}" if r.host else "-", r.message[:80])
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    return 0

@@ -1,0 +1,181 @@
+"""Stages `train-expert`, `train-router`, `train-monolith`, `train-all` and `status`.
+
+    train_expert(run_root, k)        expert k on partitions/k only (an isolated job; DDP under torchrun)
+    train_router(run_root)           the router on data/ + clusters/assignments.safetensors
+    train_monolith(run_root)         the baseline on data/ (match_compute: FLOPs = sum over the experts)
+    train_all(run_root, parallel=N)  all of them as local processes, skipping finished jobs
+    job_status(run_root)             every job's status.json (pending when never started)
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from flowfleet.config import RunConfig, load_run_config
+from flowfleet.storage import RunRoot
+from flowfleet.train.jobs import JobSpec, build_task, fleet_jobs, job_cost, job_steps
+from flowfleet.train.loop import FINAL_DIR, TrainOptions, Trainer
+from flowfleet.train.status import JobStatus, read_status
+
+LOG_FILE = "train.log"
+
+
+def _open(run_root: str | RunRoot) -> tuple[RunRoot, RunConfig]:
+    root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
+    return root, load_run_config(root)
+
+
+def train_job(run_root: str | RunRoot, spec: JobSpec, *, options: TrainOptions | None = None,
+              match_compute: bool | None = None) -> JobStatus:
+    """Train one job to its total steps (resuming from its newest checkpoint); -> final status."""
+    root, cfg = _open(run_root)
+    task = build_task(root, cfg, spec, match_compute=match_compute)
+    return Trainer(task, root, options).run()
+
+
+def train_expert(run_root: str | RunRoot, k: int, *, options: TrainOptions | None = None) -> JobStatus:
+    return train_job(run_root, JobSpec("expert", k), options=options)
+
+
+def train_router(run_root: str | RunRoot, *, options: TrainOptions | None = None) -> JobStatus:
+    return train_job(run_root, JobSpec("router"), options=options)
+
+
+def train_monolith(run_root: str | RunRoot, *, match_compute: bool | None = None,
+                   options: TrainOptions | None = None) -> JobStatus:
+    return train_job(run_root, JobSpec("monolith"), options=options, match_compute=match_compute)
+
+
+# ------------------------------------------------------------------------------------------------
+#                                         Status
+# ------------------------------------------------------------------------------------------------
+
+
+def is_finished(root: RunRoot, status: JobStatus | None, total_steps: int, job_dir: str) -> bool:
+    """done, at its total steps, with final/ written (what `assemble` requires)."""
+    return (status is not None and status.state == "done" and status.step >= total_steps
+            and root.exists(job_dir, FINAL_DIR, "config.json"))
+
+
+def job_status(run_root: str | RunRoot) -> list[JobStatus]:
+    """One status per job of the run, in order experts, router, monolith; never-started jobs pending."""
+    root, cfg = _open(run_root)
+    rows = []
+    for spec in fleet_jobs(cfg):
+        status = read_status(root, spec.dir) or JobStatus(spec.name)
+        status.total_steps = status.total_steps or job_steps(cfg, spec)
+        rows.append(status)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+#                                        train-all
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FleetOutcome:
+    """What train_all did with each job: done | skipped (already done) | busy (live elsewhere) |
+    stopped | failed | not started."""
+
+    results: dict[str, str]
+    messages: dict[str, str]
+
+    @property
+    def ok(self) -> bool:
+        return all(r in ("done", "skipped") for r in self.results.values())
+
+
+def train_all(run_root: str, *, parallel: int | None = None, progress: bool = True,
+              echo=print) -> FleetOutcome:
+    """Run every unfinished job of the run as a local process (`--parallel` at a time)."""
+    import os
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from flowfleet.train.fanout import LocalFanout, ProcessJob, flowfleet_argv, plan_slots
+
+    root, cfg = _open(run_root)
+    results: dict[str, str] = {}
+    messages: dict[str, str] = {}
+    todo: list[JobSpec] = []
+    for spec in fleet_jobs(cfg):
+        status = read_status(root, spec.dir)
+        if is_finished(root, status, job_steps(cfg, spec), spec.dir):
+            results[spec.name] = "skipped"
+            messages[spec.name] = "already done"
+        elif status is not None and status.is_live():
+            results[spec.name] = "busy"
+            messages[spec.name] = f"running on {status.host} (pid {status.pid})"
+        else:
+            todo.append(spec)
+    for name, why in messages.items():
+        echo(f"{name}: {why}, skipped")
+    if not todo:
+        return FleetOutcome(results, messages)
+
+    todo.sort(key=lambda s: job_cost(cfg, s), reverse=True)  # longest first: shortest makespan
+    slots = plan_slots(len(todo), parallel, os.cpu_count() or 1,
+                       torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    logs_tmp = None if root.is_local else tempfile.TemporaryDirectory(prefix="flowfleet-logs-")
+    url = root.url_of()
+
+    def log_path(spec: JobSpec) -> Path:
+        local = root.local_path(spec.dir, LOG_FILE)
+        return local if local is not None else Path(logs_tmp.name) / spec.dir / LOG_FILE
+
+    jobs = [ProcessJob(s.name, flowfleet_argv(s.cli_args(url)), log_path(s)) for s in todo]
+    specs = {s.name: s for s in todo}
+    totals = {s.name: job_steps(cfg, s) for s in todo}
+    bar = tqdm(total=sum(totals.values()), desc="train-all", unit="step", dynamic_ncols=True,
+               disable=None if progress else True)
+    seen = {name: 0 for name in totals}
+    last_poll = [0.0]
+
+    def poll() -> None:
+        if time.monotonic() - last_poll[0] < 2.0:
+            return
+        last_poll[0] = time.monotonic()
+        for name in totals:
+            status = read_status(root, specs[name].dir)
+            step = min(status.step, totals[name]) if status else 0
+            if step > seen[name]:
+                bar.update(step - seen[name])
+                seen[name] = step
+
+    def started(job: ProcessJob, pid: int) -> None:
+        bar.write(f"{job.name}: started (pid {pid}, {slots[0].threads} threads), log {job.log}")
+
+    def exited(outcome) -> None:
+        status = read_status(root, specs[outcome.name].dir)
+        if outcome.returncode == 0 and status is not None and status.state in ("done", "stopped"):
+            results[outcome.name] = status.state
+        else:
+            results[outcome.name] = "failed"
+            messages[outcome.name] = (status.message if status and status.message else outcome.last_line) or \
+                f"exit code {outcome.returncode}"
+        bar.write(f"{outcome.name}: {results[outcome.name]} after {outcome.seconds:.0f} s"
+                  + (f" ({messages[outcome.name]})" if outcome.name in messages else ""))
+        if logs_tmp is not None:
+            root.write_bytes(outcome.log.read_bytes(), specs[outcome.name].dir, LOG_FILE)
+
+    echo(f"train-all: {len(todo)} job(s), {len(slots)} at a time")
+    fanout = LocalFanout(slots, on_start=started, on_exit=exited, on_poll=poll)
+    try:
+        fanout.run(jobs)
+    finally:
+        last_poll[0] = 0.0
+        poll()
+        bar.close()
+        if logs_tmp is not None:
+            logs_tmp.cleanup()
+    for spec in todo:
+        results.setdefault(spec.name, "not started")
+    if any(r == "not started" for r in results.values()):
+        print("train-all: stopped; re-run to resume", file=sys.stderr)
+    return FleetOutcome(results, messages)

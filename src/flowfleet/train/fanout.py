@@ -1,0 +1,140 @@
+"""`train-all`: every job of a run as a separate local OS process, N at a time.
+
+Each job is `python -m flowfleet.cli train-expert RUN --expert k` (or train-router / train-monolith):
+the same command a user would run on another machine, so nothing here is shared between jobs but
+the run root. Processes get their own session (a terminal Ctrl-C reaches only this parent, which
+forwards SIGTERM so each child checkpoints and stops), a thread budget (OMP_NUM_THREADS) and, on a
+GPU machine, one GPU each.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass
+class ProcessJob:
+    name: str
+    argv: list[str]  # full command line
+    log: Path  # stdout + stderr go here (appended)
+
+
+@dataclass
+class ProcessOutcome:
+    name: str
+    returncode: int
+    seconds: float
+    log: Path
+    last_line: str = ""
+
+
+@dataclass
+class Slot:
+    """One of the N places a job can run in: a thread budget and maybe a GPU."""
+
+    threads: int
+    gpu: int | None = None
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
+        if self.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+        return env
+
+
+def plan_slots(num_jobs: int, parallel: int | None, cpus: int, gpus: int) -> list[Slot]:
+    """N slots: by default one per GPU on a GPU machine, else one per core (small CPU jobs scale
+    better as processes than as threads); the cores are shared out as thread budgets."""
+    if parallel is None:
+        parallel = gpus if gpus else cpus
+    parallel = max(1, min(parallel, max(num_jobs, 1)))
+    threads = max(1, cpus // parallel)
+    return [Slot(threads, (i % gpus) if gpus else None) for i in range(parallel)]
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][-300:] if lines else ""
+
+
+@dataclass
+class LocalFanout:
+    """Runs ProcessJobs in order, at most len(slots) at a time; SIGTERM/SIGINT stop them cleanly."""
+
+    slots: list[Slot]
+    poll_every: float = 0.5
+    on_start: Callable[[ProcessJob, int], None] | None = None  # (job, pid)
+    on_exit: Callable[[ProcessOutcome], None] | None = None
+    on_poll: Callable[[], None] | None = None
+    _stop: bool = field(default=False, init=False)
+
+    def request_stop(self) -> None:
+        self._stop = True
+
+    def run(self, jobs: list[ProcessJob]) -> list[ProcessOutcome]:
+        if threading.current_thread() is not threading.main_thread():
+            return self._run(jobs)
+        previous = {s: signal.signal(s, lambda *_: self.request_stop()) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run(jobs)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _run(self, jobs: list[ProcessJob]) -> list[ProcessOutcome]:
+        pending = deque(jobs)
+        free = list(range(len(self.slots)))
+        running: dict[int, tuple[ProcessJob, subprocess.Popen, float, object]] = {}
+        outcomes: list[ProcessOutcome] = []
+        forwarded = False
+        while pending or running:
+            if self._stop and not forwarded:
+                for _, proc, _, _ in running.values():
+                    proc.send_signal(signal.SIGTERM)
+                forwarded = True
+            while pending and free and not self._stop:
+                slot = free.pop(0)
+                job = pending.popleft()
+                job.log.parent.mkdir(parents=True, exist_ok=True)
+                log = open(job.log, "ab")
+                proc = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=self.slots[slot].env(), start_new_session=True)
+                running[slot] = (job, proc, time.perf_counter(), log)
+                if self.on_start:
+                    self.on_start(job, proc.pid)
+            for slot in list(running):
+                job, proc, t0, log = running[slot]
+                if proc.poll() is None:
+                    continue
+                log.close()
+                outcome = ProcessOutcome(job.name, proc.returncode, time.perf_counter() - t0, job.log,
+                                         _last_line(job.log))
+                outcomes.append(outcome)
+                del running[slot]
+                free.append(slot)
+                if self.on_exit:
+                    self.on_exit(outcome)
+            if self.on_poll:
+                self.on_poll()
+            if self._stop and not running:
+                break
+            time.sleep(self.poll_every)
+        return outcomes
+
+
+def flowfleet_argv(args: list[str]) -> list[str]:
+    """The command line of `flowfleet ARGS` run with this interpreter."""
+    return [sys.executable, "-m", "flowfleet.cli", *args]

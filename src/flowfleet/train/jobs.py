@@ -1,0 +1,266 @@
+"""The three kinds of training job, as inputs to the one training loop (flowfleet.train.loop).
+
+    expert k   DiTExpert on partitions/k only            flow matching (paris §2.3-2.4)
+    router     DiTRouter on data/ + cluster ids          cross-entropy on x_t, t ~ U[0, 1] (paris §2.5.3)
+    monolith   DiTExpert architecture on all of data/    flow matching; the evaluation baseline
+
+A JobSpec names a job (folder, CLI command); a TrainTask is a job ready to train: its data loaded
+and checked against its model configuration, its loss, its preview and its final report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+
+from flowfleet.config import RunConfig, TrainConfig
+from flowfleet.data.shards import ShardSet
+from flowfleet.errors import FlowfleetError
+from flowfleet.flow import flow_matching_loss, interpolate, sample_t
+from flowfleet.models.config import DiTConfig
+from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
+from flowfleet.models.flops import train_flops, train_flops_per_sample
+from flowfleet.storage import RunRoot
+from flowfleet.train import preview
+from flowfleet.train.data import InMemoryData, check_compatible, model_fields
+
+JobKind = Literal["expert", "router", "monolith"]
+ASSIGNMENTS = ("clusters", "assignments.safetensors")
+PREVIEW_COUNT = 8  # samples in an expert's grid
+ROUTER_EVAL_ITEMS = 512  # items the router's accuracy is measured on
+
+
+# ------------------------------------------------------------------------------------------------
+#                                        Job names
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    kind: JobKind
+    expert: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"expert-{self.expert}" if self.kind == "expert" else self.kind
+
+    @property
+    def dir(self) -> str:
+        return f"experts/{self.expert}" if self.kind == "expert" else self.kind
+
+    def cli_args(self, run_root: str) -> list[str]:
+        """Arguments of `flowfleet ...` that run this job."""
+        if self.kind == "expert":
+            return ["train-expert", run_root, "--expert", str(self.expert)]
+        return [f"train-{self.kind}", run_root]
+
+
+def fleet_jobs(cfg: RunConfig) -> list[JobSpec]:
+    """Every training job of a run: K experts, the router, and the monolith when enabled."""
+    jobs = [JobSpec("expert", k) for k in range(cfg.cluster.k)] + [JobSpec("router")]
+    if cfg.monolith.enabled:
+        jobs.append(JobSpec("monolith"))
+    return jobs
+
+
+def monolith_steps(cfg: RunConfig, match_compute: bool | None = None) -> int:
+    """The monolith's optimiser steps: cfg.train.steps, or (match_compute) as many as make its training
+    FLOPs equal the sum of the K experts' (flowfleet.models.flops; same architecture and batch as an
+    expert, so K x the expert steps)."""
+    match = cfg.monolith.match_compute if match_compute is None else match_compute
+    if not match:
+        return cfg.train.steps
+    experts = sum(train_flops(cfg.expert, cfg.train.steps, cfg.train.batch_size) for _ in range(cfg.cluster.k))
+    return math.ceil(experts / (train_flops_per_sample(cfg.expert) * cfg.train.batch_size))
+
+
+def job_steps(cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) -> int:
+    if spec.kind == "router":
+        return cfg.router_train.steps
+    if spec.kind == "monolith":
+        return monolith_steps(cfg, match_compute)
+    return cfg.train.steps
+
+
+def job_cost(cfg: RunConfig, spec: JobSpec) -> int:
+    """Training FLOPs of a job (to start the longest jobs first)."""
+    if spec.kind == "router":
+        return train_flops(cfg.router, cfg.router_train.steps, cfg.router_train.batch_size)
+    return train_flops(cfg.expert, job_steps(cfg, spec), cfg.train.batch_size)
+
+
+# ------------------------------------------------------------------------------------------------
+#                                        Tasks
+# ------------------------------------------------------------------------------------------------
+
+
+class TrainTask:
+    """A job ready to train. Subclasses define the loss, the preview and the final report."""
+
+    model_cls: type[DiTModel] = DiTModel
+
+    def __init__(self, spec: JobSpec, run: RunConfig, model_cfg: DiTConfig, train_cfg: TrainConfig,
+                 total_steps: int, data: InMemoryData):
+        self.spec = spec
+        self.run = run
+        self.model_cfg = model_cfg
+        self.train_cfg = train_cfg
+        self.total_steps = total_steps
+        self.data = data
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def build_model(self) -> DiTModel:
+        return self.model_cls.from_dit_config(self.model_cfg)
+
+    def loss(self, model: Callable[..., torch.Tensor], batch: dict[str, torch.Tensor],
+             gen: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Scalar loss of one micro-batch, and extra per-batch metrics (means)."""
+        raise NotImplementedError
+
+    def preview(self, model: DiTModel, step: int, device: torch.device) -> bytes:
+        """PNG bytes of what the model does at this step."""
+        raise NotImplementedError
+
+    def report(self, model: DiTModel, device: torch.device) -> dict[str, Any] | None:
+        """A final report (JSON) written beside final/, or None."""
+        return None
+
+
+class FlowTask(TrainTask):
+    """Experts and the monolith: velocity regression with condition dropout for CFG."""
+
+    model_cls = DiTExpert
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._decoder: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def loss(self, model, batch, gen):
+        x0 = batch["latents"]  # [B, C, H, W]
+        b, dev = x0.shape[0], x0.device
+        t = sample_t(b, mode=self.train_cfg.time_sampling, generator=gen, device=dev)  # [B]
+        eps = torch.randn(x0.shape, generator=gen, device=dev)  # [B, C, H, W]
+        drop = torch.rand(b, generator=gen, device=dev) < self.model_cfg.cond_dropout  # [B] null condition
+        cond = preview.condition_kwargs(batch, self.model_cfg)
+        loss = flow_matching_loss(lambda x_t, tt: model(x_t, tt, drop=drop, **cond), x0, t, eps)
+        return loss, {}
+
+    def _decode(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The latent decoder for previews; pixel latents need none."""
+        if self.run.encoders.latent.name == "pixels":
+            return None
+        if self._decoder is None:
+            from flowfleet.data.encoders import build_latent_encoder  # issue 3's encoders
+
+            encoder = build_latent_encoder(self.run.encoders.latent, self.run.data.channels, device)
+            self._decoder = encoder.decode
+        return self._decoder
+
+    def preview(self, model, step, device):
+        n = min(PREVIEW_COUNT, len(self.data))
+        items = torch.arange(n)
+        batch = self.data.gather(items, device)
+        s = self.run.sampling
+        samples = preview.sample_flow(
+            model, self.model_cfg, preview.condition_kwargs(batch, self.model_cfg), n, steps=s.steps,
+            sampler=s.sampler, guidance=s.cfg, shift=s.shift, seed=self.train_cfg.seed, device=device)
+        decode = self._decode(device)
+        captions = [self.data.captions[i] if i < len(self.data.captions) else "" for i in range(n)]
+        title = f"{self.name}  step {step}  (EMA, {s.sampler} {s.steps} steps, cfg {s.cfg})"
+        return preview.sample_grid_png(preview.latents_to_images(samples, decode),
+                                       preview.latents_to_images(batch["latents"], decode), captions, title)
+
+
+class RouterTask(TrainTask):
+    """The router: cross-entropy of p(k | x_t, t) against the cluster id of x0 (paris Eq. 12)."""
+
+    model_cls = DiTRouter
+
+    def loss(self, model, batch, gen):
+        x0, k = batch["latents"], batch["cluster"]  # [B, C, H, W], [B]
+        b, dev = x0.shape[0], x0.device
+        t = sample_t(b, mode=self.train_cfg.time_sampling, generator=gen, device=dev)  # [B] U[0, 1]
+        eps = torch.randn(x0.shape, generator=gen, device=dev)
+        logits = model(interpolate(x0, eps, t), t)  # [B, K]
+        loss = F.cross_entropy(logits.float(), k)
+        return loss, {"accuracy": (logits.argmax(dim=1) == k).float().mean()}
+
+    def _evaluate(self, model, device, items: int) -> dict[str, Any]:
+        n = min(items, len(self.data))
+        pick = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.train_cfg.seed))[:n]
+        batch = self.data.gather(pick)
+        report = preview.router_accuracy(model, batch["latents"], batch["cluster"], self.model_cfg.num_outputs,
+                                         seed=self.train_cfg.seed + 1, device=device)
+        report["note"] = ("EMA router on a fixed random subset of the training items, fresh noise; "
+                          "t uniform within each bucket")
+        return report
+
+    def preview(self, model, step, device):
+        report = self._evaluate(model, device, ROUTER_EVAL_ITEMS // 2)
+        title = f"router  step {step}  (EMA; overall accuracy {report['overall_accuracy']:.3f})"
+        return preview.router_png(report, title)
+
+    def report(self, model, device):
+        return self._evaluate(model, device, ROUTER_EVAL_ITEMS)
+
+
+# ------------------------------------------------------------------------------------------------
+#                                   Building a task from a run root
+# ------------------------------------------------------------------------------------------------
+
+
+def load_assignments(root: RunRoot, data: InMemoryData, k: int) -> torch.Tensor:
+    """Cluster id of every item of data/ ([N] int64), from clusters/assignments.safetensors."""
+    where = root.url_of(*ASSIGNMENTS)
+    if not root.exists(*ASSIGNMENTS):
+        raise FlowfleetError(f"{where}: missing; run `flowfleet cluster {root.url}` first")
+    try:
+        assign = safetensors.torch.load(root.read_bytes(*ASSIGNMENTS))["assign"]
+    except KeyError:
+        raise FlowfleetError(f"{where}: has no 'assign' tensor") from None
+    index = data.tensors["index"]
+    if assign.ndim != 1 or int(index.max()) >= assign.shape[0] or int(index.min()) < 0:
+        raise FlowfleetError(f"{where}: 'assign' has shape {tuple(assign.shape)}, but data/ holds item index "
+                             f"{int(index.max())}; re-run `flowfleet cluster`")
+    cluster = assign.long()[index]
+    if int(cluster.min()) < 0 or int(cluster.max()) >= k:
+        raise FlowfleetError(f"{where}: cluster ids span {int(cluster.min())}..{int(cluster.max())}, "
+                             f"but run.yaml cluster.k is {k}")
+    return cluster
+
+
+def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: bool | None = None) -> TrainTask:
+    """Load and check a job's data; an expert reads partitions/k/ and nothing else."""
+    if spec.kind == "expert":
+        k = spec.expert
+        if k is None or not 0 <= k < cfg.cluster.k:
+            raise FlowfleetError(f"--expert {k}: run.yaml has cluster.k = {cfg.cluster.k} experts "
+                                 f"(0..{cfg.cluster.k - 1})")
+        shards = ShardSet(root, f"partitions/{k}")
+        if not shards.exists():
+            raise FlowfleetError(f"{shards.url}: partition {k} missing; run `flowfleet cluster {root.url}` first")
+        check_compatible(shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert")
+        data = InMemoryData.load(shards, model_fields(cfg.expert))
+        return FlowTask(spec, cfg, cfg.expert, cfg.train, job_steps(cfg, spec), data)
+
+    shards = ShardSet(root, "data")
+    if not shards.exists():
+        raise FlowfleetError(f"{shards.url}: no prepared data; run `flowfleet prepare {root.url}` first")
+    if spec.kind == "monolith":
+        check_compatible(shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert")
+        data = InMemoryData.load(shards, model_fields(cfg.expert))
+        return FlowTask(spec, cfg, cfg.expert, cfg.train, job_steps(cfg, spec, match_compute), data)
+
+    check_compatible(shards.manifest(), cfg.router, data_where=shards.url, model_where="run.yaml router")
+    data = InMemoryData.load(shards, ["latents", "index"])
+    data.tensors["cluster"] = load_assignments(root, data, cfg.cluster.k)
+    del data.tensors["index"]
+    return RouterTask(spec, cfg, cfg.router, cfg.router_train, job_steps(cfg, spec), data)

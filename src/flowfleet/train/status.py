@@ -1,0 +1,151 @@
+"""status.json of a job, and the lease that a running job holds on it.
+
+While a job runs, its status.json says "running" with the host, pid and a heartbeat (unix time)
+refreshed by a background thread, so `flowfleet status` can tell a live job from a dead one and a
+second copy of the same job refuses to start while the first one's heartbeat is fresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.storage import RunRoot
+
+STATUS_FILE = "status.json"
+STATES = ("pending", "running", "done", "failed", "stopped")
+HEARTBEAT_EVERY = 30.0  # seconds between heartbeats of a running job
+STALE_AFTER = 3 * HEARTBEAT_EVERY  # a "running" job silent for this long is presumed dead
+
+
+class JobBusyError(FlowfleetError):
+    """The job is already running elsewhere (fresh heartbeat)."""
+
+
+@dataclass
+class JobStatus:
+    """The fields of status.json (docs/contracts.md)."""
+
+    job: str
+    state: str = "pending"
+    step: int = 0
+    total_steps: int = 0
+    samples_seen: int = 0
+    last_checkpoint: str | None = None
+    host: str = ""
+    pid: int = 0
+    heartbeat: float = 0.0
+    last_loss: float | None = None
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str) -> "JobStatus":
+        if not isinstance(raw, dict) or "job" not in raw:
+            raise FlowfleetError(f"{where}: not a job status (no 'job' field)")
+        known = {f.name for f in dataclasses.fields(cls)}
+        status = cls(**{k: v for k, v in raw.items() if k in known})
+        if status.state not in STATES:
+            raise FlowfleetError(f"{where}: unknown state {status.state!r} (expected one of {', '.join(STATES)})")
+        return status
+
+    def heartbeat_age(self, now: float | None = None) -> float | None:
+        return None if not self.heartbeat else max(0.0, (now or time.time()) - self.heartbeat)
+
+    def is_live(self, stale_after: float = STALE_AFTER, now: float | None = None) -> bool:
+        """Running with a fresh heartbeat, and (on this host) its process still exists."""
+        if self.state != "running":
+            return False
+        age = self.heartbeat_age(now)
+        if age is None or age > stale_after:
+            return False
+        if self.host == socket.gethostname() and self.pid:
+            return _pid_alive(self.pid)
+        return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def read_status(root: RunRoot, job_dir: str) -> JobStatus | None:
+    """The job's status, or None when it has never started."""
+    if not root.exists(job_dir, STATUS_FILE):
+        return None
+    return JobStatus.from_dict(root.read_json(job_dir, STATUS_FILE), root.url_of(job_dir, STATUS_FILE))
+
+
+class JobLease:
+    """Holds status.json of one job for the life of a run: claim, heartbeat thread, release.
+
+    update() changes the in-memory status (cheap, every step); the heartbeat thread writes it every
+    `interval` seconds; flush() writes it now. All writes happen under one lock.
+    """
+
+    def __init__(self, root: RunRoot, job_dir: str, status: JobStatus, *, interval: float = HEARTBEAT_EVERY,
+                 stale_after: float | None = None):
+        self.root = root
+        self.job_dir = job_dir
+        self.status = status
+        self.interval = interval
+        self.stale_after = stale_after if stale_after is not None else 3 * interval
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        """Refuse if another live process runs this job; otherwise mark it running and start beating."""
+        current = read_status(self.root, self.job_dir)
+        me = (socket.gethostname(), os.getpid())
+        if current is not None and current.is_live(self.stale_after) and (current.host, current.pid) != me:
+            age = current.heartbeat_age() or 0.0
+            raise JobBusyError(
+                f"{self.status.job}: already running on {current.host} (pid {current.pid}, heartbeat "
+                f"{age:.0f} s ago, {self.root.url_of(self.job_dir, STATUS_FILE)}); stop it first or wait "
+                f"{self.stale_after:.0f} s after it dies"
+            )
+        self.update(state="running", host=me[0], pid=me[1], message="")
+        self.flush()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{self.status.job}", daemon=True)
+        self._thread.start()
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            for key, value in fields.items():
+                setattr(self.status, key, value)
+
+    def flush(self) -> None:
+        with self._lock:
+            self.status.heartbeat = time.time()
+            self.root.write_json(self.status.to_dict(), self.job_dir, STATUS_FILE)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.flush()
+            except OSError:  # a missed heartbeat is not fatal; the next one retries
+                pass
+
+    def release(self, state: str, message: str = "") -> None:
+        """Stop the heartbeat and write the final state."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.update(state=state, message=message)
+        self.flush()
