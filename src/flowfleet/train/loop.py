@@ -245,7 +245,8 @@ class Trainer:
                         self._log(metrics, lease, bar, window, step, lr, position)
                     if step % tc.sample_every == 0 or step == task.total_steps:
                         self._preview(ema.module, metrics, step, dev)
-                if stop or step % tc.ckpt_every == 0 or step == task.total_steps:
+                periodic = (bad == 0 and step % tc.ckpt_every == 0) or step == task.total_steps
+                if stop or periodic:
                     self._checkpoint(island, step, position, bad, model, ema, opt, scaler, metrics, lease)
                 if stop:
                     reason = self._stop_reason or "a stop on another rank"

@@ -1,0 +1,78 @@
+"""The analytic DiT FLOP count against torch's FlopCounterMode, and the monolith's matched compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from flowfleet.models.config import DiTConfig
+from flowfleet.models.dit import DiTModel
+from flowfleet.models.flops import forward_flops, train_flops, train_flops_per_sample
+from flowfleet.train.jobs import JobSpec, job_steps, monolith_steps
+from flowfleet.train.synthetic import synthetic_config
+
+CONFIGS = [
+    dict(size="tiny/4", input_size=(16, 16), in_channels=1),
+    dict(hidden_size=64, depth=2, num_heads=2, patch_size=2, input_size=(8, 8), in_channels=1,
+         conditioning="cross_attn", text_dim=24, text_len=5, add_pooled=True),
+    dict(hidden_size=64, depth=2, num_heads=2, patch_size=2, input_size=(8, 12), in_channels=3, adaln="single",
+         conditioning="pooled", text_dim=24),
+    dict(hidden_size=32, depth=1, num_heads=2, patch_size=2, input_size=(8, 8), in_channels=1,
+         conditioning="class", num_classes=10, out_channels=2),
+    dict(hidden_size=32, depth=1, num_heads=2, patch_size=4, input_size=(8, 8), in_channels=1, num_outputs=3),
+]
+
+
+def _inputs(cfg: DiTConfig, b: int) -> dict:
+    kw = {"drop": torch.zeros(b, dtype=torch.bool)}
+    if cfg.conditioning == "class":
+        kw["labels"] = torch.zeros(b, dtype=torch.long)
+    if cfg.uses_text:
+        kw["text_pooled"] = torch.randn(b, cfg.text_dim)
+    if cfg.conditioning == "cross_attn":
+        kw["text_tokens"] = torch.randn(b, cfg.text_len, cfg.text_dim)
+        kw["text_mask"] = torch.ones(b, cfg.text_len, dtype=torch.bool)
+    return kw
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: f"{kw.get('conditioning', 'none')}-{kw.get('adaln', 'zero')}"
+                         f"-{kw.get('num_outputs', 0)}")
+def test_forward_flops_equal_flop_counter(kw):
+    cfg = DiTConfig(**kw)
+    model = DiTModel.from_dit_config(cfg)
+    b = 3
+    counter = FlopCounterMode(display=False)
+    # The math backend decomposes attention into matmuls that the counter sees on CPU.
+    with counter, sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        model(torch.randn(b, cfg.in_channels, *cfg.input_size), torch.rand(b), **_inputs(cfg, b))
+    assert counter.get_total_flops() == b * forward_flops(cfg)
+
+
+def test_dit_s2_matches_the_paper():
+    # DiT paper Table 4: DiT-S/2 at 256x256 (32x32x4 latents) is 6.06 Gflops, counted as multiply-adds.
+    cfg = DiTConfig(size="S/2", input_size=(32, 32), in_channels=4, out_channels=8)
+    assert forward_flops(cfg) / 2 / 1e9 == pytest.approx(6.06, abs=0.01)
+
+
+def test_training_flops_are_about_three_forwards():
+    cfg = DiTConfig(**CONFIGS[0])
+    model = DiTModel.from_dit_config(cfg)
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        out = model(torch.randn(2, 1, 16, 16), torch.rand(2), drop=torch.zeros(2, dtype=torch.bool))
+        out.square().mean().backward()
+    measured = counter.get_total_flops() / 2
+    assert measured == pytest.approx(train_flops_per_sample(cfg), rel=0.02)
+    assert train_flops(cfg, steps=10, batch_size=4) == 40 * train_flops_per_sample(cfg)
+
+
+def test_monolith_matches_the_experts_compute():
+    cfg = synthetic_config(k=3, steps=7, batch=8, monolith=True)
+    steps = monolith_steps(cfg, match_compute=True)
+    experts = cfg.cluster.k * train_flops(cfg.expert, cfg.train.steps, cfg.train.batch_size)
+    assert train_flops(cfg.expert, steps, cfg.train.batch_size) == experts
+    assert steps == 21
+    assert monolith_steps(cfg, match_compute=False) == 7
+    assert job_steps(cfg, JobSpec("monolith")) == steps  # run.yaml's monolith.match_compute defaults to true

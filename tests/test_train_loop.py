@@ -1,0 +1,255 @@
+"""The training loop in-process on synthetic shard sets: outputs, resume, isolation, bad input, NaN."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+import safetensors.torch
+import torch
+
+from flowfleet.config import load_run_config
+from flowfleet.data.shards import ShardSet, ShardSetManifest
+from flowfleet.errors import FlowfleetError
+from flowfleet.models.dit import DiTExpert, DiTRouter
+from flowfleet.models.files import load_model
+from flowfleet.storage import RunRoot
+from flowfleet.train.checkpoint import CheckpointStore
+from flowfleet.train.jobs import JobSpec, build_task
+from flowfleet.train.loop import TrainingDiverged, Trainer, TrainOptions, learning_rate
+from flowfleet.train.status import JobBusyError, JobStatus, read_status
+from flowfleet.train.synthetic import synthetic_config, write_synthetic_run
+
+EXPERT0 = JobSpec("expert", 0)
+OPTIONS = TrainOptions(progress=False, heartbeat_every=0.2, tensorboard=False)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models on a shared 2-core box: one thread is ~10x faster than two under load."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_run(path, **kw) -> RunRoot:
+    root = RunRoot(path)
+    write_synthetic_run(root, synthetic_config(**kw))
+    return root
+
+
+def run_job(root: RunRoot, spec: JobSpec = EXPERT0, on_loss=None, options: TrainOptions = OPTIONS) -> JobStatus:
+    """Build the task as the stage does; on_loss(call_number, loss) -> loss may interfere."""
+    task = build_task(root, load_run_config(root), spec)
+    if on_loss is not None:
+        inner, calls = task.loss, [0]
+
+        def loss(*args):
+            value, extras = inner(*args)
+            calls[0] += 1
+            return on_loss(calls[0], value), extras
+
+        task.loss = loss
+    return Trainer(task, root, options).run()
+
+
+def tensors(path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load(path.read_bytes())
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def test_expert_job_writes_everything_the_contract_lists(tmp_path):
+    root = make_run(tmp_path / "r", steps=4, train=dict(sample_every=2, ckpt_every=2))
+    status = run_job(root, options=TrainOptions(progress=False, heartbeat_every=0.2, tensorboard=True))
+    job = tmp_path / "r/experts/0"
+    on_disk = json.loads((job / "status.json").read_text())
+    assert set(on_disk) == {"job", "state", "step", "total_steps", "samples_seen", "last_checkpoint", "host", "pid",
+                            "heartbeat", "last_loss", "message"}
+    assert on_disk["job"] == "expert-0" and on_disk["state"] == "done" == status.state
+    assert (on_disk["step"], on_disk["total_steps"], on_disk["samples_seen"]) == (4, 4, 32)
+    assert on_disk["last_checkpoint"] == "step-0000004" and on_disk["pid"] == os.getpid()
+    lines = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert all(x["loss"] > 0 and x["samples_per_s"] > 0 and x["lr"] == 1e-3 for x in lines)
+    assert on_disk["last_loss"] == lines[-1]["loss"]
+    assert sorted(p.name for p in (job / "samples").iterdir()) == ["step-0000002.png", "step-0000004.png"]
+    assert (job / "samples/step-0000002.png").read_bytes()[:4] == b"\x89PNG"
+    assert any(p.name.startswith("events.out.tfevents") for p in (job / "tb").iterdir())
+    ckpt = job / "checkpoints/step-0000004"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ema.safetensors", "model.safetensors",
+                                                       "optimizer.safetensors", "rng.safetensors", "state.json"]
+    assert not list(job.rglob("*.pt")) and not list(job.rglob("*.bin"))  # nothing pickled
+    final = load_model(DiTExpert, RunRoot(job), "final")  # final/ = the EMA weights as a model folder
+    ema = tensors(ckpt / "ema.safetensors")
+    for key, value in final.state_dict().items():
+        assert torch.equal(value, ema[f"module.{key}"]), key
+    model = tensors(ckpt / "model.safetensors")
+    assert not torch.equal(model["blocks.0.mlp.fc1.weight"], ema["module.blocks.0.mlp.fc1.weight"])
+    # a second call finds the job done and trains nothing
+    again = run_job(root)
+    assert again.state == "done" and json.loads((job / "status.json").read_text())["heartbeat"] == on_disk["heartbeat"]
+
+
+def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+    kw = dict(steps=6, train=dict(ema_decay=0.8, grad_accum=2, grad_clip=1.0, warmup_steps=2, schedule="cosine"))
+    straight = make_run(tmp_path / "a", **kw)
+    assert run_job(straight).state == "done"
+
+    resumed = make_run(tmp_path / "b", **kw)
+
+    def sigterm_in_step_3(call, loss):  # grad_accum 2: calls 5 and 6 make step 3
+        if call == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # the real handler: finish the step, checkpoint, stop
+        return loss
+
+    stopped = run_job(resumed, on_loss=sigterm_in_step_3)
+    assert (stopped.state, stopped.step, stopped.last_checkpoint) == ("stopped", 3, "step-0000003")
+    assert "SIGTERM" in stopped.message and "resume" in stopped.message
+    assert read_status(resumed, "experts/0").state == "stopped"
+    assert not (tmp_path / "b/experts/0/final").exists()
+    assert run_job(resumed).state == "done"
+
+    for name in ("model.safetensors", "ema.safetensors", "optimizer.safetensors"):
+        assert_bit_identical(tensors(tmp_path / "a/experts/0/checkpoints/step-0000006" / name),
+                             tensors(tmp_path / "b/experts/0/checkpoints/step-0000006" / name))
+    assert_bit_identical(tensors(tmp_path / "a/experts/0/final/diffusion_pytorch_model.safetensors"),
+                         tensors(tmp_path / "b/experts/0/final/diffusion_pytorch_model.safetensors"))
+    metrics_a = [json.loads(x) for x in (tmp_path / "a/experts/0/metrics.jsonl").read_text().splitlines()]
+    metrics_b = [json.loads(x) for x in (tmp_path / "b/experts/0/metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in metrics_a] == [m["loss"] for m in metrics_b]
+
+
+def test_crash_during_a_checkpoint_then_resume_matches_uninterrupted(tmp_path, monkeypatch):
+    kw = dict(steps=4, train=dict(ckpt_every=2))
+    straight = make_run(tmp_path / "a", **kw)
+    run_job(straight)
+    crashed = make_run(tmp_path / "b", **kw)
+    real_write = RunRoot.write_bytes
+
+    def failing_write(self, data, *parts):
+        if parts[-1] == "ema.safetensors" and "step-0000004" in parts:
+            raise OSError("machine lost (injected)")
+        return real_write(self, data, *parts)
+
+    monkeypatch.setattr(RunRoot, "write_bytes", failing_write)
+    with pytest.raises(OSError, match="injected"):
+        run_job(crashed)
+    monkeypatch.undo()
+    status = read_status(crashed, "experts/0")
+    assert status.state == "failed" and "injected" in status.message
+    assert CheckpointStore(crashed, "experts/0").latest() == "step-0000002"
+    assert run_job(crashed).state == "done"  # resumes from step 2
+    assert_bit_identical(tensors(tmp_path / "a/experts/0/final/diffusion_pytorch_model.safetensors"),
+                         tensors(tmp_path / "b/experts/0/final/diffusion_pytorch_model.safetensors"))
+
+
+def test_expert_trains_with_every_other_partition_and_data_deleted(tmp_path):
+    root = make_run(tmp_path / "r", k=3, steps=2)
+    for other in ("partitions/0", "partitions/2", "data", "clusters"):
+        shutil.rmtree(tmp_path / "r" / other)
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["partitions", "run.yaml"]
+    status = run_job(root, JobSpec("expert", 1))
+    assert status.state == "done" and (tmp_path / "r/experts/1/final/config.json").exists()
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["experts", "partitions", "run.yaml"]
+
+
+def _rewrite_partition(root: RunRoot, k: int, **changes) -> None:
+    shards = ShardSet(root, f"partitions/{k}")
+    fields, captions = shards.load(with_captions=True)
+    fields.update(changes)
+    shutil.rmtree(root.local_path(f"partitions/{k}"))
+    shards.append(ShardSetManifest(), fields, captions)
+
+
+def test_partition_that_does_not_fit_the_expert_is_one_line_naming_both(tmp_path):
+    root = make_run(tmp_path / "r", steps=2)
+    n = len(ShardSet(root, "partitions/0").load(["index"])["index"])
+    _rewrite_partition(root, 0, latents=torch.zeros(n, 1, 4, 4))
+    with pytest.raises(FlowfleetError) as err:
+        run_job(root)
+    msg = str(err.value)
+    assert "\n" not in msg and "partitions/0" in msg and "1x4x4" in msg and "1x8x8" in msg and "expert" in msg
+    _rewrite_partition(root, 1, text_tokens=torch.zeros(n, 8, 16, dtype=torch.float16))
+    with pytest.raises(FlowfleetError, match=r"partitions/1: text tokens are 8x16 but run.yaml expert expects 8x384"):
+        run_job(root, JobSpec("expert", 1))
+    with pytest.raises(FlowfleetError, match=r"--expert 5: run.yaml has cluster.k = 2"):
+        run_job(root, JobSpec("expert", 5))
+
+
+def test_run_of_non_finite_losses_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    root = make_run(tmp_path / "r", steps=20, train=dict(ckpt_every=2, max_bad_steps=3))
+
+    def nan_from_step_4(call, loss):
+        if call == 4:  # one isolated bad step is skipped and training goes on
+            return loss * float("nan")
+        return loss * float("inf") if call >= 7 else loss
+
+    with pytest.raises(TrainingDiverged, match=r"expert-0: loss was (inf|nan) for 3 consecutive steps") as err:
+        run_job(root, on_loss=nan_from_step_4)
+    assert "step-0000006" in str(err.value)
+    status = read_status(root, "experts/0")
+    assert status.state == "failed" and "consecutive" in status.message
+    store = CheckpointStore(root, "experts/0")
+    assert store.latest() == "step-0000006"
+    model = store.load("step-0000006").tensors["model"]
+    assert all(torch.isfinite(v).all() for v in model.values())
+
+
+def test_second_copy_of_a_running_job_is_refused(tmp_path):
+    root = make_run(tmp_path / "r", steps=2)
+    busy = JobStatus("expert-0", state="running", host="elsewhere", pid=1, heartbeat=__import__("time").time())
+    root.write_json(busy.to_dict(), "experts/0", "status.json")
+    with pytest.raises(JobBusyError, match="already running on elsewhere"):
+        run_job(root)
+    busy.heartbeat -= 3600  # a dead job's stale heartbeat does not block
+    root.write_json(busy.to_dict(), "experts/0", "status.json")
+    assert run_job(root).state == "done"
+
+
+def test_router_learns_clusters_and_reports_accuracy_per_t_bucket(tmp_path):
+    root = make_run(tmp_path / "r", k=2, steps=40, batch=16, train=dict(ema_decay=0.5))
+    status = run_job(root, JobSpec("router"))
+    assert status.state == "done"
+    report = json.loads((tmp_path / "r/router/report.json").read_text())
+    assert len(report["accuracy"]) == len(report["t_buckets"]) == 10
+    assert report["t_buckets"][0] == [0.0, 0.1] and report["t_buckets"][-1] == [0.9, 1.0]
+    # synthetic clusters differ in brightness: clean-ish inputs are easy, pure noise is chance
+    assert report["accuracy"][0] > 0.9 > report["chance"] == 0.5
+    assert sum(map(sum, report["confusion"])) == 10 * report["items"]
+    assert load_model(DiTRouter, RunRoot(tmp_path / "r/router"), "final").cfg.num_outputs == 2
+    assert (tmp_path / "r/router/samples/step-0000040.png").exists()
+
+
+def test_router_refuses_assignments_that_do_not_cover_the_data(tmp_path):
+    root = make_run(tmp_path / "r", steps=2)
+    root.write_bytes(safetensors.torch.save({"assign": torch.zeros(5, dtype=torch.long)}),
+                     "clusters", "assignments.safetensors")
+    with pytest.raises(FlowfleetError, match=r"assignments.safetensors: 'assign' has shape \(5,\)"):
+        run_job(root, JobSpec("router"))
+
+
+def test_monolith_trains_on_all_data_for_matched_compute(tmp_path):
+    root = make_run(tmp_path / "r", k=2, steps=2, monolith=True)
+    status = run_job(root, JobSpec("monolith"))
+    assert (status.state, status.total_steps, status.step) == ("done", 4, 4)  # 2 experts x 2 steps
+    assert load_model(DiTExpert, RunRoot(tmp_path / "r/monolith"), "final").cfg == load_run_config(root).expert
+
+
+def test_learning_rate_schedules():
+    cfg = synthetic_config(train=dict(lr=1.0, warmup_steps=2, schedule="cosine")).train
+    lrs = [learning_rate(cfg, s, 6) for s in range(6)]
+    assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[3] == pytest.approx(0.8535534) and lrs[5] == pytest.approx(0.1464466)
+    constant = synthetic_config(train=dict(lr=0.1)).train
+    assert {learning_rate(constant, s, 6) for s in range(6)} == {0.1}
