@@ -157,7 +157,8 @@ class CommManager:
     def gather(self, name: str, tensor: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Blocking all-gather of this slot now -> every rank's data for `rows`, [size, len(rows), ...].
 
-        rows: indices along the slot's first dimension that `tensor` fills (None = the leading ones)."""
+        rows: indices along the slot's first dimension that `tensor` fills (None = the leading ones).
+        Without rows the result is a view of the receive buffer, valid until this slot's next transfer."""
         slot = self._slot(name)
         self._await(slot.batch)  # an in-flight asynchronous gather of this slot must land first
         self._write(slot, tensor, rows)

@@ -214,9 +214,11 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout_s
             dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
             if dead and failed_at is None:
                 failed_at = time.monotonic()  # a rank exited without reporting: give the others timeout_s
-    for p in procs:
+    stopped = set()
+    for r, p in enumerate(procs):
         if p.is_alive():
             p.terminate()
+            stopped.add(r)
         p.join(timeout=10)
     if len(outcomes) == nproc and all(ok for ok, _ in outcomes.values()):
         return [_from_plain(outcomes[r][1]) for r in range(nproc)]
@@ -225,6 +227,8 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout_s
         if r in outcomes:
             ok, value = outcomes[r]
             lines.append(f"rank {r}: {'ok' if ok else value}")
+        elif r in stopped:
+            lines.append(f"rank {r}: stopped (no result {timeout_s:g} s after the first failure)")
         else:
             lines.append(f"rank {r}: exited with code {p.exitcode} without a result")
     raise FlowfleetError("parallel run failed: " + "; ".join(lines))

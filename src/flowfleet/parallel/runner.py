@@ -2,7 +2,7 @@
 
 At every evaluation (x_t [B, C, H, W] identical on all ranks, t [B], sampler step):
 
-  1. routing: route(x_t, t) on every rank, then rank 0's decision is broadcast, so all ranks run the
+  1. routing: route(x_t, t, step) on every rank, then rank 0's decision is broadcast, so all ranks run the
      same experts on the same samples even where kernels are not bit-reproducible (GPUs);
   2. every selected expert runs patch-parallel on its own samples: each rank embeds and denoises only
      its band of token rows (flowfleet.parallel.dit), self-attention seeing the other bands through the
@@ -20,7 +20,7 @@ equals the single-device "guide each expert, then combine" up to float rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -35,8 +35,8 @@ from flowfleet.parallel.dit import PatchParallelDiT, register_dit
 from flowfleet.parallel.launch import DistContext
 from flowfleet.parallel.mode import ParallelMode
 
-RouteFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-# (x_t [B, C, H, W], t [B]) -> (global expert ids [B, k] int64, weights [B, k] summing to 1 per sample)
+RouteFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# (x_t [B, C, H, W], t [B], step) -> (global expert ids [B, k] int64, weights [B, k] summing to 1 per sample)
 
 
 @dataclass(frozen=True)
@@ -109,14 +109,16 @@ class PatchParallelRunner:
         return self.comm.broadcast_world(x, what="starting noise")
 
     def velocity(self, cond: Mapping[str, torch.Tensor | None], *, cfg_scale: float = 1.0,
-                 route: RouteFn | None = None, steps: int | None = None) -> "ParallelVelocity":
+                 route: RouteFn | None = None, steps: int | None = None, stats: Any = None) -> "ParallelVelocity":
         """The per-step velocity (x_t, t, step) -> v for one sampling run of up to `batch` samples.
 
-        steps: the run's step count, so the last step does not prefetch activations nobody will read."""
+        steps: the run's step count, so the last step does not prefetch activations nobody will read.
+        stats: optional object with .record(expert, rows) called for every expert run (rows incl. CFG)."""
         self.comm.drain()  # a previous run's last gathers must land before their slots are reused
         if route is None and len(self.expert_ids) != 1:
             raise FlowfleetError("a routing function is required for more than one expert")
-        return ParallelVelocity(self, {k: v for k, v in cond.items() if v is not None}, cfg_scale, route, steps)
+        return ParallelVelocity(self, {k: v for k, v in cond.items() if v is not None}, cfg_scale, route, steps,
+                                stats)
 
     def close(self) -> None:
         self.comm.drain()
@@ -130,8 +132,9 @@ class ParallelVelocity:
     """(x_t, t, step) -> v for the sampler; see the module docstring for what one call does."""
 
     def __init__(self, runner: PatchParallelRunner, cond: dict[str, torch.Tensor], cfg_scale: float,
-                 route: RouteFn | None, steps: int | None):
+                 route: RouteFn | None, steps: int | None, stats: Any = None):
         self.r = runner
+        self.stats = stats
         self.cond = cond
         self.cfg_scale = float(cfg_scale)
         self.route = route
@@ -149,7 +152,7 @@ class ParallelVelocity:
         self.evals += 1
         r.comm.begin_step(step)
         mode = r.mode.at_step(step, r.plan.warmup)
-        experts, weights = self._routing(x, t)
+        experts, weights = self._routing(x, t, step)
         dense = dense_weights(experts, weights, r.num_experts)  # [B, K]
         x_band = r.layout.split(x)  # [B, C, R*p, W]
         acc = torch.zeros_like(x_band)
@@ -157,6 +160,8 @@ class ParallelVelocity:
         for k in torch.unique(experts).tolist():  # ascending: the same order on every rank
             rows = (experts == k).any(dim=1).nonzero(as_tuple=True)[0]  # [n_k]
             v, ran[k] = self._run_expert(k, x_band, t, rows, mode, step)
+            if self.stats is not None:
+                self.stats.record(k, rows.numel() * (2 if r.guided else 1))
             w = dense[rows, k].to(v.dtype).reshape(-1, 1, 1, 1)
             acc.index_add_(0, rows, w * v)
         self.modes.append(ran)
@@ -169,13 +174,13 @@ class ParallelVelocity:
 
     # ----------------------------------------------------------------------------------------------
 
-    def _routing(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _routing(self, x: torch.Tensor, t: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         b = x.shape[0]
         if self.route is None:
             only = self.r.expert_ids[0]
             return (torch.full((b, 1), only, dtype=torch.long, device=x.device),
                     torch.ones(b, 1, dtype=x.dtype, device=x.device))
-        experts, weights = self.route(x, t)
+        experts, weights = self.route(x, t, step)
         k = experts.shape[1]
         packed = torch.cat([experts.double(), weights.double()], dim=1)  # [B, 2k]: one broadcast
         packed = self.r.comm.broadcast_world(packed, what="routing decision")

@@ -1,0 +1,348 @@
+"""DistriFusion patch parallelism for DiT experts (flowfleet.parallel): whole sampling runs on 2 and 4
+gloo ranks against the single-process result, the comm manager, and failing ranks.
+
+Ranks are local processes forked from the test (one thread each, gloo over 127.0.0.1), so each
+multi-rank run costs well under a second for these tiny models.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torchmetrics.functional.image import peak_signal_noise_ratio
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.flow import cfg_combine, integrate, routing_weights, time_grid
+from flowfleet.flow.ensemble import dense_weights
+from flowfleet.models.config import DiTConfig
+from flowfleet.models.dit import DiTModel
+from flowfleet.parallel import (
+    BandLayout,
+    CommManager,
+    Group,
+    ParallelMode,
+    ParallelPlan,
+    PatchParallelDiT,
+    PatchParallelRunner,
+    register_dit,
+    run_local,
+    single_process,
+)
+from flowfleet.parallel.synthetic import train_stripes_dit
+from flowfleet.sampling.synthetic import randomize_
+
+FORK = dict(start_method="fork", timeout_s=20.0)
+K = 3  # experts in the routed fleet
+B = 3  # samples
+STEPS = 5
+EXPERT = DiTConfig(input_size=(8, 8), in_channels=2, patch_size=2, hidden_size=32, depth=2, num_heads=2,
+                   conditioning="cross_attn", text_dim=8, text_len=3, add_pooled=True)  # 4x4 tokens
+ROUTER = DiTConfig(input_size=(8, 8), in_channels=2, patch_size=2, hidden_size=32, depth=1, num_heads=2,
+                   num_outputs=K)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------------------------------
+#                        A small random fleet, built identically in every process
+# --------------------------------------------------------------------------------------------------
+
+
+def fleet() -> tuple[dict[int, DiTModel], DiTModel]:
+    experts = {k: randomize_(DiTModel.from_dit_config(EXPERT), seed=10 + k, std=0.15).eval() for k in range(K)}
+    router = randomize_(DiTModel.from_dit_config(ROUTER), seed=99, std=0.3).eval()
+    return experts, router
+
+
+def inputs() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    noise = torch.randn(B, 2, 8, 8, generator=g)
+    cond = dict(text_tokens=torch.randn(B, 3, 8, generator=g), text_mask=torch.tensor([[1, 1, 0]] * B).bool(),
+                text_pooled=torch.randn(B, 8, generator=g))
+    return noise, cond
+
+
+def route_fn(router: DiTModel, k: int):
+    def route(x, t, step):
+        return routing_weights(torch.softmax(router(x, t), dim=1), k)
+    return route
+
+
+def single_process_run(top_k: int, cfg_scale: float, sampler: str = "euler") -> torch.Tensor:
+    """Reference: every expert on the whole image, guided, combined with the routing weights."""
+    experts, router = fleet()
+    noise, cond = inputs()
+    route = route_fn(router, top_k)
+
+    def velocity(x, t, step):
+        idx, w = route(x, t, step)
+        dense = dense_weights(idx, w, K)  # [B, K]
+        v = torch.zeros_like(x)
+        for k, model in experts.items():
+            out = model(torch.cat([x, x]), torch.cat([t, t]), drop=torch.arange(2 * B) >= B,
+                        **{n: torch.cat([c, c]) for n, c in cond.items()})
+            v += dense[:, k, None, None, None] * cfg_combine(*out.chunk(2), cfg_scale)
+        return v
+
+    with torch.inference_mode():
+        return integrate(velocity, noise, time_grid(STEPS), sampler)
+
+
+def parallel_run(ctx, mode: str, warmup: int, top_k: int, cfg_scale: float, cfg_split: bool,
+                 sampler: str = "euler", batch_bytes: int = 8 << 20) -> dict:
+    """Worker: the same run patch-parallel on ctx's ranks."""
+    experts, router = fleet()
+    noise, cond = inputs()
+    runner = PatchParallelRunner(ctx, {k: m.cfg for k, m in experts.items()}, experts.__getitem__,
+                                 ParallelPlan(mode, warmup, cfg_split=cfg_split, batch_bytes=batch_bytes),
+                                 batch=B, guided=True)
+    vf = runner.velocity(cond, cfg_scale=cfg_scale, route=route_fn(router, top_k), steps=STEPS)
+    with torch.inference_mode():
+        out = integrate(vf, runner.broadcast(noise), time_grid(STEPS), sampler)
+    runner.close()
+    return dict(out=out, bytes=runner.comm.bytes_by_step, batches=runner.comm.num_batches,
+                modes=[sorted({m.value for m in ran.values()}) for ran in vf.modes])
+
+
+# --------------------------------------------------------------------------------------------------
+#                                      Small pieces
+# --------------------------------------------------------------------------------------------------
+
+
+def test_mode_parse_and_warmup():
+    assert ParallelMode.parse(" Displaced ") is ParallelMode.DISPLACED
+    with pytest.raises(FlowfleetError, match="--parallel: unknown mode 'async'"):
+        ParallelMode.parse("async")
+    d = ParallelMode.DISPLACED
+    assert [d.at_step(i, warmup=2).value for i in range(5)] == ["sync"] * 3 + ["displaced"] * 2
+    assert ParallelMode.NAIVE.at_step(0, 3) is ParallelMode.NAIVE and not ParallelMode.NAIVE.exchanges
+    with pytest.raises(FlowfleetError, match="--warmup"):
+        ParallelPlan("displaced", warmup=-1)
+
+
+def test_band_layout_tiles_the_latent():
+    x = torch.arange(2 * 16 * 6, dtype=torch.float32).reshape(1, 2, 16, 6)
+    layouts = [BandLayout.for_latent((16, 6), 2, 4, r) for r in range(4)]
+    assert layouts[1].rows == 2 and layouts[1].tokens == 6 and layouts[1].token_slice == slice(6, 12)
+    assert torch.equal(torch.cat([lay.split(x) for lay in layouts], dim=-2), x)
+    with pytest.raises(FlowfleetError, match="8 token rows .* cannot be split into 3"):
+        BandLayout.for_latent((16, 6), 2, 3, 0)
+
+
+def test_comm_manager_slots_batches_and_rows_on_one_rank():
+    comm = CommManager(Group.solo(), batch_bytes=64)
+    comm.register("a.0", (4, 3), family="a")  # 48 bytes
+    comm.register("a.1", (4, 3), family="a")  # would make 96 > 64: new batch
+    comm.register("b.0", (2, 2), family="b")  # other family: new batch
+    with pytest.raises(RuntimeError, match="registered twice"):
+        comm.register("a.0", (1,))
+    comm.allocate()
+    assert comm.num_batches == 3 and comm.buffer_bytes == (12 + 12 + 4) * 4 * 2
+    got = comm.gather("a.0", torch.ones(2, 3), rows=torch.tensor([1, 3]))  # [1 rank, 2 rows, 3]
+    assert got.shape == (1, 2, 3) and torch.equal(got, torch.ones(1, 2, 3))
+    assert torch.equal(comm.wait("a.0")[0, :, 0], torch.tensor([0.0, 1.0, 0.0, 1.0]))  # rows 1 and 3
+    comm.enqueue("b.0", torch.full((2, 2), 5.0))  # the batch's only slot: sent at once
+    assert torch.equal(comm.wait("b.0"), torch.full((1, 2, 2), 5.0))
+    with pytest.raises(RuntimeError, match="does not fit"):
+        comm.enqueue("a.1", torch.ones(5, 3))
+    with pytest.raises(RuntimeError, match="never registered"):
+        comm.wait("c")
+    assert comm.bytes_total == 0  # nothing leaves a group of one
+
+
+@pytest.mark.parametrize("mode", list(ParallelMode))
+def test_one_band_is_the_model(mode):
+    model, _ = fleet()
+    m = model[0]
+    layout = BandLayout.for_latent(EXPERT.input_size, EXPERT.patch_size, 1, 0)
+    comm = CommManager(Group.solo())
+    register_dit(comm, "e", EXPERT, layout, B)
+    comm.allocate()
+    noise, cond = inputs()
+    t = torch.full((B,), 0.7)
+    with torch.no_grad():
+        want = m(noise, t, **cond)
+        for _ in range(2):  # the second call reads what the first one left (displaced)
+            got = PatchParallelDiT(m, comm, "e", layout)(noise, t, mode=mode, **cond)
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+#                           Whole sampling runs on 2 and 4 ranks
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampler", ["euler", "heun"])
+def test_sync_equals_single_process(sampler):
+    """Routed top-2 of 3 experts, CFG 2.5, both CFG halves on each rank: every band exchanges K/V."""
+    want = single_process_run(top_k=2, cfg_scale=2.5, sampler=sampler)
+    ranks = run_local(parallel_run, 2, ("sync", 0, 2, 2.5, False, sampler), **FORK)
+    diff = (ranks[0]["out"] - want).abs().max().item()
+    print(f"\nsync ({sampler}) vs single process: max abs diff {diff:.2e}")
+    assert diff <= 1e-5
+    assert torch.equal(ranks[0]["out"], ranks[1]["out"])  # every rank holds the same latent
+    assert all(m == ["sync"] for m in ranks[0]["modes"])
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_cfg_batch_split_equals_single_process(nproc):
+    """N even: ranks [0, N/2) run the conditional rows, [N/2, N) the unconditional ones (paper §5.2);
+    with 4 ranks each half is itself split into 2 bands."""
+    want = single_process_run(top_k=1, cfg_scale=3.0)
+    ranks = run_local(parallel_run, nproc, ("sync", 0, 1, 3.0, True), **FORK)
+    diff = max((r["out"] - want).abs().max().item() for r in ranks)
+    print(f"\ncfg split over {nproc} ranks vs single process: max abs diff {diff:.2e}")
+    assert diff <= 1e-5
+    output_and_routing = (nproc - 1) * (B * 2 * 8 * 8 * 4 // (nproc // 2) + B * 2 * 1 * 8)
+    if nproc == 2:  # one rank per CFG half: whole images, no keys/values cross
+        assert ranks[0]["bytes"][1] == output_and_routing
+    else:  # two bands per half: keys/values cross within each half
+        kv = EXPERT.depth * B * 2 * EXPERT.num_heads * 8 * (EXPERT.hidden_size // EXPERT.num_heads) * 4
+        assert ranks[0]["bytes"][1] == output_and_routing + kv
+
+
+def test_displaced_with_full_warmup_equals_sync_and_without_it_differs():
+    sync = run_local(parallel_run, 2, ("sync", 0, 2, 2.0, False), **FORK)[0]
+    warm = run_local(parallel_run, 2, ("displaced", STEPS, 2, 2.0, False), **FORK)[0]
+    assert torch.equal(warm["out"], sync["out"])
+    assert all(m == ["sync"] for m in warm["modes"])
+    disp = run_local(parallel_run, 2, ("displaced", 1, 2, 2.0, False), **FORK)[0]
+    assert disp["modes"][0] == ["sync"] and disp["modes"][1] == ["sync"]  # step 0 + 1 warm-up step
+    assert "displaced" in {m for ms in disp["modes"][2:] for m in ms}
+    diff = (disp["out"] - sync["out"]).abs().max().item()
+    print(f"\ndisplaced (warmup 1) vs sync, random fleet: max abs diff {diff:.2e}")
+    assert diff > 1e-5  # stale keys/values were really used
+
+
+def test_bytes_per_step_follow_the_layout():
+    """One expert (top-1 of a fleet where routing happens to vary is avoided: K/V slot bytes are exact)."""
+    runs = {m: run_local(parallel_run, 2, (m, 0, 3, 2.0, False), **FORK)[0] for m in ("sync", "displaced", "naive")}
+    slot = 2 * B * 2 * EXPERT.num_heads * 8 * (EXPERT.hidden_size // EXPERT.num_heads) * 4  # [2B, 2, H, n, Dh]
+    output = B * 2 * 4 * 8 * 4  # each rank's [B, C, 4, 8] band of the velocity
+    routing = B * 2 * 3 * 8  # rank 0 broadcasts [B, 2k] float64 (top-3: every expert runs)
+    per_step = K * EXPERT.depth * slot + output + routing
+    sync = runs["sync"]["bytes"]
+    assert [sync[i] for i in range(1, STEPS)] == [per_step] * (STEPS - 1)
+    assert sync[0] == per_step + B * 2 * 8 * 8 * 4  # + the starting noise broadcast
+    disp = runs["displaced"]["bytes"]
+    assert disp[0] == sync[0] and all(disp[i] == per_step for i in range(1, STEPS - 1))
+    assert disp[STEPS - 1] == output + routing  # the last step prefetches nothing
+    naive = runs["naive"]["bytes"]
+    assert all(naive[i] == output + routing for i in range(1, STEPS))
+
+
+def _comm_two_ranks(ctx) -> dict:
+    from flowfleet.parallel import Group
+
+    comm = CommManager(ctx.world, batch_bytes=4 * 4 * 4)
+    for i in range(3):
+        comm.register(f"l{i}", (4, 4), family="m")  # 64 bytes each: one batch per slot
+    comm.register("m2", (2, 4), family="n")
+    comm.allocate()
+    me = float(ctx.rank + 1)
+    out = {"batches": comm.num_batches}
+    out["sync"] = comm.gather("l0", torch.full((4, 4), me)).clone()  # a view until the slot's next gather
+    for i in range(3):
+        comm.enqueue(f"l{i}", torch.full((4, 4), 10 * me + i))
+    comm.enqueue("m2", torch.full((1, 4), me), rows=torch.tensor([1]))
+    out["l2"] = comm.wait("l2").clone()
+    out["m2"] = comm.wait("m2").clone()
+    comm.drain()
+    out["bytes"] = comm.bytes_total
+    assert isinstance(ctx.world, Group)
+    return out
+
+
+def test_comm_manager_two_ranks():
+    r0, r1 = run_local(_comm_two_ranks, 2, **FORK)
+    assert r0["batches"] == 4
+    assert torch.equal(r0["sync"][:, 0, 0], torch.tensor([1.0, 2.0]))  # both ranks' data, in rank order
+    assert torch.equal(r1["l2"][:, 0, 0], torch.tensor([12.0, 22.0]))
+    assert torch.equal(r0["m2"][:, :, 0], torch.tensor([[0.0, 1.0], [0.0, 2.0]]))  # row 1 only
+    assert r0["bytes"] == (16 + 3 * 16 + 8) * 4  # one all-gather per slot, each rank's chunk to 1 peer
+
+
+# --------------------------------------------------------------------------------------------------
+#                         Quality on a trained model: displaced vs naive
+# --------------------------------------------------------------------------------------------------
+
+STRIPES = DiTConfig(input_size=(16, 16), in_channels=1, patch_size=2, hidden_size=32, depth=2, num_heads=2)
+QUALITY_STEPS = 10
+
+
+def _stripes_run(ctx, state: dict, mode: str, warmup: int, noise: torch.Tensor) -> torch.Tensor:
+    model = DiTModel.from_dit_config(STRIPES)
+    model.load_state_dict(state)
+    model.eval()
+    runner = PatchParallelRunner(ctx, {0: STRIPES}, lambda k: model, ParallelPlan(mode, warmup),
+                                 batch=noise.shape[0], guided=False)
+    vf = runner.velocity({}, steps=QUALITY_STEPS)
+    with torch.inference_mode():
+        out = integrate(vf, noise, time_grid(QUALITY_STEPS))
+    runner.close()
+    return out
+
+
+def test_trained_model_displaced_beats_naive_by_3db():
+    t0 = time.monotonic()
+    model = train_stripes_dit(STRIPES, iters=150, batch=32)
+    train_s = time.monotonic() - t0
+    noise = torch.randn(8, 1, 16, 16, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = integrate(lambda x, t, i: model(x, t), noise, time_grid(QUALITY_STEPS)).clamp(-1, 1)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    psnr = {}
+    for mode, warmup in [("sync", 0), ("displaced", 1), ("naive", 0)]:
+        got = run_local(_stripes_run, 2, (state, mode, warmup, noise), **FORK)[0].clamp(-1, 1)
+        psnr[mode] = peak_signal_noise_ratio(got, want, data_range=2.0).item()
+    print(f"\nstripes DiT (trained {train_s:.1f} s, 150 steps), 2 ranks, {QUALITY_STEPS} Euler steps, PSNR vs "
+          f"single process: sync {psnr['sync']:.1f} dB, displaced (warmup 1) {psnr['displaced']:.1f} dB, "
+          f"naive {psnr['naive']:.1f} dB")
+    assert psnr["sync"] > 60  # float rounding only
+    assert psnr["displaced"] >= psnr["naive"] + 3.0
+
+
+# --------------------------------------------------------------------------------------------------
+#                                 Dead and stalled ranks
+# --------------------------------------------------------------------------------------------------
+
+
+def _failing_run(ctx, how: str) -> dict:
+    experts, router = fleet()
+    noise, cond = inputs()
+    runner = PatchParallelRunner(ctx, {k: m.cfg for k, m in experts.items()}, experts.__getitem__,
+                                 ParallelPlan("displaced"), batch=B, guided=True)
+    vf = runner.velocity(cond, cfg_scale=2.0, route=route_fn(router, 2), steps=STEPS)
+
+    def velocity(x, t, step):
+        if step == 2 and ctx.rank == 1:
+            if how == "dead":
+                os._exit(3)
+            time.sleep(120)  # stalled: never answers
+        return vf(x, t, step)
+
+    with torch.inference_mode():
+        integrate(velocity, noise, time_grid(STEPS))
+    return {}
+
+
+@pytest.mark.parametrize("how", ["dead", "stalled"])
+def test_failing_rank_gives_clear_error_within_timeout(how):
+    t0 = time.monotonic()
+    with pytest.raises(FlowfleetError) as err:
+        run_local(_failing_run, 2, (how,), start_method="fork", timeout_s=3.0, deadline_s=60)
+    elapsed = time.monotonic() - t0
+    msg = str(err.value)
+    print(f"\n{how} rank -> after {elapsed:.1f} s: {msg}")
+    assert "rank 0: ParallelError" in msg and "another rank died or stalled" in msg
+    assert "\n" not in msg
+    assert elapsed < 25
