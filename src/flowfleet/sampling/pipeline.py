@@ -94,18 +94,24 @@ class RoutedVelocity:
         self._last_step = -1
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor, step: int) -> torch.Tensor:
+        selection = self.select(x, t, step)
+        return run_selected(self.pipe.experts, x, t, self.cond, selection, self.cfg, self.guided,
+                            self.trace.stats)
+
+    def select(self, x: torch.Tensor, t: torch.Tensor, step: int) -> Selection:
+        """This evaluation's per-sample experts and weights (routing + trace, no expert runs); the
+        patch-parallel velocity (flowfleet.parallel.fleet) routes through here too."""
         first_eval = step != self._last_step
         reroute = (self._selection is None or self.route_every == 1
                    or (first_eval and step % self.route_every == 0))
         if reroute:
             probs = self.pipe.router_probs(x, t)  # [B, P]
             self._selection = select_experts(probs, self.pipe.present, self.pipe.num_experts, self.k)
-            self.trace.router_calls += 1
+            self.trace.router_calls += self.pipe.router is not None
         if first_eval:
             self.trace.record(float(t[0]), self._selection, routed=reroute)
             self._last_step = step
-        return run_selected(self.pipe.experts, x, t, self.cond, self._selection, self.cfg, self.guided,
-                            self.trace.stats)
+        return self._selection
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,6 +153,7 @@ class FleetPipeline:
         self.device = torch.device(device)
         self.dtype = dtype
         self.index = index
+        self.parallel: Any = None  # flowfleet.parallel.fleet.ParallelFleet: patch-parallel sampling (--nproc)
 
     @property
     def num_experts(self) -> int:
@@ -310,6 +317,8 @@ class FleetPipeline:
                velocity_fn: VelocityFn | None = None, progress: bool = False) -> tuple[torch.Tensor, RoutingTrace]:
         """Integrate from noise x_1 to x_0 with the routed velocity (or the given velocity_fn)."""
         trace = RoutingTrace(self.num_experts)
+        if velocity_fn is None and self.parallel is not None:
+            velocity_fn = self.parallel.velocity_fn(self, cond, settings, trace)
         vf = velocity_fn or self.velocity_fn(cond, settings.k, settings.cfg, settings.route_every, trace)
         grid = time_grid(settings.steps, settings.shift, device=noise.device)
         bar = None
