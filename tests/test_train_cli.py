@@ -1,0 +1,203 @@
+"""Training jobs as real processes: SIGTERM, DDP under torchrun (gloo), train-all + status, the fan-out."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import safetensors.torch
+import torch
+
+from flowfleet.cli import main
+from flowfleet.storage import RunRoot
+from flowfleet.train.checkpoint import CheckpointStore
+from flowfleet.train.fanout import LocalFanout, ProcessJob, Slot, plan_slots
+from flowfleet.train.jobs import fleet_jobs
+from flowfleet.train.status import read_status
+from flowfleet.train.synthetic import synthetic_config, write_synthetic_run
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+CLI = [sys.executable, "-m", "flowfleet.cli"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_run(path, **kw) -> RunRoot:
+    root = RunRoot(path)
+    write_synthetic_run(root, synthetic_config(**kw))
+    return root
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def metrics_lines(job_dir) -> list[str]:
+    path = job_dir / "metrics.jsonl"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_sigterm_to_the_command_checkpoints_marks_stopped_and_returns_0(tmp_path, capsys):
+    root = make_run(tmp_path / "r", steps=100_000, train=dict(log_every=1))
+
+    def terminate_after_two_steps():
+        wait_for(lambda: len(metrics_lines(tmp_path / "r/experts/1")) >= 2, 120, "two steps")
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread, where the command runs
+
+    threading.Thread(target=terminate_after_two_steps, daemon=True).start()
+    assert main(["train-expert", str(tmp_path / "r"), "--expert", "1", "--no-progress"]) == 0
+    status = read_status(root, "experts/1")
+    assert status.state == "stopped" and "SIGTERM" in status.message and 2 <= status.step < 100_000
+    assert status.last_checkpoint == f"step-{status.step:07d}" == CheckpointStore(root, "experts/1").latest()
+    assert f"expert-1: stopped at step {status.step}/100000" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is given back
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_real_process_checkpoints_marks_stopped_and_exits_cleanly(tmp_path):
+    root = make_run(tmp_path / "r", steps=100_000, train=dict(log_every=1))
+    proc = subprocess.Popen([*CLI, "train-expert", str(tmp_path / "r"), "--expert", "1", "--no-progress"],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(metrics_lines(tmp_path / "r/experts/1")) >= 2, 180, "two training steps")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    status = read_status(root, "experts/1")
+    assert status.state == "stopped" and "SIGTERM" in status.message
+    assert status.last_checkpoint == f"step-{status.step:07d}" == CheckpointStore(root, "experts/1").latest()
+    assert f"expert-1: stopped at step {status.step}/100000" in out
+
+
+def test_ddp_with_two_gloo_processes_matches_one_process_with_accumulation(tmp_path):
+    kw = dict(steps=3, batch=8)
+    make_run(tmp_path / "ddp", **kw)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "flowfleet.cli", "train-expert", str(tmp_path / "ddp"), "--expert", "0", "--no-progress"],
+        env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("expert-0: done (3/3 steps") == 1  # rank 0 reports, rank 1 stays quiet
+    ddp_root = RunRoot(tmp_path / "ddp")
+    state = CheckpointStore(ddp_root, "experts/0").load("step-0000003").state
+    assert state["world_size"] == 2
+    metrics = (tmp_path / "ddp/experts/0/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in metrics] == [1, 2, 3]  # only rank 0 writes
+
+    make_run(tmp_path / "one", **kw, train=dict(grad_accum=2))
+    assert main(["train-expert", str(tmp_path / "one"), "--expert", "0", "--no-progress"]) == 0
+    name = "experts/0/final/diffusion_pytorch_model.safetensors"
+    a = safetensors.torch.load((tmp_path / "ddp" / name).read_bytes())
+    b = safetensors.torch.load((tmp_path / "one" / name).read_bytes())
+    moved = 0
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
+        moved += int(not torch.equal(a[key], torch.zeros_like(a[key])))
+    assert moved > 10
+
+
+def test_train_all_runs_every_job_then_status_shows_them_done(tmp_path, capsys):
+    root = make_run(tmp_path / "r", k=2, steps=2)
+    assert [j.name for j in fleet_jobs(synthetic_config(k=2, monolith=True))] == \
+        ["expert-0", "expert-1", "router", "monolith"]
+    assert main(["train-all", str(tmp_path / "r"), "--parallel", "3", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    for job in ("expert-0", "expert-1", "router"):
+        assert f"{job}: done" in out
+        assert read_status(root, "experts/0" if job == "expert-0" else
+                           "experts/1" if job == "expert-1" else "router").state == "done"
+    assert (tmp_path / "r/experts/1/train.log").exists()
+
+    assert main(["status", str(tmp_path / "r")]) == 0
+    table = capsys.readouterr().out
+    for job in ("expert-0", "expert-1", "router"):
+        row = next(line for line in table.splitlines() if job in line)
+        assert "done" in row and "2/2" in row and "100%" in row
+    assert main(["status", str(tmp_path / "r"), "--json"]) == 0
+    assert [s["state"] for s in json.loads(capsys.readouterr().out)] == ["done"] * 3
+
+    t0 = time.monotonic()
+    assert main(["train-all", str(tmp_path / "r"), "--no-progress"]) == 0  # nothing left to do
+    assert "expert-0: already done, skipped" in capsys.readouterr().out and time.monotonic() - t0 < 5
+
+
+def test_status_of_a_fresh_run_lists_pending_jobs(tmp_path, capsys):
+    make_run(tmp_path / "r", k=3, steps=5, monolith=True)
+    assert main(["status", str(tmp_path / "r"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["job"], r["state"], r["total_steps"]) for r in rows] == [
+        ("expert-0", "pending", 5), ("expert-1", "pending", 5), ("expert-2", "pending", 5), ("router", "pending", 5),
+        ("monolith", "pending", 15)]
+
+
+def test_failing_job_is_one_line_from_the_cli(tmp_path, capsys):
+    make_run(tmp_path / "r", k=2, steps=2)
+    assert main(["train-expert", str(tmp_path / "r"), "--expert", "7"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--expert 7: run.yaml has cluster.k = 2 experts (0..1)" in err[0]
+
+
+# ------------------------------------------------------------------------------------------------
+#                                 The fan-out itself (no torch)
+# ------------------------------------------------------------------------------------------------
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-S", "-c", code]
+
+
+def test_fanout_runs_at_most_n_at_a_time_and_reports_failures(tmp_path):
+    stamp = "import time, sys; open(sys.argv[1], 'w').write(f'{time.time()} '); time.sleep(0.6); " \
+            "open(sys.argv[1], 'a').write(f'{time.time()}')"
+    jobs = [ProcessJob(f"j{i}", [*_py(stamp), str(tmp_path / f"j{i}.t")], tmp_path / f"j{i}.log") for i in range(4)]
+    jobs.append(ProcessJob("bad", _py("import sys; print('it broke'); sys.exit(3)"), tmp_path / "bad.log"))
+    outcomes = LocalFanout([Slot(1), Slot(1)], poll_every=0.05).run(jobs)
+    by_name = {o.name: o for o in outcomes}
+    assert sorted(by_name) == ["bad", "j0", "j1", "j2", "j3"]
+    assert by_name["bad"].returncode == 3 and by_name["bad"].last_line == "it broke"
+    spans = [tuple(map(float, (tmp_path / f"j{i}.t").read_text().split())) for i in range(4)]
+    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    assert peak == 2
+
+
+def test_fanout_stop_forwards_sigterm_and_starts_nothing_new(tmp_path):
+    wait = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); " \
+           "open(sys.argv[1], 'w').write('up'); time.sleep(60)"
+    jobs = [ProcessJob(f"j{i}", [*_py(wait), str(tmp_path / f"j{i}.up")], tmp_path / f"j{i}.log") for i in range(3)]
+    fanout = LocalFanout([Slot(1), Slot(1)], poll_every=0.05)
+    threading.Thread(target=lambda: (wait_for(lambda: all((tmp_path / f"j{i}.up").exists() for i in range(2)), 30,
+                                              "jobs up"), fanout.request_stop()), daemon=True).start()
+    t0 = time.monotonic()
+    outcomes = fanout.run(jobs)
+    assert time.monotonic() - t0 < 30
+    assert sorted((o.name, o.returncode) for o in outcomes) == [("j0", 0), ("j1", 0)]
+    assert not (tmp_path / "j2.up").exists()
+
+
+def test_plan_slots_shares_cores_and_gpus():
+    assert [(s.threads, s.gpu) for s in plan_slots(5, None, cpus=2, gpus=0)] == [(1, None), (1, None)]
+    assert [(s.threads, s.gpu) for s in plan_slots(5, 1, cpus=8, gpus=0)] == [(8, None)]
+    assert [(s.threads, s.gpu) for s in plan_slots(2, None, cpus=16, gpus=4)] == [(8, 0), (8, 1)]
+    assert len(plan_slots(9, None, cpus=32, gpus=4)) == 4
