@@ -49,22 +49,24 @@ class AssembleResult:
 
 def job_finished(root: RunRoot, *job: str) -> tuple[bool, str, dict[str, Any]]:
     """(finished, reason if not, status dict). Finished = status.json says done and final/ exists."""
+    from flowfleet.train.status import read_status
+
+    job_dir = "/".join(job)
     where = root.url_of(*job)
-    if not root.exists(*job, STATUS_FILE):
+    try:
+        status = read_status(root, job_dir)
+    except ValueError as err:  # corrupted JSON or not a job status (FlowfleetError is a ValueError)
+        return False, str(err), {}
+    if status is None:
         if not root.exists(*job):
             return False, f"{where}: missing (never started)", {}
         return False, f"{root.url_of(*job, STATUS_FILE)}: missing", {}
-    try:
-        status = root.read_json(*job, STATUS_FILE)
-    except ValueError as err:
-        return False, str(err), {}
-    state = status.get("state") if isinstance(status, dict) else None
-    if state != "done":
-        step = f" at step {status.get('step')}/{status.get('total_steps')}" if isinstance(status, dict) else ""
-        return False, f"{where}: state {state!r}{step}, not done", status if isinstance(status, dict) else {}
+    if status.state != "done":
+        why = f"{where}: state {status.state!r} at step {status.step}/{status.total_steps}, not done"
+        return False, why, status.to_dict()
     if not root.exists(*job, FINAL, "config.json"):
-        return False, f"{root.url_of(*job, FINAL)}: missing although status.json says done", status
-    return True, "", status
+        return False, f"{root.url_of(*job, FINAL)}: missing although status.json says done", status.to_dict()
+    return True, "", status.to_dict()
 
 
 # --------------------------------------------------------------------------------------------------
