@@ -253,3 +253,24 @@ def test_learning_rate_schedules():
     assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[3] == pytest.approx(0.8535534) and lrs[5] == pytest.approx(0.1464466)
     constant = synthetic_config(train=dict(lr=0.1)).train
     assert {learning_rate(constant, s, 6) for s in range(6)} == {0.1}
+
+
+def test_job_on_an_object_store_run_root_trains_and_resumes(tmp_path):
+    url = f"memory://flowfleet-test-{os.getpid()}-{id(tmp_path)}/run"
+    root = RunRoot(url)
+    write_synthetic_run(root, synthetic_config(steps=4, train=dict(ckpt_every=2)))
+    options = TrainOptions(progress=False, heartbeat_every=0.2, tensorboard=True)
+
+    def stop_in_step_2(call, loss):
+        if call == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return loss
+
+    assert run_job(root, on_loss=stop_in_step_2, options=options).state == "stopped"
+    assert len(root.read_bytes("experts/0", "metrics.jsonl").decode().splitlines()) == 2
+    assert run_job(root, options=options).state == "done"
+    assert [json.loads(x)["step"] for x in root.read_bytes("experts/0", "metrics.jsonl").decode().splitlines()] \
+        == [1, 2, 3, 4]
+    assert root.exists("experts/0", "final", "config.json") and root.ls("experts/0", "tb")
+    assert load_model(DiTExpert, root, "experts/0", "final").cfg == load_run_config(root).expert
+    root.remove(recursive=True)
