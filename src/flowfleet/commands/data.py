@@ -4,13 +4,63 @@ from __future__ import annotations
 
 import argparse
 
-from flowfleet.commands import add_run_root, not_implemented
+from flowfleet.commands import add_run_root
+
+PREPARE_HELP = """\
+Stream the source named in RUN_ROOT/run.yaml (data.source: mnist, shapes, folder, webdataset, parquet,
+hf_disk) through the run's encoders and write RUN_ROOT/data/: shards of latents, semantic features, text
+tokens/mask/pooled, labels and a global index, plus manifest.json (counts, shapes, encoders, a source
+fingerprint, skipped items) and preview.png.
+
+Unreadable images are skipped and listed in the manifest; missing captions become "" and are counted.
+An interrupted run continues after the last complete shard when started again; a data/ folder made
+from another source or other encoders is refused unless --restart discards it.
+"""
+
+CLUSTER_HELP = """\
+Split the prepared items into cluster.k partitions (run.yaml `cluster`). Mode kmeans is the two-stage
+recipe of DDM/Paris: k-means with cluster.fine_k centroids on a sample of the L2-normalised semantic
+features, k-means of those centroids into K, every item assigned through its nearest fine centroid
+(faiss when installed, torch otherwise; deterministic for cluster.seed; cluster.balance evens the
+sizes). Mode random is the baseline: a seeded, equal-size random split.
+
+Writes RUN_ROOT/clusters/ (assignments.safetensors, centroids.safetensors, report.json with sizes,
+inertia, the fine->coarse map and NMI against the source labels, preview-k.png per cluster) and one
+shard set per partition at RUN_ROOT/partitions/k/, all an expert job needs. Re-running replaces them.
+"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="encode the source into shards (latents, features, text)")
+    p = sub.add_parser("prepare", help="encode the source into shards (latents, features, text)",
+                       description=PREPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_root(p)
-    p.set_defaults(func=not_implemented(3))
-    p = sub.add_parser("cluster", help="split the data into K semantic partitions (two-stage k-means)")
+    p.add_argument("--restart", action="store_true", help="discard an existing data/ folder and start over")
+    p.add_argument("--device", default=None, help="torch device for the encoders (default: cuda if available)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_prepare)
+
+    p = sub.add_parser("cluster", help="split the data into K semantic partitions (two-stage k-means)",
+                       description=CLUSTER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_root(p)
-    p.set_defaults(func=not_implemented(3))
+    p.add_argument("--device", default=None, help="torch device for the torch k-means and previews")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_cluster)
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from flowfleet.stages.prepare import prepare
+
+    m = prepare(args.run_root, device=args.device, restart=args.restart, progress=not args.quiet)
+    shapes = ", ".join(f"{k} {tuple(v['shape'])}" for k, v in m.fields.items() if k not in ("labels", "index"))
+    print(f"prepared {m.count} items in {len(m.shards)} shards ({shapes}); skipped {m.extra.get('skipped_count', 0)}, "
+          f"missing captions {m.extra.get('missing_captions', 0)}")
+    return 0
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    from flowfleet.stages.cluster import cluster
+
+    report = cluster(args.run_root, device=args.device, progress=not args.quiet)
+    nmi = f", NMI vs labels {report['nmi']:.3f}" if report.get("nmi") is not None else ""
+    print(f"{report['mode']}: {report['k']} partitions, sizes {report['sizes']}{nmi}")
+    return 0

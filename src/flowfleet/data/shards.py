@@ -82,8 +82,10 @@ class ShardSet:
     def write_manifest(self, manifest: ShardSetManifest) -> None:
         self.root.write_json(manifest.to_dict(), self.folder, MANIFEST)
 
-    def append(self, manifest: ShardSetManifest, tensors: dict[str, torch.Tensor], captions: list[str]) -> None:
-        """Write the next shard, then the manifest that names it (so a crash never exposes half a shard)."""
+    def append(self, manifest: ShardSetManifest, tensors: dict[str, torch.Tensor], captions: list[str],
+               info: dict[str, Any] | None = None) -> None:
+        """Write the next shard, then the manifest that names it (so a crash never exposes half a shard).
+        `info` adds keys to the shard's manifest entry (prepare records where in the source it ends)."""
         n = len(captions)
         for name, t in tensors.items():
             if t.shape[0] != n:
@@ -95,7 +97,7 @@ class ShardSet:
         if not manifest.fields:
             manifest.fields = {k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype).removeprefix("torch.")}
                                for k, v in tensors.items()}
-        manifest.shards.append({"name": name, "count": n})
+        manifest.shards.append({"name": name, "count": n, **(info or {})})
         self.write_manifest(manifest)
 
     def read_shard(self, name: str) -> tuple[dict[str, torch.Tensor], list[str]]:

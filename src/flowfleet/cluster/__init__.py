@@ -1,0 +1,16 @@
+"""Semantic partitioning of the prepared data: two-stage k-means (faiss or torch) and its metrics."""
+
+from flowfleet.cluster.kmeans import (
+    KMeansResult,
+    TwoStageResult,
+    assign_nearest,
+    balance_fine_to_coarse,
+    faiss_available,
+    kmeans,
+    l2_normalize_,
+    random_partition,
+    two_stage_kmeans,
+)
+
+__all__ = ["KMeansResult", "TwoStageResult", "assign_nearest", "balance_fine_to_coarse", "faiss_available",
+           "kmeans", "l2_normalize_", "random_partition", "two_stage_kmeans"]

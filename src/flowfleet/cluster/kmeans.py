@@ -1,0 +1,249 @@
+"""Two-stage hierarchical k-means (DDM / Paris §2.6, after MetaCLIP's MoDE recipe).
+
+    1. fine k-means: F centroids fitted on a seeded sample of the L2-normalised features
+    2. coarse k-means: the F fine centroids clustered into K
+    3. every item goes to its nearest fine centroid, and through it to that centroid's coarse cluster
+
+Stage 1 sees at most `sample_size` items and stage 3 is one nearest-neighbour search, so the cost is
+dominated by N x F distance products, not by K. faiss runs both k-means and the search when it is
+installed; otherwise a plain Lloyd's k-means in torch (hand-written: torch has none, and it runs on a
+GPU when there is one). Both are deterministic for a seed: faiss's own seeded initialisation, and
+in torch a seeded random choice of the first centroids with empty clusters re-seeded by the items
+farthest from their centroid.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from flowfleet.errors import FlowfleetError
+
+CHUNK = 32768  # rows per distance block: CHUNK x k floats
+
+
+def faiss_available() -> bool:
+    return importlib.util.find_spec("faiss") is not None
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    if backend == "auto":
+        return "faiss" if faiss_available() else "torch"
+    if backend not in ("faiss", "torch"):
+        raise ValueError(f"k-means backend: unknown {backend!r} (expected auto, faiss or torch)")
+    if backend == "faiss" and not faiss_available():
+        raise FlowfleetError("k-means backend 'faiss' is not installed (pip install faiss-cpu)")
+    return backend
+
+
+def l2_normalize_(x: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """Scale every row of a float32 [N, D] tensor to unit length, in place (no second N x D copy)."""
+    for i in range(0, x.shape[0], chunk):
+        block = x[i : i + chunk]
+        block /= block.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    return x
+
+
+# ------------------------------------------------------------------------------------------------
+#                                     One k-means
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KMeansResult:
+    centroids: torch.Tensor  # [k, D] float32
+    assign: torch.Tensor  # [n] int64
+    inertia: float  # sum of squared distances to the assigned centroid
+
+
+def assign_nearest(x: torch.Tensor, centroids: torch.Tensor, *, backend: str = "auto",
+                   device: torch.device | str = "cpu", progress: bool = False, desc: str = "assign"
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest centroid of each row: (index [N] int64, squared distance [N] float32)."""
+    backend = resolve_backend(backend)
+    n = x.shape[0]
+    idx = torch.empty(n, dtype=torch.int64)
+    dist = torch.empty(n, dtype=torch.float32)
+    bar = tqdm(total=n, desc=desc, unit="item", disable=not progress, dynamic_ncols=True)
+    if backend == "faiss":
+        import faiss
+
+        index = faiss.IndexFlatL2(centroids.shape[1])
+        index.add(np.ascontiguousarray(centroids.cpu().numpy(), dtype=np.float32))
+        for i in range(0, n, CHUNK):
+            d2, j = index.search(np.ascontiguousarray(x[i : i + CHUNK].numpy(), dtype=np.float32), 1)
+            idx[i : i + CHUNK] = torch.from_numpy(j[:, 0])
+            dist[i : i + CHUNK] = torch.from_numpy(d2[:, 0])
+            bar.update(min(CHUNK, n - i))
+    else:
+        c = centroids.to(device, torch.float32)  # [k, D]
+        c2 = (c * c).sum(1)  # [k]
+        for i in range(0, n, CHUNK):
+            block = x[i : i + CHUNK].to(device, torch.float32)  # [b, D]
+            d2 = (block * block).sum(1, keepdim=True) - 2 * block @ c.T + c2  # [b, k]
+            best, j = d2.min(dim=1)
+            idx[i : i + CHUNK] = j.cpu()
+            dist[i : i + CHUNK] = best.clamp_min(0).cpu()
+            bar.update(block.shape[0])
+    bar.close()
+    return idx, dist
+
+
+def _torch_kmeans(x: torch.Tensor, k: int, iters: int, seed: int, device: torch.device | str) -> torch.Tensor:
+    """Lloyd's algorithm; returns the centroids [k, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    c = x[torch.randperm(x.shape[0], generator=gen)[:k]].to(device, torch.float32).clone()  # [k, D]
+    for _ in range(iters):
+        a, d2 = assign_nearest(x, c, backend="torch", device=device)
+        sums = torch.zeros(k, x.shape[1], dtype=torch.float64).index_add_(0, a, x.double())  # [k, D]
+        counts = torch.bincount(a, minlength=k)  # [k]
+        new = (sums / counts.clamp_min(1).unsqueeze(1)).float()
+        empty = counts == 0
+        if empty.any():  # re-seed with the items worst served by their centroid
+            new[empty] = x[d2.topk(int(empty.sum())).indices].float()
+        new = new.to(device)
+        if torch.equal(new, c):
+            break
+        c = new
+    return c.cpu()
+
+
+def kmeans(x: torch.Tensor, k: int, *, iters: int = 25, seed: int = 0, backend: str = "auto",
+           device: torch.device | str = "cpu") -> KMeansResult:
+    """k-means of the rows of x [n, D] (n >= k)."""
+    n = x.shape[0]
+    if k > n:
+        raise ValueError(f"k-means: {k} clusters for {n} points")
+    backend = resolve_backend(backend)
+    x = x.float().contiguous()
+    if backend == "faiss":
+        import faiss
+
+        # max_points_per_centroid = all: the caller already chose the sample (cluster.sample_size).
+        km = faiss.Kmeans(x.shape[1], k, niter=iters, seed=seed, verbose=False, min_points_per_centroid=1,
+                          max_points_per_centroid=math.ceil(n / k) + 1)
+        km.train(x.numpy())
+        centroids = torch.from_numpy(np.array(km.centroids, dtype=np.float32))
+    else:
+        centroids = _torch_kmeans(x, k, iters, seed, device)
+    assign, d2 = assign_nearest(x, centroids, backend=backend, device=device)
+    return KMeansResult(centroids, assign, float(d2.double().sum()))
+
+
+# ------------------------------------------------------------------------------------------------
+#                                     Two stages
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TwoStageResult:
+    fine: torch.Tensor  # [F, D] fine centroids
+    coarse: torch.Tensor  # [K, D] coarse centroids
+    fine_to_coarse: torch.Tensor  # [F] int64
+    fine_assign: torch.Tensor  # [N] int64 nearest fine centroid
+    assign: torch.Tensor  # [N] int64 partition = fine_to_coarse[fine_assign]
+    inertia_fine: float  # sum over items of |x - fine centroid|^2
+    inertia_coarse: float  # sum over items of |x - coarse centroid|^2
+    sample_size: int
+    backend: str
+    reseeds: int = 0  # coarse k-means re-runs caused by an empty partition
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sizes(self) -> list[int]:
+        return torch.bincount(self.assign, minlength=self.coarse.shape[0]).tolist()
+
+
+def balance_fine_to_coarse(fine: torch.Tensor, coarse: torch.Tensor, fine_sizes: torch.Tensor,
+                           slack: float = 0.1) -> torch.Tensor:
+    """Size-balanced fine -> coarse map: each coarse cluster holds at most (1 + slack) N / K items.
+
+    Greedy, hand-written (no library does capacity-constrained assignment of weighted points): fine
+    clusters, largest first, go to the nearest coarse centroid with room left, or to the emptiest one
+    when none has room. Balance is therefore only as fine as the fine clusters."""
+    k = coarse.shape[0]
+    cap = math.ceil((1 + slack) * float(fine_sizes.sum()) / k)
+    d2 = torch.cdist(fine.double(), coarse.double())  # [F, K]
+    load = torch.zeros(k, dtype=torch.int64)
+    out = torch.empty(fine.shape[0], dtype=torch.int64)
+    for f in torch.argsort(fine_sizes, descending=True, stable=True).tolist():
+        size = int(fine_sizes[f])
+        fits = (load + size <= cap).nonzero().flatten()
+        j = int(fits[d2[f, fits].argmin()]) if len(fits) else int(load.argmin())
+        out[f] = j
+        load[j] += size
+    return out
+
+
+def _weighted_means(fine: torch.Tensor, fine_to_coarse: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
+    w = weights.double().unsqueeze(1)  # [F, 1]
+    sums = torch.zeros(k, fine.shape[1], dtype=torch.float64).index_add_(0, fine_to_coarse, fine.double() * w)
+    tot = torch.zeros(k, dtype=torch.float64).index_add_(0, fine_to_coarse, weights.double())
+    return (sums / tot.clamp_min(1e-12).unsqueeze(1)).float()  # [K, D]
+
+
+def _coarse_inertia(x: torch.Tensor, coarse: torch.Tensor, assign: torch.Tensor) -> float:
+    total = 0.0
+    for i in range(0, x.shape[0], CHUNK):
+        diff = x[i : i + CHUNK] - coarse[assign[i : i + CHUNK]]
+        total += float((diff.double() ** 2).sum())
+    return total
+
+
+def two_stage_kmeans(x: torch.Tensor, k: int, *, fine_k: int, sample_size: int, iters: int = 25, seed: int = 0,
+                     balance: bool = False, backend: str = "auto", device: torch.device | str = "cpu",
+                     max_reseeds: int = 5, progress: bool = False) -> TwoStageResult:
+    """Partition the rows of x [N, D] (L2-normalised by the caller) into k clusters; see the module doc.
+
+    An empty partition triggers the coarse k-means again with the next seed (at most `max_reseeds`
+    times); a partition that stays empty is an error, never a silent empty expert."""
+    backend = resolve_backend(backend)
+    n = x.shape[0]
+    if k > n:
+        raise FlowfleetError(f"cluster.k: {k} partitions for only {n} prepared items")
+    s = min(sample_size, n)
+    f = min(fine_k, s)
+    notes = []
+    if f < fine_k:
+        notes.append(f"fine_k {fine_k} capped at the sample size {s}")
+    if f < k:
+        raise FlowfleetError(f"cluster.fine_k: {f} fine clusters (capped at the {s}-item sample) cannot make {k} "
+                             f"coarse clusters; raise cluster.fine_k or cluster.sample_size")
+    gen = torch.Generator().manual_seed(seed)
+    sample = torch.sort(torch.randperm(n, generator=gen)[:s]).values  # [S]
+    xs = x[sample] if s < n else x
+    fine = kmeans(xs, f, iters=iters, seed=seed, backend=backend, device=device).centroids  # [F, D]
+    fine_assign, d2 = assign_nearest(x, fine, backend=backend, device=device, progress=progress,
+                                     desc="assign to fine centroids")  # [N], [N]
+    fine_sizes = torch.bincount(fine_assign, minlength=f)  # [F]
+    for attempt in range(max_reseeds + 1):
+        coarse_fit = kmeans(fine, k, iters=iters, seed=seed + attempt, backend=backend, device=device)
+        fine_to_coarse = coarse_fit.assign  # [F]
+        coarse = coarse_fit.centroids  # [K, D]
+        if balance:
+            fine_to_coarse = balance_fine_to_coarse(fine, coarse, fine_sizes)
+            coarse = _weighted_means(fine, fine_to_coarse, fine_sizes, k)
+        assign = fine_to_coarse[fine_assign]  # [N]
+        empty = (torch.bincount(assign, minlength=k) == 0).nonzero().flatten().tolist()
+        if not empty:
+            break
+    else:
+        raise FlowfleetError(f"cluster: partition(s) {empty} stay empty after {max_reseeds} re-seeded coarse k-means "
+                             f"runs; lower cluster.k or raise cluster.fine_k")
+    return TwoStageResult(fine, coarse, fine_to_coarse, fine_assign, assign, float(d2.double().sum()),
+                          _coarse_inertia(x, coarse, assign), s, backend, attempt, notes)
+
+
+def random_partition(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """The baseline: a seeded random split into k parts whose sizes differ by at most one."""
+    if k > n:
+        raise FlowfleetError(f"cluster.k: {k} partitions for only {n} prepared items")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    assign = torch.empty(n, dtype=torch.int64)
+    assign[perm] = torch.arange(n) % k
+    return assign

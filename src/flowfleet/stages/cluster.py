@@ -1,0 +1,206 @@
+"""Stage `cluster`: split RUN_ROOT/data/ into cluster.k partitions (paris §2.6, DDM's data partitioning).
+
+Reads the semantic features of every prepared item, partitions them (two-stage k-means, or the
+seeded random baseline), and writes
+
+    clusters/assignments.safetensors   "assign" [N] int64 (aligned with data/'s index), "fine" [N]
+    clusters/centroids.safetensors     "fine" [F, D], "coarse" [K, D], "fine_to_coarse" [F]
+    clusters/preview-k.png             up to 64 random members of partition k
+    clusters/report.json               sizes, inertia, fine->coarse map, NMI vs labels, label mix, examples
+    partitions/k/                      a ShardSet with partition k's items (all fields, captions)
+
+report.json is written last: its presence means the stage finished. Re-running replaces all of it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import safetensors.torch
+import torch
+from tqdm.auto import tqdm
+
+from flowfleet.cluster.kmeans import l2_normalize_, random_partition, two_stage_kmeans
+from flowfleet.config import RunConfig, load_run_config
+from flowfleet.data.encoders import build_latent_encoder
+from flowfleet.data.shards import ShardSet, ShardSetManifest
+from flowfleet.errors import FlowfleetError
+from flowfleet.storage import RunRoot
+
+CLUSTERS = "clusters"
+PARTITIONS = "partitions"
+ASSIGNMENTS = "assignments.safetensors"
+CENTROIDS = "centroids.safetensors"
+REPORT = "report.json"
+PREVIEW_ITEMS = 64
+EXAMPLE_CAPTIONS = 5
+
+
+def preview_name(k: int) -> str:
+    return f"preview-{k}.png"
+
+
+def partition_folder(k: int) -> str:
+    return f"{PARTITIONS}/{k}"
+
+
+def load_assignments(root: RunRoot) -> torch.Tensor:
+    """clusters/assignments.safetensors "assign" [N] int64 (one-line error when missing)."""
+    if not root.exists(CLUSTERS, ASSIGNMENTS):
+        raise FlowfleetError(f"{root.url_of(CLUSTERS, ASSIGNMENTS)}: missing; run `flowfleet cluster {root.url}`")
+    return safetensors.torch.load(root.read_bytes(CLUSTERS, ASSIGNMENTS))["assign"]
+
+
+def nmi(labels: torch.Tensor, assign: torch.Tensor) -> float | None:
+    """Normalised mutual information between source labels and partitions (items labelled -1 ignored)."""
+    keep = labels >= 0
+    if int(keep.sum()) == 0:
+        return None
+    from sklearn.metrics import normalized_mutual_info_score
+
+    return float(normalized_mutual_info_score(labels[keep].numpy(), assign[keep].numpy()))
+
+
+def _label_mix(labels: torch.Tensor, assign: torch.Tensor, k: int) -> list[dict[str, int]]:
+    """Per partition: {label: count}, most frequent first."""
+    out = []
+    for j in range(k):
+        lab = labels[(assign == j) & (labels >= 0)]
+        values, counts = torch.unique(lab, return_counts=True)
+        order = torch.argsort(counts, descending=True, stable=True)
+        out.append({str(int(values[i])): int(counts[i]) for i in order})
+    return out
+
+
+def _open_data(root: RunRoot) -> tuple[ShardSet, ShardSetManifest]:
+    data = ShardSet(root, "data")
+    if not data.exists():
+        raise FlowfleetError(f"{root.url_of('data', 'manifest.json')}: missing; run `flowfleet prepare {root.url}` first")
+    manifest = data.manifest()
+    if not manifest.complete:
+        raise FlowfleetError(f"{root.url_of('data', 'manifest.json')}: prepare has not finished "
+                             f"({manifest.count} items so far); run `flowfleet prepare {root.url}` again")
+    return data, manifest
+
+
+def cluster(run_root: str | RunRoot, *, device: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """Partition the prepared data; writes clusters/ and partitions/. Returns the report."""
+    root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
+    cfg = load_run_config(root)
+    c = cfg.cluster
+    data, manifest = _open_data(root)
+    t0 = time.perf_counter()
+    fields = data.load(["features", "labels", "index"])
+    x, labels, index = fields["features"].float(), fields["labels"], fields["index"]
+    n = x.shape[0]
+    if not torch.equal(index, torch.arange(n)):
+        raise FlowfleetError(f"{data.url}: the shards' index is not 0..{n - 1} in order; run prepare with --restart")
+    if c.k > n:
+        raise FlowfleetError(f"cluster.k: {c.k} partitions for only {n} prepared items")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    report: dict[str, Any] = {"mode": c.mode, "k": c.k, "count": n, "config": c.model_dump(mode="json"),
+                              "source": manifest.extra.get("source"),
+                              "features": (manifest.extra.get("encoders") or {}).get("semantic")}
+    if c.mode == "random":
+        assign = random_partition(n, c.k, c.seed)
+        l2_normalize_(x)
+        coarse = torch.zeros(c.k, x.shape[1]).index_add_(0, assign, x) / torch.bincount(assign, minlength=c.k).unsqueeze(1)
+        fine, fine_to_coarse, fine_assign = coarse, torch.arange(c.k), assign
+        report.update(backend="none")
+    else:
+        l2_normalize_(x)
+        res = two_stage_kmeans(x, c.k, fine_k=c.fine_k, sample_size=c.sample_size, iters=c.iters, seed=c.seed,
+                               balance=c.balance, device=dev, progress=progress)
+        assign, fine, coarse = res.assign, res.fine, res.coarse
+        fine_to_coarse, fine_assign = res.fine_to_coarse, res.fine_assign
+        report.update(backend=res.backend, fine_k=fine.shape[0], sample_size=res.sample_size,
+                      inertia={"fine": res.inertia_fine, "coarse": res.inertia_coarse,
+                               "coarse_per_item": res.inertia_coarse / n},
+                      reseeds=res.reseeds, notes=res.notes, fine_to_coarse=fine_to_coarse.tolist())
+    sizes = torch.bincount(assign, minlength=c.k).tolist()
+    report.update(sizes=sizes, seconds_clustering=round(time.perf_counter() - t0, 2))
+    score = nmi(labels, assign)
+    if score is not None:
+        shuffled = assign[torch.randperm(n, generator=torch.Generator().manual_seed(c.seed))]
+        report.update(nmi=score, nmi_random_same_sizes=nmi(labels, shuffled),
+                      label_mix=_label_mix(labels, assign, c.k))
+    else:
+        report.update(nmi=None)
+
+    # Replace any earlier result, then write the small files before the partitions.
+    root.remove(CLUSTERS, recursive=True)
+    root.remove(PARTITIONS, recursive=True)
+    root.write_bytes(safetensors.torch.save({"assign": assign.contiguous(), "fine": fine_assign.contiguous()}),
+                     CLUSTERS, ASSIGNMENTS)
+    root.write_bytes(safetensors.torch.save({"fine": fine.contiguous(), "coarse": coarse.contiguous(),
+                                             "fine_to_coarse": fine_to_coarse.contiguous()}), CLUSTERS, CENTROIDS)
+    examples = write_partitions(root, cfg, data, manifest, assign, progress=progress)
+    write_previews(root, cfg, examples, dev)
+    report["examples"] = {str(k): caps for k, (_, caps) in examples.items()}
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    root.write_json(report, CLUSTERS, REPORT)
+    return report
+
+
+def write_partitions(root: RunRoot, cfg: RunConfig, data: ShardSet, manifest: ShardSetManifest,
+                     assign: torch.Tensor, *, progress: bool = True
+                     ) -> dict[int, tuple[torch.Tensor, list[str]]]:
+    """partitions/k/ for every k, streamed shard by shard; returns per partition (latents, captions)
+    of up to PREVIEW_ITEMS seeded-random members for the previews."""
+    k_total = cfg.cluster.k
+    size = cfg.data.shard_size
+    gen = torch.Generator().manual_seed(cfg.cluster.seed)
+    picked = torch.zeros(assign.shape[0], dtype=torch.bool)
+    for k in range(k_total):
+        members = (assign == k).nonzero().flatten()
+        picked[members[torch.randperm(len(members), generator=gen)[:PREVIEW_ITEMS]]] = True
+    sets = [ShardSet(root, partition_folder(k)) for k in range(k_total)]
+    extra = {"partition": None, "num_partitions": k_total, "source": manifest.extra.get("source"),
+             "encoders": manifest.extra.get("encoders"), "cluster": cfg.cluster.model_dump(mode="json"),
+             "data_count": manifest.count}
+    outs = [ShardSetManifest(extra={**extra, "partition": k}) for k in range(k_total)]
+    pending: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(k_total)]
+    pending_caps: list[list[str]] = [[] for _ in range(k_total)]
+    examples: dict[int, tuple[list[torch.Tensor], list[str]]] = {k: ([], []) for k in range(k_total)}
+
+    def flush(k: int, final: bool) -> None:
+        while pending_caps[k] and (len(pending_caps[k]) >= size or final):
+            cat = {f: torch.cat(v) for f, v in pending[k].items()}
+            m = min(size, len(pending_caps[k]))
+            sets[k].append(outs[k], {f: v[:m] for f, v in cat.items()}, pending_caps[k][:m])
+            pending[k] = {f: [v[m:]] for f, v in cat.items()}
+            pending_caps[k] = pending_caps[k][m:]
+
+    for shard in tqdm(manifest.shards, desc="partitions", unit="shard", disable=not progress, dynamic_ncols=True):
+        tensors, captions = data.read_shard(shard["name"])
+        part = assign[tensors["index"]]  # [n]
+        for k in range(k_total):
+            rows = (part == k).nonzero().flatten()
+            if len(rows) == 0:
+                continue
+            for f, v in tensors.items():
+                pending[k].setdefault(f, []).append(v[rows])
+            caps = [captions[i] for i in rows.tolist()]
+            pending_caps[k] += caps
+            show = picked[tensors["index"][rows]]
+            examples[k][0].append(tensors["latents"][rows[show]])
+            examples[k][1].extend(c for c, s in zip(caps, show.tolist()) if s)
+            flush(k, final=False)
+    for k in range(k_total):
+        flush(k, final=True)
+        outs[k].complete = True
+        sets[k].write_manifest(outs[k])
+    return {k: (torch.cat(lat), caps[:EXAMPLE_CAPTIONS]) for k, (lat, caps) in examples.items()}
+
+
+def write_previews(root: RunRoot, cfg: RunConfig, examples: dict[int, tuple[torch.Tensor, list[str]]],
+                   device: torch.device) -> None:
+    """clusters/preview-k.png: a grid of partition k's sampled members, decoded to images."""
+    from flowfleet.sampling.views import image_grid, png_bytes
+
+    latent = build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device)
+    for k, (latents, _) in examples.items():
+        images = latent.decode(latents).cpu()  # [<=64, C, H, W]
+        root.write_bytes(png_bytes(image_grid(images)), CLUSTERS, preview_name(k))

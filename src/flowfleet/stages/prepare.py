@@ -1,0 +1,246 @@
+"""Stage `prepare`: stream the source through the three encoders into RUN_ROOT/data/ (a ShardSet).
+
+paris §2.1 steps (i)-(ii): latents for the denoisers, semantic features for clustering, text
+embeddings for conditioning, all computed once. Items are read in order, decoded, encoded in batches
+of data.batch_size and written in shards of data.shard_size items; each shard records where in the
+source it ends (`source_end`), so an interrupted run restarts after the last shard that the manifest
+names. A run whose manifest was made from another source or other encoders is never silently mixed:
+it is refused unless `restart` discards it.
+
+Bad input never stops the run: an unreadable image is skipped and listed (key + reason) in the
+manifest, a missing caption becomes "" and is counted. A missing or empty source is one error line.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from flowfleet.config import RunConfig, load_run_config
+from flowfleet.data.encoders import (
+    LatentEncoder,
+    SemanticEncoder,
+    TextEncoder,
+    build_latent_encoder,
+    build_semantic_encoder,
+    build_text_encoder,
+)
+from flowfleet.data.images import ImageDecodeError, open_image, to_tensor
+from flowfleet.data.shards import ShardSet, ShardSetManifest
+from flowfleet.data.sources import RawItem, Source, build_source
+from flowfleet.errors import FlowfleetError
+from flowfleet.storage import RunRoot
+
+DATA = "data"
+PREVIEW = "preview.png"
+MAX_LISTED = 1000  # skipped items listed by key in the manifest (all are counted)
+
+
+@dataclass
+class Encoders:
+    latent: LatentEncoder
+    semantic: SemanticEncoder
+    text: TextEncoder | None
+
+    def describe(self) -> dict[str, Any]:
+        return {"latent": self.latent.describe(), "semantic": self.semantic.describe(),
+                "text": self.text.describe() if self.text else None}
+
+
+def build_encoders(cfg: RunConfig, device: torch.device | str = "cpu") -> Encoders:
+    """The run's encoders, checked against what run.yaml promises the models (text width)."""
+    enc = Encoders(build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device),
+                   build_semantic_encoder(cfg.encoders.semantic, device),
+                   build_text_encoder(cfg.encoders.text, device))
+    if enc.text is not None and enc.text.width != cfg.encoders.text.width:
+        raise FlowfleetError(f"encoders.text.path: the {cfg.encoders.text.name} model gives {enc.text.width}-d "
+                             f"tokens, run.yaml expects {cfg.encoders.text.width}")
+    return enc
+
+
+@dataclass
+class _Rows:
+    """Encoded items waiting to fill a shard."""
+
+    tensors: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    captions: list[str] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)  # source position after each item
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+    def add(self, tensors: dict[str, torch.Tensor], captions: list[str], ends: list[int]) -> None:
+        for k, v in tensors.items():
+            self.tensors.setdefault(k, []).append(v)
+        self.captions += captions
+        self.ends += ends
+
+    def take(self, n: int) -> tuple[dict[str, torch.Tensor], list[str], int]:
+        """The first n rows (removed from the buffer) and the source position after the last of them."""
+        cat = {k: torch.cat(v) for k, v in self.tensors.items()}
+        head = {k: v[:n] for k, v in cat.items()}
+        self.tensors = {k: [v[n:]] for k, v in cat.items()}
+        captions, self.captions = self.captions[:n], self.captions[n:]
+        end, self.ends = self.ends[n - 1], self.ends[n:]
+        return head, captions, end
+
+
+def encode_batch(enc: Encoders, images: torch.Tensor, captions: list[str], labels: list[int]) -> dict[str, torch.Tensor]:
+    """One batch through the encoders, as the shard fields (CPU tensors in the shard dtypes)."""
+    out = {
+        "latents": enc.latent.encode(images).float().cpu(),  # [b, c, h, w]
+        "features": enc.semantic.encode(images).float().cpu(),  # [b, F]
+        "labels": torch.tensor(labels, dtype=torch.int64),  # [b]
+    }
+    if enc.text is not None:
+        # Captions repeat a lot (MNIST has ten): encode each distinct one once.
+        unique = list(dict.fromkeys(captions))
+        emb = enc.text.encode(unique)
+        pick = torch.tensor([unique.index(c) for c in captions])
+        out["text_tokens"] = emb.tokens.cpu()[pick].half()  # [b, L, T]
+        out["text_mask"] = emb.mask.cpu()[pick].to(torch.uint8)  # [b, L]
+        out["text_pooled"] = emb.pooled.cpu()[pick].float()  # [b, T]
+    return out
+
+
+def _recipe(cfg: RunConfig, source: Source) -> dict[str, Any]:
+    """Everything that decides the prepared bytes; a manifest with another recipe is not resumed."""
+    d = cfg.data
+    return {"source": source.fingerprint(), "image_size": d.image_size, "channels": d.channels, "limit": d.limit,
+            "encoders": cfg.encoders.model_dump(mode="json")}
+
+
+def _first_difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
+                return _first_difference(a[k], b[k], f"{prefix}{k}.")
+            return f"{prefix}{k}"
+    return ""
+
+
+def _decoded(items: Iterator[RawItem], start: int, size: int, channels: int, skipped: list[dict[str, Any]],
+             counts: dict[str, int]) -> Iterator[tuple[int, torch.Tensor, str, int]]:
+    """(source position after the item, image [C, S, S], caption, label) for every usable item."""
+    for pos, item in enumerate(items, start):
+        if item.error is None:
+            try:
+                image = to_tensor(open_image(item.image), size, channels)
+            except ImageDecodeError as err:
+                item.error = str(err)
+        if item.error is not None:
+            counts["skipped"] += 1
+            if len(skipped) < MAX_LISTED:
+                skipped.append({"key": item.key, "reason": item.error, "pos": pos})
+            continue
+        caption = (item.caption or "").strip()
+        if not caption:
+            counts["missing_captions"] += 1
+        yield pos + 1, image, caption, item.label
+
+
+def prepare(run_root: str | RunRoot, *, device: str | None = None, restart: bool = False,
+            progress: bool = True) -> ShardSetManifest:
+    """Encode the run's source into RUN_ROOT/data/; resumes an interrupted run. Returns the manifest."""
+    root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
+    cfg = load_run_config(root)
+    d = cfg.data
+    source = build_source(d, cfg.storage.options)
+    recipe = _recipe(cfg, source)
+    shards = ShardSet(root, DATA)
+    where = root.url_of(DATA, "manifest.json")
+
+    manifest = ShardSetManifest()
+    if shards.exists():
+        old = shards.manifest()
+        if restart:
+            root.remove(DATA, recursive=True)
+        elif old.extra.get("recipe") != recipe:
+            diff = _first_difference(old.extra.get("recipe") or {}, recipe) or "recipe"
+            raise FlowfleetError(f"{where}: prepared with a different {diff}; "
+                                 f"`flowfleet prepare {root.url} --restart` discards it")
+        elif old.complete:
+            return old
+        else:
+            manifest = old
+    start = manifest.shards[-1]["source_end"] if manifest.shards else 0
+    skipped: list[dict[str, Any]] = [s for s in manifest.extra.get("skipped", []) if s["pos"] < start]
+    counts = {"skipped": int(manifest.extra.get("skipped_count", 0)),
+              "missing_captions": int(manifest.extra.get("missing_captions", 0))}
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    enc = build_encoders(cfg, dev)
+    manifest.extra.update(recipe=recipe, source=recipe["source"], encoders=enc.describe(),
+                          has_labels=source.has_labels, image_size=d.image_size, channels=d.channels)
+
+    total = len(source) if len(source) >= 0 else None
+    if d.limit is not None:
+        total = min(total, d.limit) if total is not None else d.limit
+    stop = total if total is not None else None
+    items = source.items(start)
+    if stop is not None:
+        items = (item for _, item in zip(range(stop - start), items))
+
+    def write(rows: _Rows, n: int) -> None:
+        tensors, captions, end = rows.take(n)
+        tensors["index"] = torch.arange(manifest.count, manifest.count + n, dtype=torch.int64)
+        manifest.extra.update(skipped=[s for s in skipped if s["pos"] < end], skipped_count=counts["skipped"],
+                              missing_captions=counts["missing_captions"])
+        shards.append(manifest, tensors, captions, {"source_end": end})  # the shard, then the manifest
+
+    rows = _Rows()
+    batch: list[tuple[int, torch.Tensor, str, int]] = []
+    t0 = time.perf_counter()
+    bar = tqdm(total=total, initial=start, unit="img", desc="prepare", disable=not progress, dynamic_ncols=True)
+    last_pos = start
+    checked_shape = False
+    for entry in _decoded(items, start, d.image_size, d.channels, skipped, counts):
+        batch.append(entry)
+        if len(batch) == d.batch_size:
+            checked_shape = _encode_into(rows, enc, batch, cfg, checked_shape)
+            batch = []
+            while len(rows) >= d.shard_size:
+                write(rows, d.shard_size)
+        bar.update(entry[0] - last_pos)
+        last_pos = entry[0]
+        bar.set_postfix(skipped=counts["skipped"], refresh=False)
+    if batch:
+        _encode_into(rows, enc, batch, cfg, checked_shape)
+    while len(rows):
+        write(rows, min(d.shard_size, len(rows)))
+    bar.close()
+
+    if manifest.count == 0:
+        first = f" (first: {skipped[0]['key']}: {skipped[0]['reason']})" if skipped else ""
+        raise FlowfleetError(f"data.source: {d.source} {d.path or ''} gave no usable item; "
+                             f"{counts['skipped']} skipped{first}".replace("  ", " "))
+    manifest.extra.update(skipped=skipped, skipped_count=counts["skipped"], missing_captions=counts["missing_captions"],
+                          seconds=round(time.perf_counter() - t0, 2))
+    manifest.complete = True
+    shards.write_manifest(manifest)
+    write_preview(shards, enc.latent)
+    return manifest
+
+
+def _encode_into(rows: _Rows, enc: Encoders, batch: list, cfg: RunConfig, checked_shape: bool) -> bool:
+    ends, images, captions, labels = zip(*batch)
+    tensors = encode_batch(enc, torch.stack(images), list(captions), list(labels))
+    if not checked_shape and tuple(tensors["latents"].shape[1:]) != cfg.latent_shape:
+        raise FlowfleetError(f"encoders.latent: {cfg.encoders.latent.name} gives latents of shape "
+                             f"{tuple(tensors['latents'].shape[1:])}, run.yaml expects {cfg.latent_shape}")
+    rows.add(tensors, list(captions), list(ends))
+    return True
+
+
+def write_preview(shards: ShardSet, latent: LatentEncoder, n: int = 64) -> None:
+    """data/preview.png: the first n prepared items decoded back to images (what the experts will see)."""
+    from flowfleet.sampling.views import image_grid, png_bytes
+
+    first = shards.manifest().shards[0]["name"]
+    tensors, _ = shards.read_shard(first)
+    images = latent.decode(tensors["latents"][:n]).cpu()  # [n, C, H, W]
+    shards.root.write_bytes(png_bytes(image_grid(images)), shards.folder, PREVIEW)
