@@ -1,0 +1,160 @@
+"""Attention on one band of rows, as diffusers attention processors (papers/distrifusion §4).
+
+    self-attention   this band's queries against the keys/values of the whole image: this band's fresh
+                     ones plus the other bands', which the ParallelMode supplies (this step's, blocking;
+                     the previous step's, gathered asynchronously; or none for the naive baseline).
+                     One comm slot of [B, 2, heads, band tokens, head dim] per layer.
+    cross-attention  local: this band's queries against the text. The text keys/values are the same on
+                     every rank and every step of a run, so they are computed once per prompt tensor and
+                     reused (the cache is keyed on that tensor object and its in-place version counter).
+
+Both mirror diffusers' AttnProcessor2_0 step by step (token reshape, optional group norm, q/k/v
+projections, head split, q/k norms, scaled-dot-product attention with the default scale, output
+projection, residual, rescale) so that with every band's fresh keys/values the result equals the
+single-device layer up to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.parallel.mode import ParallelMode
+from flowfleet.parallel.unet.step import BandStep
+
+# --------------------------------------------------------------------------------------------------
+#                        Shared pieces of diffusers' AttnProcessor2_0
+# --------------------------------------------------------------------------------------------------
+
+
+def _tokens(attn, hidden_states: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, W] or [B, n, C] -> [B, n, C], after the layer's optional group norm."""
+    if hidden_states.ndim == 4:
+        b, c, h, w = hidden_states.shape
+        hidden_states = hidden_states.view(b, c, h * w).transpose(1, 2)  # [B, n, C]
+    if attn.group_norm is not None:
+        hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+    return hidden_states
+
+
+def _heads(attn, t: torch.Tensor) -> torch.Tensor:
+    """[B, n, heads * Dh] -> [B, heads, n, Dh]."""
+    b, n, inner = t.shape
+    return t.view(b, n, attn.heads, inner // attn.heads).transpose(1, 2)
+
+
+def _finish(attn, out: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Attention output [B, heads, n, Dh] -> the layer's output, shaped like its input `residual`."""
+    b, heads, n, dh = out.shape
+    out = out.transpose(1, 2).reshape(b, n, heads * dh).to(dtype)  # [B, n, inner]
+    out = attn.to_out[1](attn.to_out[0](out))  # projection, dropout
+    if residual.ndim == 4:
+        out = out.transpose(-1, -2).reshape(residual.shape)  # [B, C, h, W]
+    if attn.residual_connection:
+        out = out + residual
+    return out / attn.rescale_output_factor
+
+
+# --------------------------------------------------------------------------------------------------
+#                                        Self-attention
+# --------------------------------------------------------------------------------------------------
+
+
+class SelfAttentionBand:
+    """Processor for a self-attention layer: local queries, every band's keys/values. One method per ParallelMode."""
+
+    def __init__(self, name: str, step: BandStep):
+        self.name = name
+        self.slot = f"{name}.kv"
+        self.step = step
+        self._paths = {
+            ParallelMode.SYNC: self._sync,
+            ParallelMode.DISPLACED: self._displaced,
+            ParallelMode.NAIVE: self._naive,
+        }
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None,
+                 **kwargs) -> torch.Tensor:
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise FlowfleetError(f"U-Net layer {self.name}: patch-parallel self-attention takes no encoder states "
+                                 f"or attention mask")
+        residual = hidden_states
+        x = _tokens(attn, hidden_states)  # [B, n, C]: this band's tokens
+        q = _heads(attn, attn.to_q(x))  # [B, H, n, Dh]
+        k = _heads(attn, attn.to_k(x))
+        v = _heads(attn, attn.to_v(x))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        kv = torch.stack((k, v), dim=1)  # [B, 2, H, n, Dh]: this band's fresh keys and values
+        self.step.declare(self.slot, tuple(kv.shape[1:]))
+        kv_all = self._paths[self.step.exchange](kv)  # [B, 2, H, N*n (n for naive), Dh]
+        out = F.scaled_dot_product_attention(q, kv_all[:, 0], kv_all[:, 1])  # [B, H, n, Dh]
+        return _finish(attn, out, residual, q.dtype)
+
+    def _merge(self, kv: torch.Tensor, bands: torch.Tensor) -> torch.Tensor:
+        """This band's fresh K/V + every band's [N, B, 2, H, n, Dh] -> [B, 2, H, N*n, Dh] in row order (copies)."""
+        me = self.step.index
+        return torch.cat([kv if r == me else bands[r].to(kv.dtype) for r in range(bands.shape[0])], dim=3)
+
+    def _sync(self, kv):
+        return self._merge(kv, self.step.comm.gather(self.slot, kv))  # blocks on this step's K/V
+
+    def _displaced(self, kv):
+        full = self._merge(kv, self.step.comm.wait(self.slot)[:, : kv.shape[0]])  # previous step's, copied
+        self.step.comm.enqueue(self.slot, kv)  # gathered while later layers compute
+        return full
+
+    def _naive(self, kv):
+        return kv  # this band only
+
+
+# --------------------------------------------------------------------------------------------------
+#                                       Cross-attention
+# --------------------------------------------------------------------------------------------------
+
+
+class CrossAttentionBand:
+    """Processor for a cross-attention layer: local queries against cached text keys/values."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._text: torch.Tensor | None = None  # the encoder states the cache was computed from (kept alive)
+        self._key: tuple[int, ...] = ()
+        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None,
+                 **kwargs) -> torch.Tensor:
+        if encoder_hidden_states is None:
+            raise FlowfleetError(f"U-Net layer {self.name}: cross-attention called without encoder hidden states")
+        residual = hidden_states
+        x = _tokens(attn, hidden_states)  # [B, n, C]
+        b, length = encoder_hidden_states.shape[0], encoder_hidden_states.shape[1]
+        if attention_mask is not None:  # a text mask, as AttnProcessor2_0 shapes it
+            attention_mask = attn.prepare_attention_mask(attention_mask, length, b)
+            attention_mask = attention_mask.view(b, attn.heads, -1, attention_mask.shape[-1])
+        q = _heads(attn, attn.to_q(x))  # [B, H, n, Dh]
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        k, v = self._text_kv(attn, encoder_hidden_states)  # [B, H, L, Dh] each
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)  # [B, H, n, Dh]
+        return _finish(attn, out, residual, q.dtype)
+
+    def _text_kv(self, attn, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Same tensor object, not modified in place since, same projection weights -> same keys/values.
+        key = (text._version, attn.to_k.weight._version, attn.to_v.weight._version)
+        if self._kv is None or self._text is not text or self._key != key:
+            states = attn.norm_encoder_hidden_states(text) if attn.norm_cross else text
+            k = _heads(attn, attn.to_k(states))  # [B, H, L, Dh]
+            v = _heads(attn, attn.to_v(states))
+            if attn.norm_k is not None:
+                k = attn.norm_k(k)
+            self._text, self._key, self._kv = text, key, (k, v)
+        return self._kv
+
+    def clear(self) -> None:
+        self._text, self._key, self._kv = None, (), None

@@ -1,0 +1,238 @@
+"""A diffusers UNet2DConditionModel split into row bands over N ranks, used from a normal scheduler loop.
+
+    with parallelize(unet, group, mode="displaced", warmup=1) as punet:   # on every rank
+        for t in scheduler.timesteps:                                     # the loop is unchanged
+            eps = unet(latents, t, encoder_hidden_states=text).sample     # full in, full out, every rank
+            latents = scheduler.step(eps, t, latents).prev_sample
+
+parallelize() patches the model object in place (its own forward and the forwards of its GroupNorm and
+Conv2d layers become band wrappers, its attention layers get band processors) and restore() undoes it,
+so a pipeline holding the U-Net (pipe.unet) runs patch-parallel without knowing. Patching instance
+forwards, as accelerate's hooks do, keeps module types, attributes and the state dict untouched.
+
+Each call: the full latent [B, C, H, W] (identical on every rank) -> this rank's band of rows after the
+first convolution (exact, from the full input) -> every layer on the band (flowfleet.parallel.unet.conv,
+.attention, .norm; the mode of this evaluation in the shared BandStep) -> one all-gather of the output
+bands -> the full prediction on every rank, so every rank's scheduler takes the identical step.
+
+Evaluations are counted from the start of a run; a run starts at the first call, after reset(), or when
+the timestep rises above the previous call's (a new scheduler loop). The first evaluation of a run and
+`warmup` more run as `sync`; so does any evaluation whose batch size differs from the previous one's
+(the previous step's buffers would belong to other samples). The first call of the object also runs the
+U-Net once without communication to discover every layer's comm slot (BandStep.declare) and registers
+them, in forward order, with one CommManager.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from diffusers import UNet2DConditionModel
+from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.parallel.comm import CommManager, Group
+from flowfleet.parallel.mode import ParallelMode
+from flowfleet.parallel.unet.attention import CrossAttentionBand, SelfAttentionBand
+from flowfleet.parallel.unet.conv import FirstConvBand, HaloConvBand, RowHalo
+from flowfleet.parallel.unet.mode import UNetMode
+from flowfleet.parallel.unet.norm import GroupNormBand
+from flowfleet.parallel.unet.step import BandStep
+
+# Layers whose forward mixes rows in ways the band wrappers do not model (functional group norms,
+# FIR/kernel resamplers with their own padding). Matched by class name so that the check works across
+# diffusers releases that move or drop these classes.
+_UNSUPPORTED = frozenset({"AdaGroupNorm", "SpatialNorm", "FirDownsample2D", "FirUpsample2D", "KDownsample2D",
+                          "KUpsample2D"})
+_UNSUPPORTED_ARGS = ("attention_mask", "down_block_additional_residuals", "mid_block_additional_residual",
+                     "down_intrablock_additional_residuals")
+
+
+def check_supported(unet: nn.Module) -> None:
+    """Raise a one-line FlowfleetError naming the first layer that patch parallelism cannot run exactly."""
+    if not isinstance(unet, UNet2DConditionModel):
+        raise FlowfleetError(f"patch-parallel U-Net: expected a diffusers UNet2DConditionModel, got {type(unet).__name__}")
+    for name, m in unet.named_modules():
+        kind = type(m).__name__
+        if kind in _UNSUPPORTED:
+            raise FlowfleetError(f"U-Net layer {name} ({kind}) is not supported by patch parallelism")
+        if isinstance(m, nn.ConvTranspose2d) and (m.kernel_size[0] > 1 or m.stride[0] > 1):
+            raise FlowfleetError(f"U-Net layer {name}: transposed convolutions are not supported by patch parallelism")
+        if isinstance(m, nn.Conv2d) and (isinstance(m.padding, str) or m.padding_mode != "zeros"):
+            raise FlowfleetError(f"U-Net layer {name}: only explicit zero padding is supported "
+                                 f"(padding={m.padding!r}, padding_mode={m.padding_mode!r})")
+        if kind == "Downsample2D" and getattr(m, "use_conv", False) and getattr(m, "padding", 1) == 0:
+            raise FlowfleetError(f"U-Net layer {name}: asymmetric-padding downsampling (padding=0) is not supported")
+        if isinstance(m, Attention):
+            if not isinstance(m.processor, (AttnProcessor2_0, AttnProcessor)):
+                raise FlowfleetError(f"U-Net layer {name}: attention processor {type(m.processor).__name__} is not "
+                                     f"supported by patch parallelism (use the default AttnProcessor2_0)")
+            if m.spatial_norm is not None:
+                raise FlowfleetError(f"U-Net layer {name}: attention with a spatial norm is not supported")
+
+
+def down_factor(unet: UNet2DConditionModel) -> int:
+    """How many latent rows make one row at the U-Net's coarsest level (2 ** number of resamplings)."""
+    downs = sum(1 for m in unet.modules() if type(m).__name__ == "Downsample2D")
+    return 2 ** max(downs, int(getattr(unet, "num_upsamplers", 0)))
+
+
+def default_group() -> Group:
+    """All ranks of the default process group, or a single process when none is initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return Group(None, dist.get_rank(), dist.get_world_size())
+    return Group.solo()
+
+
+class ParallelUNet:
+    """A UNet2DConditionModel patched to run on this rank's band of rows; see the module docstring."""
+
+    def __init__(self, unet: UNet2DConditionModel, group: Group, *, mode: UNetMode | str = UNetMode.DISPLACED,
+                 warmup: int = 1, max_batch: int | None = None, batch_bytes: int = 8 << 20, timeout_s: float = 60.0):
+        check_supported(unet)
+        if warmup < 0:
+            raise FlowfleetError(f"--warmup: must be >= 0, got {warmup}")
+        if max_batch is not None and max_batch < 1:
+            raise FlowfleetError(f"max_batch: must be >= 1, got {max_batch}")
+        self.unet = unet
+        self.requested = UNetMode.parse(mode)
+        # One rank owns the whole image: nothing to exchange, every mode is the plain model.
+        self.mode = self.requested if group.size > 1 else UNetMode.NAIVE
+        self.warmup = int(warmup)
+        self.max_batch = max_batch
+        self.factor = down_factor(unet)
+        self.comm = CommManager(group, device=unet.device, dtype=unet.dtype, batch_bytes=batch_bytes,
+                                timeout_s=timeout_s)
+        self.step = BandStep(self.comm, group.rank, group.size)
+        self.modes: list[UNetMode] = []  # the mode each evaluation ran in (since construction)
+        self._evals = 0  # evaluations since the run started
+        self._filled: int | None = None  # batch size whose activations the receive buffers hold
+        self._last_t: float | None = None
+        self._registered = False  # comm slots registered and allocated (first call)
+        self._patched: list[nn.Module] = []
+        self._processors: dict[Attention, object] = {}
+        self._install()
+
+    # ----------------------------------------------------------------------------------------------
+    #                                  Patching the model
+    # ----------------------------------------------------------------------------------------------
+
+    def _install(self) -> None:
+        unet, step = self.unet, self.step
+        for name, m in unet.named_modules():
+            wrapper = None
+            if isinstance(m, nn.GroupNorm):
+                wrapper = GroupNormBand(m, name, step)
+            elif isinstance(m, nn.Conv2d) and m is unet.conv_in:
+                wrapper = FirstConvBand(m, step)
+            elif isinstance(m, nn.Conv2d) and RowHalo.of(m).rows > 0:
+                wrapper = HaloConvBand(m, name, step)  # (1x1 convolutions are row-local: left alone)
+            elif isinstance(m, Attention):
+                self._processors[m] = m.processor
+                m.set_processor(CrossAttentionBand(name) if m.is_cross_attention else SelfAttentionBand(name, step))
+            if wrapper is not None:
+                m.forward = wrapper  # an instance attribute shadows the class's forward
+                self._patched.append(m)
+        unet.forward = self.forward
+        self._patched.append(unet)
+
+    def restore(self) -> None:
+        """Undo parallelize(): the model is the plain single-device model again."""
+        self.comm.drain()
+        for m in self._patched:
+            if "forward" in m.__dict__:
+                del m.forward
+        for attn, processor in self._processors.items():
+            attn.set_processor(processor)
+        self._patched, self._processors = [], {}
+
+    def __enter__(self) -> "ParallelUNet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    # ----------------------------------------------------------------------------------------------
+    #                                    One evaluation
+    # ----------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Start a new run: the next evaluation is step 0 (sync)."""
+        self.comm.drain()
+        self._evals, self._filled, self._last_t = 0, None, None
+
+    def forward(self, sample: torch.Tensor, timestep, encoder_hidden_states: torch.Tensor | None = None,
+                *args, return_dict: bool = True, **kwargs):
+        """UNet2DConditionModel.forward's signature: full latent in, full prediction out, on every rank."""
+        if args:
+            raise FlowfleetError("patch-parallel U-Net: pass the arguments after encoder_hidden_states by name")
+        for key in _UNSUPPORTED_ARGS:
+            if kwargs.get(key) is not None:
+                raise FlowfleetError(f"patch-parallel U-Net: {key} is not supported")
+        b = self._check_input(sample)
+        t_now = float(torch.as_tensor(timestep, dtype=torch.float64).max())
+        if self._last_t is not None and t_now > self._last_t:
+            self.reset()  # the timestep went back up: a new scheduler loop
+        self._last_t = t_now
+        if not self._registered:
+            self._register(sample, timestep, encoder_hidden_states, **kwargs)
+        mode = self.mode.at_step(self._evals, self.warmup)
+        if mode.exchange is ParallelMode.DISPLACED and self._filled != b:
+            mode = UNetMode.SYNC  # no previous-step activations for this batch
+        self.comm.begin_step(self._evals)
+        self.step.mode, self.step.batch = mode, b
+        band = UNet2DConditionModel.forward(self.unet, sample, timestep, encoder_hidden_states,
+                                            return_dict=False, **kwargs)[0]  # [B, C, H/N, W]
+        if mode.exchange is ParallelMode.DISPLACED:
+            self.comm.flush()  # slots not enqueued this step (e.g. separate GN) still leave now
+        self._filled = b if mode.exchange is not ParallelMode.NAIVE else None
+        self.modes.append(mode)
+        self._evals += 1
+        full = torch.cat(list(self.comm.all_gather_world(band, what="U-Net output band")), dim=-2)  # [B, C, H, W]
+        return UNet2DConditionOutput(sample=full) if return_dict else (full,)
+
+    __call__ = forward
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _check_input(self, sample: torch.Tensor) -> int:
+        if sample.ndim != 4:
+            raise FlowfleetError(f"patch-parallel U-Net: expected a latent [B, C, H, W], got {tuple(sample.shape)}")
+        b, h = sample.shape[0], sample.shape[-2]
+        n = self.step.bands
+        if h % (n * self.factor):
+            raise FlowfleetError(
+                f"patch-parallel U-Net: a latent of height {h} cannot be split into {n} bands of whole rows at every "
+                f"U-Net level (the height must be a multiple of {n} x {self.factor} = {n * self.factor})")
+        if self.max_batch is not None and b > self.max_batch:
+            raise FlowfleetError(f"patch-parallel U-Net: batch of {b} exceeds max_batch={self.max_batch}")
+        return b
+
+    def _register(self, sample, timestep, encoder_hidden_states, **kwargs) -> None:
+        """Run once without communication, collect every layer's slot, register them in forward order."""
+        if self.max_batch is None:
+            self.max_batch = sample.shape[0]
+        if self.mode.exchange is not ParallelMode.NAIVE:
+            self.step.mode, self.step.batch, self.step.recording = UNetMode.NAIVE, sample.shape[0], {}
+            try:
+                with torch.no_grad():
+                    UNet2DConditionModel.forward(self.unet, sample, timestep, encoder_hidden_states,
+                                                 return_dict=False, **kwargs)
+                slots = self.step.recording
+            finally:
+                self.step.recording = None
+            for name, shape in slots.items():
+                self.comm.register(name, (self.max_batch, *shape), family="unet")
+        self.comm.allocate()
+        self._registered = True
+
+
+def parallelize(unet: UNet2DConditionModel, group: Group | None = None, *, mode: UNetMode | str = UNetMode.DISPLACED,
+                warmup: int = 1, max_batch: int | None = None, batch_bytes: int = 8 << 20,
+                timeout_s: float = 60.0) -> ParallelUNet:
+    """Patch `unet` in place to run on this rank's band of `group` (default: every rank of the default
+    process group). Returns the handle (reset(), restore(), comm, modes); use it as a context manager."""
+    return ParallelUNet(unet, group or default_group(), mode=mode, warmup=warmup, max_batch=max_batch,
+                        batch_bytes=batch_bytes, timeout_s=timeout_s)

@@ -1,0 +1,54 @@
+"""The state every layer wrapper of one patch-parallel U-Net reads: this rank's band and the current mode.
+
+diffusers' block forwards cannot carry extra arguments down to a convolution or a GroupNorm, so the
+wrappers share one `BandStep` owned by their ParallelUNet (one per model, never module-level), which
+sets `mode` and `batch` before each evaluation.
+
+Slots are discovered, not computed: the first evaluation runs once with `recording` set, every wrapper
+declares the [per-sample shape] it will exchange, and ParallelUNet registers those slots in forward
+order with the CommManager (so its batches follow the order in which layers enqueue them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.parallel.comm import CommManager
+from flowfleet.parallel.mode import ParallelMode
+from flowfleet.parallel.unet.mode import NormStats, UNetMode
+
+
+@dataclass
+class BandStep:
+    comm: CommManager
+    index: int  # this rank's band, 0 = top rows
+    bands: int  # number of bands (ranks splitting the image)
+    mode: UNetMode = UNetMode.SYNC  # the mode of the current evaluation (after warm-up / fallbacks)
+    batch: int = 0  # samples in the current evaluation
+    recording: "dict[str, tuple[int, ...]] | None" = None  # slot name -> per-sample shape, during recording
+
+    @property
+    def exchange(self) -> ParallelMode:
+        return self.mode.exchange
+
+    @property
+    def norm(self) -> NormStats:
+        return self.mode.norm
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.bands - 1
+
+    def declare(self, name: str, shape: tuple[int, ...]) -> None:
+        """Note that layer `name` exchanges [batch, *shape] per rank (only while recording)."""
+        if self.recording is None:
+            return
+        if name in self.recording:
+            raise FlowfleetError(f"U-Net layer {name!r} runs twice in one forward; patch parallelism needs "
+                                 f"one call per layer and evaluation")
+        self.recording[name] = tuple(int(s) for s in shape)
