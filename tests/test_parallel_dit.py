@@ -346,3 +346,90 @@ def test_failing_rank_gives_clear_error_within_timeout(how):
     assert "rank 0: ParallelError" in msg and "another rank died or stalled" in msg
     assert "\n" not in msg
     assert elapsed < 25
+
+
+# --------------------------------------------------------------------------------------------------
+#                         The command line: generate --nproc 2 under torchrun
+# --------------------------------------------------------------------------------------------------
+
+
+def _class_fleet(run_root) -> str:
+    """An assembled 3-expert fleet, class-conditioned (no text encoder to load in every rank)."""
+    from flowfleet.cli import main
+    from flowfleet.config import RunConfig
+    from flowfleet.sampling.synthetic import tiny_run_config, write_random_fleet
+
+    raw = tiny_run_config(3, size=8, conditioning="none").model_dump()
+    raw["expert"] = {**raw["expert"], "conditioning": "class", "num_classes": 4, "depth": 2}
+    write_random_fleet(str(run_root), RunConfig(**raw))
+    assert main(["assemble", str(run_root)]) == 0
+    return str(run_root / "model")
+
+
+def _pixels(path) -> torch.Tensor:
+    import numpy as np
+    from PIL import Image
+
+    return torch.from_numpy(np.asarray(Image.open(path)).astype("int16"))
+
+
+def test_cli_generate_nproc_2_sync_writes_the_single_process_png(run_root, tmp_path):
+    import subprocess
+    import sys
+
+    from flowfleet.cli import main
+
+    model = _class_fleet(run_root)
+    args = ["generate", model, "--label", "1", "--label", "3", "--n", "3", "--steps", "4", "--cfg", "1"]
+    assert main([*args, "--out", str(tmp_path / "single.png")]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "flowfleet.cli", *args, "--out", str(tmp_path / "par.png"),
+                           "--nproc", "2", "--parallel", "sync"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrote" in proc.stdout and proc.stdout.count("wrote ") == 1  # rank 0 reports, rank 1 stays quiet
+    single, par = _pixels(tmp_path / "single.png"), _pixels(tmp_path / "par.png")
+    assert single.shape == par.shape and torch.equal(single, par)
+    assert (tmp_path / "par.routing.json").exists()
+
+
+def test_cli_generate_nproc_errors_are_one_line(run_root, capsys):
+    from flowfleet.cli import main
+
+    model = _class_fleet(run_root)
+    with pytest.raises(SystemExit):  # argparse: unknown mode
+        main(["generate", model, "--label", "1", "--nproc", "2", "--parallel", "async"])
+    os.environ.update(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    try:  # "inside torchrun" with a world size that differs from --nproc: refused before joining
+        assert main(["generate", model, "--label", "1", "--nproc", "2"]) == 1
+    finally:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "flowfleet generate: error: --nproc 2: torchrun started 3 ranks"
+
+
+@pytest.mark.slow
+def test_cli_generate_mnist_tiny_nproc_2(run_root, tmp_path):
+    """The mnist-tiny fleet (random weights, real MiniLM text encoder in every rank): sync without
+    guidance equals the single-process PNG (bands exchange keys/values); with guidance, the two ranks
+    split the CFG batch and displaced equals it too (each rank holds whole images)."""
+    import subprocess
+    import sys
+
+    from flowfleet.cli import main
+    from flowfleet.presets import preset
+    from flowfleet.sampling.synthetic import write_random_fleet
+
+    write_random_fleet(str(run_root), preset("mnist-tiny"))
+    assert main(["assemble", str(run_root)]) == 0
+    model = str(run_root / "model")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for extra, mode in ((["--cfg", "1"], "sync"), ([], "displaced")):
+        args = ["generate", model, "--prompt", "a handwritten digit 3", "--n", "4", *extra]
+        assert main([*args, "--out", str(tmp_path / f"single-{mode}.png")]) == 0
+        proc = subprocess.run([sys.executable, "-m", "flowfleet.cli", *args, "--out", str(tmp_path / f"{mode}.png"),
+                               "--nproc", "2", "--parallel", mode], env=env, capture_output=True, text=True,
+                              timeout=1200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert torch.equal(_pixels(tmp_path / f"single-{mode}.png"), _pixels(tmp_path / f"{mode}.png"))

@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to relaunch the same command (generate --nproc)
     from flowfleet.errors import FlowfleetError
 
     try:

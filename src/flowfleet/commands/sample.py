@@ -58,6 +58,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run the router every N steps and reuse its choice in between (default: the fleet's)")
     p.add_argument("--batch-size", type=int, default=None, metavar="B", help="samples per batch (default: all)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="split each image over N processes (DistriFusion patch parallelism: one GPU each, or "
+                   "CPU processes); relaunches itself under torchrun unless already inside one (default 1)")
+    p.add_argument("--parallel", choices=("sync", "displaced", "naive"), default="displaced",
+                   help="with --nproc: how image bands exchange attention keys/values: this step's (sync, "
+                   "exact), the previous step's, overlapped with compute (displaced), or never (naive)")
+    p.add_argument("--warmup", type=int, default=1, metavar="W",
+                   help="with --parallel displaced: synchronous steps after the first one (default 1)")
     p.set_defaults(func=run_generate)
 
 
@@ -72,14 +80,21 @@ def run_assemble(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if args.nproc > 1:
+        from flowfleet.parallel.launch import in_torchrun, relaunch_torchrun
+
+        if not in_torchrun():  # every rank runs this same command under torchrun
+            return relaunch_torchrun(args.nproc, args.argv)
     from flowfleet.stages.generate import generate
 
     result = generate(
         args.model_dir, prompts=args.prompt, labels=args.label, n=args.n, strategy=args.strategy,
         steps=args.steps, sampler=args.sampler, cfg=args.cfg, shift=args.shift, seed=args.seed, out=args.out,
         offload=args.offload, route_every=args.route_every, batch_size=args.batch_size, device=args.device,
-        progress=True,
+        nproc=args.nproc, parallel=args.parallel, warmup=args.warmup, progress=True,
     )
+    if not result.png:  # a patch-parallel rank other than 0: rank 0 reports
+        return 0
     from rich.console import Console
 
     from flowfleet.sampling.views import usage_table

@@ -15,10 +15,10 @@ import datetime
 import os
 import queue as queue_mod
 import socket
-import subprocess
 import sys
 import time
 import traceback
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -121,15 +121,27 @@ def shutdown() -> None:
 
 
 def relaunch_torchrun(nproc: int, argv: Sequence[str], threads_per_rank: int = 1) -> int:
-    """Run `python -m flowfleet.cli ARGV` on nproc local ranks under torchrun; -> its exit code.
+    """Run `python -m flowfleet.cli ARGV` on nproc local ranks as torchrun --standalone does; -> 0.
 
-    torchrun stops every rank when one fails; the failing rank has printed its own one-line error."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=0", "-m", "flowfleet.cli", *argv]
-    proc = subprocess.run(cmd, env=env)
-    return proc.returncode
+    torchrun's own launcher (elastic_launch) is called directly rather than through its command line,
+    whose parser would take the command's options (--n, --nproc) for abbreviations of its own. It
+    stops every rank when one fails; the failing rank has printed its own one-line error."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
+    # What `torchrun --standalone` sets up: a c10d rendezvous on a free local port.
+    opts = torchrun.parse_args(["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}",
+                                f"--nproc-per-node={nproc}", "--max-restarts=0", "--module", "flowfleet.cli"])
+    config, cmd, cmd_args = torchrun.config_from_args(opts)
+    try:
+        elastic_launch(config, cmd)(*cmd_args, *argv)
+    except ChildFailedError as err:
+        rank, failure = min(err.failures.items(), key=lambda kv: kv[1].timestamp)  # global rank -> failure
+        raise FlowfleetError(f"--nproc {nproc}: rank {rank} failed first (exit code {failure.exitcode}; its error "
+                             f"is printed above) and the other ranks were stopped") from None
+    return 0
 
 
 # --------------------------------------------------------------------------------------------------

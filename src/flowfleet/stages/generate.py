@@ -68,6 +68,9 @@ def generate(
     device: str = "auto",
     text_encoder: Any = None,
     latent_decoder: Any = None,
+    nproc: int = 1,
+    parallel: str = "sync",
+    warmup: int = 0,
     progress: bool = False,
 ) -> GenerateResult:
     if offload is not None and offload < 1:
@@ -76,7 +79,14 @@ def generate(
         raise FlowfleetError(f"--batch-size: must be >= 1, got {batch_size}")
     if n < 1:
         raise FlowfleetError(f"--n: must be >= 1, got {n}")
-    dev = resolve_device(device)
+    fleet = None  # nproc > 1: this process is one of nproc torchrun ranks sharing each image (flowfleet.parallel)
+    if nproc != 1:
+        from flowfleet.parallel.fleet import join_fleet
+
+        if nproc < 1:
+            raise FlowfleetError(f"--nproc: must be >= 1, got {nproc}")
+        fleet = join_fleet(model_dir, nproc, parallel, warmup, device=device)
+    dev = fleet.ctx.device if fleet is not None else resolve_device(device)
     pipe = FleetPipeline.from_pretrained(model_dir, device=dev, offload=offload, text_encoder=text_encoder,
                                          latent_decoder=latent_decoder, load_encoders=False)
     settings = pipe.settings(strategy, steps, sampler, cfg, shift, route_every, seed)  # one-line errors
@@ -85,10 +95,16 @@ def generate(
         out = RunRoot(model_dir).url_of("samples", f"{settings.strategy.name.replace(':', '')}-seed{seed}.png")
     folder, png_name, json_name, heat_name = sibling_paths(out)
     pipe.load_encoders()
+    pipe.parallel = fleet
 
     result = pipe(prompts, n, labels=labels, strategy=settings.strategy.name, steps=settings.steps,
                   sampler=settings.sampler, cfg=settings.cfg, shift=settings.shift,
-                  route_every=settings.route_every, seed=seed, batch_size=batch_size, progress=progress)
+                  route_every=settings.route_every, seed=seed, batch_size=batch_size,
+                  progress=progress and (fleet is None or fleet.ctx.is_main))
+    if fleet is not None:
+        fleet.close()
+        if not fleet.ctx.is_main:  # every rank holds the same images; rank 0 writes them
+            return GenerateResult(result, "", "", "", Counter(pipe.experts.loads))
 
     dest = RunRoot(folder)
     dest.write_bytes(png_bytes(image_grid(result.images)), png_name)
