@@ -10,7 +10,7 @@ onto two smaller enums, each driving one wrapper kind with one code path per mem
     sync-gn       previous step's (DISPLACED)           exact, blocking          (the paper's "Sync. GN")
     stale-gn      previous step's (DISPLACED)           previous step's global   (the paper's "Stale GN")
     separate-gn   previous step's (DISPLACED)           this band's own          (the paper's "Separate GN")
-    naive         none, zero padding (NAIVE)            this band's own          (the paper's "naive patch")
+    naive         none, zero padding (NAIVE)            this band's own, local   (the paper's "naive patch")
 
 Every mode except `naive` runs as `sync` on the first step and on `warmup` steps after it.
 """
@@ -30,7 +30,8 @@ class NormStats(str, Enum):
     EXACT = "exact"  # all bands' fresh statistics, gathered now (blocking)
     CORRECTED = "corrected"  # previous step's global statistics + this band's fresh-minus-previous change
     STALE = "stale"  # previous step's global statistics
-    SEPARATE = "separate"  # this band's fresh statistics only, no communication
+    SEPARATE = "separate"  # this band's fresh statistics only (still sent along, never read: see norm.py)
+    LOCAL = "local"  # this band's fresh statistics only, no comm slot at all (naive)
 
 
 class UNetMode(str, Enum):
@@ -84,5 +85,5 @@ _NORM = MappingProxyType({
     UNetMode.SYNC_GN: NormStats.EXACT,
     UNetMode.STALE_GN: NormStats.STALE,
     UNetMode.SEPARATE_GN: NormStats.SEPARATE,
-    UNetMode.NAIVE: NormStats.SEPARATE,
+    UNetMode.NAIVE: NormStats.LOCAL,
 })

@@ -186,7 +186,7 @@ class ParallelUNet:
         band = UNet2DConditionModel.forward(self.unet, sample, timestep, encoder_hidden_states,
                                             return_dict=False, **kwargs)[0]  # [B, C, H/N, W]
         if mode.exchange is ParallelMode.DISPLACED:
-            self.comm.flush()  # slots not enqueued this step (e.g. separate GN) still leave now
+            self.comm.flush()  # a batch not yet complete (a layer skipped this evaluation) leaves now
         self._filled = b if mode.exchange is not ParallelMode.NAIVE else None
         self.modes.append(mode)
         self._evals += 1

@@ -8,7 +8,10 @@ the NormStats member of the current mode decides what it normalises with:
     CORRECTED  stale global statistics + this band's change since the previous step (paper Eq. 2, for
                the mean and the second moment); the fresh statistics are gathered asynchronously
     STALE      the previous step's pooled statistics as they are (gathered asynchronously)
-    SEPARATE   this band's own statistics (no communication)
+    SEPARATE   this band's own statistics. They are still enqueued (a few hundred bytes per layer,
+               never read) so that the batch of comm slots they share with convolution halos and
+               attention keys/values leaves as soon as its last layer has run, as in the other modes.
+    LOCAL      this band's own statistics, no comm slot at all (the naive baseline)
 
 Variances are BIASED (divide by the element count), exactly like torch.nn.GroupNorm, so EXACT equals
 the single-device layer up to float rounding. Bands have equal sizes, so pooling is an equal-weight
@@ -99,6 +102,7 @@ class GroupNormBand:
             NormStats.CORRECTED: self._corrected,
             NormStats.STALE: self._stale,
             NormStats.SEPARATE: self._separate,
+            NormStats.LOCAL: self._local,
         }
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,4 +127,8 @@ class GroupNormBand:
         return mean, var
 
     def _separate(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.step.comm.enqueue(self.slot, fresh)  # keeps the shared batch on time; nobody reads it
+        return fresh[..., 0], fresh[..., 1]
+
+    def _local(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fresh[..., 0], fresh[..., 1]
