@@ -258,3 +258,29 @@ def test_small_latents_stay_exact_in_sync_and_never_black(nproc):
         assert_image_like(ranks[0][mode], ref, f"{mode} on {nproc} ranks")
     assert (ranks[0]["sync"] - ref).abs().max() <= 1e-5
     assert psnr(ranks[0]["displaced"], ref) > psnr(ranks[0]["naive"], ref)
+
+
+# --------------------------------------------------------------------------------------------------
+#                          The example: a diffusers pipeline's own loop
+# --------------------------------------------------------------------------------------------------
+
+
+def _example_rank(ctx, argv: list[str]) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "unet_parallel.py"
+    spec = importlib.util.spec_from_file_location("unet_parallel_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.rank_main(ctx, example.parse_args(argv))
+
+
+def test_example_runs_a_stable_diffusion_pipeline_on_two_ranks(tmp_path):
+    from PIL import Image
+
+    out = tmp_path / "grid.png"
+    argv = ["--nproc", "2", "--steps", "3", "--size", "16", "--guidance", "3", "--out", str(out)]
+    run_local(_example_rank, 2, (argv,), **FORK)
+    grid = Image.open(out)
+    assert grid.size == (64, 3 * 64)  # one 16 px image (upscaled to 64) per row: single | parallel | |diff|

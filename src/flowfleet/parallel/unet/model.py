@@ -110,6 +110,7 @@ class ParallelUNet:
         self._evals = 0  # evaluations since the run started
         self._filled: int | None = None  # batch size whose activations the receive buffers hold
         self._last_t: float | None = None
+        self.slots: dict[str, tuple[int, ...]] = {}  # comm slot -> shape, in forward order (after the first call)
         self._registered = False  # comm slots registered and allocated (first call)
         self._patched: list[nn.Module] = []
         self._processors: dict[Attention, object] = {}
@@ -224,7 +225,8 @@ class ParallelUNet:
             finally:
                 self.step.recording = None
             for name, shape in slots.items():
-                self.comm.register(name, (self.max_batch, *shape), family="unet")
+                self.slots[name] = (self.max_batch, *shape)
+                self.comm.register(name, self.slots[name], family="unet")
         self.comm.allocate()
         self._registered = True
 
