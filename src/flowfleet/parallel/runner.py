@@ -15,6 +15,11 @@ At every evaluation (x_t [B, C, H, W] identical on all ranks, t [B], sampler ste
 
 Ensemble weights and CFG are linear, so weighting band outputs before the gather and guiding after it
 equals the single-device "guide each expert, then combine" up to float rounding.
+
+Each expert layer's comm slot holds every sample of the batch (both CFG halves when they are not
+split), indexed by sample, so stale keys/values always belong to the same sample. An expert that runs
+on a subset of the samples still all-gathers its whole slot: with per-sample top-k routing the bytes
+per step are those of the full batch for every selected expert (the byte counter reports them).
 """
 
 from __future__ import annotations

