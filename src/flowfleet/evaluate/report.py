@@ -1,0 +1,432 @@
+"""RUN_ROOT/reports/report.html: one self-contained page (images embedded), viewable offline.
+
+Everything is read from the run root's files (docs/contracts.md), so a report can be rebuilt at any
+time and shows whatever stages have run; a section whose inputs do not exist yet says which command
+produces them. Sections, in order (their HTML ids are SECTIONS):
+
+    overview     run name, jobs and their states
+    config       run.yaml
+    clusters     clusters/report.json (sizes, NMI) and the preview-k.png grids
+    training     loss curves of every job (metrics.jsonl), job table, router accuracy report
+    samples      sample grids per strategy (and the monolith) with their prompts
+    routing      router-probability heatmaps per strategy
+    fid          the FID table (reports/evaluation.json)
+    adherence    prompt adherence (shapes source)
+    diagnostics  router accuracy per t, centroid alignment, expert disagreement, expert usage
+    timings      stage timings (reports/timings.json), job wall times, evaluation timings
+
+The plots drawn here are also written beside the page, to reports/plots/*.png.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+
+from flowfleet.evaluate import views
+from flowfleet.storage import RunRoot
+
+REPORTS = "reports"
+REPORT_FILE = "report.html"
+EVALUATION_FILE = "evaluation.json"
+TIMINGS_FILE = "timings.json"
+SECTIONS = ("overview", "config", "clusters", "training", "samples", "routing", "fid", "adherence",
+            "diagnostics", "timings")
+TITLES = {"overview": "Overview", "config": "Configuration", "clusters": "Clusters", "training": "Training",
+          "samples": "Samples per strategy", "routing": "Routing heatmaps", "fid": "FID",
+          "adherence": "Prompt adherence", "diagnostics": "Diagnostics", "timings": "Timings"}
+
+
+# --------------------------------------------------------------------------------------------------
+#                                    Reading the run root
+# --------------------------------------------------------------------------------------------------
+
+
+def _json(root: RunRoot, *parts: str) -> Any:
+    """A JSON file of the run root, or None when absent or unreadable (the report never fails on one)."""
+    try:
+        return root.read_json(*parts) if root.exists(*parts) else None
+    except (ValueError, OSError):
+        return None
+
+
+def read_metrics(root: RunRoot, job_dir: str) -> list[dict[str, Any]]:
+    """metrics.jsonl as records; torn or non-JSON lines (a crash mid-write) are skipped."""
+    if not root.exists(job_dir, "metrics.jsonl"):
+        return []
+    records = []
+    for line in root.read_bytes(job_dir, "metrics.jsonl").decode(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            records.append(rec)
+    return records
+
+
+def job_dirs(root: RunRoot) -> list[str]:
+    """experts/k (numeric order), router, monolith: whichever exist."""
+    experts = sorted((n for n in root.ls("experts") if n.isdigit()), key=int)
+    return [f"experts/{k}" for k in experts] + [d for d in ("router", "monolith") if root.exists(d)]
+
+
+def job_label(job_dir: str) -> str:
+    return f"expert {job_dir.split('/')[1]}" if job_dir.startswith("experts/") else job_dir
+
+
+@dataclass
+class Image:
+    caption: str
+    data: str  # data: URI (embedded PNG)
+
+
+def _embed(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@dataclass
+class Section:
+    id: str
+    title: str
+    missing: str = ""  # non-empty: what to run to fill this section
+    notes: list[str] = field(default_factory=list)
+    tables: list[dict[str, Any]] = field(default_factory=list)  # {"caption", "header": [...], "rows": [[...]]}
+    images: list[Image] = field(default_factory=list)
+    pre: str = ""  # preformatted text (the config)
+    lists: list[dict[str, Any]] = field(default_factory=list)  # {"caption", "items": [...]}
+
+
+# --------------------------------------------------------------------------------------------------
+#                                         Sections
+# --------------------------------------------------------------------------------------------------
+
+
+class ReportBuilder:
+    """Reads a run root and fills one Section per id in SECTIONS."""
+
+    def __init__(self, root: RunRoot):
+        self.root = root
+        self.evaluation = _json(root, REPORTS, EVALUATION_FILE)
+        self.plots: dict[str, bytes] = {}  # written to reports/plots/ beside the page
+
+    def _plot(self, name: str, png: bytes, caption: str) -> Image:
+        self.plots[name] = png
+        return Image(caption, _embed(png))
+
+    def _file_image(self, caption: str, *parts: str) -> Image | None:
+        if not self.root.exists(*parts):
+            return None
+        return Image(caption, _embed(self.root.read_bytes(*parts)))
+
+    def build(self) -> list[Section]:
+        return [getattr(self, f"section_{sid}")() for sid in SECTIONS]
+
+    # -- overview, config ---------------------------------------------------------------------------
+
+    def section_overview(self) -> Section:
+        s = Section("overview", TITLES["overview"])
+        cfg = _json_yaml(self.root)
+        s.notes.append(f"Run root: {self.root.url}")
+        if cfg:
+            data = cfg.get("data", {})
+            s.notes.append(f"Run {cfg.get('name', '?')}: source {data.get('source', '?')}, "
+                           f"{data.get('image_size', '?')} px, K = {cfg.get('cluster', {}).get('k', '?')} experts.")
+        manifest = _json(self.root, "data", "manifest.json")
+        if manifest:
+            s.notes.append(f"Prepared items: {manifest.get('count', '?')}.")
+        rows = []
+        for job in job_dirs(self.root):
+            st = _json(self.root, job, "status.json") or {}
+            rows.append([job_label(job), st.get("state", "?"), f"{st.get('step', 0)}/{st.get('total_steps', '?')}",
+                         _fmt(st.get("last_loss")), st.get("host", "")])
+        if rows:
+            s.tables.append({"caption": "jobs", "header": ["job", "state", "step", "last loss", "host"], "rows": rows})
+        stages = [("data/manifest.json", "prepare"), ("clusters/report.json", "cluster"),
+                  ("model/model_index.json", "assemble"), (f"{REPORTS}/{EVALUATION_FILE}", "evaluate")]
+        s.tables.append({"caption": "stages", "header": ["stage", "output", "present"],
+                         "rows": [[st, path, "yes" if self.root.exists(path) else "no"] for path, st in stages]})
+        return s
+
+    def section_config(self) -> Section:
+        s = Section("config", TITLES["config"])
+        if not self.root.exists("run.yaml"):
+            s.missing = "run.yaml is missing: `flowfleet init RUN_ROOT --preset mnist`"
+            return s
+        s.notes.append("run.yaml:")
+        s.pre = self.root.read_bytes("run.yaml").decode(errors="replace")
+        if self.evaluation:
+            settings = {k: self.evaluation.get(k) for k in ("model", "reference", "n", "seed", "sampling")}
+            s.pre += "\n# evaluation (reports/evaluation.json)\n" + json.dumps(settings, indent=2)
+        return s
+
+    # -- clusters ------------------------------------------------------------------------------------
+
+    def section_clusters(self) -> Section:
+        s = Section("clusters", TITLES["clusters"])
+        rep = _json(self.root, "clusters", "report.json")
+        if rep is None:
+            s.missing = "no clusters/report.json yet: `flowfleet cluster RUN_ROOT`"
+            return s
+        sizes = rep.get("sizes") or []
+        nmi = rep.get("nmi")
+        s.notes.append(f"{len(sizes)} clusters" + (f"; NMI against the source labels {nmi:.3f}" if isinstance(nmi, (int, float)) else ""))
+        mixes = rep.get("label_mix") or []
+        rows = []
+        for k, size in enumerate(sizes):
+            mix = mixes[k] if k < len(mixes) and isinstance(mixes[k], dict) else {}
+            top = ", ".join(f"{lab}: {cnt}" for lab, cnt in sorted(mix.items(), key=lambda kv: -kv[1])[:4])
+            rows.append([k, size, top])
+        if rows:
+            s.tables.append({"caption": "cluster sizes", "header": ["cluster", "items", "most frequent labels"],
+                             "rows": rows})
+        for name in self.root.ls("clusters"):
+            if name.startswith("preview-") and name.endswith(".png"):
+                img = self._file_image(f"cluster {name[8:-4]}", "clusters", name)
+                if img:
+                    s.images.append(img)
+        s.images.sort(key=lambda im: int(im.caption.split()[-1]) if im.caption.split()[-1].isdigit() else 0)
+        return s
+
+    # -- training ------------------------------------------------------------------------------------
+
+    def section_training(self) -> Section:
+        s = Section("training", TITLES["training"])
+        jobs = job_dirs(self.root)
+        if not jobs:
+            s.missing = "no job folders yet: `flowfleet train-all RUN_ROOT`"
+            return s
+        curves, rows = {}, []
+        for job in jobs:
+            records = read_metrics(self.root, job)
+            curves[job_label(job)] = [(r["step"], float(r["loss"])) for r in records
+                                     if isinstance(r.get("loss"), (int, float))]
+            st = _json(self.root, job, "status.json") or {}
+            speed = [r["samples_per_s"] for r in records if isinstance(r.get("samples_per_s"), (int, float))]
+            rows.append([job_label(job), st.get("state", "?"), st.get("step", 0), _fmt(st.get("last_loss")),
+                         _fmt(sum(speed) / len(speed)) if speed else "", _fmt(_wall_time(records))])
+        s.images.append(self._plot("loss_curves.png", views.loss_curves_png(curves), "loss of every job (metrics.jsonl)"))
+        s.tables.append({"caption": "jobs", "header": ["job", "state", "steps", "last loss", "samples/s", "wall s"],
+                         "rows": rows})
+        rep = _json(self.root, "router", "report.json")
+        if rep and "accuracy" in rep:
+            s.images.append(self._plot("router_training_accuracy.png",
+                                       views.router_accuracy_png(rep["t_buckets"], rep["accuracy"], rep.get("chance"),
+                                                                 "router accuracy per t (router/report.json)"),
+                                       f"router on {rep.get('items', '?')} training items"))
+        for job in jobs:  # the last sample grid each job drew while training
+            grids = [n for n in self.root.ls(job, "samples") if n.endswith(".png")]
+            if grids:
+                img = self._file_image(f"{job_label(job)}: {grids[-1]}", job, "samples", grids[-1])
+                if img:
+                    s.images.append(img)
+        return s
+
+    # -- evaluation ----------------------------------------------------------------------------------
+
+    def _runs(self) -> dict[str, dict[str, Any]]:
+        return (self.evaluation or {}).get("runs", {}) or {}
+
+    def _needs_evaluation(self, s: Section) -> bool:
+        if not self.evaluation:
+            s.missing = "no reports/evaluation.json yet: `flowfleet evaluate RUN_ROOT/model --reference RUN_ROOT`"
+            return True
+        return False
+
+    def section_samples(self) -> Section:
+        s = Section("samples", TITLES["samples"])
+        if self._needs_evaluation(s):
+            return s
+        for name, run in self._runs().items():
+            if run.get("grid"):
+                img = self._file_image(f"{name}", REPORTS, run["grid"])
+                if img:
+                    s.images.append(img)
+            prompts = run.get("prompts") or []
+            if any(prompts):
+                s.lists.append({"caption": f"{name}: prompts of the grid, row by row",
+                                "items": [f"{i}: {p}" for i, p in enumerate(prompts)]})
+        return s
+
+    def section_routing(self) -> Section:
+        s = Section("routing", TITLES["routing"])
+        if self._needs_evaluation(s):
+            return s
+        for name, run in self._runs().items():
+            if run.get("heatmap"):
+                img = self._file_image(f"{name}: router probabilities over the sampling steps", REPORTS, run["heatmap"])
+                if img:
+                    s.images.append(img)
+        if not s.images:
+            s.notes.append("No routed runs were evaluated (monolith only).")
+        return s
+
+    def section_fid(self) -> Section:
+        s = Section("fid", TITLES["fid"])
+        if self._needs_evaluation(s):
+            return s
+        fid = self.evaluation.get("fid") or {}
+        scores = fid.get("scores") or {}
+        if not scores:
+            s.missing = "the evaluation computed no FID"
+            return s
+        s.tables.append({"caption": "FID per strategy (lower is better)", "header": ["model", "FID"],
+                         "rows": [[name, f"{v:.2f}"] for name, v in scores.items()]})
+        s.notes.append(
+            f"Feature network {fid.get('extractor', '?')} at {fid.get('resize', '?')} px input; "
+            f"{fid.get('generated_images', '?')} generated images against {fid.get('reference_images', '?')} "
+            "reference images of data/.")
+        if fid.get("standard_input") is False:
+            s.notes.append("Non-standard Inception input size: compare these numbers only with FIDs computed "
+                           "at the same size and sample counts, not with published FIDs.")
+        s.images.append(self._plot("fid.png", views.fid_png(scores), "FID"))
+        return s
+
+    def section_adherence(self) -> Section:
+        s = Section("adherence", TITLES["adherence"])
+        if self._needs_evaluation(s):
+            return s
+        adh = self.evaluation.get("adherence")
+        if not adh:
+            s.notes.append("Not applicable: prompt adherence is measured for the shapes source only.")
+            return s
+        s.tables.append({"caption": "share of samples whose drawn colour and shape match the prompt",
+                         "header": ["model", "colour and shape", "colour", "shape", "samples"],
+                         "rows": [[name, _fmt(a.get("both")), _fmt(a.get("colour")), _fmt(a.get("shape")), a.get("n")]
+                                  for name, a in adh.items()]})
+        return s
+
+    def section_diagnostics(self) -> Section:
+        s = Section("diagnostics", TITLES["diagnostics"])
+        if self._needs_evaluation(s):
+            return s
+        diag = self.evaluation.get("diagnostics") or {}
+        acc = diag.get("router_accuracy")
+        if acc:
+            s.images.append(self._plot("router_accuracy.png",
+                                       views.router_accuracy_png(acc["t_buckets"], acc["accuracy"], acc.get("chance")),
+                                       f"router accuracy against the cluster of x0, {acc.get('items', '?')} items"))
+        align = diag.get("alignment") or {}
+        if align:
+            s.tables.append({
+                "caption": "expert-data alignment: semantic distance of generated samples to the cluster centroids of "
+                           "the experts that generated them vs. the other centroids",
+                "header": ["model", "to selected", "to others", "nearest centroid is a selected expert's", "samples"],
+                "rows": [[n, _fmt(a.get("selected_distance")), _fmt(a.get("other_distance")),
+                          _fmt(a.get("nearest_is_selected")), a.get("n")] for n, a in align.items()]})
+        dis = diag.get("disagreement") or {}
+        if dis:
+            s.images.append(self._plot("disagreement.png",
+                                       views.disagreement_png({n: (d["t"], d["spread"]) for n, d in dis.items()}),
+                                       "spread of the K experts' velocities at the states each strategy visits"))
+        usage = diag.get("usage") or {}
+        if usage:
+            s.images.append(self._plot("usage.png", views.usage_png(usage), "share of (sample, step) selections"))
+        if not s.images and not s.tables:
+            s.missing = "the evaluation computed no diagnostics"
+        return s
+
+    def section_timings(self) -> Section:
+        s = Section("timings", TITLES["timings"])
+        stages = _json(self.root, REPORTS, TIMINGS_FILE) or {}
+        if stages:
+            s.tables.append({"caption": "stages (flowfleet demo)", "header": ["stage", "seconds"],
+                             "rows": [[k, _fmt(v)] for k, v in stages.items()]})
+        rows = []
+        for job in job_dirs(self.root):
+            w = _wall_time(read_metrics(self.root, job))
+            if w is not None:
+                rows.append([job_label(job), _fmt(w)])
+        if rows:
+            s.tables.append({"caption": "training jobs (first to last logged step)", "header": ["job", "seconds"],
+                             "rows": rows})
+        ev = (self.evaluation or {}).get("timings") or {}
+        if ev:
+            s.tables.append({"caption": "evaluation", "header": ["part", "seconds"],
+                             "rows": [[k, _fmt(v)] for k, v in ev.items()]})
+        if not s.tables:
+            s.missing = "no timings recorded yet"
+        return s
+
+
+def _json_yaml(root: RunRoot) -> dict[str, Any] | None:
+    try:
+        raw = root.read_yaml("run.yaml") if root.exists("run.yaml") else None
+    except ValueError:
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _wall_time(records: list[dict[str, Any]]) -> float | None:
+    times = [r["time"] for r in records if isinstance(r.get("time"), (int, float))]
+    return (max(times) - min(times)) if len(times) >= 2 else None
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+# --------------------------------------------------------------------------------------------------
+#                                         The page
+# --------------------------------------------------------------------------------------------------
+
+TEMPLATE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>flowfleet report: {{ name }}</title>
+<style>
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+nav a { margin-right: 1em; } section { border-top: 1px solid #ccc; padding-top: .5em; margin-top: 1.5em; }
+table { border-collapse: collapse; margin: .5em 0 1em; font-size: 90%; }
+td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; }
+figure { display: inline-block; margin: .5em; vertical-align: top; } figcaption { font-size: 85%; color: #555; }
+img { max-width: 100%; image-rendering: pixelated; } pre { background: #f6f6f6; padding: .8em; overflow-x: auto; }
+.missing { color: #a60; } ol.prompts { columns: 3; font-size: 80%; }
+</style></head><body>
+<h1>flowfleet report: {{ name }}</h1>
+<p>Generated {{ created }} from {{ url }}.</p>
+<nav>{% for s in sections %}<a href="#{{ s.id }}">{{ s.title }}</a>{% endfor %}</nav>
+{% for s in sections %}
+<section id="{{ s.id }}"><h2>{{ s.title }}</h2>
+{% if s.missing %}<p class="missing">Not available: {{ s.missing }}</p>{% endif %}
+{% for n in s.notes %}<p>{{ n }}</p>{% endfor %}
+{% for t in s.tables %}<table><caption>{{ t.caption }}</caption>
+<tr>{% for h in t.header %}<th>{{ h }}</th>{% endfor %}</tr>
+{% for row in t.rows %}<tr>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>{% endfor %}
+</table>{% endfor %}
+{% if s.pre %}<pre>{{ s.pre }}</pre>{% endif %}
+{% for im in s.images %}<figure><img src="{{ im.data }}" alt="{{ im.caption }}"><figcaption>{{ im.caption }}</figcaption></figure>{% endfor %}
+{% for l in s.lists %}<details><summary>{{ l.caption }}</summary><ol class="prompts" start="0">{% for item in l["items"] %}<li>{{ item }}</li>{% endfor %}</ol></details>{% endfor %}
+</section>
+{% endfor %}
+</body></html>
+"""
+
+
+def render(sections: list[Section], *, name: str, url: str) -> str:
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    return env.from_string(TEMPLATE).render(sections=sections, name=name, url=url,
+                                            created=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def write_report(run_root: str | RunRoot) -> str:
+    """Build reports/report.html (and reports/plots/*.png) from whatever the run root holds; returns its URL."""
+    root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
+    if not root.exists():
+        from flowfleet.errors import FlowfleetError
+
+        raise FlowfleetError(f"{root.url}: no such run root")
+    builder = ReportBuilder(root)
+    sections = builder.build()
+    cfg = _json_yaml(root) or {}
+    for name, png in builder.plots.items():
+        root.write_bytes(png, REPORTS, "plots", name)
+    root.write_bytes(render(sections, name=str(cfg.get("name", root.url)), url=root.url).encode(), REPORTS, REPORT_FILE)
+    return root.url_of(REPORTS, REPORT_FILE)

@@ -1,0 +1,167 @@
+"""The pictures of an evaluation and its report, as PNG bytes.
+
+Grids are tiled with PIL (a grid of images needs no plotting library); plots use matplotlib's object
+API on an Agg canvas (no pyplot: its figure registry is global state). Every function takes plain
+data (lists, dicts, tensors) so the report can redraw everything from the JSON files of a run root.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any, Mapping, Sequence
+
+import torch
+
+
+def _png(fig) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def _figure(w: float, h: float):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h))
+    return fig
+
+
+# --------------------------------------------------------------------------------------------------
+#                                     Sample grids
+# --------------------------------------------------------------------------------------------------
+
+
+def captioned_grid_png(images: torch.Tensor, captions: Sequence[str], cols: int = 8, cell: int = 64,
+                       title: str = "") -> bytes:
+    """images [n, C, H, W] in [-1, 1] in a grid, each with the first characters of its prompt below."""
+    from PIL import Image, ImageDraw
+
+    n = images.shape[0]
+    cols = max(1, min(cols, n))
+    rows = math.ceil(n / cols)
+    h, w = images.shape[-2:]
+    scale = max(1, math.ceil(cell / max(h, w)))
+    ch, cw = h * scale, w * scale
+    pad, text_h, title_h = 4, 24 if captions else 0, 16 if title else 0
+    canvas = Image.new("RGB", (cols * (cw + pad) + pad, title_h + rows * (ch + text_h + pad) + pad), "white")
+    draw = ImageDraw.Draw(canvas)
+    if title:
+        draw.text((pad, 2), title, fill="black")
+    pixels = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # [n, C, H, W]
+    pixels = pixels.expand(-1, 3, -1, -1) if pixels.shape[1] == 1 else pixels[:, :3]
+    chars = max(4, cw // 6)
+    for i in range(n):
+        r, c = divmod(i, cols)
+        x, y = pad + c * (cw + pad), title_h + pad + r * (ch + text_h + pad)
+        tile = Image.fromarray(pixels[i].permute(1, 2, 0).numpy()).resize((cw, ch), Image.NEAREST)
+        canvas.paste(tile, (x, y))
+        if captions and i < len(captions):
+            draw.text((x, y + ch + 1), captions[i][:chars], fill="black")
+            draw.text((x, y + ch + 12), captions[i][chars : 2 * chars], fill="black")
+    buf = io.BytesIO()
+    canvas.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------------------------------
+#                                        Plots
+# --------------------------------------------------------------------------------------------------
+
+
+def loss_curves_png(curves: Mapping[str, Sequence[tuple[int, float]]], title: str = "training loss") -> bytes:
+    """One line per job: (step, loss) pairs. Log-scale y when every loss is positive."""
+    fig = _figure(8, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    positive = True
+    for name, points in curves.items():
+        if not points:
+            continue
+        steps, losses = zip(*points)
+        positive &= min(losses) > 0
+        ax.plot(steps, losses, label=name, linewidth=1.2, linestyle="--" if name == "monolith" else "-")
+    if positive and curves:
+        ax.set_yscale("log")
+    ax.set(title=title, xlabel="optimiser step", ylabel="loss")
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def router_accuracy_png(buckets: Sequence[Sequence[float]], accuracy: Sequence[float], chance: float | None,
+                        title: str = "router accuracy per t-bucket") -> bytes:
+    fig = _figure(5.5, 3.4)
+    ax = fig.add_subplot(1, 1, 1)
+    centres = [(lo + hi) / 2 for lo, hi in buckets]
+    widths = [0.9 * (hi - lo) for lo, hi in buckets]
+    ax.bar(centres, accuracy, width=widths, color="tab:blue")
+    if chance is not None:
+        ax.axhline(chance, color="gray", linestyle="--", linewidth=1, label="largest cluster share")
+        ax.legend(fontsize=7)
+    ax.set(title=title, xlabel="t  (0 = data, 1 = noise)", ylabel="top-1 accuracy", xlim=(0, 1), ylim=(0, 1))
+    fig.tight_layout()
+    return _png(fig)
+
+
+def disagreement_png(series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+                     title: str = "expert disagreement along the trajectory") -> bytes:
+    """series: name -> (t values, spread values). t runs 1 -> 0 during sampling; drawn left to right."""
+    fig = _figure(5.5, 3.4)
+    ax = fig.add_subplot(1, 1, 1)
+    for name, (ts, spread) in series.items():
+        ax.plot(ts, spread, marker="o", markersize=3, label=name)
+    ax.set(title=title, xlabel="t  (1 = noise, sampling runs right to left)",
+           ylabel="relative spread of expert velocities")
+    ax.set_xlim(1.0, 0.0)
+    ax.grid(alpha=0.3)
+    if series:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def usage_png(usage: Mapping[str, Sequence[float]], title: str = "expert usage per strategy") -> bytes:
+    """usage: strategy -> share of (sample, step) selections per expert (grouped bars)."""
+    fig = _figure(6.5, 3.4)
+    ax = fig.add_subplot(1, 1, 1)
+    names = list(usage)
+    k = max((len(v) for v in usage.values()), default=0)
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(usage[name]))]
+        ax.bar(xs, usage[name], width=width, label=name)
+    ax.set_xticks(range(k))
+    ax.set(title=title, xlabel="expert", ylabel="share of selections", ylim=(0, 1))
+    if names:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def fid_png(scores: Mapping[str, float], title: str = "FID (lower is better)") -> bytes:
+    fig = _figure(5, 3.2)
+    ax = fig.add_subplot(1, 1, 1)
+    names = list(scores)
+    colors = ["tab:gray" if n == "monolith" else "tab:blue" for n in names]
+    bars = ax.bar(names, [scores[n] for n in names], color=colors)
+    for bar, name in zip(bars, names):
+        ax.annotate(f"{scores[name]:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set(title=title, ylabel="FID")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def table_rows(mapping: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A flat dict as (key, formatted value) rows; floats to 4 significant digits."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    return [(str(k), fmt(v)) for k, v in mapping.items()]
