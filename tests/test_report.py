@@ -104,8 +104,8 @@ def synthetic_run(path) -> RunRoot:
         "diagnostics": {
             "router_accuracy": {"t_buckets": [[0, 0.5], [0.5, 1]], "accuracy": [0.8, 0.4], "chance": 0.39,
                                 "items": 64},
-            "alignment": {"top1": {"selected_distance": 0.4, "other_distance": 0.7, "nearest_is_selected": 0.8,
-                                   "n": 64}},
+            "alignment": {"top1": {"dominant_distance": 0.4, "other_distance": 0.7, "assigned_is_dominant": 0.8,
+                                   "chance": 0.4, "n": 64}},
             "disagreement": {"top2": {"t": [1.0, 0.5, 0.0], "spread": [0.1, 0.3, 0.2]}},
             "usage": {"top1": [0.2, 0.5, 0.3], "full": [0.33, 0.33, 0.34]},
         },

@@ -314,11 +314,13 @@ class ReportBuilder:
         align = diag.get("alignment") or {}
         if align:
             s.tables.append({
-                "caption": "expert-data alignment: semantic distance of generated samples to the cluster centroids of "
-                           "the experts that generated them vs. the other centroids",
-                "header": ["model", "to selected", "to others", "nearest centroid is a selected expert's", "samples"],
-                "rows": [[n, _fmt(a.get("selected_distance")), _fmt(a.get("other_distance")),
-                          _fmt(a.get("nearest_is_selected")), a.get("n")] for n, a in align.items()]})
+                "caption": "expert-data alignment: semantic distance (L2-normalised clustering features) of generated "
+                           "samples to the centroid of their dominant expert vs. the other centroids, and how often "
+                           "the sample falls in its dominant expert's cluster (chance: the largest cluster's share)",
+                "header": ["model", "to dominant", "to others", "in dominant's cluster", "chance", "samples"],
+                "rows": [[n, _fmt(a.get("dominant_distance")), _fmt(a.get("other_distance")),
+                          _fmt(a.get("assigned_is_dominant")), _fmt(a.get("chance")), a.get("n")]
+                         for n, a in align.items()]})
         dis = diag.get("disagreement") or {}
         if dis:
             s.images.append(self._plot("disagreement.png",
@@ -326,7 +328,7 @@ class ReportBuilder:
                                        "spread of the K experts' velocities at the states each strategy visits"))
         usage = diag.get("usage") or {}
         if usage:
-            s.images.append(self._plot("usage.png", views.usage_png(usage), "share of (sample, step) selections"))
+            s.images.append(self._plot("usage.png", views.usage_png(usage), "share of the ensemble weight per expert"))
         if not s.images and not s.tables:
             s.missing = "the evaluation computed no diagnostics"
         return s

@@ -126,7 +126,7 @@ def disagreement_png(series: Mapping[str, tuple[Sequence[float], Sequence[float]
 
 
 def usage_png(usage: Mapping[str, Sequence[float]], title: str = "expert usage per strategy") -> bytes:
-    """usage: strategy -> share of (sample, step) selections per expert (grouped bars)."""
+    """usage: strategy -> share of the ensemble weight per expert (grouped bars)."""
     fig = _figure(6.5, 3.4)
     ax = fig.add_subplot(1, 1, 1)
     names = list(usage)
@@ -136,7 +136,7 @@ def usage_png(usage: Mapping[str, Sequence[float]], title: str = "expert usage p
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(usage[name]))]
         ax.bar(xs, usage[name], width=width, label=name)
     ax.set_xticks(range(k))
-    ax.set(title=title, xlabel="expert", ylabel="share of selections", ylim=(0, 1))
+    ax.set(title=title, xlabel="expert", ylabel="share of ensemble weight", ylim=(0, 1))
     if names:
         ax.legend(fontsize=7)
     fig.tight_layout()
