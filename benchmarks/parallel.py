@@ -8,9 +8,15 @@ weights, unconditional, one image) at 256 tokens (32x32 latent) and 1024 tokens 
 configuration is a fresh set of spawned processes with one thread each: "1 rank" samples with the plain
 model (the single-device reference), "2 ranks" with flowfleet.parallel in sync / displaced / naive
 mode (displaced: step 0 + --warmup synchronous steps). The wall time of the sampling loop is measured
-after one untimed warm-up forward; the 2-rank time is the slower rank's. Configurations run
+after one untimed warm-up forward; the 2-rank time is the slower rank's (its process CPU time, which
+includes gloo's threads, is recorded too: the work one rank does). Configurations run
 --repeats times, interleaved, and the minimum is reported (the machine is shared: the minimum is
 the run least disturbed by other jobs). Ratios are against the 1-rank minimum of the same run.
+
+Shared machines: Linux's scheduler autogroups (/proc/sys/kernel/sched_autogroup_enabled = 1) give each
+session an equal CPU share, so while other sessions keep the cores busy, 2 ranks receive no more CPU in
+total than 1 rank and wall-time ratios say nothing about the method. Latency is only meaningful on an
+otherwise idle machine: results.json records the load average before and after, and the script warns.
 
 Part 2 (bytes per step). What the CommManager counted for one rank in a steady sync step (keys and
 values of every self-attention layer + the step output), against the analytic figures:
@@ -72,10 +78,10 @@ def single_worker(ctx, cfg: DiTConfig, steps: int, state: dict | None = None) ->
     grid = time_grid(steps)
     with torch.inference_mode():
         model(noise, grid[:1].expand(noise.shape[0]))  # warm-up forward (allocator, kernels)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = integrate(lambda x, t, i: model(x, t), noise, grid)
-        elapsed = time.perf_counter() - t0
-    return {"s": elapsed, "out": out}
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"s": elapsed, "cpu": cpu, "out": out}
 
 
 def parallel_worker(ctx, cfg: DiTConfig, steps: int, mode: str, warmup: int, state: dict | None = None) -> dict:
@@ -91,11 +97,11 @@ def parallel_worker(ctx, cfg: DiTConfig, steps: int, mode: str, warmup: int, sta
                          prefetch=False)  # warm-up forward
         dist.barrier()
         vf = runner.velocity({}, steps=steps)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = integrate(vf, noise, grid)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     runner.close()
-    return {"s": elapsed, "out": out, "bytes": runner.comm.bytes_by_step}
+    return {"s": elapsed, "cpu": cpu, "out": out, "bytes": runner.comm.bytes_by_step}
 
 
 def load(cfg: DiTConfig, state: dict) -> DiTModel:
@@ -123,14 +129,17 @@ def latency(tokens_list: list[int], steps: int, warmup: int, repeats: int) -> li
     for tokens in tokens_list:
         cfg = latency_config(tokens)
         times: dict[str, list[float]] = {"1 rank": [], **{m: [] for m in MODES}}
+        cpus: dict[str, list[float]] = {"1 rank": [], **{m: [] for m in MODES}}
         outs, bytes_ = {}, {}
         for rep in range(repeats):
             r = run_local(single_worker, 1, (cfg, steps), timeout_s=600, start_method="spawn")[0]
             times["1 rank"].append(r["s"])
+            cpus["1 rank"].append(r["cpu"])
             outs["1 rank"] = r["out"]
             for mode in MODES:
                 ranks = run_local(parallel_worker, 2, (cfg, steps, mode, warmup), timeout_s=600, start_method="spawn")
                 times[mode].append(max(x["s"] for x in ranks))
+                cpus[mode].append(max(x["cpu"] for x in ranks))
                 outs[mode] = ranks[0]["out"]
                 bytes_[mode] = ranks[0]["bytes"]
             print(f"  {tokens} tokens, repeat {rep + 1}/{repeats}: "
@@ -142,6 +151,8 @@ def latency(tokens_list: list[int], steps: int, warmup: int, repeats: int) -> li
             "tokens": tokens, "latent": list(cfg.input_size), "steps": steps, "warmup": warmup,
             "seconds": {k: min(v) for k, v in times.items()},
             "speedup": {k: base / min(v) for k, v in times.items()},
+            "cpu_seconds": {k: min(v) for k, v in cpus.items()},  # busiest rank's process CPU time
+            "all_seconds": times,
             "bytes_per_step": {m: bytes_[m] for m in MODES},
             "sync_steady_bytes": steady, "analytic": ana,
             "max_abs_diff_vs_1rank": {m: (outs[m] - outs["1 rank"]).abs().max().item() for m in MODES},
@@ -239,13 +250,19 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     result: dict = {"machine_before": machine()}
+    if args.part != "quality" and result["machine_before"]["loadavg"][0] > 1.5:
+        print(f"warning: load average {result['machine_before']['loadavg']} -- other jobs share the CPUs; "
+              "wall-time speedups will be understated (see the module docstring)", flush=True)
     if args.part in ("all", "latency"):
         print("latency (2 ranks x 1 thread vs 1 rank x 1 thread):", flush=True)
         result["latency"] = latency(args.tokens, args.steps, args.warmup, args.repeats)
         for row in result["latency"]:
             s, x, ana = row["seconds"], row["speedup"], row["analytic"]
+            c = row["cpu_seconds"]
             print(f"{row['tokens']:5d} tokens: 1 rank {s['1 rank']:.2f} s | "
                   + " | ".join(f"{m} {s[m]:.2f} s ({x[m]:.2f}x)" for m in MODES))
+            print(f"       CPU s of the busiest rank: 1 rank {c['1 rank']:.2f} | "
+                  + " | ".join(f"{m} {c[m]:.2f} ({c['1 rank'] / c[m]:.2f}x less)" for m in MODES))
             print(f"       bytes/step/rank: sync {row['sync_steady_bytes'] / 2**20:.2f} MiB "
                   f"(analytic PP {ana['pp'] / 2**20:.2f} MiB, sync TP {ana['tp'] / 2**20:.2f} MiB); "
                   f"max |diff| vs 1 rank: " + ", ".join(f"{m} {v:.1e}" for m, v in row["max_abs_diff_vs_1rank"].items()))

@@ -51,7 +51,9 @@ class ParallelPlan:
     mode: ParallelMode = ParallelMode.SYNC
     warmup: int = 0  # synchronous steps after the first one (displaced only)
     cfg_split: bool = True  # with guidance and an even rank count, split cond/uncond across rank groups
-    batch_bytes: int = 8 << 20  # asynchronous all-gathers are batched up to this many bytes
+    # Asynchronous all-gathers are batched up to this many bytes. Small enough that the first layers'
+    # keys/values leave early in a step and have long landed when the next step needs them.
+    batch_bytes: int = 1 << 20
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ParallelMode.parse(self.mode))
