@@ -17,7 +17,7 @@ on 2 ranks, next to one full activation all-gather per halo convolution (what ex
 maps instead of halo rows would send).
 
 Part 3 (quality, the paper's GN ablation, §5.3). A tiny U-Net (32/64 channels, 8 groups, ~0.8 M
-parameters) is trained here for --train-iters flow-matching steps (flowfleet.flow's loss and time
+parameters) is trained here for --train-iters flow-matching steps (batch 32, one thread) (flowfleet.flow's loss and time
 convention; diffusers' flow-match scheduler samples it) on 16x16 grey "landscapes": a horizon at a
 random height, a smooth bright sky above, a dark striped ground below, so a band's statistics differ from
 the whole image's. It samples 16 images with 10 Euler steps on 1 rank and on 2 and 4 ranks per mode
@@ -226,9 +226,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--latency-modes", nargs="+", default=["sync", "displaced", "separate-gn", "naive"])
-    p.add_argument("--train-iters", type=int, default=400)
+    p.add_argument("--train-iters", type=int, default=300)
     p.add_argument("--out", default="bench_out/parallel_unet")
     args = p.parse_args()
+    torch.set_num_threads(1)  # like every rank; two threads on this shared 2-core box train ~5x slower
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {}

@@ -97,6 +97,7 @@ class ParallelUNet:
         if max_batch is not None and max_batch < 1:
             raise FlowfleetError(f"max_batch: must be >= 1, got {max_batch}")
         self.unet = unet
+        self._class_forward = type(unet).forward  # the model's own forward, called on the full latent
         self.requested = UNetMode.parse(mode)
         # One rank owns the whole image: nothing to exchange, every mode is the plain model.
         self.mode = self.requested if group.size > 1 else UNetMode.NAIVE
@@ -184,8 +185,8 @@ class ParallelUNet:
             mode = UNetMode.SYNC  # no previous-step activations for this batch
         self.comm.begin_step(self._evals)
         self.step.mode, self.step.batch = mode, b
-        band = UNet2DConditionModel.forward(self.unet, sample, timestep, encoder_hidden_states,
-                                            return_dict=False, **kwargs)[0]  # [B, C, H/N, W]
+        band = self._class_forward(self.unet, sample, timestep, encoder_hidden_states,
+                                   return_dict=False, **kwargs)[0]  # [B, C, H/N, W]
         if mode.exchange is ParallelMode.DISPLACED:
             self.comm.flush()  # a batch not yet complete (a layer skipped this evaluation) leaves now
         self._filled = b if mode.exchange is not ParallelMode.NAIVE else None
@@ -219,8 +220,8 @@ class ParallelUNet:
             self.step.mode, self.step.batch, self.step.recording = UNetMode.NAIVE, sample.shape[0], {}
             try:
                 with torch.no_grad():
-                    UNet2DConditionModel.forward(self.unet, sample, timestep, encoder_hidden_states,
-                                                 return_dict=False, **kwargs)
+                    self._class_forward(self.unet, sample, timestep, encoder_hidden_states, return_dict=False,
+                                        **kwargs)
                 slots = self.step.recording
             finally:
                 self.step.recording = None
