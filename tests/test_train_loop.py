@@ -170,7 +170,10 @@ def _rewrite_partition(root: RunRoot, k: int, **changes) -> None:
     fields, captions = shards.load(with_captions=True)
     fields.update(changes)
     shutil.rmtree(root.local_path(f"partitions/{k}"))
-    shards.append(ShardSetManifest(), fields, captions)
+    manifest = ShardSetManifest()
+    shards.append(manifest, fields, captions)
+    manifest.complete = True
+    shards.write_manifest(manifest)
 
 
 def test_partition_that_does_not_fit_the_expert_is_one_line_naming_both(tmp_path):
@@ -186,6 +189,11 @@ def test_partition_that_does_not_fit_the_expert_is_one_line_naming_both(tmp_path
         run_job(root, JobSpec("expert", 1))
     with pytest.raises(FlowfleetError, match=r"--expert 5: run.yaml has cluster.k = 2"):
         run_job(root, JobSpec("expert", 5))
+    manifest = ShardSet(root, "data").manifest()
+    manifest.complete = False  # prepare still writing, or it died
+    ShardSet(root, "data").write_manifest(manifest)
+    with pytest.raises(FlowfleetError, match=r"data: incomplete .* finish `flowfleet prepare"):
+        run_job(root, JobSpec("router"))
 
 
 def test_run_of_non_finite_losses_stops_and_keeps_the_last_good_checkpoint(tmp_path):

@@ -11,6 +11,7 @@ and checked against its model configuration, its loss, its preview and its final
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -141,7 +142,7 @@ class FlowTask(TrainTask):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._decoder: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._decoder: Callable[[torch.Tensor], torch.Tensor] | bool | None = None  # False: unavailable
 
     def loss(self, model, batch, gen):
         x0 = batch["latents"]  # [B, C, H, W]
@@ -154,14 +155,22 @@ class FlowTask(TrainTask):
         return loss, {}
 
     def _decode(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The latent decoder for previews; pixel latents need none."""
-        if self.run.encoders.latent.name == "pixels":
+        """The latent decoder for previews; pixel latents need none. A decoder that cannot be loaded
+        (no weights on this machine) must not fail the job: previews then show the latents."""
+        if self.run.encoders.latent.name == "pixels" or self._decoder is False:
             return None
         if self._decoder is None:
-            from flowfleet.data.encoders import build_latent_encoder  # issue 3's encoders
+            try:
+                from flowfleet.data.encoders import build_latent_encoder
 
-            encoder = build_latent_encoder(self.run.encoders.latent, self.run.data.channels, device)
-            self._decoder = encoder.decode
+                encoder = build_latent_encoder(self.run.encoders.latent, self.run.data.channels, device)
+                self._decoder = encoder.decode
+            except Exception as err:  # any loader failure (hub offline, missing files) -> latent previews
+                print(f"{self.name}: previews show raw latents; the {self.run.encoders.latent.name} decoder did "
+                      f"not load ({str(err).splitlines()[0][:200] if str(err) else type(err).__name__})",
+                      file=sys.stderr)
+                self._decoder = False
+                return None
         return self._decoder
 
     def preview(self, model, step, device):
@@ -237,6 +246,12 @@ def load_assignments(root: RunRoot, data: InMemoryData, k: int) -> torch.Tensor:
     return cluster
 
 
+def _check_complete(shards: ShardSet, command: str) -> None:
+    if not shards.manifest().complete:
+        raise FlowfleetError(f"{shards.url}: incomplete (its writer is still running or stopped early); "
+                             f"finish `{command}` first")
+
+
 def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: bool | None = None) -> TrainTask:
     """Load and check a job's data; an expert reads partitions/k/ and nothing else."""
     if spec.kind == "expert":
@@ -247,6 +262,7 @@ def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: b
         shards = ShardSet(root, f"partitions/{k}")
         if not shards.exists():
             raise FlowfleetError(f"{shards.url}: partition {k} missing; run `flowfleet cluster {root.url}` first")
+        _check_complete(shards, f"flowfleet cluster {root.url}")
         check_compatible(shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert")
         data = InMemoryData.load(shards, model_fields(cfg.expert))
         return FlowTask(spec, cfg, cfg.expert, cfg.train, job_steps(cfg, spec), data)
@@ -254,6 +270,7 @@ def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: b
     shards = ShardSet(root, "data")
     if not shards.exists():
         raise FlowfleetError(f"{shards.url}: no prepared data; run `flowfleet prepare {root.url}` first")
+    _check_complete(shards, f"flowfleet prepare {root.url}")
     if spec.kind == "monolith":
         check_compatible(shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert")
         data = InMemoryData.load(shards, model_fields(cfg.expert))

@@ -48,15 +48,13 @@ def write_synthetic_run(root: RunRoot, cfg: RunConfig, *, per_cluster: int = 12,
     centres = torch.linspace(-0.8, 0.8, k)  # per-cluster brightness
     latents = centres[cluster].reshape(n, 1, 1, 1) + 0.1 * torch.randn(n, c, h, w, generator=gen)
     length, width = cfg.encoders.text.max_length, cfg.encoders.text.width
-    fields = {
-        "latents": latents.float(),
-        "features": torch.randn(n, 16, generator=gen),
-        "text_tokens": torch.randn(n, length, width, generator=gen).half(),
-        "text_mask": (torch.arange(length)[None] < torch.randint(1, length + 1, (n, 1), generator=gen)).to(torch.uint8),
-        "text_pooled": torch.randn(n, width, generator=gen),
-        "labels": cluster.clone(),
-        "index": torch.arange(n),
-    }
+    fields = {"latents": latents.float(), "features": torch.randn(n, 16, generator=gen),
+              "labels": cluster.clone(), "index": torch.arange(n)}
+    if width:  # a text encoder is configured
+        fields["text_tokens"] = torch.randn(n, length, width, generator=gen).half()
+        fields["text_mask"] = (torch.arange(length)[None] < torch.randint(1, length + 1, (n, 1), generator=gen)
+                               ).to(torch.uint8)
+        fields["text_pooled"] = torch.randn(n, width, generator=gen)
     captions = [f"item {i} of cluster {int(cluster[i])}" for i in range(n)]
 
     def write(folder: str, rows: torch.Tensor) -> None:
