@@ -6,11 +6,10 @@ from flowfleet.cluster.kmeans import (
     assign_nearest,
     balance_fine_to_coarse,
     faiss_available,
-    kmeans,
     l2_normalize_,
     random_partition,
     two_stage_kmeans,
 )
 
 __all__ = ["KMeansResult", "TwoStageResult", "assign_nearest", "balance_fine_to_coarse", "faiss_available",
-           "kmeans", "l2_normalize_", "random_partition", "two_stage_kmeans"]
+           "l2_normalize_", "random_partition", "two_stage_kmeans"]

