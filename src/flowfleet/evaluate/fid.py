@@ -6,7 +6,8 @@
     fid.score(fake, ref)  # float
 
 Images everywhere are float [B, C, H, W] in [-1, 1] (what `generate` and the latent decoder return);
-they are quantised to uint8 exactly once, here (`to_uint8`), as an image file would be.
+they are quantised to uint8 once, by flowfleet.data.images.to_uint8 (as an image file would be, and as
+prepare does for the clustering features).
 
 Feature statistics are kept in torchmetrics' own state form (sum, sum of outer products, count, all
 float64), so a cached reference plugs into `FrechetInceptionDistance` unchanged and the distance is
@@ -27,18 +28,12 @@ from torch import nn
 from torchmetrics.image.fid import FrechetInceptionDistance
 from tqdm.auto import tqdm
 
+from flowfleet.data.images import to_uint8  # the one quantisation: [-1, 1] float -> uint8
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.inception import EXTRACTORS, MIN_SIZE, STANDARD_SIZE, build_extractor
 from flowfleet.storage import RunRoot
 
 REPORTS = "reports"
-
-
-def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """float [B, C, H, W] in [-1, 1] -> uint8 [B, C, H, W] in 0..255 (rounded, clipped)."""
-    if not images.is_floating_point():
-        raise TypeError(f"expected float images in [-1, 1], got {images.dtype}")
-    return ((images.float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -146,7 +141,8 @@ class FID:
         net = extractor if extractor is not None else build_extractor(settings.extractor, weights=settings.weights,
                                                                       resize=settings.resize)
         self.extractor = net.to(self.device).eval()
-        self.key = getattr(net, "key", settings.key)
+        # The key names the features in cache files and results; a supplied module never borrows Inception's.
+        self.key = getattr(net, "key", None) or f"custom-{type(net).__name__}"
         self.dim = int(getattr(net, "num_features"))
 
     def features(self, images: torch.Tensor) -> torch.Tensor:

@@ -240,6 +240,13 @@ class ReportBuilder:
 
     def section_samples(self) -> Section:
         s = Section("samples", TITLES["samples"])
+        for name in self.root.ls(REPORTS, "showcase"):  # `flowfleet demo`: fixed prompts, one grid per strategy
+            if name.endswith(".png") and not name.endswith(".routing.png"):
+                routing = _json(self.root, REPORTS, "showcase", name[:-4] + ".routing.json") or {}
+                prompts = sorted(set(routing.get("prompts") or []))
+                img = self._file_image(f"{name[:-4]} (generate): " + "; ".join(prompts), REPORTS, "showcase", name)
+                if img:
+                    s.images.append(img)
         if self._needs_evaluation(s):
             return s
         for name, run in self._runs().items():

@@ -76,19 +76,18 @@ def loss_curves_png(curves: Mapping[str, Sequence[tuple[int, float]]], title: st
     """One line per job: (step, loss) pairs. Log-scale y when every loss is positive."""
     fig = _figure(8, 3.8)
     ax = fig.add_subplot(1, 1, 1)
-    positive = True
-    for name, points in curves.items():
-        if not points:
-            continue
+    drawn = [(name, points) for name, points in curves.items() if points]
+    for name, points in drawn:
         steps, losses = zip(*points)
-        positive &= min(losses) > 0
         ax.plot(steps, losses, label=name, linewidth=1.2, linestyle="--" if name == "monolith" else "-")
-    if positive and curves:
+    if drawn and all(loss > 0 for _, points in drawn for _, loss in points):
         ax.set_yscale("log")
     ax.set(title=title, xlabel="optimiser step", ylabel="loss")
     ax.grid(alpha=0.3)
-    if curves:
+    if drawn:
         ax.legend(fontsize=7, ncol=2)
+    else:
+        ax.text(0.5, 0.5, "no metrics.jsonl yet", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     return _png(fig)
 

@@ -1,0 +1,407 @@
+"""Stage `evaluate`: FID per routing strategy (and the monolith), prompt adherence, diagnostics.
+
+    evaluate("runs/r/model", "runs/r", EvaluateOptions(n=1000, strategies=("top1", "top2", "full"), monolith=True))
+
+Every model samples the same n prompts (drawn from data/'s captions, seeded) from the same noise, so
+the strategies are compared on identical inputs. The reference is the run's own prepared data/
+(decoded from latents; a seeded random subset of `ref_n` items), its Inception statistics cached in
+RUN_ROOT/reports/. Writes, under the reference run root:
+
+    reports/evaluation.json             everything below, read by `flowfleet report`
+    reports/samples/<name>.png          the first `grid` samples with their prompts
+    reports/samples/<name>.routing.png  router probabilities over the sampling steps (fleet strategies)
+    reports/fid_ref_*.safetensors       the cached reference statistics
+
+Options are validated (strategies parsed, the monolith finished, shapes matched) before anything heavy
+is loaded.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from flowfleet.config import RunConfig, load_run_config
+from flowfleet.data.shards import ShardSet
+from flowfleet.errors import FlowfleetError
+from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
+from flowfleet.evaluate.report import EVALUATION_FILE, REPORTS
+from flowfleet.flow import parse_strategy
+from flowfleet.storage import RunRoot
+
+SAMPLES = "samples"
+MONOLITH = "monolith"
+
+
+@dataclass(frozen=True)
+class EvaluateOptions:
+    n: int = 1000  # generated images per model
+    strategies: tuple[str, ...] = ("top1", "top2", "full")
+    monolith: bool = False  # also evaluate RUN_ROOT/monolith/final (same sampler, no routing)
+    seed: int = 0
+    batch_size: int = 250  # samples per sampling batch
+    steps: int | None = None  # None: the fleet's model_index.json
+    sampler: str | None = None
+    cfg: float | None = None
+    shift: float | None = None
+    route_every: int | None = None
+    ref_n: int | None = None  # reference images; None: all of data/ up to 10,000
+    fid: FIDSettings = FIDSettings()
+    grid: int = 32  # samples shown per model in the report
+    diagnostics: bool = True
+    diagnostic_n: int = 32  # samples whose trajectories probe expert disagreement (K passes per step)
+    device: str = "auto"
+
+    def validate(self) -> None:
+        if self.n < 2:
+            raise FlowfleetError(f"--n: FID needs at least 2 samples, got {self.n}")
+        if self.batch_size < 1:
+            raise FlowfleetError(f"--batch-size: must be >= 1, got {self.batch_size}")
+        if self.ref_n is not None and self.ref_n < 2:
+            raise FlowfleetError(f"--ref-n: must be >= 2, got {self.ref_n}")
+        if not self.strategies and not self.monolith:
+            raise FlowfleetError("--strategies: nothing to evaluate (give strategies or --monolith)")
+        for s in self.strategies:
+            try:
+                parse_strategy(s)
+            except ValueError as err:
+                raise FlowfleetError(f"--strategies: {err}") from None
+        if len(set(self.strategies)) != len(self.strategies):
+            raise FlowfleetError(f"--strategies: repeated names in {','.join(self.strategies)}")
+
+
+@dataclass
+class ModelRun:
+    """What one evaluated model (a strategy of the fleet, or the monolith) produced."""
+
+    name: str
+    kind: str  # "fleet" | "monolith"
+    fid: float = float("nan")
+    grid: str = ""
+    heatmap: str | None = None
+    prompts: list[str] = field(default_factory=list)
+    usage: list[float] = field(default_factory=list)
+    sampling_s: float = 0.0
+    fid_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+#                                   Reference and prompts
+# --------------------------------------------------------------------------------------------------
+
+
+def _device(name: str) -> torch.device:
+    from flowfleet.stages.generate import resolve_device
+
+    return resolve_device(name)
+
+
+def _open_reference(reference: str) -> tuple[RunRoot, RunConfig, ShardSet]:
+    root = RunRoot(reference)
+    cfg = load_run_config(root)
+    data = ShardSet(root, "data")
+    if not data.exists():
+        raise FlowfleetError(f"{data.url}: missing; the reference run root needs prepared data "
+                             f"(`flowfleet prepare {root.url}`)")
+    manifest = data.manifest()
+    if not manifest.complete:
+        raise FlowfleetError(f"{data.url}: prepare has not finished (manifest.json says incomplete)")
+    return root, cfg, data
+
+
+def data_fingerprint(data: ShardSet) -> str:
+    """What identifies data/: the source fingerprint recorded by prepare, and the item count."""
+    import hashlib
+    import json
+
+    m = data.manifest()
+    record = {"count": m.count, "source": m.extra.get("source"), "encoders": m.extra.get("encoders")}
+    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def reference_images(cfg: RunConfig, latents: torch.Tensor, order: torch.Tensor, n: int, batch: int,
+                     device: torch.device) -> Callable[[], Any]:
+    """A generator factory of n decoded data images (in `order`), batch by batch."""
+    from flowfleet.data.encoders import build_latent_encoder
+
+    def batches():
+        decoder = build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device)
+        for i in range(0, n, batch):
+            yield decoder.decode(latents[order[i : min(i + batch, n)]]).cpu()
+
+    return batches
+
+
+# --------------------------------------------------------------------------------------------------
+#                                        The stage
+# --------------------------------------------------------------------------------------------------
+
+
+def evaluate(model_dir: str, reference: str | None = None, options: EvaluateOptions = EvaluateOptions(), *,
+             echo: Callable[[str], None] = print, extractor: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Evaluate an assembled fleet against its run's data; returns (and writes) evaluation.json.
+
+    extractor: any uint8 [B, C, H, W] -> [B, D] module with `num_features` to use instead of the
+    Inception (torchmetrics' custom-extractor contract; tests use a cheap one)."""
+    from flowfleet.evaluate import diagnostics as diag
+    from flowfleet.sampling.index import read_model_index
+    from flowfleet.sampling.pipeline import FleetPipeline
+
+    t_start = time.perf_counter()
+    options.validate()
+    model_root = RunRoot(model_dir)
+    index = read_model_index(model_root)  # one-line error when DIR is not an assembled fleet
+    if reference is None:
+        reference = model_root.url.rstrip("/").rsplit("/", 1)[0] if "/" in model_root.url.rstrip("/") else "."
+    root, cfg, data = _open_reference(reference)
+    if tuple(index.latent_shape) != tuple(cfg.latent_shape):
+        raise FlowfleetError(f"{model_root.url}: latent shape {tuple(index.latent_shape)} differs from the reference "
+                             f"run's {tuple(cfg.latent_shape)} ({root.url_of('run.yaml')})")
+    for s in options.strategies:
+        try:
+            parse_strategy(s).resolve_k(len(index.present_experts))
+        except ValueError as err:
+            raise FlowfleetError(f"--strategies: {err}") from None
+    if options.monolith:
+        from flowfleet.stages.assemble import job_finished
+
+        done, why, _ = job_finished(root, MONOLITH)
+        if not done:
+            raise FlowfleetError(f"--monolith: {why}")
+    device = _device(options.device)
+
+    # -- data: reference order, prompts ---------------------------------------------------------------
+    fields, captions = data.load(["latents", "labels", "index"], with_captions=True)
+    latents, labels = fields["latents"], fields["labels"]
+    count = latents.shape[0]
+    ref_n = min(count, 10_000) if options.ref_n is None else options.ref_n
+    if ref_n > count:
+        raise FlowfleetError(f"--ref-n: {ref_n} reference images requested, data/ holds {count}")
+    gen = torch.Generator().manual_seed(options.seed)
+    order = torch.randperm(count, generator=gen)
+    picks = torch.randint(0, count, (options.n,), generator=gen)  # the prompts' items (with replacement)
+    prompts = [captions[i] for i in picks.tolist()] if captions else []
+    cond_labels = labels[picks].tolist() if index.conditioning == "class" else None
+
+    # -- FID reference -----------------------------------------------------------------------------
+    fid = FID(options.fid, device, extractor=extractor)
+    t0 = time.perf_counter()
+    ref = fid.reference(root, "data", reference_images(cfg, latents, order, ref_n, options.fid.batch_size, device),
+                        n=ref_n, fingerprint=data_fingerprint(data))
+    timings: dict[str, float] = {"reference_s": time.perf_counter() - t0}
+
+    # -- the fleet and its strategies ----------------------------------------------------------------
+    pipe = FleetPipeline.from_pretrained(model_dir, device=device)
+    use_prompts = prompts if pipe.conditioning in ("pooled", "cross_attn") else None
+    semantic = _SemanticFeatures(root, cfg, fid.key, device) if options.diagnostics else None
+    runs: dict[str, ModelRun] = {}
+    alignment: dict[str, Any] = {}
+    disagreement: dict[str, Any] = {}
+    usage: dict[str, list[float]] = {}
+    adherence: dict[str, Any] = {}
+    pipes = [(s, "fleet", pipe) for s in options.strategies]
+    if options.monolith:
+        pipes.insert(0, (MONOLITH, "monolith", _monolith_pipeline(root, pipe, device)))
+    for name, kind, p in pipes:
+        strategy = "top1" if kind == "monolith" else name
+        settings = p.settings(strategy, options.steps, options.sampler, options.cfg, options.shift,
+                              options.route_every, options.seed)
+        echo(f"evaluate: {name}: sampling {options.n} images ({settings.steps} {settings.sampler} steps, "
+             f"cfg {settings.cfg})")
+        run = ModelRun(name, kind)
+        t0 = time.perf_counter()
+        out = p(use_prompts, options.n, labels=cond_labels, strategy=strategy, steps=settings.steps,
+                sampler=settings.sampler, cfg=settings.cfg, shift=settings.shift, route_every=settings.route_every,
+                seed=options.seed, batch_size=options.batch_size, progress=True)
+        run.sampling_s = time.perf_counter() - t0
+        images = out.images.float().cpu()  # [n, C, H, W] in [-1, 1]
+
+        t0 = time.perf_counter()
+        stats, feats = _features(fid, images, name)
+        run.fid = fid.score(stats, ref)
+        run.fid_s = time.perf_counter() - t0
+        echo(f"evaluate: {name}: FID {run.fid:.2f}")
+
+        from flowfleet.evaluate.views import captioned_grid_png
+        from flowfleet.sampling.views import routing_heatmap
+
+        shown = min(options.grid, options.n)
+        run.prompts = list(out.prompts[:shown])
+        run.grid = f"{SAMPLES}/{name}.png"
+        root.write_bytes(captioned_grid_png(images[:shown], run.prompts, title=f"{name}  FID {run.fid:.2f}"),
+                         REPORTS, run.grid)
+        if kind == "fleet":
+            run.heatmap = f"{SAMPLES}/{name}.routing.png"
+            root.write_bytes(routing_heatmap(out.trace), REPORTS, run.heatmap)
+            run.usage = diag.usage_shares(out.trace)
+            usage[name] = run.usage
+        if cfg.data.source == "shapes" and images.shape[1] == 3 and use_prompts:
+            from flowfleet.evaluate.adherence import prompt_adherence
+
+            adherence[name] = prompt_adherence(images, out.prompts)
+        if options.diagnostics and kind == "fleet" and semantic is not None and semantic.available:
+            t0 = time.perf_counter()
+            sem = feats if semantic.same_as_fid else semantic.encode(images[: min(options.n, 256)])
+            dominant = diag.dominant_experts(out.trace)[: sem.shape[0]]
+            alignment[name] = semantic.alignment(sem, dominant)
+            disagreement[name] = _disagreement(p, use_prompts, cond_labels, settings, options)
+            timings[f"{name}_diagnostics_s"] = time.perf_counter() - t0
+        runs[name] = run
+        timings[f"{name}_sampling_s"] = run.sampling_s
+        timings[f"{name}_fid_s"] = run.fid_s
+
+    diagnostics: dict[str, Any] = {"usage": usage, "alignment": alignment, "disagreement": disagreement}
+    if options.diagnostics and pipe.router is not None and root.exists("clusters", "assignments.safetensors"):
+        t0 = time.perf_counter()
+        diagnostics["router_accuracy"] = _router_accuracy(root, pipe, latents, fields["index"], order, options,
+                                                          index.num_experts, device)
+        timings["router_accuracy_s"] = time.perf_counter() - t0
+    timings["total_s"] = time.perf_counter() - t_start
+
+    result = {
+        "model": model_root.url, "reference": root.url, "created": time.time(), "n": options.n, "seed": options.seed,
+        "sampling": {k: v for k, v in settings.to_json().items() if k not in ("strategy", "k")},
+        "fid": {**fid_metadata(options.fid, fid.key, ref_n, options.n),
+                "scores": {name: r.fid for name, r in runs.items()}},
+        "runs": {name: r.to_json() for name, r in runs.items()},
+        "adherence": adherence or None,
+        "diagnostics": diagnostics,
+        "timings": timings,
+    }
+    root.write_json(result, REPORTS, EVALUATION_FILE)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+#                                          Pieces
+# --------------------------------------------------------------------------------------------------
+
+
+def _features(fid: FID, images: torch.Tensor, name: str) -> tuple[FeatureStats, torch.Tensor]:
+    """FID statistics of the generated images, keeping the per-image features (for the diagnostics)."""
+    stats = FeatureStats.empty(fid.dim, {"extractor": fid.key, "name": name})
+    parts = []
+    bs = fid.settings.batch_size
+    for i in tqdm(range(0, images.shape[0], bs), desc=f"fid features ({name})", unit="batch", leave=False):
+        f = fid.features(images[i : i + bs])
+        stats.update(f)
+        parts.append(f)
+    return stats, torch.cat(parts)
+
+
+def _monolith_pipeline(root: RunRoot, fleet, device: torch.device):
+    """The monolith (RUN_ROOT/monolith/final) as a one-expert fleet with no router: the same sampling
+    loop, conditioning, text encoder and decoder as the fleet it is compared with."""
+    from flowfleet.models.dit import DiTExpert
+    from flowfleet.models.files import load_model, read_dit_config
+    from flowfleet.sampling.pipeline import FleetPipeline
+    from flowfleet.sampling.store import ExpertStore
+
+    mcfg = read_dit_config(root, MONOLITH, "final")
+    if (mcfg.in_channels, *mcfg.input_size) != tuple(fleet.latent_shape):
+        raise FlowfleetError(f"{root.url_of(MONOLITH, 'final')}: latent shape {(mcfg.in_channels, *mcfg.input_size)} "
+                             f"differs from the fleet's {tuple(fleet.latent_shape)}")
+    store = ExpertStore(lambda _k: load_model(DiTExpert, root, MONOLITH, "final").to(device), [0], 1)
+    return FleetPipeline(store, None, latent_shape=fleet.latent_shape, conditioning=fleet.conditioning,
+                         num_classes=fleet.num_classes, text_encoder=fleet.text_encoder,
+                         latent_decoder=fleet.latent_decoder, scheduler=fleet.scheduler, device=device)
+
+
+class _SemanticFeatures:
+    """The run's clustering encoder and centroids, for the centroid-alignment diagnostic."""
+
+    def __init__(self, root: RunRoot, cfg: RunConfig, fid_key: str, device: torch.device):
+        import safetensors.torch
+
+        self.available = root.exists("clusters", "centroids.safetensors")
+        sem = cfg.encoders.semantic
+        size = sem.image_size or 299
+        # The clustering features ARE the FID features when both are default_1 at one input size.
+        self.same_as_fid = sem.name == "inception" and not sem.path and fid_key == f"default_1-{size}"
+        self.cfg, self.device, self._encoder = cfg, device, None
+        if self.available:
+            c = safetensors.torch.load(root.read_bytes("clusters", "centroids.safetensors"))
+            self.coarse, self.fine, self.fine_to_coarse = c["coarse"], c["fine"], c["fine_to_coarse"]
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        from flowfleet.data.encoders import build_semantic_encoder
+
+        if self._encoder is None:
+            self._encoder = build_semantic_encoder(self.cfg.encoders.semantic, self.device)
+        return torch.cat([self._encoder.encode(images[i : i + 64]).cpu() for i in range(0, images.shape[0], 64)])
+
+    def alignment(self, features: torch.Tensor, dominant: torch.Tensor) -> dict[str, Any]:
+        from flowfleet.evaluate.diagnostics import centroid_alignment
+
+        return centroid_alignment(features, dominant, self.coarse, self.fine, self.fine_to_coarse)
+
+
+def _disagreement(pipe, prompts, labels, settings, options: EvaluateOptions) -> dict[str, list[float]]:
+    """Sample options.diagnostic_n trajectories with the strategy, probing all experts at every step."""
+    from flowfleet.evaluate.diagnostics import DisagreementProbe
+    from flowfleet.sampling.trace import RoutingTrace
+
+    n = min(options.diagnostic_n, options.n)
+    cond, _ = pipe.encode_condition(prompts[:n] if prompts else None, labels[:n] if labels else None, n)
+    noise = torch.randn(n, *pipe.latent_shape, generator=torch.Generator().manual_seed(options.seed),
+                        dtype=pipe.dtype).to(pipe.device)
+    trace = RoutingTrace(pipe.num_experts)
+    inner = pipe.velocity_fn(cond, settings.k, settings.cfg, settings.route_every, trace)
+    probe = DisagreementProbe(inner, pipe.experts, cond, settings.cfg, pipe.guidance_applies(settings.cfg))
+    pipe.sample(noise, cond, settings, velocity_fn=probe)
+    return probe.to_json()
+
+
+def _router_accuracy(root: RunRoot, pipe, latents: torch.Tensor, index: torch.Tensor, order: torch.Tensor,
+                     options: EvaluateOptions, k: int, device: torch.device) -> dict[str, Any]:
+    """The fleet's router against the clusters of (up to 512 of) the data items."""
+    import safetensors.torch
+
+    from flowfleet.evaluate.diagnostics import router_accuracy
+
+    assign = safetensors.torch.load(root.read_bytes("clusters", "assignments.safetensors"))["assign"]
+    pick = order[: min(512, order.numel())]
+    clusters = assign[index[pick]]
+    rep = router_accuracy(pipe.router, latents[pick], clusters, k, seed=options.seed, device=device)
+    rep["note"] = "the assembled router on a seeded random subset of data/, fresh noise, t uniform per bucket"
+    return rep
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """The FID table (and adherence, alignment when present) on the terminal."""
+    from rich.console import Console
+    from rich.table import Table
+
+    fid = result["fid"]
+    table = Table(title=f"FID ({fid['extractor']}, {fid['generated_images']} generated vs "
+                        f"{fid['reference_images']} reference images; lower is better)", title_justify="left")
+    table.add_column("model")
+    table.add_column("FID", justify="right")
+    adherence = result.get("adherence") or {}
+    align = (result.get("diagnostics") or {}).get("alignment") or {}
+    if adherence:
+        table.add_column("adherence", justify="right")
+    if align:
+        table.add_column("in dominant expert's cluster", justify="right")
+    table.add_column("sampling s", justify="right")
+    for name, run in result["runs"].items():
+        row = [name, f"{run['fid']:.2f}"]
+        if adherence:
+            a = adherence.get(name) or {}
+            row.append(f"{a['both']:.3f}" if a.get("both") is not None else "")
+        if align:
+            a = align.get(name) or {}
+            row.append(f"{a['assigned_is_dominant']:.3f}" if a else "")
+        row.append(f"{run['sampling_s']:.1f}")
+        table.add_row(*row)
+    Console().print(table)
+    if not fid.get("standard_input", True):
+        Console().print(f"note: Inception input {fid['resize']} px (non-standard): compare only with FIDs at the same "
+                        "size and sample counts")

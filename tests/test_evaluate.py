@@ -1,0 +1,181 @@
+"""evaluate on a small random fleet (cheap FID features), prompt adherence on drawn shapes, CLI errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from flowfleet.cli import main
+from flowfleet.config import RunConfig
+from flowfleet.data.sources import draw_shape
+from flowfleet.errors import FlowfleetError
+from flowfleet.evaluate.adherence import ShapeReader, parse_prompt, prompt_adherence
+from flowfleet.evaluate.fid import FIDSettings
+from flowfleet.evaluate.inception import to_rgb
+from flowfleet.evaluate.report import SECTIONS, write_report
+from flowfleet.storage import RunRoot
+
+# ------------------------------------------------------------------------------------------------
+#                                       Prompt adherence
+# ------------------------------------------------------------------------------------------------
+
+
+def shapes(n: int, size: int, seed: int = 0) -> tuple[torch.Tensor, list[str]]:
+    items = [draw_shape(seed, i, size) for i in range(n)]
+    images = torch.tensor(np.stack([im for im, _, _ in items])).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    return images, [c for _, c, _ in items]
+
+
+def test_parse_prompt():
+    assert parse_prompt("a small red star at the top on a black background") == ("red", "star")
+    assert parse_prompt("A Large CYAN cross in the centre on a navy background") == ("cyan", "cross")
+    assert parse_prompt("a handwritten digit seven") is None
+
+
+def test_adherence_reads_the_source_drawings_and_rejects_wrong_prompts():
+    images, prompts = shapes(60, 32)
+    right = prompt_adherence(images, prompts)
+    assert right["both"] == 1.0 and right["n"] == 60 and right["unparsed"] == 0
+    wrong = prompt_adherence(images, prompts[1:] + prompts[:1])  # every image with its neighbour's prompt
+    assert wrong["both"] < 0.2 and wrong["colour"] < 0.35 and wrong["shape"] < 0.35
+    mixed = prompt_adherence(images[:4], prompts[:3] + ["a handwritten digit two"])
+    assert mixed["n"] == 3 and mixed["unparsed"] == 1
+    blank = ShapeReader(16).read(np.full((16, 16, 3), 128, dtype=np.uint8))
+    assert blank.colour is None and blank.shape is None
+    with pytest.raises(ValueError, match="RGB"):
+        prompt_adherence(images[:, :1], prompts)
+
+
+def test_adherence_at_16_pixels_is_mostly_right():
+    images, prompts = shapes(60, 16, seed=1)
+    assert prompt_adherence(images, prompts)["both"] >= 0.85
+
+
+# ------------------------------------------------------------------------------------------------
+#                                   evaluate on a random fleet
+# ------------------------------------------------------------------------------------------------
+
+
+class SmallFeatures(nn.Module):
+    """A cheap stand-in for the Inception (torchmetrics' custom extractor contract)."""
+
+    num_features = 8
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("proj", torch.randn(3 * 4 * 4, 8, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        x = nn.functional.adaptive_avg_pool2d(to_rgb(x).float() / 255.0, 4).flatten(1)  # [B, 48]
+        return torch.tanh(x @ self.proj)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """A finished-looking run: synthetic data/ and clusters, random experts, router and monolith, assembled."""
+    from flowfleet.models.dit import DiTExpert
+    from flowfleet.models.files import save_model
+    from flowfleet.sampling.synthetic import randomize_, write_random_fleet
+    from flowfleet.stages.assemble import assemble
+    from flowfleet.train.synthetic import synthetic_config, write_synthetic_run
+
+    raw = synthetic_config(k=2, size=8, monolith=True).to_dict()
+    raw["encoders"]["semantic"] = {"name": "pixels", "image_size": 8}  # 192-d clustering features
+    cfg = RunConfig.from_dict(raw)
+    path = tmp_path_factory.mktemp("eval") / "run"
+    root = RunRoot(str(path))
+    write_synthetic_run(root, cfg, per_cluster=16)
+    gen = torch.Generator().manual_seed(0)
+    root.write_bytes(safetensors.torch.save({"fine": torch.randn(4, 192, generator=gen), "coarse":
+                                             torch.randn(2, 192, generator=gen),
+                                             "fine_to_coarse": torch.tensor([0, 0, 1, 1])}),
+                     "clusters", "centroids.safetensors")
+    write_random_fleet(root.url, cfg)
+    save_model(randomize_(DiTExpert.from_dit_config(cfg.expert), seed=7), root, "monolith", "final")
+    root.write_json({"job": "monolith", "state": "done", "step": 1, "total_steps": 1}, "monolith", "status.json")
+    assemble(root.url)
+    return root
+
+
+def options(**kw):
+    from flowfleet.stages.evaluate import EvaluateOptions
+
+    base = dict(n=12, batch_size=5, ref_n=20, grid=6, diagnostic_n=3, device="cpu", fid=FIDSettings(batch_size=7),
+                strategies=("top1", "top2", "full"), monolith=True)
+    return EvaluateOptions(**{**base, **kw})
+
+
+def test_evaluate_writes_fid_per_strategy_diagnostics_and_a_report(fleet):
+    from flowfleet.stages.evaluate import evaluate
+
+    lines: list[str] = []
+    result = evaluate(fleet.url_of("model"), fleet.url, options(), echo=lines.append, extractor=SmallFeatures())
+    assert list(result["runs"]) == ["monolith", "top1", "top2", "full"]
+    scores = result["fid"]["scores"]
+    assert all(np.isfinite(v) and v >= 0 for v in scores.values())
+    assert result["fid"]["extractor"] == "custom-SmallFeatures" and result["fid"]["reference_images"] == 20
+    assert fleet.read_json("reports", "evaluation.json")["fid"]["scores"] == scores
+    for name, run in result["runs"].items():
+        assert fleet.exists("reports", run["grid"]) and len(run["prompts"]) == 6
+        assert (run["heatmap"] is None) == (name == "monolith")
+    # usage: weight shares per expert; top1 puts each sample on one expert, full spreads over both
+    usage = result["diagnostics"]["usage"]
+    assert set(usage) == {"top1", "top2", "full"}
+    for shares in usage.values():
+        assert sum(shares) == pytest.approx(1.0) and len(shares) == 2
+    align = result["diagnostics"]["alignment"]["top1"]
+    assert align["n"] == 12 and 0.0 <= align["assigned_is_dominant"] <= 1.0
+    dis = result["diagnostics"]["disagreement"]["full"]
+    assert len(dis["t"]) == len(dis["spread"]) == 3 and dis["t"][0] == 1.0  # synthetic_config: 3 steps
+    assert all(s > 0 for s in dis["spread"])  # random experts disagree
+    acc = result["diagnostics"]["router_accuracy"]
+    assert len(acc["accuracy"]) == 10 and acc["items"] == 32
+    assert any("FID" in line for line in lines)
+
+    # Same seed, same prompts and noise: a second evaluation reproduces every FID and reuses the cache.
+    again = evaluate(fleet.url_of("model"), fleet.url, options(strategies=("top1",), monolith=False, diagnostics=False),
+                     echo=lines.append, extractor=SmallFeatures())
+    assert again["fid"]["scores"]["top1"] == pytest.approx(scores["top1"], rel=1e-9)
+    assert [n for n in fleet.ls("reports") if n.startswith("fid_ref_")] == \
+        ["fid_ref_data_custom-SmallFeatures_n20.safetensors"]
+
+    # The report shows the FID table of the last evaluation.
+    write_report(fleet.url)
+    html = (fleet.local_path("reports", "report.html")).read_text()
+    assert all(f'id="{s}"' in html for s in SECTIONS)
+    assert f"{again['fid']['scores']['top1']:.2f}" in html
+
+
+def test_evaluate_refuses_bad_requests_before_sampling(fleet, tmp_path):
+    from flowfleet.stages.evaluate import evaluate
+
+    model = fleet.url_of("model")
+    with pytest.raises(FlowfleetError, match="unknown strategy 'top9x'"):
+        evaluate(model, fleet.url, options(strategies=("top9x",)), extractor=SmallFeatures())
+    with pytest.raises(FlowfleetError, match="k=3 exceeds the 2 experts"):
+        evaluate(model, fleet.url, options(strategies=("top3",)), extractor=SmallFeatures())
+    with pytest.raises(FlowfleetError, match="--ref-n: 999"):
+        evaluate(model, fleet.url, options(ref_n=999), extractor=SmallFeatures())
+    with pytest.raises(FlowfleetError, match="model_index.json: missing"):
+        evaluate(str(tmp_path), fleet.url, options(), extractor=SmallFeatures())
+    with pytest.raises(FlowfleetError, match="--n: FID needs at least 2"):
+        evaluate(model, fleet.url, options(n=1))
+    fleet.write_json({"job": "monolith", "state": "running", "step": 0, "total_steps": 1}, "monolith", "status.json")
+    try:
+        with pytest.raises(FlowfleetError, match="--monolith: .*not done"):
+            evaluate(model, fleet.url, options(), extractor=SmallFeatures())
+    finally:
+        fleet.write_json({"job": "monolith", "state": "done", "step": 1, "total_steps": 1}, "monolith", "status.json")
+
+
+def test_cli_evaluate_and_report_errors_are_one_line(fleet, tmp_path, capsys):
+    assert main(["evaluate", fleet.url_of("model"), "--reference", fleet.url, "--fid-resize", "40"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["flowfleet evaluate: error: fid resize: 40 outside 75..299"]
+    assert main(["evaluate", fleet.url_of("model"), "--strategies", "", "--reference", fleet.url]) == 1
+    assert "nothing to evaluate" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "nowhere")]) == 1
+    assert "no such run root" in capsys.readouterr().err
