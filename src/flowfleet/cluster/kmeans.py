@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -162,6 +163,7 @@ class TwoStageResult:
     backend: str
     reseeds: int = 0  # coarse k-means re-runs caused by an empty partition
     notes: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase: fine, assign, coarse
 
     @property
     def sizes(self) -> list[int]:
@@ -223,12 +225,19 @@ def two_stage_kmeans(x: torch.Tensor, k: int, *, fine_k: int, sample_size: int, 
     if f < k:
         raise FlowfleetError(f"cluster.fine_k: {f} fine clusters (capped at the {s}-item sample) cannot make {k} "
                              f"coarse clusters; raise cluster.fine_k or cluster.sample_size")
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
     sample = torch.sort(torch.randperm(n, generator=gen)[:s]).values  # [S]
     xs = x[sample] if s < n else x
     fine = kmeans(xs, f, iters=iters, seed=seed, backend=backend, device=device).centroids  # [F, D]
+    del xs
+    seconds["fine"] = time.perf_counter() - t
+    t = time.perf_counter()
     fine_assign, d2 = assign_nearest(x, fine, backend=backend, device=device, progress=progress,
                                      desc="assign to fine centroids")  # [N], [N]
+    seconds["assign"] = time.perf_counter() - t
+    t = time.perf_counter()
     fine_sizes = torch.bincount(fine_assign, minlength=f)  # [F]
     for attempt in range(max_reseeds + 1):
         coarse_fit = kmeans(fine, k, iters=iters, seed=seed + 1000 * attempt, restarts=COARSE_RESTARTS,
@@ -245,8 +254,10 @@ def two_stage_kmeans(x: torch.Tensor, k: int, *, fine_k: int, sample_size: int, 
     else:
         raise FlowfleetError(f"cluster: partition(s) {empty} stay empty after {max_reseeds} re-seeded coarse k-means "
                              f"runs; lower cluster.k or raise cluster.fine_k")
+    seconds["coarse"] = time.perf_counter() - t
     return TwoStageResult(fine, coarse, fine_to_coarse, fine_assign, assign, float(d2.double().sum()),
-                          _coarse_inertia(x, coarse, assign), s, backend, attempt, notes)
+                          _coarse_inertia(x, coarse, assign), s, backend, attempt, notes,
+                          {k: round(v, 3) for k, v in seconds.items()})
 
 
 def random_partition(n: int, k: int, seed: int = 0) -> torch.Tensor:

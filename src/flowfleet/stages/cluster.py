@@ -119,7 +119,8 @@ def cluster(run_root: str | RunRoot, *, device: str | None = None, progress: boo
         report.update(backend=res.backend, fine_k=fine.shape[0], sample_size=res.sample_size,
                       inertia={"fine": res.inertia_fine, "coarse": res.inertia_coarse,
                                "coarse_per_item": res.inertia_coarse / n},
-                      reseeds=res.reseeds, notes=res.notes, fine_to_coarse=fine_to_coarse.tolist())
+                      reseeds=res.reseeds, notes=res.notes, seconds_per_phase=res.seconds,
+                      fine_to_coarse=fine_to_coarse.tolist())
     sizes = torch.bincount(assign, minlength=c.k).tolist()
     report.update(sizes=sizes, seconds_clustering=round(time.perf_counter() - t0, 2))
     score = nmi(labels, assign)
