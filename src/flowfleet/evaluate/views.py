@@ -41,6 +41,9 @@ def captioned_grid_png(images: torch.Tensor, captions: Sequence[str], cols: int 
     from PIL import Image, ImageDraw
 
     n = images.shape[0]
+    captions, shared = _strip_common_prefix(list(captions[:n]))
+    if shared:  # "a handwritten digit" under every cell would hide the word that differs
+        title = f"{title}   prompts: \"{shared} ...\"" if title else f"prompts: \"{shared} ...\""
     cols = max(1, min(cols, n))
     rows = math.ceil(n / cols)
     h, w = images.shape[-2:]
@@ -65,6 +68,17 @@ def captioned_grid_png(images: torch.Tensor, captions: Sequence[str], cols: int 
     buf = io.BytesIO()
     canvas.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def _strip_common_prefix(captions: list[str]) -> tuple[list[str], str]:
+    """Drop the words every caption starts with: (the rest of each caption, the shared words)."""
+    if len(captions) < 2 or not all(captions):
+        return captions, ""
+    words = [c.split() for c in captions]
+    k = 0
+    while all(len(w) > k + 1 and w[k] == words[0][k] for w in words):
+        k += 1
+    return [" ".join(w[k:]) for w in words], " ".join(words[0][:k])
 
 
 # --------------------------------------------------------------------------------------------------
