@@ -227,7 +227,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--latency-modes", nargs="+", default=["sync", "displaced", "separate-gn", "naive"])
     p.add_argument("--train-iters", type=int, default=300)
-    p.add_argument("--out", default="bench_out/parallel_unet")
+    p.add_argument("--out", default="runs/bench-parallel-unet")
     args = p.parse_args()
     torch.set_num_threads(1)  # like every rank; two threads on this shared 2-core box train ~5x slower
     out_dir = Path(args.out)

@@ -113,16 +113,16 @@ class GroupNormBand:
         return normalize(x, mean, var, self.norm)
 
     def _exact(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return pooled(self.step.comm.gather(self.slot, fresh))  # blocks on every band's statistics
+        return pooled(self.step.comm.gather(self.slot, fresh).float())  # blocks on every band's statistics
 
     def _corrected(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        stale = self.step.comm.wait(self.slot)[:, : fresh.shape[0]]  # [N, B, G, 2], previous step
+        stale = self.step.comm.wait(self.slot)[:, : fresh.shape[0]].float()  # [N, B, G, 2], previous step
         mean, var = corrected(stale, fresh, self.step.index)  # new tensors: the buffer may be refilled now
         self.step.comm.enqueue(self.slot, fresh)  # this step's statistics, for the next step
         return mean, var
 
     def _stale(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mean, var = pooled(self.step.comm.wait(self.slot)[:, : fresh.shape[0]])  # previous step, whole image
+        mean, var = pooled(self.step.comm.wait(self.slot)[:, : fresh.shape[0]].float())  # previous step, all bands
         self.step.comm.enqueue(self.slot, fresh)
         return mean, var
 
