@@ -257,3 +257,28 @@ def test_cluster_refuses_missing_or_unfinished_data(run_root):
     write_run(run_root, x[:2], labels[:2], k=3, fine_k=8)
     with pytest.raises(FlowfleetError, match="cluster.k: 3 partitions for only 2 prepared items"):
         cluster(run, progress=False)
+
+
+# ------------------------------------------------------------------------------------------------
+#                                   end to end through the CLI
+# ------------------------------------------------------------------------------------------------
+
+
+def test_mnist_tiny_init_prepare_cluster_cli(tmp_path, capsys):
+    """The preset exactly as `flowfleet init` writes it: MNIST digits, Inception features, MiniLM text."""
+    from flowfleet.cli import main
+
+    run = str(tmp_path / "run")
+    assert main(["init", run, "--preset", "mnist-tiny"]) == 0
+    assert main(["prepare", run, "--quiet"]) == 0
+    assert main(["cluster", run, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "prepared 384 items in 3 shards" in out and "kmeans: 3 partitions" in out
+    root = RunRoot(run)
+    data = ShardSet(root, "data").manifest()
+    assert data.count == 384 and data.fields["features"]["shape"] == [2048]
+    assert data.extra["encoders"]["semantic"]["name"] == "inception"
+    report = root.read_json("clusters", "report.json")
+    counts = [ShardSet(root, f"partitions/{k}").manifest().count for k in range(3)]
+    assert all(c > 0 for c in counts) and sum(counts) == data.count == sum(report["sizes"])
+    assert counts == report["sizes"] and report["nmi"] is not None

@@ -166,3 +166,38 @@ def test_no_text_encoder_writes_no_text_fields(run_root):
     m = prepare(run, progress=False)
     assert set(m.fields) == {"latents", "features", "labels", "index"}
     assert m.fields["latents"]["shape"] == [3, 16, 16] and m.extra["encoders"]["text"] is None
+
+
+def test_resume_counts_bad_items_once(tmp_path, monkeypatch):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(12):
+        bad = i in (2, 5, 9)
+        (folder / f"im{i:02d}.png").write_bytes(b"corrupt" if bad else png((20 * i, 0, 0)))
+        if i % 4:
+            (folder / f"im{i:02d}.txt").write_text(f"image {i}")
+    kw = dict(base="shapes-tiny", source="folder", path=str(folder), shard_size=3, batch_size=2)
+    whole = prepare(make_run(tmp_path / "whole", **kw), progress=False)
+
+    run = make_run(tmp_path / "cut", **kw)
+    real_append = ShardSet.append
+    calls = []
+
+    def dying_append(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_append(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardSet, "append", dying_append)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(run, progress=False)
+    first = ShardSet(run, "data").manifest()
+    assert first.count == 3 and first.extra["skipped_count"] == 1  # im02 lies before the first shard's end
+    monkeypatch.setattr(ShardSet, "append", real_append)
+    resumed = prepare(run, progress=False)
+    assert resumed.count == whole.count == 9
+    for key in ("skipped", "skipped_count", "missing_captions"):
+        assert resumed.extra[key] == whole.extra[key], key
+    assert whole.extra["skipped_count"] == 3 and whole.extra["missing_captions"] == 3  # im00, im04, im08
+    assert [s["reason"] for s in whole.extra["skipped"]] == ["not an image in a format PIL can read"] * 3

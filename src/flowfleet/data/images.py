@@ -43,7 +43,9 @@ def open_image(data: bytes | np.ndarray | Image.Image) -> Image.Image:
         img.load()  # decode now: truncated or corrupt data raises here
     except ImageDecodeError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombWarning,
+    except UnidentifiedImageError:
+        raise ImageDecodeError("not an image in a format PIL can read") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning,
             Image.DecompressionBombError) as err:
         raise ImageDecodeError(f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}") from None
     if img.width < 1 or img.height < 1:

@@ -123,8 +123,32 @@ def _first_difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") ->
     return ""
 
 
-def _decoded(items: Iterator[RawItem], start: int, size: int, channels: int, skipped: list[dict[str, Any]],
-             counts: dict[str, int]) -> Iterator[tuple[int, torch.Tensor, str, int]]:
+@dataclass
+class _BadInput:
+    """Skipped items and missing captions: what the manifest says up to `start`, plus what this run saw
+    (by source position, so that a shard's manifest counts exactly the items before its end)."""
+
+    listed: list[dict[str, Any]]  # {"key", "reason", "pos"}, at most MAX_LISTED
+    skipped_before: int
+    missing_before: int
+    skipped_pos: list[int] = field(default_factory=list)
+    missing_pos: list[int] = field(default_factory=list)
+
+    def skip(self, key: str, reason: str, pos: int) -> None:
+        self.skipped_pos.append(pos)
+        if len(self.listed) < MAX_LISTED:
+            self.listed.append({"key": key, "reason": reason, "pos": pos})
+
+    def record(self, end: int | None = None) -> dict[str, Any]:
+        """Manifest keys for the items before source position `end` (all when None)."""
+        before = (lambda p: p < end) if end is not None else (lambda p: True)  # noqa: E731
+        return {"skipped": [s for s in self.listed if before(s["pos"])],
+                "skipped_count": self.skipped_before + sum(map(before, self.skipped_pos)),
+                "missing_captions": self.missing_before + sum(map(before, self.missing_pos))}
+
+
+def _decoded(items: Iterator[RawItem], start: int, size: int, channels: int, bad: _BadInput
+             ) -> Iterator[tuple[int, torch.Tensor, str, int]]:
     """(source position after the item, image [C, S, S], caption, label) for every usable item."""
     for pos, item in enumerate(items, start):
         if item.error is None:
@@ -133,13 +157,11 @@ def _decoded(items: Iterator[RawItem], start: int, size: int, channels: int, ski
             except ImageDecodeError as err:
                 item.error = str(err)
         if item.error is not None:
-            counts["skipped"] += 1
-            if len(skipped) < MAX_LISTED:
-                skipped.append({"key": item.key, "reason": item.error, "pos": pos})
+            bad.skip(item.key, item.error, pos)
             continue
         caption = (item.caption or "").strip()
         if not caption:
-            counts["missing_captions"] += 1
+            bad.missing_pos.append(pos)
         yield pos + 1, image, caption, item.label
 
 
@@ -168,9 +190,8 @@ def prepare(run_root: str | RunRoot, *, device: str | None = None, restart: bool
         else:
             manifest = old
     start = manifest.shards[-1]["source_end"] if manifest.shards else 0
-    skipped: list[dict[str, Any]] = [s for s in manifest.extra.get("skipped", []) if s["pos"] < start]
-    counts = {"skipped": int(manifest.extra.get("skipped_count", 0)),
-              "missing_captions": int(manifest.extra.get("missing_captions", 0))}
+    bad = _BadInput([s for s in manifest.extra.get("skipped", []) if s["pos"] < start],
+                    int(manifest.extra.get("skipped_count", 0)), int(manifest.extra.get("missing_captions", 0)))
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     enc = build_encoders(cfg, dev)
@@ -188,8 +209,7 @@ def prepare(run_root: str | RunRoot, *, device: str | None = None, restart: bool
     def write(rows: _Rows, n: int) -> None:
         tensors, captions, end = rows.take(n)
         tensors["index"] = torch.arange(manifest.count, manifest.count + n, dtype=torch.int64)
-        manifest.extra.update(skipped=[s for s in skipped if s["pos"] < end], skipped_count=counts["skipped"],
-                              missing_captions=counts["missing_captions"])
+        manifest.extra.update(bad.record(end))
         shards.append(manifest, tensors, captions, {"source_end": end})  # the shard, then the manifest
 
     rows = _Rows()
@@ -198,7 +218,7 @@ def prepare(run_root: str | RunRoot, *, device: str | None = None, restart: bool
     bar = tqdm(total=total, initial=start, unit="img", desc="prepare", disable=not progress, dynamic_ncols=True)
     last_pos = start
     checked_shape = False
-    for entry in _decoded(items, start, d.image_size, d.channels, skipped, counts):
+    for entry in _decoded(items, start, d.image_size, d.channels, bad):
         batch.append(entry)
         if len(batch) == d.batch_size:
             checked_shape = _encode_into(rows, enc, batch, cfg, checked_shape)
@@ -207,19 +227,20 @@ def prepare(run_root: str | RunRoot, *, device: str | None = None, restart: bool
                 write(rows, d.shard_size)
         bar.update(entry[0] - last_pos)
         last_pos = entry[0]
-        bar.set_postfix(skipped=counts["skipped"], refresh=False)
+        bar.set_postfix(skipped=bad.skipped_before + len(bad.skipped_pos), refresh=False)
     if batch:
         _encode_into(rows, enc, batch, cfg, checked_shape)
     while len(rows):
         write(rows, min(d.shard_size, len(rows)))
     bar.close()
 
+    record = bad.record()
     if manifest.count == 0:
-        first = f" (first: {skipped[0]['key']}: {skipped[0]['reason']})" if skipped else ""
+        listed = record["skipped"]
+        first = f" (first: {listed[0]['key']}: {listed[0]['reason']})" if listed else ""
         raise FlowfleetError(f"data.source: {d.source} {d.path or ''} gave no usable item; "
-                             f"{counts['skipped']} skipped{first}".replace("  ", " "))
-    manifest.extra.update(skipped=skipped, skipped_count=counts["skipped"], missing_captions=counts["missing_captions"],
-                          seconds=round(time.perf_counter() - t0, 2))
+                             f"{record['skipped_count']} skipped{first}".replace("  ", " "))
+    manifest.extra.update(record, seconds=round(time.perf_counter() - t0, 2))
     manifest.complete = True
     shards.write_manifest(manifest)
     write_preview(shards, enc.latent)
