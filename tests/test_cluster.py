@@ -233,7 +233,7 @@ def test_cluster_stage_writes_aligned_files_and_complete_partitions(run_root):
 def test_rerun_replaces_partitions_and_random_mode(run_root):
     x, labels = blobs([30] * 4, seed=5)
     run = write_run(run_root, x, labels, k=4, fine_k=16)
-    cluster(run, progress=False)
+    assert cluster(run, backend="torch", progress=False)["backend"] == "torch"
     assert run.exists("partitions", "3", "manifest.json")
     write_run(run_root, x, labels, k=2, fine_k=16, mode="random")
     report = cluster(run, progress=False)

@@ -22,7 +22,8 @@ Split the prepared items into cluster.k partitions (run.yaml `cluster`). Mode km
 recipe of DDM/Paris: k-means with cluster.fine_k centroids on a sample of the L2-normalised semantic
 features, k-means of those centroids into K, every item assigned through its nearest fine centroid
 (faiss when installed, torch otherwise; deterministic for cluster.seed; cluster.balance evens the
-sizes). Mode random is the baseline: a seeded, equal-size random split.
+sizes). A partition left empty re-runs the coarse k-means with a new seed (at most 5 times), then stops
+with an error: never an expert without data. Mode random is the baseline: a seeded, equal-size split.
 
 Writes RUN_ROOT/clusters/ (assignments.safetensors, centroids.safetensors, report.json with sizes,
 inertia, the fine->coarse map and NMI against the source labels, preview-k.png per cluster) and one
@@ -42,7 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cluster", help="split the data into K semantic partitions (two-stage k-means)",
                        description=CLUSTER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_root(p)
-    p.add_argument("--device", default=None, help="torch device for the torch k-means and previews")
+    p.add_argument("--backend", default="auto", choices=["auto", "faiss", "torch"],
+                   help="k-means implementation (auto: faiss when installed, else torch)")
+    p.add_argument("--device", default=None, help="torch device for the torch k-means and the previews")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_cluster)
 
@@ -60,7 +63,7 @@ def run_prepare(args: argparse.Namespace) -> int:
 def run_cluster(args: argparse.Namespace) -> int:
     from flowfleet.stages.cluster import cluster
 
-    report = cluster(args.run_root, device=args.device, progress=not args.quiet)
+    report = cluster(args.run_root, backend=args.backend, device=args.device, progress=not args.quiet)
     nmi = f", NMI vs labels {report['nmi']:.3f}" if report.get("nmi") is not None else ""
     print(f"{report['mode']}: {report['k']} partitions, sizes {report['sizes']}{nmi}")
     return 0

@@ -84,8 +84,10 @@ def _open_data(root: RunRoot) -> tuple[ShardSet, ShardSetManifest]:
     return data, manifest
 
 
-def cluster(run_root: str | RunRoot, *, device: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """Partition the prepared data; writes clusters/ and partitions/. Returns the report."""
+def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | None = None,
+            progress: bool = True) -> dict[str, Any]:
+    """Partition the prepared data; writes clusters/ and partitions/. Returns the report.
+    backend: "faiss", "torch" or "auto" (faiss when installed); device: for the torch backend."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     cfg = load_run_config(root)
     c = cfg.cluster
@@ -113,7 +115,7 @@ def cluster(run_root: str | RunRoot, *, device: str | None = None, progress: boo
     else:
         l2_normalize_(x)
         res = two_stage_kmeans(x, c.k, fine_k=c.fine_k, sample_size=c.sample_size, iters=c.iters, seed=c.seed,
-                               balance=c.balance, device=dev, progress=progress)
+                               balance=c.balance, backend=backend, device=dev, progress=progress)
         assign, fine, coarse = res.assign, res.fine, res.coarse
         fine_to_coarse, fine_assign = res.fine_to_coarse, res.fine_assign
         report.update(backend=res.backend, fine_k=fine.shape[0], sample_size=res.sample_size,

@@ -13,6 +13,7 @@ manifest, a missing caption becomes "" and is counted. A missing or empty source
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -198,13 +199,12 @@ def prepare(run_root: str | RunRoot, *, device: str | None = None, restart: bool
     manifest.extra.update(recipe=recipe, source=recipe["source"], encoders=enc.describe(),
                           has_labels=source.has_labels, image_size=d.image_size, channels=d.channels)
 
-    total = len(source) if len(source) >= 0 else None
+    total = len(source) if len(source) >= 0 else None  # None: unknown (tar streams)
     if d.limit is not None:
         total = min(total, d.limit) if total is not None else d.limit
-    stop = total if total is not None else None
     items = source.items(start)
-    if stop is not None:
-        items = (item for _, item in zip(range(stop - start), items))
+    if d.limit is not None:
+        items = itertools.islice(items, max(d.limit - start, 0))
 
     def write(rows: _Rows, n: int) -> None:
         tensors, captions, end = rows.take(n)
