@@ -134,3 +134,31 @@ def test_help_lists_every_option(capsys, command, options):
     text = capsys.readouterr().out
     for opt in options:
         assert opt in text
+
+
+def test_generate_with_the_runs_own_minilm_reference(run_root, tmp_path):
+    """No stand-in: generate builds the bundled MiniLM from text_encoder/'s reference (flowfleet.data.encoders)."""
+    write_random_fleet(str(run_root), tiny_run_config(2))
+    assert main(["assemble", str(run_root)]) == 0
+    out = tmp_path / "m.png"
+    assert generate(run_root / "model", "--prompt", "a handwritten digit seven", "--n", "2", "--strategy", "top1",
+                    "--steps", "2", "--out", str(out)) == 0
+    assert Image.open(out).size == (2 * 64, 64)
+
+
+@pytest.mark.slow
+def test_mnist_tiny_end_to_end(tmp_path):
+    """init -> prepare -> cluster -> train-all -> assemble -> generate top1 / top2 / full (about 20 min on a
+    loaded 2-core box, most of it Inception features in prepare)."""
+    run = str(tmp_path / "run")
+    for argv in (["init", run, "--preset", "mnist-tiny"], ["prepare", run, "--quiet"], ["cluster", run, "--quiet"],
+                 ["train-all", run, "--no-progress"], ["assemble", run]):
+        assert main(argv) == 0, argv
+    for strategy, k in (("top1", 1), ("top2", 2), ("full", 3)):
+        out = tmp_path / "samples" / f"{strategy}.png"
+        assert main(["generate", f"{run}/model", "--prompt", "a handwritten digit seven", "--n", "8",
+                     "--strategy", strategy, "--out", str(out)]) == 0
+        assert Image.open(out).size == (3 * 64, 3 * 64)  # 8 samples of 16x16 on a 3x3 grid of 64 px cells
+        routing = json.loads((tmp_path / "samples" / f"{strategy}.routing.json").read_text())
+        assert routing["settings"]["k"] == k and routing["num_samples"] == 8
+        assert all(len(row) == k for step in routing["steps"] for row in step["experts"])
