@@ -99,7 +99,9 @@ def trainer_run(root: RunRoot, steps: int) -> tuple[float, float]:
     cfg.save(root)
     task = build_task(root, cfg, JobSpec("expert", 0))
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    Trainer(task, root, TrainOptions(progress=False, tensorboard=True)).run()
+    status = Trainer(task, root, TrainOptions(progress=False, tensorboard=True)).run()
+    if status.state != "done":  # SIGTERM/SIGINT stop the trainer cleanly; then stop the benchmark too
+        sys.exit(f"trainer {status.state}: {status.message}")
     return time.process_time() - cpu0, time.perf_counter() - wall0
 
 

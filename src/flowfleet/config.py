@@ -101,6 +101,7 @@ class TrainConfig(_Strict):
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     ema_decay: float = Field(0.9999, ge=0, le=1)
+    ema_warmup: bool = True  # decay min(ema_decay, (1 + n) / (10 + n)) after n updates, so short runs average too
     grad_clip: float | None = Field(None, gt=0)
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # autocast on CUDA only; CPU runs fp32
     time_sampling: Literal["uniform", "logit_normal"] = "uniform"

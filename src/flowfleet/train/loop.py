@@ -148,7 +148,7 @@ class Trainer:
 
         torch.manual_seed(tc.seed)
         model = task.build_model().to(dev)
-        ema = EMA(model, tc.ema_decay) if island.is_main else None
+        ema = EMA(model, tc.ema_decay, tc.ema_warmup) if island.is_main else None
         opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
         amp = autocast_dtype(tc.precision, dev)
         if amp is None and tc.precision != "fp32" and island.is_main:

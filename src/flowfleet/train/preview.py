@@ -82,14 +82,14 @@ def latents_to_images(latents: torch.Tensor, decode: Callable[[torch.Tensor], to
 
 
 def sample_grid_png(samples: torch.Tensor, reals: torch.Tensor, captions: list[str], title: str,
-                    cell: int = 64) -> bytes:
+                    cell: int = 96) -> bytes:
     """Generated samples (top row) above the real items whose captions conditioned them (bottom row),
     each caption under its column. Drawn with PIL: a grid of images needs no plotting library."""
     from PIL import Image, ImageDraw
 
     n = samples.shape[0]
     scale = max(1, cell // max(samples.shape[1], 1))
-    pad, text_h, title_h = 4, 24, 16
+    pad, text_h, title_h = 4, 36, 16
     h, w = samples.shape[1] * scale, samples.shape[2] * scale
     canvas = Image.new("RGB", (n * (w + pad) + pad, title_h + 2 * (h + pad) + text_h), "white")
     draw = ImageDraw.Draw(canvas)
@@ -102,9 +102,9 @@ def sample_grid_png(samples: torch.Tensor, reals: torch.Tensor, captions: list[s
             canvas.paste(tile, (pad + i * (w + pad), title_h + row * (h + pad)))
     for i, caption in enumerate(captions[:n]):
         x, y = pad + i * (w + pad), title_h + 2 * (h + pad)
-        chars = max(4, w // 6)
-        draw.text((x, y), caption[:chars], fill="black")
-        draw.text((x, y + 11), caption[chars : 2 * chars], fill="black")
+        chars = max(4, w // 6)  # PIL's default bitmap font is ~6 px per character
+        for line in range(3):
+            draw.text((x, y + 11 * line), caption[line * chars : (line + 1) * chars], fill="black")
     buf = io.BytesIO()
     canvas.save(buf, format="PNG")
     return buf.getvalue()
