@@ -39,7 +39,7 @@ class Counting:
         self.calls: list[dict] = []
 
     def __call__(self, x, t, **cond):
-        self.calls.append({"x": x.clone(), "t": t.clone(), "drop": cond.get("drop")})
+        self.calls.append({"x": x.clone(), "t": t.clone(), "drop": cond.get("drop"), "labels": cond.get("labels")})
         return self.fn(x, t, **cond)
 
 
@@ -345,3 +345,21 @@ def test_bad_prompts_are_one_line_errors(dit_fleet, prompts, message):
     with pytest.raises(FlowfleetError, match=message):
         pipe(prompts, n=2, steps=2)
     assert all(w.calls == [] for w in wrapped)
+
+
+def test_class_conditioned_fleet_cycles_labels_and_checks_their_range():
+    cfg = tiny_run_config(2, conditioning="none")
+    expert_cfg = cfg.expert.model_copy(update={"conditioning": "class", "num_classes": 10})
+    experts = [Counting(randomize_(DiTExpert.from_dit_config(expert_cfg), seed=k).eval()) for k in range(2)]
+    router = randomize_(DiTRouter.from_dit_config(cfg.router), seed=5).eval()
+    pipe = FleetPipeline(ExpertStore.from_callables(experts), router, latent_shape=(1, 8, 8), conditioning="class",
+                         num_classes=10)
+    out = pipe(None, n=3, labels=[3, 7], strategy="full", steps=1, cfg=2.0)
+    assert out.images.shape == (3, 1, 8, 8)
+    for e in experts:  # one call per expert: [3, 7, 3] conditional then the same rows dropped
+        assert len(e.calls) == 1 and torch.equal(e.calls[0]["drop"], torch.tensor([False] * 3 + [True] * 3))
+        assert torch.equal(e.calls[0]["labels"], torch.tensor([3, 7, 3] * 2))
+    with pytest.raises(FlowfleetError, match="--label: 10 outside 0..9"):
+        pipe(None, n=2, labels=[10])
+    with pytest.raises(FlowfleetError, match="--label: required"):
+        pipe(["a prompt"], n=2)
