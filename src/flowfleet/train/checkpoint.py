@@ -13,7 +13,6 @@ the newest complete one is found by listing the folder.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -193,8 +192,3 @@ class CheckpointStore:
             except Exception as err:  # safetensors has its own error type for a bad header
                 raise CheckpointError(f"{where}/{file_name}: unreadable ({str(err).splitlines()[0][:200]})") from None
         return Checkpoint(step=int(state["step"]), tensors=tensors, state=state)
-
-
-def json_roundtrip(obj: Any) -> Any:
-    """What a JSON-able object looks like after being written and read (for comparisons)."""
-    return json.loads(json.dumps(obj))

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -81,6 +81,37 @@ class TrainOptions:
     tensorboard: bool = True
 
 
+@dataclass
+class _Window:
+    """Metrics accumulated between two log lines."""
+
+    loss: float = 0.0
+    finite_steps: int = 0
+    samples: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+    extras: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _State:
+    """Everything one run of a job holds; only rank 0 has ema, lease and metrics."""
+
+    island: Island
+    model: torch.nn.Module  # the bare model (what gets saved)
+    net: torch.nn.Module  # what the loss calls: the model, or its DDP wrapper
+    opt: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    amp: torch.dtype | None
+    micro: int  # samples per micro-batch per process
+    ema: EMA | None = None
+    lease: JobLease | None = None
+    metrics: MetricsLog | None = None
+    step: int = 0
+    position: int = 0  # samples drawn so far (the data position)
+    bad: int = 0  # consecutive non-finite steps
+    window: _Window = field(default_factory=_Window)
+
+
 class Trainer:
     """Runs one TrainTask to its total steps, resuming from the job's newest checkpoint."""
 
@@ -117,7 +148,7 @@ class Trainer:
                 signal.signal(s, handler)
 
     # ----------------------------------------------------------------------------------------------
-    #                                        Run
+    #                                          Run
     # ----------------------------------------------------------------------------------------------
 
     def run(self) -> JobStatus:
@@ -136,127 +167,40 @@ class Trainer:
         return None
 
     def _run(self, island: Island) -> JobStatus:
-        task, tc, dev = self.task, self.task.train_cfg, island.device
+        task, tc = self.task, self.task.train_cfg
         done = self._already_done()
         if done is not None:
             return done
-        chunks = island.world_size * tc.grad_accum
-        if tc.batch_size % chunks:
-            raise FlowfleetError(f"{task.name}: batch_size {tc.batch_size} is not divisible by grad_accum x "
-                                 f"processes = {tc.grad_accum} x {island.world_size}")
-        micro = tc.batch_size // chunks
-
-        torch.manual_seed(tc.seed)
-        model = task.build_model().to(dev)
-        ema = EMA(model, tc.ema_decay, tc.ema_warmup) if island.is_main else None
-        opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-        amp = autocast_dtype(tc.precision, dev)
-        if amp is None and tc.precision != "fp32" and island.is_main:
-            print(f"{task.name}: precision {tc.precision} applies on CUDA only; training in fp32 on {dev}",
-                  file=sys.stderr)
-        scaler = torch.amp.GradScaler(dev.type, enabled=amp == torch.float16)
-        step, position, bad = 0, 0, 0
-        last_ckpt = self.store.latest()
-        if last_ckpt is not None:
-            step, position, bad = self._restore(self.store.load(last_ckpt), model, ema, opt, scaler)
-
-        lease = metrics = None
-        error: FlowfleetError | None = None
-        if island.is_main:
-            status = JobStatus(task.name, step=step, total_steps=task.total_steps, samples_seen=position,
-                               last_checkpoint=last_ckpt)
-            lease = JobLease(self.root, task.spec.dir, status, interval=self.options.heartbeat_every)
-            try:
-                lease.acquire()
-            except FlowfleetError as err:
-                error = err
-        if not island.all_ok(error is None):
-            raise error or FlowfleetError(f"{task.name}: rank 0 could not claim the job")
-        if island.is_main:
-            metrics = MetricsLog(self.root, task.spec.dir, tensorboard=self.options.tensorboard)
-            metrics.truncate_after(step)
-
-        net = model
-        if island.distributed:
-            net = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                          broadcast_buffers=False)
+        st = self._setup(island)
         sampler = ResumableSampler(len(task.data), derive_seed(tc.seed, _DATA_STREAM))
-        bar = tqdm(total=task.total_steps, initial=step, desc=task.name, unit="step", dynamic_ncols=True,
+        bar = tqdm(total=task.total_steps, initial=st.step, desc=task.name, unit="step", dynamic_ncols=True,
                    disable=True if not (island.is_main and self.options.progress) else None)
-        window = {"loss": 0.0, "n": 0, "samples": 0, "t0": time.perf_counter(), "extras": {}}
         state, message = "failed", ""
         try:
-            while step < task.total_steps:
-                lr = learning_rate(tc, step, task.total_steps)
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                items = sampler.take(position, tc.batch_size)
-                loss_sum = torch.zeros((), device=dev)
-                extra_sums: dict[str, torch.Tensor] = {}
-                for m in range(tc.grad_accum):
-                    chunk = island.rank * tc.grad_accum + m
-                    batch = task.data.gather(items[chunk * micro : (chunk + 1) * micro], dev)
-                    gen = torch.Generator(device=dev).manual_seed(derive_seed(tc.seed, step, chunk))
-                    sync = net.no_sync() if island.distributed and m < tc.grad_accum - 1 else contextlib.nullcontext()
-                    with sync:
-                        with torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext():
-                            loss, extras = task.loss(net, batch, gen)
-                        scaler.scale(loss / tc.grad_accum).backward()
-                    loss_sum += loss.detach().float()
-                    for key, value in extras.items():
-                        extra_sums[key] = extra_sums.get(key, 0) + value.detach().float()
-                # one reduction per step: summed losses and extras over chunks, plus the stop flag
-                stats = torch.stack([loss_sum, *extra_sums.values(),
-                                     torch.tensor(float(self._stop_reason is not None), device=dev)])
-                stats = island.all_sum(stats).tolist()
-                mean_loss = stats[0] / chunks
-                stop = stats[-1] > 0
-                step, position = step + 1, position + tc.batch_size
-
-                if math.isfinite(mean_loss):
-                    bad = 0
-                    if tc.grad_clip is not None:
-                        scaler.unscale_(opt)
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-                    scaler.step(opt)
-                    scaler.update()
-                    if ema is not None:
-                        ema.update(model)
-                    window["loss"] += mean_loss
-                    window["n"] += 1
-                    for key, value in zip(extra_sums, stats[1:-1]):
-                        window["extras"][key] = window["extras"].get(key, 0.0) + value / chunks
-                else:
-                    bad += 1
-                    if bad >= tc.max_bad_steps:
-                        opt.zero_grad(set_to_none=True)
-                        raise TrainingDiverged(
-                            f"{task.name}: loss was {mean_loss} for {bad} consecutive steps (up to step {step}); "
-                            f"stopped without saving. Last good checkpoint: "
-                            f"{self.store.url(self.store.latest()) if self.store.latest() else 'none'}. "
-                            f"Lower train.lr or set train.grad_clip, check the data, then re-run to resume")
-                opt.zero_grad(set_to_none=True)
-                window["samples"] += tc.batch_size
+            while st.step < task.total_steps:
+                lr = learning_rate(tc, st.step, task.total_steps)
+                loss, extras, stop = self._forward_backward(st, sampler.take(st.position, tc.batch_size), lr)
+                st.step, st.position = st.step + 1, st.position + tc.batch_size
+                self._update(st, loss, extras)
                 bar.update(1)
-
                 if island.is_main:
-                    lease.update(step=step, samples_seen=position)
-                    if step % tc.log_every == 0 or step == task.total_steps:
-                        self._log(metrics, lease, bar, window, step, lr, position)
-                    if step % tc.sample_every == 0 or step == task.total_steps:
-                        self._preview(ema.module, metrics, step, dev)
-                periodic = (bad == 0 and step % tc.ckpt_every == 0) or step == task.total_steps
+                    st.lease.update(step=st.step, samples_seen=st.position)
+                    if st.step % tc.log_every == 0 or st.step == task.total_steps:
+                        self._log(st, bar, lr)
+                    if st.step % tc.sample_every == 0 or st.step == task.total_steps:
+                        self._preview(st)
+                periodic = (st.bad == 0 and st.step % tc.ckpt_every == 0) or st.step == task.total_steps
                 if stop or periodic:
-                    self._checkpoint(island, step, position, bad, model, ema, opt, scaler, metrics, lease)
+                    self._checkpoint(st)
                 if stop:
-                    reason = self._stop_reason or "a stop on another rank"
                     state = "stopped"
-                    message = f"stopped by {reason} at step {step}; re-run the same command to resume"
+                    message = (f"stopped by {self._stop_reason or 'a stop on another rank'} at step {st.step}; "
+                               f"re-run the same command to resume")
                     break
             else:
                 if island.is_main:
-                    self._finish(ema.module, dev)
-                state, message = "done", ""
+                    self._finish(st)
+                state = "done"
         except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step, the previous one stays
             state, message = "stopped", "interrupted twice, without a checkpoint; re-run to resume from the last one"
             raise
@@ -266,90 +210,186 @@ class Trainer:
         finally:
             bar.close()
             if island.is_main:
-                metrics.close()
-                lease.release(state, message)
+                st.metrics.close()
+                st.lease.release(state, message)
             if state != "failed":
                 island.barrier()
-        if island.is_main and state == "stopped":
+        if st.lease is None:
+            return JobStatus(task.name, state=state, step=st.step, total_steps=task.total_steps)
+        if state == "stopped":
             print(f"{task.name}: {message}", file=sys.stderr)
-        return lease.status if lease is not None else JobStatus(task.name, state=state, step=step,
-                                                                total_steps=task.total_steps)
+        return st.lease.status
 
     # ----------------------------------------------------------------------------------------------
-    #                                       Pieces
+    #                                      Set-up, steps
     # ----------------------------------------------------------------------------------------------
 
-    def _restore(self, ckpt: Checkpoint, model, ema: EMA | None, opt, scaler) -> tuple[int, int, int]:
+    def _setup(self, island: Island) -> _State:
+        """Model, EMA, optimiser, scaler; restore the newest checkpoint; claim the job (rank 0)."""
+        task, tc, dev = self.task, self.task.train_cfg, island.device
+        chunks = island.world_size * tc.grad_accum
+        if tc.batch_size % chunks:
+            raise FlowfleetError(f"{task.name}: batch_size {tc.batch_size} is not divisible by grad_accum x "
+                                 f"processes = {tc.grad_accum} x {island.world_size}")
+        torch.manual_seed(tc.seed)
+        model = task.build_model().to(dev)
+        amp = autocast_dtype(tc.precision, dev)
+        if amp is None and tc.precision != "fp32" and island.is_main:
+            print(f"{task.name}: precision {tc.precision} applies on CUDA only; training in fp32 on {dev}",
+                  file=sys.stderr)
+        st = _State(island=island, model=model, net=model, amp=amp, micro=tc.batch_size // chunks,
+                    opt=torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay),
+                    scaler=torch.amp.GradScaler(dev.type, enabled=amp == torch.float16),
+                    ema=EMA(model, tc.ema_decay, tc.ema_warmup) if island.is_main else None)
+        last = self.store.latest()
+        if last is not None:
+            self._restore(st, self.store.load(last))
+
+        error: FlowfleetError | None = None
+        if island.is_main:
+            status = JobStatus(task.name, step=st.step, total_steps=task.total_steps, samples_seen=st.position,
+                               last_checkpoint=last)
+            st.lease = JobLease(self.root, task.spec.dir, status, interval=self.options.heartbeat_every)
+            try:
+                st.lease.acquire()
+            except FlowfleetError as err:
+                error = err
+        if not island.all_ok(error is None):  # every rank stops when rank 0 cannot claim the job
+            raise error or FlowfleetError(f"{task.name}: rank 0 could not claim the job")
+        if island.is_main:
+            st.metrics = MetricsLog(self.root, task.spec.dir, tensorboard=self.options.tensorboard)
+            st.metrics.truncate_after(st.step)
+        if island.distributed:
+            st.net = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                             broadcast_buffers=False)
+        return st
+
+    def _forward_backward(self, st: _State, items: torch.Tensor, lr: float) -> tuple[float, dict[str, float], bool]:
+        """Gradients of one global batch (this process's chunks, accumulated) -> mean loss and extras
+        over the whole batch, and whether any process was asked to stop. One reduction per step."""
+        tc, island, dev = self.task.train_cfg, st.island, st.island.device
+        for group in st.opt.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=dev)
+        extra_sums: dict[str, torch.Tensor] = {}
+        for m in range(tc.grad_accum):
+            chunk = island.rank * tc.grad_accum + m  # which piece of the global batch
+            batch = self.task.data.gather(items[chunk * st.micro : (chunk + 1) * st.micro], dev)
+            gen = torch.Generator(device=dev).manual_seed(derive_seed(tc.seed, st.step, chunk))
+            last = m == tc.grad_accum - 1
+            with st.net.no_sync() if island.distributed and not last else contextlib.nullcontext():
+                with torch.autocast(dev.type, dtype=st.amp) if st.amp else contextlib.nullcontext():
+                    loss, extras = self.task.loss(st.net, batch, gen)
+                st.scaler.scale(loss / tc.grad_accum).backward()
+            loss_sum += loss.detach().float()
+            for key, value in extras.items():
+                extra_sums[key] = extra_sums.get(key, 0) + value.detach().float()
+        stop = torch.tensor(float(self._stop_reason is not None), device=dev)
+        stats = island.all_sum(torch.stack([loss_sum, *extra_sums.values(), stop])).tolist()
+        chunks = island.world_size * tc.grad_accum
+        extras = {key: value / chunks for key, value in zip(extra_sums, stats[1:-1])}
+        return stats[0] / chunks, extras, stats[-1] > 0
+
+    def _update(self, st: _State, loss: float, extras: dict[str, float]) -> None:
+        """Optimiser step + EMA for a finite loss; skip a non-finite one, and stop after a run of them."""
+        tc = self.task.train_cfg
+        if math.isfinite(loss):
+            st.bad = 0
+            if tc.grad_clip is not None:
+                st.scaler.unscale_(st.opt)
+                torch.nn.utils.clip_grad_norm_(st.model.parameters(), tc.grad_clip)
+            st.scaler.step(st.opt)
+            st.scaler.update()
+            if st.ema is not None:
+                st.ema.update(st.model)
+            st.window.loss += loss
+            st.window.finite_steps += 1
+            for key, value in extras.items():
+                st.window.extras[key] = st.window.extras.get(key, 0.0) + value
+        else:
+            st.bad += 1
+        st.opt.zero_grad(set_to_none=True)
+        st.window.samples += tc.batch_size
+        if st.bad >= tc.max_bad_steps:
+            last = self.store.latest()
+            raise TrainingDiverged(
+                f"{self.task.name}: loss was {loss} for {st.bad} consecutive steps (up to step {st.step}); stopped "
+                f"without saving. Last good checkpoint: {self.store.url(last) if last else 'none'}. Lower "
+                f"train.lr or set train.grad_clip, check the data, then re-run to resume")
+
+    # ----------------------------------------------------------------------------------------------
+    #                                 Checkpoints, logs, outputs
+    # ----------------------------------------------------------------------------------------------
+
+    def _restore(self, st: _State, ckpt: Checkpoint) -> None:
         where = self.store.url(f"step-{ckpt.step:07d}")
-        saved_cfg = ckpt.state.get("model_config")
+        saved_cfg = ckpt.state.get("model_config") or {}
         current = self.task.model_cfg.model_dump(mode="json")
         if saved_cfg != current:
-            diff = sorted(k for k in set(saved_cfg or {}) | set(current) if (saved_cfg or {}).get(k) != current.get(k))
+            diff = sorted(k for k in set(saved_cfg) | set(current) if saved_cfg.get(k) != current.get(k))
             raise FlowfleetError(f"{where}: trained with a different {self.task.name} model config (differs in "
                                  f"{', '.join(diff)}); delete {self.root.url_of(self.task.spec.dir)} to start over")
-        model.load_state_dict(ckpt.tensors["model"], strict=True)
-        if ema is not None:
-            ema.load_state_dict(ckpt.tensors["ema"])
-        opt.load_state_dict(unflatten_state(ckpt.state["optimizer"], ckpt.tensors["optimizer"]))
+        st.model.load_state_dict(ckpt.tensors["model"], strict=True)
+        if st.ema is not None:
+            st.ema.load_state_dict(ckpt.tensors["ema"])
+        st.opt.load_state_dict(unflatten_state(ckpt.state["optimizer"], ckpt.tensors["optimizer"]))
         if ckpt.state.get("scaler"):
-            scaler.load_state_dict(ckpt.state["scaler"])
+            st.scaler.load_state_dict(ckpt.state["scaler"])
         torch.set_rng_state(ckpt.tensors["rng"]["torch"])
         if torch.cuda.is_available():
             cuda = [ckpt.tensors["rng"][k] for k in sorted(ckpt.tensors["rng"]) if k.startswith("cuda.")]
             if len(cuda) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all(cuda)
-        position = int(ckpt.state["data_position"]["samples"])
+        st.step, st.bad = ckpt.step, int(ckpt.state.get("bad_steps", 0))
+        st.position = int(ckpt.state["data_position"]["samples"])
         if ckpt.state["data_position"].get("num_items") != len(self.task.data):
             print(f"{self.task.name}: the data changed since {where} ({ckpt.state['data_position'].get('num_items')} "
                   f"-> {len(self.task.data)} items); continuing with the new data", file=sys.stderr)
-        return ckpt.step, position, int(ckpt.state.get("bad_steps", 0))
 
-    def _checkpoint(self, island: Island, step: int, position: int, bad: int, model, ema: EMA | None, opt, scaler,
-                    metrics: MetricsLog | None, lease: JobLease | None) -> None:
-        if island.is_main:
-            opt_skeleton, opt_tensors = flatten_state(opt.state_dict())
+    def _checkpoint(self, st: _State) -> None:
+        if st.island.is_main:
+            opt_skeleton, opt_tensors = flatten_state(st.opt.state_dict())
             rng = {"torch": torch.get_rng_state()}
             if torch.cuda.is_available():
                 rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
             ckpt = Checkpoint(
-                step=step,
-                tensors={"model": cpu_state(model.state_dict()), "ema": cpu_state(ema.state_dict()),
+                step=st.step,
+                tensors={"model": cpu_state(st.model.state_dict()), "ema": cpu_state(st.ema.state_dict()),
                          "optimizer": opt_tensors, "rng": rng},
-                state={"job": self.task.name, "total_steps": self.task.total_steps, "samples_seen": position,
-                       "data_position": {"samples": position, "num_items": len(self.task.data)},
-                       "bad_steps": bad, "world_size": island.world_size, "optimizer": opt_skeleton,
-                       "scaler": scaler.state_dict(),
+                state={"job": self.task.name, "total_steps": self.task.total_steps, "samples_seen": st.position,
+                       "data_position": {"samples": st.position, "num_items": len(self.task.data)},
+                       "bad_steps": st.bad, "world_size": st.island.world_size, "optimizer": opt_skeleton,
+                       "scaler": st.scaler.state_dict(),
                        "model_config": self.task.model_cfg.model_dump(mode="json"),
                        "train_config": self.task.train_cfg.model_dump(mode="json")},
             )
             name = self.store.save(ckpt)
-            metrics.flush()
-            lease.update(last_checkpoint=name)
-            lease.flush()
-        island.barrier()
+            st.metrics.flush()
+            st.lease.update(last_checkpoint=name)
+            st.lease.flush()
+        st.island.barrier()
 
-    def _log(self, metrics: MetricsLog, lease: JobLease, bar, window: dict, step: int, lr: float, position: int):
-        now = time.perf_counter()
-        n = max(window["n"], 1)
-        record = {"step": step, "loss": window["loss"] / n if window["n"] else float("nan"), "lr": lr,
-                  "samples_per_s": window["samples"] / max(now - window["t0"], 1e-9), "time": time.time(),
-                  "epoch": position / len(self.task.data)}
-        record.update({k: v / n for k, v in window["extras"].items()})
-        metrics.log(record)
-        lease.update(last_loss=record["loss"])
+    def _log(self, st: _State, bar, lr: float) -> None:
+        w, now = st.window, time.perf_counter()
+        record = {"step": st.step, "loss": w.loss / w.finite_steps if w.finite_steps else float("nan"), "lr": lr,
+                  "samples_per_s": w.samples / max(now - w.t0, 1e-9), "time": time.time(),
+                  "epoch": st.position / len(self.task.data)}
+        record.update({k: v / max(w.finite_steps, 1) for k, v in w.extras.items()})
+        st.metrics.log(record)
+        st.lease.update(last_loss=record["loss"])
         bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
-        window.update(loss=0.0, n=0, samples=0, t0=now, extras={})
+        st.window = _Window(t0=now)
 
-    def _preview(self, model, metrics: MetricsLog, step: int, dev: torch.device) -> None:
-        model.eval()
-        png = self.task.preview(model, step, dev)
-        self.root.write_bytes(png, self.task.spec.dir, SAMPLES_DIR, f"step-{step:07d}.png")
-        metrics.add_image_png("samples", png, step)
+    def _preview(self, st: _State) -> None:
+        model = st.ema.module.eval()
+        png = self.task.preview(model, st.step, st.island.device)
+        self.root.write_bytes(png, self.task.spec.dir, SAMPLES_DIR, f"step-{st.step:07d}.png")
+        st.metrics.add_image_png("samples", png, st.step)
 
-    def _finish(self, ema_model, dev: torch.device) -> None:
+    def _finish(self, st: _State) -> None:
         """final/ (the EMA weights as a model folder), then the task's report."""
-        ema_model.eval()
-        save_model(ema_model, self.root, self.task.spec.dir, FINAL_DIR)
-        report = self.task.report(ema_model, dev)
+        model = st.ema.module.eval()
+        save_model(model, self.root, self.task.spec.dir, FINAL_DIR)
+        report = self.task.report(model, st.island.device)
         if report is not None:
             self.root.write_json(report, self.task.spec.dir, REPORT_FILE)
