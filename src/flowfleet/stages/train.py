@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -93,8 +94,6 @@ class FleetOutcome:
 def train_all(run_root: str, *, parallel: int | None = None, progress: bool = True,
               echo=print) -> FleetOutcome:
     """Run every unfinished job of the run as a local process (`--parallel` at a time)."""
-    import os
-
     import torch
     from tqdm.auto import tqdm
 
