@@ -176,6 +176,14 @@ def test_one_band_is_the_model(mode):
     assert torch.allclose(got, want, atol=1e-6, rtol=0)
 
 
+def test_runner_on_one_process_is_the_routed_fleet():
+    """No process group at all: the runner's velocity is the plain routed, guided fleet."""
+    want = single_process_run(top_k=2, cfg_scale=2.5)
+    got = parallel_run(single_process(), "displaced", 0, 2, 2.5, True)
+    assert torch.allclose(got["out"], want, atol=1e-5, rtol=0)
+    assert got["bytes"] == {} and got["modes"][0] == ["naive"]  # one band: nothing to exchange
+
+
 # --------------------------------------------------------------------------------------------------
 #                           Whole sampling runs on 2 and 4 ranks
 # --------------------------------------------------------------------------------------------------

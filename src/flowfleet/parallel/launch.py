@@ -15,7 +15,6 @@ import datetime
 import os
 import queue as queue_mod
 import socket
-import sys
 import time
 import traceback
 import uuid
