@@ -10,14 +10,13 @@ For each model (tiny/4 and DiT-S/2 on 4x32x32 latents, unconditional) it measure
 samples/s, achieved GFLOP/s (flowfleet.models.flops: analytic, forward + backward = 3 forwards) and
 the trainer's overhead over the bare loop, beside a measured fp32 matmul (sgemm) GFLOP/s.
 
-The trainer's per-step cost is the difference between a long and a short run divided by the
-difference in steps (set-up, final checkpoint, preview and final/ cancel). On a shared machine wall
-time swings by tens of percent from one minute to the next, so costs are measured as this process's
-CPU time too (with --threads 1 that is the work done, whatever else runs); bare and trainer rounds
-alternate and the median over rounds is reported.
+The trainer's step is its real loop body (Trainer._step) on a claimed job, so the heartbeat thread and
+the TensorBoard writer run too. Bare and trainer steps alternate one by one: on a shared machine wall
+time swings by tens of percent from one minute to the next, and alternating puts those swings on both
+alike. Reported: the ratio of median step times and the median of the paired per-step ratios.
 
     .venv/bin/python benchmarks/train_step.py                      # both models
-    .venv/bin/python benchmarks/train_step.py --models tiny --rounds 5 --threads 1
+    .venv/bin/python benchmarks/train_step.py --models tiny --steps-tiny 200 --threads 1
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # previews try the VAE decoder; fail fast, show latents
 
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.flow import flow_matching_loss, sample_t
@@ -40,7 +40,7 @@ from flowfleet.models.dit import DiTModel
 from flowfleet.models.flops import train_flops_per_sample
 from flowfleet.presets import PRESETS
 from flowfleet.storage import RunRoot
-from flowfleet.train.checkpoint import CheckpointStore
+from flowfleet.train.island import Island
 from flowfleet.train.jobs import JobSpec, build_task
 from flowfleet.train.loop import Trainer, TrainOptions
 from flowfleet.train.synthetic import write_synthetic_run
@@ -71,54 +71,65 @@ def bench_config(size: str, batch: int, steps: int, log_every: int) -> RunConfig
     return RunConfig.from_dict(raw, where="benchmark config")
 
 
-def bare_cost(cfg: RunConfig, steps: int, warmup: int) -> tuple[float, float]:
-    """(CPU seconds, wall seconds) per step of a bare forward/backward/AdamW loop on one resident batch."""
-    torch.manual_seed(0)
-    model = DiTModel.from_dit_config(cfg.expert)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
-    b = cfg.train.batch_size
-    x0 = torch.randn(b, *cfg.latent_shape)
-    for i in range(warmup + steps):
-        if i == warmup:
-            cpu0, wall0 = time.process_time(), time.perf_counter()
-        t = sample_t(b)
-        eps = torch.randn_like(x0)
-        loss = flow_matching_loss(lambda x, tt: model(x, tt), x0, t, eps)
+class BareStep:
+    """A bare forward / flow-matching loss / backward / AdamW step on one resident batch."""
+
+    def __init__(self, cfg: RunConfig):
+        torch.manual_seed(0)
+        self.model = DiTModel.from_dit_config(cfg.expert)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
+        self.x0 = torch.randn(cfg.train.batch_size, *cfg.latent_shape)
+
+    def __call__(self) -> None:
+        t = sample_t(self.x0.shape[0])
+        eps = torch.randn_like(self.x0)
+        loss = flow_matching_loss(lambda x, tt: self.model(x, tt), self.x0, t, eps)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         loss.item()  # the trainer syncs on the loss every step too
-    return (time.process_time() - cpu0) / steps, (time.perf_counter() - wall0) / steps
 
 
-def trainer_run(root: RunRoot, steps: int) -> tuple[float, float]:
-    """(CPU seconds, wall seconds) of a whole Trainer.run of `steps` steps on a fresh job folder."""
-    root.remove("experts", recursive=True)
-    cfg = load_run_config(root)
-    cfg.train.steps = steps
-    cfg.save(root)
-    task = build_task(root, cfg, JobSpec("expert", 0))
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    status = Trainer(task, root, TrainOptions(progress=False, tensorboard=True)).run()
-    if status.state != "done":  # SIGTERM/SIGINT stop the trainer cleanly; then stop the benchmark too
-        sys.exit(f"trainer {status.state}: {status.message}")
-    return time.process_time() - cpu0, time.perf_counter() - wall0
+class TrainerStep:
+    """The trainer's own loop body (Trainer._step: data, seeded noise, forward/backward, AdamW, EMA, loss
+    reduction, status lease, metrics.jsonl + TensorBoard every log_every steps) on a claimed job."""
+
+    def __init__(self, root: RunRoot):
+        root.remove("experts", recursive=True)
+        self.trainer = Trainer(build_task(root, load_run_config(root), JobSpec("expert", 0)), root,
+                               TrainOptions(progress=False, tensorboard=True))
+        self.state = self.trainer._setup(Island.from_env("cpu"))
+        self.sampler = self.trainer.sampler()
+        self.bar = tqdm(disable=True)
+
+    def __call__(self) -> None:
+        self.trainer._step(self.state, self.sampler, self.bar)
+
+    def close(self) -> None:
+        self.state.metrics.close()
+        self.state.lease.release("stopped", "benchmark")
 
 
-def trainer_cost(root: RunRoot, short: int, long: int) -> tuple[float, float]:
-    """Per-step (CPU, wall) seconds of the trainer: the difference of a long and a short run over the
-    difference in steps, so set-up, the final checkpoint, preview and final/ cancel out."""
-    c1, w1 = trainer_run(root, short)
-    c2, w2 = trainer_run(root, long)
-    return (c2 - c1) / (long - short), (w2 - w1) / (long - short)
+def interleaved(a, b, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Wall seconds of each step of a and b, run alternately (a, b, a, b, ...) so that whatever else
+    the machine does falls on both alike."""
+    ta, tb = [], []
+    for i in range(warmup + steps):
+        for fn, out in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                out.append(time.perf_counter() - t0)
+    return ta, tb
 
 
-def checkpoint_write_s(root: RunRoot) -> float:
-    store = CheckpointStore(root, "experts/0")
-    ckpt = store.load(store.latest())
-    ckpt.step += 1
+def quantile(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def checkpoint_write_s(trainer_step: TrainerStep) -> float:
     t0 = time.perf_counter()
-    store.save(ckpt)
+    trainer_step.trainer._checkpoint(trainer_step.state)
     return time.perf_counter() - t0
 
 
@@ -127,10 +138,9 @@ def main() -> int:
     p.add_argument("--models", default="tiny,S", help="comma list of tiny, S")
     p.add_argument("--batch-tiny", type=int, default=64)
     p.add_argument("--batch-S", type=int, default=4)
-    p.add_argument("--steps-tiny", type=int, default=40, help="steps of the long run per round")
-    p.add_argument("--steps-S", type=int, default=8, help="steps of the long run per round")
+    p.add_argument("--steps-tiny", type=int, default=60, help="timed steps of each loop")
+    p.add_argument("--steps-S", type=int, default=10, help="timed steps of each loop")
     p.add_argument("--log-every", type=int, default=10, help="the trainer's metrics interval")
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = p.parse_args()
     if args.threads:
@@ -142,38 +152,34 @@ def main() -> int:
     for name in args.models.split(","):
         size = MODELS[name]
         batch, steps = getattr(args, f"batch_{name}"), getattr(args, f"steps_{name}")
-        short = max(steps // 4, 2)
-        cfg = bench_config(size, batch, steps, log_every=args.log_every)
+        cfg = bench_config(size, batch, 10**6, log_every=args.log_every)
         flops = train_flops_per_sample(cfg.expert)
-        rounds = []
         with tempfile.TemporaryDirectory(prefix="flowfleet-bench-") as tmp:
             root = RunRoot(tmp)
             write_synthetic_run(root, cfg, per_cluster=max(batch, 16), shard_size=256)
-            for r in range(args.rounds):  # alternate, so load changes hit both alike
-                bare_cpu, bare_wall = bare_cost(cfg, steps - short, warmup=short)
-                full_cpu, full_wall = trainer_cost(root, short, steps)
-                rounds.append(dict(bare_cpu=bare_cpu, bare_wall=bare_wall, trainer_cpu=full_cpu, trainer_wall=full_wall,
-                                   overhead_cpu_pct=100 * (full_cpu / bare_cpu - 1),
-                                   overhead_wall_pct=100 * (full_wall / bare_wall - 1)))
-                print(f"  {name} round {r}: per step CPU bare {1e3 * bare_cpu:.1f} ms, trainer {1e3 * full_cpu:.1f} ms "
-                      f"({rounds[-1]['overhead_cpu_pct']:+.1f}%); wall bare {1e3 * bare_wall:.1f} ms, trainer "
-                      f"{1e3 * full_wall:.1f} ms ({rounds[-1]['overhead_wall_pct']:+.1f}%)", flush=True)
-            ckpt_s = checkpoint_write_s(root)
-        med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-        row = dict(size=size, tokens=cfg.expert.num_tokens, batch=batch, timed_steps_per_round=steps - short,
-                   log_every=args.log_every, train_gflop_per_sample=flops / 1e9, checkpoint_write_s=ckpt_s,
-                   bare_samples_per_s_cpu=batch / med["bare_cpu"], bare_gflops_cpu=batch / med["bare_cpu"] * flops / 1e9,
-                   bare_samples_per_s_wall=batch / med["bare_wall"],
-                   trainer_samples_per_s_wall=batch / med["trainer_wall"],
-                   overhead_cpu_pct_median=med["overhead_cpu_pct"], overhead_wall_pct_median=med["overhead_wall_pct"],
-                   rounds=rounds)
+            bare, full = BareStep(cfg), TrainerStep(root)
+            try:
+                tb, tt = interleaved(bare, full, steps, warmup=max(2, steps // 10))
+                ckpt_s = checkpoint_write_s(full)
+            finally:
+                full.close()
+        ratios = [t / b for b, t in zip(tb, tt)]
+        mb, mt = statistics.median(tb), statistics.median(tt)
+        row = dict(size=size, tokens=cfg.expert.num_tokens, batch=batch, steps=steps, log_every=args.log_every,
+                   train_gflop_per_sample=flops / 1e9, bare_step_ms_median=1e3 * mb, trainer_step_ms_median=1e3 * mt,
+                   bare_samples_per_s=batch / mb, trainer_samples_per_s=batch / mt, bare_gflops=batch / mb * flops / 1e9,
+                   trainer_gflops=batch / mt * flops / 1e9, overhead_pct_of_medians=100 * (mt / mb - 1),
+                   overhead_pct_median_pair=100 * (statistics.median(ratios) - 1),
+                   overhead_pct_p20_p80_pair=[100 * (quantile(ratios, 0.2) - 1), 100 * (quantile(ratios, 0.8) - 1)],
+                   checkpoint_write_s=ckpt_s)
         results[name] = row
-        print(f"{size:7s} {row['tokens']} tokens, batch {batch}: {row['train_gflop_per_sample']:.3f} GFLOP/sample | "
-              f"bare {row['bare_samples_per_s_cpu']:.1f} samples per CPU-second = {row['bare_gflops_cpu']:.1f} GFLOP/s "
-              f"({100 * row['bare_gflops_cpu'] / peak:.0f}% of sgemm) | wall: bare {row['bare_samples_per_s_wall']:.1f}, "
-              f"trainer {row['trainer_samples_per_s_wall']:.1f} samples/s | trainer overhead (median of rounds): "
-              f"CPU {row['overhead_cpu_pct_median']:+.1f}%, wall {row['overhead_wall_pct_median']:+.1f}% | "
-              f"checkpoint write {ckpt_s:.2f} s")
+        print(f"{size:7s} {row['tokens']} tokens, batch {batch}, {steps} steps each: "
+              f"{row['train_gflop_per_sample']:.3f} GFLOP/sample | bare {row['bare_samples_per_s']:.1f} samples/s = "
+              f"{row['bare_gflops']:.1f} GFLOP/s ({100 * row['bare_gflops'] / peak:.0f}% of sgemm) | trainer "
+              f"{row['trainer_samples_per_s']:.1f} samples/s = {row['trainer_gflops']:.1f} GFLOP/s | trainer overhead: "
+              f"{row['overhead_pct_of_medians']:+.1f}% (medians), {row['overhead_pct_median_pair']:+.1f}% (median of "
+              f"paired steps; p20..p80 {row['overhead_pct_p20_p80_pair'][0]:+.1f}..{row['overhead_pct_p20_p80_pair'][1]:+.1f}%)"
+              f" | checkpoint write {ckpt_s:.2f} s", flush=True)
     print(json.dumps({"sgemm_gflops": peak, "threads": torch.get_num_threads(), "load_end": os.getloadavg(),
                       "models": results}, indent=1))
     return 0

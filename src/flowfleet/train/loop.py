@@ -172,27 +172,13 @@ class Trainer:
         if done is not None:
             return done
         st = self._setup(island)
-        sampler = ResumableSampler(len(task.data), derive_seed(tc.seed, _DATA_STREAM))
+        sampler = self.sampler()
         bar = tqdm(total=task.total_steps, initial=st.step, desc=task.name, unit="step", dynamic_ncols=True,
                    disable=True if not (island.is_main and self.options.progress) else None)
         state, message = "failed", ""
         try:
             while st.step < task.total_steps:
-                lr = learning_rate(tc, st.step, task.total_steps)
-                loss, extras, stop = self._forward_backward(st, sampler.take(st.position, tc.batch_size), lr)
-                st.step, st.position = st.step + 1, st.position + tc.batch_size
-                self._update(st, loss, extras)
-                bar.update(1)
-                if island.is_main:
-                    st.lease.update(step=st.step, samples_seen=st.position)
-                    if st.step % tc.log_every == 0 or st.step == task.total_steps:
-                        self._log(st, bar, lr)
-                    if st.step % tc.sample_every == 0 or st.step == task.total_steps:
-                        self._preview(st)
-                periodic = (st.bad == 0 and st.step % tc.ckpt_every == 0) or st.step == task.total_steps
-                if stop or periodic:
-                    self._checkpoint(st)
-                if stop:
+                if self._step(st, sampler, bar):
                     state = "stopped"
                     message = (f"stopped by {self._stop_reason or 'a stop on another rank'} at step {st.step}; "
                                f"re-run the same command to resume")
@@ -263,6 +249,27 @@ class Trainer:
             st.net = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
                                              broadcast_buffers=False)
         return st
+
+    def sampler(self) -> ResumableSampler:
+        return ResumableSampler(len(self.task.data), derive_seed(self.task.train_cfg.seed, _DATA_STREAM))
+
+    def _step(self, st: _State, sampler: ResumableSampler, bar) -> bool:
+        """One optimiser step and its bookkeeping (log, preview, checkpoint); -> stop now."""
+        tc, total = self.task.train_cfg, self.task.total_steps
+        lr = learning_rate(tc, st.step, total)
+        loss, extras, stop = self._forward_backward(st, sampler.take(st.position, tc.batch_size), lr)
+        st.step, st.position = st.step + 1, st.position + tc.batch_size
+        self._update(st, loss, extras)
+        bar.update(1)
+        if st.island.is_main:
+            st.lease.update(step=st.step, samples_seen=st.position)
+            if st.step % tc.log_every == 0 or st.step == total:
+                self._log(st, bar, lr)
+            if st.step % tc.sample_every == 0 or st.step == total:
+                self._preview(st)
+        if stop or (st.bad == 0 and st.step % tc.ckpt_every == 0) or st.step == total:
+            self._checkpoint(st)
+        return stop
 
     def _forward_backward(self, st: _State, items: torch.Tensor, lr: float) -> tuple[float, dict[str, float], bool]:
         """Gradients of one global batch (this process's chunks, accumulated) -> mean loss and extras
