@@ -8,7 +8,8 @@ captions "a handwritten digit seven") with step counts sized for a 2-core CPU:
 
     default   all 5000 digits, experts tiny/4 (depth 4, hidden 128), 500 expert steps (monolith 2000),
               evaluation on 500 samples per model                        (target: <= 30 min)
-    --quick   1200 digits, experts depth 2 / hidden 64, 80 expert steps, 100 samples per model
+    --quick   800 digits, experts depth 2 / hidden 64, 200 expert steps (monolith 800), 100 samples
+              per model
                                                                           (target: <= 5 min)
 
 Two deliberate departures from the full-size recipe, both for CPU time and both named in the report:
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from flowfleet.config import RUN_FILE, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
@@ -48,27 +49,42 @@ class DemoPlan:
     showcase_n: int = 20
 
 
-def demo_plan(quick: bool = False, name: str = "demo") -> DemoPlan:
-    raw = PRESETS["mnist"]()
-    raw["name"] = name
+DemoSize = Literal["full", "quick", "smoke"]
+
+
+def demo_plan(size: DemoSize = "full") -> DemoPlan:
+    """full: `flowfleet demo`; quick: `flowfleet demo --quick`; smoke: the test suite's (mnist-tiny sized)."""
+    if size not in ("full", "quick", "smoke"):
+        raise ValueError(f"unknown demo size {size!r}")
+    raw = PRESETS["mnist-tiny" if size == "smoke" else "mnist"]()
+    raw["name"] = {"full": "demo", "quick": "demo-quick", "smoke": "demo-smoke"}[size]
     raw["encoders"]["semantic"]["image_size"] = DEMO_INCEPTION_SIZE
     raw["sampling"]["steps"] = 20
     fid = FIDSettings(resize=DEMO_INCEPTION_SIZE, batch_size=100)
-    if quick:
-        raw["data"]["limit"] = 1200
+    if size == "smoke":  # 16 x 16 digits, hidden-64 experts: the whole path in about a minute
+        raw["data"].update(limit=64, shard_size=32)
+        raw["cluster"].update(k=2, fine_k=8)
+        raw["router"]["num_outputs"] = 2
+        _steps(raw, "train", 8)
+        _steps(raw, "router_train", 8)
+        raw["sampling"]["steps"] = 4
+        evaluation = EvaluateOptions(n=12, ref_n=24, batch_size=12, fid=fid, grid=12, diagnostic_n=4)
+    elif size == "quick":
+        raw["data"]["limit"] = 800
         raw["data"]["shard_size"] = 400
         for part in ("expert", "router"):
             raw[part].update(size=None, hidden_size=64, depth=2, num_heads=2, patch_size=4)
-        _steps(raw, "train", 80)
-        _steps(raw, "router_train", 80)
+        _steps(raw, "train", 200)
+        _steps(raw, "router_train", 150)
         raw["sampling"]["steps"] = 10
-        evaluation = EvaluateOptions(n=100, ref_n=500, batch_size=100, fid=fid, grid=20, diagnostic_n=8)
+        evaluation = EvaluateOptions(n=100, ref_n=300, batch_size=100, fid=fid, grid=20, diagnostic_n=8)
     else:
         _steps(raw, "train", 500)
         _steps(raw, "router_train", 300)
         evaluation = EvaluateOptions(n=500, ref_n=2000, batch_size=250, fid=fid, grid=40, diagnostic_n=16)
     evaluation = replace(evaluation, strategies=STRATEGIES, monolith=True)
-    return DemoPlan(RunConfig.from_dict(raw, where="demo configuration"), evaluation)
+    return DemoPlan(RunConfig.from_dict(raw, where="demo configuration"), evaluation,
+                    showcase_n=10 if size == "smoke" else 20)
 
 
 def _steps(raw: dict[str, Any], section: str, steps: int) -> None:
@@ -99,9 +115,9 @@ def _open(out: str, plan: DemoPlan) -> RunRoot:
     return root
 
 
-def demo(out: str = "runs/demo", *, quick: bool = False, echo: Callable[[str], None] = print,
-         progress: bool = True) -> DemoResult:
-    """Run (or resume) the demo in `out`; returns where the report is."""
+def demo(out: str = "runs/demo", *, quick: bool = False, size: DemoSize | None = None,
+         echo: Callable[[str], None] = print, progress: bool = True) -> DemoResult:
+    """Run (or resume) the demo in `out`; returns where the report is. `size` overrides `quick`."""
     from flowfleet.evaluate.report import REPORTS, TIMINGS_FILE, write_report
     from flowfleet.stages.assemble import assemble
     from flowfleet.stages.cluster import cluster
@@ -110,7 +126,7 @@ def demo(out: str = "runs/demo", *, quick: bool = False, echo: Callable[[str], N
     from flowfleet.stages.prepare import prepare
     from flowfleet.stages.train import train_all
 
-    plan = demo_plan(quick, name="demo-quick" if quick else "demo")
+    plan = demo_plan(size or ("quick" if quick else "full"))
     root = _open(out, plan)
     url = root.url
     timings: dict[str, float] = {}
@@ -136,10 +152,17 @@ def demo(out: str = "runs/demo", *, quick: bool = False, echo: Callable[[str], N
                              f"{': ' + outcome.messages[first] if first in outcome.messages else ''} "
                              f"(logs in {url}/<job>/train.log; run the demo again to resume)")
     model = stage("assemble", lambda: assemble(url)).out
-    stage("generate", lambda: [
-        generate(model, prompts=list(SHOWCASE_PROMPTS), n=plan.showcase_n, strategy=s, seed=0,
-                 out=root.url_of(REPORTS, "showcase", f"{s}.png"))
-        for s in STRATEGIES])
+    def showcase() -> None:
+        from flowfleet.data.encoders import build_text_encoder
+        from flowfleet.stages.generate import resolve_device
+
+        # loaded once for the three strategies
+        text = build_text_encoder(plan.config.encoders.text, resolve_device("auto"))
+        for s in STRATEGIES:
+            generate(model, prompts=list(SHOWCASE_PROMPTS), n=plan.showcase_n, strategy=s, seed=0,
+                     out=root.url_of(REPORTS, "showcase", f"{s}.png"), text_encoder=text, progress=progress)
+
+    stage("generate", showcase)
     evaluation = stage("evaluate", lambda: evaluate(model, url, plan.evaluation, echo=echo))
     print_table(evaluation)
     timings["total"] = round(time.perf_counter() - t_all, 2)

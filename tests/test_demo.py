@@ -1,0 +1,75 @@
+"""`flowfleet demo`: the whole pipeline on built-in MNIST ends in a report.html with every section."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flowfleet.cli import main
+from flowfleet.errors import FlowfleetError
+from flowfleet.evaluate.report import SECTIONS
+from flowfleet.presets import preset
+from flowfleet.stages.demo import demo, demo_plan
+from flowfleet.storage import RunRoot
+
+
+def check_run(path, *, strategies=("top1", "top2", "full")) -> dict:
+    """The demo's outputs: a report with every section filled, an evaluation of every model."""
+    from test_report import parse  # the report test's headless HTML check
+
+    html = (path / "reports" / "report.html").read_text()
+    page = parse(html)
+    assert page.sections == list(SECTIONS)
+    assert page.missing == {}, page.missing  # nothing left for the user to run
+    assert "Not applicable" in html  # adherence: MNIST is not the shapes source
+    for section in ("clusters", "training", "samples", "routing", "fid", "diagnostics"):
+        assert page.images.get(section), f"section {section} has no image"
+    evaluation = json.loads((path / "reports" / "evaluation.json").read_text())
+    assert list(evaluation["runs"]) == ["monolith", *strategies]
+    assert all(v > 0 for v in evaluation["fid"]["scores"].values())
+    timings = json.loads((path / "reports" / "timings.json").read_text())
+    assert {"prepare", "cluster", "train-all", "assemble", "generate", "evaluate", "total"} <= set(timings)
+    for s in strategies:
+        assert (path / "reports" / "showcase" / f"{s}.png").exists()
+    return evaluation
+
+
+def test_demo_smoke_runs_every_stage_and_resumes(tmp_path):
+    out = tmp_path / "demo"
+    result = demo(str(out), size="smoke", echo=lambda _: None, progress=False)
+    assert result.report.endswith("reports/report.html")
+    check_run(out)
+    # Training jobs, assembled experts and the monolith are all there; monolith = K x expert steps.
+    plan = demo_plan("smoke")
+    k = plan.config.cluster.k
+    status = json.loads((out / "monolith" / "status.json").read_text())
+    assert status["state"] == "done" and status["total_steps"] == k * plan.config.train.steps
+    assert sorted(p.name for p in (out / "model").iterdir() if p.name.startswith("expert_")) == \
+        [f"expert_{i}" for i in range(k)]
+
+
+def test_demo_refuses_an_out_folder_of_another_run(tmp_path):
+    root = RunRoot(str(tmp_path / "other"))
+    preset("mnist-tiny", name="someone-else").save(root)
+    with pytest.raises(FlowfleetError, match="exists with another configuration"):
+        demo(root.url, size="smoke", echo=lambda _: None, progress=False)
+    assert not root.exists("data")  # refused before any work
+
+
+def test_demo_plans_validate_and_quick_is_smaller():
+    full, quick = demo_plan("full"), demo_plan("quick")
+    assert full.config.cluster.k == quick.config.cluster.k == 4
+    assert full.config.data.source == "mnist" and full.config.data.limit is None  # all 5000 digits
+    assert quick.config.train.steps < full.config.train.steps
+    assert full.evaluation.monolith and full.evaluation.strategies == ("top1", "top2", "full")
+    with pytest.raises(ValueError, match="unknown demo size"):
+        demo_plan("huge")
+
+
+@pytest.mark.slow
+def test_demo_quick_through_the_cli(tmp_path, capsys):
+    out = tmp_path / "demo-quick"
+    assert main(["demo", "--out", str(out), "--quick"]) == 0
+    assert "open" in capsys.readouterr().out
+    check_run(out)
