@@ -12,6 +12,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Mark the fault-injection suite (tests/fault_cases.py) with `faults`."""
+    from fault_cases import FAULT_CASES
+
+    ids = {node for _, node, _ in FAULT_CASES}
+    for item in items:  # a case without [params] covers every parametrization of its test
+        if item.nodeid in ids or item.nodeid.split("[")[0] in ids:
+            item.add_marker(pytest.mark.faults)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
