@@ -254,7 +254,7 @@ def _caption_table(rows: list[dict[str, Any]], where: str, image_column: str, te
             label = int(label) if label not in (None, "") else -1
         except (TypeError, ValueError):
             raise SourceError(f"{where}: row {n}: label {label!r} is not an integer") from None
-        table[file.lstrip("./")] = (None if text is None else str(text), label)
+        table[file.removeprefix("./")] = (None if text is None else str(text), label)
     return table
 
 
