@@ -16,7 +16,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler, UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor
 
@@ -53,7 +52,7 @@ def tiny_unet(seed: int = 0) -> UNet2DConditionModel:
 
 
 def inputs(size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """A latent [1, 4, size, size] whose rows grow louder downwards and whose lower half is shifted, + text [1, 7, 32]."""
+    """A latent [1, 4, size, size] whose rows grow louder downwards, lower half shifted; text [1, 7, 32]."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, 4, size, size, generator=g)
     rows = torch.linspace(0, 1, size).view(1, 1, size, 1)

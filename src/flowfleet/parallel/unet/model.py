@@ -53,7 +53,8 @@ _UNSUPPORTED_ARGS = ("attention_mask", "down_block_additional_residuals", "mid_b
 def check_supported(unet: nn.Module) -> None:
     """Raise a one-line FlowfleetError naming the first layer that patch parallelism cannot run exactly."""
     if not isinstance(unet, UNet2DConditionModel):
-        raise FlowfleetError(f"patch-parallel U-Net: expected a diffusers UNet2DConditionModel, got {type(unet).__name__}")
+        raise FlowfleetError(f"patch-parallel U-Net: expected a diffusers UNet2DConditionModel, "
+                             f"got {type(unet).__name__}")
     for name, m in unet.named_modules():
         kind = type(m).__name__
         if kind in _UNSUPPORTED:
