@@ -146,6 +146,15 @@ def test_status_of_a_fresh_run_lists_pending_jobs(tmp_path, capsys):
     assert [(r["job"], r["state"], r["total_steps"]) for r in rows] == [
         ("expert-0", "pending", 5), ("expert-1", "pending", 5), ("expert-2", "pending", 5), ("router", "pending", 5),
         ("monolith", "pending", 15)]
+    (tmp_path / "r/router").mkdir()
+    (tmp_path / "r/router/status.json").write_text("{torn")
+    assert main(["status", str(tmp_path / "r")]) == 0  # one bad file does not hide the other jobs
+    table = capsys.readouterr().out
+    assert "expert-2" in table and "monolith" in table
+    assert " failed " in next(line for line in table.splitlines() if "router" in line)
+    assert main(["status", str(tmp_path / "r"), "--json"]) == 0
+    router = json.loads(capsys.readouterr().out)[3]
+    assert router["state"] == "failed" and "router/status.json: not valid JSON" in router["message"]
 
 
 def test_failing_job_is_one_line_from_the_cli(tmp_path, capsys):

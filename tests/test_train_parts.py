@@ -83,6 +83,10 @@ def test_status_file_errors_name_the_file(run_root):
     root.write_json({"job": "expert-0", "state": "sleeping"}, "experts/0", "status.json")
     with pytest.raises(FlowfleetError, match=r"experts/0/status.json: unknown state 'sleeping'"):
         read_status(root, "experts/0")
+    (run_root / "router").mkdir()
+    (run_root / "router/status.json").write_text("{not json")
+    with pytest.raises(FlowfleetError, match=r"router/status.json: not valid JSON"):
+        read_status(root, "router")
     dead = JobStatus("expert-0", state="running", host=socket.gethostname(), pid=2**22 + 12345,
                      heartbeat=time.time())
     assert not dead.is_live()  # same host, no such process: dead even with a fresh heartbeat

@@ -154,6 +154,6 @@ def run_status(args: argparse.Namespace) -> int:
         table.add_row(
             r.job, f"[{colours.get(r.state, 'white')}]{state}[/]", f"{r.step}/{r.total_steps}", f"{100 * frac:.0f}%",
             _age(r.heartbeat_age(now)), "-" if r.last_loss is None else f"{r.last_loss:.4f}",
-            f"{r.host}:{r.pid}" if r.host else "-", r.message[:80])
+            f"{r.host}:{r.pid}" if r.host else "-", r.message)
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     return 0

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowfleet.config import RunConfig, load_run_config
+from flowfleet.errors import FlowfleetError
 from flowfleet.storage import RunRoot
 from flowfleet.train.jobs import JobSpec, build_task, fleet_jobs, job_cost, job_steps
 from flowfleet.train.loop import FINAL_DIR, TrainOptions, Trainer
@@ -67,7 +68,10 @@ def job_status(run_root: str | RunRoot) -> list[JobStatus]:
     root, cfg = _open(run_root)
     rows = []
     for spec in fleet_jobs(cfg):
-        status = read_status(root, spec.dir) or JobStatus(spec.name)
+        try:
+            status = read_status(root, spec.dir) or JobStatus(spec.name)
+        except FlowfleetError as err:  # one unreadable file must not hide the other jobs
+            status = JobStatus(spec.name, state="failed", message=str(err))
         status.total_steps = status.total_steps or job_steps(cfg, spec)
         rows.append(status)
     return rows

@@ -86,7 +86,11 @@ def read_status(root: RunRoot, job_dir: str) -> JobStatus | None:
     """The job's status, or None when it has never started."""
     if not root.exists(job_dir, STATUS_FILE):
         return None
-    return JobStatus.from_dict(root.read_json(job_dir, STATUS_FILE), root.url_of(job_dir, STATUS_FILE))
+    try:
+        raw = root.read_json(job_dir, STATUS_FILE)
+    except ValueError as err:  # written atomically, so only a hand edit or a foreign writer gets here
+        raise FlowfleetError(str(err)) from None
+    return JobStatus.from_dict(raw, root.url_of(job_dir, STATUS_FILE))
 
 
 class JobLease:
