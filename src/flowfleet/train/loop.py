@@ -38,7 +38,7 @@ from flowfleet.train.ema import EMA
 from flowfleet.train.island import Island
 from flowfleet.train.jobs import TrainTask
 from flowfleet.train.metrics import MetricsLog
-from flowfleet.train.status import HEARTBEAT_EVERY, JobLease, JobStatus, read_status
+from flowfleet.train.status import HEARTBEAT_EVERY, HEARTBEAT_EVERY_LOCAL, JobLease, JobStatus, read_status
 
 FINAL_DIR = "final"
 REPORT_FILE = "report.json"
@@ -77,7 +77,7 @@ def cpu_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class TrainOptions:
     progress: bool = True  # tqdm bar (shown on a terminal only)
     device: str | None = None  # default: this rank's GPU, else CPU
-    heartbeat_every: float = HEARTBEAT_EVERY
+    heartbeat_every: float | None = None  # default: 5 s on a local run root, 30 s on an object store
     tensorboard: bool = True
 
 
@@ -235,7 +235,8 @@ class Trainer:
         if island.is_main:
             status = JobStatus(task.name, step=st.step, total_steps=task.total_steps, samples_seen=st.position,
                                last_checkpoint=last)
-            st.lease = JobLease(self.root, task.spec.dir, status, interval=self.options.heartbeat_every)
+            every = self.options.heartbeat_every or (HEARTBEAT_EVERY_LOCAL if self.root.is_local else HEARTBEAT_EVERY)
+            st.lease = JobLease(self.root, task.spec.dir, status, interval=every)
             try:
                 st.lease.acquire()
             except FlowfleetError as err:

@@ -20,7 +20,8 @@ from flowfleet.storage import RunRoot
 
 STATUS_FILE = "status.json"
 STATES = ("pending", "running", "done", "failed", "stopped")
-HEARTBEAT_EVERY = 30.0  # seconds between heartbeats of a running job
+HEARTBEAT_EVERY = 30.0  # seconds between heartbeats of a running job (object store: each one is a PUT)
+HEARTBEAT_EVERY_LOCAL = 5.0  # on a local disk a heartbeat is cheap; train-all's progress reads them
 STALE_AFTER = 3 * HEARTBEAT_EVERY  # a "running" job silent for this long is presumed dead
 
 
@@ -106,7 +107,7 @@ class JobLease:
         self.job_dir = job_dir
         self.status = status
         self.interval = interval
-        self.stale_after = stale_after if stale_after is not None else 3 * interval
+        self.stale_after = stale_after if stale_after is not None else max(STALE_AFTER, 3 * interval)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
