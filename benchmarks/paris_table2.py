@@ -76,6 +76,12 @@ def build(args: argparse.Namespace):
     else:
         cfg.save(root)
     timings = {}
+    if args.data_from and not root.exists("data", "manifest.json"):
+        # Another run root prepared the same source with the same encoders (e.g. `flowfleet demo`):
+        # copy its data/; prepare() below refuses it if the recipe differs.
+        import shutil
+
+        shutil.copytree(os.path.join(args.data_from, "data"), os.path.join(args.out, "data"))
     t0 = time.perf_counter()
     prepare(root)
     timings["prepare_s"] = time.perf_counter() - t0
@@ -136,6 +142,8 @@ def main() -> None:
     p.add_argument("--fid-resize", type=int, default=299, help="Inception input for FID (299 = standard)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--parallel", type=int, default=None, help="train-all jobs at a time")
+    p.add_argument("--data-from", default=None, metavar="RUN_ROOT",
+                   help="copy data/ from a local run root prepared with the same recipe (e.g. runs/demo)")
     p.add_argument("--variants", action="store_true", help="also: top-2 with route-every 2/5, cfg 1, 2x steps")
     p.add_argument("--device", default="auto")
     args = p.parse_args()

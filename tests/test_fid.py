@@ -172,3 +172,28 @@ def test_fid_halves_vs_noise_at_the_standard_299_input():
     noise = fid.statistics([torch.rand(500, 1, 28, 28, generator=torch.Generator().manual_seed(0)) * 2 - 1])
     halves, vs_noise = fid.score(b, a), fid.score(noise, a)
     assert 0 < halves < 0.1 * vs_noise, (halves, vs_noise)
+
+
+def test_reference_from_precomputed_features_equals_the_image_path(run_root):
+    root = RunRoot(str(run_root))
+    net = SmallFeatures()
+    fid = FID(extractor=net)
+    data = images(30, 5)
+    from_images = fid.reference(root, "a", lambda: [data], n=30)
+    feats = fid.features(data)
+    from_feats = fid.reference_from_features(root, "b", lambda: [feats[:10], feats[10:]], n=30)
+    assert torch.allclose(from_feats.sum, from_images.sum) and torch.allclose(from_feats.cov_sum, from_images.cov_sum)
+    with pytest.raises(FlowfleetError, match="features of shape"):
+        fid.reference_from_features(root, "c", lambda: [feats[:, :5]], n=30)
+
+
+def test_prepare_clustering_features_are_the_fid_features(inception75):
+    """evaluate reuses data/'s Inception features as the FID reference when prepare ran default_1 at
+    the FID's input size: the two code paths must give the same features for the same images."""
+    from flowfleet.config import SemanticEncoderConfig
+    from flowfleet.data.encoders import build_semantic_encoder
+
+    x = mnist_images(4)
+    prepare_side = build_semantic_encoder(SemanticEncoderConfig(name="inception", image_size=75)).encode(x)
+    fid_side = FID(FIDSettings(resize=75), extractor=inception75).features(x)
+    assert torch.allclose(prepare_side, fid_side, atol=1e-4)

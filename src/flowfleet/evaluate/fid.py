@@ -189,8 +189,24 @@ class FID:
     def reference_file(self, name: str, n: int) -> str:
         return f"fid_ref_{name}_{self.key}_n{n}.safetensors"
 
+    def reference_from_features(self, root: RunRoot, name: str, features: Callable[[], Iterable[torch.Tensor]],
+                                n: int, fingerprint: str = "") -> FeatureStats:
+        """As reference(), from features [B, D] that this extractor already computed (e.g. by prepare)."""
+        return self.reference(root, name, features, n, fingerprint, are_features=True)
+
+    def _compute(self, batches: Callable[[], Iterable[torch.Tensor]], n: int, name: str, meta: dict[str, str],
+                 are_features: bool = False) -> FeatureStats:
+        if not are_features:
+            return self.statistics(batches(), total=n, desc=f"fid reference ({name})", meta=meta)
+        stats = FeatureStats.empty(self.dim, meta)
+        for f in batches():
+            if f.ndim != 2 or f.shape[1] != self.dim:
+                raise FlowfleetError(f"fid reference ({name}): features of shape {tuple(f.shape)}, expected [N, {self.dim}]")
+            stats.update(f)
+        return stats
+
     def reference(self, root: RunRoot, name: str, images: Callable[[], Iterable[torch.Tensor]], n: int,
-                  fingerprint: str = "") -> FeatureStats:
+                  fingerprint: str = "", are_features: bool = False) -> FeatureStats:
         """Statistics of n reference images, read from RUN_ROOT/reports/ when a matching cache exists.
 
         `images()` yields float batches in [-1, 1] totalling n; it is only called on a cache miss.
@@ -205,7 +221,7 @@ class FID:
                 cached = None  # a damaged cache is rebuilt below (and overwritten atomically)
             if cached is not None and all(cached.meta.get(k) == v for k, v in meta.items()) and cached.n == n:
                 return cached
-        stats = self.statistics(images(), total=n, desc=f"fid reference ({name})", meta=meta)
+        stats = self._compute(images, n, name, meta, are_features)
         if stats.n != n:
             raise FlowfleetError(f"fid reference ({name}): expected {n} images, the source gave {stats.n}")
         root.write_bytes(stats.to_bytes(), *path)

@@ -126,6 +126,15 @@ def data_fingerprint(data: ShardSet) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def features_are_fid_features(cfg: RunConfig, fid_key: str) -> bool:
+    """True when data/'s clustering features are the FID features: prepare ran fid-helper's default_1
+    Inception at the FID's input size on the same uint8 images (pixel space; a VAE's decoded images
+    differ from the source images, so latent runs always re-extract)."""
+    sem = cfg.encoders.semantic
+    return (cfg.encoders.latent.name == "pixels" and sem.name == "inception" and not sem.path
+            and fid_key == f"default_1-{sem.image_size or 299}")
+
+
 def reference_images(cfg: RunConfig, latents: torch.Tensor, order: torch.Tensor, n: int, batch: int,
                      device: torch.device) -> Callable[[], Any]:
     """A generator factory of n decoded data images (in `order`), batch by batch."""
@@ -193,8 +202,14 @@ def evaluate(model_dir: str, reference: str | None = None, options: EvaluateOpti
     # -- FID reference -----------------------------------------------------------------------------
     fid = FID(options.fid, device, extractor=extractor)
     t0 = time.perf_counter()
-    ref = fid.reference(root, "data", reference_images(cfg, latents, order, ref_n, options.fid.batch_size, device),
-                        n=ref_n, fingerprint=data_fingerprint(data))
+    if features_are_fid_features(cfg, fid.key):
+        # prepare stored exactly these Inception features for clustering: no second pass over the data.
+        feats = data.load(["features"])["features"]
+        source: Callable[[], Any] = lambda: [feats[order[:ref_n]]]  # noqa: E731
+        ref = fid.reference_from_features(root, "data", source, n=ref_n, fingerprint=data_fingerprint(data))
+    else:
+        source = reference_images(cfg, latents, order, ref_n, options.fid.batch_size, device)
+        ref = fid.reference(root, "data", source, n=ref_n, fingerprint=data_fingerprint(data))
     timings: dict[str, float] = {"reference_s": time.perf_counter() - t0}
 
     # -- the fleet and its strategies ----------------------------------------------------------------
