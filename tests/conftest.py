@@ -29,6 +29,16 @@ def _seed():
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and a 2-core box shared with other processes contends badly
+    with two; use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def run_root(tmp_path):
     """An empty local run-root folder."""
     path = tmp_path / "run"

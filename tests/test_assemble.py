@@ -18,13 +18,7 @@ from flowfleet.stages.assemble import assemble
 from flowfleet.storage import RunRoot
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and leave the other core to the rest of the machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

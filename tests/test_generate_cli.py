@@ -6,20 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from PIL import Image
 
 from flowfleet.cli import main
 from flowfleet.sampling.synthetic import HashTextEncoder, tiny_run_config, write_random_fleet
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and leave the other core to the rest of the machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

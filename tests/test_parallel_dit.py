@@ -44,12 +44,7 @@ ROUTER = DiTConfig(input_size=(8, 8), in_channels=2, patch_size=2, hidden_size=3
                    num_outputs=K)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------------------------------

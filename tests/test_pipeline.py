@@ -17,13 +17,7 @@ from flowfleet.toy import GaussianMixture, cluster_posterior
 CLUSTERS = [[0, 1], [2, 3], [4, 5]]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and leave the other core to the rest of the machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,12 +26,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 CLI = [sys.executable, "-m", "flowfleet.cli"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_run(path, **kw) -> RunRoot:

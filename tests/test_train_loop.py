@@ -27,13 +27,7 @@ EXPERT0 = JobSpec("expert", 0)
 OPTIONS = TrainOptions(progress=False, heartbeat_every=0.2, tensorboard=False)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core box: one thread is ~10x faster than two under load."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_run(path, **kw) -> RunRoot:
