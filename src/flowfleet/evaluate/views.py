@@ -123,12 +123,12 @@ def router_accuracy_png(buckets: Sequence[Sequence[float]], accuracy: Sequence[f
 
 def disagreement_png(series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
                      title: str = "expert disagreement along the trajectory") -> bytes:
-    """series: name -> (t values, spread values). t runs 1 -> 0 during sampling; drawn left to right."""
+    """series: name -> (t values, spread values); t from 1 (noise) on the left to 0, the sampling order."""
     fig = _figure(5.5, 3.4)
     ax = fig.add_subplot(1, 1, 1)
     for name, (ts, spread) in series.items():
         ax.plot(ts, spread, marker="o", markersize=3, label=name)
-    ax.set(title=title, xlabel="t  (1 = noise, sampling runs right to left)",
+    ax.set(title=title, xlabel="t  (1 = noise; sampling runs left to right)",
            ylabel="relative spread of expert velocities")
     ax.set_xlim(1.0, 0.0)
     ax.grid(alpha=0.3)
