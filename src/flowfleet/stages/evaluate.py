@@ -159,139 +159,169 @@ def evaluate(model_dir: str, reference: str | None = None, options: EvaluateOpti
 
     extractor: any uint8 [B, C, H, W] -> [B, D] module with `num_features` to use instead of the
     Inception (torchmetrics' custom-extractor contract; tests use a cheap one)."""
-    from flowfleet.evaluate import diagnostics as diag
-    from flowfleet.sampling.index import read_model_index
     from flowfleet.sampling.pipeline import FleetPipeline
 
     t_start = time.perf_counter()
-    options.validate()
-    model_root = RunRoot(model_dir)
-    index = read_model_index(model_root)  # one-line error when DIR is not an assembled fleet
-    if reference is None:
-        reference = model_root.url.rstrip("/").rsplit("/", 1)[0] if "/" in model_root.url.rstrip("/") else "."
-    root, cfg, data = _open_reference(reference)
-    if tuple(index.latent_shape) != tuple(cfg.latent_shape):
-        raise FlowfleetError(f"{model_root.url}: latent shape {tuple(index.latent_shape)} differs from the reference "
-                             f"run's {tuple(cfg.latent_shape)} ({root.url_of('run.yaml')})")
-    for s in options.strategies:
-        try:
-            parse_strategy(s).resolve_k(len(index.present_experts))
-        except ValueError as err:
-            raise FlowfleetError(f"--strategies: {err}") from None
+    ev = _Evaluation.open(model_dir, reference, options, echo, extractor)  # every check before heavy work
+    pipe = FleetPipeline.from_pretrained(model_dir, device=ev.device)
+    models = [(s, "fleet", pipe) for s in options.strategies]
     if options.monolith:
-        from flowfleet.stages.assemble import job_finished
+        models.insert(0, (MONOLITH, "monolith", _monolith_pipeline(ev.root, pipe, ev.device)))
+    for name, kind, p in models:
+        ev.run_model(name, kind, p)
+    if options.diagnostics and root_has_clusters(ev.root):
+        t0 = time.perf_counter()
+        ev.diagnostics["router_accuracy"] = _router_accuracy(ev, pipe)
+        ev.timings["router_accuracy_s"] = time.perf_counter() - t0
+    ev.timings["total_s"] = time.perf_counter() - t_start
+    result = ev.result()
+    ev.root.write_json(result, REPORTS, EVALUATION_FILE)
+    return result
 
-        done, why, _ = job_finished(root, MONOLITH)
-        if not done:
-            raise FlowfleetError(f"--monolith: {why}")
-    device = _device(options.device)
 
-    # -- data: reference order, prompts ---------------------------------------------------------------
-    fields, captions = data.load(["latents", "labels", "index"], with_captions=True)
-    latents, labels = fields["latents"], fields["labels"]
-    count = latents.shape[0]
-    ref_n = min(count, 10_000) if options.ref_n is None else options.ref_n
-    if ref_n > count:
-        raise FlowfleetError(f"--ref-n: {ref_n} reference images requested, data/ holds {count}")
-    gen = torch.Generator().manual_seed(options.seed)
-    order = torch.randperm(count, generator=gen)
-    picks = torch.randint(0, count, (options.n,), generator=gen)  # the prompts' items (with replacement)
-    prompts = [captions[i] for i in picks.tolist()] if captions else []
-    cond_labels = labels[picks].tolist() if index.conditioning == "class" else None
+def root_has_clusters(root: RunRoot) -> bool:
+    return root.exists("clusters", "assignments.safetensors")
 
-    # -- FID reference -----------------------------------------------------------------------------
-    fid = FID(options.fid, device, extractor=extractor)
-    t0 = time.perf_counter()
-    if features_are_fid_features(cfg, fid.key):
-        # prepare stored exactly these Inception features for clustering: no second pass over the data.
-        feats = data.load(["features"])["features"]
-        source: Callable[[], Any] = lambda: [feats[order[:ref_n]]]  # noqa: E731
-        ref = fid.reference_from_features(root, "data", source, n=ref_n, fingerprint=data_fingerprint(data))
-    else:
-        source = reference_images(cfg, latents, order, ref_n, options.fid.batch_size, device)
-        ref = fid.reference(root, "data", source, n=ref_n, fingerprint=data_fingerprint(data))
-    timings: dict[str, float] = {"reference_s": time.perf_counter() - t0}
 
-    # -- the fleet and its strategies ----------------------------------------------------------------
-    pipe = FleetPipeline.from_pretrained(model_dir, device=device)
-    use_prompts = prompts if pipe.conditioning in ("pooled", "cross_attn") else None
-    semantic = _SemanticFeatures(root, cfg, fid.key, device) if options.diagnostics else None
-    runs: dict[str, ModelRun] = {}
-    alignment: dict[str, Any] = {}
-    disagreement: dict[str, Any] = {}
-    usage: dict[str, list[float]] = {}
-    adherence: dict[str, Any] = {}
-    pipes = [(s, "fleet", pipe) for s in options.strategies]
-    if options.monolith:
-        pipes.insert(0, (MONOLITH, "monolith", _monolith_pipeline(root, pipe, device)))
-    for name, kind, p in pipes:
+class _Evaluation:
+    """The shared inputs of one evaluation (data, prompts, FID reference) and what the models produced."""
+
+    def __init__(self, model_url: str, root: RunRoot, cfg: RunConfig, data: ShardSet, options: EvaluateOptions,
+                 device: torch.device, echo: Callable[[str], None], conditioning: str):
+        self.model_url, self.root, self.cfg, self.data, self.options = model_url, root, cfg, data, options
+        self.device, self.echo = device, echo
+        fields, captions = data.load(["latents", "labels", "index"], with_captions=True)
+        self.latents, self.index = fields["latents"], fields["index"]
+        count = self.latents.shape[0]
+        self.ref_n = min(count, 10_000) if options.ref_n is None else options.ref_n
+        if self.ref_n > count:
+            raise FlowfleetError(f"--ref-n: {self.ref_n} reference images requested, data/ holds {count}")
+        gen = torch.Generator().manual_seed(options.seed)
+        self.order = torch.randperm(count, generator=gen)  # the reference items come first
+        picks = torch.randint(0, count, (options.n,), generator=gen)  # the prompts' items (with replacement)
+        text = conditioning in ("pooled", "cross_attn")
+        self.prompts = [captions[i] for i in picks.tolist()] if text and captions else None
+        self.labels = fields["labels"][picks].tolist() if conditioning == "class" else None
+        self.fid: FID | None = None
+        self.ref: FeatureStats | None = None
+        self.semantic: _SemanticFeatures | None = None
+        self.runs: dict[str, ModelRun] = {}
+        self.settings: Any = None
+        self.adherence: dict[str, Any] = {}
+        self.diagnostics: dict[str, Any] = {"usage": {}, "alignment": {}, "disagreement": {}}
+        self.timings: dict[str, float] = {}
+
+    @classmethod
+    def open(cls, model_dir: str, reference: str | None, options: EvaluateOptions, echo: Callable[[str], None],
+             extractor: torch.nn.Module | None) -> "_Evaluation":
+        from flowfleet.sampling.index import read_model_index
+
+        options.validate()
+        model_root = RunRoot(model_dir)
+        index = read_model_index(model_root)  # one-line error when DIR is not an assembled fleet
+        if reference is None:
+            url = model_root.url.rstrip("/")
+            reference = url.rsplit("/", 1)[0] if "/" in url else "."
+        root, cfg, data = _open_reference(reference)
+        if tuple(index.latent_shape) != tuple(cfg.latent_shape):
+            raise FlowfleetError(f"{model_root.url}: latent shape {tuple(index.latent_shape)} differs from the "
+                                 f"reference run's {tuple(cfg.latent_shape)} ({root.url_of('run.yaml')})")
+        for s in options.strategies:
+            try:
+                parse_strategy(s).resolve_k(len(index.present_experts))
+            except ValueError as err:
+                raise FlowfleetError(f"--strategies: {err}") from None
+        if options.monolith:
+            from flowfleet.stages.assemble import job_finished
+
+            done, why, _ = job_finished(root, MONOLITH)
+            if not done:
+                raise FlowfleetError(f"--monolith: {why}")
+        ev = cls(model_root.url, root, cfg, data, options, _device(options.device), echo, index.conditioning)
+        ev._open_fid(extractor)
+        return ev
+
+    def _open_fid(self, extractor: torch.nn.Module | None) -> None:
+        """The feature network and the (cached) reference statistics of data/."""
+        fid = self.fid = FID(self.options.fid, self.device, extractor=extractor)
+        t0 = time.perf_counter()
+        fingerprint, ref_n, order = data_fingerprint(self.data), self.ref_n, self.order
+        if features_are_fid_features(self.cfg, fid.key):
+            # prepare stored exactly these Inception features for clustering: no second pass over the data.
+            feats = self.data.load(["features"])["features"]
+            self.ref = fid.reference_from_features(self.root, "data", lambda: [feats[order[:ref_n]]], n=ref_n,
+                                                   fingerprint=fingerprint)
+        else:
+            images = reference_images(self.cfg, self.latents, order, ref_n, self.options.fid.batch_size, self.device)
+            self.ref = fid.reference(self.root, "data", images, n=ref_n, fingerprint=fingerprint)
+        self.timings["reference_s"] = time.perf_counter() - t0
+        if self.options.diagnostics:
+            self.semantic = _SemanticFeatures(self.root, self.cfg, fid.key, self.device)
+
+    def run_model(self, name: str, kind: str, pipe) -> ModelRun:
+        """Sample options.n images from one model (a strategy of the fleet, or the monolith); FID, the
+        grid, routing heatmap, usage, adherence and diagnostics."""
+        from flowfleet.evaluate import diagnostics as diag
+        from flowfleet.evaluate.views import captioned_grid_png
+        from flowfleet.sampling.views import routing_heatmap
+
+        o, fid = self.options, self.fid
         strategy = "top1" if kind == "monolith" else name
-        settings = p.settings(strategy, options.steps, options.sampler, options.cfg, options.shift,
-                              options.route_every, options.seed)
-        echo(f"evaluate: {name}: sampling {options.n} images ({settings.steps} {settings.sampler} steps, "
-             f"cfg {settings.cfg})")
+        settings = self.settings = pipe.settings(strategy, o.steps, o.sampler, o.cfg, o.shift, o.route_every, o.seed)
+        self.echo(f"evaluate: {name}: sampling {o.n} images ({settings.steps} {settings.sampler} steps, "
+                  f"cfg {settings.cfg})")
         run = ModelRun(name, kind)
         t0 = time.perf_counter()
-        out = p(use_prompts, options.n, labels=cond_labels, strategy=strategy, steps=settings.steps,
-                sampler=settings.sampler, cfg=settings.cfg, shift=settings.shift, route_every=settings.route_every,
-                seed=options.seed, batch_size=options.batch_size, progress=True)
+        out = pipe(self.prompts, o.n, labels=self.labels, strategy=strategy, steps=settings.steps,
+                   sampler=settings.sampler, cfg=settings.cfg, shift=settings.shift, route_every=settings.route_every,
+                   seed=o.seed, batch_size=o.batch_size, progress=True)
         run.sampling_s = time.perf_counter() - t0
         images = out.images.float().cpu()  # [n, C, H, W] in [-1, 1]
 
         t0 = time.perf_counter()
         stats, feats = _features(fid, images, name)
-        run.fid = fid.score(stats, ref)
+        run.fid = fid.score(stats, self.ref)
         run.fid_s = time.perf_counter() - t0
-        echo(f"evaluate: {name}: FID {run.fid:.2f}")
+        self.echo(f"evaluate: {name}: FID {run.fid:.2f}")
 
-        from flowfleet.evaluate.views import captioned_grid_png
-        from flowfleet.sampling.views import routing_heatmap
-
-        shown = min(options.grid, options.n)
-        run.prompts = list(out.prompts[:shown])
-        run.grid = f"{SAMPLES}/{name}.png"
-        root.write_bytes(captioned_grid_png(images[:shown], run.prompts, title=f"{name}  FID {run.fid:.2f}"),
-                         REPORTS, run.grid)
+        shown = min(o.grid, o.n)
+        run.prompts, run.grid = list(out.prompts[:shown]), f"{SAMPLES}/{name}.png"
+        title = f"{name}  FID {run.fid:.2f}"
+        self.root.write_bytes(captioned_grid_png(images[:shown], run.prompts, title=title), REPORTS, run.grid)
         if kind == "fleet":
             run.heatmap = f"{SAMPLES}/{name}.routing.png"
-            root.write_bytes(routing_heatmap(out.trace), REPORTS, run.heatmap)
-            run.usage = diag.usage_shares(out.trace)
-            usage[name] = run.usage
-        if cfg.data.source == "shapes" and images.shape[1] == 3 and use_prompts:
+            self.root.write_bytes(routing_heatmap(out.trace), REPORTS, run.heatmap)
+            run.usage = self.diagnostics["usage"][name] = diag.usage_shares(out.trace)
+        if self.cfg.data.source == "shapes" and images.shape[1] == 3 and self.prompts:
             from flowfleet.evaluate.adherence import prompt_adherence
 
-            adherence[name] = prompt_adherence(images, out.prompts)
-        if options.diagnostics and kind == "fleet" and semantic is not None and semantic.available:
+            self.adherence[name] = prompt_adherence(images, out.prompts)
+        if kind == "fleet" and self.semantic is not None and self.semantic.available:
             t0 = time.perf_counter()
-            sem = feats if semantic.same_as_fid else semantic.encode(images[: min(options.n, 256)])
+            sem = feats if self.semantic.same_as_fid else self.semantic.encode(images[: min(o.n, 256)])
             dominant = diag.dominant_experts(out.trace)[: sem.shape[0]]
-            alignment[name] = semantic.alignment(sem, dominant)
-            disagreement[name] = _disagreement(p, use_prompts, cond_labels, settings, options)
-            timings[f"{name}_diagnostics_s"] = time.perf_counter() - t0
-        runs[name] = run
-        timings[f"{name}_sampling_s"] = run.sampling_s
-        timings[f"{name}_fid_s"] = run.fid_s
+            self.diagnostics["alignment"][name] = self.semantic.alignment(sem, dominant)
+            self.diagnostics["disagreement"][name] = _disagreement(pipe, self.prompts, self.labels, settings, o)
+            self.timings[f"{name}_diagnostics_s"] = time.perf_counter() - t0
+        self.timings[f"{name}_sampling_s"] = run.sampling_s
+        self.timings[f"{name}_fid_s"] = run.fid_s
+        self.runs[name] = run
+        return run
 
-    diagnostics: dict[str, Any] = {"usage": usage, "alignment": alignment, "disagreement": disagreement}
-    if options.diagnostics and pipe.router is not None and root.exists("clusters", "assignments.safetensors"):
-        t0 = time.perf_counter()
-        diagnostics["router_accuracy"] = _router_accuracy(root, pipe, latents, fields["index"], order, options,
-                                                          index.num_experts, device)
-        timings["router_accuracy_s"] = time.perf_counter() - t0
-    timings["total_s"] = time.perf_counter() - t_start
-
-    result = {
-        "model": model_root.url, "reference": root.url, "created": time.time(), "n": options.n, "seed": options.seed,
-        "sampling": {k: v for k, v in settings.to_json().items() if k not in ("strategy", "k")},
-        "fid": {**fid_metadata(options.fid, fid.key, ref_n, options.n),
-                "scores": {name: r.fid for name, r in runs.items()}},
-        "runs": {name: r.to_json() for name, r in runs.items()},
-        "adherence": adherence or None,
-        "diagnostics": diagnostics,
-        "timings": timings,
-    }
-    root.write_json(result, REPORTS, EVALUATION_FILE)
-    return result
+    def result(self) -> dict[str, Any]:
+        """evaluation.json (docs/contracts.md, "Evaluation outputs")."""
+        o = self.options
+        sampling = {k: v for k, v in self.settings.to_json().items() if k not in ("strategy", "k")}
+        return {
+            "model": self.model_url, "reference": self.root.url, "created": time.time(), "n": o.n, "seed": o.seed,
+            "sampling": sampling,
+            "fid": {**fid_metadata(o.fid, self.fid.key, self.ref_n, o.n),
+                    "scores": {name: r.fid for name, r in self.runs.items()}},
+            "runs": {name: r.to_json() for name, r in self.runs.items()},
+            "adherence": self.adherence or None,
+            "diagnostics": self.diagnostics,
+            "timings": self.timings,
+        }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -374,19 +404,20 @@ def _disagreement(pipe, prompts, labels, settings, options: EvaluateOptions) -> 
     return probe.to_json()
 
 
-def _router_accuracy(root: RunRoot, pipe, latents: torch.Tensor, index: torch.Tensor, order: torch.Tensor,
-                     options: EvaluateOptions, k: int, device: torch.device) -> dict[str, Any]:
+def _router_accuracy(ev: _Evaluation, pipe) -> dict[str, Any]:
     """The fleet's router against the clusters of (up to 512 of) the data items."""
     import safetensors.torch
 
     from flowfleet.evaluate.diagnostics import router_accuracy
 
-    assign = safetensors.torch.load(root.read_bytes("clusters", "assignments.safetensors"))["assign"]
-    pick = order[: min(512, order.numel())]
-    clusters = assign[index[pick]]
-    rep = router_accuracy(pipe.router, latents[pick], clusters, k, seed=options.seed, device=device)
+    assign = safetensors.torch.load(ev.root.read_bytes("clusters", "assignments.safetensors"))["assign"]
+    pick = ev.order[: min(512, ev.order.numel())]
+    clusters = assign[ev.index[pick]]
+    rep = router_accuracy(pipe.router, ev.latents[pick], clusters, pipe.num_experts, seed=ev.options.seed,
+                          device=ev.device)
     rep["note"] = "the assembled router on a seeded random subset of data/, fresh noise, t uniform per bucket"
     return rep
+
 
 
 def print_table(result: dict[str, Any]) -> None:
