@@ -174,12 +174,12 @@ def test_report_escapes_text_from_the_run_root(tmp_path):
 
 
 def test_sample_grid_moves_the_shared_prompt_words_to_the_title():
-    from flowfleet.evaluate.views import _strip_common_prefix
+    from flowfleet.evaluate.views import strip_common_prefix
 
-    rest, shared = _strip_common_prefix(["a handwritten digit seven", "a handwritten digit one"])
+    rest, shared = strip_common_prefix(["a handwritten digit seven", "a handwritten digit one"])
     assert (rest, shared) == (["seven", "one"], "a handwritten digit")
-    assert _strip_common_prefix(["a small red star", "a small"]) == (["small red star", "small"], "a")
-    assert _strip_common_prefix(["x y", "z y"]) == (["x y", "z y"], "")
-    assert _strip_common_prefix(["only one caption"]) == (["only one caption"], "")
+    assert strip_common_prefix(["a small red star", "a small"]) == (["small red star", "small"], "a")
+    assert strip_common_prefix(["x y", "z y"]) == (["x y", "z y"], "")
+    assert strip_common_prefix(["only one caption"]) == (["only one caption"], "")
     png = captioned_grid_png(torch.zeros(3, 3, 8, 8), ["a digit one", "a digit two", "a digit three"], cols=3)
     assert Image.open(io.BytesIO(png)).size[0] == 3 * (64 + 4) + 4  # 8-px cells upscaled to 64

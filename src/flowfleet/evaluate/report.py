@@ -243,8 +243,10 @@ class ReportBuilder:
         for name in self.root.ls(REPORTS, "showcase"):  # `flowfleet demo`: fixed prompts, one grid per strategy
             if name.endswith(".png") and not name.endswith(".routing.png"):
                 routing = _json(self.root, REPORTS, "showcase", name[:-4] + ".routing.json") or {}
-                prompts = sorted(set(routing.get("prompts") or []))
-                img = self._file_image(f"{name[:-4]} (generate): " + "; ".join(prompts), REPORTS, "showcase", name)
+                rest, shared = views.strip_common_prefix(list(dict.fromkeys(routing.get("prompts") or [])))
+                prompts = f"{shared}: {', '.join(rest)}" if shared else "; ".join(rest)
+                img = self._file_image(f"{name[:-4]} (generate, prompts cycled row by row): {prompts}",
+                                       REPORTS, "showcase", name)
                 if img:
                     s.images.append(img)
         if self._needs_evaluation(s):

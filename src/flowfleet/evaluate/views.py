@@ -41,7 +41,7 @@ def captioned_grid_png(images: torch.Tensor, captions: Sequence[str], cols: int 
     from PIL import Image, ImageDraw
 
     n = images.shape[0]
-    captions, shared = _strip_common_prefix(list(captions[:n]))
+    captions, shared = strip_common_prefix(list(captions[:n]))
     if shared:  # "a handwritten digit" under every cell would hide the word that differs
         title = f"{title}   prompts: \"{shared} ...\"" if title else f"prompts: \"{shared} ...\""
     cols = max(1, min(cols, n))
@@ -70,7 +70,7 @@ def captioned_grid_png(images: torch.Tensor, captions: Sequence[str], cols: int 
     return buf.getvalue()
 
 
-def _strip_common_prefix(captions: list[str]) -> tuple[list[str], str]:
+def strip_common_prefix(captions: list[str]) -> tuple[list[str], str]:
     """Drop the words every caption starts with: (the rest of each caption, the shared words)."""
     if len(captions) < 2 or not all(captions):
         return captions, ""
