@@ -179,3 +179,36 @@ def test_cli_evaluate_and_report_errors_are_one_line(fleet, tmp_path, capsys):
     assert "nothing to evaluate" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "nowhere")]) == 1
     assert "no such run root" in capsys.readouterr().err
+
+
+def test_evaluate_measures_prompt_adherence_for_the_shapes_source(tmp_path):
+    from flowfleet.sampling.synthetic import write_random_fleet
+    from flowfleet.stages.assemble import assemble
+    from flowfleet.stages.evaluate import evaluate
+    from flowfleet.train.synthetic import synthetic_config, write_synthetic_run
+
+    raw = synthetic_config(k=2, size=8, channels=3).to_dict()
+    raw["data"]["source"] = "shapes"
+    cfg = RunConfig.from_dict(raw)
+    root = RunRoot(str(tmp_path / "shapes"))
+    write_synthetic_run(root, cfg, per_cluster=8)
+    # Rewrite data/ with shapes prompts as captions (the fleet is random: it will not follow them).
+    from flowfleet.data.shards import ShardSet, ShardSetManifest
+
+    fields, _ = ShardSet(root, "data").load(with_captions=True)
+    captions = [draw_shape(0, i, 8)[1] for i in range(len(fields["index"]))]
+    captions[0] = "not a shapes prompt"
+    root.remove("data", recursive=True)
+    data, manifest = ShardSet(root, "data"), ShardSetManifest()
+    data.append(manifest, fields, captions)
+    manifest.complete = True
+    data.write_manifest(manifest)
+    write_random_fleet(root.url, cfg)
+    assemble(root.url)
+    result = evaluate(root.url_of("model"), root.url, options(strategies=("top1",), monolith=False, diagnostics=False,
+                                                              ref_n=16, n=24), echo=lambda _: None,
+                      extractor=SmallFeatures())
+    adh = result["adherence"]["top1"]
+    assert adh["n"] + adh["unparsed"] == 24 and adh["n"] >= 20
+    assert 0.0 <= adh["both"] <= adh["colour"] <= 1.0 and adh["both"] <= adh["shape"]
+    assert adh["both"] < 0.5  # random weights draw no coloured shapes
