@@ -129,6 +129,16 @@ def inception75():
     return Default1Inception(resize=75)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: on a 2-core machine shared with other jobs, two OpenMP threads spin-wait for
+    each other and these small Inception batches run several times slower in wall time."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_default_1_wrapper_preprocesses_like_the_fid_network(inception75):
     """uint8 -> 3 channels -> bilinear 299 -> u8/128 - 1 -> the TorchScript module's own forward."""
     net = Default1Inception()  # 299, the standard input
@@ -157,11 +167,16 @@ def test_fid_of_data_halves_is_small_and_of_noise_large(inception75):
     MNIST-5k are far closer than MNIST and uniform noise (32 images a set; the small-sample bias of
     FID in 2048-d keeps the halves' value in the hundreds: measured 342 vs 823)."""
     fid = FID(FIDSettings(resize=75, batch_size=32), extractor=inception75)
-    a = fid.statistics([mnist_images(32)])
-    b = fid.statistics([mnist_images(32, offset=48)])
+    xa, xb = mnist_images(32), mnist_images(32, offset=48)
+    a, b = fid.statistics([xa]), fid.statistics([xb])
     noise = fid.statistics([torch.rand(32, 1, 28, 28, generator=torch.Generator().manual_seed(0)) * 2 - 1])
     halves, vs_noise = fid.score(b, a), fid.score(noise, a)
     assert 0 < halves < 0.5 * vs_noise, (halves, vs_noise)
+    # ... and the value is torchmetrics' own FID with the same Inception on the same images.
+    metric = FrechetInceptionDistance(feature=inception75)
+    metric.update(to_uint8(xa), real=True)
+    metric.update(to_uint8(xb), real=False)
+    assert halves == pytest.approx(float(metric.compute()), rel=1e-4)
 
 
 @pytest.mark.slow
