@@ -86,6 +86,17 @@ def test_faiss_and_torch_agree_and_fine_k_is_capped():
     assert nmi(a.assign, b.assign) == pytest.approx(1.0) and nmi(labels, a.assign) == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("backend", ["faiss", "torch"])
+def test_weighted_kmeans_centroid_is_the_weighted_mean(backend):
+    x = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [10.0, 10.0], [11.0, 10.0]])
+    w = torch.tensor([1.0, 1.0, 2.0, 3.0, 1.0])
+    res = km.kmeans(x, 2, weights=w, iters=10, restarts=3, backend=backend)
+    order = res.centroids[:, 0].argsort()
+    torch.testing.assert_close(res.centroids[order], torch.tensor([[0.25, 0.5], [10.25, 10.0]]), atol=1e-5, rtol=0)
+    assert res.inertia == pytest.approx(1 * (0.25**2 + 0.5**2) + 1 * (0.75**2 + 0.5**2) + 2 * (0.25**2 + 0.5**2)
+                                        + 3 * 0.25**2 + 1 * 0.75**2, rel=1e-4)
+
+
 def test_assign_nearest_backends_agree():
     x, _ = blobs([50, 50, 50], dim=8, spread=0.3)
     c = x[:7]
