@@ -126,7 +126,8 @@ def bench_prepare(preset_name: str, tmp: str, semantic_size: int | None) -> dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="pixels,minilm,clip-l14-text,inception-299,inception-128,dinov2-l14,sd-vae-ft-mse",
+    p.add_argument("--only", default="pixels,minilm,clip-l14-text,inception-299,inception-128,inception-96,dinov2-l14,"
+                   "sd-vae-ft-mse",
                    help="comma-separated encoders ('none' for the prepare run only)")
     p.add_argument("--n", type=int, default=64, help="items per encoder (after the warm-up batch)")
     p.add_argument("--batch", type=int, default=16)
