@@ -121,7 +121,27 @@ def _open(out: str, plan: DemoPlan) -> RunRoot:
 
 def demo(out: str = "runs/demo", *, quick: bool = False, size: DemoSize | None = None,
          echo: Callable[[str], None] = print, progress: bool = True) -> DemoResult:
-    """Run (or resume) the demo in `out`; returns where the report is. `size` overrides `quick`."""
+    """Run (or resume) the demo in `out`; returns where the report is. `size` overrides `quick`.
+
+    The stages that run in this process (prepare, evaluate, ...) use one torch thread unless
+    OMP_NUM_THREADS says otherwise, like train-all's jobs: on a 2-core machine that is busy with
+    anything else, two OpenMP threads spin-wait for each other and ran prepare + evaluate 4x slower
+    in wall time (BENCHMARKS.md); on an idle one, one thread costs little next to training.
+    """
+    import os
+
+    import torch
+
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    try:
+        return _demo(out, size or ("quick" if quick else "full"), echo, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool) -> DemoResult:
     from flowfleet.evaluate.report import REPORTS, TIMINGS_FILE, write_report
     from flowfleet.stages.assemble import assemble
     from flowfleet.stages.cluster import cluster
@@ -130,7 +150,7 @@ def demo(out: str = "runs/demo", *, quick: bool = False, size: DemoSize | None =
     from flowfleet.stages.prepare import prepare
     from flowfleet.stages.train import train_all
 
-    plan = demo_plan(size or ("quick" if quick else "full"))
+    plan = demo_plan(size)
     root = _open(out, plan)
     url = root.url
     timings: dict[str, float] = {}
