@@ -150,6 +150,10 @@ def main() -> None:
     if args.n < 1000:
         print("note: --n below 1000 is below what the Table-2 figures in BENCHMARKS.md use", file=sys.stderr)
 
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:  # as `flowfleet demo`: one thread per process on a shared box
+        torch.set_num_threads(1)
     root, cfg, model, timings = build(args)
     flops = flops_table(cfg)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
