@@ -209,8 +209,9 @@ class FID:
                   fingerprint: str = "", are_features: bool = False) -> FeatureStats:
         """Statistics of n reference images, read from RUN_ROOT/reports/ when a matching cache exists.
 
-        `images()` yields float batches in [-1, 1] totalling n; it is only called on a cache miss.
-        `fingerprint` identifies the data (a changed dataset must not reuse old statistics).
+        `images()` yields float batches in [-1, 1] totalling n (with are_features: feature batches
+        [B, D] of this extractor); it is only called on a cache miss. `fingerprint` identifies the data
+        (a changed dataset must not reuse old statistics).
         """
         path = (REPORTS, self.reference_file(name, n))
         meta = {"extractor": self.key, "name": name, "n": str(n), "fingerprint": fingerprint}
