@@ -84,3 +84,31 @@ def test_s3_round_trip_of_files_and_models(s3_url, tmp_path):
         assert torch.equal(model(x, t), loaded(x, t))
     local = root.get_dir(tmp_path / "copy", "experts", "0")
     assert sorted(p.name for p in (local / "final").iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
+
+
+def test_storage_block_of_run_yaml_applies_to_every_write(s3_url, s3_endpoint):
+    """run.yaml's `storage` block (endpoint_url, options) wins over the machine's AWS environment, for
+    the run root and for its model/ folder; explicit storage_options win over both."""
+    import boto3
+
+    machine = RunRoot(f"{s3_url}/run")  # reads and writes through AWS_ENDPOINT_URL (127.0.0.1)
+    assert machine.storage_options == {"endpoint_url": s3_endpoint}
+    same_server = s3_endpoint.replace("127.0.0.1", "localhost")
+    machine.write_yaml({"name": "run", "storage": {
+        "endpoint_url": same_server,
+        "options": {"s3_additional_kwargs": {"ServerSideEncryption": "AES256"}}}}, "run.yaml")
+
+    for root in (RunRoot(f"{s3_url}/run"), RunRoot(f"{s3_url}/run/model")):
+        assert root.storage_options["endpoint_url"] == same_server
+        assert root.fs.endpoint_url == same_server
+        root.write_json({"k": 1}, "written.json")
+        key = root.path("written.json").split("/", 1)[1]
+        head = boto3.client("s3", endpoint_url=s3_endpoint).head_object(Bucket=s3_url[5:], Key=key)
+        assert head.get("ServerSideEncryption") == "AES256"
+
+    explicit = RunRoot(f"{s3_url}/run", storage_options={"endpoint_url": s3_endpoint})
+    assert explicit.storage_options == {"endpoint_url": s3_endpoint}
+    explicit.write_json({"k": 2}, "plain.json")
+    key = explicit.path("plain.json").split("/", 1)[1]
+    head = boto3.client("s3", endpoint_url=s3_endpoint).head_object(Bucket=s3_url[5:], Key=key)
+    assert head.get("ServerSideEncryption") is None

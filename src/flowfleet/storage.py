@@ -40,19 +40,65 @@ def with_retries(fn: Callable[[], T], *, what: str, attempts: int = 5, base_dela
     raise AssertionError("unreachable")
 
 
+def _machine_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` plus what this machine's environment adds: AWS_ENDPOINT_URL for s3:// (passed on
+    explicitly: older botocore releases do not read that variable themselves)."""
+    options = dict(options)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    if url.startswith("s3://") and endpoint and "endpoint_url" not in options:
+        options["endpoint_url"] = endpoint
+    return options
+
+
 class RunRoot:
-    """A folder-like view of a run root. Paths given to methods are relative to the root."""
+    """A folder-like view of a run root. Paths given to methods are relative to the root.
+
+    Storage options, highest precedence first: `storage_options` given here; the `storage` block of
+    the run's run.yaml (`endpoint_url`, `options`: any keyword of the fsspec filesystem, e.g. s3fs's
+    `client_kwargs` or `s3_additional_kwargs`); the machine's own settings (the standard AWS
+    environment including AWS_ENDPOINT_URL, or fsspec's config files). run.yaml itself is read with
+    the machine's settings, so the block can carry a run's shared options but not the only way in.
+    A remote root looks for run.yaml in itself and in its parent (a run's `model/` folder).
+    """
 
     def __init__(self, url: str | os.PathLike, storage_options: dict[str, Any] | None = None):
         url = str(url)
-        options = dict(storage_options or {})
-        endpoint = os.environ.get("AWS_ENDPOINT_URL")
-        if url.startswith("s3://") and endpoint and "endpoint_url" not in options:
-            options["endpoint_url"] = endpoint
-        self.fs, path = fsspec.core.url_to_fs(url, **options)
         self.url = url
+        self._connect(_machine_options(url, storage_options or {}))
+        if storage_options is None and not self.is_local:
+            block = self._run_storage_block()
+            if block:
+                self._connect(_machine_options(url, block))
+
+    def _connect(self, options: dict[str, Any]) -> None:
+        self.storage_options = options
+        self.fs, path = fsspec.core.url_to_fs(self.url, **options)
         self.root = path.rstrip("/") if path != "/" else path
         self.is_local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+
+    def _run_storage_block(self) -> dict[str, Any]:
+        """Options from the `storage` block of run.yaml here or one folder up; {} if none.
+
+        Only the two documented keys are taken; a malformed block is left to load_run_config,
+        which names the bad key when the stage reads its configuration.
+        """
+        for folder in (self.root, posixpath.dirname(self.root)):
+            candidate = posixpath.join(folder, "run.yaml")
+            if not with_retries(lambda c=candidate: self.fs.exists(c), what=f"exists {candidate}"):
+                continue
+            try:
+                raw = yaml.safe_load(io.BytesIO(with_retries(lambda c=candidate: self.fs.cat_file(c),
+                                                             what=f"read {candidate}")))
+            except yaml.YAMLError:
+                return {}
+            block = raw.get("storage") if isinstance(raw, dict) else None
+            if not isinstance(block, dict):
+                return {}
+            options = dict(block.get("options") or {}) if isinstance(block.get("options") or {}, dict) else {}
+            if block.get("endpoint_url"):
+                options["endpoint_url"] = block["endpoint_url"]
+            return options
+        return {}
 
     def __repr__(self) -> str:
         return f"RunRoot({self.url!r})"
