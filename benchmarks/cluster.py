@@ -116,6 +116,7 @@ def main() -> None:
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text + "\n")
 
