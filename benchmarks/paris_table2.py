@@ -17,6 +17,10 @@ training FLOPs.
    with 2x the sampling steps: which of these moves top-2 relative to the monolith.
 
 Prints a markdown table (mean +- sample std over the seeds) and writes OUT/reports/table2.json.
+
+--run RUN_ROOT skips 1-2 and measures a run that is already trained and assembled, e.g. the one
+`flowfleet demo` leaves (its monolith is compute-matched too): the table for your own run. The run
+root is copied to --out first (a local folder), so its own reports/ are left as they were.
 """
 
 from __future__ import annotations
@@ -98,6 +102,24 @@ def build(args: argparse.Namespace):
     return root, cfg, model, timings
 
 
+def existing(args: argparse.Namespace):
+    """An already trained + assembled run root (--run): its config, model folder and recorded timings."""
+    import shutil
+
+    from flowfleet.config import load_run_config
+    from flowfleet.storage import RunRoot
+
+    if not os.path.exists(args.out):
+        shutil.copytree(args.run, args.out)
+    root = RunRoot(args.out)
+    cfg = load_run_config(root)
+    if not cfg.monolith.enabled or not cfg.monolith.match_compute:
+        sys.exit(f"{root.url_of('run.yaml')}: monolith.enabled and monolith.match_compute must be true for Table 2")
+    if not root.exists("model", "model_index.json"):
+        sys.exit(f"{root.url_of('model')}: not assembled; run `flowfleet assemble {root.url}` first")
+    return root, cfg, root.url_of("model"), {}
+
+
 def evaluate_seed(args, root, model: str, seed: int, **kw: Any) -> dict[str, Any]:
     from flowfleet.evaluate.fid import FIDSettings
     from flowfleet.stages.evaluate import EvaluateOptions, evaluate
@@ -133,6 +155,8 @@ def markdown(summary: dict[str, tuple[float, float]], per_seed: list[dict[str, A
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/table2")
+    p.add_argument("--run", default=None, metavar="RUN_ROOT",
+                   help="copy this trained, assembled local run root to --out and evaluate it (e.g. runs/demo)")
     p.add_argument("--steps", type=int, default=1500, help="steps per expert (monolith: K x)")
     p.add_argument("--router-steps", type=int, default=600)
     p.add_argument("--sampling-steps", type=int, default=20)
@@ -154,7 +178,8 @@ def main() -> None:
 
     if "OMP_NUM_THREADS" not in os.environ:  # as `flowfleet demo`: one thread per process on a shared box
         torch.set_num_threads(1)
-    root, cfg, model, timings = build(args)
+    root, cfg, model, timings = existing(args) if args.run else build(args)
+    args.sampling_steps = cfg.sampling.steps
     flops = flops_table(cfg)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     per_seed = []

@@ -146,6 +146,7 @@ def main() -> None:
             results["prepare"] = bench_prepare(args.prepare, tmp, args.semantic_size)
             print(json.dumps(results["prepare"]), flush=True)
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
 
