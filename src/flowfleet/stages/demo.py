@@ -6,8 +6,9 @@
 The configuration is the `mnist` preset (pixel space 32 x 32, Inception features for clustering, MiniLM
 captions "a handwritten digit seven") with step counts sized for a 2-core CPU:
 
-    default   all 5000 digits, experts tiny/4 (depth 4, hidden 128), 400 expert steps (monolith 1600),
-              evaluation on 300 samples per model against all 5000 digits (target: <= 30 min)
+    default   all 5000 digits, experts tiny/4 (depth 4, hidden 128), 300 expert steps (monolith 1200),
+              router 200 steps, evaluation on 250 samples per model against all 5000 digits
+              (target: <= 30 min; 400 / 1600 / 300 steps and 300 samples took 34 min, BENCHMARKS.md)
     --quick   800 digits, experts depth 2 / hidden 64, 200 expert steps (monolith 800), 100 samples
               per model
                                                                           (target: <= 5 min)
@@ -15,7 +16,7 @@ captions "a handwritten digit seven") with step counts sized for a 2-core CPU:
 Two deliberate departures from the full-size recipe, both for CPU time and both named in the report:
 the Inception runs on 75 x 75 inputs (MNIST's 28-pixel digits gain no detail at 299, and 299 costs
 ~16x more), for clustering features and FID alike, so FIDs are comparable within the demo only; and
-evaluate draws 300 (quick: 100) samples per model, so the FIDs carry the small-sample bias of FID in
+evaluate draws 250 (quick: 100) samples per model, so the FIDs carry the small-sample bias of FID in
 2048 dimensions. `benchmarks/paris_table2.py` is the measurement at >= 1000 samples.
 Because prepare's clustering features are then exactly the FID features, the reference statistics
 come from data/ without a second Inception pass.
@@ -83,9 +84,9 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
         raw["sampling"]["steps"] = 10
         evaluation = EvaluateOptions(n=100, ref_n=300, batch_size=100, fid=fid, grid=20, diagnostic_n=8)
     else:
-        _steps(raw, "train", 400)
-        _steps(raw, "router_train", 300)
-        evaluation = EvaluateOptions(n=300, ref_n=None, batch_size=150, fid=fid, grid=40, diagnostic_n=16)
+        _steps(raw, "train", 300)
+        _steps(raw, "router_train", 200)
+        evaluation = EvaluateOptions(n=250, ref_n=None, batch_size=125, fid=fid, grid=40, diagnostic_n=16)
     evaluation = replace(evaluation, strategies=STRATEGIES, monolith=True)
     return DemoPlan(RunConfig.from_dict(raw, where="demo configuration"), evaluation,
                     showcase_n=10 if size == "smoke" else 20)
