@@ -314,8 +314,11 @@ class FleetPipeline:
     # -- sampling ----------------------------------------------------------------------------------------
 
     def sample(self, noise: torch.Tensor, cond: Condition, settings: SamplingSettings,
-               velocity_fn: VelocityFn | None = None, progress: bool = False) -> tuple[torch.Tensor, RoutingTrace]:
-        """Integrate from noise x_1 to x_0 with the routed velocity (or the given velocity_fn)."""
+               velocity_fn: VelocityFn | None = None,
+               progress: bool | str = False) -> tuple[torch.Tensor, RoutingTrace]:
+        """Integrate from noise x_1 to x_0 with the routed velocity (or the given velocity_fn).
+
+        progress: True shows a bar named after the strategy; a string names the bar itself."""
         trace = RoutingTrace(self.num_experts)
         if velocity_fn is None and self.parallel is not None:
             velocity_fn = self.parallel.velocity_fn(self, cond, settings, trace)
@@ -325,7 +328,8 @@ class FleetPipeline:
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=settings.steps, desc=f"sampling ({settings.strategy.name})", unit="step", leave=False)
+            label = progress if isinstance(progress, str) else settings.strategy.name
+            bar = tqdm(total=settings.steps, desc=f"sampling ({label})", unit="step", leave=False)
         try:
             with torch.inference_mode():
                 x0 = integrate(vf, noise, grid, settings.sampler,  # type: ignore[arg-type]
@@ -343,7 +347,7 @@ class FleetPipeline:
     def __call__(self, prompts: Sequence[str] | None = None, n: int = 16, *, labels: Sequence[int] | None = None,
                  strategy: str | None = None, steps: int | None = None, sampler: str | None = None,
                  cfg: float | None = None, shift: float | None = None, route_every: int | None = None,
-                 seed: int = 0, batch_size: int | None = None, progress: bool = False) -> FleetOutput:
+                 seed: int = 0, batch_size: int | None = None, progress: bool | str = False) -> FleetOutput:
         """Generate n samples. Noise for all n comes from one seeded generator, so the batch size does
         not change the images."""
         if n < 1:

@@ -274,7 +274,7 @@ class _Evaluation:
         t0 = time.perf_counter()
         out = pipe(self.prompts, o.n, labels=self.labels, strategy=strategy, steps=settings.steps,
                    sampler=settings.sampler, cfg=settings.cfg, shift=settings.shift, route_every=settings.route_every,
-                   seed=o.seed, batch_size=o.batch_size, progress=True)
+                   seed=o.seed, batch_size=o.batch_size, progress=name)
         run.sampling_s = time.perf_counter() - t0
         images = out.images.float().cpu()  # [n, C, H, W] in [-1, 1]
 
