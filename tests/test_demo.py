@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from flowfleet.cli import main
 from flowfleet.errors import FlowfleetError
@@ -15,13 +14,7 @@ from flowfleet.stages.demo import demo, demo_plan
 from flowfleet.storage import RunRoot
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread in this process (see test_fid.py): small models on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small models on a shared 2-core box
 
 
 def check_run(path, *, strategies=("top1", "top2", "full")) -> dict:

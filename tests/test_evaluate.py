@@ -18,13 +18,7 @@ from flowfleet.evaluate.inception import to_rgb
 from flowfleet.evaluate.report import SECTIONS, write_report
 from flowfleet.storage import RunRoot
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread in this process (see test_fid.py): small models on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small models on a shared 2-core box
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,6 +17,9 @@ from flowfleet.evaluate.inception import Default1Inception, build_extractor, to_
 from flowfleet.storage import RunRoot
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small models on a shared 2-core box
+
+
 class SmallFeatures(nn.Module):
     """A cheap fixed feature network with torchmetrics' custom-extractor contract (uint8 in)."""
 
@@ -127,16 +130,6 @@ def test_settings_and_extractor_errors_are_one_line():
 @pytest.fixture(scope="module")
 def inception75():
     return Default1Inception(resize=75)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on a 2-core machine shared with other jobs, two OpenMP threads spin-wait for
-    each other and these small Inception batches run several times slower in wall time."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_default_1_wrapper_preprocesses_like_the_fid_network(inception75):
