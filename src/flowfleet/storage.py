@@ -94,7 +94,8 @@ class RunRoot:
             block = raw.get("storage") if isinstance(raw, dict) else None
             if not isinstance(block, dict):
                 return {}
-            options = dict(block.get("options") or {}) if isinstance(block.get("options") or {}, dict) else {}
+            options = block.get("options") or {}
+            options = dict(options) if isinstance(options, dict) else {}
             if block.get("endpoint_url"):
                 options["endpoint_url"] = block["endpoint_url"]
             return options
