@@ -78,3 +78,27 @@ def s3_url(s3_endpoint, monkeypatch, request):
     fs.mkdir(bucket)
     yield f"s3://{bucket}"
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="session")
+def digit_classifier(tmp_path_factory):
+    """The MNIST digit classifier of flowfleet.evaluate.digits, trained once per session (~40 s on two
+    cores) in a session run root. Returns that RunRoot; `install_digit_classifier(src, run_root_path)`
+    copies its files into another run root so evaluate there finds it cached."""
+    from flowfleet.evaluate.digits import DigitJudge
+    from flowfleet.storage import RunRoot
+
+    root = RunRoot(str(tmp_path_factory.mktemp("digits")))
+    DigitJudge.load_or_train(root, progress=False)
+    return root
+
+
+def install_digit_classifier(src, dest) -> None:
+    """Copy a trained digit classifier (src: RunRoot) into the run root folder `dest` (a path)."""
+    import shutil
+    from pathlib import Path
+
+    from flowfleet.evaluate.digits import FOLDER
+
+    target = Path(dest, *FOLDER)
+    shutil.copytree(Path(src.url_of(*FOLDER)), target, dirs_exist_ok=True)

@@ -85,6 +85,9 @@ class EncodersConfig(_Strict):
 class ClusterConfig(_Strict):
     k: int = Field(4, ge=1, le=1024)
     mode: Literal["kmeans", "random"] = "kmeans"
+    # What is clustered: the images' semantic features (paris §2.6: DINOv2), the captions' pooled text
+    # embeddings (items whose captions mean the same thing land together), or both (each half L2-normalised).
+    features: Literal["semantic", "text", "both"] = "semantic"
     fine_k: int = Field(64, ge=1)  # stage-1 clusters (capped at the sample count)
     sample_size: int = Field(100_000, ge=1)  # stage-1 fitted on this many samples
     iters: int = Field(25, ge=1)
@@ -155,6 +158,9 @@ class RunConfig(_Strict):
     train: TrainConfig = TrainConfig()
     router_train: TrainConfig = TrainConfig(lr=5e-5, schedule="cosine")
     monolith: MonolithConfig = MonolithConfig()
+    # Also train Paris' prompt-blind router p(k | x_t, t) in router-paris/, beside a prompt-aware
+    # `router`, so that evaluate and report compare the two.
+    router_baseline: bool = False
     sampling: SamplingConfig = SamplingConfig()
     storage: StorageConfig = StorageConfig()
 
@@ -178,23 +184,28 @@ class RunConfig(_Strict):
                 raise ValueError(f"{name}.in_channels: {model.in_channels} differs from the latent channels {c}")
         if self.router.num_outputs != self.cluster.k:
             raise ValueError(f"router.num_outputs: {self.router.num_outputs} differs from cluster.k {self.cluster.k}")
-        if self.router.conditioning != "none":
-            raise ValueError("router.conditioning: the router sees only (x_t, t); must be 'none'")
+        if self.cluster.features != "semantic" and self.encoders.text.name == "none":
+            raise ValueError(f"cluster.features: {self.cluster.features!r} clusters captions, but encoders.text.name "
+                             "is 'none'")
         if self.expert.num_outputs:
             raise ValueError("expert.num_outputs: experts predict velocities; must be 0")
-        if self.expert.uses_text:
+        if self.router_baseline and not self.router.uses_text:
+            raise ValueError("router_baseline: the run's router is already prompt-blind (router.conditioning "
+                             "'none'); the baseline compares it with a prompt-aware one")
+        if self.router.conditioning == "class":
+            raise ValueError("router.conditioning: a router sees (x_t, t) and optionally the prompt "
+                             "('none', 'pooled' or 'cross_attn'), not class labels")
+        for name, model in (("expert", self.expert), ("router", self.router)):
+            if not model.uses_text:
+                continue
             if self.encoders.text.name == "none":
-                raise ValueError(f"expert.conditioning: {self.expert.conditioning} needs a text encoder")
-            if self.expert.text_dim != self.encoders.text.width:
-                raise ValueError(
-                    f"expert.text_dim: {self.expert.text_dim} differs from the {self.encoders.text.name} "
-                    f"text width {self.encoders.text.width}"
-                )
-            if self.expert.conditioning == "cross_attn" and self.expert.text_len != self.encoders.text.max_length:
-                raise ValueError(
-                    f"expert.text_len: {self.expert.text_len} differs from encoders.text.max_length "
-                    f"{self.encoders.text.max_length}"
-                )
+                raise ValueError(f"{name}.conditioning: {model.conditioning} needs a text encoder")
+            if model.text_dim != self.encoders.text.width:
+                raise ValueError(f"{name}.text_dim: {model.text_dim} differs from the {self.encoders.text.name} "
+                                 f"text width {self.encoders.text.width}")
+            if model.conditioning == "cross_attn" and model.text_len != self.encoders.text.max_length:
+                raise ValueError(f"{name}.text_len: {model.text_len} differs from encoders.text.max_length "
+                                 f"{self.encoders.text.max_length}")
         return self
 
     # -- files ---------------------------------------------------------------------------------------

@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "clusters/assignments.safetensors, x_t at t ~ U[0,1] (run.yaml `router`, `router_train`). Writes "
         "router/ and router/report.json (accuracy per t-bucket). " + _RESUME)
     add_run_root(p)
+    p.add_argument("--paris", action="store_true",
+                   help="train the prompt-blind router p(k | x_t, t) of Paris into router-paris/ (a comparison "
+                   "for a prompt-aware run.yaml router; train-all does it when run.yaml router_baseline is true)")
     _job_options(p)
     p.set_defaults(func=run_router)
 
@@ -98,7 +101,7 @@ def run_expert(args: argparse.Namespace) -> int:
 def run_router(args: argparse.Namespace) -> int:
     from flowfleet.stages.train import train_router
 
-    return _report(train_router(args.run_root, options=_options(args)))
+    return _report(train_router(args.run_root, paris=args.paris, options=_options(args)))
 
 
 def run_monolith(args: argparse.Namespace) -> int:

@@ -34,13 +34,14 @@ from flowfleet.sampling.trace import RoutingTrace
 
 
 def router_accuracy(router: torch.nn.Module, latents: torch.Tensor, clusters: torch.Tensor, num_clusters: int,
-                    *, seed: int = 0, device: torch.device | str = "cpu") -> dict[str, Any]:
+                    *, seed: int = 0, device: torch.device | str = "cpu",
+                    cond: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Accuracy of the router against the cluster of x0 per t-bucket (t uniform inside each bucket,
     fresh noise), the largest cluster's share as chance level, and the confusion matrix."""
     from flowfleet.train.preview import router_accuracy as _accuracy
 
     with torch.inference_mode():
-        report = _accuracy(router, latents, clusters, num_clusters, seed=seed, device=torch.device(device))
+        report = _accuracy(router, latents, clusters, num_clusters, seed=seed, device=torch.device(device), cond=cond)
     return report
 
 

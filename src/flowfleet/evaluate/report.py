@@ -7,10 +7,10 @@ produces them. Sections, in order (their HTML ids are SECTIONS):
     overview     run name, jobs and their states
     config       run.yaml
     clusters     clusters/report.json (sizes, NMI) and the preview-k.png grids
-    training     loss curves of every job (metrics.jsonl), job table, router accuracy report
+    training     loss curves of every job (metrics.jsonl), job table, router accuracy per t (each router)
     samples      sample grids per strategy (and the monolith) with their prompts
     routing      router-probability heatmaps per strategy
-    fid          the FID table (reports/evaluation.json)
+    fid          quality per model: prompt accuracy and classifier FD (MNIST), FID (reports/evaluation.json)
     adherence    prompt adherence (shapes source)
     diagnostics  router accuracy per t, centroid alignment, expert disagreement, expert usage
     timings      stage timings (reports/timings.json), job wall times, evaluation timings
@@ -38,7 +38,7 @@ TIMINGS_FILE = "timings.json"
 SECTIONS = ("overview", "config", "clusters", "training", "samples", "routing", "fid", "adherence",
             "diagnostics", "timings")
 TITLES = {"overview": "Overview", "config": "Configuration", "clusters": "Clusters", "training": "Training",
-          "samples": "Samples per strategy", "routing": "Routing heatmaps", "fid": "FID",
+          "samples": "Samples per strategy", "routing": "Routing heatmaps", "fid": "Quality",
           "adherence": "Prompt adherence", "diagnostics": "Diagnostics", "timings": "Timings"}
 
 
@@ -73,7 +73,7 @@ def read_metrics(root: RunRoot, job_dir: str) -> list[dict[str, Any]]:
 def job_dirs(root: RunRoot) -> list[str]:
     """experts/k (numeric order), router, monolith: whichever exist."""
     experts = sorted((n for n in root.ls("experts") if n.isdigit()), key=int)
-    return [f"experts/{k}" for k in experts] + [d for d in ("router", "monolith") if root.exists(d)]
+    return [f"experts/{k}" for k in experts] + [d for d in ("router", "router-paris", "monolith") if root.exists(d)]
 
 
 def job_label(job_dir: str) -> str:
@@ -175,7 +175,16 @@ class ReportBuilder:
             return s
         sizes = rep.get("sizes") or []
         nmi = rep.get("nmi")
-        s.notes.append(f"{len(sizes)} clusters" + (f"; NMI against the source labels {nmi:.3f}" if isinstance(nmi, (int, float)) else ""))
+        features = rep.get("features") or {}
+        kind = features.get("kind", "semantic") if isinstance(features, dict) else "semantic"
+        note = f"{len(sizes)} clusters of the {kind} features"
+        if isinstance(nmi, (int, float)):
+            note += f"; NMI against the source labels {nmi:.3f}"
+        coherence = rep.get("label_coherence")
+        if isinstance(coherence, (int, float)):
+            note += (f"; label coherence {coherence:.3f} (mean over labels of the share of a label's items in its "
+                     "majority cluster; 1 = every label whole in one cluster)")
+        s.notes.append(note)
         mixes = rep.get("label_mix") or []
         rows = []
         for k, size in enumerate(sizes):
@@ -213,12 +222,15 @@ class ReportBuilder:
         s.images.append(self._plot("loss_curves.png", views.loss_curves_png(curves), "loss of every job (metrics.jsonl)"))
         s.tables.append({"caption": "jobs", "header": ["job", "state", "steps", "last loss", "samples/s", "wall s"],
                          "rows": rows})
-        rep = _json(self.root, "router", "report.json")
-        if rep and "accuracy" in rep:
-            s.images.append(self._plot("router_training_accuracy.png",
+        routers = {name: rep for name in ("router", "router-paris")
+                   if (rep := _json(self.root, name, "report.json")) and "accuracy" in rep}
+        if routers:
+            s.tables.append(router_accuracy_table(routers, self._router_kinds(routers)))
+        for name, rep in routers.items():
+            s.images.append(self._plot(f"{name}_training_accuracy.png",
                                        views.router_accuracy_png(rep["t_buckets"], rep["accuracy"], rep.get("chance"),
-                                                                 "router accuracy per t (router/report.json)"),
-                                       f"router on {rep.get('items', '?')} training items"))
+                                                                 f"{name} accuracy per t ({name}/report.json)"),
+                                       f"{name} on {rep.get('items', '?')} training items"))
         for job in jobs:  # the last sample grid each job drew while training
             grids = [n for n in self.root.ls(job, "samples") if n.endswith(".png")]
             if grids:
@@ -226,6 +238,14 @@ class ReportBuilder:
                 if img:
                     s.images.append(img)
         return s
+
+    def _router_kinds(self, routers: dict[str, Any]) -> dict[str, str]:
+        kinds = {}
+        for name in routers:
+            cfg = _json(self.root, name, "final", "config.json") or {}
+            sees = cfg.get("conditioning", "none") != "none"
+            kinds[name] = "p(k | x_t, t, prompt)" if sees else "p(k | x_t, t) (Paris)"
+        return kinds
 
     # -- evaluation ----------------------------------------------------------------------------------
 
@@ -284,8 +304,29 @@ class ReportBuilder:
         if not scores:
             s.missing = "the evaluation computed no FID"
             return s
-        s.tables.append({"caption": "FID per strategy (lower is better)", "header": ["model", "FID"],
-                         "rows": [[name, f"{v:.2f}"] for name, v in scores.items()]})
+        runs = self._runs()
+        digits = self.evaluation.get("prompt_accuracy") or None
+        if digits:
+            clf = digits.get("classifier") or {}
+            s.tables.append({
+                "caption": "per model: prompt accuracy (share of samples a digit classifier reads as the prompted "
+                           "digit; higher is better), the classifier's mean probability of that digit, the Fréchet "
+                           "distance in the classifier's features (lower is better), and Inception FID",
+                "header": ["model", "prompt accuracy", "confidence", "classifier FD", "FID"],
+                "rows": [[name, _fmt(r.get("prompt_accuracy")), _fmt(r.get("confidence")),
+                          _fmt(r.get("classifier_fd")), _fmt(r.get("fid"))] for name, r in runs.items()]})
+            scores = digits.get("scores") or {}
+            s.tables.append({
+                "caption": "prompt accuracy per prompted digit",
+                "header": ["model", *[str(d) for d in range(10)]],
+                "rows": [[name, *[_fmt((a.get("per_digit") or {}).get(str(d))) for d in range(10)]]
+                         for name, a in scores.items()]})
+            s.notes.append(f"Digit classifier: trained by flowfleet on {clf.get('train_items', '?')} MNIST-5k digits, "
+                           f"validation accuracy {_fmt(clf.get('val_accuracy'))} on the other "
+                           f"{clf.get('val_items', '?')} (reports/digit_classifier/).")
+        else:
+            s.tables.append({"caption": "FID per strategy (lower is better)", "header": ["model", "FID"],
+                             "rows": [[name, f"{v:.2f}"] for name, v in scores.items()]})
         s.notes.append(
             f"Feature network {fid.get('extractor', '?')} at {fid.get('resize', '?')} px input; "
             f"{fid.get('generated_images', '?')} generated images against {fid.get('reference_images', '?')} "
@@ -363,6 +404,16 @@ class ReportBuilder:
         if not s.tables:
             s.missing = "no timings recorded yet"
         return s
+
+
+def router_accuracy_table(routers: dict[str, dict[str, Any]], kinds: dict[str, str]) -> dict[str, Any]:
+    """Accuracy per t-bucket of each router (rows), from its report.json."""
+    buckets = next(iter(routers.values()))["t_buckets"]
+    return {"caption": "router accuracy against the cluster of x0, per t-bucket (t = 1 is noise); chance = the "
+                       "largest cluster's share",
+            "header": ["router", "sees", *[f"t {lo:.1f}-{hi:.1f}" for lo, hi in buckets], "overall", "chance"],
+            "rows": [[name, kinds.get(name, ""), *[_fmt(a) for a in rep["accuracy"]], _fmt(rep.get("overall_accuracy")),
+                      _fmt(rep.get("chance"))] for name, rep in routers.items()]}
 
 
 def _json_yaml(root: RunRoot) -> dict[str, Any] | None:

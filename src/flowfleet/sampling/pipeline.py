@@ -34,7 +34,8 @@ from flowfleet.sampling.store import ExpertStore
 from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.storage import RunRoot
 
-RouterFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x_t [B, C, H, W], t [B]) -> logits [B, K]
+# (x_t [B, C, H, W], t [B], **prompt keywords for a prompt-aware router) -> logits [B, K]
+RouterFn = Callable[..., torch.Tensor]
 TEXT_CONDITIONING = ("pooled", "cross_attn")
 
 
@@ -78,8 +79,8 @@ class FleetOutput:
 class RoutedVelocity:
     """(x_t, t, step) -> v of the routed fleet, with classifier-free guidance on all channels.
 
-    The router sees x_t and t only (paris §2.5), so one router pass serves the conditional and the
-    unconditional rows. It runs on every evaluation when route_every == 1 (Heun's corrector included)
+    The router sees x_t and t (paris §2.5), and the prompt when it is prompt-aware; either way one
+    router pass on the conditional rows serves the conditional and the unconditional rows. It runs on every evaluation when route_every == 1 (Heun's corrector included)
     and otherwise on the first evaluation of every route_every-th step, its selection being reused in
     between.
     """
@@ -105,7 +106,7 @@ class RoutedVelocity:
         reroute = (self._selection is None or self.route_every == 1
                    or (first_eval and step % self.route_every == 0))
         if reroute:
-            probs = self.pipe.router_probs(x, t)  # [B, P]
+            probs = self.pipe.router_probs(x, t, self.cond)  # [B, P]
             self._selection = select_experts(probs, self.pipe.present, self.pipe.num_experts, self.k)
             self.trace.router_calls += self.pipe.router is not None
         if first_eval:
@@ -224,11 +225,18 @@ class FleetPipeline:
 
     # -- routing and guidance ---------------------------------------------------------------------------
 
-    def router_probs(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """p(k | x_t, t) over the present experts, [B, P] (renormalised when some are absent)."""
+    @property
+    def router_sees_prompt(self) -> bool:
+        """True for a prompt-aware router: p(k | x_t, t, prompt) instead of Paris' p(k | x_t, t)."""
+        cfg = getattr(self.router, "cfg", None)
+        return bool(cfg is not None and cfg.uses_text)
+
+    def router_probs(self, x: torch.Tensor, t: torch.Tensor, cond: Condition | None = None) -> torch.Tensor:
+        """p(k | x_t, t[, prompt]) over the present experts, [B, P] (renormalised when some are absent)."""
         if self.router is None:
             return torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
-        return present_probs(self.router(x, t), self.present)
+        kwargs = cond.kwargs() if cond is not None and self.router_sees_prompt else {}
+        return present_probs(self.router(x, t, **kwargs), self.present)
 
     def guidance_applies(self, cfg: float) -> bool:
         """CFG needs a condition to drop; scale 1 is no guidance (and saves the unconditional pass)."""

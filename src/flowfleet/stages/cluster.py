@@ -62,6 +62,32 @@ def nmi(labels: torch.Tensor, assign: torch.Tensor) -> float | None:
     return float(normalized_mutual_info_score(labels[keep].numpy(), assign[keep].numpy()))
 
 
+def label_coherence(labels: torch.Tensor, assign: torch.Tensor) -> float | None:
+    """Mean over labels of the share of that label's items in its majority partition: 1.0 when every
+    label (digit) lies whole in one partition; 1/K for a label spread evenly. Items labelled -1 ignored."""
+    shares = []
+    for lab in torch.unique(labels[labels >= 0]).tolist():
+        members = assign[labels == lab]
+        shares.append(float(torch.bincount(members).max()) / members.numel())
+    return sum(shares) / len(shares) if shares else None
+
+
+FEATURE_FIELDS = {"semantic": ("features",), "text": ("text_pooled",), "both": ("features", "text_pooled")}
+
+
+def clustering_features(fields: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
+    """[N, D] L2-normalised rows of what cluster.features names; `both` joins the two normalised halves
+    (each weighted 1/sqrt(2), so neither dominates by its width)."""
+    parts = [l2_normalize_(fields[name].float()) for name in FEATURE_FIELDS[kind]]
+    return l2_normalize_(torch.cat(parts, dim=1)) if len(parts) > 1 else parts[0]
+
+
+def _feature_description(kind: str, manifest: ShardSetManifest) -> dict[str, Any]:
+    encoders = manifest.extra.get("encoders") or {}
+    return {"kind": kind, "semantic": encoders.get("semantic") if kind != "text" else None,
+            "text": encoders.get("text") if kind != "semantic" else None}
+
+
 def _label_mix(labels: torch.Tensor, assign: torch.Tensor, k: int) -> list[dict[str, int]]:
     """Per partition: {label: count}, most frequent first."""
     out = []
@@ -93,8 +119,8 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
     c = cfg.cluster
     data, manifest = _open_data(root)
     t0 = time.perf_counter()
-    fields = data.load(["features", "labels", "index"])
-    x, labels, index = fields["features"].float(), fields["labels"], fields["index"]
+    fields = data.load([*FEATURE_FIELDS[c.features], "labels", "index"])
+    x, labels, index = clustering_features(fields, c.features), fields["labels"], fields["index"]
     n = x.shape[0]
     if not torch.equal(index, torch.arange(n)):
         raise FlowfleetError(f"{data.url}: the shards' index is not 0..{n - 1} in order; run prepare with --restart")
@@ -104,16 +130,14 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
 
     report: dict[str, Any] = {"mode": c.mode, "k": c.k, "count": n, "config": c.model_dump(mode="json"),
                               "source": manifest.extra.get("source"),
-                              "features": (manifest.extra.get("encoders") or {}).get("semantic")}
+                              "features": _feature_description(c.features, manifest)}
     if c.mode == "random":
         assign = random_partition(n, c.k, c.seed)
-        l2_normalize_(x)
         coarse = torch.zeros(c.k, x.shape[1]).index_add_(0, assign, x) / torch.bincount(assign, minlength=c.k).unsqueeze(1)
         # no fine stage: the "fine" centroids are the partitions' own (copies: safetensors refuses shared storage)
         fine, fine_to_coarse, fine_assign = coarse.clone(), torch.arange(c.k), assign.clone()
         report.update(backend="none")
     else:
-        l2_normalize_(x)
         res = two_stage_kmeans(x, c.k, fine_k=c.fine_k, sample_size=c.sample_size, iters=c.iters, seed=c.seed,
                                balance=c.balance, backend=backend, device=dev, progress=progress)
         assign, fine, coarse = res.assign, res.fine, res.coarse
@@ -129,9 +153,9 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
     if score is not None:
         shuffled = assign[torch.randperm(n, generator=torch.Generator().manual_seed(c.seed))]
         report.update(nmi=score, nmi_random_same_sizes=nmi(labels, shuffled),
-                      label_mix=_label_mix(labels, assign, c.k))
+                      label_coherence=label_coherence(labels, assign), label_mix=_label_mix(labels, assign, c.k))
     else:
-        report.update(nmi=None)
+        report.update(nmi=None, label_coherence=None)
 
     # Replace any earlier result, then write the small files before the partitions.
     root.remove(CLUSTERS, recursive=True)

@@ -2,6 +2,11 @@
 
     evaluate("runs/r/model", "runs/r", EvaluateOptions(n=1000, strategies=("top1", "top2", "full"), monolith=True))
 
+On the built-in MNIST source every model is also judged by a digit classifier trained on MNIST-5k
+(flowfleet.evaluate.digits): prompt accuracy (share of samples read as the prompted digit, with the
+mean probability of that digit) and the Fréchet distance in the classifier's features ("classifier
+FD"), which, unlike Inception FID at this size, tells a digit from a blob.
+
 Every model samples the same n prompts (drawn from data/'s captions, seeded) from the same noise, so
 the strategies are compared on identical inputs. The reference is the run's own prepared data/
 (decoded from latents; a seeded random subset of `ref_n` items), its Inception statistics cached in
@@ -9,6 +14,8 @@ RUN_ROOT/reports/. Writes, under the reference run root:
 
     reports/evaluation.json             everything below, read by `flowfleet report`
     reports/samples/<name>.png          the first `grid` samples with their prompts
+    reports/samples/<name>.npz          every scored sample: images uint8 [n, H, W, C], prompts, seed
+    reports/digit_classifier/           (MNIST) the digit classifier behind prompt accuracy and classifier FD
     reports/samples/<name>.routing.png  router probabilities over the sampling steps (fleet strategies)
     reports/fid_ref_*.safetensors       the cached reference statistics
 
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -87,6 +94,10 @@ class ModelRun:
     usage: list[float] = field(default_factory=list)
     sampling_s: float = 0.0
     fid_s: float = 0.0
+    prompt_accuracy: float | None = None  # MNIST: share of samples the digit classifier reads as prompted
+    confidence: float | None = None  # MNIST: mean classifier probability of the prompted digit
+    classifier_fd: float | None = None  # MNIST: Fréchet distance in the digit classifier's features
+    samples: str = ""  # reports/<samples>: every scored sample (npz)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -205,6 +216,10 @@ class _Evaluation:
         self.fid: FID | None = None
         self.ref: FeatureStats | None = None
         self.semantic: _SemanticFeatures | None = None
+        self.digits: Any = None  # DigitJudge on the MNIST source
+        self.digit_fd: FID | None = None
+        self.digit_ref: FeatureStats | None = None
+        self.prompt_accuracy: dict[str, Any] = {}
         self.runs: dict[str, ModelRun] = {}
         self.settings: Any = None
         self.adherence: dict[str, Any] = {}
@@ -255,8 +270,22 @@ class _Evaluation:
             images = reference_images(self.cfg, self.latents, order, ref_n, self.options.fid.batch_size, self.device)
             self.ref = fid.reference(self.root, "data", images, n=ref_n, fingerprint=fingerprint)
         self.timings["reference_s"] = time.perf_counter() - t0
+        if self.cfg.data.source == "mnist" and self.prompts:
+            self._open_digits(fingerprint)
         if self.options.diagnostics:
             self.semantic = _SemanticFeatures(self.root, self.cfg, fid.key, self.device)
+
+    def _open_digits(self, fingerprint: str) -> None:
+        """The digit classifier (trained once, cached in reports/) and its reference statistics."""
+        from flowfleet.evaluate.digits import DigitJudge
+
+        t0 = time.perf_counter()
+        self.digits = DigitJudge.load_or_train(self.root)
+        self.echo(f"evaluate: digit classifier (validation accuracy {self.digits.val_accuracy:.3f})")
+        self.digit_fd = FID(FIDSettings(batch_size=500), self.device, extractor=self.digits.extractor())
+        images = reference_images(self.cfg, self.latents, self.order, self.ref_n, 500, self.device)
+        self.digit_ref = self.digit_fd.reference(self.root, "data", images, n=self.ref_n, fingerprint=fingerprint)
+        self.timings["digit_classifier_s"] = time.perf_counter() - t0
 
     def run_model(self, name: str, kind: str, pipe) -> ModelRun:
         """Sample options.n images from one model (a strategy of the fleet, or the monolith); FID, the
@@ -283,6 +312,16 @@ class _Evaluation:
         run.fid = fid.score(stats, self.ref)
         run.fid_s = time.perf_counter() - t0
         self.echo(f"evaluate: {name}: FID {run.fid:.2f}")
+
+        if self.digits is not None:
+            acc = self.prompt_accuracy[name] = self.digits.prompt_accuracy(images, out.prompts)
+            run.prompt_accuracy, run.confidence = acc["accuracy"], acc["confidence"]
+            run.classifier_fd = self.digit_fd.score(self.digit_fd.statistics([images], desc="classifier features"),
+                                                    self.digit_ref)
+            self.echo(f"evaluate: {name}: prompt accuracy {run.prompt_accuracy:.3f} (confidence "
+                      f"{run.confidence:.3f}), classifier FD {run.classifier_fd:.2f}")
+        run.samples = f"{SAMPLES}/{name}.npz"
+        self.root.write_bytes(samples_npz(images, out.prompts, o.seed), REPORTS, run.samples)
 
         shown = min(o.grid, o.n)
         run.prompts, run.grid = list(out.prompts[:shown]), f"{SAMPLES}/{name}.png"
@@ -319,6 +358,8 @@ class _Evaluation:
                     "scores": {name: r.fid for name, r in self.runs.items()}},
             "runs": {name: r.to_json() for name, r in self.runs.items()},
             "adherence": self.adherence or None,
+            "prompt_accuracy": ({"classifier": self.digits.record, "scores": self.prompt_accuracy}
+                                if self.digits is not None else None),
             "diagnostics": self.diagnostics,
             "timings": self.timings,
         }
@@ -327,6 +368,20 @@ class _Evaluation:
 # --------------------------------------------------------------------------------------------------
 #                                          Pieces
 # --------------------------------------------------------------------------------------------------
+
+
+def samples_npz(images: torch.Tensor, prompts: Sequence[str], seed: int) -> bytes:
+    """Every scored sample as a compressed npz: images uint8 [n, H, W, C], prompts [n], seed."""
+    import io
+
+    import numpy as np
+
+    from flowfleet.data.images import to_uint8
+
+    buf = io.BytesIO()
+    np.savez_compressed(buf, images=to_uint8(images).permute(0, 2, 3, 1).numpy(),
+                        prompts=np.array(list(prompts), dtype=str), seed=np.array(seed))
+    return buf.getvalue()
 
 
 def _features(fid: FID, images: torch.Tensor, name: str) -> tuple[FeatureStats, torch.Tensor]:
@@ -413,22 +468,36 @@ def _router_accuracy(ev: _Evaluation, pipe) -> dict[str, Any]:
     assign = safetensors.torch.load(ev.root.read_bytes("clusters", "assignments.safetensors"))["assign"]
     pick = ev.order[: min(512, ev.order.numel())]
     clusters = assign[ev.index[pick]]
+    cond = None
+    if pipe.router_sees_prompt:  # the items' own captions, as the router was trained
+        from flowfleet.train.data import InMemoryData, model_fields
+        from flowfleet.train.preview import condition_kwargs
+
+        fields = [f for f in model_fields(pipe.router.cfg) if f != "latents"]
+        batch = InMemoryData(ev.data.load(fields), [], ev.data.url).gather(pick)
+        cond = condition_kwargs(batch, pipe.router.cfg)
     rep = router_accuracy(pipe.router, ev.latents[pick], clusters, pipe.num_experts, seed=ev.options.seed,
-                          device=ev.device)
+                          device=ev.device, cond=cond)
     rep["note"] = "the assembled router on a seeded random subset of data/, fresh noise, t uniform per bucket"
     return rep
 
 
 
 def print_table(result: dict[str, Any]) -> None:
-    """The FID table (and adherence, alignment when present) on the terminal."""
+    """One row per model: prompt accuracy and classifier FD (MNIST), FID, adherence, alignment when present."""
     from rich.console import Console
     from rich.table import Table
 
     fid = result["fid"]
-    table = Table(title=f"FID ({fid['extractor']}, {fid['generated_images']} generated vs "
-                        f"{fid['reference_images']} reference images; lower is better)", title_justify="left")
+    digits = result.get("prompt_accuracy") or None
+    title = (f"{fid['generated_images']} samples per model; FID: {fid['extractor']} vs {fid['reference_images']} "
+             "reference images (lower is better)")
+    table = Table(title=title, title_justify="left")
     table.add_column("model")
+    if digits:
+        table.add_column("prompt accuracy", justify="right")
+        table.add_column("confidence", justify="right")
+        table.add_column("classifier FD", justify="right")
     table.add_column("FID", justify="right")
     adherence = result.get("adherence") or {}
     align = (result.get("diagnostics") or {}).get("alignment") or {}
@@ -438,7 +507,11 @@ def print_table(result: dict[str, Any]) -> None:
         table.add_column("in dominant expert's cluster", justify="right")
     table.add_column("sampling s", justify="right")
     for name, run in result["runs"].items():
-        row = [name, f"{run['fid']:.2f}"]
+        row = [name]
+        if digits:
+            row += [_num(run.get("prompt_accuracy"), 3), _num(run.get("confidence"), 3),
+                    _num(run.get("classifier_fd"), 2)]
+        row.append(f"{run['fid']:.2f}")
         if adherence:
             a = adherence.get(name) or {}
             row.append(f"{a['both']:.3f}" if a.get("both") is not None else "")
@@ -448,6 +521,13 @@ def print_table(result: dict[str, Any]) -> None:
         row.append(f"{run['sampling_s']:.1f}")
         table.add_row(*row)
     Console().print(table)
+    if digits:
+        Console().print(f"prompt accuracy: share of samples a digit classifier (validation accuracy "
+                        f"{digits['classifier']['val_accuracy']:.3f}) reads as the prompted digit")
     if not fid.get("standard_input", True):
         Console().print(f"note: Inception input {fid['resize']} px (non-standard): compare only with FIDs at the same "
                         "size and sample counts")
+
+
+def _num(value: Any, digits: int) -> str:
+    return "" if value is None else f"{value:.{digits}f}"

@@ -43,8 +43,9 @@ def train_expert(run_root: str | RunRoot, k: int, *, options: TrainOptions | Non
     return train_job(run_root, JobSpec("expert", k), options=options)
 
 
-def train_router(run_root: str | RunRoot, *, options: TrainOptions | None = None) -> JobStatus:
-    return train_job(run_root, JobSpec("router"), options=options)
+def train_router(run_root: str | RunRoot, *, paris: bool = False, options: TrainOptions | None = None) -> JobStatus:
+    """The run's router; paris=True: the prompt-blind comparison router in router-paris/."""
+    return train_job(run_root, JobSpec("router-paris" if paris else "router"), options=options)
 
 
 def train_monolith(run_root: str | RunRoot, *, match_compute: bool | None = None,

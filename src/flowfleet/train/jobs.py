@@ -1,7 +1,9 @@
 """The three kinds of training job, as inputs to the one training loop (flowfleet.train.loop).
 
     expert k   DiTExpert on partitions/k only            flow matching (paris §2.3-2.4)
-    router     DiTRouter on data/ + cluster ids          cross-entropy on x_t, t ~ U[0, 1] (paris §2.5.3)
+    router     DiTRouter on data/ + cluster ids          cross-entropy on x_t, t ~ U[0, 1] (paris §2.5.3);
+                                                         prompt-aware: also sees the caption
+    router-paris  the same router blind to the prompt     (run.yaml router_baseline: the comparison)
     monolith   DiTExpert architecture on all of data/    flow matching; the evaluation baseline
 
 A JobSpec names a job (folder, CLI command); a TrainTask is a job ready to train: its data loaded
@@ -30,7 +32,7 @@ from flowfleet.storage import RunRoot
 from flowfleet.train import preview
 from flowfleet.train.data import InMemoryData, check_compatible, model_fields
 
-JobKind = Literal["expert", "router", "monolith"]
+JobKind = Literal["expert", "router", "router-paris", "monolith"]
 ASSIGNMENTS = ("clusters", "assignments.safetensors")
 PREVIEW_COUNT = 8  # samples in an expert's grid
 ROUTER_EVAL_ITEMS = 512  # items the router's accuracy is measured on
@@ -58,12 +60,16 @@ class JobSpec:
         """Arguments of `flowfleet ...` that run this job."""
         if self.kind == "expert":
             return ["train-expert", run_root, "--expert", str(self.expert)]
+        if self.kind == "router-paris":
+            return ["train-router", run_root, "--paris"]
         return [f"train-{self.kind}", run_root]
 
 
 def fleet_jobs(cfg: RunConfig) -> list[JobSpec]:
     """Every training job of a run: K experts, the router, and the monolith when enabled."""
     jobs = [JobSpec("expert", k) for k in range(cfg.cluster.k)] + [JobSpec("router")]
+    if cfg.router_baseline:
+        jobs.append(JobSpec("router-paris"))
     if cfg.monolith.enabled:
         jobs.append(JobSpec("monolith"))
     return jobs
@@ -80,8 +86,14 @@ def monolith_steps(cfg: RunConfig, match_compute: bool | None = None) -> int:
     return math.ceil(experts / (train_flops_per_sample(cfg.expert) * cfg.train.batch_size))
 
 
+def paris_router_config(cfg: RunConfig) -> DiTConfig:
+    """The run's router blind to the prompt: p(k | x_t, t) as in Paris §2.5."""
+    return DiTConfig(**{**cfg.router.model_dump(), "conditioning": "none", "text_dim": 0, "text_len": 0,
+                        "add_pooled": False})
+
+
 def job_steps(cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) -> int:
-    if spec.kind == "router":
+    if spec.kind in ("router", "router-paris"):
         return cfg.router_train.steps
     if spec.kind == "monolith":
         return monolith_steps(cfg, match_compute)
@@ -90,7 +102,7 @@ def job_steps(cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) 
 
 def job_cost(cfg: RunConfig, spec: JobSpec) -> int:
     """Training FLOPs of a job (to start the longest jobs first)."""
-    if spec.kind == "router":
+    if spec.kind in ("router", "router-paris"):
         return train_flops(cfg.router, cfg.router_train.steps, cfg.router_train.batch_size)
     return train_flops(cfg.expert, job_steps(cfg, spec), cfg.train.batch_size)
 
@@ -198,7 +210,9 @@ class RouterTask(TrainTask):
         b, dev = x0.shape[0], x0.device
         t = sample_t(b, mode=self.train_cfg.time_sampling, generator=gen, device=dev)  # [B] U[0, 1]
         eps = torch.randn(x0.shape, generator=gen, device=dev)
-        logits = model(interpolate(x0, eps, t), t)  # [B, K]
+        # A prompt-aware router also sees the prompt; dropped like an expert's, so it can route without one.
+        drop = torch.rand(b, generator=gen, device=dev) < self.model_cfg.cond_dropout if self.model_cfg.uses_text else None
+        logits = model(interpolate(x0, eps, t), t, drop=drop, **preview.condition_kwargs(batch, self.model_cfg))  # [B, K]
         loss = F.cross_entropy(logits.float(), k)
         return loss, {"accuracy": (logits.argmax(dim=1) == k).float().mean()}
 
@@ -207,7 +221,8 @@ class RouterTask(TrainTask):
         pick = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.train_cfg.seed))[:n]
         batch = self.data.gather(pick)
         report = preview.router_accuracy(model, batch["latents"], batch["cluster"], self.model_cfg.num_outputs,
-                                         seed=self.train_cfg.seed + 1, device=device)
+                                         seed=self.train_cfg.seed + 1, device=device,
+                                         cond=preview.condition_kwargs(batch, self.model_cfg))
         report["note"] = ("EMA router on a fixed random subset of the training items, fresh noise; "
                           "t uniform within each bucket")
         return report
@@ -276,8 +291,9 @@ def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: b
         data = InMemoryData.load(shards, model_fields(cfg.expert))
         return FlowTask(spec, cfg, cfg.expert, cfg.train, job_steps(cfg, spec, match_compute), data)
 
-    check_compatible(shards.manifest(), cfg.router, data_where=shards.url, model_where="run.yaml router")
-    data = InMemoryData.load(shards, ["latents", "index"])
+    router = paris_router_config(cfg) if spec.kind == "router-paris" else cfg.router
+    check_compatible(shards.manifest(), router, data_where=shards.url, model_where="run.yaml router")
+    data = InMemoryData.load(shards, [*model_fields(router), "index"])
     data.tensors["cluster"] = load_assignments(root, data, cfg.cluster.k)
     del data.tensors["index"]
-    return RouterTask(spec, cfg, cfg.router, cfg.router_train, job_steps(cfg, spec), data)
+    return RouterTask(spec, cfg, router, cfg.router_train, job_steps(cfg, spec), data)

@@ -117,9 +117,11 @@ def sample_grid_png(samples: torch.Tensor, reals: torch.Tensor, captions: list[s
 
 @torch.no_grad()
 def router_accuracy(model: torch.nn.Module, latents: torch.Tensor, clusters: torch.Tensor, num_clusters: int, *,
-                    seed: int, device: torch.device, batch_size: int = 256) -> dict:
-    """Accuracy of argmax p(k | x_t, t) against the cluster id, per t-bucket (t uniform inside each
-    of T_BUCKETS buckets, fresh noise), plus the confusion matrix over all buckets."""
+                    seed: int, device: torch.device, batch_size: int = 256,
+                    cond: dict[str, torch.Tensor] | None = None) -> dict:
+    """Accuracy of argmax p(k | x_t, t[, prompt]) against the cluster id, per t-bucket (t uniform inside
+    each of T_BUCKETS buckets, fresh noise), plus the confusion matrix over all buckets. `cond`: the
+    items' prompt keywords (condition_kwargs), for a prompt-aware router."""
     gen = torch.Generator().manual_seed(seed)
     correct = torch.zeros(T_BUCKETS, dtype=torch.long)
     confusion = torch.zeros(num_clusters, num_clusters, dtype=torch.long)  # [true, predicted]
@@ -132,7 +134,8 @@ def router_accuracy(model: torch.nn.Module, latents: torch.Tensor, clusters: tor
             t = (b + torch.rand(m, generator=gen)) / T_BUCKETS
             eps = torch.randn(x0.shape, generator=gen)
             x_t = interpolate(x0, eps, t)
-            pred = model(x_t.to(device), t.to(device)).argmax(dim=1).cpu()
+            kw = {name: v[start : start + batch_size].to(device) for name, v in (cond or {}).items()}
+            pred = model(x_t.to(device), t.to(device), **kw).argmax(dim=1).cpu()
             correct[b] += (pred == k).sum()
             confusion += torch.bincount(k * num_clusters + pred, minlength=num_clusters**2).reshape(
                 num_clusters, num_clusters)

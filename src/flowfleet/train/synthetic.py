@@ -38,8 +38,10 @@ def synthetic_config(*, k: int = 2, size: int = 8, channels: int = 1, steps: int
 
 
 def write_synthetic_run(root: RunRoot, cfg: RunConfig, *, per_cluster: int = 12, seed: int = 0,
-                        shard_size: int = 10) -> None:
-    """run.yaml, data/ (all items), clusters/assignments.safetensors and partitions/k/."""
+                        shard_size: int = 10, text_by_cluster: bool = False) -> None:
+    """run.yaml, data/ (all items), clusters/assignments.safetensors and partitions/k/.
+    text_by_cluster: the pooled text vector names the item's cluster (a per-cluster direction plus a
+    little noise), as captions do when clusters are made from them; otherwise it is noise."""
     cfg.save(root)
     gen = torch.Generator().manual_seed(seed)
     k, (c, h, w) = cfg.cluster.k, cfg.latent_shape
@@ -55,6 +57,9 @@ def write_synthetic_run(root: RunRoot, cfg: RunConfig, *, per_cluster: int = 12,
         fields["text_mask"] = (torch.arange(length)[None] < torch.randint(1, length + 1, (n, 1), generator=gen)
                                ).to(torch.uint8)
         fields["text_pooled"] = torch.randn(n, width, generator=gen)
+        if text_by_cluster:
+            directions = torch.nn.functional.normalize(torch.randn(k, width, generator=gen), dim=1)
+            fields["text_pooled"] = directions[cluster] + 0.05 * fields["text_pooled"] / width**0.5
     captions = [f"item {i} of cluster {int(cluster[i])}" for i in range(n)]
 
     def write(folder: str, rows: torch.Tensor) -> None:

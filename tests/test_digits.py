@@ -1,0 +1,87 @@
+"""The digit classifier behind prompt accuracy and classifier FD (flowfleet.evaluate.digits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowfleet.data.sources import DIGIT_WORDS
+from flowfleet.evaluate.digits import FOLDER, DigitJudge, accuracy, mnist_tensors, prompted_digit
+from flowfleet.evaluate.fid import FID, FIDSettings
+from flowfleet.storage import RunRoot
+
+
+@pytest.fixture(scope="module")
+def judge(digit_classifier):
+    return DigitJudge.load_or_train(digit_classifier, progress=False)
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    x, y = mnist_tensors()
+    return x[4000:], y[4000:]  # the classifier trains on the first 4000 only
+
+
+def _prompts(digits):
+    return [f"a handwritten digit {DIGIT_WORDS[int(d)]}" for d in digits]
+
+
+def test_prompted_digit_reads_words_and_numerals():
+    assert prompted_digit("a handwritten digit seven") == 7
+    assert prompted_digit("A Handwritten Digit ZERO") == 0
+    assert prompted_digit("the number 3, drawn thin") == 3
+    assert prompted_digit("a red star on a blue background") is None
+    assert prompted_digit("someone") is None  # "one" only as a whole word
+
+
+def test_classifier_reads_held_out_digits(judge, held_out):
+    x, y = held_out
+    assert judge.val_accuracy >= 0.97
+    assert accuracy(judge.net, x, y) == pytest.approx(judge.val_accuracy)
+    result = judge.prompt_accuracy(x, _prompts(y))
+    assert result["accuracy"] >= 0.95
+    assert result["n"] == 1000 and result["skipped"] == 0
+    assert min(result["per_digit"].values()) >= 0.85
+    wrong = judge.prompt_accuracy(x, _prompts((y + 1) % 10))  # every prompt names another digit
+    assert wrong["accuracy"] <= 0.05
+
+
+def test_classifier_gives_chance_or_less_on_noise(judge):
+    gen = torch.Generator().manual_seed(0)
+    digits = torch.arange(500) % 10
+    for noise in (torch.rand(500, 1, 28, 28, generator=gen) * 2 - 1,
+                  torch.randn(500, 1, 32, 32, generator=gen).clamp(-1, 1),
+                  torch.full((500, 1, 28, 28), -1.0)):
+        assert judge.prompt_accuracy(noise, _prompts(digits))["accuracy"] <= 0.2
+
+
+def test_prompts_without_digits_are_counted_and_skipped(judge, held_out):
+    x, y = held_out
+    prompts = _prompts(y[:10])
+    prompts[3] = "a cat"
+    result = judge.prompt_accuracy(x[:10], prompts)
+    assert result["n"] == 9 and result["skipped"] == 1
+
+
+def test_cached_classifier_is_loaded_not_retrained(digit_classifier, tmp_path, monkeypatch):
+    import flowfleet.evaluate.digits as digits
+
+    copy = RunRoot(str(tmp_path))
+    for name in ("model.safetensors", "classifier.json"):
+        copy.write_bytes(digit_classifier.read_bytes(*FOLDER, name), *FOLDER, name)
+    monkeypatch.setattr(digits, "train_classifier", lambda *a, **k: pytest.fail("retrained a cached classifier"))
+    loaded = DigitJudge.load_or_train(copy, progress=False)
+    original = DigitJudge.load_or_train(digit_classifier, progress=False)
+    for a, b in zip(loaded.net.state_dict().values(), original.net.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_classifier_fd_separates_digits_from_noise(judge, held_out):
+    x, _ = held_out
+    fd = FID(FIDSettings(batch_size=250), extractor=judge.extractor())
+    assert fd.key == "digits-128"
+    real_a = fd.statistics([x[:500]])
+    real_b = fd.statistics([x[500:]])
+    noise = fd.statistics([torch.rand(500, 1, 28, 28, generator=torch.Generator().manual_seed(1)) * 2 - 1])
+    same, far = fd.score(real_a, real_b), fd.score(noise, real_b)
+    assert same < 0.1 * far
