@@ -182,3 +182,33 @@ def test_from_pretrained_refuses_a_missing_expert_folder(fleet):
     RunRoot(str(run_root / "model")).remove("expert_2", recursive=True)
     with pytest.raises(FlowfleetError, match=r"model/expert_2: missing \(model_index.json lists expert 2\)"):
         FleetPipeline.from_pretrained(str(run_root / "model"), text_encoder=HashTextEncoder(384, 4))
+
+
+def test_assemble_monolith_is_a_one_expert_model_that_generate_opens(fleet):
+    run_root, cfg = fleet
+    with pytest.raises(FlowfleetError, match="monolith: not finished .*train-monolith"):
+        assemble(str(run_root), monolith=True)
+    mono = randomize_(DiTExpert.from_dit_config(cfg.expert), seed=7)
+    save_model(mono, str(run_root), "monolith", "final")
+    (run_root / "monolith" / "status.json").write_text(json.dumps(
+        {"job": "monolith", "state": "done", "step": 30, "total_steps": 30}))
+    result = assemble(str(run_root), monolith=True)
+    model = run_root / "model-monolith"
+    assert result.out == str(model) and result.num_experts == 1 and result.present == [0]
+    index = json.loads((model / "model_index.json").read_text())
+    assert index["router"] == [None, None] and index["num_experts"] == 1 and index["scheduler"]["strategy"] == "top1"
+    assert not (model / "router").exists()
+    assert (model / "expert_0" / WEIGHTS_NAME).read_bytes() == (run_root / "monolith" / "final" / WEIGHTS_NAME).read_bytes()
+
+    text = HashTextEncoder(384, 4)
+    pipe = FleetPipeline.from_pretrained(str(model), text_encoder=text)
+    out = pipe(["a digit"], 2, seed=0)
+    # The one-expert model samples exactly what evaluate's monolith (monolith/final beside a fleet) does.
+    from flowfleet.stages.evaluate import _monolith_pipeline
+
+    fleet_pipe = FleetPipeline.from_pretrained(assemble(str(run_root)).out, text_encoder=text)
+    beside = _monolith_pipeline(RunRoot(str(run_root)), fleet_pipe, torch.device("cpu"))
+    assert torch.equal(out.images, beside(["a digit"], 2, seed=0).images)
+    assert out.trace.stats.calls[0] == cfg.sampling.steps
+    with pytest.raises(FlowfleetError, match="k=2 exceeds the 1 experts"):
+        pipe(["a digit"], 2, strategy="top2")

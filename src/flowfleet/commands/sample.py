@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-partial", action="store_true",
                    help="leave out experts that are not finished (with a warning) instead of refusing; the "
                    "router's probabilities are renormalised over the experts present")
+    p.add_argument("--monolith", action="store_true",
+                   help="assemble the compute-matched monolith (monolith/final) instead, as a one-expert model "
+                   "with no router (default --out RUN_ROOT/model-monolith); generate and evaluate open it like a fleet")
     p.set_defaults(func=run_assemble)
 
     p = sub.add_parser(
@@ -72,10 +75,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_assemble(args: argparse.Namespace) -> int:
     from flowfleet.stages.assemble import assemble
 
-    result = assemble(args.run_root, args.out, allow_partial=args.allow_partial, progress=True)
+    result = assemble(args.run_root, args.out, allow_partial=args.allow_partial, monolith=args.monolith,
+                      progress=True)
     for w in result.warnings:
         print(f"flowfleet assemble: warning: {w}", file=sys.stderr)
-    print(f"wrote {result.out}: experts {result.present} of K = {result.num_experts} + router")
+    if args.monolith:
+        print(f"wrote {result.out}: the monolith as a one-expert model")
+    else:
+        print(f"wrote {result.out}: experts {result.present} of K = {result.num_experts} + router")
     return 0
 
 

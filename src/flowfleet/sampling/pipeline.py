@@ -196,10 +196,15 @@ class FleetPipeline:
             if (cfg.in_channels, *cfg.input_size) != (c, h, w):
                 raise FlowfleetError(f"{root.url_of(folder)}: expert {k} denoises {(cfg.in_channels, *cfg.input_size)}, "
                                      f"model_index.json says latent_shape {(c, h, w)}")
-        if not root.exists("router"):
+        router = None
+        if tuple(index.router) == (None, None):  # a one-expert model (the monolith): nothing to route
+            if index.num_experts != 1:
+                raise FlowfleetError(f"{root.url_of(INDEX_FILE)}: no router for {index.num_experts} experts")
+        elif not root.exists("router"):
             raise FlowfleetError(f"{root.url_of('router')}: missing (the fleet's router)")
-        router = load_model(DiTRouter, root, "router").to(device)
-        if router.cfg.num_outputs != index.num_experts:
+        else:
+            router = load_model(DiTRouter, root, "router").to(device)
+        if router is not None and router.cfg.num_outputs != index.num_experts:
             raise FlowfleetError(f"{root.url_of('router')}: num_outputs {router.cfg.num_outputs} differs from "
                                  f"the fleet's K = {index.num_experts}")
 

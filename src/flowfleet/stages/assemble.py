@@ -31,6 +31,8 @@ from flowfleet.storage import RunRoot
 
 STATUS_FILE = "status.json"
 FINAL = "final"
+MONOLITH = "monolith"  # the job folder of the compute-matched baseline
+MONOLITH_MODEL = "model-monolith"  # where `assemble --monolith` writes it as a one-expert model
 
 
 @dataclass
@@ -81,9 +83,9 @@ def _check_shape(who: str, where: str, cfg: DiTConfig, run: RunConfig) -> None:
                              f"input_size) differs from the run's latent shape {(c, h, w)}")
 
 
-def check_expert(k: int, where: str, cfg: DiTConfig, run: RunConfig) -> None:
+def check_expert(k: int | str, where: str, cfg: DiTConfig, run: RunConfig) -> None:
     """Refuse an expert that cannot be sampled with the others; names the expert and the field."""
-    who = f"expert {k}"
+    who = f"expert {k}" if isinstance(k, int) else k
     ref = run.expert
     _check_shape(who, where, cfg, run)
     if cfg.num_outputs:
@@ -138,13 +140,17 @@ def _read_config(who: str, root: RunRoot, *parts: str) -> DiTConfig:
 # --------------------------------------------------------------------------------------------------
 
 
-def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = False,
+def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = False, monolith: bool = False,
              progress: bool = False) -> AssembleResult:
-    """Check, then copy experts + router into a model folder; model_index.json is written last."""
+    """Check, then copy experts + router into a model folder; model_index.json is written last.
+    monolith=True: the monolith alone as a one-expert model with no router (default out RUN_ROOT/model-monolith),
+    which generate and evaluate open like a fleet."""
     from flowfleet.models.dit import DiTExpert, DiTRouter
 
     root = RunRoot(run_root)
     run = load_run_config(root)
+    if monolith:
+        return _assemble_monolith(root, run, out, progress)
     num_experts = run.cluster.k
 
     # 1. Everything is checked before anything is written.
@@ -175,16 +181,43 @@ def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = Fal
         raise FlowfleetError(f"no finished expert among the {num_experts} in {root.url_of('experts')}")
     warnings = [f"partial fleet: expert {k} left out ({why}); router probabilities are renormalised over "
                 f"experts {present}" for k, why in missing.items()]
-
-    # 2. Write components, then the index.
+    components = [("router", ("router", FINAL), DiTRouter)] + [
+        (expert_folder(k), ("experts", str(k), FINAL), DiTExpert) for k in present]
+    source = {"router": {"step": router_status.get("step"), "samples_seen": router_status.get("samples_seen")},
+              "experts": {str(k): {"step": s.get("step"), "samples_seen": s.get("samples_seen")}
+                          for k, s in statuses.items()},
+              "missing_experts": {str(k): why for k, why in missing.items()}}
     out_root = RunRoot(out) if out else RunRoot(root.url_of("model"))
+    _write_model(root, run, out_root, components, num_experts, present, source, router=True, progress=progress)
+    return AssembleResult(out_root.url, num_experts, present, missing, warnings)
+
+
+def _assemble_monolith(root: RunRoot, run: RunConfig, out: str | None, progress: bool) -> AssembleResult:
+    from flowfleet.models.dit import DiTExpert
+
+    ok, why, status = job_finished(root, MONOLITH)
+    if not ok:
+        raise FlowfleetError(f"monolith: not finished ({why}); train it with `flowfleet train-monolith {root.url}`")
+    cfg = _read_config(MONOLITH, root, MONOLITH, FINAL)
+    check_expert(MONOLITH, root.url_of(MONOLITH, FINAL, "config.json"), cfg, run)
+    source = {"monolith": {"step": status.get("step"), "samples_seen": status.get("samples_seen")}}
+    out_root = RunRoot(out) if out else RunRoot(root.url_of(MONOLITH_MODEL))
+    _write_model(root, run, out_root, [(expert_folder(0), (MONOLITH, FINAL), DiTExpert)], 1, [0], source,
+                 router=False, progress=progress)
+    return AssembleResult(out_root.url, 1, [0], {}, [])
+
+
+def _write_model(root: RunRoot, run: RunConfig, out_root: RunRoot, components: list[tuple[str, tuple[str, ...], type]],
+                 num_experts: int, present: list[int], source: dict[str, Any], *, router: bool,
+                 progress: bool) -> None:
+    """Copy the components (strictly loaded first), the encoder references and run.yaml; index last."""
     out_root.remove(INDEX_FILE)  # the folder stops being a model until the new index lands
     for name in out_root.ls():
         if name.startswith("expert_") and name.removeprefix("expert_") not in {str(k) for k in present}:
             out_root.remove(name, recursive=True)  # stale expert of an earlier assembly
+    if not router:
+        out_root.remove("router", recursive=True)
 
-    components = [("router", ("router", FINAL), DiTRouter)] + [
-        (expert_folder(k), ("experts", str(k), FINAL), DiTExpert) for k in present]
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -227,18 +260,13 @@ def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = Fal
         text_len=ref.text_len if ref.conditioning == "cross_attn" else 0,
         latent_encoder=latent_cfg.model_dump(mode="json"),
         text_encoder_config=text_cfg.model_dump(mode="json") if text_cfg is not None else None,
-        scheduler=SchedulerConfig(**run.sampling.model_dump()),
-        router=("flowfleet", "DiTRouter"),
+        # a model without a router has one expert to run: top1
+        scheduler=SchedulerConfig(**{**run.sampling.model_dump(), **({} if router else {"strategy": "top1"})}),
+        router=("flowfleet", "DiTRouter") if router else (None, None),
         text_encoder=("flowfleet", "TextEncoderReference") if text_cfg is not None else (None, None),
         vae=("flowfleet", "LatentEncoderReference") if latent_cfg.name != "pixels" else (None, None),
-        source={
-            "run_root": root.url, "run_name": run.name, "assembled_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "router": {"step": router_status.get("step"), "samples_seen": router_status.get("samples_seen")},
-            "experts": {str(k): {"step": s.get("step"), "samples_seen": s.get("samples_seen")}
-                        for k, s in statuses.items()},
-            "missing_experts": {str(k): why for k, why in missing.items()},
-        },
+        source={"run_root": root.url, "run_name": run.name, "assembled_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **source},
         **{expert_folder(k): ["flowfleet", "DiTExpert"] for k in present},
     )
     out_root.write_json(index.to_json_dict(), INDEX_FILE)
-    return AssembleResult(out_root.url, num_experts, present, missing, warnings)

@@ -411,7 +411,8 @@ def _monolith_pipeline(root: RunRoot, fleet, device: torch.device):
     store = ExpertStore(lambda _k: load_model(DiTExpert, root, MONOLITH, "final").to(device), [0], 1)
     return FleetPipeline(store, None, latent_shape=fleet.latent_shape, conditioning=fleet.conditioning,
                          num_classes=fleet.num_classes, text_encoder=fleet.text_encoder,
-                         latent_decoder=fleet.latent_decoder, scheduler=fleet.scheduler, device=device)
+                         latent_decoder=fleet.latent_decoder,
+                         scheduler=fleet.scheduler.model_copy(update={"strategy": "top1"}), device=device)
 
 
 class _SemanticFeatures:
