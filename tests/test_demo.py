@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+from conftest import install_digit_classifier
 
 from flowfleet.cli import main
 from flowfleet.errors import FlowfleetError
@@ -31,15 +33,27 @@ def check_run(path, *, strategies=("top1", "top2", "full")) -> dict:
     evaluation = json.loads((path / "reports" / "evaluation.json").read_text())
     assert list(evaluation["runs"]) == ["monolith", *strategies]
     assert all(v > 0 for v in evaluation["fid"]["scores"].values())
+    # MNIST: every model judged by the digit classifier, every scored sample kept with its prompt
+    digits = evaluation["prompt_accuracy"]
+    assert digits["classifier"]["val_accuracy"] >= 0.97 and list(digits["scores"]) == list(evaluation["runs"])
+    for name, run in evaluation["runs"].items():
+        assert 0 <= run["prompt_accuracy"] <= 1 and run["classifier_fd"] > 0
+        with np.load(path / "reports" / run["samples"]) as npz:
+            assert npz["images"].shape[0] == evaluation["n"] == len(npz["prompts"])
+            assert all("handwritten digit" in p for p in npz["prompts"])
+    assert "prompt accuracy" in html and "classifier FD" in html
+    # both routers' accuracy per t-bucket, from their training reports
+    assert "router-paris" in html and "p(k | x_t, t, prompt)" in html
     timings = json.loads((path / "reports" / "timings.json").read_text())
     assert {"prepare", "cluster", "train-all", "assemble", "generate", "evaluate", "total"} <= set(timings)
-    for s in strategies:
+    for s in ("monolith", *strategies):
         assert (path / "reports" / "showcase" / f"{s}.png").exists()
     return evaluation
 
 
-def test_demo_smoke_runs_every_stage_and_resumes(tmp_path):
+def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
     out = tmp_path / "demo"
+    install_digit_classifier(digit_classifier, out)  # trained once per session
     result = demo(str(out), size="smoke", echo=lambda _: None, progress=False)
     assert result.report.endswith("reports/report.html")
     check_run(out)
@@ -62,7 +76,7 @@ def test_demo_refuses_an_out_folder_of_another_run(tmp_path):
 
 def test_demo_plans_validate_and_quick_is_smaller():
     full, quick = demo_plan("full"), demo_plan("quick")
-    assert full.config.cluster.k == quick.config.cluster.k == 4
+    assert full.config.cluster.k == quick.config.cluster.k == 2
     assert full.config.data.source == "mnist" and full.config.data.limit is None  # all 5000 digits
     assert quick.config.train.steps < full.config.train.steps
     assert full.evaluation.monolith and full.evaluation.strategies == ("top1", "top2", "full")
@@ -71,8 +85,9 @@ def test_demo_plans_validate_and_quick_is_smaller():
 
 
 @pytest.mark.slow
-def test_demo_quick_through_the_cli(tmp_path, capsys):
+def test_demo_quick_through_the_cli(tmp_path, capsys, digit_classifier):
     out = tmp_path / "demo-quick"
+    install_digit_classifier(digit_classifier, out)
     assert main(["demo", "--out", str(out), "--quick"]) == 0
     assert "open" in capsys.readouterr().out
     check_run(out)

@@ -315,12 +315,12 @@ class ReportBuilder:
                 "header": ["model", "prompt accuracy", "confidence", "classifier FD", "FID"],
                 "rows": [[name, _fmt(r.get("prompt_accuracy")), _fmt(r.get("confidence")),
                           _fmt(r.get("classifier_fd")), _fmt(r.get("fid"))] for name, r in runs.items()]})
-            scores = digits.get("scores") or {}
+            per_model = digits.get("scores") or {}
             s.tables.append({
                 "caption": "prompt accuracy per prompted digit",
                 "header": ["model", *[str(d) for d in range(10)]],
                 "rows": [[name, *[_fmt((a.get("per_digit") or {}).get(str(d))) for d in range(10)]]
-                         for name, a in scores.items()]})
+                         for name, a in per_model.items()]})
             s.notes.append(f"Digit classifier: trained by flowfleet on {clf.get('train_items', '?')} MNIST-5k digits, "
                            f"validation accuracy {_fmt(clf.get('val_accuracy'))} on the other "
                            f"{clf.get('val_items', '?')} (reports/digit_classifier/).")

@@ -421,7 +421,8 @@ class _SemanticFeatures:
     def __init__(self, root: RunRoot, cfg: RunConfig, fid_key: str, device: torch.device):
         import safetensors.torch
 
-        self.available = root.exists("clusters", "centroids.safetensors")
+        # Images can be placed among the centroids only when the clusters were made from image features.
+        self.available = cfg.cluster.features == "semantic" and root.exists("clusters", "centroids.safetensors")
         sem = cfg.encoders.semantic
         size = sem.image_size or 299
         # The clustering features ARE the FID features when both are default_1 at one input size.
