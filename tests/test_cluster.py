@@ -181,23 +181,25 @@ def test_l2_normalize_is_in_place():
 # ------------------------------------------------------------------------------------------------
 
 
-def write_run(root, features: torch.Tensor, labels: torch.Tensor, shard_size: int = 64, **cluster_cfg) -> RunRoot:
+def write_run(root, image_features: torch.Tensor, labels: torch.Tensor, shard_size: int = 64,
+              text: torch.Tensor | None = None, **cluster_cfg) -> RunRoot:
     """A run.yaml (mnist-tiny with the given cluster section) and a complete data/ of synthetic items."""
     cfg = preset("mnist-tiny").to_dict()
-    cfg["cluster"].update(cluster_cfg)
+    cfg["cluster"].update({"features": "semantic", "balance": False, **cluster_cfg})
     cfg["router"]["num_outputs"] = cfg["cluster"]["k"]
     run = RunRoot(root)
     RunConfig.from_dict(cfg).save(run)
-    n = features.shape[0]
+    n = image_features.shape[0]
     g = torch.Generator().manual_seed(0)
     data = ShardSet(run, "data")
     manifest = ShardSetManifest(extra={"source": {"kind": "synthetic"}, "encoders": {"latent": {"name": "pixels"}}})
     for lo in range(0, n, shard_size):
         hi = min(lo + shard_size, n)
         m = hi - lo
-        tensors = {"latents": torch.rand(m, 1, 16, 16, generator=g) * 2 - 1, "features": features[lo:hi] * 3.0,
+        tensors = {"latents": torch.rand(m, 1, 16, 16, generator=g) * 2 - 1, "features": image_features[lo:hi] * 3.0,
                    "text_tokens": torch.randn(m, 8, 384, generator=g).half(),
-                   "text_mask": torch.ones(m, 8, dtype=torch.uint8), "text_pooled": torch.randn(m, 384, generator=g),
+                   "text_mask": torch.ones(m, 8, dtype=torch.uint8),
+                   "text_pooled": text[lo:hi] if text is not None else torch.randn(m, 384, generator=g),
                    "labels": labels[lo:hi], "index": torch.arange(lo, hi)}
         data.append(manifest, tensors, [f"item {i}" for i in range(lo, hi)])
     manifest.complete = True
@@ -239,6 +241,37 @@ def test_cluster_stage_writes_aligned_files_and_complete_partitions(run_root):
         assert caps == [captions[i] for i in rows.tolist()]
         total += m.count
     assert total == n
+
+
+def test_label_coherence_is_the_mean_majority_share():
+    from flowfleet.stages.cluster import label_coherence
+
+    labels = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, -1])
+    assign = torch.tensor([0, 0, 0, 1, 1, 1, 0, 1, 1])
+    assert label_coherence(labels, assign) == pytest.approx((3 / 4 + 1 + 1 / 2) / 3)
+    assert label_coherence(labels, torch.zeros(9, dtype=torch.long)) == 1.0
+    assert label_coherence(torch.full((3,), -1), torch.zeros(3, dtype=torch.long)) is None
+
+
+@pytest.mark.parametrize("features", ["semantic", "text", "both"])
+def test_cluster_features_choose_what_is_clustered(run_root, features):
+    # Image features separate A|B, the captions separate C|D: each choice finds its own partition.
+    n = 120
+    g = torch.Generator().manual_seed(3)
+    image_group, text_group = torch.arange(n) % 2, (torch.arange(n) // 2) % 2
+    dirs = torch.nn.functional.normalize(torch.randn(4, 384, generator=g), dim=1)
+    image = dirs[image_group, :16] * 10 + 0.01 * torch.randn(n, 16, generator=g)
+    text = dirs[2 + text_group] + 0.01 * torch.randn(n, 384, generator=g)
+    labels = image_group if features == "semantic" else text_group
+    run = write_run(run_root, image, labels, text=text, k=2, fine_k=4, features=features)
+    report = cluster(run, progress=False)
+    assert report["features"]["kind"] == features
+    if features == "both":  # both halves count: four groups, two partitions, each group whole
+        groups = image_group * 2 + text_group
+        assign = load_assignments(run)
+        assert all(len(torch.unique(assign[groups == j])) == 1 for j in range(4))
+    else:
+        assert report["label_coherence"] == 1.0 and report["nmi"] > 0.99
 
 
 def test_rerun_replaces_partitions_and_random_mode(run_root):
@@ -284,7 +317,7 @@ def test_mnist_tiny_init_prepare_cluster_cli(tmp_path, capsys):
     assert main(["prepare", run, "--quiet"]) == 0
     assert main(["cluster", run, "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "prepared 384 items in 3 shards" in out and "kmeans: 3 partitions" in out
+    assert "prepared 384 items in 3 shards" in out and "kmeans on text features: 3 partitions" in out
     root = RunRoot(run)
     data = ShardSet(root, "data").manifest()
     assert data.count == 384 and data.fields["features"]["shape"] == [2048]
@@ -293,3 +326,6 @@ def test_mnist_tiny_init_prepare_cluster_cli(tmp_path, capsys):
     counts = [ShardSet(root, f"partitions/{k}").manifest().count for k in range(3)]
     assert all(c > 0 for c in counts) and sum(counts) == data.count == sum(report["sizes"])
     assert counts == report["sizes"] and report["nmi"] is not None
+    # the preset clusters the captions ("a handwritten digit seven"): every digit lies whole in one partition
+    assert report["features"]["kind"] == "text" and report["label_coherence"] == 1.0
+    assert "label coherence 1.000" in out

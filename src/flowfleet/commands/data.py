@@ -64,6 +64,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     from flowfleet.stages.cluster import cluster
 
     report = cluster(args.run_root, backend=args.backend, device=args.device, progress=not args.quiet)
-    nmi = f", NMI vs labels {report['nmi']:.3f}" if report.get("nmi") is not None else ""
-    print(f"{report['mode']}: {report['k']} partitions, sizes {report['sizes']}{nmi}")
+    kind = (report.get("features") or {}).get("kind", "semantic")
+    labels = ""
+    if report.get("nmi") is not None:
+        labels = (f", NMI vs labels {report['nmi']:.3f}, label coherence {report['label_coherence']:.3f} "
+                  "(share of a label's items in its majority partition, mean over labels)")
+    print(f"{report['mode']} on {kind} features: {report['k']} partitions, sizes {report['sizes']}{labels}")
     return 0
