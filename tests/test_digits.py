@@ -41,7 +41,7 @@ def test_classifier_reads_held_out_digits(judge, held_out):
     result = judge.prompt_accuracy(x, _prompts(y))
     assert result["accuracy"] >= 0.95
     assert result["n"] == 1000 and result["skipped"] == 0
-    assert min(result["per_digit"].values()) >= 0.85
+    assert min(result["per_class"].values()) >= 0.85
     wrong = judge.prompt_accuracy(x, _prompts((y + 1) % 10))  # every prompt names another digit
     assert wrong["accuracy"] <= 0.05
 

@@ -215,3 +215,41 @@ def test_evaluate_measures_prompt_adherence_for_the_shapes_source(tmp_path):
     assert adh["n"] + adh["unparsed"] == 24 and adh["n"] >= 20
     assert 0.0 <= adh["both"] <= adh["colour"] <= 1.0 and adh["both"] <= adh["shape"]
     assert adh["both"] < 0.5  # random weights draw no coloured shapes
+
+
+JUDGE_MODULE = '''
+import torch
+from flowfleet.evaluate.judge import ClassifierJudge
+
+def make(root):
+    # "bright" when the mean pixel is above 0, else "dark"
+    def classify(images):
+        m = images.float().mean(dim=(1, 2, 3))
+        return torch.stack([-m, m], dim=1) * 100
+    return ClassifierJudge(classify, [["dark"], ["bright", "light"]], record={"kind": "test"})
+'''
+
+
+def test_user_judge_scores_prompt_accuracy(fleet, tmp_path):
+    """--judge MODULE:FACTORY: any classifier over named classes, imported from a .py file."""
+    from flowfleet.evaluate.judge import ClassifierJudge, load_judge
+    from flowfleet.stages.evaluate import evaluate
+
+    judge_file = tmp_path / "my_judge.py"
+    judge_file.write_text(JUDGE_MODULE)
+    judge = load_judge(f"{judge_file}:make", fleet)
+    assert isinstance(judge, ClassifierJudge)
+    images = torch.cat([torch.full((3, 1, 8, 8), -0.5), torch.full((2, 1, 8, 8), 0.5)])
+    res = judge.prompt_accuracy(images, ["a dark one"] * 3 + ["a LIGHT one", "a dark one"])
+    assert res["accuracy"] == pytest.approx(4 / 5) and res["per_class"] == {"dark": 0.75, "bright": 1.0}
+    assert judge.prompt_accuracy(images[:2], ["dark", "a cat"])["skipped"] == 1
+
+    # the synthetic captions ("item 3 of cluster 0") name no class: refused before any sampling
+    with pytest.raises(FlowfleetError, match="--judge: none of the 12 prompts names one of the judge's classes"):
+        evaluate(fleet.url_of("model"), fleet.url, options(strategies=("top1",), monolith=False, diagnostics=False,
+                 judge=f"{judge_file}:make"), echo=lambda _m: None, extractor=SmallFeatures())
+
+    for bad, message in (("nocolon", "not MODULE:FACTORY"), (f"{tmp_path}/missing.py:make", "cannot import"),
+                         (f"{judge_file}:absent", "no callable 'absent'")):
+        with pytest.raises(FlowfleetError, match=message):
+            load_judge(bad, fleet)

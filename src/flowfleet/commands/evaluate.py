@@ -41,6 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Inception input side (default 299, the standard; 75..298 is faster on a CPU but only "
                    "comparable with FIDs at the same size)")
     p.add_argument("--no-diagnostics", action="store_true", help="skip alignment, disagreement, router accuracy")
+    p.add_argument("--judge", default=None, metavar="MODULE:FACTORY",
+                   help="prompt accuracy by your own classifier: FACTORY(run_root) returns a "
+                   "flowfleet.evaluate.judge.ClassifierJudge (MODULE importable or a .py file); on the built-in "
+                   "MNIST source a digit classifier is the default judge")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
     p.set_defaults(func=run_evaluate)
 
@@ -72,6 +76,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         n=args.n, strategies=_strategies(args.strategies), monolith=args.monolith, seed=args.seed,
         batch_size=args.batch_size, steps=args.steps, sampler=args.sampler, cfg=args.cfg, shift=args.shift,
         route_every=args.route_every, ref_n=args.ref_n, diagnostics=not args.no_diagnostics, device=args.device,
+        judge=args.judge,
         fid=FIDSettings(extractor=args.fid_extractor, weights=args.fid_weights, resize=args.fid_resize),
     )
     result = evaluate(args.model_dir, args.reference, options)

@@ -2,7 +2,7 @@
 feature space.
 
     judge = DigitJudge.load_or_train(root)                 # cached in RUN_ROOT/reports/digit_classifier/
-    judge.prompt_accuracy(images, prompts)                 # {"accuracy", "confidence", "per_digit", ...}
+    judge.prompt_accuracy(images, prompts)                 # {"accuracy", "confidence", "per_class", ...}
     FID(settings, extractor=judge.extractor())             # Fréchet distance in its 128-d features
 
 Inception FID at MNIST's size cannot tell a digit from a blob (both are far from ImageNet); a small
@@ -17,10 +17,9 @@ to 28 x 28.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -30,6 +29,7 @@ from torch import nn
 from flowfleet.data.images import resize_batch
 from flowfleet.data.sources import DIGIT_WORDS
 from flowfleet.errors import FlowfleetError
+from flowfleet.evaluate.judge import ClassifierJudge
 from flowfleet.storage import RunRoot
 
 log = logging.getLogger(__name__)
@@ -37,16 +37,6 @@ log = logging.getLogger(__name__)
 FOLDER = ("reports", "digit_classifier")
 SIDE = 28
 FEATURES = 128
-_DIGIT = re.compile(r"\b(" + "|".join(DIGIT_WORDS) + r"|[0-9])\b")
-
-
-def prompted_digit(prompt: str) -> int | None:
-    """'a handwritten digit seven' -> 7; None when the prompt names no digit."""
-    m = _DIGIT.search(prompt.lower())
-    if m is None:
-        return None
-    word = m.group(1)
-    return int(word) if word.isdigit() else DIGIT_WORDS.index(word)
 
 
 class DigitNet(nn.Module):
@@ -140,12 +130,18 @@ def train_classifier(x: torch.Tensor, y: torch.Tensor, settings: TrainSettings =
     return net, record
 
 
-class DigitJudge:
-    """A trained DigitNet and what it says about generated images."""
+class DigitJudge(ClassifierJudge):
+    """A trained DigitNet as a ClassifierJudge over the digits (a prompt names a digit by word or numeral)."""
 
     def __init__(self, net: DigitNet, record: dict[str, Any]):
         self.net = net.eval()
-        self.record = record
+        super().__init__(self._classify, [[str(d), w] for d, w in enumerate(DIGIT_WORDS)], record,
+                         DigitFeatures(self.net))
+
+    def _classify(self, images: torch.Tensor) -> torch.Tensor:
+        if images.shape[1] not in (1, 3):
+            raise FlowfleetError(f"digit classifier: expected images [B, 1 or 3, H, W], got {tuple(images.shape)}")
+        return self.net(images.float().mean(dim=1, keepdim=True))  # grey [B, 1, H, W] -> logits [B, 10]
 
     @property
     def val_accuracy(self) -> float:
@@ -171,38 +167,10 @@ class DigitJudge:
         root.write_json(record, *meta)
         return cls(net, record)
 
-    @torch.no_grad()
-    def probabilities(self, images: torch.Tensor, batch: int = 500) -> torch.Tensor:
-        """images [B, 1 or 3, H, W] in [-1, 1] -> class probabilities [B, 10]."""
-        if images.ndim != 4 or images.shape[1] not in (1, 3):
-            raise FlowfleetError(f"digit classifier: expected images [B, 1 or 3, H, W], got {tuple(images.shape)}")
-        gray = images.float().mean(dim=1, keepdim=True)
-        return torch.cat([self.net(gray[i : i + batch]).softmax(1) for i in range(0, gray.shape[0], batch)])
 
-    def prompt_accuracy(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, Any]:
-        """Share of images read as their prompt's digit, mean probability of that digit, per digit.
-        Prompts that name no digit are counted and left out."""
-        if len(prompts) != images.shape[0]:
-            raise FlowfleetError(f"prompt accuracy: {images.shape[0]} images but {len(prompts)} prompts")
-        targets = [prompted_digit(p) for p in prompts]
-        keep = [i for i, d in enumerate(targets) if d is not None]
-        if not keep:
-            raise FlowfleetError("prompt accuracy: no prompt names a digit (zero..nine)")
-        probs = self.probabilities(images[keep])  # [n, 10]
-        want = torch.tensor([targets[i] for i in keep])
-        hit = probs.argmax(1) == want
-        conf = probs.gather(1, want[:, None])[:, 0]
-        per_digit = {}
-        for d in range(10):
-            sel = want == d
-            if sel.any():
-                per_digit[str(d)] = round(float(hit[sel].float().mean()), 4)
-        return {"accuracy": float(hit.float().mean()), "confidence": float(conf.mean()), "n": len(keep),
-                "skipped": len(prompts) - len(keep), "per_digit": per_digit,
-                "predicted": probs.argmax(1).tolist(), "classifier_val_accuracy": self.val_accuracy}
-
-    def extractor(self) -> "DigitFeatures":
-        return DigitFeatures(self.net)
+def prompted_digit(prompt: str) -> int | None:
+    """'a handwritten digit seven' -> 7 (words or numerals as whole words); None when it names none."""
+    return _DIGITS.target(prompt)
 
 
 class DigitFeatures(nn.Module):
@@ -220,3 +188,7 @@ class DigitFeatures(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = images.float() / 127.5 - 1.0
         return self.net.features(x.mean(dim=1, keepdim=True)).double()
+
+
+# Names of the digits for reading prompts (no classifier: only target() is used).
+_DIGITS = ClassifierJudge(lambda x: x, [[str(d), w] for d, w in enumerate(DIGIT_WORDS)])

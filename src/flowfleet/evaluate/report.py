@@ -309,21 +309,26 @@ class ReportBuilder:
         if digits:
             clf = digits.get("classifier") or {}
             s.tables.append({
-                "caption": "per model: prompt accuracy (share of samples a digit classifier reads as the prompted "
-                           "digit; higher is better), the classifier's mean probability of that digit, the Fréchet "
+                "caption": "per model: prompt accuracy (share of samples the judge reads as the prompted class; "
+                           "higher is better), the judge's mean probability of that class, the Fréchet "
                            "distance in the classifier's features (lower is better), and Inception FID",
                 "header": ["model", "prompt accuracy", "confidence", "classifier FD", "FID"],
                 "rows": [[name, _fmt(r.get("prompt_accuracy")), _fmt(r.get("confidence")),
                           _fmt(r.get("classifier_fd")), _fmt(r.get("fid"))] for name, r in runs.items()]})
             per_model = digits.get("scores") or {}
+            classes = list(dict.fromkeys(c for a in per_model.values() for c in (a.get("per_class") or {})))
             s.tables.append({
-                "caption": "prompt accuracy per prompted digit",
-                "header": ["model", *[str(d) for d in range(10)]],
-                "rows": [[name, *[_fmt((a.get("per_digit") or {}).get(str(d))) for d in range(10)]]
+                "caption": "prompt accuracy per prompted class",
+                "header": ["model", *classes],
+                "rows": [[name, *[_fmt((a.get("per_class") or {}).get(c)) for c in classes]]
                          for name, a in per_model.items()]})
-            s.notes.append(f"Digit classifier: trained by flowfleet on {clf.get('train_items', '?')} MNIST-5k digits, "
-                           f"validation accuracy {_fmt(clf.get('val_accuracy'))} on the other "
-                           f"{clf.get('val_items', '?')} (reports/digit_classifier/).")
+            if "val_accuracy" in clf:
+                s.notes.append(f"Judge: the {clf.get('judge', 'classifier')}, trained by flowfleet on "
+                               f"{clf.get('train_items', '?')} MNIST-5k digits, validation accuracy "
+                               f"{_fmt(clf.get('val_accuracy'))} on the other {clf.get('val_items', '?')} "
+                               "(reports/digit_classifier/).")
+            else:
+                s.notes.append(f"Judge: {clf.get('judge', '?')}.")
         else:
             s.tables.append({"caption": "FID per strategy (lower is better)", "header": ["model", "FID"],
                              "rows": [[name, f"{v:.2f}"] for name, v in scores.items()]})

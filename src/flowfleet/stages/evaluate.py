@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.shards import ShardSet
 from flowfleet.errors import FlowfleetError
+from flowfleet.evaluate.digits import prompted_digit
 from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
 from flowfleet.evaluate.report import EVALUATION_FILE, REPORTS
 from flowfleet.flow import parse_strategy
@@ -62,6 +63,7 @@ class EvaluateOptions:
     diagnostics: bool = True
     diagnostic_n: int = 32  # samples whose trajectories probe expert disagreement (K passes per step)
     device: str = "auto"
+    judge: str | None = None  # MODULE:FACTORY of a prompt-accuracy judge (flowfleet.evaluate.judge); MNIST: built in
 
     def validate(self) -> None:
         if self.n < 2:
@@ -216,9 +218,9 @@ class _Evaluation:
         self.fid: FID | None = None
         self.ref: FeatureStats | None = None
         self.semantic: _SemanticFeatures | None = None
-        self.digits: Any = None  # DigitJudge on the MNIST source
-        self.digit_fd: FID | None = None
-        self.digit_ref: FeatureStats | None = None
+        self.judge: Any = None  # prompt accuracy: --judge, or the digit classifier on the MNIST source
+        self.judge_fd: FID | None = None
+        self.judge_ref: FeatureStats | None = None
         self.prompt_accuracy: dict[str, Any] = {}
         self.runs: dict[str, ModelRun] = {}
         self.settings: Any = None
@@ -270,22 +272,36 @@ class _Evaluation:
             images = reference_images(self.cfg, self.latents, order, ref_n, self.options.fid.batch_size, self.device)
             self.ref = fid.reference(self.root, "data", images, n=ref_n, fingerprint=fingerprint)
         self.timings["reference_s"] = time.perf_counter() - t0
-        if self.cfg.data.source == "mnist" and self.prompts:
-            self._open_digits(fingerprint)
+        if self.options.judge or (self.cfg.data.source == "mnist" and self.prompts
+                                  and any(prompted_digit(p) is not None for p in self.prompts)):
+            self._open_judge(fingerprint)
         if self.options.diagnostics:
             self.semantic = _SemanticFeatures(self.root, self.cfg, fid.key, self.device)
 
-    def _open_digits(self, fingerprint: str) -> None:
-        """The digit classifier (trained once, cached in reports/) and its reference statistics."""
+    def _open_judge(self, fingerprint: str) -> None:
+        """The prompt-accuracy judge (--judge, or the MNIST digit classifier, trained once and cached in
+        reports/) and, when it has features, their reference statistics for the classifier FD."""
         from flowfleet.evaluate.digits import DigitJudge
+        from flowfleet.evaluate.judge import load_judge
 
+        if not self.prompts:
+            raise FlowfleetError("--judge: the model is not text-conditioned; prompt accuracy needs prompts")
         t0 = time.perf_counter()
-        self.digits = DigitJudge.load_or_train(self.root)
-        self.echo(f"evaluate: digit classifier (validation accuracy {self.digits.val_accuracy:.3f})")
-        self.digit_fd = FID(FIDSettings(batch_size=500), self.device, extractor=self.digits.extractor())
-        images = reference_images(self.cfg, self.latents, self.order, self.ref_n, 500, self.device)
-        self.digit_ref = self.digit_fd.reference(self.root, "data", images, n=self.ref_n, fingerprint=fingerprint)
-        self.timings["digit_classifier_s"] = time.perf_counter() - t0
+        if self.options.judge:
+            self.judge = load_judge(self.options.judge, self.root)
+            target = getattr(self.judge, "target", None)
+            if callable(target) and all(target(p) is None for p in self.prompts):
+                raise FlowfleetError(f"--judge: none of the {len(self.prompts)} prompts names one of the judge's "
+                                     f"classes (e.g. {self.prompts[0]!r})")
+        else:
+            self.judge = DigitJudge.load_or_train(self.root)
+            self.echo(f"evaluate: digit classifier (validation accuracy {self.judge.val_accuracy:.3f})")
+        extractor = self.judge.extractor() if callable(getattr(self.judge, "extractor", None)) else None
+        if extractor is not None:
+            self.judge_fd = FID(FIDSettings(batch_size=500), self.device, extractor=extractor)
+            images = reference_images(self.cfg, self.latents, self.order, self.ref_n, 500, self.device)
+            self.judge_ref = self.judge_fd.reference(self.root, "data", images, n=self.ref_n, fingerprint=fingerprint)
+        self.timings["judge_s"] = time.perf_counter() - t0
 
     def run_model(self, name: str, kind: str, pipe) -> ModelRun:
         """Sample options.n images from one model (a strategy of the fleet, or the monolith); FID, the
@@ -313,13 +329,14 @@ class _Evaluation:
         run.fid_s = time.perf_counter() - t0
         self.echo(f"evaluate: {name}: FID {run.fid:.2f}")
 
-        if self.digits is not None:
-            acc = self.prompt_accuracy[name] = self.digits.prompt_accuracy(images, out.prompts)
-            run.prompt_accuracy, run.confidence = acc["accuracy"], acc["confidence"]
-            run.classifier_fd = self.digit_fd.score(self.digit_fd.statistics([images], desc="classifier features"),
-                                                    self.digit_ref)
-            self.echo(f"evaluate: {name}: prompt accuracy {run.prompt_accuracy:.3f} (confidence "
-                      f"{run.confidence:.3f}), classifier FD {run.classifier_fd:.2f}")
+        if self.judge is not None:
+            acc = self.prompt_accuracy[name] = self.judge.prompt_accuracy(images, out.prompts)
+            run.prompt_accuracy, run.confidence = acc["accuracy"], acc.get("confidence")
+            if self.judge_fd is not None:
+                fake = self.judge_fd.statistics([images], desc="classifier features")
+                run.classifier_fd = self.judge_fd.score(fake, self.judge_ref)
+            self.echo(f"evaluate: {name}: prompt accuracy {run.prompt_accuracy:.3f}"
+                      + (f", classifier FD {run.classifier_fd:.2f}" if run.classifier_fd is not None else ""))
         run.samples = f"{SAMPLES}/{name}.npz"
         self.root.write_bytes(samples_npz(images, out.prompts, o.seed), REPORTS, run.samples)
 
@@ -358,8 +375,9 @@ class _Evaluation:
                     "scores": {name: r.fid for name, r in self.runs.items()}},
             "runs": {name: r.to_json() for name, r in self.runs.items()},
             "adherence": self.adherence or None,
-            "prompt_accuracy": ({"classifier": self.digits.record, "scores": self.prompt_accuracy}
-                                if self.digits is not None else None),
+            "prompt_accuracy": ({"classifier": {"judge": o.judge or "mnist digit classifier",
+                                                **getattr(self.judge, "record", {})},
+                                 "scores": self.prompt_accuracy} if self.judge is not None else None),
             "diagnostics": self.diagnostics,
             "timings": self.timings,
         }
@@ -524,8 +542,10 @@ def print_table(result: dict[str, Any]) -> None:
         table.add_row(*row)
     Console().print(table)
     if digits:
-        Console().print(f"prompt accuracy: share of samples a digit classifier (validation accuracy "
-                        f"{digits['classifier']['val_accuracy']:.3f}) reads as the prompted digit")
+        clf = digits.get("classifier") or {}
+        val = f" (validation accuracy {clf['val_accuracy']:.3f})" if "val_accuracy" in clf else ""
+        Console().print(f"prompt accuracy: share of samples the {clf.get('judge', 'classifier')}{val} reads as "
+                        "the prompted class")
     if not fid.get("standard_input", True):
         Console().print(f"note: Inception input {fid['resize']} px (non-standard): compare only with FIDs at the same "
                         "size and sample counts")

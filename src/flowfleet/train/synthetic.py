@@ -23,7 +23,7 @@ def synthetic_config(*, k: int = 2, size: int = 8, channels: int = 1, steps: int
     raw = PRESETS["mnist-tiny"]()
     raw["name"] = "synthetic"
     raw["data"].update(image_size=size, channels=channels)
-    raw["cluster"].update(k=k, fine_k=2 * k)
+    raw["cluster"].update(k=k, fine_k=2 * k, features="semantic", balance=False)
     raw["expert"].update(input_size=(size, size), in_channels=channels, hidden_size=32, depth=1, num_heads=2,
                          patch_size=2)
     raw["router"].update(input_size=(size, size), in_channels=channels, hidden_size=32, depth=1, num_heads=2,
