@@ -180,3 +180,22 @@ def test_expert_is_a_dit_model():
 def test_invalid_configs_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         DiTConfig(**{**dict(size="tiny/2", input_size=(8, 8)), **bad})
+
+
+def test_size_builds_that_size_and_contradicting_fields_are_refused(tmp_path):
+    from pydantic import ValidationError
+
+    from flowfleet.models.dit import DiTModel
+    from flowfleet.models.files import read_dit_config, save_model
+
+    model = DiTModel(size="B/4", input_size=(32, 32))
+    assert (model.cfg.depth, model.cfg.hidden_size, model.cfg.num_heads, model.cfg.patch_size) == (12, 768, 12, 4)
+    save_model(model, str(tmp_path), "m")
+    assert read_dit_config(str(tmp_path), "m") == model.cfg  # config.json says what was built
+    assert DiTModel(size="B/4", hidden_size=768).cfg.hidden_size == 768  # agreeing fields are fine
+    with pytest.raises(ValidationError, match="hidden_size: 384 contradicts size 'B/4'"):
+        DiTModel(size="B/4", hidden_size=384)
+    with pytest.raises(ValidationError, match="patch_size: 2 contradicts size 'S/4'"):
+        DiTModel(size="S/4", patch_size=2)
+    plain = DiTModel()  # no size: the documented defaults
+    assert (plain.cfg.depth, plain.cfg.hidden_size, plain.cfg.patch_size) == (12, 384, 2)

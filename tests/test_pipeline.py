@@ -100,7 +100,8 @@ def dense_reference(pipe, experts, x, t, cond, cfg, probs=None):
         vs = []
         for e in experts:
             drop = torch.cat([torch.zeros(len(x), dtype=torch.bool), torch.ones(len(x), dtype=torch.bool)])
-            v = e(torch.cat([x, x]), torch.cat([t, t]), drop=drop, **cond.repeat(2).kwargs())
+            both = {name: torch.cat([c, c]) for name, c in cond.kwargs().items()}
+            v = e(torch.cat([x, x]), torch.cat([t, t]), drop=drop, **both)
             vs.append(cfg_combine(*v.chunk(2), cfg))
         return combine(torch.stack(vs), probs)
 

@@ -2,7 +2,7 @@
 
 path.py      interpolant x_t, target velocity, timestep scaling for the embedder
 loss.py      training-time sampling of t and the velocity regression loss
-sampler.py   t-grids, Euler/Heun ODE integration from t=1 (noise) to t=0 (data), CFG
+sampler.py   t-grids, Euler/Heun ODE integration from t=1 (noise) to t=0 (data), the guided velocity (CFG)
 ensemble.py  combining expert velocities with router weights (top-k renormalised, full)
 """
 
@@ -15,10 +15,10 @@ from flowfleet.flow.path import (
     target_velocity,
     x0_from_velocity,
 )
-from flowfleet.flow.sampler import cfg_combine, integrate, time_grid
+from flowfleet.flow.sampler import cfg_combine, guided_velocity, integrate, time_grid
 
 __all__ = [
     "TIME_CONVENTION", "embedder_timestep", "interpolate", "target_velocity", "x0_from_velocity",
-    "flow_matching_loss", "sample_t", "time_grid", "integrate", "cfg_combine",
+    "flow_matching_loss", "sample_t", "time_grid", "integrate", "cfg_combine", "guided_velocity",
     "combine", "routing_weights", "parse_strategy", "Strategy",
 ]

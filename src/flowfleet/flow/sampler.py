@@ -1,4 +1,5 @@
-"""ODE samplers over a t-grid from 1 (noise) to 0 (data), and classifier-free guidance."""
+"""ODE samplers over a t-grid from 1 (noise) to 0 (data), and classifier-free guidance (the one home of
+the guided velocity: `guided_velocity` runs a model once on [conditional; unconditional] rows)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,17 @@ def integrate(
 def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
     """Classifier-free guidance on all channels: v_u + s (v_c - v_u). scale = 1 is no guidance."""
     return v_uncond + scale * (v_cond - v_uncond)
+
+
+def guided_velocity(model: Callable[..., torch.Tensor], x: torch.Tensor, t: torch.Tensor,
+                    cond: dict[str, torch.Tensor], scale: float, **model_kwargs) -> torch.Tensor:
+    """Classifier-free guided velocity [B, ...] from ONE model call on 2B rows: the B samples with their
+    condition, then the same samples with drop=True (the null condition); cfg_combine of the halves.
+    `model_kwargs` go to the call unchanged (e.g. a patch-parallel expert's mode and row slots, which the
+    caller gives for all 2B rows)."""
+    n = x.shape[0]
+    drop = torch.arange(2 * n, device=x.device) >= n  # [2B]: first half conditioned, second half null
+    both = {name: torch.cat([c, c]) for name, c in cond.items()}
+    v = model(torch.cat([x, x]), torch.cat([t, t]), drop=drop, **both, **model_kwargs)
+    v_cond, v_uncond = v.chunk(2)  # each [B, ...]
+    return cfg_combine(v_cond, v_uncond, scale)

@@ -59,14 +59,20 @@ class DiTConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _fill_from_size(cls, data: Any) -> Any:
+        """A size fills depth / hidden_size / num_heads (/ patch_size); a field given as well must agree."""
         if isinstance(data, dict) and data.get("size"):
             depth, hidden, heads, patch = parse_size(data["size"])
             data = dict(data)
-            data.setdefault("depth", depth)
-            data.setdefault("hidden_size", hidden)
-            data.setdefault("num_heads", heads)
+            implied = {"depth": depth, "hidden_size": hidden, "num_heads": heads}
             if patch is not None:
-                data.setdefault("patch_size", patch)
+                implied["patch_size"] = patch
+            for name, value in implied.items():
+                given = data.get(name)
+                if given is None:
+                    data[name] = value
+                elif given != value:
+                    raise ValueError(f"{name}: {given} contradicts size {data['size']!r} ({name} {value}); "
+                                     "give one or the other")
         return data
 
     @model_validator(mode="after")

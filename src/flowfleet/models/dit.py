@@ -50,10 +50,10 @@ class DiTModel(ModelMixin, ConfigMixin):
         input_size: tuple[int, int] = (32, 32),
         in_channels: int = 4,
         out_channels: int | None = None,
-        patch_size: int = 2,
-        hidden_size: int = 384,
-        depth: int = 12,
-        num_heads: int = 6,
+        patch_size: int | None = None,  # None: from `size`, else 2
+        hidden_size: int | None = None,  # None: from `size`, else 384
+        depth: int | None = None,  # None: from `size`, else 12
+        num_heads: int | None = None,  # None: from `size`, else 6
         mlp_ratio: float = 4.0,
         adaln: str = "zero",
         conditioning: str = "none",
@@ -66,13 +66,16 @@ class DiTModel(ModelMixin, ConfigMixin):
         time_convention: str = TIME_CONVENTION,
     ):
         super().__init__()
+        # One way to build a model: DiTConfig resolves `size` and refuses fields that contradict it.
+        shape = {"patch_size": patch_size, "hidden_size": hidden_size, "depth": depth, "num_heads": num_heads}
         cfg = DiTConfig(
-            input_size=tuple(input_size), in_channels=in_channels, out_channels=out_channels,
-            patch_size=patch_size, hidden_size=hidden_size, depth=depth, num_heads=num_heads,
+            size=size, input_size=tuple(input_size), in_channels=in_channels, out_channels=out_channels,
+            **{name: v for name, v in shape.items() if v is not None},
             mlp_ratio=mlp_ratio, adaln=adaln, conditioning=conditioning, num_classes=num_classes,
             text_dim=text_dim, text_len=text_len, add_pooled=add_pooled, cond_dropout=cond_dropout,
             num_outputs=num_outputs, time_convention=time_convention,
         )
+        self.register_to_config(**{name: getattr(cfg, name) for name in shape})  # config.json: resolved values
         self.cfg = cfg
         d = cfg.hidden_size
         gh, gw = cfg.grid_size

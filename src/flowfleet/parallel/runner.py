@@ -31,7 +31,7 @@ import torch
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.ensemble import dense_weights
-from flowfleet.flow.sampler import cfg_combine
+from flowfleet.flow.sampler import cfg_combine, guided_velocity
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
 from flowfleet.parallel.bands import BandLayout
@@ -203,9 +203,6 @@ class ParallelVelocity:
         slot_rows = rows
         doubled = r.guided and not r.split
         if doubled:  # [cond rows; uncond rows] in one batch; uncond rows live in the slot's second half
-            xk, tk = torch.cat([xk, xk]), torch.cat([tk, tk])
-            ck = {name: torch.cat([c, c]) for name, c in ck.items()}
-            drop = torch.arange(2 * n, device=xk.device) >= n
             slot_rows = torch.cat([rows, rows + r.batch])
         elif r.guided:  # this rank group runs one half of the CFG batch
             drop = torch.full((n,), r.group_index == 1, dtype=torch.bool, device=xk.device)
@@ -213,10 +210,10 @@ class ParallelVelocity:
         if mode is ParallelMode.DISPLACED and not bool((fresh[slot_rows.cpu()] == self.evals - 1).all()):
             mode = ParallelMode.SYNC  # no previous-step keys/values for (some of) these samples
         prefetch = self.steps is None or step < self.steps - 1
-        v = r.expert(k)(xk, tk, mode=mode, rows=slot_rows, prefetch=prefetch, drop=drop, **ck)
+        if doubled:
+            v = guided_velocity(r.expert(k), xk, tk, ck, self.cfg_scale, mode=mode, rows=slot_rows, prefetch=prefetch)
+        else:
+            v = r.expert(k)(xk, tk, mode=mode, rows=slot_rows, prefetch=prefetch, drop=drop, **ck)
         if mode is ParallelMode.SYNC or (mode is ParallelMode.DISPLACED and prefetch):
             fresh[slot_rows.cpu()] = self.evals
-        if doubled:
-            v_cond, v_uncond = v.chunk(2)
-            v = cfg_combine(v_cond, v_uncond, self.cfg_scale)
         return v, mode

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from flowfleet.flow import cfg_combine, routing_weights
+from flowfleet.flow import guided_velocity, routing_weights
 from flowfleet.sampling.store import ExpertStore
 
 
@@ -40,10 +40,6 @@ class Condition:
     def select(self, rows: torch.Tensor) -> "Condition":
         """The conditioning of some samples (rows: index tensor)."""
         return replace(self, **{name: t[rows] for name, t in self._tensors().items()})
-
-    def repeat(self, times: int) -> "Condition":
-        """[B, ...] -> [times * B, ...] (the conditional and unconditional halves of a CFG batch)."""
-        return replace(self, **{name: torch.cat([t] * times) for name, t in self._tensors().items()})
 
     def kwargs(self) -> dict[str, torch.Tensor]:
         return self._tensors()
@@ -114,7 +110,7 @@ def run_selected(
     """sum_j w[b, j] * v_{e[b, j]}(x_b, t_b) for every sample b, running each expert only on its samples.
 
     x [B, C, H, W], t [B]. With `guided`, each expert sees [its samples; the same samples with
-    drop=True] in one batch and returns cfg_combine(v_cond, v_uncond) for them.
+    drop=True] in one batch (flowfleet.flow.guided_velocity).
     """
     b = x.shape[0]
     out = torch.zeros_like(x)
@@ -131,11 +127,7 @@ def run_selected(
         xk, tk, ck = x[rows], t[rows], cond.select(rows)
         expert = store.get(k)
         if guided:
-            drop = torch.zeros(2 * n, dtype=torch.bool, device=x.device)
-            drop[n:] = True
-            v = expert(torch.cat([xk, xk]), torch.cat([tk, tk]), drop=drop, **ck.repeat(2).kwargs())
-            v_cond, v_uncond = v.chunk(2)  # each [n_k, C, H, W]
-            vk = cfg_combine(v_cond, v_uncond, cfg_scale)
+            vk = guided_velocity(expert, xk, tk, ck.kwargs(), cfg_scale)  # [n_k, C, H, W]
         else:
             vk = expert(xk, tk, **ck.kwargs())  # [n_k, C, H, W]
         if stats is not None:

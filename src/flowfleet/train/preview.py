@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from flowfleet.flow import cfg_combine, integrate, interpolate, time_grid
+from flowfleet.flow import guided_velocity, integrate, interpolate, time_grid
 from flowfleet.models.config import DiTConfig
 
 T_BUCKETS = 10  # router accuracy is reported per t-bucket [i/10, (i+1)/10)
@@ -58,10 +58,7 @@ def sample_flow(model: torch.nn.Module, cfg: DiTConfig, cond: dict[str, torch.Te
     def velocity(x: torch.Tensor, t: torch.Tensor, _: int) -> torch.Tensor:
         if not conditioned:
             return model(x, t, drop=keep)
-        both = {k: torch.cat([v, v]) for k, v in cond.items()}
-        drop = torch.cat([keep, ~keep])  # first half conditioned, second half the null condition
-        v_cond, v_uncond = model(torch.cat([x, x]), torch.cat([t, t]), drop=drop, **both).chunk(2)
-        return cfg_combine(v_cond, v_uncond, guidance)
+        return guided_velocity(model, x, t, cond, guidance)
 
     return integrate(velocity, x1, time_grid(steps, shift, device=device), sampler=sampler)
 
