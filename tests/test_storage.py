@@ -56,6 +56,22 @@ def test_retries_transient_errors_then_gives_up():
         with_retries(lambda: (_ for _ in ()).throw(FileNotFoundError("gone")), what="read z")
 
 
+@pytest.mark.parametrize("error", [PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError])
+def test_permanent_errors_fail_at_once_naming_the_path(error):
+    from flowfleet.storage import is_transient
+
+    calls = []
+
+    def refused():
+        calls.append(1)
+        raise error("Access Denied")
+
+    with pytest.raises(error, match="write s3://bucket/run/x.json: Access Denied"):
+        with_retries(refused, what="write s3://bucket/run/x.json", base_delay=0.001)
+    assert len(calls) == 1 and not is_transient(error("x"))
+    assert is_transient(ConnectionResetError("reset")) and is_transient(TimeoutError()) and is_transient(OSError(5, "EIO"))
+
+
 def test_append_line(tmp_path):
     root = RunRoot(tmp_path)
     root.append_line('{"step": 1}', "job", "metrics.jsonl")

@@ -22,18 +22,29 @@ import yaml
 
 T = TypeVar("T")
 
-# Errors worth retrying on a remote store (timeouts, throttling, connection resets).
-_TRANSIENT = (ConnectionError, TimeoutError, OSError)
+# What never heals by waiting: a missing path, a refused permission, a path of the wrong kind. Every other
+# OSError (timeouts, throttling, connection resets, a store that is briefly unreachable) is retried.
+PERMANENT: tuple[type[OSError], ...] = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                                        FileExistsError)
+TRANSIENT: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, OSError)
+
+
+def is_transient(err: BaseException) -> bool:
+    """True for an error that a retry can cure (see PERMANENT / TRANSIENT)."""
+    return isinstance(err, TRANSIENT) and not isinstance(err, PERMANENT)
 
 
 def with_retries(fn: Callable[[], T], *, what: str, attempts: int = 5, base_delay: float = 0.2) -> T:
-    """Run fn, retrying transient errors with exponential backoff; FileNotFoundError is not retried."""
+    """Run fn, retrying transient errors with exponential backoff; permanent ones are raised at once,
+    naming `what` (the path) when the error itself does not."""
     for i in range(attempts):
         try:
             return fn()
-        except FileNotFoundError:
-            raise
-        except _TRANSIENT as err:  # noqa: PERF203
+        except TRANSIENT as err:  # noqa: PERF203
+            if not is_transient(err):
+                if isinstance(err, FileNotFoundError) or what in str(err):
+                    raise  # callers test for a missing path by its type
+                raise type(err)(f"{what}: {err}") from err
             if i == attempts - 1:
                 raise OSError(f"{what}: failed after {attempts} attempts: {err}") from err
             time.sleep(base_delay * 2**i)
