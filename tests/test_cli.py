@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 
 from flowfleet.cli import STAGES, build_parser, main
-from flowfleet.commands import not_implemented
 
 
 def test_help_lists_every_stage():
@@ -16,11 +14,6 @@ def test_help_lists_every_stage():
     for stage in STAGES:
         assert f"    {stage}" in out, stage
     assert set(build_parser()._subparsers._group_actions[0].choices) == set(STAGES)
-
-
-def test_unimplemented_stage_says_so_and_fails(capsys):
-    rc = not_implemented(99)(argparse.Namespace(command="frobnicate"))
-    assert rc == 2 and "not implemented yet" in capsys.readouterr().err
 
 
 def test_init_and_its_errors(tmp_path, capsys):

@@ -98,8 +98,7 @@ def test_s3_round_trip_of_files_and_models(s3_url, tmp_path):
     x, t = torch.randn(2, 1, 8, 8), torch.rand(2)
     with torch.no_grad():
         assert torch.equal(model(x, t), loaded(x, t))
-    local = root.get_dir(tmp_path / "copy", "experts", "0")
-    assert sorted(p.name for p in (local / "final").iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert sorted(root.ls("experts", "0", "final")) == ["config.json", "diffusion_pytorch_model.safetensors"]
 
 
 def test_storage_block_of_run_yaml_applies_to_every_write(s3_url, s3_endpoint):

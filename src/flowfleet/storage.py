@@ -214,16 +214,3 @@ class RunRoot:
             if f.is_file():
                 rel = f.relative_to(local_dir).as_posix()
                 self.write_bytes(f.read_bytes(), *parts, rel)
-
-    def get_dir(self, local_dir: str | os.PathLike, *parts: str) -> Path:
-        """Copy a folder of the run root to a local folder (or return it directly when local)."""
-        if self.is_local:
-            return Path(self.path(*parts))
-        local_dir = Path(local_dir)
-        base = self.path(*parts)
-        for p in with_retries(lambda: self.fs.find(base), what=f"list {self.url_of(*parts)}"):
-            rel = posixpath.relpath(p, base)
-            dest = local_dir / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(with_retries(lambda p=p: self.fs.cat_file(p), what=f"read {p}"))
-        return local_dir

@@ -3,17 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-
-
-def not_implemented(issue: int):
-    """A stage whose implementation has not landed yet: says so and exits non-zero."""
-
-    def run(args: argparse.Namespace) -> int:
-        print(f"flowfleet {args.command}: not implemented yet (tracked in issue {issue})", file=sys.stderr)
-        return 2
-
-    return run
 
 
 def add_run_root(p: argparse.ArgumentParser) -> None:

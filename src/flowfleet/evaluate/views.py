@@ -168,13 +168,3 @@ def fid_png(scores: Mapping[str, float], title: str = "FID (lower is better)") -
     ax.set(title=title, ylabel="FID")
     fig.tight_layout()
     return _png(fig)
-
-
-def table_rows(mapping: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """A flat dict as (key, formatted value) rows; floats to 4 significant digits."""
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
-
-    return [(str(k), fmt(v)) for k, v in mapping.items()]
