@@ -175,7 +175,7 @@ class InceptionTaps(torch.nn.Module):
 
     def __init__(self, size: int = 149):
         super().__init__()
-        from flowfleet.evaluate.inception import default_1_path
+        from flowfleet.data.inception import default_1_path
 
         self.layers = torch.jit.load(str(default_1_path()), map_location="cpu").net.layers
         self.size = size

@@ -142,7 +142,7 @@ def test_pixel_features():
 
 
 def test_inception_matches_the_torchscript_network():
-    from flowfleet.evaluate.inception import default_1_path
+    from flowfleet.data.inception import default_1_path
 
     enc = build_semantic_encoder(SemanticEncoderConfig(name="inception"))
     assert enc.dim == 2048 and enc.describe()["image_size"] == 299

@@ -14,7 +14,7 @@ from flowfleet.data.sources import draw_shape
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.adherence import ShapeReader, parse_prompt, prompt_adherence
 from flowfleet.evaluate.fid import FIDSettings
-from flowfleet.evaluate.inception import to_rgb
+from flowfleet.data.inception import to_rgb
 from flowfleet.evaluate.report import SECTIONS, write_report
 from flowfleet.storage import RunRoot
 

@@ -13,7 +13,7 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, to_uint8
-from flowfleet.evaluate.inception import Default1Inception, build_extractor, to_rgb
+from flowfleet.data.inception import Default1Inception, build_extractor, to_rgb
 from flowfleet.storage import RunRoot
 
 

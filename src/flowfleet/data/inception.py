@@ -1,4 +1,4 @@
-"""The FID feature network: uint8 images in, Inception pool features out.
+"""The Inception-v3 feature network (prepare: clustering features; evaluate: FID), uint8 in, features out.
 
 Two extractors, one interface (`uint8 [B, C, H, W] -> float32 [B, 2048]`, `.num_features`, `.key`):
 
