@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.comm import Group
 
@@ -78,18 +79,10 @@ def in_torchrun() -> bool:
     return all(k in os.environ for k in TORCHRUN_ENV)
 
 
-def _device_for(local_rank: int, device: str | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
 def init_process_group(rank: int, world_size: int, *, init_method: str = "env://", timeout_s: float = 60.0,
                        device: str | None = None, local_rank: int | None = None) -> DistContext:
     """Join the process group (gloo on CPU, NCCL on CUDA) with a collective timeout."""
-    dev = _device_for(rank if local_rank is None else local_rank, device)
+    dev = resolve_device(device, rank if local_rank is None else local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = default_backend(dev)

@@ -25,6 +25,7 @@ from flowfleet.cluster.kmeans import l2_normalize_, random_partition, two_stage_
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.encoders import build_latent_encoder
 from flowfleet.data.shards import ShardSet, ShardSetManifest
+from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.storage import RunRoot
 
@@ -126,7 +127,7 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
         raise FlowfleetError(f"{data.url}: the shards' index is not 0..{n - 1} in order; run prepare with --restart")
     if c.k > n:
         raise FlowfleetError(f"cluster.k: {c.k} partitions for only {n} prepared items")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device)
 
     report: dict[str, Any] = {"mode": c.mode, "k": c.k, "count": n, "config": c.model_dump(mode="json"),
                               "source": manifest.extra.get("source"),

@@ -180,7 +180,7 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
 
     def showcase() -> None:
         from flowfleet.data.encoders import build_text_encoder
-        from flowfleet.stages.generate import resolve_device
+        from flowfleet.device import resolve_device
 
         # loaded once for the monolith and the three strategies
         text = build_text_encoder(plan.config.encoders.text, resolve_device("auto"))

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.shards import ShardSet
+from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.digits import prompted_digit
 from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
@@ -108,12 +109,6 @@ class ModelRun:
 # --------------------------------------------------------------------------------------------------
 #                                   Reference and prompts
 # --------------------------------------------------------------------------------------------------
-
-
-def _device(name: str) -> torch.device:
-    from flowfleet.stages.generate import resolve_device
-
-    return resolve_device(name)
 
 
 def _open_reference(reference: str) -> tuple[RunRoot, RunConfig, ShardSet]:
@@ -254,7 +249,7 @@ class _Evaluation:
             done, why, _ = job_finished(root, MONOLITH)
             if not done:
                 raise FlowfleetError(f"--monolith: {why}")
-        ev = cls(model_root.url, root, cfg, data, options, _device(options.device), echo, index.conditioning)
+        ev = cls(model_root.url, root, cfg, data, options, resolve_device(options.device), echo, index.conditioning)
         ev._open_fid(extractor)
         return ev
 

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.sampling.pipeline import FleetOutput, FleetPipeline
 from flowfleet.sampling.views import image_grid, png_bytes, routing_heatmap
@@ -27,17 +28,6 @@ class GenerateResult:
     routing_json: str
     heatmap: str
     loads: Counter[int]  # expert -> times loaded (lazy loading / --offload)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise FlowfleetError(f"--device: {device} requested but CUDA is not available")
-    try:
-        return torch.device(device)
-    except RuntimeError:
-        raise FlowfleetError(f"--device: unknown device {device!r} (expected cpu, cuda, cuda:N or auto)") from None
 
 
 def sibling_paths(out: str) -> tuple[str, str, str, str]:

@@ -33,6 +33,7 @@ from flowfleet.data.encoders import (
 from flowfleet.data.images import ImageDecodeError, open_image, to_tensor
 from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.data.sources import RawItem, Source, build_source
+from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.storage import RunRoot
 
@@ -194,7 +195,7 @@ def prepare(run_root: str | RunRoot, *, device: str | None = None, restart: bool
     bad = _BadInput([s for s in manifest.extra.get("skipped", []) if s["pos"] < start],
                     int(manifest.extra.get("skipped_count", 0)), int(manifest.extra.get("missing_captions", 0)))
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device)
     enc = build_encoders(cfg, dev)
     manifest.extra.update(recipe=recipe, source=recipe["source"], encoders=enc.describe(),
                           has_labels=source.has_labels, image_size=d.image_size, channels=d.channels)

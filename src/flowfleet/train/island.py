@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flowfleet.device import resolve_device
+
 
 @dataclass
 class Island:
@@ -28,12 +30,7 @@ class Island:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        if device is not None:
-            dev = torch.device(device)
-        elif torch.cuda.is_available():
-            dev = torch.device("cuda", local % torch.cuda.device_count())
-        else:
-            dev = torch.device("cpu")
+        dev = resolve_device(device, local)
         island = cls(rank, world, local, dev)
         if world > 1 and not dist.is_initialized():
             if dev.type == "cuda":
