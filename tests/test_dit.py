@@ -13,7 +13,7 @@ from flowfleet.models.embeddings import sincos_1d, sincos_2d, timestep_sinusoid
 
 
 def _model(**kw) -> DiTModel:
-    base = dict(size="tiny/2", input_size=(8, 8), in_channels=3)
+    base = dict(size="tiny", patch_size=2, input_size=(8, 8), in_channels=3)  # "tiny": patch size free
     base.update(kw)
     return DiTModel.from_dit_config(DiTConfig(**base))
 

@@ -83,6 +83,11 @@ def test_invalid_config_value_names_the_field(tmp_path):
     raw = json.loads((tmp_path / "e" / "config.json").read_text())
     raw["num_heads"] = 3
     (tmp_path / "e" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelFileError) as err:  # the edited field contradicts the size preset it claims
+        read_dit_config(tmp_path / "e")
+    assert "num_heads: 3 contradicts size 'tiny/2'" in _one_line(err)
+    raw["size"] = None  # without a size: the width is not divisible by the heads
+    (tmp_path / "e" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelFileError) as err:
         read_dit_config(tmp_path / "e")
     assert "hidden_size" in _one_line(err)
@@ -92,6 +97,7 @@ def test_config_that_does_not_match_weights_is_refused(tmp_path):
     save_model(_expert(), tmp_path / "e")
     raw = json.loads((tmp_path / "e" / "config.json").read_text())
     raw["depth"] = raw["depth"] + 1
+    raw["size"] = None  # a self-consistent config (no size preset to contradict) that the weights do not fit
     (tmp_path / "e" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelFileError) as err:
         load_model(DiTExpert, tmp_path / "e")

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from flowfleet.config import LatentEncoderConfig, TextEncoderConfig
+from flowfleet.config import LatentEncoderConfig, SamplingConfig, TextEncoderConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.models.files import validation_message
@@ -37,25 +37,15 @@ def expert_folder(k: int) -> str:
     return f"expert_{k}"
 
 
-class SchedulerConfig(BaseModel):
-    """How generate samples by default (from run.yaml's `sampling`), with the time convention it assumes."""
-
-    model_config = ConfigDict(extra="forbid")
+class SchedulerConfig(SamplingConfig):
+    """How generate samples by default: run.yaml's `sampling` section, plus the time convention it assumes."""
 
     time_convention: str = TIME_CONVENTION
-    steps: int = Field(30, ge=1)
-    sampler: str = "euler"
-    cfg: float = Field(4.0, ge=0)
-    shift: float = Field(1.0, gt=0)
-    strategy: str = "top2"
-    route_every: int = Field(1, ge=1)
 
     @model_validator(mode="after")
-    def _check(self) -> "SchedulerConfig":
+    def _check_convention(self) -> "SchedulerConfig":
         if self.time_convention != TIME_CONVENTION:
             raise ValueError(f"time_convention: {self.time_convention!r} differs from flowfleet's {TIME_CONVENTION!r}")
-        if self.sampler not in ("euler", "heun"):
-            raise ValueError(f"sampler: unknown sampler {self.sampler!r} (expected euler or heun)")
         return self
 
 
