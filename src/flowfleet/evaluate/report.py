@@ -260,15 +260,13 @@ class ReportBuilder:
 
     def section_samples(self) -> Section:
         s = Section("samples", TITLES["samples"])
-        for name in self.root.ls(REPORTS, "showcase"):  # `flowfleet demo`: fixed prompts, one grid per strategy
-            if name.endswith(".png") and not name.endswith(".routing.png"):
-                routing = _json(self.root, REPORTS, "showcase", name[:-4] + ".routing.json") or {}
-                rest, shared = views.strip_common_prefix(list(dict.fromkeys(routing.get("prompts") or [])))
-                prompts = f"{shared}: {', '.join(rest)}" if shared else "; ".join(rest)
-                img = self._file_image(f"{name[:-4]} (generate, prompts cycled row by row): {prompts}",
-                                       REPORTS, "showcase", name)
-                if img:
-                    s.images.append(img)
+        grids = [n for n in self.root.ls(REPORTS, "showcase") if n.endswith(".png") and not n.endswith(".routing.png")]
+        grids.sort(key=lambda n: (n != "monolith.png", n))  # `flowfleet demo`: the monolith, then each strategy
+        for name in grids:
+            img = self._file_image(f"{name[:-4]}: `flowfleet generate`, the same prompts and noise for every "
+                                   "model, each image labelled with its prompt", REPORTS, "showcase", name)
+            if img:
+                s.images.append(img)
         if self._needs_evaluation(s):
             return s
         for name, run in self._runs().items():

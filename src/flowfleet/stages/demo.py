@@ -181,12 +181,17 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
     def showcase() -> None:
         from flowfleet.data.encoders import build_text_encoder
         from flowfleet.device import resolve_device
+        from flowfleet.evaluate.views import captioned_grid_png
 
         # loaded once for the monolith and the three strategies
         text = build_text_encoder(plan.config.encoders.text, resolve_device("auto"))
         for name, folder, strategy in [("monolith", monolith, "top1")] + [(s, model, s) for s in STRATEGIES]:
-            generate(folder, prompts=list(SHOWCASE_PROMPTS), n=plan.showcase_n, strategy=strategy, seed=0,
-                     out=root.url_of(REPORTS, "showcase", f"{name}.png"), text_encoder=text, progress=progress)
+            out = generate(folder, prompts=list(SHOWCASE_PROMPTS), n=plan.showcase_n, strategy=strategy, seed=0,
+                           out=root.url_of(REPORTS, "showcase", f"{name}.png"), text_encoder=text,
+                           progress=progress).output
+            # the same images, each labelled with its prompt, for the report
+            root.write_bytes(captioned_grid_png(out.images, out.prompts, cols=len(SHOWCASE_PROMPTS), title=name),
+                             REPORTS, "showcase", f"{name}.png")
 
     stage("generate", showcase)
     evaluation = stage("evaluate", lambda: evaluate(model, url, plan.evaluation, echo=echo))

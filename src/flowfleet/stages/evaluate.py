@@ -337,7 +337,8 @@ class _Evaluation:
 
         shown = min(o.grid, o.n)
         run.prompts, run.grid = list(out.prompts[:shown]), f"{SAMPLES}/{name}.png"
-        title = f"{name}  FID {run.fid:.2f}"
+        title = (f"{name}  prompt accuracy {run.prompt_accuracy:.3f}  FID {run.fid:.2f}"
+                 if run.prompt_accuracy is not None else f"{name}  FID {run.fid:.2f}")
         self.root.write_bytes(captioned_grid_png(images[:shown], run.prompts, title=title), REPORTS, run.grid)
         if kind == "fleet":
             run.heatmap = f"{SAMPLES}/{name}.routing.png"
