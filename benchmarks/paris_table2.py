@@ -6,7 +6,8 @@ over several training seeds, judged by prompt accuracy, classifier FD and Incept
 For each training seed S the configuration is exactly `flowfleet demo`'s (the `mnist` preset, K = 2
 caption clusters, 1000 steps per expert, a monolith trained K x as many steps so that its training
 FLOPs equal the experts' sum, a prompt-aware router and Paris' prompt-blind one), with train.seed and
-router_train.seed set to S. Each seed is a run root OUT/seed-S: prepare (or data/ copied from
+router_train.seed set to S. The experts are assembled twice, with each router (model/, model-paris/),
+and both fleets are evaluated with top-1, top-2 and the full ensemble. Each seed is a run root OUT/seed-S: prepare (or data/ copied from
 --data-from, which must have the same recipe) -> cluster -> train-all -> assemble -> evaluate
 (--n samples per model, evaluation seed S; the same prompts and noise for every model of a seed).
 --run0 RUN_ROOT uses an already trained demo run (its configuration must be seed 0's) instead of
@@ -30,7 +31,9 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-MODELS = ("monolith", "top1", "top2", "full")
+STRATEGIES = ("top1", "top2", "full")
+# the monolith, the fleet with the run's prompt-aware router, the fleet with Paris' prompt-blind router
+MODELS = ("monolith", *STRATEGIES, *(f"paris-{s}" for s in STRATEGIES))
 METRICS = (("prompt_accuracy", "prompt accuracy", 3), ("classifier_fd", "classifier FD", 2), ("fid", "FID", 1))
 
 
@@ -87,18 +90,24 @@ def trained_run(args: argparse.Namespace, seed: int) -> tuple[Any, dict[str, flo
     if not outcome.ok:
         sys.exit(f"seed {seed}: training failed: {outcome.results} {outcome.messages}")
     assemble(root.url)
+    assemble(root.url, root.url_of("model-paris"), router="router-paris")
     return root, timings
 
 
 def evaluate_seed(args: argparse.Namespace, root, seed: int) -> dict[str, Any]:
+    """Both fleets and the monolith on the same prompts and noise; runs keyed as in MODELS."""
     from flowfleet.evaluate.fid import FIDSettings
     from flowfleet.stages.evaluate import EvaluateOptions, evaluate
 
-    opts = EvaluateOptions(n=args.n, ref_n=None, seed=seed, batch_size=args.n, strategies=MODELS[1:],
-                           monolith=True, fid=FIDSettings(resize=args.fid_resize, batch_size=100),
-                           diagnostics=True, diagnostic_n=16, device=args.device)
     t0 = time.perf_counter()
-    result = evaluate(root.url_of("model"), root.url, opts, echo=lambda _m: None)
+    result: dict[str, Any] = {"runs": {}, "router_accuracy": {}}
+    for folder, prefix, monolith in (("model", "", True), ("model-paris", "paris-", False)):
+        opts = EvaluateOptions(n=args.n, ref_n=None, seed=seed, batch_size=args.n, strategies=STRATEGIES,
+                               monolith=monolith, fid=FIDSettings(resize=args.fid_resize, batch_size=100),
+                               diagnostics=True, diagnostic_n=16, device=args.device)
+        r = evaluate(root.url_of(folder), root.url, opts, echo=lambda _m: None)
+        result["runs"].update({(name if name == "monolith" else prefix + name): run for name, run in r["runs"].items()})
+        result["router_accuracy"][folder] = (r["diagnostics"].get("router_accuracy") or {}).get("accuracy")
     result["wall_s"] = time.perf_counter() - t0
     return result
 
@@ -141,7 +150,7 @@ def main() -> None:
         r = evaluate_seed(args, root, seed)
         per_seed.append({"seed": seed, "wall_s": r["wall_s"], "runs": {
             name: {k: r["runs"][name][k] for k, _, _ in METRICS} for name in MODELS},
-            "router_accuracy": (r["diagnostics"].get("router_accuracy") or {}).get("accuracy")})
+            "router_accuracy": r["router_accuracy"]})
         print(f"seed {seed}: " + ", ".join(f"{name} {per_seed[-1]['runs'][name]['prompt_accuracy']:.3f}"
                                              for name in MODELS) + " (prompt accuracy)", flush=True)
     cfg = seed_config(0)

@@ -212,3 +212,20 @@ def test_assemble_monolith_is_a_one_expert_model_that_generate_opens(fleet):
     assert out.trace.stats.calls[0] == cfg.sampling.steps
     with pytest.raises(FlowfleetError, match="k=2 exceeds the 1 experts"):
         pipe(["a digit"], 2, strategy="top2")
+
+
+def test_assemble_with_the_paris_router(fleet, tmp_path):
+    run_root, cfg = fleet
+    with pytest.raises(FlowfleetError, match="router-paris: not finished .*train-router .* --paris"):
+        assemble(str(run_root), str(tmp_path / "m"), router="router-paris")
+    with pytest.raises(FlowfleetError, match="--router: 'nope' is not a router job"):
+        assemble(str(run_root), str(tmp_path / "m"), router="nope")
+    paris = randomize_(DiTRouter.from_dit_config(cfg.router), seed=5)
+    save_model(paris, str(run_root), "router-paris", "final")
+    (run_root / "router-paris" / "status.json").write_text(json.dumps(
+        {"job": "router-paris", "state": "done", "step": 30, "total_steps": 30}))
+    result = assemble(str(run_root), str(tmp_path / "m"), router="router-paris")
+    index = json.loads((tmp_path / "m" / "model_index.json").read_text())
+    assert index["source"]["router"]["job"] == "router-paris" and result.present == [0, 1, 2]
+    assert (tmp_path / "m" / "router" / WEIGHTS_NAME).read_bytes() == \
+        (run_root / "router-paris" / "final" / WEIGHTS_NAME).read_bytes()

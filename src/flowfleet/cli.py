@@ -1,4 +1,4 @@
-"""`flowfleet` command line: one sub-command per pipeline stage (see DESIGN.md, "CLI shape").
+"""`flowfleet` command line: one sub-command per pipeline stage.
 
 Each stage is a plain function in its own module; the modules under flowfleet.commands only parse
 arguments and call them. Heavy imports (torch, diffusers) happen inside the commands, so
@@ -8,6 +8,7 @@ arguments and call them. Heavy imports (torch, diffusers) happen inside the comm
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Sequence
 
@@ -16,7 +17,7 @@ from flowfleet.commands import data, evaluate, init, sample, train
 
 COMMAND_MODULES = (init, data, train, sample, evaluate)
 
-# The stages of DESIGN.md, in pipeline order; every one must be registered by a command module.
+# The stages, in pipeline order; every one must be registered by a command module.
 STAGES = ("init", "prepare", "cluster", "train-expert", "train-router", "train-monolith", "train-all",
           "status", "assemble", "generate", "evaluate", "report", "demo")
 
@@ -29,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         "assemble -> generate / evaluate -> report.  `flowfleet demo` runs all of it on built-in data.",
     )
     parser.add_argument("--version", action="version", version=f"flowfleet {__version__}")
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="also debug messages")
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = parser.add_subparsers(dest="command", metavar="STAGE", required=True)
     for module in COMMAND_MODULES:
         module.register(sub)
@@ -39,8 +43,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(verbose: bool = False, quiet: bool = False) -> None:
+    """The one logging set-up: flowfleet's messages (the "flowfleet" logger and its children) on stderr,
+    one line each; tables, progress bars and final paths stay console output of the commands."""
+    logger = logging.getLogger("flowfleet")
+    logger.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
+    if not any(getattr(h, "_flowfleet", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("flowfleet: %(message)s"))
+        handler._flowfleet = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_logging(args.verbose, args.quiet)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # to relaunch the same command (generate --nproc)
     from flowfleet.errors import FlowfleetError
 

@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-partial", action="store_true",
                    help="leave out experts that are not finished (with a warning) instead of refusing; the "
                    "router's probabilities are renormalised over the experts present")
+    p.add_argument("--router", default="router", choices=("router", "router-paris"),
+                   help="which trained router the fleet uses: the run's (default) or router-paris, Paris' "
+                   "prompt-blind baseline (run.yaml router_baseline)")
     p.add_argument("--monolith", action="store_true",
                    help="assemble the compute-matched monolith (monolith/final) instead, as a one-expert model "
                    "with no router (default --out RUN_ROOT/model-monolith); generate and evaluate open it like a fleet")
@@ -76,7 +79,7 @@ def run_assemble(args: argparse.Namespace) -> int:
     from flowfleet.stages.assemble import assemble
 
     result = assemble(args.run_root, args.out, allow_partial=args.allow_partial, monolith=args.monolith,
-                      progress=True)
+                      router=args.router, progress=True)
     for w in result.warnings:
         print(f"flowfleet assemble: warning: {w}", file=sys.stderr)
     if args.monolith:

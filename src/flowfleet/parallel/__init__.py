@@ -1,4 +1,4 @@
-"""Patch-parallel inference of DiT experts over torch.distributed (DistriFusion, papers/distrifusion).
+"""Patch-parallel inference of DiT experts over torch.distributed (DistriFusion, Li et al. 2024).
 
 mode.py       ParallelMode: sync | displaced | naive, one code path each
 bands.py      BandLayout: N contiguous, patch-aligned bands of token rows
@@ -8,7 +8,7 @@ runner.py     PatchParallelRunner / ParallelVelocity: the per-step velocity of a
 fleet.py      ParallelFleet / join_fleet: FleetPipeline and `generate --nproc N` on top of the runner
 launch.py     DistContext, torchrun (re)launch, local ranks for tests; gloo on CPU, NCCL on GPU
 synthetic.py  a quickly trained stripes DiT for quality checks (tests, benchmarks)
-unet/         the same for diffusers U-Nets (issue 8)
+unet/         the same for diffusers U-Nets
 
 Names are imported lazily, so `flowfleet generate --nproc N` can relaunch itself under torchrun
 without first importing the model code (diffusers) in the launcher process.

@@ -1,4 +1,4 @@
-"""A DiT run on one band of the image, per layer kind (DistriFusion, papers/distrifusion §4).
+"""A DiT run on one band of the image, per layer kind (DistriFusion, Li et al. 2024, §4).
 
     patch embedding   local: the band's patches + its slice of the fixed position embedding
     self-attention    local queries against the keys/values of the whole image; the other bands'

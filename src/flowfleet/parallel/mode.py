@@ -1,4 +1,4 @@
-"""How the image bands of a patch-parallel forward see each other (DistriFusion, papers/distrifusion §4).
+"""How the image bands of a patch-parallel forward see each other (DistriFusion, Li et al. 2024, §4).
 
     sync       every self-attention layer blocks on an all-gather of this step's keys/values: exact
                (equals the single-device output up to float rounding), pays the full communication.

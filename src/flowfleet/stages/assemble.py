@@ -33,6 +33,7 @@ STATUS_FILE = "status.json"
 FINAL = "final"
 MONOLITH = "monolith"  # the job folder of the compute-matched baseline
 MONOLITH_MODEL = "model-monolith"  # where `assemble --monolith` writes it as a one-expert model
+ROUTERS = ("router", "router-paris")  # router job folders: the run's router, Paris' prompt-blind baseline
 
 
 @dataclass
@@ -141,8 +142,9 @@ def _read_config(who: str, root: RunRoot, *parts: str) -> DiTConfig:
 
 
 def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = False, monolith: bool = False,
-             progress: bool = False) -> AssembleResult:
+             router: str = "router", progress: bool = False) -> AssembleResult:
     """Check, then copy experts + router into a model folder; model_index.json is written last.
+    router: the router job folder ("router", or "router-paris" for the prompt-blind baseline).
     monolith=True: the monolith alone as a one-expert model with no router (default out RUN_ROOT/model-monolith),
     which generate and evaluate open like a fleet."""
     from flowfleet.models.dit import DiTExpert, DiTRouter
@@ -154,11 +156,14 @@ def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = Fal
     num_experts = run.cluster.k
 
     # 1. Everything is checked before anything is written.
-    ok, why, router_status = job_finished(root, "router")
+    if router not in ROUTERS:
+        raise FlowfleetError(f"--router: {router!r} is not a router job (expected one of {', '.join(ROUTERS)})")
+    ok, why, router_status = job_finished(root, router)
     if not ok:
-        raise FlowfleetError(f"router: not finished ({why}); train it with `flowfleet train-router {root.url}`")
-    router_cfg = _read_config("router", root, "router", FINAL)
-    check_router(root.url_of("router", FINAL, "config.json"), router_cfg, run)
+        flag = " --paris" if router == "router-paris" else ""
+        raise FlowfleetError(f"{router}: not finished ({why}); train it with `flowfleet train-router {root.url}{flag}`")
+    router_cfg = _read_config(router, root, router, FINAL)
+    check_router(root.url_of(router, FINAL, "config.json"), router_cfg, run)
 
     present: list[int] = []
     missing: dict[int, str] = {}
@@ -181,9 +186,10 @@ def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = Fal
         raise FlowfleetError(f"no finished expert among the {num_experts} in {root.url_of('experts')}")
     warnings = [f"partial fleet: expert {k} left out ({why}); router probabilities are renormalised over "
                 f"experts {present}" for k, why in missing.items()]
-    components = [("router", ("router", FINAL), DiTRouter)] + [
+    components = [("router", (router, FINAL), DiTRouter)] + [
         (expert_folder(k), ("experts", str(k), FINAL), DiTExpert) for k in present]
-    source = {"router": {"step": router_status.get("step"), "samples_seen": router_status.get("samples_seen")},
+    source = {"router": {"job": router, "step": router_status.get("step"),
+                         "samples_seen": router_status.get("samples_seen")},
               "experts": {str(k): {"step": s.get("step"), "samples_seen": s.get("samples_seen")}
                           for k, s in statuses.items()},
               "missing_experts": {str(k): why for k, why in missing.items()}}

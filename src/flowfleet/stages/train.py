@@ -9,8 +9,8 @@
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -24,6 +24,8 @@ from flowfleet.train.loop import FINAL_DIR, TrainOptions, Trainer
 from flowfleet.train.status import JobStatus, read_status
 
 LOG_FILE = "train.log"
+
+log = logging.getLogger(__name__)
 
 
 def _open(run_root: str | RunRoot) -> tuple[RunRoot, RunConfig]:
@@ -181,5 +183,5 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
     for spec in todo:
         results.setdefault(spec.name, "not started")
     if any(r == "not started" for r in results.values()):
-        print("train-all: stopped; re-run to resume", file=sys.stderr)
+        log.warning("train-all: stopped; re-run to resume")
     return FleetOutcome(results, messages)

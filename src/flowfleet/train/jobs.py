@@ -12,8 +12,8 @@ and checked against its model configuration, its loss, its preview and its final
 
 from __future__ import annotations
 
+import logging
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -36,6 +36,8 @@ JobKind = Literal["expert", "router", "router-paris", "monolith"]
 ASSIGNMENTS = ("clusters", "assignments.safetensors")
 PREVIEW_COUNT = 8  # samples in an expert's grid
 ROUTER_EVAL_ITEMS = 512  # items the router's accuracy is measured on
+
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -178,9 +180,8 @@ class FlowTask(TrainTask):
                 encoder = build_latent_encoder(self.run.encoders.latent, self.run.data.channels, device)
                 self._decoder = encoder.decode
             except Exception as err:  # any loader failure (hub offline, missing files) -> latent previews
-                print(f"{self.name}: previews show raw latents; the {self.run.encoders.latent.name} decoder did "
-                      f"not load ({str(err).splitlines()[0][:200] if str(err) else type(err).__name__})",
-                      file=sys.stderr)
+                log.warning("%s: previews show raw latents; the %s decoder did not load (%s)", self.name,
+                            self.run.encoders.latent.name, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
                 self._decoder = False
                 return None
         return self._decoder

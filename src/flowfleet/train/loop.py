@@ -16,9 +16,9 @@ grad_accum 2.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +44,8 @@ FINAL_DIR = "final"
 REPORT_FILE = "report.json"
 SAMPLES_DIR = "samples"
 _DATA_STREAM = 1  # derive_seed tag of the data order (noise uses the step number instead)
+
+log = logging.getLogger(__name__)
 
 
 class TrainingDiverged(FlowfleetError):
@@ -203,7 +205,7 @@ class Trainer:
         if st.lease is None:
             return JobStatus(task.name, state=state, step=st.step, total_steps=task.total_steps)
         if state == "stopped":
-            print(f"{task.name}: {message}", file=sys.stderr)
+            log.warning("%s: %s", task.name, message)
         return st.lease.status
 
     # ----------------------------------------------------------------------------------------------
@@ -221,8 +223,7 @@ class Trainer:
         model = task.build_model().to(dev)
         amp = autocast_dtype(tc.precision, dev)
         if amp is None and tc.precision != "fp32" and island.is_main:
-            print(f"{task.name}: precision {tc.precision} applies on CUDA only; training in fp32 on {dev}",
-                  file=sys.stderr)
+            log.warning("%s: precision %s applies on CUDA only; training in fp32 on %s", task.name, tc.precision, dev)
         st = _State(island=island, model=model, net=model, amp=amp, micro=tc.batch_size // chunks,
                     opt=torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay),
                     scaler=torch.amp.GradScaler(dev.type, enabled=amp == torch.float16),
@@ -351,8 +352,8 @@ class Trainer:
         st.step, st.bad = ckpt.step, int(ckpt.state.get("bad_steps", 0))
         st.position = int(ckpt.state["data_position"]["samples"])
         if ckpt.state["data_position"].get("num_items") != len(self.task.data):
-            print(f"{self.task.name}: the data changed since {where} ({ckpt.state['data_position'].get('num_items')} "
-                  f"-> {len(self.task.data)} items); continuing with the new data", file=sys.stderr)
+            log.warning("%s: the data changed since %s (%s -> %d items); continuing with the new data", self.task.name,
+                        where, ckpt.state["data_position"].get("num_items"), len(self.task.data))
 
     def _checkpoint(self, st: _State) -> None:
         if st.island.is_main:

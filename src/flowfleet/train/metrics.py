@@ -8,7 +8,7 @@ written to a local temp folder) at checkpoints and at the end.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import tempfile
 from typing import Any
 
@@ -16,6 +16,8 @@ from flowfleet.storage import RunRoot
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLog:
@@ -32,7 +34,7 @@ class MetricsLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # the optional [tb] extra is not installed
-            print("flowfleet: tensorboard not installed; writing metrics.jsonl only", file=sys.stderr)
+            log.warning("tensorboard not installed; writing metrics.jsonl only")
             return None
         local = self.root.local_path(self.job_dir, TB_DIR)
         if local is None:

@@ -1,4 +1,4 @@
-"""DistriFusion patch parallelism for diffusers UNet2DConditionModel (papers/distrifusion §4).
+"""DistriFusion patch parallelism for diffusers UNet2DConditionModel (DistriFusion, Li et al. 2024, §4).
 
 mode.py       UNetMode (sync | displaced | sync-gn | stale-gn | separate-gn | naive) -> ParallelMode + NormStats
 step.py       BandStep: this rank's band and the current evaluation's mode, shared by the wrappers

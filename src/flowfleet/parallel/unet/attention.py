@@ -1,4 +1,4 @@
-"""Attention on one band of rows, as diffusers attention processors (papers/distrifusion §4).
+"""Attention on one band of rows, as diffusers attention processors (DistriFusion, Li et al. 2024, §4).
 
     self-attention   this band's queries against the keys/values of the whole image: this band's fresh
                      ones plus the other bands', which the ParallelMode supplies (this step's, blocking;

@@ -1,4 +1,4 @@
-"""Convolutions on one band of rows: halo rows from the neighbouring bands (papers/distrifusion §4).
+"""Convolutions on one band of rows: halo rows from the neighbouring bands (DistriFusion, Li et al. 2024, §4).
 
 A convolution with kernel k, stride s, padding p and dilation d along the height computes output row o
 from input rows o*s - p + j*d (j < k). A band owning input rows [r0, r1) (r0, r1 multiples of s) owns

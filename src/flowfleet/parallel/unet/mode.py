@@ -1,4 +1,4 @@
-"""How the row bands of a patch-parallel U-Net see each other (DistriFusion, papers/distrifusion §4, §5.3).
+"""How the row bands of a patch-parallel U-Net see each other (DistriFusion, Li et al. 2024, §4, §5.3).
 
 A U-Net has three kinds of layers that look across bands: convolutions (halo rows), self-attention
 (keys/values) and GroupNorm (statistics). `UNetMode` names one row of the paper's ablation and maps it

@@ -1,4 +1,4 @@
-"""GroupNorm on one band of rows, with the statistics of the whole image (papers/distrifusion §4, §5.3).
+"""GroupNorm on one band of rows, with the statistics of the whole image (DistriFusion, Li et al. 2024, §4, §5.3).
 
 GroupNorm normalises each (sample, group) over all channels of the group and ALL spatial positions, so
 a band alone does not know its statistics. Each band computes its own [B, G, 2] (mean, variance) and
