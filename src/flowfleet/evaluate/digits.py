@@ -16,7 +16,9 @@ to 28 x 28.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -162,10 +164,24 @@ class DigitJudge(ClassifierJudge):
                 return cls(net, root.read_json(*meta))
         log.info("training the digit classifier on MNIST-5k (cached in %s)", root.url_of(*FOLDER))
         x, y = mnist_tensors()
-        net, record = train_classifier(x, y, progress=progress)
+        with _all_cores():
+            net, record = train_classifier(x, y, progress=progress)
         root.write_bytes(safetensors.torch.save(net.state_dict()), *weights)
         root.write_json(record, *meta)
         return cls(net, record)
+
+
+@contextlib.contextmanager
+def _all_cores():
+    """Train on every core (it runs once, while nothing else does) unless OMP_NUM_THREADS says otherwise;
+    restore the caller's thread count afterwards (the demo runs its stages on one)."""
+    before = torch.get_num_threads()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def prompted_digit(prompt: str) -> int | None:
