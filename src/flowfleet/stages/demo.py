@@ -10,7 +10,7 @@ the recipe measured in BENCHMARKS.md) with step counts sized for a 2-core CPU:
     default   all 5000 digits, 1000 steps per expert (the monolith 2000: the same training FLOPs as the
               two experts together), 300 steps per router; evaluation of 300 samples per model
               (target: make demo <= 20 min on a fresh clone, installation included)
-    --quick   2000 digits, 300 steps per expert (monolith 600), 100 steps per router, 100 samples per
+    --quick   1000 digits, 380 steps per expert (monolith 760), 100 steps per router, 100 samples per
               model (target: <= 5 min)
 
 Why K = 2: at equal compute an expert gets 1/K of the monolith's steps, and on this data a
@@ -78,8 +78,8 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
         raw["sampling"]["steps"] = 4
         evaluation = EvaluateOptions(n=12, ref_n=24, batch_size=12, fid=fid, grid=12, diagnostic_n=4)
     elif size == "quick":
-        raw["data"].update(limit=2000, shard_size=500)
-        _steps(raw, "train", 300)
+        raw["data"].update(limit=1000, shard_size=500)
+        _steps(raw, "train", 380)
         _steps(raw, "router_train", 100)
         evaluation = EvaluateOptions(n=100, ref_n=1000, batch_size=100, fid=fid, grid=20, diagnostic_n=8)
     else:
