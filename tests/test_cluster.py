@@ -253,6 +253,17 @@ def test_label_coherence_is_the_mean_majority_share():
     assert label_coherence(torch.full((3,), -1), torch.zeros(3, dtype=torch.long)) is None
 
 
+def test_one_point_per_caption_joins_items_that_say_the_same():
+    from flowfleet.stages.cluster import one_point_per_caption
+
+    x = torch.nn.functional.normalize(torch.tensor([[1.0, 0.0], [1.0, 1e-4], [0.0, 1.0]]), dim=1)
+    y, distinct = one_point_per_caption(x.clone(), ["a seven", "a seven", "a two"])
+    assert distinct == 2 and torch.equal(y[0], y[1]) and torch.allclose(y[2], x[2])
+    assert torch.allclose(y.norm(dim=1), torch.ones(3))
+    with pytest.raises(FlowfleetError, match="2 captions"):
+        one_point_per_caption(x, ["a", "b"])
+
+
 @pytest.mark.parametrize("features", ["semantic", "text", "both"])
 def test_cluster_features_choose_what_is_clustered(run_root, features):
     # Image features separate A|B, the captions separate C|D: each choice finds its own partition.

@@ -83,6 +83,18 @@ def clustering_features(fields: dict[str, torch.Tensor], kind: str) -> torch.Ten
     return l2_normalize_(torch.cat(parts, dim=1)) if len(parts) > 1 else parts[0]
 
 
+def one_point_per_caption(x: torch.Tensor, captions: list[str]) -> tuple[torch.Tensor, int]:
+    """Rows of items with the same caption replaced by their mean (re-normalised), and the number of
+    distinct captions. A text encoder run in different batches gives one caption slightly different
+    vectors; k-means with more centroids than captions would then cut a caption's items apart."""
+    if len(captions) != x.shape[0]:
+        raise FlowfleetError(f"data/: {x.shape[0]} feature rows but {len(captions)} captions")
+    ids: dict[str, int] = {}
+    group = torch.tensor([ids.setdefault(cap, len(ids)) for cap in captions])  # [N]
+    means = torch.zeros(len(ids), x.shape[1], dtype=x.dtype).index_add_(0, group, x)
+    return l2_normalize_(means)[group], len(ids)
+
+
 def _feature_description(kind: str, manifest: ShardSetManifest) -> dict[str, Any]:
     encoders = manifest.extra.get("encoders") or {}
     return {"kind": kind, "semantic": encoders.get("semantic") if kind != "text" else None,
@@ -120,8 +132,12 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
     c = cfg.cluster
     data, manifest = _open_data(root)
     t0 = time.perf_counter()
-    fields = data.load([*FEATURE_FIELDS[c.features], "labels", "index"])
+    fields, captions = data.load([*FEATURE_FIELDS[c.features], "labels", "index"], with_captions=True)
     x, labels, index = clustering_features(fields, c.features), fields["labels"], fields["index"]
+    fine_k = c.fine_k
+    if c.features == "text":  # one caption, one point: never split items that say the same thing
+        x, distinct = one_point_per_caption(x, captions)
+        fine_k = min(fine_k, distinct)
     n = x.shape[0]
     if not torch.equal(index, torch.arange(n)):
         raise FlowfleetError(f"{data.url}: the shards' index is not 0..{n - 1} in order; run prepare with --restart")
@@ -139,7 +155,7 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
         fine, fine_to_coarse, fine_assign = coarse.clone(), torch.arange(c.k), assign.clone()
         report.update(backend="none")
     else:
-        res = two_stage_kmeans(x, c.k, fine_k=c.fine_k, sample_size=c.sample_size, iters=c.iters, seed=c.seed,
+        res = two_stage_kmeans(x, c.k, fine_k=fine_k, sample_size=c.sample_size, iters=c.iters, seed=c.seed,
                                balance=c.balance, backend=backend, device=dev, progress=progress)
         assign, fine, coarse = res.assign, res.fine, res.coarse
         fine_to_coarse, fine_assign = res.fine_to_coarse, res.fine_assign
