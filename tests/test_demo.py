@@ -36,7 +36,7 @@ def check_run(path, *, strategies=("top1", "top2", "full")) -> dict:
     # MNIST: every model judged by the digit classifier, every scored sample kept with its prompt
     digits = evaluation["prompt_accuracy"]
     assert digits["classifier"]["val_accuracy"] >= 0.97 and list(digits["scores"]) == list(evaluation["runs"])
-    for name, run in evaluation["runs"].items():
+    for run in evaluation["runs"].values():
         assert 0 <= run["prompt_accuracy"] <= 1 and run["classifier_fd"] > 0
         with np.load(path / "reports" / run["samples"]) as npz:
             assert npz["images"].shape[0] == evaluation["n"] == len(npz["prompts"])

@@ -143,7 +143,7 @@ class FID:
         self.extractor = net.to(self.device).eval()
         # The key names the features in cache files and results; a supplied module never borrows Inception's.
         self.key = getattr(net, "key", None) or f"custom-{type(net).__name__}"
-        self.dim = int(getattr(net, "num_features"))
+        self.dim = int(net.num_features)
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
         """float images [B, C, H, W] in [-1, 1] -> features [B, D] (float32, on the CPU)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 

@@ -28,7 +28,7 @@ from flowfleet.flow import integrate, parse_strategy, time_grid
 from flowfleet.flow.ensemble import Strategy
 from flowfleet.flow.sampler import VelocityFn
 from flowfleet.models.files import load_model, read_dit_config
-from flowfleet.sampling.index import ModelIndex, SchedulerConfig, expert_folder, read_model_index
+from flowfleet.sampling.index import INDEX_FILE, ModelIndex, SchedulerConfig, expert_folder, read_model_index
 from flowfleet.sampling.routing import Condition, Selection, present_probs, run_selected, select_experts
 from flowfleet.sampling.store import ExpertStore
 from flowfleet.sampling.trace import RoutingTrace

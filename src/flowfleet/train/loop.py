@@ -169,7 +169,7 @@ class Trainer:
         return None
 
     def _run(self, island: Island) -> JobStatus:
-        task, tc = self.task, self.task.train_cfg
+        task = self.task
         done = self._already_done()
         if done is not None:
             return done
