@@ -267,11 +267,16 @@ class _Evaluation:
             images = reference_images(self.cfg, self.latents, order, ref_n, self.options.fid.batch_size, self.device)
             self.ref = fid.reference(self.root, "data", images, n=ref_n, fingerprint=fingerprint)
         self.timings["reference_s"] = time.perf_counter() - t0
-        if self.options.judge or (self.cfg.data.source == "mnist" and self.prompts
+        if self.options.judge or (self.prompts and self.data_is_mnist()
                                   and any(prompted_digit(p) is not None for p in self.prompts)):
             self._open_judge(fingerprint)
         if self.options.diagnostics:
             self.semantic = _SemanticFeatures(self.root, self.cfg, fid.key, self.device)
+
+    def data_is_mnist(self) -> bool:
+        """data/ was prepared from the built-in MNIST-5k (as prepare recorded it), the digit judge's domain."""
+        source = self.data.manifest().extra.get("source") or {}
+        return isinstance(source, dict) and source.get("kind") == "mnist"
 
     def _open_judge(self, fingerprint: str) -> None:
         """The prompt-accuracy judge (--judge, or the MNIST digit classifier, trained once and cached in
