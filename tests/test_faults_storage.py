@@ -36,6 +36,7 @@ def _run_config() -> RunConfig:
     raw["encoders"]["semantic"]["name"] = "pixels"
     raw["encoders"]["text"] = {"name": "none", "max_length": 8}
     raw["expert"].update(conditioning="none", text_dim=0, text_len=0, add_pooled=False)
+    raw["router"].update(conditioning="none", text_dim=0)
     raw["train"].update(steps=4, batch_size=4, ckpt_every=2, sample_every=4, log_every=1)
     return RunConfig.from_dict(raw)
 

@@ -30,6 +30,8 @@ def make_run(root, base: str = "mnist-tiny", *, text: str = "none", semantic: di
     if text == "none":
         cfg["encoders"]["text"]["name"] = "none"
         cfg["expert"].update(conditioning="none", text_dim=0, text_len=0, add_pooled=False)
+        cfg["router"].update(conditioning="none", text_dim=0)  # no captions: a prompt-blind router
+        cfg["cluster"]["features"] = "semantic"
     run = RunRoot(root)
     RunConfig.from_dict(cfg).save(run)
     return run

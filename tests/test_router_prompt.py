@@ -36,6 +36,7 @@ def test_config_accepts_text_routers_and_refuses_class_routers():
     with pytest.raises(ConfigError, match="router.text_dim: 768 differs"):
         RunConfig.from_dict(raw)
     blind = synthetic_config(k=2).to_dict()
+    blind["router"].update(conditioning="none", text_dim=0)
     blind["router_baseline"] = True
     with pytest.raises(ConfigError, match="router_baseline"):
         RunConfig.from_dict(blind)

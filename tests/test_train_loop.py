@@ -178,8 +178,9 @@ def test_partition_that_does_not_fit_the_expert_is_one_line_naming_both(tmp_path
         run_job(root)
     msg = str(err.value)
     assert "\n" not in msg and "partitions/0" in msg and "1x4x4" in msg and "1x8x8" in msg and "expert" in msg
-    _rewrite_partition(root, 1, text_tokens=torch.zeros(n, 8, 16, dtype=torch.float16))
-    with pytest.raises(FlowfleetError, match=r"partitions/1: text tokens are 8x16 but run.yaml expert expects 8x384"):
+    _rewrite_partition(root, 1, text_pooled=torch.zeros(n, 16))
+    with pytest.raises(FlowfleetError, match=r"partitions/1: pooled text width is 16 but run.yaml expert expects "
+                                             r"text_dim 384"):
         run_job(root, JobSpec("expert", 1))
     with pytest.raises(FlowfleetError, match=r"--expert 5: run.yaml has cluster.k = 2"):
         run_job(root, JobSpec("expert", 5))

@@ -52,6 +52,7 @@ def _tiny(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg["expert"].update(hidden_size=64, depth=2, num_heads=2, patch_size=4)
     cfg["router"].update(hidden_size=32, depth=1, num_heads=2, patch_size=4)
     cfg["sampling"].update(steps=6)
+    cfg["train"]["warmup_steps"] = 0  # tiny runs are a few dozen steps (tests override them to fewer)
     # Inception at 96 px instead of 299: ~6x less compute per image on a CPU (BENCHMARKS.md, prepare)
     cfg["encoders"]["semantic"].update(image_size=96)
     return cfg
