@@ -29,6 +29,7 @@ demo-quick: $(STAMP)
 	$(BIN)/flowfleet demo --out runs/demo-quick --quick
 
 test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/python -m pytest -q -x --timeout=900
 
 test-slow: $(STAMP)

@@ -49,7 +49,10 @@ def step_times(model, batch: int, steps: int, cfg, attention=None) -> list[float
             t = sample_t(batch, mode="logit_normal", generator=gen)
             eps = torch.randn(x0.shape, generator=gen)
             drop = torch.rand(batch, generator=gen) < 0.1
-            loss = flow_matching_loss(lambda xt, tt: model(xt, tt, drop=drop, text_pooled=pooled), x0, t, eps)
+            def velocity(xt, tt, drop=drop):
+                return model(xt, tt, drop=drop, text_pooled=pooled)
+
+            loss = flow_matching_loss(velocity, x0, t, eps)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -99,7 +102,8 @@ def main() -> None:
                          "sgemm_model_shape_gflops": round(peak_model, 1), "sgemm_1024_gflops": round(peak, 1),
                          "setup_and_warmup_s": round(wall - sum(times), 1)})
             print(json.dumps(rows[-1]), flush=True)
-    print("\n| threads | variant | step ms | samples/s | GFLOP/s | share of sgemm (model shape) | share of sgemm 1024³ |")
+    print("\n| threads | variant | step ms | samples/s | GFLOP/s | share of sgemm (model shape) "
+          "| share of sgemm 1024³ |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['threads']} | {r['variant']} | {r['step_ms']} | {r['samples_per_s']} | {r['gflops']} | "

@@ -60,7 +60,7 @@ def main() -> None:
     from flowfleet.data.images import resize_batch
     from flowfleet.data.sources import DIGIT_WORDS
     from flowfleet.evaluate.digits import DigitJudge, mnist_tensors, train_classifier
-    from flowfleet.flow import flow_matching_loss, integrate, sample_t, time_grid, cfg_combine
+    from flowfleet.flow import cfg_combine, flow_matching_loss, integrate, sample_t, time_grid
     from flowfleet.models.dit import DiTExpert
     from flowfleet.train.ema import EMA
 
@@ -136,7 +136,7 @@ def main() -> None:
             eps = torch.randn(x0.shape, generator=gen)
             drop = torch.rand(a.batch, generator=gen) < a.cond_dropout
             c = cond_of(labels[idx])
-            loss = flow_matching_loss(lambda xt, tt: fwd(xt, tt, drop=drop, **c), x0, t, eps)
+            loss = flow_matching_loss(lambda xt, tt, drop=drop, c=c: fwd(xt, tt, drop=drop, **c), x0, t, eps)
             if a.warmup:
                 for g in opt.param_groups:
                     g["lr"] = a.lr * min(1.0, (step + 1) / a.warmup)

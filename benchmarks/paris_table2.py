@@ -7,11 +7,11 @@ For each training seed S the configuration is exactly `flowfleet demo`'s (the `m
 caption clusters, 1000 steps per expert, a monolith trained K x as many steps so that its training
 FLOPs equal the experts' sum, a prompt-aware router and Paris' prompt-blind one), with train.seed and
 router_train.seed set to S. The experts are assembled twice, with each router (model/, model-paris/),
-and both fleets are evaluated with top-1, top-2 and the full ensemble. Each seed is a run root OUT/seed-S: prepare (or data/ copied from
---data-from, which must have the same recipe) -> cluster -> train-all -> assemble -> evaluate
-(--n samples per model, evaluation seed S; the same prompts and noise for every model of a seed).
---run0 RUN_ROOT uses an already trained demo run (its configuration must be seed 0's) instead of
-training seed 0 again; it is copied, so its own reports/ are left as they are.
+and both fleets are evaluated with top-1, top-2 and the full ensemble. Each seed is a run root
+OUT/seed-S: prepare (or data/ copied from --data-from, which must have the same recipe) -> cluster
+-> train-all -> assemble -> evaluate (--n samples per model, evaluation seed S; the same prompts and noise
+for every model of a seed). --run0 RUN_ROOT uses an already trained demo run (its configuration must be seed
+0's) instead of training seed 0 again; it is copied, so its own reports/ are left as they are.
 
 Prints a markdown table (mean ± sample standard deviation over the seeds) and writes
 OUT/table2.json. The router's FLOPs are extra, as in the paper, and printed beside.
@@ -79,8 +79,11 @@ def trained_run(args: argparse.Namespace, seed: int) -> tuple[Any, dict[str, flo
     if args.data_from and not root.exists("data", "manifest.json"):
         shutil.copytree(os.path.join(args.data_from, "data"), os.path.join(out, "data"))
     timings = {}
-    for name, step in (("prepare", lambda: prepare(root, progress=False)),
-                       ("cluster", lambda: None if root.exists("clusters", "report.json") else cluster(root, progress=False))):
+    def cluster_once() -> None:
+        if not root.exists("clusters", "report.json"):
+            cluster(root, progress=False)
+
+    for name, step in (("prepare", lambda: prepare(root, progress=False)), ("cluster", cluster_once)):
         t0 = time.perf_counter()
         step()
         timings[name] = time.perf_counter() - t0

@@ -167,7 +167,8 @@ def main() -> int:
         mb, mt = statistics.median(tb), statistics.median(tt)
         row = dict(size=size, tokens=cfg.expert.num_tokens, batch=batch, steps=steps, log_every=args.log_every,
                    train_gflop_per_sample=flops / 1e9, bare_step_ms_median=1e3 * mb, trainer_step_ms_median=1e3 * mt,
-                   bare_samples_per_s=batch / mb, trainer_samples_per_s=batch / mt, bare_gflops=batch / mb * flops / 1e9,
+                   bare_samples_per_s=batch / mb, trainer_samples_per_s=batch / mt,
+                   bare_gflops=batch / mb * flops / 1e9,
                    trainer_gflops=batch / mt * flops / 1e9, overhead_pct_of_medians=100 * (mt / mb - 1),
                    overhead_pct_median_pair=100 * (statistics.median(ratios) - 1),
                    overhead_pct_p20_p80_pair=[100 * (quantile(ratios, 0.2) - 1), 100 * (quantile(ratios, 0.8) - 1)],
@@ -178,7 +179,8 @@ def main() -> int:
               f"{row['bare_gflops']:.1f} GFLOP/s ({100 * row['bare_gflops'] / peak:.0f}% of sgemm) | trainer "
               f"{row['trainer_samples_per_s']:.1f} samples/s = {row['trainer_gflops']:.1f} GFLOP/s | trainer overhead: "
               f"{row['overhead_pct_of_medians']:+.1f}% (medians), {row['overhead_pct_median_pair']:+.1f}% (median of "
-              f"paired steps; p20..p80 {row['overhead_pct_p20_p80_pair'][0]:+.1f}..{row['overhead_pct_p20_p80_pair'][1]:+.1f}%)"
+              f"paired steps; p20..p80 {row['overhead_pct_p20_p80_pair'][0]:+.1f}.."
+              f"{row['overhead_pct_p20_p80_pair'][1]:+.1f}%)"
               f" | checkpoint write {ckpt_s:.2f} s", flush=True)
     print(json.dumps({"sgemm_gflops": peak, "threads": torch.get_num_threads(), "load_end": os.getloadavg(),
                       "models": results}, indent=1))

@@ -17,7 +17,6 @@ from flowfleet.sampling.synthetic import HashTextEncoder, randomize_, tiny_run_c
 from flowfleet.stages.assemble import assemble
 from flowfleet.storage import RunRoot
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -198,7 +197,8 @@ def test_assemble_monolith_is_a_one_expert_model_that_generate_opens(fleet):
     index = json.loads((model / "model_index.json").read_text())
     assert index["router"] == [None, None] and index["num_experts"] == 1 and index["scheduler"]["strategy"] == "top1"
     assert not (model / "router").exists()
-    assert (model / "expert_0" / WEIGHTS_NAME).read_bytes() == (run_root / "monolith" / "final" / WEIGHTS_NAME).read_bytes()
+    monolith_weights = run_root / "monolith" / "final" / WEIGHTS_NAME
+    assert (model / "expert_0" / WEIGHTS_NAME).read_bytes() == monolith_weights.read_bytes()
 
     text = HashTextEncoder(384, 4)
     pipe = FleetPipeline.from_pretrained(str(model), text_encoder=text)

@@ -12,7 +12,6 @@ import torch
 from PIL import Image
 from sklearn.metrics import normalized_mutual_info_score
 
-from flowfleet.cluster import kmeans as km
 from flowfleet.cluster import (
     assign_nearest,
     balance_fine_to_coarse,
@@ -20,6 +19,7 @@ from flowfleet.cluster import (
     random_partition,
     two_stage_kmeans,
 )
+from flowfleet.cluster import kmeans as km
 from flowfleet.config import RunConfig
 from flowfleet.data.shards import FIELDS, ShardSet, ShardSetManifest
 from flowfleet.errors import FlowfleetError

@@ -15,7 +15,6 @@ from flowfleet.presets import preset
 from flowfleet.stages.demo import demo, demo_plan
 from flowfleet.storage import RunRoot
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small models on a shared 2-core box
 
 

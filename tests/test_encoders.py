@@ -126,7 +126,8 @@ def test_dinov2_mean_pooled_patch_tokens_match_the_reference_preprocessing(tmp_p
 def test_dinov2_refuses_other_models(tmp_path):
     from transformers import BertConfig, BertModel
 
-    BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)).save_pretrained(tmp_path)
+    bert = BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    BertModel(bert).save_pretrained(tmp_path)
     with pytest.raises(EncoderError, match="is a 'bert' model, not DINOv2"):
         build_semantic_encoder(SemanticEncoderConfig(name="dinov2", path=str(tmp_path)))
 

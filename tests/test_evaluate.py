@@ -10,11 +10,11 @@ from torch import nn
 
 from flowfleet.cli import main
 from flowfleet.config import RunConfig
+from flowfleet.data.inception import to_rgb
 from flowfleet.data.sources import draw_shape
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.adherence import ShapeReader, parse_prompt, prompt_adherence
 from flowfleet.evaluate.fid import FIDSettings
-from flowfleet.data.inception import to_rgb
 from flowfleet.evaluate.report import SECTIONS, write_report
 from flowfleet.storage import RunRoot
 

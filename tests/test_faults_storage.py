@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from flowfleet.config import RunConfig
+from flowfleet.models.dit import DiTExpert
+from flowfleet.models.files import load_model
 from flowfleet.presets import preset
 from flowfleet.stages.cluster import cluster
 from flowfleet.stages.prepare import prepare
 from flowfleet.stages.train import train_expert
 from flowfleet.storage import RunRoot
-from flowfleet.models.dit import DiTExpert
-from flowfleet.models.files import load_model
 
 pytestmark = pytest.mark.faults
 

@@ -11,11 +11,10 @@ import torch
 from torch import nn
 from torchmetrics.image.fid import FrechetInceptionDistance
 
+from flowfleet.data.inception import Default1Inception, build_extractor, to_rgb
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, to_uint8
-from flowfleet.data.inception import Default1Inception, build_extractor, to_rgb
 from flowfleet.storage import RunRoot
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small models on a shared 2-core box
 

@@ -11,7 +11,6 @@ from PIL import Image
 from flowfleet.cli import main
 from flowfleet.sampling.synthetic import HashTextEncoder, tiny_run_config, write_random_fleet
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

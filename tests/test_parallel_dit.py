@@ -308,7 +308,8 @@ def test_trained_model_displaced_beats_naive_by_3db():
     for mode, warmup in [("sync", 0), ("displaced", 1), ("naive", 0)]:
         got = run_local(_stripes_run, 2, (state, mode, warmup, noise), **FORK)[0].clamp(-1, 1)
         psnr[mode] = peak_signal_noise_ratio(got, want, data_range=2.0).item()
-    print(f"\nstripes DiT (trained {train_s:.1f} s, {STRIPES_ITERS} steps), 2 ranks, {QUALITY_STEPS} Euler steps, PSNR vs "
+    print(f"\nstripes DiT (trained {train_s:.1f} s, {STRIPES_ITERS} steps), 2 ranks, {QUALITY_STEPS} Euler steps, "
+          "PSNR vs "
           f"single process: sync {psnr['sync']:.1f} dB, displaced (warmup 1) {psnr['displaced']:.1f} dB, "
           f"naive {psnr['naive']:.1f} dB")
     assert psnr["sync"] > 60  # float rounding only

@@ -242,7 +242,8 @@ def test_parquet_bytes_and_hf_struct_columns(tmp_path):
     assert open_image(items[2].image).getpixel((0, 0)) == (1, 2, 3)
     assert items[3].error is not None  # a struct without bytes cannot be decoded
     assert [it.key for it in src.items(2)] == [it.key for it in items[2:]]
-    assert [it.caption for it in ParquetSource(str(tmp_path / "*.parquet"), "image", "text").items(1)] == [None, "q", "r"]
+    source = ParquetSource(str(tmp_path / "*.parquet"), "image", "text")
+    assert [it.caption for it in source.items(1)] == [None, "q", "r"]
     with pytest.raises(SourceError, match="data.text_column: 'caption' is not a column"):
         ParquetSource(str(tmp_path), "image", "caption")
     with pytest.raises(SourceError, match="no such file or folder"):

@@ -69,7 +69,7 @@ def test_permanent_errors_fail_at_once_naming_the_path(error):
     with pytest.raises(error, match="write s3://bucket/run/x.json: Access Denied"):
         with_retries(refused, what="write s3://bucket/run/x.json", base_delay=0.001)
     assert len(calls) == 1 and not is_transient(error("x"))
-    assert is_transient(ConnectionResetError("reset")) and is_transient(TimeoutError()) and is_transient(OSError(5, "EIO"))
+    assert all(is_transient(e) for e in (ConnectionResetError("reset"), TimeoutError(), OSError(5, "EIO")))
 
 
 def test_append_line(tmp_path):

@@ -9,7 +9,12 @@ import torch
 
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import (
-    Checkpoint, CheckpointError, CheckpointStore, flatten_state, step_dir, unflatten_state,
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    flatten_state,
+    step_dir,
+    unflatten_state,
 )
 
 

@@ -19,7 +19,7 @@ from flowfleet.models.files import load_model
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import CheckpointStore
 from flowfleet.train.jobs import JobSpec, build_task
-from flowfleet.train.loop import TrainingDiverged, Trainer, TrainOptions, learning_rate
+from flowfleet.train.loop import Trainer, TrainingDiverged, TrainOptions, learning_rate
 from flowfleet.train.status import JobBusyError, JobStatus, read_status
 from flowfleet.train.synthetic import synthetic_config, write_synthetic_run
 

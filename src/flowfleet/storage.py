@@ -171,7 +171,8 @@ class RunRoot:
 
     def remove(self, *parts: str, recursive: bool = False) -> None:
         if self.exists(*parts):
-            with_retries(lambda: self.fs.rm(self.path(*parts), recursive=recursive), what=f"remove {self.url_of(*parts)}")
+            with_retries(lambda: self.fs.rm(self.path(*parts), recursive=recursive),
+                         what=f"remove {self.url_of(*parts)}")
 
     # -- structured ----------------------------------------------------------------------------------
 

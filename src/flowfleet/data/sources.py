@@ -271,7 +271,8 @@ class FolderSource(Source):
             raise SourceError(f"data.path: {path}: no such folder")
         found = self.fs.find(self.root, detail=True)  # {full path: info}
         self.sizes = {posixpath.relpath(p, self.root): int(info.get("size") or 0) for p, info in found.items()}
-        self.images = sorted(rel for rel in self.sizes if _is_image(rel) and not posixpath.basename(rel).startswith("."))
+        self.images = sorted(rel for rel in self.sizes
+                             if _is_image(rel) and not posixpath.basename(rel).startswith("."))
         if not self.images:
             raise SourceError(f"data.path: {path}: no images ({', '.join(IMAGE_EXTENSIONS)}) in the folder")
         self.table: dict[str, tuple[str | None, int]] | None = None
@@ -533,7 +534,8 @@ class HfDiskSource(Source):
         try:
             import datasets
         except ImportError:
-            raise SourceError("data.source: 'hf_disk' needs the datasets package (pip install 'flowfleet[data]')") from None
+            raise SourceError("data.source: 'hf_disk' needs the datasets package "
+                              "(pip install 'flowfleet[data]')") from None
         self.path, self.image_column, self.text_column = path, image_column, text_column
         try:
             ds = datasets.load_from_disk(path, storage_options=storage_options)
@@ -543,7 +545,8 @@ class HfDiskSource(Source):
             raise SourceError(f"data.path: {path}: holds splits {list(ds)}; point it at one split's folder")
         for col, field in ((image_column, "image_column"), (text_column, "text_column")):
             if col not in ds.column_names:
-                raise SourceError(f"data.{field}: {col!r} is not a column of {path} (columns: {', '.join(ds.column_names)})")
+                raise SourceError(f"data.{field}: {col!r} is not a column of {path} "
+                                  f"(columns: {', '.join(ds.column_names)})")
         if isinstance(ds.features[image_column], datasets.Image):
             ds = ds.cast_column(image_column, datasets.Image(decode=False))  # keep bytes; decode in prepare
         if len(ds) == 0:

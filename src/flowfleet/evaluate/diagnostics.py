@@ -27,7 +27,6 @@ from flowfleet.sampling.routing import Condition, Selection, run_selected
 from flowfleet.sampling.store import ExpertStore
 from flowfleet.sampling.trace import RoutingTrace
 
-
 # --------------------------------------------------------------------------------------------------
 #                                      Router accuracy
 # --------------------------------------------------------------------------------------------------

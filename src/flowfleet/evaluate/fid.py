@@ -29,8 +29,8 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 from tqdm.auto import tqdm
 
 from flowfleet.data.images import to_uint8  # the one quantisation: [-1, 1] float -> uint8
-from flowfleet.errors import FlowfleetError
 from flowfleet.data.inception import EXTRACTORS, MIN_SIZE, STANDARD_SIZE, build_extractor
+from flowfleet.errors import FlowfleetError
 from flowfleet.storage import RunRoot
 
 REPORTS = "reports"
@@ -84,7 +84,8 @@ class FeatureStats:
 
     @classmethod
     def empty(cls, dim: int, meta: dict[str, str] | None = None) -> "FeatureStats":
-        return cls(torch.zeros(dim, dtype=torch.float64), torch.zeros(dim, dim, dtype=torch.float64), 0, dict(meta or {}))
+        zeros = torch.zeros(dim, dtype=torch.float64), torch.zeros(dim, dim, dtype=torch.float64)
+        return cls(*zeros, 0, dict(meta or {}))
 
     def update(self, features: torch.Tensor) -> None:
         """Accumulate features [B, D], exactly as FrechetInceptionDistance.update does."""
@@ -201,7 +202,8 @@ class FID:
         stats = FeatureStats.empty(self.dim, meta)
         for f in batches():
             if f.ndim != 2 or f.shape[1] != self.dim:
-                raise FlowfleetError(f"fid reference ({name}): features of shape {tuple(f.shape)}, expected [N, {self.dim}]")
+                raise FlowfleetError(f"fid reference ({name}): features of shape {tuple(f.shape)}, "
+                                     f"expected [N, {self.dim}]")
             stats.update(f)
         return stats
 

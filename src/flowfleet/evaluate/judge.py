@@ -49,8 +49,8 @@ class ClassifierJudge:
         """images [B, C, H, W] in [-1, 1] -> class probabilities [B, K]."""
         if images.ndim != 4:
             raise FlowfleetError(f"judge: expected images [B, C, H, W], got shape {tuple(images.shape)}")
-        parts = [self.classify(images[i : i + self.batch]).float().softmax(1) for i in range(0, images.shape[0], self.batch)]
-        probs = torch.cat(parts)
+        probs = torch.cat([self.classify(images[i : i + self.batch]).float().softmax(1)
+                           for i in range(0, images.shape[0], self.batch)])
         if probs.shape != (images.shape[0], len(self.labels)):
             raise FlowfleetError(f"judge: the classifier gave {tuple(probs.shape)} for {images.shape[0]} images "
                                  f"and {len(self.labels)} classes")

@@ -219,7 +219,8 @@ class ReportBuilder:
             speed = [r["samples_per_s"] for r in records if isinstance(r.get("samples_per_s"), (int, float))]
             rows.append([job_label(job), st.get("state", "?"), st.get("step", 0), _fmt(st.get("last_loss")),
                          _fmt(sum(speed) / len(speed)) if speed else "", _fmt(_wall_time(records))])
-        s.images.append(self._plot("loss_curves.png", views.loss_curves_png(curves), "loss of every job (metrics.jsonl)"))
+        s.images.append(self._plot("loss_curves.png", views.loss_curves_png(curves),
+                                   "loss of every job (metrics.jsonl)"))
         s.tables.append({"caption": "jobs", "header": ["job", "state", "steps", "last loss", "samples/s", "wall s"],
                          "rows": rows})
         routers = {name: rep for name in ("router", "router-paris")

@@ -6,7 +6,7 @@ sampler.py   t-grids, Euler/Heun ODE integration from t=1 (noise) to t=0 (data),
 ensemble.py  combining expert velocities with router weights (top-k renormalised, full)
 """
 
-from flowfleet.flow.ensemble import combine, routing_weights, parse_strategy, Strategy
+from flowfleet.flow.ensemble import Strategy, combine, parse_strategy, routing_weights
 from flowfleet.flow.loss import flow_matching_loss, sample_t
 from flowfleet.flow.path import (
     TIME_CONVENTION,

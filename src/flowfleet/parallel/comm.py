@@ -260,7 +260,8 @@ class CommManager:
 
     def _write(self, slot: _Slot, tensor: torch.Tensor, rows: torch.Tensor | None) -> None:
         if tuple(tensor.shape[1:]) != slot.shape[1:] or tensor.shape[0] > slot.shape[0]:
-            raise RuntimeError(f"comm buffer {slot.name!r}: tensor {tuple(tensor.shape)} does not fit slot {slot.shape}")
+            raise RuntimeError(f"comm buffer {slot.name!r}: tensor {tuple(tensor.shape)} does not fit slot "
+                               f"{slot.shape}")
         view = self._send[slot.start: slot.start + slot.numel].view(slot.shape)
         if rows is None:
             view[: tensor.shape[0]].copy_(tensor)

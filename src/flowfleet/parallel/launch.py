@@ -102,7 +102,8 @@ def init_process_group(rank: int, world_size: int, *, init_method: str = "env://
 def init_from_env(timeout_s: float = 60.0, device: str | None = None) -> DistContext:
     """Inside torchrun: join the group described by RANK / WORLD_SIZE / LOCAL_RANK / MASTER_*."""
     if not in_torchrun():
-        raise FlowfleetError(f"not started by torchrun (missing {', '.join(k for k in TORCHRUN_ENV if k not in os.environ)})")
+        missing = ", ".join(k for k in TORCHRUN_ENV if k not in os.environ)
+        raise FlowfleetError(f"not started by torchrun (missing {missing})")
     return init_process_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s=timeout_s,
                               device=device, local_rank=int(os.environ["LOCAL_RANK"]))
 
@@ -184,7 +185,8 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, timeout_
     except BaseException as err:  # reported to the parent as one line (full traceback on stderr)
         if not isinstance(err, FlowfleetError):
             traceback.print_exc()
-        results.put((rank, False, f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"))
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        results.put((rank, False, f"{type(err).__name__}: {first}"))
 
 
 def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout_s: float = 30.0, threads: int = 1,

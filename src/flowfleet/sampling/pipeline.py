@@ -80,9 +80,9 @@ class RoutedVelocity:
     """(x_t, t, step) -> v of the routed fleet, with classifier-free guidance on all channels.
 
     The router sees x_t and t (paris §2.5), and the prompt when it is prompt-aware; either way one
-    router pass on the conditional rows serves the conditional and the unconditional rows. It runs on every evaluation when route_every == 1 (Heun's corrector included)
-    and otherwise on the first evaluation of every route_every-th step, its selection being reused in
-    between.
+    router pass on the conditional rows serves the conditional and the unconditional rows. It runs on
+    every evaluation when route_every == 1 (Heun's corrector included) and otherwise on the first
+    evaluation of every route_every-th step, its selection being reused in between.
     """
 
     def __init__(self, pipe: "FleetPipeline", cond: Condition, k: int, cfg: float, route_every: int,
@@ -194,7 +194,8 @@ class FleetPipeline:
                 raise FlowfleetError(f"{root.url_of(folder)}: missing (model_index.json lists expert {k})")
             cfg = read_dit_config(root, folder)
             if (cfg.in_channels, *cfg.input_size) != (c, h, w):
-                raise FlowfleetError(f"{root.url_of(folder)}: expert {k} denoises {(cfg.in_channels, *cfg.input_size)}, "
+                shape = (cfg.in_channels, *cfg.input_size)
+                raise FlowfleetError(f"{root.url_of(folder)}: expert {k} denoises {shape}, "
                                      f"model_index.json says latent_shape {(c, h, w)}")
         router = None
         if tuple(index.router) == (None, None):  # a one-expert model (the monolith): nothing to route

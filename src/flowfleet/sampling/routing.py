@@ -19,7 +19,6 @@ import torch
 from flowfleet.flow import guided_velocity, routing_weights
 from flowfleet.sampling.store import ExpertStore
 
-
 # --------------------------------------------------------------------------------------------------
 #                                      Conditioning
 # --------------------------------------------------------------------------------------------------

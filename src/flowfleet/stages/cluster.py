@@ -115,7 +115,8 @@ def _label_mix(labels: torch.Tensor, assign: torch.Tensor, k: int) -> list[dict[
 def _open_data(root: RunRoot) -> tuple[ShardSet, ShardSetManifest]:
     data = ShardSet(root, "data")
     if not data.exists():
-        raise FlowfleetError(f"{root.url_of('data', 'manifest.json')}: missing; run `flowfleet prepare {root.url}` first")
+        raise FlowfleetError(f"{root.url_of('data', 'manifest.json')}: missing; "
+                             f"run `flowfleet prepare {root.url}` first")
     manifest = data.manifest()
     if not manifest.complete:
         raise FlowfleetError(f"{root.url_of('data', 'manifest.json')}: prepare has not finished "
@@ -150,7 +151,8 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
                               "features": _feature_description(c.features, manifest)}
     if c.mode == "random":
         assign = random_partition(n, c.k, c.seed)
-        coarse = torch.zeros(c.k, x.shape[1]).index_add_(0, assign, x) / torch.bincount(assign, minlength=c.k).unsqueeze(1)
+        sums = torch.zeros(c.k, x.shape[1]).index_add_(0, assign, x)
+        coarse = sums / torch.bincount(assign, minlength=c.k).unsqueeze(1)
         # no fine stage: the "fine" centroids are the partitions' own (copies: safetensors refuses shared storage)
         fine, fine_to_coarse, fine_assign = coarse.clone(), torch.arange(c.k), assign.clone()
         report.update(backend="none")

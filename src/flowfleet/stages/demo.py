@@ -94,7 +94,8 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
 def _steps(raw: dict[str, Any], section: str, steps: int) -> None:
     """Set a training section's steps and the intervals that follow from them."""
     raw[section].update(steps=steps, ckpt_every=max(steps // 2, 1), sample_every=steps,
-                        log_every=max(steps // 40, 1), warmup_steps=min(raw[section].get("warmup_steps", 0), steps // 3))
+                        log_every=max(steps // 40, 1),
+                        warmup_steps=min(raw[section].get("warmup_steps", 0), steps // 3))
 
 
 @dataclass

@@ -12,7 +12,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.sampling.pipeline import FleetOutput, FleetPipeline

@@ -91,7 +91,8 @@ class _Rows:
         return head, captions, end
 
 
-def encode_batch(enc: Encoders, images: torch.Tensor, captions: list[str], labels: list[int]) -> dict[str, torch.Tensor]:
+def encode_batch(enc: Encoders, images: torch.Tensor, captions: list[str],
+                 labels: list[int]) -> dict[str, torch.Tensor]:
     """One batch through the encoders, as the shard fields (CPU tensors in the shard dtypes)."""
     out = {
         "latents": enc.latent.encode(images).float().cpu(),  # [b, c, h, w]

@@ -20,7 +20,7 @@ from flowfleet.config import RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
 from flowfleet.storage import RunRoot
 from flowfleet.train.jobs import JobSpec, build_task, fleet_jobs, job_cost, job_steps
-from flowfleet.train.loop import FINAL_DIR, TrainOptions, Trainer
+from flowfleet.train.loop import FINAL_DIR, Trainer, TrainOptions
 from flowfleet.train.status import JobStatus, read_status
 
 LOG_FILE = "train.log"

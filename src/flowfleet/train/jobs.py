@@ -180,8 +180,9 @@ class FlowTask(TrainTask):
                 encoder = build_latent_encoder(self.run.encoders.latent, self.run.data.channels, device)
                 self._decoder = encoder.decode
             except Exception as err:  # any loader failure (hub offline, missing files) -> latent previews
+                why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
                 log.warning("%s: previews show raw latents; the %s decoder did not load (%s)", self.name,
-                            self.run.encoders.latent.name, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+                            self.run.encoders.latent.name, why)
                 self._decoder = False
                 return None
         return self._decoder
@@ -212,8 +213,11 @@ class RouterTask(TrainTask):
         t = sample_t(b, mode=self.train_cfg.time_sampling, generator=gen, device=dev)  # [B] U[0, 1]
         eps = torch.randn(x0.shape, generator=gen, device=dev)
         # A prompt-aware router also sees the prompt; dropped like an expert's, so it can route without one.
-        drop = torch.rand(b, generator=gen, device=dev) < self.model_cfg.cond_dropout if self.model_cfg.uses_text else None
-        logits = model(interpolate(x0, eps, t), t, drop=drop, **preview.condition_kwargs(batch, self.model_cfg))  # [B, K]
+        drop = None
+        if self.model_cfg.uses_text:
+            drop = torch.rand(b, generator=gen, device=dev) < self.model_cfg.cond_dropout  # [B]
+        cond = preview.condition_kwargs(batch, self.model_cfg)
+        logits = model(interpolate(x0, eps, t), t, drop=drop, **cond)  # [B, K]
         loss = F.cross_entropy(logits.float(), k)
         return loss, {"accuracy": (logits.argmax(dim=1) == k).float().mean()}
 

@@ -82,7 +82,8 @@ class MetricsLog:
 
     def flush(self) -> None:
         if self._pending:
-            old = self.root.read_bytes(self.job_dir, METRICS_FILE) if self.root.exists(self.job_dir, METRICS_FILE) else b""
+            exists = self.root.exists(self.job_dir, METRICS_FILE)
+            old = self.root.read_bytes(self.job_dir, METRICS_FILE) if exists else b""
             self.root.write_bytes(old + "".join(p + "\n" for p in self._pending).encode(), self.job_dir, METRICS_FILE)
             self._pending.clear()
         if self._tb is not None:
