@@ -24,16 +24,6 @@ import time
 import torch
 
 
-def sgemm_gflops(m: int, k: int, n: int, reps: int = 50) -> float:
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    for _ in range(3):
-        a @ b
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9
-
-
 def step_times(model, batch: int, steps: int, cfg, attention=None) -> list[float]:
     from flowfleet.flow import flow_matching_loss, sample_t
 
@@ -70,6 +60,7 @@ def main() -> None:
     args = p.parse_args()
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from train_step import sgemm_gflops  # the same measured matmul as benchmarks/train_step.py
 
     from flowfleet.models.dit import DiTExpert
     from flowfleet.models.flops import train_flops_per_sample
@@ -81,7 +72,7 @@ def main() -> None:
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         tokens = args.batch * cfg.num_tokens
-        peak_model = sgemm_gflops(tokens, cfg.hidden_size, 4 * cfg.hidden_size)  # the MLP's first matmul
+        peak_model = sgemm_gflops(tokens, cfg.hidden_size, 4 * cfg.hidden_size, reps=50)  # the MLP's first matmul
         peak = sgemm_gflops(1024, 1024, 1024, reps=20)
         variants = {"eager": (lambda: DiTExpert.from_dit_config(cfg), None),
                     "math-attention": (lambda: DiTExpert.from_dit_config(cfg), lambda: sdpa_kernel(SDPBackend.MATH))}

@@ -48,14 +48,16 @@ from flowfleet.train.synthetic import write_synthetic_run
 MODELS = {"tiny": "tiny/4", "S": "S/2"}
 
 
-def sgemm_gflops(n: int = 1024, reps: int = 20) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def sgemm_gflops(m: int = 1024, k: int | None = None, n: int | None = None, reps: int = 20) -> float:
+    """Measured fp32 matmul GFLOP/s of [m, k] x [k, n] (square m^3 by default)."""
+    k, n = k or m, n or m
+    a, b = torch.randn(m, k), torch.randn(k, n)
     for _ in range(3):
         a @ b
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
-    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+    return 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9
 
 
 def bench_config(size: str, batch: int, steps: int, log_every: int) -> RunConfig:
