@@ -140,6 +140,11 @@ class ReportBuilder:
         manifest = _json(self.root, "data", "manifest.json")
         if manifest:
             s.notes.append(f"Prepared items: {manifest.get('count', '?')}.")
+        runs = (self.evaluation or {}).get("runs") or {}
+        scored = {name: r["prompt_accuracy"] for name, r in runs.items() if r.get("prompt_accuracy") is not None}
+        if scored:  # the headline: does each model draw what it is asked for?
+            s.notes.append("Prompt accuracy (share of samples drawn as prompted; see Quality): "
+                           + ", ".join(f"{name} {acc:.3f}" for name, acc in scored.items()) + ".")
         rows = []
         for job in job_dirs(self.root):
             st = _json(self.root, job, "status.json") or {}
