@@ -160,8 +160,7 @@ def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = Fal
         raise FlowfleetError(f"--router: {router!r} is not a router job (expected one of {', '.join(ROUTERS)})")
     ok, why, router_status = job_finished(root, router)
     if not ok:
-        flag = " --paris" if router == "router-paris" else ""
-        raise FlowfleetError(f"{router}: not finished ({why}); train it with `flowfleet train-router {root.url}{flag}`")
+        raise FlowfleetError(f"{router}: not finished ({why}); train it with `{_command(router, root)}`")
     router_cfg = _read_config(router, root, router, FINAL)
     check_router(root.url_of(router, FINAL, "config.json"), router_cfg, run)
 
@@ -203,7 +202,7 @@ def _assemble_monolith(root: RunRoot, run: RunConfig, out: str | None, progress:
 
     ok, why, status = job_finished(root, MONOLITH)
     if not ok:
-        raise FlowfleetError(f"monolith: not finished ({why}); train it with `flowfleet train-monolith {root.url}`")
+        raise FlowfleetError(f"monolith: not finished ({why}); train it with `{_command(MONOLITH, root)}`")
     cfg = _read_config(MONOLITH, root, MONOLITH, FINAL)
     check_expert(MONOLITH, root.url_of(MONOLITH, FINAL, "config.json"), cfg, run)
     source = {"monolith": {"step": status.get("step"), "samples_seen": status.get("samples_seen")}}
@@ -211,6 +210,13 @@ def _assemble_monolith(root: RunRoot, run: RunConfig, out: str | None, progress:
     _write_model(root, run, out_root, [(expert_folder(0), (MONOLITH, FINAL), DiTExpert)], 1, [0], source,
                  router=False, progress=progress)
     return AssembleResult(out_root.url, 1, [0], {}, [])
+
+
+def _command(job: str, root: RunRoot) -> str:
+    """The CLI command that trains one of the run's jobs (router, router-paris, monolith)."""
+    from flowfleet.train.jobs import JobSpec
+
+    return "flowfleet " + " ".join(JobSpec(job).cli_args(root.url))
 
 
 def _write_model(root: RunRoot, run: RunConfig, out_root: RunRoot, components: list[tuple[str, tuple[str, ...], type]],

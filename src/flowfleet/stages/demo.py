@@ -176,8 +176,7 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
         raise FlowfleetError(f"demo: training job {first} {failed[first]}"
                              f"{': ' + outcome.messages[first] if first in outcome.messages else ''} "
                              f"(logs in {url}/<job>/train.log; run the demo again to resume)")
-    model = stage("assemble", lambda: assemble(url)).out
-    monolith = assemble(url, monolith=True).out
+    model, monolith = stage("assemble", lambda: (assemble(url).out, assemble(url, monolith=True).out))
 
     def showcase() -> None:
         from flowfleet.data.encoders import build_text_encoder

@@ -40,10 +40,10 @@ from flowfleet.evaluate.digits import prompted_digit
 from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
 from flowfleet.evaluate.report import EVALUATION_FILE, REPORTS
 from flowfleet.flow import parse_strategy
+from flowfleet.stages.assemble import MONOLITH, job_finished
 from flowfleet.storage import RunRoot
 
 SAMPLES = "samples"
-MONOLITH = "monolith"
 
 
 @dataclass(frozen=True)
@@ -244,8 +244,6 @@ class _Evaluation:
             except ValueError as err:
                 raise FlowfleetError(f"--strategies: {err}") from None
         if options.monolith:
-            from flowfleet.stages.assemble import job_finished
-
             done, why, _ = job_finished(root, MONOLITH)
             if not done:
                 raise FlowfleetError(f"--monolith: {why}")
