@@ -31,7 +31,7 @@ from torch import nn
 from flowfleet.data.images import resize_batch
 from flowfleet.data.sources import DIGIT_WORDS
 from flowfleet.errors import FlowfleetError
-from flowfleet.evaluate.judge import ClassifierJudge
+from flowfleet.evaluate.judge import ClassifierJudge, PromptClasses
 from flowfleet.storage import RunRoot
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,13 @@ log = logging.getLogger(__name__)
 FOLDER = ("reports", "digit_classifier")
 SIDE = 28
 FEATURES = 128
+DIGIT_CLASSES = [[str(d), word] for d, word in enumerate(DIGIT_WORDS)]  # a prompt names a digit by numeral or word
+_DIGITS = PromptClasses(DIGIT_CLASSES)
 
 
 class DigitNet(nn.Module):
-    """[B, 1, H, W] in [-1, 1] -> logits [B, 10]; `features` gives the 128-d penultimate layer."""
+    """[B, 1 or 3, H, W] in [-1, 1] -> logits [B, 10] (colour is read as grey); `features` gives the 128-d
+    penultimate layer."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,7 +60,9 @@ class DigitNet(nn.Module):
         self.out = nn.Linear(FEATURES, 10)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        x = resize_batch(x.float(), SIDE)  # [B, 1, 28, 28]
+        if x.ndim != 4 or x.shape[1] not in (1, 3):
+            raise FlowfleetError(f"digit classifier: expected images [B, 1 or 3, H, W], got {tuple(x.shape)}")
+        x = resize_batch(x.float().mean(dim=1, keepdim=True), SIDE)  # grey [B, 1, 28, 28]
         return F.relu(self.fc(self.convs(x).flatten(1)))  # [B, 128]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,13 +142,7 @@ class DigitJudge(ClassifierJudge):
 
     def __init__(self, net: DigitNet, record: dict[str, Any]):
         self.net = net.eval()
-        super().__init__(self._classify, [[str(d), w] for d, w in enumerate(DIGIT_WORDS)], record,
-                         DigitFeatures(self.net))
-
-    def _classify(self, images: torch.Tensor) -> torch.Tensor:
-        if images.shape[1] not in (1, 3):
-            raise FlowfleetError(f"digit classifier: expected images [B, 1 or 3, H, W], got {tuple(images.shape)}")
-        return self.net(images.float().mean(dim=1, keepdim=True))  # grey [B, 1, H, W] -> logits [B, 10]
+        super().__init__(self.net, DIGIT_CLASSES, record, DigitFeatures(self.net))
 
     @property
     def val_accuracy(self) -> float:
@@ -202,9 +201,5 @@ class DigitFeatures(nn.Module):
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.float() / 127.5 - 1.0
-        return self.net.features(x.mean(dim=1, keepdim=True)).double()
+        return self.net.features(images.float() / 127.5 - 1.0).double()
 
-
-# Names of the digits for reading prompts (no classifier: only target() is used).
-_DIGITS = ClassifierJudge(lambda x: x, [[str(d), w] for d, w in enumerate(DIGIT_WORDS)])

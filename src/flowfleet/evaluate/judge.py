@@ -25,24 +25,36 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.storage import RunRoot
 
 
+class PromptClasses:
+    """Which of K named classes a prompt asks for: the first class whose name (or an alias) appears in it
+    as a whole word, case-insensitively; None when it names none."""
+
+    def __init__(self, classes: Sequence[Sequence[str]]):
+        if not classes or any(not names for names in classes):
+            raise FlowfleetError("judge: every class needs at least one name")
+        self.labels = [names[0] for names in classes]  # how a class is shown
+        self._words = {name.lower(): k for k, names in enumerate(classes) for name in names}
+        alternatives = "|".join(sorted(map(re.escape, self._words), key=len, reverse=True))
+        self._pattern = re.compile(r"\b(" + alternatives + r")\b")
+
+    def target(self, prompt: str) -> int | None:
+        m = self._pattern.search(prompt.lower())
+        return None if m is None else self._words[m.group(1)]
+
+
 class ClassifierJudge:
     """A classifier over named classes, and the share of images it reads as their prompt's class."""
 
     def __init__(self, classify: Callable[[torch.Tensor], torch.Tensor], classes: Sequence[Sequence[str]],
                  record: dict[str, Any] | None = None, features: nn.Module | None = None, batch: int = 500):
-        if not classes or any(not names for names in classes):
-            raise FlowfleetError("judge: every class needs at least one name")
+        self.classes = PromptClasses(classes)
+        self.labels = self.classes.labels
         self.classify, self.batch, self._features = classify, batch, features
-        self.labels = [names[0] for names in classes]  # how a class is shown
         self.record = dict(record or {})
-        words = {name.lower(): k for k, names in enumerate(classes) for name in names}
-        self._pattern = re.compile(r"\b(" + "|".join(sorted(map(re.escape, words), key=len, reverse=True)) + r")\b")
-        self._words = words
 
     def target(self, prompt: str) -> int | None:
         """The class the prompt names (first match), or None."""
-        m = self._pattern.search(prompt.lower())
-        return None if m is None else self._words[m.group(1)]
+        return self.classes.target(prompt)
 
     @torch.no_grad()
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
