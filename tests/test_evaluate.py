@@ -137,11 +137,22 @@ def test_evaluate_writes_fid_per_strategy_diagnostics_and_a_report(fleet):
     acc = result["diagnostics"]["router_accuracy"]
     assert len(acc["accuracy"]) == 10 and acc["items"] == 32
     assert any("FID" in line for line in lines)
+    # top2 of two experts is the full ensemble: evaluated once, recorded under both names
+    assert result["runs"]["full"]["same_as"] == "top2" and result["runs"]["top2"]["same_as"] is None
+    assert scores["full"] == scores["top2"] and usage["full"] == usage["top2"]
+    assert any("full uses the same experts with the same weights as top2" in line for line in lines)
+    write_report(fleet.url)
+    assert "full selects the same experts with the same weights as top2" in \
+        fleet.local_path("reports", "report.html").read_text()
 
-    # Same seed, same prompts and noise: a second evaluation reproduces every FID and reuses the cache.
-    again = evaluate(fleet.url_of("model"), fleet.url, options(strategies=("top1",), monolith=False, diagnostics=False),
+    # Same seed, same prompts and noise: a second evaluation reproduces every FID and reuses the cache;
+    # `full` sampled for itself gives what was recorded for it from top2.
+    again = evaluate(fleet.url_of("model"), fleet.url,
+                     options(strategies=("top1", "full"), monolith=False, diagnostics=False),
                      echo=lines.append, extractor=SmallFeatures())
     assert again["fid"]["scores"]["top1"] == pytest.approx(scores["top1"], rel=1e-9)
+    assert again["runs"]["full"]["same_as"] is None
+    assert again["fid"]["scores"]["full"] == pytest.approx(scores["full"], rel=1e-9)
     assert [n for n in fleet.ls("reports") if n.startswith("fid_ref_")] == \
         ["fid_ref_data_custom-SmallFeatures_n20.safetensors"]
 

@@ -336,6 +336,10 @@ class ReportBuilder:
         else:
             s.tables.append({"caption": "FID per strategy (lower is better)", "header": ["model", "FID"],
                              "rows": [[name, f"{v:.2f}"] for name, v in scores.items()]})
+        for name, r in runs.items():
+            if r.get("same_as"):
+                s.notes.append(f"{name} selects the same experts with the same weights as {r['same_as']} "
+                               f"(k is at least the number of experts): its samples are {r['same_as']}'s.")
         s.notes.append(
             f"Feature network {fid.get('extractor', '?')} at {fid.get('resize', '?')} px input; "
             f"{fid.get('generated_images', '?')} generated images against {fid.get('reference_images', '?')} "

@@ -26,7 +26,7 @@ is loaded.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -101,6 +101,7 @@ class ModelRun:
     confidence: float | None = None  # MNIST: mean classifier probability of the prompted digit
     classifier_fd: float | None = None  # MNIST: Fréchet distance in the digit classifier's features
     samples: str = ""  # reports/<samples>: every scored sample (npz)
+    same_as: str | None = None  # the same model as this earlier run (top-k with k >= K is the full ensemble)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -175,8 +176,15 @@ def evaluate(model_dir: str, reference: str | None = None, options: EvaluateOpti
     models = [(s, "fleet", pipe) for s in options.strategies]
     if options.monolith:
         models.insert(0, (MONOLITH, "monolith", _monolith_pipeline(ev.root, pipe, ev.device)))
+    experts_of = {}  # k experts per sample -> the strategy that sampled with them
     for name, kind, p in models:
+        k = parse_strategy(name).resolve_k(len(pipe.present)) if kind == "fleet" else None
+        if k in experts_of:  # e.g. top2 of 2 experts IS full: same weights, same prompts and noise
+            ev.same_model(name, experts_of[k])
+            continue
         ev.run_model(name, kind, p)
+        if k is not None:
+            experts_of[k] = name
     if options.diagnostics and root_has_clusters(ev.root):
         t0 = time.perf_counter()
         ev.diagnostics["router_accuracy"] = _router_accuracy(ev, pipe)
@@ -361,6 +369,17 @@ class _Evaluation:
         self.timings[f"{name}_sampling_s"] = run.sampling_s
         self.timings[f"{name}_fid_s"] = run.fid_s
         self.runs[name] = run
+        return run
+
+    def same_model(self, name: str, earlier: str) -> ModelRun:
+        """Record strategy `name` as the model already evaluated as `earlier` (its samples would be
+        identical), without sampling it again."""
+        run = self.runs[name] = replace(self.runs[earlier], name=name, same_as=earlier, sampling_s=0.0, fid_s=0.0)
+        for table in (self.prompt_accuracy, self.adherence, self.diagnostics["usage"], self.diagnostics["alignment"],
+                      self.diagnostics["disagreement"]):
+            if earlier in table:
+                table[name] = table[earlier]
+        self.echo(f"evaluate: {name} uses the same experts with the same weights as {earlier}: not sampled twice")
         return run
 
     def result(self) -> dict[str, Any]:
