@@ -85,3 +85,22 @@ def test_classifier_fd_separates_digits_from_noise(judge, held_out):
     noise = fd.statistics([torch.rand(500, 1, 28, 28, generator=torch.Generator().manual_seed(1)) * 2 - 1])
     same, far = fd.score(real_a, real_b), fd.score(noise, real_b)
     assert same < 0.1 * far
+
+
+def test_a_cached_classifier_of_another_network_is_retrained(digit_classifier, tmp_path, monkeypatch):
+    import flowfleet.evaluate.digits as digits
+
+    copy = RunRoot(str(tmp_path))
+    copy.write_bytes(digit_classifier.read_bytes(*FOLDER, "model.safetensors"), *FOLDER, "model.safetensors")
+    record = {**digit_classifier.read_json(*FOLDER, "classifier.json"), "network": "digitnet-1"}
+    copy.write_json(record, *FOLDER, "classifier.json")
+    trained = []
+
+    def fake_train(x, y, progress=True):
+        trained.append(len(y))
+        return digits.DigitNet(), {"network": digits.NETWORK, "val_accuracy": 0.0}
+
+    monkeypatch.setattr(digits, "train_classifier", fake_train)
+    judge = DigitJudge.load_or_train(copy, progress=False)
+    assert trained == [5000] and judge.record["network"] == digits.NETWORK
+    assert copy.read_json(*FOLDER, "classifier.json")["network"] == digits.NETWORK  # the cache now holds the new one

@@ -7,8 +7,8 @@ feature space.
 
 Inception FID at MNIST's size cannot tell a digit from a blob (both are far from ImageNet); a small
 CNN trained on the digits themselves can. The network is written here, not taken from a library,
-because no package ships MNIST weights and none is needed: a 4-layer CNN reaches >= 0.97 on the
-held-out 1000 of MNIST-5k in about half a minute on two CPU cores. It is trained by flowfleet on the
+because no package ships MNIST weights and none is needed: a two-convolution CNN with batch norm
+reaches >= 0.97 on the held-out 1000 of MNIST-5k in about 20 s on two CPU cores. It is trained by flowfleet on the
 first 4000 digits of the built-in source (interleaved 0..9, so both splits are balanced) with random
 shifts, and saved with its validation accuracy; images are taken in [-1, 1] at any size and resized
 to 28 x 28.
@@ -16,9 +16,7 @@ to 28 x 28.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,6 +37,7 @@ log = logging.getLogger(__name__)
 FOLDER = ("reports", "digit_classifier")
 SIDE = 28
 FEATURES = 128
+NETWORK = "digitnet-2"  # the architecture's name in the cached record: a cache of another one is retrained
 DIGIT_CLASSES = [[str(d), word] for d, word in enumerate(DIGIT_WORDS)]  # a prompt names a digit by numeral or word
 _DIGITS = PromptClasses(DIGIT_CLASSES)
 
@@ -50,9 +49,9 @@ class DigitNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.convs = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
             nn.MaxPool2d(2),  # 14 x 14
-            nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
             nn.MaxPool2d(2),  # 7 x 7
         )
         self.fc = nn.Linear(64 * 7 * 7, FEATURES)
@@ -71,7 +70,7 @@ class DigitNet(nn.Module):
 
 @dataclass(frozen=True)
 class TrainSettings:
-    epochs: int = 8
+    epochs: int = 6
     batch_size: int = 64
     lr: float = 2e-3
     shift: int = 2  # random translation in pixels (augmentation)
@@ -131,7 +130,7 @@ def train_classifier(x: torch.Tensor, y: torch.Tensor, settings: TrainSettings =
             sched.step()
             bar.update(1)
     bar.close()
-    record = {"val_accuracy": accuracy(net, xv, yv), "val_items": int(len(yv)), "train_items": n,
+    record = {"network": NETWORK, "val_accuracy": accuracy(net, xv, yv), "val_items": int(len(yv)), "train_items": n,
               "train_s": round(time.perf_counter() - t0, 1), "settings": asdict(settings)}
     net.eval()
     return net, record
@@ -153,34 +152,25 @@ class DigitJudge(ClassifierJudge):
         """The run's cached classifier, or a new one trained on MNIST-5k and cached (atomic writes)."""
         weights, meta = (*FOLDER, "model.safetensors"), (*FOLDER, "classifier.json")
         if root.exists(*weights) and root.exists(*meta):
-            net = DigitNet()
-            try:
-                net.load_state_dict(safetensors.torch.load(root.read_bytes(*weights)))
-            except Exception as err:  # damaged cache: say so and retrain below
-                log.warning("%s: unreadable (%s); training the digit classifier again",
-                            root.url_of(*weights), str(err).splitlines()[0][:120])
+            record = root.read_json(*meta)
+            if record.get("network") != NETWORK:  # made by another flowfleet version's network
+                log.info("%s: a %s classifier, not %s; training it again", root.url_of(*meta),
+                         record.get("network", "older"), NETWORK)
             else:
-                return cls(net, root.read_json(*meta))
+                net = DigitNet()
+                try:
+                    net.load_state_dict(safetensors.torch.load(root.read_bytes(*weights)))
+                except Exception as err:  # damaged cache: say so and retrain below
+                    log.warning("%s: unreadable (%s); training the digit classifier again",
+                                root.url_of(*weights), str(err).splitlines()[0][:120])
+                else:
+                    return cls(net, record)
         log.info("training the digit classifier on MNIST-5k (cached in %s)", root.url_of(*FOLDER))
         x, y = mnist_tensors()
-        with _all_cores():
-            net, record = train_classifier(x, y, progress=progress)
+        net, record = train_classifier(x, y, progress=progress)
         root.write_bytes(safetensors.torch.save(net.state_dict()), *weights)
         root.write_json(record, *meta)
         return cls(net, record)
-
-
-@contextlib.contextmanager
-def _all_cores():
-    """Train on every core (it runs once, while nothing else does) unless OMP_NUM_THREADS says otherwise;
-    restore the caller's thread count afterwards (the demo runs its stages on one)."""
-    before = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(os.cpu_count() or before)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def prompted_digit(prompt: str) -> int | None:
