@@ -17,7 +17,7 @@ import torch
 from flowfleet.cli import main
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import CheckpointStore
-from flowfleet.train.fanout import LocalFanout, ProcessJob, Slot, plan_slots
+from flowfleet.train.fanout import LocalFanout, ProcessJob, Slot, flowfleet_job, plan_slots
 from flowfleet.train.jobs import fleet_jobs
 from flowfleet.train.status import read_status
 from flowfleet.train.synthetic import synthetic_config, write_synthetic_run
@@ -198,6 +198,21 @@ def test_fanout_stop_forwards_sigterm_and_starts_nothing_new(tmp_path):
     assert time.monotonic() - t0 < 30
     assert sorted((o.name, o.returncode) for o in outcomes) == [("j0", 0), ("j1", 0)]
     assert not (tmp_path / "j2.up").exists()
+
+
+def test_fanout_runs_flowfleet_commands_from_a_preloaded_forkserver(tmp_path):
+    root = make_run(tmp_path / "run")
+    jobs = [flowfleet_job("version", ["--version"], tmp_path / "version.log"),
+            flowfleet_job("status", ["status", root.url], tmp_path / "status.log"),
+            flowfleet_job("bad", ["status", str(tmp_path / "missing")], tmp_path / "bad.log")]
+    pids = {}
+    fanout = LocalFanout([Slot(1), Slot(1)], poll_every=0.05, preload=("flowfleet.cli",),
+                         on_start=lambda job, pid: pids.__setitem__(job.name, pid))
+    outcomes = {o.name: o for o in fanout.run(jobs)}
+    assert outcomes["version"].returncode == 0 and outcomes["version"].last_line == "flowfleet 0.1.0"
+    assert outcomes["status"].returncode == 0 and "expert-0" in (tmp_path / "status.log").read_text()
+    assert outcomes["bad"].returncode == 1 and "run.yaml" in outcomes["bad"].last_line  # the CLI's one-line error
+    assert len(set(pids.values())) == 3 and os.getpid() not in pids.values()
 
 
 def test_plan_slots_shares_cores_and_gpus():

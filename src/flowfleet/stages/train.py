@@ -104,7 +104,7 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
     import torch
     from tqdm.auto import tqdm
 
-    from flowfleet.train.fanout import LocalFanout, ProcessJob, flowfleet_argv, plan_slots
+    from flowfleet.train.fanout import LocalFanout, ProcessJob, flowfleet_job, plan_slots
 
     root, cfg = _open(run_root)
     results: dict[str, str] = {}
@@ -135,7 +135,7 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
         local = root.local_path(spec.dir, LOG_FILE)
         return local if local is not None else Path(logs_tmp.name) / spec.dir / LOG_FILE
 
-    jobs = [ProcessJob(s.name, flowfleet_argv(s.cli_args(url)), log_path(s)) for s in todo]
+    jobs = [flowfleet_job(s.name, s.cli_args(url), log_path(s)) for s in todo]
     specs = {s.name: s for s in todo}
     totals = {s.name: job_steps(cfg, s) for s in todo}
     bar = tqdm(total=sum(totals.values()), desc="train-all", unit="step", dynamic_ncols=True,
@@ -171,7 +171,9 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
             root.write_bytes(outcome.log.read_bytes(), specs[outcome.name].dir, LOG_FILE)
 
     echo(f"train-all: {len(todo)} job(s), {len(slots)} at a time")
-    fanout = LocalFanout(slots, on_start=started, on_exit=exited, on_poll=poll)
+    # every job imports the same modules: the forkserver does it once (flowfleet.train.fanout)
+    fanout = LocalFanout(slots, on_start=started, on_exit=exited, on_poll=poll,
+                         preload=("flowfleet.cli", "flowfleet.stages.train"))
     try:
         fanout.run(jobs)
     finally:
