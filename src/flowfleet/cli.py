@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
-from flowfleet import __version__
-from flowfleet.commands import data, evaluate, init, sample, train
+# Before anything loads torch (and with it OpenMP; train-all's jobs inherit it): idle OpenMP threads
+# sleep instead of spinning. On the 2-vCPU machine a spinning thread takes the core from the process
+# that has work: `evaluate` of the quick demo ran 50 s with spinning threads, 38 s with sleeping ones,
+# and 77 s vs 57 s beside a busy process (BENCHMARKS.md, "CPU threads"). The user's setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from flowfleet import __version__  # noqa: E402
+from flowfleet.commands import data, evaluate, init, sample, train  # noqa: E402
 
 COMMAND_MODULES = (init, data, train, sample, evaluate)
 

@@ -10,8 +10,8 @@ the recipe measured in BENCHMARKS.md) with step counts sized for a 2-core CPU:
     default   all 5000 digits, 1000 steps per expert (the monolith 2000: the same training FLOPs as the
               two experts together), 300 steps per router; evaluation of 300 samples per model
               (target: make demo <= 20 min on a fresh clone, installation included)
-    --quick   1000 digits, 380 steps per expert (monolith 760), 100 steps per router, 100 samples per
-              model (target: <= 5 min)
+    --quick   1000 digits, 300 steps per expert (monolith 600) at learning rate 4e-3 after 30 warm-up
+              steps, 100 steps per router, 100 samples per model (target: <= 5 min)
 
 Why K = 2: at equal compute an expert gets 1/K of the monolith's steps, and on this data a
 prompt-conditioned DiT needs ~1000 steps (batch 64) before a digit classifier reads >= 0.9 of its
@@ -38,6 +38,7 @@ from typing import Any, Callable, Literal
 from flowfleet.config import RUN_FILE, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.fid import FIDSettings
+from flowfleet.flow import parse_strategy
 from flowfleet.presets import PRESETS
 from flowfleet.stages.evaluate import EvaluateOptions
 from flowfleet.storage import RunRoot
@@ -79,7 +80,9 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
         evaluation = EvaluateOptions(n=12, ref_n=24, batch_size=12, fid=fid, grid=12, diagnostic_n=4)
     elif size == "quick":
         raw["data"].update(limit=1000, shard_size=500)
-        _steps(raw, "train", 380)
+        _steps(raw, "train", 300)
+        # A short run gains from a short warm-up and a higher rate (BENCHMARKS.md, "demo --quick")
+        raw["train"].update(lr=4e-3, warmup_steps=30)
         _steps(raw, "router_train", 100)
         evaluation = EvaluateOptions(n=100, ref_n=1000, batch_size=100, fid=fid, grid=20, diagnostic_n=8)
     else:
@@ -122,24 +125,8 @@ def _open(out: str, plan: DemoPlan) -> RunRoot:
 
 def demo(out: str = "runs/demo", *, quick: bool = False, size: DemoSize | None = None,
          echo: Callable[[str], None] = print, progress: bool = True) -> DemoResult:
-    """Run (or resume) the demo in `out`; returns where the report is. `size` overrides `quick`.
-
-    The stages that run in this process (prepare, evaluate, ...) use one torch thread unless
-    OMP_NUM_THREADS says otherwise, like train-all's jobs: on a 2-core machine that is busy with
-    anything else, two OpenMP threads spin-wait for each other and ran prepare + evaluate 4x slower
-    in wall time (BENCHMARKS.md); on an idle one, one thread costs little next to training.
-    """
-    import os
-
-    import torch
-
-    threads = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
-    try:
-        return _demo(out, size or ("quick" if quick else "full"), echo, progress)
-    finally:
-        torch.set_num_threads(threads)
+    """Run (or resume) the demo in `out`; returns where the report is. `size` overrides `quick`."""
+    return _demo(out, size or ("quick" if quick else "full"), echo, progress)
 
 
 def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool) -> DemoResult:
@@ -185,12 +172,20 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
 
         # loaded once for the monolith and the three strategies
         text = build_text_encoder(plan.config.encoders.text, resolve_device("auto"))
+        k_experts = plan.config.cluster.k
+        drawn: dict[int | None, tuple[str, Any]] = {}  # experts per sample -> (strategy, its output)
         for name, folder, strategy in [("monolith", monolith, "top1")] + [(s, model, s) for s in STRATEGIES]:
-            out = generate(folder, prompts=list(SHOWCASE_PROMPTS), n=plan.showcase_n, strategy=strategy, seed=0,
-                           out=root.url_of(REPORTS, "showcase", f"{name}.png"), text_encoder=text,
-                           progress=progress).output
-            # the same images, each labelled with its prompt, for the report
-            root.write_bytes(captioned_grid_png(out.images, out.prompts, cols=len(SHOWCASE_PROMPTS), title=name),
+            k = parse_strategy(strategy).resolve_k(k_experts) if folder == model else None
+            title = name
+            if k in drawn:  # top2 of 2 experts is the full ensemble: the same images, not drawn twice
+                title, out = f"{name} (= {drawn[k][0]}: the same experts and weights)", drawn[k][1]
+            else:
+                out = generate(folder, prompts=list(SHOWCASE_PROMPTS), n=plan.showcase_n, strategy=strategy, seed=0,
+                               out=root.url_of(REPORTS, "showcase", f"{name}.png"), text_encoder=text,
+                               progress=progress).output
+                drawn[k] = (name, out)
+            # each image labelled with its prompt, for the report
+            root.write_bytes(captioned_grid_png(out.images, out.prompts, cols=len(SHOWCASE_PROMPTS), title=title),
                              REPORTS, "showcase", f"{name}.png")
 
     stage("generate", showcase)
