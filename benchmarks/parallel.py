@@ -25,7 +25,7 @@ values of every self-attention layer + the step output), against the analytic fi
 (Megatron-style TP of a DiT block: the attention output projection and the MLP's second linear end in
 an all-reduce; adaLN, the q/k/v and first MLP projections are column-parallel and need none.)
 
-Part 3 (quality). A DiT trained here on oriented stripes (flowfleet.parallel.synthetic; 16x16, patch 4,
+Part 3 (quality). A DiT trained here on oriented stripes (fixtures.stripes; 16x16, patch 4,
 hidden 64, depth 3; 16 tokens in 4 token rows, so each of 2 ranks owns 2; 800 AdamW steps of 64)
 samples 16 images with 10 Euler steps on 1 rank and on 2 ranks per mode. Metrics against the 1-rank
 images: PSNR (torchmetrics, data range 2) and an LPIPS-style perceptual distance. LPIPS's learned
@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,6 +54,8 @@ from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
 from flowfleet.parallel import ParallelPlan, PatchParallelRunner, run_local
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test fixtures
+
 MODES = ("sync", "displaced", "naive")
 
 
@@ -62,7 +65,7 @@ def latency_config(tokens: int) -> DiTConfig:
 
 
 def random_model(cfg: DiTConfig, seed: int = 0) -> DiTModel:
-    from flowfleet.sampling.synthetic import randomize_
+    from fixtures.random_fleet import randomize_
 
     return randomize_(DiTModel.from_dit_config(cfg), seed=seed, std=0.02).eval()
 
@@ -203,9 +206,9 @@ class InceptionTaps(torch.nn.Module):
 
 
 def quality(iters: int, n: int, steps: int, warmup: int, out_dir: Path) -> dict:
+    from fixtures.stripes import train_stripes_dit
     from torchmetrics.functional.image import peak_signal_noise_ratio
 
-    from flowfleet.parallel.synthetic import train_stripes_dit
     from flowfleet.sampling.views import image_grid, png_bytes
 
     t0 = time.monotonic()

@@ -59,7 +59,8 @@ def flops_table(cfg) -> dict[str, float]:
 
 def trained_run(args: argparse.Namespace, seed: int) -> tuple[Any, dict[str, float]]:
     """OUT/seed-S trained and assembled (resuming whatever is there); -> (RunRoot, timings)."""
-    from flowfleet.config import RUN_FILE, load_run_config
+    from flowfleet.config import load_run_config
+    from flowfleet.layout import RUN_FILE
     from flowfleet.stages.assemble import assemble
     from flowfleet.stages.cluster import cluster
     from flowfleet.stages.prepare import prepare

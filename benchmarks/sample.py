@@ -32,8 +32,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test fixtures
 
 
 def rss_mib() -> float:
@@ -69,10 +72,11 @@ class SpreadRouter:
 
 
 def latency(args: argparse.Namespace) -> list[dict]:
+    from fixtures.random_fleet import HashTextEncoder, randomize_, tiny_run_config
+
     from flowfleet.models.dit import DiTExpert, DiTRouter
     from flowfleet.models.flops import forward_flops
     from flowfleet.sampling import ExpertStore, FleetPipeline
-    from flowfleet.sampling.synthetic import HashTextEncoder, randomize_, tiny_run_config
 
     cfg = tiny_run_config(args.k, size=args.size, channels=3, hidden=args.hidden, depth=args.depth, patch=2,
                           text_len=16, router_hidden=args.router_hidden, router_depth=args.router_depth)
@@ -143,8 +147,9 @@ def latency(args: argparse.Namespace) -> list[dict]:
 
 def ram_child(model_dir: str, mode: str, offload: int | None, steps: int, n: int) -> dict:
     """Run in a fresh process: open the fleet, sample top-1, report memory."""
+    from fixtures.random_fleet import HashTextEncoder
+
     from flowfleet.sampling import FleetPipeline
-    from flowfleet.sampling.synthetic import HashTextEncoder
 
     torch.set_num_threads(1)
     base = rss_mib()
@@ -162,7 +167,8 @@ def ram_child(model_dir: str, mode: str, offload: int | None, steps: int, n: int
 
 
 def ram(args: argparse.Namespace) -> list[dict]:
-    from flowfleet.sampling.synthetic import tiny_run_config, write_random_fleet
+    from fixtures.random_fleet import tiny_run_config, write_random_fleet
+
     from flowfleet.stages.assemble import assemble
 
     with tempfile.TemporaryDirectory(prefix="ff-bench-ram-") as tmp:

@@ -28,22 +28,24 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # previews try the VAE decoder; fail fast, show latents
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test fixtures
 
 import torch  # noqa: E402
+from fixtures.synthetic_run import write_synthetic_run
 from tqdm import tqdm  # noqa: E402
 
 from flowfleet.config import RunConfig, load_run_config
+from flowfleet.distributed import join_from_env
 from flowfleet.flow import flow_matching_loss, sample_t
 from flowfleet.models.dit import DiTModel
 from flowfleet.models.flops import train_flops_per_sample
 from flowfleet.presets import PRESETS
 from flowfleet.storage import RunRoot
-from flowfleet.train.island import Island
 from flowfleet.train.jobs import JobSpec, build_task
 from flowfleet.train.loop import Trainer, TrainOptions
-from flowfleet.train.synthetic import write_synthetic_run
 
 MODELS = {"tiny": "tiny/4", "S": "S/2"}
 
@@ -100,7 +102,7 @@ class TrainerStep:
         root.remove("experts", recursive=True)
         self.trainer = Trainer(build_task(root, load_run_config(root), JobSpec("expert", 0)), root,
                                TrainOptions(progress=False, tensorboard=True))
-        self.state = self.trainer._setup(Island.from_env("cpu"))
+        self.state = self.trainer._setup(join_from_env("cpu"))
         self.sampler = self.trainer.sampler()
         self.bar = tqdm(disable=True)
 

@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
+from flowfleet.distributed import DistContext, in_torchrun, init_from_env, init_process_group, shutdown
 from flowfleet.errors import FlowfleetError
-from flowfleet.parallel.launch import DistContext, free_port, in_torchrun, init_from_env, init_process_group, shutdown
+from flowfleet.parallel.launch import free_port
 from flowfleet.parallel.unet import UNetMode, parallelize
 from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.storage import RunRoot
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 shutdown()
         elif args.nproc == 1:
-            from flowfleet.parallel.launch import single_process
+            from flowfleet.distributed import single_process
 
             rank_main(single_process("cuda" if torch.cuda.is_available() else "cpu"), args)
         else:

@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
+from fixtures.random_fleet import HashTextEncoder, randomize_, tiny_run_config, write_random_fleet
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.models.dit import DiTExpert, DiTRouter
 from flowfleet.models.files import WEIGHTS_NAME, save_model
 from flowfleet.sampling import FleetPipeline, read_model_index
-from flowfleet.sampling.synthetic import HashTextEncoder, randomize_, tiny_run_config, write_random_fleet
 from flowfleet.stages.assemble import assemble
 from flowfleet.storage import RunRoot
 

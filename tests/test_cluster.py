@@ -20,11 +20,12 @@ from flowfleet.cluster import (
     two_stage_kmeans,
 )
 from flowfleet.cluster import kmeans as km
+from flowfleet.cluster.assignments import read_assignments
 from flowfleet.config import RunConfig
 from flowfleet.data.shards import FIELDS, ShardSet, ShardSetManifest
 from flowfleet.errors import FlowfleetError
 from flowfleet.presets import preset
-from flowfleet.stages.cluster import cluster, load_assignments
+from flowfleet.stages.cluster import cluster
 from flowfleet.storage import RunRoot
 
 
@@ -212,7 +213,7 @@ def test_cluster_stage_writes_aligned_files_and_complete_partitions(run_root):
     run = write_run(run_root, x, labels, k=4, fine_k=24, iters=20)
     report = cluster(run, progress=False)
     n = 220
-    assign = load_assignments(run)
+    assign = read_assignments(run, num_clusters=4)
     assert assign.dtype == torch.int64 and assign.shape == (n,)
     assert report["sizes"] == torch.bincount(assign, minlength=4).tolist() and sum(report["sizes"]) == n
     assert report["nmi"] > 0.95 and report["nmi_random_same_sizes"] < 0.2
@@ -279,7 +280,7 @@ def test_cluster_features_choose_what_is_clustered(run_root, features):
     assert report["features"]["kind"] == features
     if features == "both":  # both halves count: four groups, two partitions, each group whole
         groups = image_group * 2 + text_group
-        assign = load_assignments(run)
+        assign = read_assignments(run, num_clusters=4)
         assert all(len(torch.unique(assign[groups == j])) == 1 for j in range(4))
     else:
         assert report["label_coherence"] == 1.0 and report["nmi"] > 0.99
@@ -307,7 +308,7 @@ def test_cluster_refuses_missing_or_unfinished_data(run_root):
     m = ShardSet(run, "data").manifest()
     m.complete = False
     ShardSet(run, "data").write_manifest(m)
-    with pytest.raises(FlowfleetError, match="prepare has not finished"):
+    with pytest.raises(FlowfleetError, match=r"data/manifest.json: incomplete .* finish `flowfleet prepare"):
         cluster(run, progress=False)
     write_run(run_root, x[:2], labels[:2], k=3, fine_k=8)
     with pytest.raises(FlowfleetError, match="cluster.k: 3 partitions for only 2 prepared items"):

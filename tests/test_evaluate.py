@@ -79,11 +79,12 @@ class SmallFeatures(nn.Module):
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     """A finished-looking run: synthetic data/ and clusters, random experts, router and monolith, assembled."""
+    from fixtures.random_fleet import randomize_, write_random_fleet
+    from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+
     from flowfleet.models.dit import DiTExpert
     from flowfleet.models.files import save_model
-    from flowfleet.sampling.synthetic import randomize_, write_random_fleet
     from flowfleet.stages.assemble import assemble
-    from flowfleet.train.synthetic import synthetic_config, write_synthetic_run
 
     raw = synthetic_config(k=2, size=8, monolith=True).to_dict()
     raw["encoders"]["semantic"] = {"name": "pixels", "image_size": 8}  # 192-d clustering features
@@ -196,10 +197,11 @@ def test_cli_evaluate_and_report_errors_are_one_line(fleet, tmp_path, capsys):
 
 
 def test_evaluate_measures_prompt_adherence_for_the_shapes_source(tmp_path):
-    from flowfleet.sampling.synthetic import write_random_fleet
+    from fixtures.random_fleet import write_random_fleet
+    from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+
     from flowfleet.stages.assemble import assemble
     from flowfleet.stages.evaluate import evaluate
-    from flowfleet.train.synthetic import synthetic_config, write_synthetic_run
 
     raw = synthetic_config(k=2, size=8, channels=3).to_dict()
     raw["data"]["source"] = "shapes"

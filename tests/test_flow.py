@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures.toy import GaussianMixture, cluster_posterior
 
 from flowfleet.flow import (
     cfg_combine,
@@ -21,7 +22,6 @@ from flowfleet.flow import (
 from flowfleet.flow.ensemble import dense_weights
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
-from flowfleet.toy import GaussianMixture, cluster_posterior
 
 CLUSTERS = [[0, 1], [2, 3, 4], [5]]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from fixtures.random_fleet import HashTextEncoder, tiny_run_config, write_random_fleet
 from PIL import Image
 
 from flowfleet.cli import main
-from flowfleet.sampling.synthetic import HashTextEncoder, tiny_run_config, write_random_fleet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,6 +12,8 @@ import time
 
 import pytest
 import torch
+from fixtures.random_fleet import randomize_
+from fixtures.stripes import train_stripes_dit
 from torchmetrics.functional.image import peak_signal_noise_ratio
 
 from flowfleet.errors import FlowfleetError
@@ -31,8 +33,6 @@ from flowfleet.parallel import (
     run_local,
     single_process,
 )
-from flowfleet.parallel.synthetic import train_stripes_dit
-from flowfleet.sampling.synthetic import randomize_
 
 FORK = dict(start_method="fork", timeout_s=20.0)
 K = 3  # experts in the routed fleet
@@ -360,9 +360,10 @@ def test_failing_rank_gives_clear_error_within_timeout(how):
 
 def _class_fleet(run_root) -> str:
     """An assembled 3-expert fleet, class-conditioned (no text encoder to load in every rank)."""
+    from fixtures.random_fleet import tiny_run_config, write_random_fleet
+
     from flowfleet.cli import main
     from flowfleet.config import RunConfig
-    from flowfleet.sampling.synthetic import tiny_run_config, write_random_fleet
 
     raw = tiny_run_config(3, size=8, conditioning="none").model_dump()
     raw["expert"] = {**raw["expert"], "conditioning": "class", "num_classes": 4, "depth": 2}
@@ -422,9 +423,10 @@ def test_cli_generate_mnist_tiny_nproc_2(run_root, tmp_path):
     import subprocess
     import sys
 
+    from fixtures.random_fleet import write_random_fleet
+
     from flowfleet.cli import main
     from flowfleet.presets import preset
-    from flowfleet.sampling.synthetic import write_random_fleet
 
     write_random_fleet(str(run_root), preset("mnist-tiny"))
     assert main(["assemble", str(run_root)]) == 0

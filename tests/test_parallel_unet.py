@@ -19,8 +19,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor
 
+from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
-from flowfleet.parallel.comm import Group
 from flowfleet.parallel.launch import run_local
 from flowfleet.parallel.mode import ParallelMode
 from flowfleet.parallel.unet import NormStats, UNetMode, check_supported, parallelize

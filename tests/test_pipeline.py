@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures.random_fleet import HashTextEncoder, randomize_, tiny_run_config
+from fixtures.toy import GaussianMixture, cluster_posterior
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import cfg_combine, integrate, time_grid
 from flowfleet.flow.ensemble import combine
 from flowfleet.models.dit import DiTExpert, DiTRouter
 from flowfleet.sampling import Condition, ExpertStore, FleetPipeline, RoutingTrace
-from flowfleet.sampling.synthetic import HashTextEncoder, randomize_, tiny_run_config
-from flowfleet.toy import GaussianMixture, cluster_posterior
 
 CLUSTERS = [[0, 1], [2, 3], [4, 5]]
 

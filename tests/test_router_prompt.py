@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 
 from flowfleet.config import ConfigError, RunConfig, load_run_config
 from flowfleet.models.dit import DiTRouter
@@ -11,7 +12,6 @@ from flowfleet.models.files import load_model
 from flowfleet.storage import RunRoot
 from flowfleet.train.jobs import JobSpec, build_task, fleet_jobs
 from flowfleet.train.loop import Trainer, TrainOptions
-from flowfleet.train.synthetic import synthetic_config, write_synthetic_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 OPTIONS = TrainOptions(progress=False, heartbeat_every=0.2, tensorboard=False)

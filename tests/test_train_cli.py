@@ -13,6 +13,7 @@ import time
 import pytest
 import safetensors.torch
 import torch
+from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 
 from flowfleet.cli import main
 from flowfleet.storage import RunRoot
@@ -20,7 +21,6 @@ from flowfleet.train.checkpoint import CheckpointStore
 from flowfleet.train.fanout import LocalFanout, ProcessJob, Slot, flowfleet_job, plan_slots
 from flowfleet.train.jobs import fleet_jobs
 from flowfleet.train.status import read_status
-from flowfleet.train.synthetic import synthetic_config, write_synthetic_run
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 CLI = [sys.executable, "-m", "flowfleet.cli"]

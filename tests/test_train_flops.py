@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures.synthetic_run import synthetic_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -11,7 +12,6 @@ from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
 from flowfleet.models.flops import forward_flops, train_flops, train_flops_per_sample
 from flowfleet.train.jobs import JobSpec, job_steps, monolith_steps
-from flowfleet.train.synthetic import synthetic_config
 
 CONFIGS = [
     dict(size="tiny/4", input_size=(16, 16), in_channels=1),

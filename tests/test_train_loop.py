@@ -10,6 +10,7 @@ import signal
 import pytest
 import safetensors.torch
 import torch
+from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 
 from flowfleet.config import load_run_config
 from flowfleet.data.shards import ShardSet, ShardSetManifest
@@ -21,7 +22,6 @@ from flowfleet.train.checkpoint import CheckpointStore
 from flowfleet.train.jobs import JobSpec, build_task
 from flowfleet.train.loop import Trainer, TrainingDiverged, TrainOptions, learning_rate
 from flowfleet.train.status import JobBusyError, JobStatus, read_status
-from flowfleet.train.synthetic import synthetic_config, write_synthetic_run
 
 EXPERT0 = JobSpec("expert", 0)
 OPTIONS = TrainOptions(progress=False, heartbeat_every=0.2, tensorboard=False)
@@ -187,7 +187,7 @@ def test_partition_that_does_not_fit_the_expert_is_one_line_naming_both(tmp_path
     manifest = ShardSet(root, "data").manifest()
     manifest.complete = False  # prepare still writing, or it died
     ShardSet(root, "data").write_manifest(manifest)
-    with pytest.raises(FlowfleetError, match=r"data: incomplete .* finish `flowfleet prepare"):
+    with pytest.raises(FlowfleetError, match=r"data/manifest.json: incomplete .* finish `flowfleet prepare"):
         run_job(root, JobSpec("router"))
 
 

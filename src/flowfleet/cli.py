@@ -21,6 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from flowfleet import __version__  # noqa: E402
 from flowfleet.commands import data, evaluate, init, sample, train  # noqa: E402
+from flowfleet.errors import FlowfleetError
 
 COMMAND_MODULES = (init, data, train, sample, evaluate)
 
@@ -67,7 +68,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose, args.quiet)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # to relaunch the same command (generate --nproc)
-    from flowfleet.errors import FlowfleetError
 
     try:
         return int(args.func(args) or 0)

@@ -12,10 +12,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flowfleet.errors import FlowfleetError
+from flowfleet.layout import RUN_FILE
 from flowfleet.models.config import DiTConfig
 from flowfleet.storage import RunRoot
-
-RUN_FILE = "run.yaml"
 
 
 class ConfigError(FlowfleetError):

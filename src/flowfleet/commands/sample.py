@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from flowfleet.commands import add_run_root
+from flowfleet.layout import ROUTER, ROUTERS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-partial", action="store_true",
                    help="leave out experts that are not finished (with a warning) instead of refusing; the "
                    "router's probabilities are renormalised over the experts present")
-    p.add_argument("--router", default="router", choices=("router", "router-paris"),
+    p.add_argument("--router", default=ROUTER, choices=ROUTERS,
                    help="which trained router the fleet uses: the run's (default) or router-paris, Paris' "
                    "prompt-blind baseline (run.yaml router_baseline)")
     p.add_argument("--monolith", action="store_true",
@@ -91,7 +92,8 @@ def run_assemble(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     if args.nproc > 1:
-        from flowfleet.parallel.launch import in_torchrun, relaunch_torchrun
+        from flowfleet.distributed import in_torchrun
+        from flowfleet.parallel.launch import relaunch_torchrun
 
         if not in_torchrun():  # every rank runs this same command under torchrun
             return relaunch_torchrun(args.nproc, args.argv)

@@ -8,6 +8,8 @@ Images are float [B, C, H, W] in [-1, 1] with C = 1 or 3 (grayscale is repeated 
 that need it). Outputs stay on the encoder's device. `describe()` is what prepare records in
 data/manifest.json so a later stage (or another machine) can rebuild exactly the same encoder.
 Text is always a fixed-length sequence: padded or truncated to `max_length` tokens, with a mask.
+
+Each encoder imports its package (diffusers, transformers, sentence-transformers) only when built.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ Both take any image size: grayscale is repeated to 3 channels and images are res
 (align_corners=False, no antialias, like torch-fidelity) to 299. `resize` < 299 runs default_1's
 convolutions on a smaller input with an adaptive final pool: several times faster on a CPU, but the
 numbers are comparable only with FIDs computed at the same `resize` (the key records it).
+
+torchmetrics' Inception is imported only when that extractor is chosen.
 """
 
 from __future__ import annotations

@@ -25,9 +25,10 @@ from typing import Any, Iterable
 import safetensors.torch
 import torch
 
+from flowfleet.errors import FlowfleetError
+from flowfleet.layout import MANIFEST
 from flowfleet.storage import RunRoot
 
-MANIFEST = "manifest.json"
 FIELDS = ("latents", "features", "text_tokens", "text_mask", "text_pooled", "labels", "index")
 
 
@@ -119,6 +120,20 @@ class ShardSet:
             captions.extend(caps)
         out = {f: torch.cat(v) if v else torch.empty(0) for f, v in parts.items()}
         return (out, captions) if with_captions else out
+
+
+def open_complete(root: RunRoot, folder: str, made_by: str) -> ShardSet:
+    """The shards of `folder` (data/ or a partition), written to the end; otherwise a one-line error
+    naming its manifest and `made_by`, the command that writes it ("flowfleet prepare RUN")."""
+    shards = ShardSet(root, folder)
+    where = root.url_of(folder, MANIFEST)
+    if not shards.exists():
+        raise FlowfleetError(f"{where}: missing; run `{made_by}` first")
+    manifest = shards.manifest()
+    if not manifest.complete:
+        raise FlowfleetError(f"{where}: incomplete ({manifest.count} items so far; its writer is still running or "
+                             f"stopped early); finish `{made_by}` first")
+    return shards
 
 
 def _safetensors_metadata(raw: bytes) -> dict[str, str]:

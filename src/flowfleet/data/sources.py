@@ -15,6 +15,8 @@ Every source yields `RawItem`s in a fixed order and can start at any position, w
 interrupted `prepare` resumes. Images stay encoded here; prepare decodes them (flowfleet.data.images)
 so that one bad file is skipped and listed rather than stopping the run. Paths go through fsspec, so
 sources may live on an object store too.
+
+Each source imports its optional package (fsspec, mlxtend, pyarrow, datasets, braceexpand, PIL) only when used.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ A shapes prompt reads "a {size} {colour} {shape} {where} on a {background} backg
 
 A sample adheres when both its colour and its shape match the prompt. The score is the share of
 samples that adhere (and, separately, the shares with the right colour and the right shape).
+
+PIL is imported only to draw the reference shapes.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ expert disagreement       the spread of the K experts' velocities at the states 
 expert usage              the share of the ensemble weight each expert received, per strategy.
 
 The dominant expert of a sample is the one with the largest ensemble weight summed over all steps.
+
+train.preview (matplotlib behind it) is imported only when router accuracy is measured.
 """
 
 from __future__ import annotations

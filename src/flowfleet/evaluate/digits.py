@@ -25,9 +25,10 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from flowfleet.data.images import resize_batch
-from flowfleet.data.sources import DIGIT_WORDS
+from flowfleet.data.sources import DIGIT_WORDS, MnistSource
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.judge import ClassifierJudge, PromptClasses
 from flowfleet.storage import RunRoot
@@ -89,7 +90,6 @@ def _shifted(x: torch.Tensor, shift: int, gen: torch.Generator) -> torch.Tensor:
 
 def mnist_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     """The built-in MNIST-5k as images [5000, 1, 28, 28] in [-1, 1] and labels [5000]."""
-    from flowfleet.data.sources import MnistSource
 
     src = MnistSource()
     x = torch.from_numpy(src.images).float().unsqueeze(1) / 127.5 - 1.0
@@ -106,7 +106,6 @@ def accuracy(net: DigitNet, x: torch.Tensor, y: torch.Tensor, batch: int = 500) 
 def train_classifier(x: torch.Tensor, y: torch.Tensor, settings: TrainSettings = TrainSettings(),
                      progress: bool = True) -> tuple[DigitNet, dict[str, Any]]:
     """Train on the first `train_items` of (x, y), validate on the rest; returns the net and its record."""
-    from tqdm.auto import tqdm
 
     torch.manual_seed(settings.seed)
     gen = torch.Generator().manual_seed(settings.seed)

@@ -30,10 +30,8 @@ from tqdm.auto import tqdm
 from flowfleet.data.images import to_uint8  # the one quantisation: [-1, 1] float -> uint8
 from flowfleet.data.inception import EXTRACTORS, MIN_SIZE, STANDARD_SIZE, build_extractor
 from flowfleet.errors import FlowfleetError
+from flowfleet.layout import REPORTS
 from flowfleet.storage import RunRoot
-
-REPORTS = "reports"
-
 
 # --------------------------------------------------------------------------------------------------
 #                                         Settings

@@ -28,10 +28,29 @@ from typing import Any
 
 import jinja2
 
+from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate import views
+from flowfleet.layout import (
+    CLUSTER_REPORT,
+    CLUSTERS,
+    DATA,
+    EXPERTS,
+    FINAL,
+    INDEX_FILE,
+    JOB_REPORT,
+    MANIFEST,
+    METRICS_FILE,
+    MODEL,
+    MONOLITH,
+    REPORTS,
+    ROUTERS,
+    SAMPLES,
+    SHOWCASE,
+    STATUS_FILE,
+    expert_job,
+)
 from flowfleet.storage import RunRoot
 
-REPORTS = "reports"
 REPORT_FILE = "report.html"
 EVALUATION_FILE = "evaluation.json"
 TIMINGS_FILE = "timings.json"
@@ -57,10 +76,10 @@ def _json(root: RunRoot, *parts: str) -> Any:
 
 def read_metrics(root: RunRoot, job_dir: str) -> list[dict[str, Any]]:
     """metrics.jsonl as records; torn or non-JSON lines (a crash mid-write) are skipped."""
-    if not root.exists(job_dir, "metrics.jsonl"):
+    if not root.exists(job_dir, METRICS_FILE):
         return []
     records = []
-    for line in root.read_bytes(job_dir, "metrics.jsonl").decode(errors="replace").splitlines():
+    for line in root.read_bytes(job_dir, METRICS_FILE).decode(errors="replace").splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
@@ -72,12 +91,12 @@ def read_metrics(root: RunRoot, job_dir: str) -> list[dict[str, Any]]:
 
 def job_dirs(root: RunRoot) -> list[str]:
     """experts/k (numeric order), router, monolith: whichever exist."""
-    experts = sorted((n for n in root.ls("experts") if n.isdigit()), key=int)
-    return [f"experts/{k}" for k in experts] + [d for d in ("router", "router-paris", "monolith") if root.exists(d)]
+    experts = sorted((int(n) for n in root.ls(EXPERTS) if n.isdigit()))
+    return [expert_job(k) for k in experts] + [d for d in (*ROUTERS, MONOLITH) if root.exists(d)]
 
 
 def job_label(job_dir: str) -> str:
-    return f"expert {job_dir.split('/')[1]}" if job_dir.startswith("experts/") else job_dir
+    return f"expert {job_dir.split('/')[1]}" if job_dir.startswith(f"{EXPERTS}/") else job_dir
 
 
 @dataclass
@@ -137,7 +156,7 @@ class ReportBuilder:
             data = cfg.get("data", {})
             s.notes.append(f"Run {cfg.get('name', '?')}: source {data.get('source', '?')}, "
                            f"{data.get('image_size', '?')} px, K = {cfg.get('cluster', {}).get('k', '?')} experts.")
-        manifest = _json(self.root, "data", "manifest.json")
+        manifest = _json(self.root, DATA, MANIFEST)
         if manifest:
             s.notes.append(f"Prepared items: {manifest.get('count', '?')}.")
         runs = (self.evaluation or {}).get("runs") or {}
@@ -147,13 +166,13 @@ class ReportBuilder:
                            + ", ".join(f"{name} {acc:.3f}" for name, acc in scored.items()) + ".")
         rows = []
         for job in job_dirs(self.root):
-            st = _json(self.root, job, "status.json") or {}
+            st = _json(self.root, job, STATUS_FILE) or {}
             rows.append([job_label(job), st.get("state", "?"), f"{st.get('step', 0)}/{st.get('total_steps', '?')}",
                          _fmt(st.get("last_loss")), st.get("host", "")])
         if rows:
             s.tables.append({"caption": "jobs", "header": ["job", "state", "step", "last loss", "host"], "rows": rows})
-        stages = [("data/manifest.json", "prepare"), ("clusters/report.json", "cluster"),
-                  ("model/model_index.json", "assemble"), (f"{REPORTS}/{EVALUATION_FILE}", "evaluate")]
+        stages = [(f"{DATA}/{MANIFEST}", "prepare"), ("/".join(CLUSTER_REPORT), "cluster"),
+                  (f"{MODEL}/{INDEX_FILE}", "assemble"), (f"{REPORTS}/{EVALUATION_FILE}", "evaluate")]
         s.tables.append({"caption": "stages", "header": ["stage", "output", "present"],
                          "rows": [[st, path, "yes" if self.root.exists(path) else "no"] for path, st in stages]})
         return s
@@ -174,7 +193,7 @@ class ReportBuilder:
 
     def section_clusters(self) -> Section:
         s = Section("clusters", TITLES["clusters"])
-        rep = _json(self.root, "clusters", "report.json")
+        rep = _json(self.root, *CLUSTER_REPORT)
         if rep is None:
             s.missing = "no clusters/report.json yet: `flowfleet cluster RUN_ROOT`"
             return s
@@ -199,9 +218,9 @@ class ReportBuilder:
         if rows:
             s.tables.append({"caption": "cluster sizes", "header": ["cluster", "items", "most frequent labels"],
                              "rows": rows})
-        for name in self.root.ls("clusters"):
+        for name in self.root.ls(CLUSTERS):
             if name.startswith("preview-") and name.endswith(".png"):
-                img = self._file_image(f"cluster {name[8:-4]}", "clusters", name)
+                img = self._file_image(f"cluster {name[8:-4]}", CLUSTERS, name)
                 if img:
                     s.images.append(img)
         s.images.sort(key=lambda im: int(im.caption.split()[-1]) if im.caption.split()[-1].isdigit() else 0)
@@ -220,7 +239,7 @@ class ReportBuilder:
             records = read_metrics(self.root, job)
             curves[job_label(job)] = [(r["step"], float(r["loss"])) for r in records
                                      if isinstance(r.get("loss"), (int, float))]
-            st = _json(self.root, job, "status.json") or {}
+            st = _json(self.root, job, STATUS_FILE) or {}
             speed = [r["samples_per_s"] for r in records if isinstance(r.get("samples_per_s"), (int, float))]
             rows.append([job_label(job), st.get("state", "?"), st.get("step", 0), _fmt(st.get("last_loss")),
                          _fmt(sum(speed) / len(speed)) if speed else "", _fmt(_wall_time(records))])
@@ -228,8 +247,7 @@ class ReportBuilder:
                                    "loss of every job (metrics.jsonl)"))
         s.tables.append({"caption": "jobs", "header": ["job", "state", "steps", "last loss", "samples/s", "wall s"],
                          "rows": rows})
-        routers = {name: rep for name in ("router", "router-paris")
-                   if (rep := _json(self.root, name, "report.json")) and "accuracy" in rep}
+        routers = {name: rep for name in ROUTERS if (rep := _json(self.root, name, JOB_REPORT)) and "accuracy" in rep}
         if routers:
             s.tables.append(router_accuracy_table(routers, self._router_kinds(routers)))
         for name, rep in routers.items():
@@ -238,9 +256,9 @@ class ReportBuilder:
                                                                  f"{name} accuracy per t ({name}/report.json)"),
                                        f"{name} on {rep.get('items', '?')} training items"))
         for job in jobs:  # the last sample grid each job drew while training
-            grids = [n for n in self.root.ls(job, "samples") if n.endswith(".png")]
+            grids = [n for n in self.root.ls(job, SAMPLES) if n.endswith(".png")]
             if grids:
-                img = self._file_image(f"{job_label(job)}: {grids[-1]}", job, "samples", grids[-1])
+                img = self._file_image(f"{job_label(job)}: {grids[-1]}", job, SAMPLES, grids[-1])
                 if img:
                     s.images.append(img)
         return s
@@ -248,7 +266,7 @@ class ReportBuilder:
     def _router_kinds(self, routers: dict[str, Any]) -> dict[str, str]:
         kinds = {}
         for name in routers:
-            cfg = _json(self.root, name, "final", "config.json") or {}
+            cfg = _json(self.root, name, FINAL, "config.json") or {}
             sees = cfg.get("conditioning", "none") != "none"
             kinds[name] = "p(k | x_t, t, prompt)" if sees else "p(k | x_t, t) (Paris)"
         return kinds
@@ -266,11 +284,11 @@ class ReportBuilder:
 
     def section_samples(self) -> Section:
         s = Section("samples", TITLES["samples"])
-        grids = [n for n in self.root.ls(REPORTS, "showcase") if n.endswith(".png") and not n.endswith(".routing.png")]
+        grids = [n for n in self.root.ls(REPORTS, SHOWCASE) if n.endswith(".png") and not n.endswith(".routing.png")]
         grids.sort(key=lambda n: (n != "monolith.png", n))  # `flowfleet demo`: the monolith, then each strategy
         for name in grids:
             img = self._file_image(f"{name[:-4]}: `flowfleet generate`, the same prompts and noise for every "
-                                   "model, each image labelled with its prompt", REPORTS, "showcase", name)
+                                   "model, each image labelled with its prompt", REPORTS, SHOWCASE, name)
             if img:
                 s.images.append(img)
         if self._needs_evaluation(s):
@@ -495,7 +513,6 @@ def write_report(run_root: str | RunRoot) -> str:
     """Build reports/report.html (and reports/plots/*.png) from whatever the run root holds; returns its URL."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     if not root.exists():
-        from flowfleet.errors import FlowfleetError
 
         raise FlowfleetError(f"{root.url}: no such run root")
     builder = ReportBuilder(root)

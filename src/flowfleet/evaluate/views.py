@@ -3,6 +3,8 @@
 Grids are tiled with PIL (a grid of images needs no plotting library); plots use matplotlib's object
 API on an Agg canvas (no pyplot: its figure registry is global state). Every function takes plain
 data (lists, dicts, tensors) so the report can redraw everything from the JSON files of a run root.
+
+matplotlib and PIL are imported inside the functions that draw (slow to import, not needed to read results).
 """
 
 from __future__ import annotations

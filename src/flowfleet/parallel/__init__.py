@@ -6,8 +6,7 @@ comm.py       CommManager: registered slots in one flat buffer, batched async al
 dit.py        PatchParallelDiT: a DiT on one band, one wrapper per layer kind
 runner.py     PatchParallelRunner / ParallelVelocity: the per-step velocity of a routed fleet on N ranks
 fleet.py      ParallelFleet / join_fleet: FleetPipeline and `generate --nproc N` on top of the runner
-launch.py     DistContext, torchrun (re)launch, local ranks for tests; gloo on CPU, NCCL on GPU
-synthetic.py  a quickly trained stripes DiT for quality checks (tests, benchmarks)
+launch.py     torchrun (re)launch, local ranks for tests (the world they join: flowfleet.distributed)
 unet/         the same for diffusers U-Nets
 
 Names are imported lazily, so `flowfleet generate --nproc N` can relaunch itself under torchrun
@@ -19,11 +18,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+_WORLD = "flowfleet.distributed"
 _EXPORTS = {
-    "BandLayout": "bands", "CommManager": "comm", "Group": "comm", "ParallelError": "comm",
-    "PatchParallelDiT": "dit", "register_dit": "dit", "DistContext": "launch", "in_torchrun": "launch",
-    "init_from_env": "launch", "init_process_group": "launch", "relaunch_torchrun": "launch",
-    "run_local": "launch", "shutdown": "launch", "single_process": "launch", "ParallelMode": "mode",
+    "BandLayout": "bands", "CommManager": "comm", "Group": _WORLD, "ParallelError": "comm",
+    "PatchParallelDiT": "dit", "register_dit": "dit", "DistContext": _WORLD, "in_torchrun": _WORLD,
+    "init_from_env": _WORLD, "init_process_group": _WORLD, "relaunch_torchrun": "launch",
+    "run_local": "launch", "shutdown": _WORLD, "single_process": _WORLD, "ParallelMode": "mode",
     "ParallelPlan": "runner", "ParallelVelocity": "runner", "PatchParallelRunner": "runner",
     "ParallelFleet": "fleet", "join_fleet": "fleet",
 }
@@ -34,4 +34,5 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'flowfleet.parallel' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"flowfleet.parallel.{_EXPORTS[name]}"), name)
+    module = _EXPORTS[name]
+    return getattr(importlib.import_module(module if "." in module else f"flowfleet.parallel.{module}"), name)

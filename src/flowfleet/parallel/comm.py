@@ -35,25 +35,12 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
 
 
 class ParallelError(FlowfleetError):
     """A collective failed: another rank died, stalled past the timeout, or the group is misconfigured."""
-
-
-@dataclass(frozen=True)
-class Group:
-    """Ranks that communicate: the torch process group (None = the default group), this process's index
-    in it and its size. A group of size 1 never calls torch.distributed."""
-
-    pg: Any
-    rank: int
-    size: int
-
-    @staticmethod
-    def solo() -> "Group":
-        return Group(None, 0, 1)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """FleetPipeline on N ranks: `flowfleet generate DIR --nproc N --parallel MODE [--warmup W]`.
 
-    pipe = FleetPipeline.from_pretrained(model_dir)      # on every rank
-    pipe.parallel = ParallelFleet(ctx, plan, configs)    # swaps the per-step velocity function
-    out = pipe(prompts, n, ...)                          # every rank returns the same images
+    pipe = FleetPipeline.from_pretrained(model_dir)          # on every rank
+    fleet = ParallelFleet(ctx, plan, configs)
+    out = pipe(prompts, n, ..., parallel=fleet)              # every rank returns the same images
 
 The routing stays FleetPipeline's own (RoutedVelocity.select: router, top-k, route_every, the trace);
 its decision is broadcast from rank 0 and every selected expert runs patch-parallel
@@ -17,10 +17,14 @@ from typing import Any, Mapping
 
 import torch
 
+from flowfleet.distributed import DistContext, in_torchrun, init_from_env, shutdown
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.config import DiTConfig
-from flowfleet.parallel.launch import DistContext, in_torchrun, init_from_env, shutdown
+from flowfleet.models.files import read_dit_config
 from flowfleet.parallel.runner import ParallelPlan, ParallelVelocity, PatchParallelRunner
+from flowfleet.sampling.index import expert_folder, read_model_index
+from flowfleet.sampling.pipeline import RoutedVelocity
+from flowfleet.storage import RunRoot
 
 
 def join_fleet(model_dir: str, nproc: int, mode: str, warmup: int = 0, *, device: str = "auto",
@@ -28,9 +32,6 @@ def join_fleet(model_dir: str, nproc: int, mode: str, warmup: int = 0, *, device
     """Inside torchrun: validate the plan, read the experts' configs, join the process group.
 
     device: "auto" / "cuda" -> this rank's GPU (LOCAL_RANK) when CUDA is available, else CPU; "cpu" -> CPU."""
-    from flowfleet.models.files import read_dit_config
-    from flowfleet.sampling.index import expert_folder, read_model_index
-    from flowfleet.storage import RunRoot
 
     plan = ParallelPlan(mode, warmup)  # one-line errors for --parallel / --warmup before any work
     if not in_torchrun():
@@ -71,7 +72,6 @@ class ParallelFleet:
 
     def velocity_fn(self, pipe: Any, cond: Any, settings: Any, trace: Any):
         """FleetPipeline's hook: the patch-parallel (x_t, t, step) -> v for one batch."""
-        from flowfleet.sampling.pipeline import RoutedVelocity
 
         routed = RoutedVelocity(pipe, cond, settings.k, settings.cfg, settings.route_every, trace)
 

@@ -1,116 +1,31 @@
 """Starting N ranks: inside torchrun, by relaunching under torchrun, or as local processes (tests).
 
-One code path for CPU and GPU: gloo when the ranks run on CPU, NCCL when each has a CUDA device.
-Every process group is created with a timeout, so a rank that dies or stalls makes the others raise
-flowfleet.parallel.comm.ParallelError (one line) instead of hanging; torchrun then stops the rest.
+The world each rank joins (DistContext, gloo on CPU, NCCL on GPU, collectives with a timeout) is
+flowfleet.distributed's; a rank that dies or stalls makes the others raise one line instead of
+hanging, and torchrun then stops the rest.
 
     flowfleet generate DIR --nproc 2 ...     (not under torchrun)  -> relaunch_torchrun(2, argv)
     torchrun --nproc-per-node 2 -m flowfleet.cli generate DIR --nproc 2 ...   -> init_from_env()
     run_local(fn, 2)                         tests/benchmarks: fn(ctx, ...) on 2 local processes
+
+torchrun's launcher is imported only when relaunching.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import queue as queue_mod
 import socket
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
-import torch.distributed as dist
 
-from flowfleet.device import resolve_device
+from flowfleet.distributed import init_process_group, shutdown  # the world itself; this module only starts ranks
 from flowfleet.errors import FlowfleetError
-from flowfleet.parallel.comm import Group
-
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-@dataclass(frozen=True)
-class DistContext:
-    """This process's place among the ranks of one parallel run."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-    backend: str  # "gloo" | "nccl" | "none" (a single process, no process group)
-    timeout_s: float
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def world(self) -> Group:
-        return Group(None, self.rank, self.world_size)
-
-    def subgroups(self, size: int) -> Group:
-        """Split the ranks into consecutive groups of `size`; -> the group holding this rank.
-
-        Every rank creates every group (torch.distributed requires it), in the same order."""
-        if self.world_size % size:
-            raise FlowfleetError(f"cannot split {self.world_size} ranks into groups of {size}")
-        if size == self.world_size:
-            return self.world
-        mine = Group.solo()
-        for first in range(0, self.world_size, size):
-            ranks = list(range(first, first + size))
-            pg = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s)) if size > 1 else None
-            if self.rank in ranks:
-                mine = Group(pg, self.rank - first, size)
-        return mine
-
-
-def single_process(device: torch.device | str = "cpu") -> DistContext:
-    return DistContext(0, 1, torch.device(device), "none", 0.0)
-
-
-def default_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def in_torchrun() -> bool:
-    """Whether this process was started by torchrun (or anything setting its environment)."""
-    return all(k in os.environ for k in TORCHRUN_ENV)
-
-
-def init_process_group(rank: int, world_size: int, *, init_method: str = "env://", timeout_s: float = 60.0,
-                       device: str | None = None, local_rank: int | None = None) -> DistContext:
-    """Join the process group (gloo on CPU, NCCL on CUDA) with a collective timeout."""
-    dev = resolve_device(device, rank if local_rank is None else local_rank)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    backend = default_backend(dev)
-    kwargs: dict[str, Any] = {}
-    if backend == "nccl":
-        kwargs["device_id"] = dev  # eager NCCL init: a missing peer fails here, within the timeout
-    try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    except (RuntimeError, ValueError) as err:
-        reason = (str(err).strip().splitlines() or ["?"])[0][:200]
-        raise FlowfleetError(f"rank {rank} of {world_size}: could not join the process group within "
-                             f"{timeout_s:g} s ({reason})") from err
-    return DistContext(rank, world_size, dev, backend, timeout_s)
-
-
-def init_from_env(timeout_s: float = 60.0, device: str | None = None) -> DistContext:
-    """Inside torchrun: join the group described by RANK / WORLD_SIZE / LOCAL_RANK / MASTER_*."""
-    if not in_torchrun():
-        missing = ", ".join(k for k in TORCHRUN_ENV if k not in os.environ)
-        raise FlowfleetError(f"not started by torchrun (missing {missing})")
-    return init_process_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s=timeout_s,
-                              device=device, local_rank=int(os.environ["LOCAL_RANK"]))
-
-
-def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def relaunch_torchrun(nproc: int, argv: Sequence[str], threads_per_rank: int = 1) -> int:
@@ -160,7 +75,6 @@ def _to_plain(obj: Any) -> Any:
 
 
 def _from_plain(obj: Any) -> Any:
-    import numpy as np
 
     if isinstance(obj, np.ndarray):
         return torch.from_numpy(obj)

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from flowfleet.distributed import DistContext
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.ensemble import dense_weights
 from flowfleet.flow.sampler import cfg_combine, guided_velocity
@@ -37,7 +38,6 @@ from flowfleet.models.dit import DiTModel
 from flowfleet.parallel.bands import BandLayout
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.dit import PatchParallelDiT, register_dit
-from flowfleet.parallel.launch import DistContext
 from flowfleet.parallel.mode import ParallelMode
 
 RouteFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]

@@ -6,7 +6,6 @@ routing.py   per-sample top-k: group samples by expert, run each selected expert
 trace.py     RoutingTrace: what the router chose per step and sample (routing.json)
 pipeline.py  FleetPipeline: from_pretrained, the per-step velocity seam, the sampling loop
 views.py     image grid, router-probability heatmap, expert-usage bars
-synthetic.py random-weight fleets and a hash text encoder, for tests and benchmarks
 """
 
 from flowfleet.sampling.index import ModelIndex, SchedulerConfig, read_model_index

@@ -24,10 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from flowfleet.config import LatentEncoderConfig, SamplingConfig, TextEncoderConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION
+from flowfleet.layout import INDEX_FILE
 from flowfleet.models.files import validation_message
 from flowfleet.storage import RunRoot
 
-INDEX_FILE = "model_index.json"
 PIPELINE_CLASS = "FleetPipeline"
 PIXEL_NOTE = "PIXEL_SPACE.txt"
 _EXPERT_KEY = re.compile(r"^expert_(\d+)$")

@@ -11,9 +11,11 @@ own samples (flowfleet.sampling.routing). Anything with that signature can repla
 (`sample(..., velocity_fn=...)`), e.g. a patch-parallel version of the same computation.
 
 Experts and the router are callables in the model-call convention of docs/contracts.md, so the same
-loop samples DiT modules, counting wrappers (tests) and the closed-form flows of flowfleet.toy.
+loop samples DiT modules, counting wrappers and closed-form flows (the tests' Gaussian-mixture toy).
 FleetPipeline is a plain class rather than a diffusers DiffusionPipeline: diffusers loads every
 component eagerly, while a fleet loads experts lazily and may keep only M of them resident.
+
+Model classes, tqdm and the encoders are imported where used, so importing the pipeline stays light.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.flow import integrate, parse_strategy, time_grid
 from flowfleet.flow.ensemble import Strategy
 from flowfleet.flow.sampler import VelocityFn
+from flowfleet.layout import INDEX_FILE
 from flowfleet.models.files import load_model, read_dit_config
-from flowfleet.sampling.index import INDEX_FILE, ModelIndex, SchedulerConfig, expert_folder, read_model_index
+from flowfleet.sampling.index import ModelIndex, SchedulerConfig, expert_folder, read_model_index
 from flowfleet.sampling.routing import Condition, Selection, present_probs, run_selected, select_experts
 from flowfleet.sampling.store import ExpertStore
 from flowfleet.sampling.trace import RoutingTrace
@@ -154,7 +157,6 @@ class FleetPipeline:
         self.device = torch.device(device)
         self.dtype = dtype
         self.index = index
-        self.parallel: Any = None  # flowfleet.parallel.fleet.ParallelFleet: patch-parallel sampling (--nproc)
 
     @property
     def num_experts(self) -> int:
@@ -328,14 +330,16 @@ class FleetPipeline:
     # -- sampling ----------------------------------------------------------------------------------------
 
     def sample(self, noise: torch.Tensor, cond: Condition, settings: SamplingSettings,
-               velocity_fn: VelocityFn | None = None,
-               progress: bool | str = False) -> tuple[torch.Tensor, RoutingTrace]:
+               velocity_fn: VelocityFn | None = None, progress: bool | str = False,
+               parallel: Any = None) -> tuple[torch.Tensor, RoutingTrace]:
         """Integrate from noise x_1 to x_0 with the routed velocity (or the given velocity_fn).
 
-        progress: True shows a bar named after the strategy; a string names the bar itself."""
+        progress: True shows a bar named after the strategy; a string names the bar itself.
+        parallel: a flowfleet.parallel.fleet.ParallelFleet: the same routed velocity, patch-parallel
+        over its ranks (`generate --nproc N`)."""
         trace = RoutingTrace(self.num_experts)
-        if velocity_fn is None and self.parallel is not None:
-            velocity_fn = self.parallel.velocity_fn(self, cond, settings, trace)
+        if velocity_fn is None and parallel is not None:
+            velocity_fn = parallel.velocity_fn(self, cond, settings, trace)
         vf = velocity_fn or self.velocity_fn(cond, settings.k, settings.cfg, settings.route_every, trace)
         grid = time_grid(settings.steps, settings.shift, device=noise.device)
         bar = None
@@ -361,9 +365,10 @@ class FleetPipeline:
     def __call__(self, prompts: Sequence[str] | None = None, n: int = 16, *, labels: Sequence[int] | None = None,
                  strategy: str | None = None, steps: int | None = None, sampler: str | None = None,
                  cfg: float | None = None, shift: float | None = None, route_every: int | None = None,
-                 seed: int = 0, batch_size: int | None = None, progress: bool | str = False) -> FleetOutput:
+                 seed: int = 0, batch_size: int | None = None, progress: bool | str = False,
+                 parallel: Any = None) -> FleetOutput:
         """Generate n samples. Noise for all n comes from one seeded generator, so the batch size does
-        not change the images."""
+        not change the images. parallel: see sample()."""
         if n < 1:
             raise FlowfleetError(f"--n: must be >= 1, got {n}")
         settings = self.settings(strategy, steps, sampler, cfg, shift, route_every, seed)
@@ -374,7 +379,7 @@ class FleetPipeline:
         latents, traces = [], []
         for start in range(0, n, bs):
             rows = torch.arange(start, min(start + bs, n), device=self.device)
-            x0, trace = self.sample(noise[rows], cond.select(rows), settings, progress=progress)
+            x0, trace = self.sample(noise[rows], cond.select(rows), settings, progress=progress, parallel=parallel)
             latents.append(x0)
             traces.append(trace)
         latents_t = torch.cat(latents)

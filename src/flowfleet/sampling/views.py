@@ -1,4 +1,7 @@
-"""What a person looks at after `generate`: the image grid, a router-probability heatmap, usage bars."""
+"""What a person looks at after `generate`: the image grid, a router-probability heatmap, usage bars.
+
+matplotlib, PIL and diffusers' grid helper are imported inside the functions that draw (slow imports).
+"""
 
 from __future__ import annotations
 

@@ -14,11 +14,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from flowfleet import __version__
-from flowfleet.config import RUN_FILE, RunConfig, load_run_config
+from flowfleet.config import RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION
+from flowfleet.layout import EXPERTS, FINAL, MODEL, MONOLITH, MONOLITH_MODEL, ROUTERS, RUN_FILE, expert_job
 from flowfleet.models.config import DiTConfig
+from flowfleet.models.dit import DiTExpert, DiTRouter
 from flowfleet.models.files import ModelFileError, load_model, read_dit_config
 from flowfleet.sampling.index import (
     INDEX_FILE,
@@ -28,12 +32,8 @@ from flowfleet.sampling.index import (
     expert_folder,
 )
 from flowfleet.storage import RunRoot
-
-STATUS_FILE = "status.json"
-FINAL = "final"
-MONOLITH = "monolith"  # the job folder of the compute-matched baseline
-MONOLITH_MODEL = "model-monolith"  # where `assemble --monolith` writes it as a one-expert model
-ROUTERS = ("router", "router-paris")  # router job folders: the run's router, Paris' prompt-blind baseline
+from flowfleet.train.jobs import JobSpec
+from flowfleet.train.status import JobStatus, job_finished
 
 
 @dataclass
@@ -43,33 +43,6 @@ class AssembleResult:
     present: list[int]
     missing: dict[int, str] = field(default_factory=dict)  # expert -> why it was left out
     warnings: list[str] = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------------------------------
-#                                      Job folders
-# --------------------------------------------------------------------------------------------------
-
-
-def job_finished(root: RunRoot, *job: str) -> tuple[bool, str, dict[str, Any]]:
-    """(finished, reason if not, status dict). Finished = status.json says done and final/ exists."""
-    from flowfleet.train.status import read_status
-
-    job_dir = "/".join(job)
-    where = root.url_of(*job)
-    try:
-        status = read_status(root, job_dir)
-    except ValueError as err:  # corrupted JSON or not a job status (FlowfleetError is a ValueError)
-        return False, str(err), {}
-    if status is None:
-        if not root.exists(*job):
-            return False, f"{where}: missing (never started)", {}
-        return False, f"{root.url_of(*job, STATUS_FILE)}: missing", {}
-    if status.state != "done":
-        why = f"{where}: state {status.state!r} at step {status.step}/{status.total_steps}, not done"
-        return False, why, status.to_dict()
-    if not root.exists(*job, FINAL, "config.json"):
-        return False, f"{root.url_of(*job, FINAL)}: missing although status.json says done", status.to_dict()
-    return True, "", status.to_dict()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,7 +120,6 @@ def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = Fal
     router: the router job folder ("router", or "router-paris" for the prompt-blind baseline).
     monolith=True: the monolith alone as a one-expert model with no router (default out RUN_ROOT/model-monolith),
     which generate and evaluate open like a fleet."""
-    from flowfleet.models.dit import DiTExpert, DiTRouter
 
     root = RunRoot(run_root)
     run = load_run_config(root)
@@ -166,15 +138,15 @@ def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = Fal
 
     present: list[int] = []
     missing: dict[int, str] = {}
-    statuses: dict[int, dict[str, Any]] = {}
+    statuses: dict[int, JobStatus] = {}
     for k in range(num_experts):
-        job = ("experts", str(k))
-        ok, why, status = job_finished(root, *job)
+        job = expert_job(k)
+        ok, why, status = job_finished(root, job)
         if not ok:
             missing[k] = why
             continue
-        cfg = _read_config(f"expert {k}", root, *job, FINAL)
-        check_expert(k, root.url_of(*job, FINAL, "config.json"), cfg, run)
+        cfg = _read_config(f"expert {k}", root, job, FINAL)
+        check_expert(k, root.url_of(job, FINAL, "config.json"), cfg, run)
         present.append(k)
         statuses[k] = status
     if missing and not allow_partial:
@@ -182,30 +154,27 @@ def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = Fal
         raise FlowfleetError(f"expert {first} is not finished ({missing[first]}); {len(missing)} of {num_experts} "
                              f"experts missing — wait for them or pass --allow-partial")
     if not present:
-        raise FlowfleetError(f"no finished expert among the {num_experts} in {root.url_of('experts')}")
+        raise FlowfleetError(f"no finished expert among the {num_experts} in {root.url_of(EXPERTS)}")
     warnings = [f"partial fleet: expert {k} left out ({why}); router probabilities are renormalised over "
                 f"experts {present}" for k, why in missing.items()]
     components = [("router", (router, FINAL), DiTRouter)] + [
-        (expert_folder(k), ("experts", str(k), FINAL), DiTExpert) for k in present]
-    source = {"router": {"job": router, "step": router_status.get("step"),
-                         "samples_seen": router_status.get("samples_seen")},
-              "experts": {str(k): {"step": s.get("step"), "samples_seen": s.get("samples_seen")}
-                          for k, s in statuses.items()},
+        (expert_folder(k), (expert_job(k), FINAL), DiTExpert) for k in present]
+    source = {"router": {"job": router, "step": router_status.step, "samples_seen": router_status.samples_seen},
+              "experts": {str(k): {"step": s.step, "samples_seen": s.samples_seen} for k, s in statuses.items()},
               "missing_experts": {str(k): why for k, why in missing.items()}}
-    out_root = RunRoot(out) if out else RunRoot(root.url_of("model"))
+    out_root = RunRoot(out) if out else RunRoot(root.url_of(MODEL))
     _write_model(root, run, out_root, components, num_experts, present, source, router=True, progress=progress)
     return AssembleResult(out_root.url, num_experts, present, missing, warnings)
 
 
 def _assemble_monolith(root: RunRoot, run: RunConfig, out: str | None, progress: bool) -> AssembleResult:
-    from flowfleet.models.dit import DiTExpert
 
     ok, why, status = job_finished(root, MONOLITH)
     if not ok:
         raise FlowfleetError(f"monolith: not finished ({why}); train it with `{_command(MONOLITH, root)}`")
     cfg = _read_config(MONOLITH, root, MONOLITH, FINAL)
     check_expert(MONOLITH, root.url_of(MONOLITH, FINAL, "config.json"), cfg, run)
-    source = {"monolith": {"step": status.get("step"), "samples_seen": status.get("samples_seen")}}
+    source = {"monolith": {"step": status.step, "samples_seen": status.samples_seen}}
     out_root = RunRoot(out) if out else RunRoot(root.url_of(MONOLITH_MODEL))
     _write_model(root, run, out_root, [(expert_folder(0), (MONOLITH, FINAL), DiTExpert)], 1, [0], source,
                  router=False, progress=progress)
@@ -214,7 +183,6 @@ def _assemble_monolith(root: RunRoot, run: RunConfig, out: str | None, progress:
 
 def _command(job: str, root: RunRoot) -> str:
     """The CLI command that trains one of the run's jobs (router, router-paris, monolith)."""
-    from flowfleet.train.jobs import JobSpec
 
     return "flowfleet " + " ".join(JobSpec(job).cli_args(root.url))
 
@@ -232,7 +200,6 @@ def _write_model(root: RunRoot, run: RunConfig, out_root: RunRoot, components: l
 
     bar = None
     if progress:
-        from tqdm.auto import tqdm
 
         bar = tqdm(total=len(components), desc="assemble", unit="model", leave=False)
     for dest, src, cls in components:

@@ -10,6 +10,8 @@ seeded random baseline), and writes
     partitions/k/                      a ShardSet with partition k's items (all fields, captions)
 
 report.json is written last: its presence means the stage finished. Re-running replaces all of it.
+
+scikit-learn (NMI) is imported only when the data has labels.
 """
 
 from __future__ import annotations
@@ -21,36 +23,23 @@ import safetensors.torch
 import torch
 from tqdm.auto import tqdm
 
+from flowfleet.cluster.assignments import write_assignments
 from flowfleet.cluster.kmeans import l2_normalize_, random_partition, two_stage_kmeans
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.encoders import build_latent_encoder
-from flowfleet.data.shards import ShardSet, ShardSetManifest
+from flowfleet.data.shards import ShardSet, ShardSetManifest, open_complete
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
+from flowfleet.layout import CENTROIDS, CLUSTER_REPORT, CLUSTERS, DATA, PARTITIONS, partition
+from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.storage import RunRoot
 
-CLUSTERS = "clusters"
-PARTITIONS = "partitions"
-ASSIGNMENTS = "assignments.safetensors"
-CENTROIDS = "centroids.safetensors"
-REPORT = "report.json"
 PREVIEW_ITEMS = 64
 EXAMPLE_CAPTIONS = 5
 
 
 def preview_name(k: int) -> str:
     return f"preview-{k}.png"
-
-
-def partition_folder(k: int) -> str:
-    return f"{PARTITIONS}/{k}"
-
-
-def load_assignments(root: RunRoot) -> torch.Tensor:
-    """clusters/assignments.safetensors "assign" [N] int64 (one-line error when missing)."""
-    if not root.exists(CLUSTERS, ASSIGNMENTS):
-        raise FlowfleetError(f"{root.url_of(CLUSTERS, ASSIGNMENTS)}: missing; run `flowfleet cluster {root.url}`")
-    return safetensors.torch.load(root.read_bytes(CLUSTERS, ASSIGNMENTS))["assign"]
 
 
 def nmi(labels: torch.Tensor, assign: torch.Tensor) -> float | None:
@@ -112,18 +101,6 @@ def _label_mix(labels: torch.Tensor, assign: torch.Tensor, k: int) -> list[dict[
     return out
 
 
-def _open_data(root: RunRoot) -> tuple[ShardSet, ShardSetManifest]:
-    data = ShardSet(root, "data")
-    if not data.exists():
-        raise FlowfleetError(f"{root.url_of('data', 'manifest.json')}: missing; "
-                             f"run `flowfleet prepare {root.url}` first")
-    manifest = data.manifest()
-    if not manifest.complete:
-        raise FlowfleetError(f"{root.url_of('data', 'manifest.json')}: prepare has not finished "
-                             f"({manifest.count} items so far); run `flowfleet prepare {root.url}` again")
-    return data, manifest
-
-
 def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | None = None,
             progress: bool = True) -> dict[str, Any]:
     """Partition the prepared data; writes clusters/ and partitions/. Returns the report.
@@ -131,7 +108,8 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     cfg = load_run_config(root)
     c = cfg.cluster
-    data, manifest = _open_data(root)
+    data = open_complete(root, DATA, f"flowfleet prepare {root.url}")
+    manifest = data.manifest()
     t0 = time.perf_counter()
     fields, captions = data.load([*FEATURE_FIELDS[c.features], "labels", "index"], with_captions=True)
     x, labels, index = clustering_features(fields, c.features), fields["labels"], fields["index"]
@@ -179,15 +157,14 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
     # Replace any earlier result, then write the small files before the partitions.
     root.remove(CLUSTERS, recursive=True)
     root.remove(PARTITIONS, recursive=True)
-    root.write_bytes(safetensors.torch.save({"assign": assign.contiguous(), "fine": fine_assign.contiguous()}),
-                     CLUSTERS, ASSIGNMENTS)
+    write_assignments(root, assign, fine_assign)
     root.write_bytes(safetensors.torch.save({"fine": fine.contiguous(), "coarse": coarse.contiguous(),
-                                             "fine_to_coarse": fine_to_coarse.contiguous()}), CLUSTERS, CENTROIDS)
+                                             "fine_to_coarse": fine_to_coarse.contiguous()}), *CENTROIDS)
     examples = write_partitions(root, cfg, data, manifest, assign, progress=progress)
     write_previews(root, cfg, examples, dev)
     report["examples"] = {str(k): caps for k, (_, caps) in examples.items()}
     report["seconds"] = round(time.perf_counter() - t0, 2)
-    root.write_json(report, CLUSTERS, REPORT)
+    root.write_json(report, *CLUSTER_REPORT)
     return report
 
 
@@ -203,7 +180,7 @@ def write_partitions(root: RunRoot, cfg: RunConfig, data: ShardSet, manifest: Sh
     for k in range(k_total):
         members = (assign == k).nonzero().flatten()
         picked[members[torch.randperm(len(members), generator=gen)[:PREVIEW_ITEMS]]] = True
-    sets = [ShardSet(root, partition_folder(k)) for k in range(k_total)]
+    sets = [ShardSet(root, partition(k)) for k in range(k_total)]
     extra = {"partition": None, "num_partitions": k_total, "source": manifest.extra.get("source"),
              "encoders": manifest.extra.get("encoders"), "cluster": cfg.cluster.model_dump(mode="json"),
              "data_count": manifest.count}
@@ -245,7 +222,6 @@ def write_partitions(root: RunRoot, cfg: RunConfig, data: ShardSet, manifest: Sh
 def write_previews(root: RunRoot, cfg: RunConfig, examples: dict[int, tuple[torch.Tensor, list[str]]],
                    device: torch.device) -> None:
     """clusters/preview-k.png: a grid of partition k's sampled members, decoded to images."""
-    from flowfleet.sampling.views import image_grid, png_bytes
 
     latent = build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device)
     for k, (latents, _) in examples.items():

@@ -35,12 +35,21 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal
 
-from flowfleet.config import RUN_FILE, RunConfig, load_run_config
+from flowfleet.config import RunConfig, load_run_config
+from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.fid import FIDSettings
+from flowfleet.evaluate.report import TIMINGS_FILE, write_report
+from flowfleet.evaluate.views import captioned_grid_png
 from flowfleet.flow import parse_strategy
+from flowfleet.layout import CLUSTER_REPORT, REPORTS, RUN_FILE, SHOWCASE
 from flowfleet.presets import PRESETS
-from flowfleet.stages.evaluate import EvaluateOptions
+from flowfleet.stages.assemble import assemble
+from flowfleet.stages.cluster import cluster
+from flowfleet.stages.evaluate import EvaluateOptions, evaluate, print_table
+from flowfleet.stages.generate import generate
+from flowfleet.stages.prepare import prepare
+from flowfleet.stages.train import train_all
 from flowfleet.storage import RunRoot
 
 DEMO_INCEPTION_SIZE = 75
@@ -130,13 +139,6 @@ def demo(out: str = "runs/demo", *, quick: bool = False, size: DemoSize | None =
 
 
 def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool) -> DemoResult:
-    from flowfleet.evaluate.report import REPORTS, TIMINGS_FILE, write_report
-    from flowfleet.stages.assemble import assemble
-    from flowfleet.stages.cluster import cluster
-    from flowfleet.stages.evaluate import evaluate, print_table
-    from flowfleet.stages.generate import generate
-    from flowfleet.stages.prepare import prepare
-    from flowfleet.stages.train import train_all
 
     plan = demo_plan(size)
     root = _open(out, plan)
@@ -154,7 +156,7 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
         return result
 
     stage("prepare", lambda: prepare(root, progress=progress))
-    if not root.exists("clusters", "report.json"):
+    if not root.exists(*CLUSTER_REPORT):
         stage("cluster", lambda: cluster(root, progress=progress))
     outcome = stage("train-all", lambda: train_all(url, progress=progress, echo=echo))
     if not outcome.ok:
@@ -167,8 +169,6 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
 
     def showcase() -> None:
         from flowfleet.data.encoders import build_text_encoder
-        from flowfleet.device import resolve_device
-        from flowfleet.evaluate.views import captioned_grid_png
 
         # loaded once for the monolith and the three strategies
         text = build_text_encoder(plan.config.encoders.text, resolve_device("auto"))
@@ -181,12 +181,12 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
                 title, out = f"{name} (= {drawn[k][0]}: the same experts and weights)", drawn[k][1]
             else:
                 out = generate(folder, prompts=list(SHOWCASE_PROMPTS), n=plan.showcase_n, strategy=strategy, seed=0,
-                               out=root.url_of(REPORTS, "showcase", f"{name}.png"), text_encoder=text,
+                               out=root.url_of(REPORTS, SHOWCASE, f"{name}.png"), text_encoder=text,
                                progress=progress).output
                 drawn[k] = (name, out)
             # each image labelled with its prompt, for the report
             root.write_bytes(captioned_grid_png(out.images, out.prompts, cols=len(SHOWCASE_PROMPTS), title=title),
-                             REPORTS, "showcase", f"{name}.png")
+                             REPORTS, SHOWCASE, f"{name}.png")
 
     stage("generate", showcase)
     evaluation = stage("evaluate", lambda: evaluate(model, url, plan.evaluation, echo=echo))

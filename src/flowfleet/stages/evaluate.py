@@ -20,30 +20,57 @@ RUN_ROOT/reports/. Writes, under the reference run root:
     reports/fid_ref_*.safetensors       the cached reference statistics
 
 Options are validated (strategies parsed, the monolith finished, shapes matched) before anything heavy
-is loaded.
+is loaded. The encoders (transformers, the diffusers VAE) are imported only where one is built.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+import numpy as np
+import safetensors.torch
 import torch
+from rich.console import Console
+from rich.table import Table
 from tqdm.auto import tqdm
 
+from flowfleet.cluster.assignments import read_assignments
 from flowfleet.config import RunConfig, load_run_config
-from flowfleet.data.shards import ShardSet
+from flowfleet.data.images import to_uint8
+from flowfleet.data.shards import ShardSet, open_complete
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
-from flowfleet.evaluate.digits import prompted_digit
+from flowfleet.evaluate.adherence import prompt_adherence
+from flowfleet.evaluate.diagnostics import (
+    DisagreementProbe,
+    centroid_alignment,
+    dominant_experts,
+    router_accuracy,
+    usage_shares,
+)
+from flowfleet.evaluate.digits import DigitJudge, prompted_digit
 from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
-from flowfleet.evaluate.report import EVALUATION_FILE, REPORTS
+from flowfleet.evaluate.judge import load_judge
+from flowfleet.evaluate.report import EVALUATION_FILE
+from flowfleet.evaluate.views import captioned_grid_png
 from flowfleet.flow import parse_strategy
-from flowfleet.stages.assemble import MONOLITH, job_finished
+from flowfleet.layout import ASSIGNMENTS, CENTROIDS, DATA, FINAL, MONOLITH, REPORTS, SAMPLES
+from flowfleet.models.dit import DiTExpert
+from flowfleet.models.files import load_model, read_dit_config
+from flowfleet.sampling.index import read_model_index
+from flowfleet.sampling.pipeline import FleetPipeline
+from flowfleet.sampling.store import ExpertStore
+from flowfleet.sampling.trace import RoutingTrace
+from flowfleet.sampling.views import routing_heatmap
 from flowfleet.storage import RunRoot
-
-SAMPLES = "samples"
+from flowfleet.train.data import InMemoryData, model_fields
+from flowfleet.train.preview import condition_kwargs
+from flowfleet.train.status import job_finished
 
 
 @dataclass(frozen=True)
@@ -115,20 +142,11 @@ class ModelRun:
 def _open_reference(reference: str) -> tuple[RunRoot, RunConfig, ShardSet]:
     root = RunRoot(reference)
     cfg = load_run_config(root)
-    data = ShardSet(root, "data")
-    if not data.exists():
-        raise FlowfleetError(f"{data.url}: missing; the reference run root needs prepared data "
-                             f"(`flowfleet prepare {root.url}`)")
-    manifest = data.manifest()
-    if not manifest.complete:
-        raise FlowfleetError(f"{data.url}: prepare has not finished (manifest.json says incomplete)")
-    return root, cfg, data
+    return root, cfg, open_complete(root, DATA, f"flowfleet prepare {root.url}")
 
 
 def data_fingerprint(data: ShardSet) -> str:
     """What identifies data/: the source fingerprint recorded by prepare, and the item count."""
-    import hashlib
-    import json
 
     m = data.manifest()
     record = {"count": m.count, "source": m.extra.get("source"), "encoders": m.extra.get("encoders")}
@@ -168,7 +186,6 @@ def evaluate(model_dir: str, reference: str | None = None, options: EvaluateOpti
 
     extractor: any uint8 [B, C, H, W] -> [B, D] module with `num_features` to use instead of the
     Inception (torchmetrics' custom-extractor contract; tests use a cheap one)."""
-    from flowfleet.sampling.pipeline import FleetPipeline
 
     t_start = time.perf_counter()
     ev = _Evaluation.open(model_dir, reference, options, echo, extractor)  # every check before heavy work
@@ -196,7 +213,7 @@ def evaluate(model_dir: str, reference: str | None = None, options: EvaluateOpti
 
 
 def root_has_clusters(root: RunRoot) -> bool:
-    return root.exists("clusters", "assignments.safetensors")
+    return root.exists(*ASSIGNMENTS)
 
 
 class _Evaluation:
@@ -234,7 +251,6 @@ class _Evaluation:
     @classmethod
     def open(cls, model_dir: str, reference: str | None, options: EvaluateOptions, echo: Callable[[str], None],
              extractor: torch.nn.Module | None) -> "_Evaluation":
-        from flowfleet.sampling.index import read_model_index
 
         options.validate()
         model_root = RunRoot(model_dir)
@@ -267,11 +283,11 @@ class _Evaluation:
         if features_are_fid_features(self.cfg, fid.key):
             # prepare stored exactly these Inception features for clustering: no second pass over the data.
             feats = self.data.load(["features"])["features"]
-            self.ref = fid.reference_from_features(self.root, "data", lambda: [feats[order[:ref_n]]], n=ref_n,
+            self.ref = fid.reference_from_features(self.root, DATA, lambda: [feats[order[:ref_n]]], n=ref_n,
                                                    fingerprint=fingerprint)
         else:
             images = reference_images(self.cfg, self.latents, order, ref_n, self.options.fid.batch_size, self.device)
-            self.ref = fid.reference(self.root, "data", images, n=ref_n, fingerprint=fingerprint)
+            self.ref = fid.reference(self.root, DATA, images, n=ref_n, fingerprint=fingerprint)
         self.timings["reference_s"] = time.perf_counter() - t0
         if self.options.judge or (self.prompts and self.data_is_mnist()
                                   and any(prompted_digit(p) is not None for p in self.prompts)):
@@ -287,8 +303,6 @@ class _Evaluation:
     def _open_judge(self, fingerprint: str) -> None:
         """The prompt-accuracy judge (--judge, or the MNIST digit classifier, trained once and cached in
         reports/) and, when it has features, their reference statistics for the classifier FD."""
-        from flowfleet.evaluate.digits import DigitJudge
-        from flowfleet.evaluate.judge import load_judge
 
         if not self.prompts:
             raise FlowfleetError("--judge: the model is not text-conditioned; prompt accuracy needs prompts")
@@ -306,15 +320,12 @@ class _Evaluation:
         if extractor is not None:
             self.judge_fd = FID(FIDSettings(batch_size=500), self.device, extractor=extractor)
             images = reference_images(self.cfg, self.latents, self.order, self.ref_n, 500, self.device)
-            self.judge_ref = self.judge_fd.reference(self.root, "data", images, n=self.ref_n, fingerprint=fingerprint)
+            self.judge_ref = self.judge_fd.reference(self.root, DATA, images, n=self.ref_n, fingerprint=fingerprint)
         self.timings["judge_s"] = time.perf_counter() - t0
 
     def run_model(self, name: str, kind: str, pipe) -> ModelRun:
         """Sample options.n images from one model (a strategy of the fleet, or the monolith); FID, the
         grid, routing heatmap, usage, adherence and diagnostics."""
-        from flowfleet.evaluate import diagnostics as diag
-        from flowfleet.evaluate.views import captioned_grid_png
-        from flowfleet.sampling.views import routing_heatmap
 
         o, fid = self.options, self.fid
         strategy = "top1" if kind == "monolith" else name
@@ -354,15 +365,14 @@ class _Evaluation:
         if kind == "fleet":
             run.heatmap = f"{SAMPLES}/{name}.routing.png"
             self.root.write_bytes(routing_heatmap(out.trace), REPORTS, run.heatmap)
-            run.usage = self.diagnostics["usage"][name] = diag.usage_shares(out.trace)
+            run.usage = self.diagnostics["usage"][name] = usage_shares(out.trace)
         if self.cfg.data.source == "shapes" and images.shape[1] == 3 and self.prompts:
-            from flowfleet.evaluate.adherence import prompt_adherence
 
             self.adherence[name] = prompt_adherence(images, out.prompts)
         if kind == "fleet" and self.semantic is not None and self.semantic.available:
             t0 = time.perf_counter()
             sem = feats if self.semantic.same_as_fid else self.semantic.encode(images[: min(o.n, 256)])
-            dominant = diag.dominant_experts(out.trace)[: sem.shape[0]]
+            dominant = dominant_experts(out.trace)[: sem.shape[0]]
             self.diagnostics["alignment"][name] = self.semantic.alignment(sem, dominant)
             self.diagnostics["disagreement"][name] = _disagreement(pipe, self.prompts, self.labels, settings, o)
             self.timings[f"{name}_diagnostics_s"] = time.perf_counter() - t0
@@ -408,11 +418,8 @@ class _Evaluation:
 
 def samples_npz(images: torch.Tensor, prompts: Sequence[str], seed: int) -> bytes:
     """Every scored sample as a compressed npz: images uint8 [n, H, W, C], prompts [n], seed."""
-    import io
 
-    import numpy as np
 
-    from flowfleet.data.images import to_uint8
 
     buf = io.BytesIO()
     np.savez_compressed(buf, images=to_uint8(images).permute(0, 2, 3, 1).numpy(),
@@ -435,16 +442,12 @@ def _features(fid: FID, images: torch.Tensor, name: str) -> tuple[FeatureStats, 
 def _monolith_pipeline(root: RunRoot, fleet, device: torch.device):
     """The monolith (RUN_ROOT/monolith/final) as a one-expert fleet with no router: the same sampling
     loop, conditioning, text encoder and decoder as the fleet it is compared with."""
-    from flowfleet.models.dit import DiTExpert
-    from flowfleet.models.files import load_model, read_dit_config
-    from flowfleet.sampling.pipeline import FleetPipeline
-    from flowfleet.sampling.store import ExpertStore
 
-    mcfg = read_dit_config(root, MONOLITH, "final")
+    mcfg = read_dit_config(root, MONOLITH, FINAL)
     if (mcfg.in_channels, *mcfg.input_size) != tuple(fleet.latent_shape):
-        raise FlowfleetError(f"{root.url_of(MONOLITH, 'final')}: latent shape {(mcfg.in_channels, *mcfg.input_size)} "
+        raise FlowfleetError(f"{root.url_of(MONOLITH, FINAL)}: latent shape {(mcfg.in_channels, *mcfg.input_size)} "
                              f"differs from the fleet's {tuple(fleet.latent_shape)}")
-    store = ExpertStore(lambda _k: load_model(DiTExpert, root, MONOLITH, "final").to(device), [0], 1)
+    store = ExpertStore(lambda _k: load_model(DiTExpert, root, MONOLITH, FINAL).to(device), [0], 1)
     return FleetPipeline(store, None, latent_shape=fleet.latent_shape, conditioning=fleet.conditioning,
                          num_classes=fleet.num_classes, text_encoder=fleet.text_encoder,
                          latent_decoder=fleet.latent_decoder,
@@ -455,17 +458,15 @@ class _SemanticFeatures:
     """The run's clustering encoder and centroids, for the centroid-alignment diagnostic."""
 
     def __init__(self, root: RunRoot, cfg: RunConfig, fid_key: str, device: torch.device):
-        import safetensors.torch
-
         # Images can be placed among the centroids only when the clusters were made from image features.
-        self.available = cfg.cluster.features == "semantic" and root.exists("clusters", "centroids.safetensors")
+        self.available = cfg.cluster.features == "semantic" and root.exists(*CENTROIDS)
         sem = cfg.encoders.semantic
         size = sem.image_size or 299
         # The clustering features ARE the FID features when both are default_1 at one input size.
         self.same_as_fid = sem.name == "inception" and not sem.path and fid_key == f"default_1-{size}"
         self.cfg, self.device, self._encoder = cfg, device, None
         if self.available:
-            c = safetensors.torch.load(root.read_bytes("clusters", "centroids.safetensors"))
+            c = safetensors.torch.load(root.read_bytes(*CENTROIDS))
             self.coarse, self.fine, self.fine_to_coarse = c["coarse"], c["fine"], c["fine_to_coarse"]
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
@@ -476,15 +477,12 @@ class _SemanticFeatures:
         return torch.cat([self._encoder.encode(images[i : i + 64]).cpu() for i in range(0, images.shape[0], 64)])
 
     def alignment(self, features: torch.Tensor, dominant: torch.Tensor) -> dict[str, Any]:
-        from flowfleet.evaluate.diagnostics import centroid_alignment
 
         return centroid_alignment(features, dominant, self.coarse, self.fine, self.fine_to_coarse)
 
 
 def _disagreement(pipe, prompts, labels, settings, options: EvaluateOptions) -> dict[str, list[float]]:
     """Sample options.diagnostic_n trajectories with the strategy, probing all experts at every step."""
-    from flowfleet.evaluate.diagnostics import DisagreementProbe
-    from flowfleet.sampling.trace import RoutingTrace
 
     n = min(options.diagnostic_n, options.n)
     cond, _ = pipe.encode_condition(prompts[:n] if prompts else None, labels[:n] if labels else None, n)
@@ -499,17 +497,13 @@ def _disagreement(pipe, prompts, labels, settings, options: EvaluateOptions) -> 
 
 def _router_accuracy(ev: _Evaluation, pipe) -> dict[str, Any]:
     """The fleet's router against the clusters of (up to 512 of) the data items."""
-    import safetensors.torch
 
-    from flowfleet.evaluate.diagnostics import router_accuracy
 
-    assign = safetensors.torch.load(ev.root.read_bytes("clusters", "assignments.safetensors"))["assign"]
+    assign = read_assignments(ev.root, ev.cfg.cluster.k)
     pick = ev.order[: min(512, ev.order.numel())]
     clusters = assign[ev.index[pick]]
     cond = None
     if pipe.router_sees_prompt:  # the items' own captions, as the router was trained
-        from flowfleet.train.data import InMemoryData, model_fields
-        from flowfleet.train.preview import condition_kwargs
 
         fields = [f for f in model_fields(pipe.router.cfg) if f != "latents"]
         batch = InMemoryData(ev.data.load(fields), [], ev.data.url).gather(pick)
@@ -523,9 +517,6 @@ def _router_accuracy(ev: _Evaluation, pipe) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     """One row per model: prompt accuracy and classifier FD (MNIST), FID, adherence, alignment when present."""
-    from rich.console import Console
-    from rich.table import Table
-
     fid = result["fid"]
     digits = result.get("prompt_accuracy") or None
     title = (f"{fid['generated_images']} samples per model; FID: {fid['extractor']} vs {fid['reference_images']} "

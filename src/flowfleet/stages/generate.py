@@ -3,6 +3,8 @@
 Writes FILE.png (the grid), FILE.routing.json (per-sample expert choices per step, usage counts, the
 settings) and FILE.routing.png (router probabilities over the steps) side by side; FILE may be any
 fsspec URL. Settings and conditioning are validated before anything heavy is loaded.
+
+The patch-parallel fleet is imported only for --nproc > 1.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Sequence
 
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
+from flowfleet.layout import SAMPLES
 from flowfleet.sampling.pipeline import FleetOutput, FleetPipeline
 from flowfleet.sampling.views import image_grid, png_bytes, routing_heatmap
 from flowfleet.storage import RunRoot
@@ -80,15 +83,14 @@ def generate(
     settings = pipe.settings(strategy, steps, sampler, cfg, shift, route_every, seed)  # one-line errors
     pipe.check_condition(prompts, labels)
     if out is None:
-        out = RunRoot(model_dir).url_of("samples", f"{settings.strategy.name.replace(':', '')}-seed{seed}.png")
+        out = RunRoot(model_dir).url_of(SAMPLES, f"{settings.strategy.name.replace(':', '')}-seed{seed}.png")
     folder, png_name, json_name, heat_name = sibling_paths(out)
     pipe.load_encoders()
-    pipe.parallel = fleet
 
     result = pipe(prompts, n, labels=labels, strategy=settings.strategy.name, steps=settings.steps,
                   sampler=settings.sampler, cfg=settings.cfg, shift=settings.shift,
                   route_every=settings.route_every, seed=seed, batch_size=batch_size,
-                  progress=progress and (fleet is None or fleet.ctx.is_main))
+                  progress=progress and (fleet is None or fleet.ctx.is_main), parallel=fleet)
     if fleet is not None:
         fleet.close()
         if not fleet.ctx.is_main:  # every rank holds the same images; rank 0 writes them

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from flowfleet.config import RUN_FILE
 from flowfleet.errors import FlowfleetError
+from flowfleet.layout import RUN_FILE
 from flowfleet.presets import preset
 from flowfleet.storage import RunRoot
 

@@ -35,6 +35,7 @@ from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.data.sources import RawItem, Source, build_source
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
+from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.storage import RunRoot
 
 DATA = "data"
@@ -261,7 +262,6 @@ def _encode_into(rows: _Rows, enc: Encoders, batch: list, cfg: RunConfig, checke
 
 def write_preview(shards: ShardSet, latent: LatentEncoder, n: int = 64) -> None:
     """data/preview.png: the first n prepared items decoded back to images (what the experts will see)."""
-    from flowfleet.sampling.views import image_grid, png_bytes
 
     first = shards.manifest().shards[0]["name"]
     tensors, _ = shards.read_shard(first)

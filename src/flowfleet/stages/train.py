@@ -16,14 +16,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from tqdm.auto import tqdm
+
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
+from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
+from flowfleet.train.fanout import LocalFanout, ProcessJob, flowfleet_job, plan_slots
 from flowfleet.train.jobs import JobSpec, build_task, fleet_jobs, job_cost, job_steps
-from flowfleet.train.loop import FINAL_DIR, Trainer, TrainOptions
-from flowfleet.train.status import JobStatus, read_status
-
-LOG_FILE = "train.log"
+from flowfleet.train.loop import Trainer, TrainOptions
+from flowfleet.train.status import JobStatus, job_finished, read_status
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +61,6 @@ def train_monolith(run_root: str | RunRoot, *, match_compute: bool | None = None
 # ------------------------------------------------------------------------------------------------
 #                                         Status
 # ------------------------------------------------------------------------------------------------
-
-
-def is_finished(root: RunRoot, status: JobStatus | None, total_steps: int, job_dir: str) -> bool:
-    """done, at its total steps, with final/ written (what `assemble` requires)."""
-    return (status is not None and status.state == "done" and status.step >= total_steps
-            and root.exists(job_dir, FINAL_DIR, "config.json"))
 
 
 def job_status(run_root: str | RunRoot) -> list[JobStatus]:
@@ -101,18 +98,15 @@ class FleetOutcome:
 def train_all(run_root: str, *, parallel: int | None = None, progress: bool = True,
               echo=print) -> FleetOutcome:
     """Run every unfinished job of the run as a local process (`--parallel` at a time)."""
-    import torch
-    from tqdm.auto import tqdm
 
-    from flowfleet.train.fanout import LocalFanout, ProcessJob, flowfleet_job, plan_slots
 
     root, cfg = _open(run_root)
     results: dict[str, str] = {}
     messages: dict[str, str] = {}
     todo: list[JobSpec] = []
     for spec in fleet_jobs(cfg):
-        status = read_status(root, spec.dir)
-        if is_finished(root, status, job_steps(cfg, spec), spec.dir):
+        done, _, status = job_finished(root, spec.dir, job_steps(cfg, spec))
+        if done:
             results[spec.name] = "skipped"
             messages[spec.name] = "already done"
         elif status is not None and status.is_live():

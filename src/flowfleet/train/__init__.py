@@ -2,7 +2,6 @@
 
 jobs.py        JobSpec (names, folders, commands) and the tasks: expert/monolith flow matching, router CE
 loop.py        Trainer: the one training loop (AdamW, EMA, accumulation, AMP, DDP, checkpoints, signals)
-island.py      the processes of one job under torchrun (DDP); never spans two jobs
 data.py        shard sets in memory, seeded batches with a resumable position, shape checks
 checkpoint.py  safetensors + JSON checkpoints, written so that a crash leaves the previous one loadable
 ema.py         EMA of the weights (what gets sampled and saved as final/)
@@ -10,4 +9,6 @@ status.py      status.json and the heartbeat lease of a running job
 metrics.py     metrics.jsonl + TensorBoard events
 preview.py     sample grids and router accuracy plots
 fanout.py      train-all: every job as a local OS process, N at a time
+
+A job's processes under torchrun (DDP) form its own world (flowfleet.distributed), never two jobs'.
 """

@@ -22,9 +22,9 @@ import safetensors.torch
 import torch
 
 from flowfleet.errors import FlowfleetError
+from flowfleet.layout import CHECKPOINTS
 from flowfleet.storage import RunRoot
 
-CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
 STATE = "state.json"
 FORMAT = 1

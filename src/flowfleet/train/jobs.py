@@ -8,6 +8,8 @@
 
 A JobSpec names a job (folder, CLI command); a TrainTask is a job ready to train: its data loaded
 and checked against its model configuration, its loss, its preview and its final report.
+
+The latent decoder (diffusers VAE) is imported only when a preview decodes latents.
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 
+from flowfleet.cluster.assignments import read_assignments
 from flowfleet.config import RunConfig, TrainConfig
-from flowfleet.data.shards import ShardSet
+from flowfleet.data.shards import open_complete
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import flow_matching_loss, interpolate, sample_t
+from flowfleet.layout import ASSIGNMENTS, DATA, expert_job, partition
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
 from flowfleet.models.flops import train_flops, train_flops_per_sample
@@ -32,8 +35,7 @@ from flowfleet.storage import RunRoot
 from flowfleet.train import preview
 from flowfleet.train.data import InMemoryData, check_compatible, model_fields
 
-JobKind = Literal["expert", "router", "router-paris", "monolith"]
-ASSIGNMENTS = ("clusters", "assignments.safetensors")
+JobKind = Literal["expert", "router", "router-paris", "monolith"]  # router-paris, monolith: also their folders
 PREVIEW_COUNT = 8  # samples in an expert's grid
 ROUTER_EVAL_ITEMS = 512  # items the router's accuracy is measured on
 
@@ -56,7 +58,8 @@ class JobSpec:
 
     @property
     def dir(self) -> str:
-        return f"experts/{self.expert}" if self.kind == "expert" else self.kind
+        """The job's folder in the run root (flowfleet.layout)."""
+        return expert_job(self.expert) if self.kind == "expert" and self.expert is not None else self.kind
 
     def cli_args(self, run_root: str) -> list[str]:
         """Arguments of `flowfleet ...` that run this job."""
@@ -248,28 +251,12 @@ class RouterTask(TrainTask):
 
 def load_assignments(root: RunRoot, data: InMemoryData, k: int) -> torch.Tensor:
     """Cluster id of every item of data/ ([N] int64), from clusters/assignments.safetensors."""
-    where = root.url_of(*ASSIGNMENTS)
-    if not root.exists(*ASSIGNMENTS):
-        raise FlowfleetError(f"{where}: missing; run `flowfleet cluster {root.url}` first")
-    try:
-        assign = safetensors.torch.load(root.read_bytes(*ASSIGNMENTS))["assign"]
-    except KeyError:
-        raise FlowfleetError(f"{where}: has no 'assign' tensor") from None
+    assign = read_assignments(root, num_clusters=k)
     index = data.tensors["index"]
-    if assign.ndim != 1 or int(index.max()) >= assign.shape[0] or int(index.min()) < 0:
-        raise FlowfleetError(f"{where}: 'assign' has shape {tuple(assign.shape)}, but data/ holds item index "
-                             f"{int(index.max())}; re-run `flowfleet cluster`")
-    cluster = assign.long()[index]
-    if int(cluster.min()) < 0 or int(cluster.max()) >= k:
-        raise FlowfleetError(f"{where}: cluster ids span {int(cluster.min())}..{int(cluster.max())}, "
-                             f"but run.yaml cluster.k is {k}")
-    return cluster
-
-
-def _check_complete(shards: ShardSet, command: str) -> None:
-    if not shards.manifest().complete:
-        raise FlowfleetError(f"{shards.url}: incomplete (its writer is still running or stopped early); "
-                             f"finish `{command}` first")
+    if int(index.max()) >= assign.shape[0] or int(index.min()) < 0:
+        raise FlowfleetError(f"{root.url_of(*ASSIGNMENTS)}: 'assign' has shape {tuple(assign.shape)}, but data/ "
+                             f"holds item index {int(index.max())}; re-run `flowfleet cluster`")
+    return assign[index]
 
 
 def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: bool | None = None) -> TrainTask:
@@ -279,18 +266,12 @@ def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: b
         if k is None or not 0 <= k < cfg.cluster.k:
             raise FlowfleetError(f"--expert {k}: run.yaml has cluster.k = {cfg.cluster.k} experts "
                                  f"(0..{cfg.cluster.k - 1})")
-        shards = ShardSet(root, f"partitions/{k}")
-        if not shards.exists():
-            raise FlowfleetError(f"{shards.url}: partition {k} missing; run `flowfleet cluster {root.url}` first")
-        _check_complete(shards, f"flowfleet cluster {root.url}")
+        shards = open_complete(root, partition(k), f"flowfleet cluster {root.url}")
         check_compatible(shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert")
         data = InMemoryData.load(shards, model_fields(cfg.expert))
         return FlowTask(spec, cfg, cfg.expert, cfg.train, job_steps(cfg, spec), data)
 
-    shards = ShardSet(root, "data")
-    if not shards.exists():
-        raise FlowfleetError(f"{shards.url}: no prepared data; run `flowfleet prepare {root.url}` first")
-    _check_complete(shards, f"flowfleet prepare {root.url}")
+    shards = open_complete(root, DATA, f"flowfleet prepare {root.url}")
     if spec.kind == "monolith":
         check_compatible(shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert")
         data = InMemoryData.load(shards, model_fields(cfg.expert))

@@ -29,20 +29,18 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from flowfleet.config import TrainConfig
+from flowfleet.distributed import DistContext, join_from_env
 from flowfleet.errors import FlowfleetError
+from flowfleet.layout import FINAL, JOB_REPORT, SAMPLES
 from flowfleet.models.files import save_model
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import Checkpoint, CheckpointStore, flatten_state, unflatten_state
 from flowfleet.train.data import ResumableSampler, derive_seed
 from flowfleet.train.ema import EMA
-from flowfleet.train.island import Island
 from flowfleet.train.jobs import TrainTask
 from flowfleet.train.metrics import MetricsLog
-from flowfleet.train.status import HEARTBEAT_EVERY, HEARTBEAT_EVERY_LOCAL, JobLease, JobStatus, read_status
+from flowfleet.train.status import HEARTBEAT_EVERY, HEARTBEAT_EVERY_LOCAL, JobLease, JobStatus, job_finished
 
-FINAL_DIR = "final"
-REPORT_FILE = "report.json"
-SAMPLES_DIR = "samples"
 _DATA_STREAM = 1  # derive_seed tag of the data order (noise uses the step number instead)
 
 log = logging.getLogger(__name__)
@@ -98,7 +96,7 @@ class _Window:
 class _State:
     """Everything one run of a job holds; only rank 0 has ema, lease and metrics."""
 
-    island: Island
+    island: DistContext
     model: torch.nn.Module  # the bare model (what gets saved)
     net: torch.nn.Module  # what the loss calls: the model, or its DDP wrapper
     opt: torch.optim.Optimizer
@@ -154,7 +152,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------
 
     def run(self) -> JobStatus:
-        island = Island.from_env(self.options.device)
+        island = join_from_env(self.options.device)
         try:
             with self._signals():
                 return self._run(island)
@@ -162,13 +160,10 @@ class Trainer:
             island.close()
 
     def _already_done(self) -> JobStatus | None:
-        status = read_status(self.root, self.task.spec.dir)
-        if (status is not None and status.state == "done" and status.step >= self.task.total_steps
-                and self.root.exists(self.task.spec.dir, FINAL_DIR, "config.json")):
-            return status
-        return None
+        done, _, status = job_finished(self.root, self.task.spec.dir, self.task.total_steps)
+        return status if done else None
 
-    def _run(self, island: Island) -> JobStatus:
+    def _run(self, island: DistContext) -> JobStatus:
         task = self.task
         done = self._already_done()
         if done is not None:
@@ -212,7 +207,7 @@ class Trainer:
     #                                      Set-up, steps
     # ----------------------------------------------------------------------------------------------
 
-    def _setup(self, island: Island) -> _State:
+    def _setup(self, island: DistContext) -> _State:
         """Model, EMA, optimiser, scaler; restore the newest checkpoint; claim the job (rank 0)."""
         task, tc, dev = self.task, self.task.train_cfg, island.device
         chunks = island.world_size * tc.grad_accum
@@ -392,13 +387,13 @@ class Trainer:
     def _preview(self, st: _State) -> None:
         model = st.ema.module.eval()
         png = self.task.preview(model, st.step, st.island.device)
-        self.root.write_bytes(png, self.task.spec.dir, SAMPLES_DIR, f"step-{st.step:07d}.png")
+        self.root.write_bytes(png, self.task.spec.dir, SAMPLES, f"step-{st.step:07d}.png")
         st.metrics.add_image_png("samples", png, st.step)
 
     def _finish(self, st: _State) -> None:
         """final/ (the EMA weights as a model folder), then the task's report."""
         model = st.ema.module.eval()
-        save_model(model, self.root, self.task.spec.dir, FINAL_DIR)
+        save_model(model, self.root, self.task.spec.dir, FINAL)
         report = self.task.report(model, st.island.device)
         if report is not None:
-            self.root.write_json(report, self.task.spec.dir, REPORT_FILE)
+            self.root.write_json(report, self.task.spec.dir, JOB_REPORT)

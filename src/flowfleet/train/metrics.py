@@ -3,18 +3,23 @@
 On a local run root lines are appended as they come and the events file lives in JOB/tb/. On an
 object store, appending means rewriting, so lines are buffered and flushed (with the event files,
 written to a local temp folder) at checkpoints and at the end.
+
+TensorBoard and PIL are imported only when events or images are written.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import tempfile
 from typing import Any
 
+import numpy as np
+
+from flowfleet.layout import METRICS_FILE
 from flowfleet.storage import RunRoot
 
-METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 
 log = logging.getLogger(__name__)
@@ -72,9 +77,7 @@ class MetricsLog:
     def add_image_png(self, tag: str, png: bytes, step: int) -> None:
         if self._tb is None:
             return
-        import io
 
-        import numpy as np
         from PIL import Image
 
         img = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))

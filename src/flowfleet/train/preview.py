@@ -2,6 +2,8 @@
 
 Grids are tiled with PIL; plots use matplotlib's object API on an Agg canvas (no pyplot global
 state). Both come back as PNG bytes for the job folder's samples/step-XXXXXXX.png.
+
+matplotlib and PIL are imported inside the functions that draw (slow imports).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowfleet.errors import FlowfleetError
+from flowfleet.layout import FINAL, STATUS_FILE
 from flowfleet.storage import RunRoot
 
-STATUS_FILE = "status.json"
 STATES = ("pending", "running", "done", "failed", "stopped")
 HEARTBEAT_EVERY = 30.0  # seconds between heartbeats of a running job (object store: each one is a PUT)
 HEARTBEAT_EVERY_LOCAL = 5.0  # on a local disk a heartbeat is cheap; train-all's progress reads them
@@ -92,6 +92,28 @@ def read_status(root: RunRoot, job_dir: str) -> JobStatus | None:
     except ValueError as err:  # written atomically, so only a hand edit or a foreign writer gets here
         raise FlowfleetError(str(err)) from None
     return JobStatus.from_dict(raw, root.url_of(job_dir, STATUS_FILE))
+
+
+def job_finished(root: RunRoot, job_dir: str, total_steps: int | None = None) -> tuple[bool, str, JobStatus | None]:
+    """(finished, why not, its status): the one test of a finished job, which train-all skips, a
+    re-run returns at once and assemble collects. Finished = status.json says done (at `total_steps`,
+    when given) and final/ holds a model."""
+    where = root.url_of(job_dir)
+    try:
+        status = read_status(root, job_dir)
+    except FlowfleetError as err:  # corrupted JSON or not a job status
+        return False, str(err), None
+    if status is None:
+        if not root.exists(job_dir):
+            return False, f"{where}: missing (never started)", None
+        return False, f"{root.url_of(job_dir, STATUS_FILE)}: missing", None
+    if status.state != "done":
+        return False, f"{where}: state {status.state!r} at step {status.step}/{status.total_steps}, not done", status
+    if total_steps is not None and status.step < total_steps:
+        return False, f"{where}: done at step {status.step}, but run.yaml asks for {total_steps}", status
+    if not root.exists(job_dir, FINAL, "config.json"):
+        return False, f"{root.url_of(job_dir, FINAL)}: missing although status.json says done", status
+    return True, "", status
 
 
 class JobLease:

@@ -32,8 +32,9 @@ from diffusers import UNet2DConditionModel
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
+from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
-from flowfleet.parallel.comm import CommManager, Group
+from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import ParallelMode
 from flowfleet.parallel.unet.attention import CrossAttentionBand, SelfAttentionBand
 from flowfleet.parallel.unet.conv import FirstConvBand, HaloConvBand, RowHalo

@@ -1,0 +1,67 @@
+"""The run folder: every name a stage reads or writes under RUN_ROOT, written once.
+
+    RUN_ROOT/
+      run.yaml                          init          the run's configuration (flowfleet.config)
+      data/                             prepare       shards + manifest.json (flowfleet.data.shards)
+      clusters/                         cluster       assignments.safetensors, centroids.safetensors,
+                                                      report.json, preview-<k>.png
+      partitions/<k>/                   cluster       expert k's items (shards)
+      experts/<k>/  router/  router-paris/  monolith/
+                                        train-*       one job each: status.json, metrics.jsonl, train.log,
+                                                      checkpoints/, final/ (the EMA weights), samples/,
+                                                      report.json (routers)
+      model/  model-monolith/           assemble      diffusers-style model folders
+      reports/                          evaluate      evaluation.json, samples/, FID reference statistics,
+                                        report        report.html, plots/, showcase/, timings.json
+
+Names are plain strings, or tuples of path parts for RunRoot (`root.exists(*ASSIGNMENTS)`); a job is
+named by its folder ("experts/3", "router"). Whether a job is finished is decided by
+flowfleet.train.status.job_finished; whether data/ or a partition is complete by
+flowfleet.data.shards.open_complete.
+"""
+
+from __future__ import annotations
+
+RUN_FILE = "run.yaml"
+
+# prepare and cluster
+DATA = "data"
+MANIFEST = "manifest.json"  # in every shard folder (data/, partitions/<k>/): what is written, and whether all
+CLUSTERS = "clusters"
+ASSIGNMENTS = (CLUSTERS, "assignments.safetensors")
+CENTROIDS = (CLUSTERS, "centroids.safetensors")
+CLUSTER_REPORT = (CLUSTERS, "report.json")
+PARTITIONS = "partitions"
+
+# training jobs
+EXPERTS = "experts"
+ROUTER = "router"  # the run's router (prompt-aware or Paris', per run.yaml router)
+PARIS_ROUTER = "router-paris"  # Paris' prompt-blind router, trained beside it for comparison
+ROUTERS = (ROUTER, PARIS_ROUTER)
+MONOLITH = "monolith"  # the compute-matched single-model baseline
+
+# inside a job folder
+STATUS_FILE = "status.json"
+METRICS_FILE = "metrics.jsonl"
+LOG_FILE = "train.log"
+CHECKPOINTS = "checkpoints"
+FINAL = "final"  # the finished job's model folder (EMA weights)
+SAMPLES = "samples"  # preview grids during training; per-model samples in reports/
+JOB_REPORT = "report.json"  # what a finished job measured (the router: its accuracy per t)
+
+# assembled models and reports
+MODEL = "model"
+INDEX_FILE = "model_index.json"  # the model folder's index (flowfleet.sampling.index)
+MONOLITH_MODEL = "model-monolith"  # `assemble --monolith`: the monolith as a one-expert model
+REPORTS = "reports"
+SHOWCASE = "showcase"  # reports/showcase/: the demo's labelled grids, one prompt per digit
+
+
+def expert_job(k: int) -> str:
+    """Expert k's job folder."""
+    return f"{EXPERTS}/{k}"
+
+
+def partition(k: int) -> str:
+    """Expert k's partition of data/ (what its job reads, and nothing else)."""
+    return f"{PARTITIONS}/{k}"
