@@ -15,8 +15,8 @@ from typing import Sequence
 
 # Before anything loads torch (and with it OpenMP; train-all's jobs inherit it): idle OpenMP threads
 # sleep instead of spinning. On the 2-vCPU machine a spinning thread takes the core from the process
-# that has work: `evaluate` of the quick demo ran 50 s with spinning threads, 38 s with sleeping ones,
-# and 77 s vs 57 s beside a busy process (BENCHMARKS.md, "CPU threads"). The user's setting wins.
+# that has work: `evaluate` of the quick demo ran 53 s with spinning threads, 44 s with sleeping ones,
+# and 90 s vs 67 s beside a busy process (BENCHMARKS.md, "CPU threads"). The user's setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from flowfleet import __version__  # noqa: E402

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import IO, Callable, Protocol
 
 
 @dataclass
@@ -160,7 +160,7 @@ class LocalFanout:
     def _run(self, jobs: list[ProcessJob]) -> list[ProcessOutcome]:
         pending = deque(jobs)
         free = list(range(len(self.slots)))
-        running: dict[int, tuple[ProcessJob, _Running, float, object]] = {}
+        running: dict[int, tuple[ProcessJob, _Running, float, IO[bytes] | None]] = {}
         forkserver = _forkserver(self.preload) if any(job.cli is not None for job in jobs) else None
         outcomes: list[ProcessOutcome] = []
         forwarded = False
@@ -173,17 +173,18 @@ class LocalFanout:
                 slot = free.pop(0)
                 job = pending.popleft()
                 job.log.parent.mkdir(parents=True, exist_ok=True)
-                log = None
-                proc: _Running
+                log: IO[bytes] | None = None
+                started: _Running
                 if forkserver is not None and job.cli is not None:
-                    proc = _Forked(forkserver, job, self.slots[slot].env())
+                    started = _Forked(forkserver, job, self.slots[slot].env())
                 else:
                     log = open(job.log, "ab")
-                    proc = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=self.slots[slot].env(), start_new_session=True)
-                running[slot] = (job, proc, time.perf_counter(), log)
+                    started = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, env=self.slots[slot].env(),
+                                               start_new_session=True)
+                running[slot] = (job, started, time.perf_counter(), log)
                 if self.on_start:
-                    self.on_start(job, proc.pid)
+                    self.on_start(job, started.pid)
             for slot in list(running):
                 job, proc, t0, log = running[slot]
                 returncode = proc.poll()
