@@ -55,17 +55,38 @@ def run_synthetic(args: argparse.Namespace) -> dict:
     l2_normalize_(x)
     t_norm = time.perf_counter() - t0
     t0 = time.perf_counter()
-    res = two_stage_kmeans(x, args.k, fine_k=args.fine_k, sample_size=args.sample, iters=args.iters, seed=args.seed,
-                           backend=args.backend, progress=True)
+    res = two_stage_kmeans(
+        x,
+        args.k,
+        fine_k=args.fine_k,
+        sample_size=args.sample,
+        iters=args.iters,
+        seed=args.seed,
+        backend=args.backend,
+        progress=True,
+    )
     t_cluster = time.perf_counter() - t0
     out = {
-        "n": args.n, "dim": args.dim, "fine_k": res.fine.shape[0], "k": args.k, "sample": res.sample_size,
-        "iters": args.iters, "backend": res.backend, "threads": torch.get_num_threads(),
-        "seconds": {"generate": round(t_gen, 1), "normalise": round(t_norm, 1), **res.seconds,
-                    "two_stage_total": round(t_cluster, 1)},
-        "peak_rss_gib": round(peak_rss_gib(), 2), "rss_after_generating_gib": round(rss_data, 2),
-        "features_gib": round(args.n * args.dim * 4 / 2**30, 2), "sizes": res.sizes,
-        "load_before": [round(v, 2) for v in load_before], "load_after": [round(v, 2) for v in os.getloadavg()],
+        "n": args.n,
+        "dim": args.dim,
+        "fine_k": res.fine.shape[0],
+        "k": args.k,
+        "sample": res.sample_size,
+        "iters": args.iters,
+        "backend": res.backend,
+        "threads": torch.get_num_threads(),
+        "seconds": {
+            "generate": round(t_gen, 1),
+            "normalise": round(t_norm, 1),
+            **res.seconds,
+            "two_stage_total": round(t_cluster, 1),
+        },
+        "peak_rss_gib": round(peak_rss_gib(), 2),
+        "rss_after_generating_gib": round(rss_data, 2),
+        "features_gib": round(args.n * args.dim * 4 / 2**30, 2),
+        "sizes": res.sizes,
+        "load_before": [round(v, 2) for v in load_before],
+        "load_after": [round(v, 2) for v in os.getloadavg()],
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     return out
@@ -91,11 +112,19 @@ def run_mnist(path: str) -> dict:
     t0 = time.perf_counter()
     report = cluster(root)
     t_cluster = time.perf_counter() - t0
-    return {"count": m.count, "features": m.extra["encoders"]["semantic"], "k": report["k"], "nmi": report["nmi"],
-            "nmi_random_same_sizes": report["nmi_random_same_sizes"], "sizes": report["sizes"],
-            "prepare_seconds_this_call": round(t_prepare, 1), "prepare_seconds_recorded": m.extra.get("seconds"),
-            "cluster_seconds": round(t_cluster, 1), "load_after": [round(v, 2) for v in os.getloadavg()],
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    return {
+        "count": m.count,
+        "features": m.extra["encoders"]["semantic"],
+        "k": report["k"],
+        "nmi": report["nmi"],
+        "nmi_random_same_sizes": report["nmi_random_same_sizes"],
+        "sizes": report["sizes"],
+        "prepare_seconds_this_call": round(t_prepare, 1),
+        "prepare_seconds_recorded": m.extra.get("seconds"),
+        "cluster_seconds": round(t_cluster, 1),
+        "load_after": [round(v, 2) for v in os.getloadavg()],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
 
 
 def main() -> None:

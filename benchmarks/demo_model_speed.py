@@ -39,6 +39,7 @@ def step_times(model, batch: int, steps: int, cfg, attention=None) -> list[float
             t = sample_t(batch, mode="logit_normal", generator=gen)
             eps = torch.randn(x0.shape, generator=gen)
             drop = torch.rand(batch, generator=gen) < 0.1
+
             def velocity(xt, tt, drop=drop):
                 return model(xt, tt, drop=drop, text_pooled=pooled)
 
@@ -74,8 +75,10 @@ def main() -> None:
         tokens = args.batch * cfg.num_tokens
         peak_model = sgemm_gflops(tokens, cfg.hidden_size, 4 * cfg.hidden_size, reps=50)  # the MLP's first matmul
         peak = sgemm_gflops(1024, 1024, 1024, reps=20)
-        variants = {"eager": (lambda: DiTExpert.from_dit_config(cfg), None),
-                    "math-attention": (lambda: DiTExpert.from_dit_config(cfg), lambda: sdpa_kernel(SDPBackend.MATH))}
+        variants = {
+            "eager": (lambda: DiTExpert.from_dit_config(cfg), None),
+            "math-attention": (lambda: DiTExpert.from_dit_config(cfg), lambda: sdpa_kernel(SDPBackend.MATH)),
+        }
         if not args.no_compile:
             variants["compile"] = (lambda: torch.compile(DiTExpert.from_dit_config(cfg)), None)
         for name, (build, attention) in variants.items():
@@ -86,20 +89,31 @@ def main() -> None:
             wall = time.perf_counter() - t0
             med = statistics.median(times)
             gflops = per_sample * args.batch / med / 1e9
-            rows.append({"threads": threads, "variant": name, "step_ms": round(1000 * med, 1),
-                         "samples_per_s": round(args.batch / med, 1), "gflops": round(gflops, 2),
-                         "share_of_model_sgemm": round(gflops / peak_model, 3),
-                         "share_of_sgemm_1024": round(gflops / peak, 3),
-                         "sgemm_model_shape_gflops": round(peak_model, 1), "sgemm_1024_gflops": round(peak, 1),
-                         "setup_and_warmup_s": round(wall - sum(times), 1)})
+            rows.append(
+                {
+                    "threads": threads,
+                    "variant": name,
+                    "step_ms": round(1000 * med, 1),
+                    "samples_per_s": round(args.batch / med, 1),
+                    "gflops": round(gflops, 2),
+                    "share_of_model_sgemm": round(gflops / peak_model, 3),
+                    "share_of_sgemm_1024": round(gflops / peak, 3),
+                    "sgemm_model_shape_gflops": round(peak_model, 1),
+                    "sgemm_1024_gflops": round(peak, 1),
+                    "setup_and_warmup_s": round(wall - sum(times), 1),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
-    print("\n| threads | variant | step ms | samples/s | GFLOP/s | share of sgemm (model shape) "
-          "| share of sgemm 1024³ |")
+    print(
+        "\n| threads | variant | step ms | samples/s | GFLOP/s | share of sgemm (model shape) | share of sgemm 1024³ |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['threads']} | {r['variant']} | {r['step_ms']} | {r['samples_per_s']} | {r['gflops']} | "
-              f"{r['share_of_model_sgemm']:.2f} ({r['sgemm_model_shape_gflops']}) | "
-              f"{r['share_of_sgemm_1024']:.2f} ({r['sgemm_1024_gflops']}) |")
+        print(
+            f"| {r['threads']} | {r['variant']} | {r['step_ms']} | {r['samples_per_s']} | {r['gflops']} | "
+            f"{r['share_of_model_sgemm']:.2f} ({r['sgemm_model_shape_gflops']}) | "
+            f"{r['share_of_sgemm_1024']:.2f} ({r['sgemm_1024_gflops']}) |"
+        )
 
 
 if __name__ == "__main__":

@@ -23,11 +23,26 @@ from torch import nn
 def conv_stack(name: str) -> nn.Sequential:
     if name == "digitnet-1":
         return nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
     if name == "two-conv":
-        return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        return nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
     raise ValueError(f"unknown network {name!r}")
 
 
@@ -59,8 +74,18 @@ def main() -> None:
                         _, record = digits.train_classifier(x, y, settings, progress=False)
                     finally:
                         digits.DigitNet.__init__ = original
-                print(json.dumps({"network": name, "epochs": epochs, "seed": seed,
-                                  "val_accuracy": record["val_accuracy"], "train_s": record["train_s"]}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "network": name,
+                            "epochs": epochs,
+                            "seed": seed,
+                            "val_accuracy": record["val_accuracy"],
+                            "train_s": record["train_s"],
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

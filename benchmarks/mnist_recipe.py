@@ -95,11 +95,21 @@ def main() -> None:
             kw.update(text_tokens=emb.tokens[lab], text_mask=emb.mask[lab])
         return kw
 
-    model = DiTExpert(input_size=(a.size, a.size), in_channels=1, patch_size=a.patch, hidden_size=a.hidden,
-                      depth=a.depth, num_heads=a.heads, mlp_ratio=a.mlp_ratio, conditioning=a.conditioning,
-                      num_classes=10 if a.conditioning == "class" else 0, text_dim=384,
-                      text_len=text_len if a.conditioning == "cross_attn" else 0,
-                      add_pooled=a.conditioning == "cross_attn", cond_dropout=a.cond_dropout)
+    model = DiTExpert(
+        input_size=(a.size, a.size),
+        in_channels=1,
+        patch_size=a.patch,
+        hidden_size=a.hidden,
+        depth=a.depth,
+        num_heads=a.heads,
+        mlp_ratio=a.mlp_ratio,
+        conditioning=a.conditioning,
+        num_classes=10 if a.conditioning == "class" else 0,
+        text_dim=384,
+        text_len=text_len if a.conditioning == "cross_attn" else 0,
+        add_pooled=a.conditioning == "cross_attn",
+        cond_dropout=a.cond_dropout,
+    )
     ema = EMA(model, a.ema, warmup=True)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     fwd = torch.compile(model) if a.compile else model
@@ -150,11 +160,19 @@ def main() -> None:
         for cs in cfgs:
             t1 = time.perf_counter()
             r = evaluate(cs)
-            rec = {"label": a.label, "seconds": round(trained, 1), "steps": step, "samples": samples,
-                   "samples_per_s": round(samples / trained, 1), "loss": round(float(loss), 4), "cfg": cs,
-                   "accuracy": round(r["accuracy"], 3), "confidence": round(r["confidence"], 3),
-                   "eval_s": round(time.perf_counter() - t1, 1),
-                   "config": {k: v for k, v in vars(a).items() if k not in ("seconds", "cfg", "out")}}
+            rec = {
+                "label": a.label,
+                "seconds": round(trained, 1),
+                "steps": step,
+                "samples": samples,
+                "samples_per_s": round(samples / trained, 1),
+                "loss": round(float(loss), 4),
+                "cfg": cs,
+                "accuracy": round(r["accuracy"], 3),
+                "confidence": round(r["confidence"], 3),
+                "eval_s": round(time.perf_counter() - t1, 1),
+                "config": {k: v for k, v in vars(a).items() if k not in ("seconds", "cfg", "out")},
+            }
             print(json.dumps(rec), flush=True)
             with open(out / "recipe.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")

@@ -77,8 +77,12 @@ def random_model(cfg: DiTConfig, seed: int = 0) -> DiTModel:
 
 def single_worker(ctx, cfg: DiTConfig, steps: int, state: dict | None = None) -> dict:
     model = random_model(cfg) if state is None else load(cfg, state)
-    noise = torch.randn(1 if state is None else state["_n"].item(), cfg.in_channels, *cfg.input_size,
-                        generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(
+        1 if state is None else state["_n"].item(),
+        cfg.in_channels,
+        *cfg.input_size,
+        generator=torch.Generator().manual_seed(1),
+    )
     grid = time_grid(steps)
     with torch.inference_mode():
         model(noise, grid[:1].expand(noise.shape[0]))  # warm-up forward (allocator, kernels)
@@ -97,8 +101,9 @@ def parallel_worker(ctx, cfg: DiTConfig, steps: int, mode: str, warmup: int, sta
     grid = time_grid(steps)
     runner = PatchParallelRunner(ctx, {0: cfg}, lambda k: model, ParallelPlan(mode, warmup), batch=n, guided=False)
     with torch.inference_mode():
-        runner.expert(0)(runner.layout.split(noise), grid[:1].expand(n), mode=runner.mode.at_step(0, 0),
-                         prefetch=False)  # warm-up forward
+        runner.expert(0)(
+            runner.layout.split(noise), grid[:1].expand(n), mode=runner.mode.at_step(0, 0), prefetch=False
+        )  # warm-up forward
         dist.barrier()
         vf = runner.velocity({}, steps=steps)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -146,21 +151,30 @@ def latency(tokens_list: list[int], steps: int, warmup: int, repeats: int) -> li
                 cpus[mode].append(max(x["cpu"] for x in ranks))
                 outs[mode] = ranks[0]["out"]
                 bytes_[mode] = ranks[0]["bytes"]
-            print(f"  {tokens} tokens, repeat {rep + 1}/{repeats}: "
-                  + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
+            print(
+                f"  {tokens} tokens, repeat {rep + 1}/{repeats}: "
+                + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()),
+                flush=True,
+            )
         base = min(times["1 rank"])
         ana = analytic_bytes(cfg, 2)
         steady = bytes_["sync"][1]
-        rows.append({
-            "tokens": tokens, "latent": list(cfg.input_size), "steps": steps, "warmup": warmup,
-            "seconds": {k: min(v) for k, v in times.items()},
-            "speedup": {k: base / min(v) for k, v in times.items()},
-            "cpu_seconds": {k: min(v) for k, v in cpus.items()},  # busiest rank's process CPU time
-            "all_seconds": times,
-            "bytes_per_step": {m: bytes_[m] for m in MODES},
-            "sync_steady_bytes": steady, "analytic": ana,
-            "max_abs_diff_vs_1rank": {m: (outs[m] - outs["1 rank"]).abs().max().item() for m in MODES},
-        })
+        rows.append(
+            {
+                "tokens": tokens,
+                "latent": list(cfg.input_size),
+                "steps": steps,
+                "warmup": warmup,
+                "seconds": {k: min(v) for k, v in times.items()},
+                "speedup": {k: base / min(v) for k, v in times.items()},
+                "cpu_seconds": {k: min(v) for k, v in cpus.items()},  # busiest rank's process CPU time
+                "all_seconds": times,
+                "bytes_per_step": {m: bytes_[m] for m in MODES},
+                "sync_steady_bytes": steady,
+                "analytic": ana,
+                "max_abs_diff_vs_1rank": {m: (outs[m] - outs["1 rank"]).abs().max().item() for m in MODES},
+            }
+        )
     return rows
 
 
@@ -222,16 +236,30 @@ def quality(iters: int, n: int, steps: int, warmup: int, out_dir: Path) -> dict:
         images[mode] = ranks[0]["out"].clamp(-1, 1)
     lp = InceptionTaps()
     ref = images["1 rank"]
-    metrics = {m: {"psnr": peak_signal_noise_ratio(images[m], ref, data_range=2.0).item(),
-                   "perceptual": lp.distance(images[m], ref)} for m in MODES}
+    metrics = {
+        m: {
+            "psnr": peak_signal_noise_ratio(images[m], ref, data_range=2.0).item(),
+            "perceptual": lp.distance(images[m], ref),
+        }
+        for m in MODES
+    }
     other = ref.roll(1, dims=0)  # scale of the metrics: each 1-rank image against a different one
-    metrics["unrelated images"] = {"psnr": peak_signal_noise_ratio(other, ref, data_range=2.0).item(),
-                                   "perceptual": lp.distance(other, ref)}
+    metrics["unrelated images"] = {
+        "psnr": peak_signal_noise_ratio(other, ref, data_range=2.0).item(),
+        "perceptual": lp.distance(other, ref),
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     grid = torch.cat([images[k][:8] for k in ("1 rank", *MODES)])
     (out_dir / "quality.png").write_bytes(png_bytes(image_grid(grid, cols=8)))
-    return {"train_iters": iters, "train_s": train_s, "images": n, "steps": steps, "warmup": warmup,
-            "metrics": metrics, "grid": str(out_dir / "quality.png")}
+    return {
+        "train_iters": iters,
+        "train_s": train_s,
+        "images": n,
+        "steps": steps,
+        "warmup": warmup,
+        "metrics": metrics,
+        "grid": str(out_dir / "quality.png"),
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,9 +267,13 @@ def quality(iters: int, n: int, steps: int, warmup: int, out_dir: Path) -> dict:
 
 def machine() -> dict:
     load = os.getloadavg()
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-            "loadavg": [round(x, 2) for x in load], "torch": torch.__version__,
-            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "loadavg": [round(x, 2) for x in load],
+        "torch": torch.__version__,
+        "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+    }
 
 
 def main() -> None:
@@ -258,22 +290,30 @@ def main() -> None:
     out = Path(args.out)
     result: dict = {"machine_before": machine()}
     if args.part != "quality" and result["machine_before"]["loadavg"][0] > 1.5:
-        print(f"warning: load average {result['machine_before']['loadavg']} -- other jobs share the CPUs; "
-              "wall-time speedups will be understated (see the module docstring)", flush=True)
+        print(
+            f"warning: load average {result['machine_before']['loadavg']} -- other jobs share the CPUs; "
+            "wall-time speedups will be understated (see the module docstring)",
+            flush=True,
+        )
     if args.part in ("all", "latency"):
         print("latency (2 ranks x 1 thread vs 1 rank x 1 thread):", flush=True)
         result["latency"] = latency(args.tokens, args.steps, args.warmup, args.repeats)
         for row in result["latency"]:
             s, x, ana = row["seconds"], row["speedup"], row["analytic"]
             c = row["cpu_seconds"]
-            print(f"{row['tokens']:5d} tokens: 1 rank {s['1 rank']:.2f} s | "
-                  + " | ".join(f"{m} {s[m]:.2f} s ({x[m]:.2f}x)" for m in MODES))
-            print(f"       CPU s of the busiest rank: 1 rank {c['1 rank']:.2f} | "
-                  + " | ".join(f"{m} {c[m]:.2f} ({c['1 rank'] / c[m]:.2f}x less)" for m in MODES))
-            print(f"       bytes/step/rank: sync {row['sync_steady_bytes'] / 2**20:.2f} MiB "
-                  f"(analytic PP {ana['pp'] / 2**20:.2f} MiB, sync TP {ana['tp'] / 2**20:.2f} MiB); "
-                  "max |diff| vs 1 rank: "
-                  + ", ".join(f"{m} {v:.1e}" for m, v in row["max_abs_diff_vs_1rank"].items()))
+            print(
+                f"{row['tokens']:5d} tokens: 1 rank {s['1 rank']:.2f} s | "
+                + " | ".join(f"{m} {s[m]:.2f} s ({x[m]:.2f}x)" for m in MODES)
+            )
+            print(
+                f"       CPU s of the busiest rank: 1 rank {c['1 rank']:.2f} | "
+                + " | ".join(f"{m} {c[m]:.2f} ({c['1 rank'] / c[m]:.2f}x less)" for m in MODES)
+            )
+            print(
+                f"       bytes/step/rank: sync {row['sync_steady_bytes'] / 2**20:.2f} MiB "
+                f"(analytic PP {ana['pp'] / 2**20:.2f} MiB, sync TP {ana['tp'] / 2**20:.2f} MiB); "
+                "max |diff| vs 1 rank: " + ", ".join(f"{m} {v:.1e}" for m, v in row["max_abs_diff_vs_1rank"].items())
+            )
     if args.part in ("all", "quality"):
         print("quality (trained stripes DiT, 2 ranks vs 1 rank):", flush=True)
         result["quality"] = quality(args.quality_iters, 16, args.quality_steps, args.warmup, out)

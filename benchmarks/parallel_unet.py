@@ -51,18 +51,33 @@ MODES = [m.value for m in UNetMode]
 def latency_unet(seed: int = 0) -> UNet2DConditionModel:
     torch.manual_seed(seed)
     return UNet2DConditionModel(
-        sample_size=64, in_channels=4, out_channels=4, block_out_channels=(64, 128, 256), layers_per_block=1,
+        sample_size=64,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(64, 128, 256),
+        layers_per_block=1,
         down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=64, attention_head_dim=8, norm_num_groups=32).eval()
+        cross_attention_dim=64,
+        attention_head_dim=8,
+        norm_num_groups=32,
+    ).eval()
 
 
 def tiny_unet(channels: int = 4, seed: int = 0) -> UNet2DConditionModel:
     torch.manual_seed(seed)
     return UNet2DConditionModel(
-        sample_size=16, in_channels=channels, out_channels=channels, block_out_channels=(32, 64), layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
+        sample_size=16,
+        in_channels=channels,
+        out_channels=channels,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
 
 
 def flow_loop(unet, x: torch.Tensor, text: torch.Tensor, steps: int) -> torch.Tensor:
@@ -110,14 +125,23 @@ def part_latency(args) -> dict:
                 c = max(r["cpu"] for r in res) / args.steps  # the busiest rank's CPU time
                 best[key] = min(best.get(key, math.inf), s)
                 cpu[key] = min(cpu.get(key, math.inf), c)
-                print(f"  [{rep}] {size}x{size} {key:24s} {s * 1e3:8.1f} ms/step wall, {c * 1e3:8.1f} ms/step CPU "
-                      f"(busiest rank)", flush=True)
+                print(
+                    f"  [{rep}] {size}x{size} {key:24s} {s * 1e3:8.1f} ms/step wall, {c * 1e3:8.1f} ms/step CPU "
+                    f"(busiest rank)",
+                    flush=True,
+                )
                 if mode == "sync" and size == max(args.sizes) and rep == 0:
                     rows["bytes"] = bytes_table(res[0], nproc, size)
         base, base_cpu = best["1 rank"], cpu["1 rank"]
-        rows[f"{size}x{size}"] = {k: {"ms_per_step": round(v * 1e3, 1), "speedup": round(base / v, 2),
-                                      "cpu_ms_per_step": round(cpu[k] * 1e3, 1),
-                                      "cpu_ratio": round(base_cpu / cpu[k], 2)} for k, v in best.items()}
+        rows[f"{size}x{size}"] = {
+            k: {
+                "ms_per_step": round(v * 1e3, 1),
+                "speedup": round(base / v, 2),
+                "cpu_ms_per_step": round(cpu[k] * 1e3, 1),
+                "cpu_ratio": round(base_cpu / cpu[k], 2),
+            }
+            for k, v in best.items()
+        }
     return rows
 
 
@@ -127,13 +151,21 @@ def bytes_table(res: dict, nproc: int, size: int) -> dict:
         kinds[name.rsplit(".", 1)[1]] += math.prod(shape) * 4 * (nproc - 1)
     # Sending whole band feature maps to every halo convolution instead: a halo slot is [B, C, rows, W] and
     # the band at that layer is W / nproc rows high (square latents).
-    full_maps = sum(shape[0] * shape[1] * shape[3] * (shape[3] // nproc) * 4 * (nproc - 1)
-                    for name, shape in res["slots"].items() if name.endswith(".halo"))
+    full_maps = sum(
+        shape[0] * shape[1] * shape[3] * (shape[3] // nproc) * 4 * (nproc - 1)
+        for name, shape in res["slots"].items()
+        if name.endswith(".halo")
+    )
     step = max(res["bytes"])  # the last step (sync throughout in this run)
     total = res["bytes"][step]
     kinds["output"] = total - sum(kinds.values())
-    return {"size": f"{size}x{size}", "ranks": nproc, "bytes_sync_step": total, "by_kind": kinds,
-            "whole_feature_maps_instead_of_halos": full_maps}
+    return {
+        "size": f"{size}x{size}",
+        "ranks": nproc,
+        "bytes_sync_step": total,
+        "by_kind": kinds,
+        "whole_feature_maps_instead_of_halos": full_maps,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -164,8 +196,9 @@ def train_landscape_unet(iters: int, seed: int = 0, batch: int = 32) -> dict:
         x0 = landscapes(batch, 16, g)
         t = sample_t(batch, generator=g)
         eps = torch.randn(x0.shape, generator=g)
-        loss = flow_matching_loss(lambda x, tt: unet(x, embedder_timestep(tt), encoder_hidden_states=text).sample,
-                                  x0, t, eps)
+        loss = flow_matching_loss(
+            lambda x, tt: unet(x, embedder_timestep(tt), encoder_hidden_states=text).sample, x0, t, eps
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -210,8 +243,9 @@ def part_quality(args, out_dir: Path) -> dict:
     ref = ref.clamp(-1, 1)
     for nproc in (2, 4):
         got = run_local(quality_worker, nproc, (state, MODES, 16, 10, 0), threads=1, timeout_s=600)[0]
-        result[f"trained, {nproc} ranks"] = {m: round(psnr(got[m].clamp(-1, 1), ref, data_range=2.0).item(), 2)
-                                             for m in MODES}
+        result[f"trained, {nproc} ranks"] = {
+            m: round(psnr(got[m].clamp(-1, 1), ref, data_range=2.0).item(), 2) for m in MODES
+        }
         print(f"  trained U-Net, {nproc} ranks: {result[f'trained, {nproc} ranks']}", flush=True)
         if nproc == 2:
             rows = [ref[:8]] + [got[m][:8].clamp(-1, 1) for m in MODES]
@@ -220,8 +254,9 @@ def part_quality(args, out_dir: Path) -> dict:
         ref_r = quality_worker(None, None, ["1 rank"], 1, 6, seed)["1 rank"]
         got = run_local(quality_worker, 2, (None, MODES, 1, 6, seed), threads=1, timeout_s=600)[0]
         span = (ref_r.max() - ref_r.min()).item()
-        result[f"random seed {seed}, 2 ranks"] = {m: round(psnr(got[m], ref_r, data_range=span).item(), 2)
-                                                 for m in MODES}
+        result[f"random seed {seed}, 2 ranks"] = {
+            m: round(psnr(got[m], ref_r, data_range=span).item(), 2) for m in MODES
+        }
         print(f"  random U-Net seed {seed}: {result[f'random seed {seed}, 2 ranks']}", flush=True)
     return result
 

@@ -53,8 +53,13 @@ def flops_table(cfg) -> dict[str, float]:
     experts = cfg.cluster.k * train_flops(cfg.expert, cfg.train.steps, cfg.train.batch_size)
     mono = train_flops(cfg.expert, monolith_steps(cfg), cfg.train.batch_size)
     router = train_flops(cfg.router, cfg.router_train.steps, cfg.router_train.batch_size)
-    return {"experts_total": experts, "monolith": mono, "router": router, "monolith_steps": monolith_steps(cfg),
-            "expert_steps": cfg.train.steps}
+    return {
+        "experts_total": experts,
+        "monolith": mono,
+        "router": router,
+        "monolith_steps": monolith_steps(cfg),
+        "expert_steps": cfg.train.steps,
+    }
 
 
 def trained_run(args: argparse.Namespace, seed: int) -> tuple[Any, dict[str, float]]:
@@ -80,6 +85,7 @@ def trained_run(args: argparse.Namespace, seed: int) -> tuple[Any, dict[str, flo
     if args.data_from and not root.exists("data", "manifest.json"):
         shutil.copytree(os.path.join(args.data_from, "data"), os.path.join(out, "data"))
     timings = {}
+
     def cluster_once() -> None:
         if not root.exists("clusters", "report.json"):
             cluster(root, progress=False)
@@ -106,9 +112,18 @@ def evaluate_seed(args: argparse.Namespace, root, seed: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     result: dict[str, Any] = {"runs": {}, "router_accuracy": {}}
     for folder, prefix, monolith in (("model", "", True), ("model-paris", "paris-", False)):
-        opts = EvaluateOptions(n=args.n, ref_n=None, seed=seed, batch_size=args.n, strategies=STRATEGIES,
-                               monolith=monolith, fid=FIDSettings(resize=args.fid_resize, batch_size=100),
-                               diagnostics=True, diagnostic_n=16, device=args.device)
+        opts = EvaluateOptions(
+            n=args.n,
+            ref_n=None,
+            seed=seed,
+            batch_size=args.n,
+            strategies=STRATEGIES,
+            monolith=monolith,
+            fid=FIDSettings(resize=args.fid_resize, batch_size=100),
+            diagnostics=True,
+            diagnostic_n=16,
+            device=args.device,
+        )
         r = evaluate(root.url_of(folder), root.url, opts, echo=lambda _m: None)
         result["runs"].update({(name if name == "monolith" else prefix + name): run for name, run in r["runs"].items()})
         result["router_accuracy"][folder] = (r["diagnostics"].get("router_accuracy") or {}).get("accuracy")
@@ -120,13 +135,18 @@ def markdown(per_seed: list[dict[str, Any]]) -> str:
     seeds = [r["seed"] for r in per_seed]
     lines = []
     for key, label, digits in METRICS:
-        lines += [f"| {label} | mean ± sd | " + " | ".join(f"seed {s}" for s in seeds) + " |",
-                  "|---|---|" + "---|" * len(seeds)]
+        lines += [
+            f"| {label} | mean ± sd | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+            "|---|---|" + "---|" * len(seeds),
+        ]
         for name in MODELS:
             vals = [r["runs"][name][key] for r in per_seed]
             sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-            lines.append(f"| {name} | {statistics.mean(vals):.{digits}f} ± {sd:.{digits}f} | "
-                         + " | ".join(f"{v:.{digits}f}" for v in vals) + " |")
+            lines.append(
+                f"| {name} | {statistics.mean(vals):.{digits}f} ± {sd:.{digits}f} | "
+                + " | ".join(f"{v:.{digits}f}" for v in vals)
+                + " |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -136,8 +156,12 @@ def main() -> None:
     p.add_argument("--out", default="runs/table2")
     p.add_argument("--seeds", default="0,1,2", help="training seeds (each also the evaluation seed)")
     p.add_argument("--run0", default=None, metavar="RUN_ROOT", help="a trained demo run to use as seed 0")
-    p.add_argument("--data-from", default=None, metavar="RUN_ROOT",
-                   help="copy data/ from a local run root prepared with the same recipe (e.g. runs/demo)")
+    p.add_argument(
+        "--data-from",
+        default=None,
+        metavar="RUN_ROOT",
+        help="copy data/ from a local run root prepared with the same recipe (e.g. runs/demo)",
+    )
     p.add_argument("--n", type=int, default=500, help="generated images per model and seed")
     p.add_argument("--fid-resize", type=int, default=75, help="Inception input for FID (the demo's 75 px)")
     p.add_argument("--parallel", type=int, default=None, help="train-all jobs at a time")
@@ -152,21 +176,42 @@ def main() -> None:
     for seed in [int(s) for s in args.seeds.split(",") if s.strip()]:
         root, timings[seed] = trained_run(args, seed)
         r = evaluate_seed(args, root, seed)
-        per_seed.append({"seed": seed, "wall_s": r["wall_s"], "runs": {
-            name: {k: r["runs"][name][k] for k, _, _ in METRICS} for name in MODELS},
-            "router_accuracy": r["router_accuracy"]})
-        print(f"seed {seed}: " + ", ".join(f"{name} {per_seed[-1]['runs'][name]['prompt_accuracy']:.3f}"
-                                             for name in MODELS) + " (prompt accuracy)", flush=True)
+        per_seed.append(
+            {
+                "seed": seed,
+                "wall_s": r["wall_s"],
+                "runs": {name: {k: r["runs"][name][k] for k, _, _ in METRICS} for name in MODELS},
+                "router_accuracy": r["router_accuracy"],
+            }
+        )
+        print(
+            f"seed {seed}: "
+            + ", ".join(f"{name} {per_seed[-1]['runs'][name]['prompt_accuracy']:.3f}" for name in MODELS)
+            + " (prompt accuracy)",
+            flush=True,
+        )
     cfg = seed_config(0)
     flops = flops_table(cfg)
-    report = {"config": {"k": cfg.cluster.k, "expert_steps": cfg.train.steps, "n": args.n,
-                         "fid_resize": args.fid_resize, "cfg": cfg.sampling.cfg, "sampling_steps": cfg.sampling.steps},
-              "flops": flops, "timings": timings, "per_seed": per_seed}
+    report = {
+        "config": {
+            "k": cfg.cluster.k,
+            "expert_steps": cfg.train.steps,
+            "n": args.n,
+            "fid_resize": args.fid_resize,
+            "cfg": cfg.sampling.cfg,
+            "sampling_steps": cfg.sampling.steps,
+        },
+        "flops": flops,
+        "timings": timings,
+        "per_seed": per_seed,
+    }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "table2.json"), "w") as f:
         json.dump(report, f, indent=2)
-    print(f"\ntraining FLOPs: experts {flops['experts_total']:.3e} (K = {cfg.cluster.k} x {cfg.train.steps} steps), "
-          f"monolith {flops['monolith']:.3e} ({flops['monolith_steps']} steps), router {flops['router']:.3e}\n")
+    print(
+        f"\ntraining FLOPs: experts {flops['experts_total']:.3e} (K = {cfg.cluster.k} x {cfg.train.steps} steps), "
+        f"monolith {flops['monolith']:.3e} ({flops['monolith_steps']} steps), router {flops['router']:.3e}\n"
+    )
     print(markdown(per_seed))
 
 

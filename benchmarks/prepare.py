@@ -31,8 +31,12 @@ import time
 
 import torch
 
-CAPTIONS = ["a handwritten digit seven", "a small red circle at the top left on a gray background",
-            "a photograph of a majestic garden", "sunset over a calm ocean"]
+CAPTIONS = [
+    "a handwritten digit seven",
+    "a small red circle at the top left on a gray background",
+    "a photograph of a majestic garden",
+    "sunset over a calm ocean",
+]
 
 
 def _timed(fn, batches: list) -> float:
@@ -52,17 +56,24 @@ def bench_encoder(name: str, n: int, batch: int, vae_size: int, tmp: str) -> dic
     if name == "sd-vae-ft-mse":
         from diffusers import AutoencoderKL
 
-        AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2,
-                      block_out_channels=(128, 256, 512, 512),
-                      down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                      sample_size=vae_size).save_pretrained(f"{tmp}/vae")
+        AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            layers_per_block=2,
+            block_out_channels=(128, 256, 512, 512),
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            sample_size=vae_size,
+        ).save_pretrained(f"{tmp}/vae")
         enc = build_latent_encoder(LatentEncoderConfig(name="sd-vae-ft-mse", path=f"{tmp}/vae"), channels=3)
         fn, image_size = enc.encode, vae_size
     elif name == "dinov2-l14":
         from transformers import Dinov2Config, Dinov2Model
 
-        Dinov2Model(Dinov2Config(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, patch_size=14,
-                                 image_size=518)).save_pretrained(f"{tmp}/dinov2")
+        Dinov2Model(
+            Dinov2Config(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, patch_size=14, image_size=518)
+        ).save_pretrained(f"{tmp}/dinov2")
         fn, image_size = build_semantic_encoder(SemanticEncoderConfig(name="dinov2", path=f"{tmp}/dinov2")).encode, 256
     elif name.startswith("inception-"):
         size = int(name.split("-")[1])
@@ -78,8 +89,15 @@ def bench_encoder(name: str, n: int, batch: int, vae_size: int, tmp: str) -> dic
     elif name == "clip-l14-text":
         from transformers import CLIPTextConfig, CLIPTextModel
 
-        model = CLIPTextModel(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                                             num_attention_heads=12, max_position_embeddings=77)).eval()
+        model = CLIPTextModel(
+            CLIPTextConfig(
+                hidden_size=768,
+                intermediate_size=3072,
+                num_hidden_layers=12,
+                num_attention_heads=12,
+                max_position_embeddings=77,
+            )
+        ).eval()
 
         @torch.inference_mode()
         def fn(ids):  # the model forward only: a BPE tokenizer's files cannot be downloaded here
@@ -99,9 +117,15 @@ def bench_encoder(name: str, n: int, batch: int, vae_size: int, tmp: str) -> dic
     load_before = os.getloadavg()[0]
     seconds = _timed(fn, batches)
     items = len(batches) * batch
-    return {"encoder": name, "kind": kind, "input": f"{image_size}px" if kind == "images" else "",
-            "items": items, "seconds": round(seconds, 2), "items_per_s": round(items / seconds, 2),
-            "load_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
+    return {
+        "encoder": name,
+        "kind": kind,
+        "input": f"{image_size}px" if kind == "images" else "",
+        "items": items,
+        "seconds": round(seconds, 2),
+        "items_per_s": round(items / seconds, 2),
+        "load_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+    }
 
 
 def bench_prepare(preset_name: str, tmp: str, semantic_size: int | None) -> dict:
@@ -119,16 +143,23 @@ def bench_prepare(preset_name: str, tmp: str, semantic_size: int | None) -> dict
     t0 = time.perf_counter()
     m = prepare(root)
     seconds = time.perf_counter() - t0
-    return {"prepare": preset_name, "semantic": m.extra["encoders"]["semantic"], "items": m.count,
-            "seconds": round(seconds, 1), "items_per_s": round(m.count / seconds, 2),
-            "load_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
+    return {
+        "prepare": preset_name,
+        "semantic": m.extra["encoders"]["semantic"],
+        "items": m.count,
+        "seconds": round(seconds, 1),
+        "items_per_s": round(m.count / seconds, 2),
+        "load_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="pixels,minilm,clip-l14-text,inception-299,inception-128,inception-96,dinov2-l14,"
-                   "sd-vae-ft-mse",
-                   help="comma-separated encoders ('none' for the prepare run only)")
+    p.add_argument(
+        "--only",
+        default="pixels,minilm,clip-l14-text,inception-299,inception-128,inception-96,dinov2-l14,sd-vae-ft-mse",
+        help="comma-separated encoders ('none' for the prepare run only)",
+    )
     p.add_argument("--n", type=int, default=64, help="items per encoder (after the warm-up batch)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vae-size", type=int, default=256)

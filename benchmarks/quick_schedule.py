@@ -47,25 +47,64 @@ def main() -> None:
     for ref in (src / "reports").glob("fid_ref_*"):
         shutil.copy(ref, dest / "reports" / ref.name)
     cfg = yaml.safe_load((dest / "run.yaml").read_text())
-    cfg["train"].update(steps=a.steps, warmup_steps=a.warmup, lr=a.lr, schedule=a.schedule, seed=a.seed,
-                        ckpt_every=a.steps, sample_every=a.steps)
+    cfg["train"].update(
+        steps=a.steps,
+        warmup_steps=a.warmup,
+        lr=a.lr,
+        schedule=a.schedule,
+        seed=a.seed,
+        ckpt_every=a.steps,
+        sample_every=a.steps,
+    )
     (dest / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
     cli = [sys.executable, "-m", "flowfleet.cli", "-q"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
-    jobs = [subprocess.Popen([*cli, "train-expert", "--no-progress", str(dest), "--expert", str(k)], env=env)
-            for k in range(int(cfg["cluster"]["k"]))]
+    jobs = [
+        subprocess.Popen([*cli, "train-expert", "--no-progress", str(dest), "--expert", str(k)], env=env)
+        for k in range(int(cfg["cluster"]["k"]))
+    ]
     if any(j.wait() for j in jobs):
         raise SystemExit(f"{dest}: an expert failed")
     train_s = time.perf_counter() - t0
     subprocess.run([*cli, "assemble", str(dest)], check=True, capture_output=True)
-    subprocess.run([*cli, "evaluate", str(dest / "model"), "--n", "100", "--strategies", "top1", "--fid-resize", "75",
-                    "--batch-size", "100", "--ref-n", "1000", "--no-diagnostics"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            *cli,
+            "evaluate",
+            str(dest / "model"),
+            "--n",
+            "100",
+            "--strategies",
+            "top1",
+            "--fid-resize",
+            "75",
+            "--batch-size",
+            "100",
+            "--ref-n",
+            "1000",
+            "--no-diagnostics",
+        ],
+        check=True,
+        capture_output=True,
+    )
     result = json.loads((dest / "reports" / "evaluation.json").read_text())
-    print(json.dumps({"label": a.label, "steps": a.steps, "warmup": a.warmup, "lr": a.lr, "schedule": a.schedule,
-                      "seed": a.seed, "train_s": round(train_s, 1),
-                      "top1_prompt_accuracy": result["runs"]["top1"]["prompt_accuracy"]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "label": a.label,
+                "steps": a.steps,
+                "warmup": a.warmup,
+                "lr": a.lr,
+                "schedule": a.schedule,
+                "seed": a.seed,
+                "train_s": round(train_s, 1),
+                "top1_prompt_accuracy": result["runs"]["top1"]["prompt_accuracy"],
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run roots whose reports/samples/*.npz to re-grade")
     p.add_argument("--out", default="runs/bench/regrade", help="where the judge is cached")
-    p.add_argument("--network", default=None,
-                   help="an earlier judge network of benchmarks/digit_classifier.py (e.g. digitnet-1), trained "
-                        "with the same recipe; default: the shipped one")
+    p.add_argument(
+        "--network",
+        default=None,
+        help="an earlier judge network of benchmarks/digit_classifier.py (e.g. digitnet-1), trained "
+        "with the same recipe; default: the shipped one",
+    )
     p.add_argument("--epochs", type=int, default=None, help="its training epochs (digitnet-1 had 8)")
     a = p.parse_args()
 
@@ -58,9 +61,21 @@ def main() -> None:
             acc = judge.prompt_accuracy(images, [str(p) for p in z["prompts"]])["accuracy"]
             scores.setdefault(npz.stem, []).append(acc)
             print(json.dumps({"run": run, "model": npz.stem, "n": int(images.shape[0]), "prompt_accuracy": acc}))
-    print(json.dumps({"judge": judge.record, "summary": {
-        m: {"mean": round(statistics.fmean(v), 4), "sd": round(statistics.stdev(v), 4) if len(v) > 1 else None,
-            "values": [round(x, 4) for x in v]} for m, v in scores.items()}}))
+    print(
+        json.dumps(
+            {
+                "judge": judge.record,
+                "summary": {
+                    m: {
+                        "mean": round(statistics.fmean(v), 4),
+                        "sd": round(statistics.stdev(v), 4) if len(v) > 1 else None,
+                        "values": [round(x, 4) for x in v],
+                    }
+                    for m, v in scores.items()
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -78,8 +78,17 @@ def latency(args: argparse.Namespace) -> list[dict]:
     from flowfleet.models.flops import forward_flops
     from flowfleet.sampling import ExpertStore, FleetPipeline
 
-    cfg = tiny_run_config(args.k, size=args.size, channels=3, hidden=args.hidden, depth=args.depth, patch=2,
-                          text_len=16, router_hidden=args.router_hidden, router_depth=args.router_depth)
+    cfg = tiny_run_config(
+        args.k,
+        size=args.size,
+        channels=3,
+        hidden=args.hidden,
+        depth=args.depth,
+        patch=2,
+        text_len=16,
+        router_hidden=args.router_hidden,
+        router_depth=args.router_depth,
+    )
     expert_cfg = cfg.expert.model_copy(update={"num_heads": args.hidden // 64 or 1})
     router_cfg = cfg.router.model_copy(update={"num_heads": max(args.router_hidden // 64, 1)})
     experts = [randomize_(DiTExpert.from_dit_config(expert_cfg), seed=k, std=0.02).eval() for k in range(args.k)]
@@ -88,9 +97,15 @@ def latency(args: argparse.Namespace) -> list[dict]:
     r_params = sum(p.numel() for p in router.parameters())
     shape = (3, args.size, args.size)
     text = HashTextEncoder(384, 16)
+
     def pipeline(experts_, router_):
-        return FleetPipeline(ExpertStore.from_callables(experts_), router_, latent_shape=shape,
-                             conditioning="cross_attn", text_encoder=text)
+        return FleetPipeline(
+            ExpertStore.from_callables(experts_),
+            router_,
+            latent_shape=shape,
+            conditioning="cross_attn",
+            text_encoder=text,
+        )
 
     same = pipeline(experts, router)  # random router: the whole batch goes to one expert
     spread = pipeline(experts, SpreadRouter(router, args.k))  # the batch split over all K experts
@@ -104,10 +119,13 @@ def latency(args: argparse.Namespace) -> list[dict]:
                 configs.append((name, pipe, strategy, every))
     prompts = ["a handwritten digit", "a red square", "a small circle", "two lines"]
     kw = dict(n=args.batch, steps=args.steps, cfg=4.0, sampler="euler")
-    print(f"expert: hidden {args.hidden}, depth {args.depth}, {expert_cfg.num_tokens} tokens, "
-          f"{n_params / 1e6:.2f} M params; router: hidden {args.router_hidden}, depth {args.router_depth}, "
-          f"{r_params / 1e6:.2f} M params; K = {args.k}; batch {args.batch} (x2 CFG); {args.steps} Euler steps; "
-          f"torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"expert: hidden {args.hidden}, depth {args.depth}, {expert_cfg.num_tokens} tokens, "
+        f"{n_params / 1e6:.2f} M params; router: hidden {args.router_hidden}, depth {args.router_depth}, "
+        f"{r_params / 1e6:.2f} M params; K = {args.k}; batch {args.batch} (x2 CFG); {args.steps} Euler steps; "
+        f"torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     same(prompts, strategy="full", **{**kw, "steps": 1})  # warm-up: allocator, kernels
     times: dict[str, list[float]] = {name: [] for name, *_ in configs}
     cpu: dict[str, list[float]] = {name: [] for name, *_ in configs}
@@ -121,22 +139,39 @@ def latency(args: argparse.Namespace) -> list[dict]:
             tr = out.trace
             n_rows = sum(tr.stats.rows.values())
             flops = n_rows * forward_flops(expert_cfg) + tr.router_calls * args.batch * forward_flops(router_cfg)
-            extra[name] = {"router_calls": tr.router_calls, "expert_calls": sum(tr.stats.calls.values()),
-                           "expert_rows": n_rows, "gflops": flops / 1e9}
+            extra[name] = {
+                "router_calls": tr.router_calls,
+                "expert_calls": sum(tr.stats.calls.values()),
+                "expert_rows": n_rows,
+                "gflops": flops / 1e9,
+            }
         print(f"  repeat {rep + 1}/{args.repeats} done", flush=True)
     base, base_wall = min(cpu["monolith"]), statistics.median(times["monolith"])
     base_flops = extra["monolith"]["gflops"]
     rows = []
     for name, *_ in configs:
         c, w = min(cpu[name]), statistics.median(times[name])
-        rows.append({"config": name, "cpu_s": c, "ratio": c / base, "wall_s": w, "wall_ratio": w / base_wall,
-                     "flops_ratio": extra[name]["gflops"] / base_flops, **extra[name]})
-    print("\n| configuration | CPU s (min) | x monolith (CPU) | wall s (median) | x monolith (wall) | x monolith "
-          "(FLOPs) | router calls | expert calls | expert rows |")
+        rows.append(
+            {
+                "config": name,
+                "cpu_s": c,
+                "ratio": c / base,
+                "wall_s": w,
+                "wall_ratio": w / base_wall,
+                "flops_ratio": extra[name]["gflops"] / base_flops,
+                **extra[name],
+            }
+        )
+    print(
+        "\n| configuration | CPU s (min) | x monolith (CPU) | wall s (median) | x monolith (wall) | x monolith "
+        "(FLOPs) | router calls | expert calls | expert rows |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['config']} | {r['cpu_s']:.3f} | {r['ratio']:.3f} | {r['wall_s']:.3f} | {r['wall_ratio']:.3f} | "
-              f"{r['flops_ratio']:.3f} | {r['router_calls']} | {r['expert_calls']} | {r['expert_rows']} |")
+        print(
+            f"| {r['config']} | {r['cpu_s']:.3f} | {r['ratio']:.3f} | {r['wall_s']:.3f} | {r['wall_ratio']:.3f} | "
+            f"{r['flops_ratio']:.3f} | {r['router_calls']} | {r['expert_calls']} | {r['expert_rows']} |"
+        )
     return rows
 
 
@@ -162,8 +197,15 @@ def ram_child(model_dir: str, mode: str, offload: int | None, steps: int, n: int
     out = pipe(["a handwritten digit", "a red square"], n=n, strategy="top1", steps=steps, cfg=4.0)
     wall = time.perf_counter() - t0
     used = sorted({e for s in out.trace.experts for e in s.flatten().tolist()})
-    return {"mode": mode, "offload": offload, "rss_after_imports_mib": base, "peak_rss_mib": peak_rss_mib(),
-            "sampling_s": wall, "experts_used": used, "loads": sum(pipe.experts.loads.values())}
+    return {
+        "mode": mode,
+        "offload": offload,
+        "rss_after_imports_mib": base,
+        "peak_rss_mib": peak_rss_mib(),
+        "sampling_s": wall,
+        "experts_used": used,
+        "loads": sum(pipe.experts.loads.values()),
+    }
 
 
 def ram(args: argparse.Namespace) -> list[dict]:
@@ -172,35 +214,65 @@ def ram(args: argparse.Namespace) -> list[dict]:
     from flowfleet.stages.assemble import assemble
 
     with tempfile.TemporaryDirectory(prefix="ff-bench-ram-") as tmp:
-        cfg = tiny_run_config(8, size=args.size, channels=3, hidden=args.ram_hidden, depth=args.ram_depth, patch=2,
-                              text_len=16, router_hidden=128, router_depth=2)
-        cfg = cfg.model_copy(update={"expert": cfg.expert.model_copy(update={"num_heads": args.ram_hidden // 64}),
-                                     "router": cfg.router.model_copy(update={"num_heads": 2})})
+        cfg = tiny_run_config(
+            8,
+            size=args.size,
+            channels=3,
+            hidden=args.ram_hidden,
+            depth=args.ram_depth,
+            patch=2,
+            text_len=16,
+            router_hidden=128,
+            router_depth=2,
+        )
+        cfg = cfg.model_copy(
+            update={
+                "expert": cfg.expert.model_copy(update={"num_heads": args.ram_hidden // 64}),
+                "router": cfg.router.model_copy(update={"num_heads": 2}),
+            }
+        )
         t0 = time.perf_counter()
         write_random_fleet(os.path.join(tmp, "run"), cfg, std=0.02)
         assemble(os.path.join(tmp, "run"))
         model_dir = os.path.join(tmp, "run", "model")
         size_mib = os.path.getsize(os.path.join(model_dir, "expert_0", "diffusion_pytorch_model.safetensors")) / 2**20
-        print(f"\nK = 8 experts of {size_mib:.0f} MiB each (hidden {args.ram_hidden}, depth {args.ram_depth}) "
-              f"written + assembled in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"\nK = 8 experts of {size_mib:.0f} MiB each (hidden {args.ram_hidden}, depth {args.ram_depth}) "
+            f"written + assembled in {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
         rows = []
         for mode, offload in (("all-resident", None), ("lazy", None), ("offload", 2)):
-            cmd = [sys.executable, __file__, "--ram-child", model_dir, "--ram-mode", mode,
-                   "--steps", str(args.ram_steps), "--batch", str(args.ram_batch)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--ram-child",
+                model_dir,
+                "--ram-mode",
+                mode,
+                "--steps",
+                str(args.ram_steps),
+                "--batch",
+                str(args.ram_batch),
+            ]
             if offload:
                 cmd += ["--offload", str(offload)]
             res = subprocess.run(cmd, capture_output=True, text=True, check=True)
             rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(f"  {mode} done", flush=True)
     print(f"\ntop-1, {args.ram_batch} samples, {args.ram_steps} steps, batch spread over the K = 8 experts\n")
-    print("| configuration | peak RSS MiB | RSS after imports MiB | peak - imports MiB | experts used | loads | "
-          "sampling s |")
+    print(
+        "| configuration | peak RSS MiB | RSS after imports MiB | peak - imports MiB | experts used | loads | "
+        "sampling s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         name = {"all-resident": "all 8 resident", "lazy": "lazy, no offload", "offload": "--offload 2"}[r["mode"]]
-        print(f"| {name} | {r['peak_rss_mib']:.0f} | {r['rss_after_imports_mib']:.0f} | "
-              f"{r['peak_rss_mib'] - r['rss_after_imports_mib']:.0f} | {len(r['experts_used'])} | {r['loads']} | "
-              f"{r['sampling_s']:.1f} |")
+        print(
+            f"| {name} | {r['peak_rss_mib']:.0f} | {r['rss_after_imports_mib']:.0f} | "
+            f"{r['peak_rss_mib'] - r['rss_after_imports_mib']:.0f} | {len(r['experts_used'])} | {r['loads']} | "
+            f"{r['sampling_s']:.1f} |"
+        )
     return rows
 
 

@@ -69,8 +69,16 @@ def bench_config(size: str, batch: int, steps: int, log_every: int) -> RunConfig
     raw["cluster"]["k"] = 2
     raw["expert"] = dict(size=size, input_size=(32, 32), in_channels=4, conditioning="none")
     raw["router"] = dict(size="tiny/4", input_size=(32, 32), in_channels=4, num_outputs=2)
-    raw["train"] = dict(steps=steps, batch_size=batch, lr=1e-4, ema_decay=0.9999, precision="fp32",
-                        ckpt_every=10**6, sample_every=10**6, log_every=log_every)
+    raw["train"] = dict(
+        steps=steps,
+        batch_size=batch,
+        lr=1e-4,
+        ema_decay=0.9999,
+        precision="fp32",
+        ckpt_every=10**6,
+        sample_every=10**6,
+        log_every=log_every,
+    )
     raw["sampling"]["steps"] = 2
     return RunConfig.from_dict(raw, where="benchmark config")
 
@@ -100,8 +108,11 @@ class TrainerStep:
 
     def __init__(self, root: RunRoot):
         root.remove("experts", recursive=True)
-        self.trainer = Trainer(build_task(root, load_run_config(root), JobSpec("expert", 0)), root,
-                               TrainOptions(progress=False, tensorboard=True))
+        self.trainer = Trainer(
+            build_task(root, load_run_config(root), JobSpec("expert", 0)),
+            root,
+            TrainOptions(progress=False, tensorboard=True),
+        )
         self.state = self.trainer._setup(join_from_env("cpu"))
         self.sampler = self.trainer.sampler()
         self.bar = tqdm(disable=True)
@@ -169,25 +180,42 @@ def main() -> int:
                 full.close()
         ratios = [t / b for b, t in zip(tb, tt)]
         mb, mt = statistics.median(tb), statistics.median(tt)
-        row = dict(size=size, tokens=cfg.expert.num_tokens, batch=batch, steps=steps, log_every=args.log_every,
-                   train_gflop_per_sample=flops / 1e9, bare_step_ms_median=1e3 * mb, trainer_step_ms_median=1e3 * mt,
-                   bare_samples_per_s=batch / mb, trainer_samples_per_s=batch / mt,
-                   bare_gflops=batch / mb * flops / 1e9,
-                   trainer_gflops=batch / mt * flops / 1e9, overhead_pct_of_medians=100 * (mt / mb - 1),
-                   overhead_pct_median_pair=100 * (statistics.median(ratios) - 1),
-                   overhead_pct_p20_p80_pair=[100 * (quantile(ratios, 0.2) - 1), 100 * (quantile(ratios, 0.8) - 1)],
-                   checkpoint_write_s=ckpt_s)
+        row = dict(
+            size=size,
+            tokens=cfg.expert.num_tokens,
+            batch=batch,
+            steps=steps,
+            log_every=args.log_every,
+            train_gflop_per_sample=flops / 1e9,
+            bare_step_ms_median=1e3 * mb,
+            trainer_step_ms_median=1e3 * mt,
+            bare_samples_per_s=batch / mb,
+            trainer_samples_per_s=batch / mt,
+            bare_gflops=batch / mb * flops / 1e9,
+            trainer_gflops=batch / mt * flops / 1e9,
+            overhead_pct_of_medians=100 * (mt / mb - 1),
+            overhead_pct_median_pair=100 * (statistics.median(ratios) - 1),
+            overhead_pct_p20_p80_pair=[100 * (quantile(ratios, 0.2) - 1), 100 * (quantile(ratios, 0.8) - 1)],
+            checkpoint_write_s=ckpt_s,
+        )
         results[name] = row
-        print(f"{size:7s} {row['tokens']} tokens, batch {batch}, {steps} steps each: "
-              f"{row['train_gflop_per_sample']:.3f} GFLOP/sample | bare {row['bare_samples_per_s']:.1f} samples/s = "
-              f"{row['bare_gflops']:.1f} GFLOP/s ({100 * row['bare_gflops'] / peak:.0f}% of sgemm) | trainer "
-              f"{row['trainer_samples_per_s']:.1f} samples/s = {row['trainer_gflops']:.1f} GFLOP/s | trainer overhead: "
-              f"{row['overhead_pct_of_medians']:+.1f}% (medians), {row['overhead_pct_median_pair']:+.1f}% (median of "
-              f"paired steps; p20..p80 {row['overhead_pct_p20_p80_pair'][0]:+.1f}.."
-              f"{row['overhead_pct_p20_p80_pair'][1]:+.1f}%)"
-              f" | checkpoint write {ckpt_s:.2f} s", flush=True)
-    print(json.dumps({"sgemm_gflops": peak, "threads": torch.get_num_threads(), "load_end": os.getloadavg(),
-                      "models": results}, indent=1))
+        print(
+            f"{size:7s} {row['tokens']} tokens, batch {batch}, {steps} steps each: "
+            f"{row['train_gflop_per_sample']:.3f} GFLOP/sample | bare {row['bare_samples_per_s']:.1f} samples/s = "
+            f"{row['bare_gflops']:.1f} GFLOP/s ({100 * row['bare_gflops'] / peak:.0f}% of sgemm) | trainer "
+            f"{row['trainer_samples_per_s']:.1f} samples/s = {row['trainer_gflops']:.1f} GFLOP/s | trainer overhead: "
+            f"{row['overhead_pct_of_medians']:+.1f}% (medians), {row['overhead_pct_median_pair']:+.1f}% (median of "
+            f"paired steps; p20..p80 {row['overhead_pct_p20_p80_pair'][0]:+.1f}.."
+            f"{row['overhead_pct_p20_p80_pair'][1]:+.1f}%)"
+            f" | checkpoint write {ckpt_s:.2f} s",
+            flush=True,
+        )
+    print(
+        json.dumps(
+            {"sgemm_gflops": peak, "threads": torch.get_num_threads(), "load_end": os.getloadavg(), "models": results},
+            indent=1,
+        )
+    )
     return 0
 
 

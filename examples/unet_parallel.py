@@ -71,14 +71,35 @@ def tiny_pipeline(seed: int):
 
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
-        sample_size=32, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
-    vae = AutoencoderKL(block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8)
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
+    vae = AutoencoderKL(
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=8,
+    )
     scheduler = DDIMScheduler(clip_sample=False, set_alpha_to_one=False, steps_offset=1)
-    return StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=scheduler,
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    return StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
 
 
 def build(args: argparse.Namespace, device: torch.device):
@@ -94,13 +115,20 @@ def build(args: argparse.Namespace, device: torch.device):
         if not Path(args.model).is_dir():
             raise FlowfleetError(f"--model: {args.model!r} is not a local pipeline folder")
         dtype = torch.float16 if device.type == "cuda" else torch.float32
-        pipe = StableDiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype, safety_checker=None,
-                                                       requires_safety_checker=False)
+        pipe = StableDiffusionPipeline.from_pretrained(
+            args.model, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False
+        )
         prompt = dict(prompt=args.prompt)
     pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
-    call = dict(num_inference_steps=args.steps, guidance_scale=args.guidance, height=args.size, width=args.size,
-                output_type="pt", **prompt)
+    call = dict(
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        height=args.size,
+        width=args.size,
+        output_type="pt",
+        **prompt,
+    )
     return pipe, call
 
 
@@ -136,12 +164,16 @@ def rank_main(ctx: DistContext, args: argparse.Namespace) -> None:
     out_path = Path(args.out).resolve()
     RunRoot(out_path.parent).write_bytes(png_bytes(grid), out_path.name)
     steady = sent.get(max(sent), 0) if sent else 0
-    print(f"{args.nproc} ranks, mode {args.mode} (warm-up {args.warmup}), {args.steps} steps, {args.size}px, "
-          f"{ctx.backend} on {ctx.device}")
+    print(
+        f"{args.nproc} ranks, mode {args.mode} (warm-up {args.warmup}), {args.steps} steps, {args.size}px, "
+        f"{ctx.backend} on {ctx.device}"
+    )
     print(f"  modes per U-Net call: {' '.join(modes)}")
     print(f"  max |parallel - single| = {diff.max().item():.3g}   PSNR = {psnr:.1f} dB")
-    print(f"  time: single {t_ref / args.steps * 1e3:.0f} ms/step, parallel {t_par / args.steps * 1e3:.0f} ms/step "
-          f"(rank 0; the single-device run was timed while every rank ran it too)")
+    print(
+        f"  time: single {t_ref / args.steps * 1e3:.0f} ms/step, parallel {t_par / args.steps * 1e3:.0f} ms/step "
+        f"(rank 0; the single-device run was timed while every rank ran it too)"
+    )
     print(f"  rank 0 sent {steady / 1e6:.3f} MB in the last step, {sum(sent.values()) / 1e6:.2f} MB in all")
     print(f"  wrote {out_path} (rows: single device | patch-parallel | 10 x |difference|)")
 
@@ -172,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             rank_main(single_process("cuda" if torch.cuda.is_available() else "cpu"), args)
         else:
             if torch.cuda.is_available() and torch.cuda.device_count() < args.nproc:
-                raise FlowfleetError(f"--nproc {args.nproc}: only {torch.cuda.device_count()} GPUs (NCCL needs one "
-                                     f"per process)")
+                raise FlowfleetError(
+                    f"--nproc {args.nproc}: only {torch.cuda.device_count()} GPUs (NCCL needs one per process)"
+                )
             torch.multiprocessing.spawn(_spawned, args=(args, free_port()), nprocs=args.nproc)
     except FlowfleetError as err:
         print(f"error: {err}", file=sys.stderr)

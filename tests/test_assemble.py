@@ -49,8 +49,15 @@ def test_assemble_writes_a_diffusers_style_folder(fleet):
     assert [index[f"expert_{k}"] for k in range(3)] == [["flowfleet", "DiTExpert"]] * 3
     assert index["router"] == ["flowfleet", "DiTRouter"]
     assert index["latent_shape"] == [1, 8, 8] and index["text_width"] == 384 and index["text_len"] == 4
-    assert index["scheduler"] == {"time_convention": TIME_CONVENTION, "steps": 4, "sampler": "euler", "cfg": 2.0,
-                                  "shift": 1.0, "strategy": "top2", "route_every": 1}
+    assert index["scheduler"] == {
+        "time_convention": TIME_CONVENTION,
+        "steps": 4,
+        "sampler": "euler",
+        "cfg": 2.0,
+        "shift": 1.0,
+        "strategy": "top2",
+        "route_every": 1,
+    }
     text_ref = json.loads((model / "text_encoder" / "config.json").read_text())
     assert text_ref["name"] == "minilm" and text_ref["width"] == 384 and text_ref["max_length"] == 4
     assert not list((model / "text_encoder").glob("*.safetensors"))  # referenced, not copied
@@ -75,22 +82,39 @@ def test_assemble_to_another_folder_and_sampler_defaults_from_run_yaml(run_root,
     out = tmp_path / "elsewhere"
     assemble(str(run_root), str(out))
     index = read_model_index(str(out))
-    assert index.scheduler.model_dump() == {"time_convention": TIME_CONVENTION, "steps": 7, "sampler": "heun",
-                                            "cfg": 3.5, "shift": 2.0, "strategy": "top1", "route_every": 2}
+    assert index.scheduler.model_dump() == {
+        "time_convention": TIME_CONVENTION,
+        "steps": 7,
+        "sampler": "heun",
+        "cfg": 3.5,
+        "shift": 2.0,
+        "strategy": "top1",
+        "route_every": 2,
+    }
     pipe = FleetPipeline.from_pretrained(str(out), text_encoder=HashTextEncoder(384, 4))
     s = pipe.settings()
-    assert (s.steps, s.sampler, s.cfg, s.shift, s.strategy.name, s.route_every, s.k) == (7, "heun", 3.5, 2.0,
-                                                                                        "top1", 2, 1)
+    assert (s.steps, s.sampler, s.cfg, s.shift, s.strategy.name, s.route_every, s.k) == (
+        7,
+        "heun",
+        3.5,
+        2.0,
+        "top1",
+        2,
+        1,
+    )
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"patch_size": 4}, "patch_size"),
-    ({"text_dim": 128}, "text_dim"),
-    ({"text_len": 8}, "text_len"),
-    ({"input_size": (16, 16)}, "latent shape"),
-    ({"in_channels": 3}, "latent shape"),
-    ({"conditioning": "pooled"}, "conditioning"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"patch_size": 4}, "patch_size"),
+        ({"text_dim": 128}, "text_dim"),
+        ({"text_len": 8}, "text_len"),
+        ({"input_size": (16, 16)}, "latent shape"),
+        ({"in_channels": 3}, "latent shape"),
+        ({"conditioning": "pooled"}, "conditioning"),
+    ],
+)
 def test_incompatible_expert_is_refused_naming_expert_and_field(fleet, change, field):
     run_root, cfg = fleet
     replace_expert(run_root, 1, cfg.expert.model_copy(update=change))
@@ -114,8 +138,9 @@ def test_expert_with_another_time_convention_is_refused(fleet):
 
 def test_router_with_wrong_K_is_refused(fleet):
     run_root, cfg = fleet
-    save_model(DiTRouter.from_dit_config(cfg.router.model_copy(update={"num_outputs": 4})), str(run_root),
-               "router", "final")
+    save_model(
+        DiTRouter.from_dit_config(cfg.router.model_copy(update={"num_outputs": 4})), str(run_root), "router", "final"
+    )
     with pytest.raises(FlowfleetError, match=r"^router \(.*\): num_outputs 4 differs from K = 3 experts"):
         assemble(str(run_root))
 
@@ -131,8 +156,11 @@ def test_unfinished_expert_refused_unless_partial_then_warned_and_renormalised(f
     run_root, cfg = fleet
     assemble(str(run_root))  # a complete fleet first: expert_1 must disappear from the folder below
     set_state(run_root, 1, "running")
-    with pytest.raises(FlowfleetError, match=r"^expert 1 is not finished .*state 'running' at step 10/30.*"
-                                             r"--allow-partial"):
+    with pytest.raises(
+        FlowfleetError,
+        match=r"^expert 1 is not finished .*state 'running' at step 10/30.*"
+        r"--allow-partial",
+    ):
         assemble(str(run_root))
     result = assemble(str(run_root), allow_partial=True)
     assert result.present == [0, 2] and list(result.missing) == [1]
@@ -189,8 +217,9 @@ def test_assemble_monolith_is_a_one_expert_model_that_generate_opens(fleet):
         assemble(str(run_root), monolith=True)
     mono = randomize_(DiTExpert.from_dit_config(cfg.expert), seed=7)
     save_model(mono, str(run_root), "monolith", "final")
-    (run_root / "monolith" / "status.json").write_text(json.dumps(
-        {"job": "monolith", "state": "done", "step": 30, "total_steps": 30}))
+    (run_root / "monolith" / "status.json").write_text(
+        json.dumps({"job": "monolith", "state": "done", "step": 30, "total_steps": 30})
+    )
     result = assemble(str(run_root), monolith=True)
     model = run_root / "model-monolith"
     assert result.out == str(model) and result.num_experts == 1 and result.present == [0]
@@ -222,10 +251,12 @@ def test_assemble_with_the_paris_router(fleet, tmp_path):
         assemble(str(run_root), str(tmp_path / "m"), router="nope")
     paris = randomize_(DiTRouter.from_dit_config(cfg.router), seed=5)
     save_model(paris, str(run_root), "router-paris", "final")
-    (run_root / "router-paris" / "status.json").write_text(json.dumps(
-        {"job": "router-paris", "state": "done", "step": 30, "total_steps": 30}))
+    (run_root / "router-paris" / "status.json").write_text(
+        json.dumps({"job": "router-paris", "state": "done", "step": 30, "total_steps": 30})
+    )
     result = assemble(str(run_root), str(tmp_path / "m"), router="router-paris")
     index = json.loads((tmp_path / "m" / "model_index.json").read_text())
     assert index["source"]["router"]["job"] == "router-paris" and result.present == [0, 1, 2]
-    assert (tmp_path / "m" / "router" / WEIGHTS_NAME).read_bytes() == \
-        (run_root / "router-paris" / "final" / WEIGHTS_NAME).read_bytes()
+    assert (tmp_path / "m" / "router" / WEIGHTS_NAME).read_bytes() == (
+        run_root / "router-paris" / "final" / WEIGHTS_NAME
+    ).read_bytes()

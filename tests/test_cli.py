@@ -9,8 +9,9 @@ from flowfleet.cli import STAGES, build_parser, main
 
 
 def test_help_lists_every_stage():
-    out = subprocess.run([sys.executable, "-m", "flowfleet.cli", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "flowfleet.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for stage in STAGES:
         assert f"    {stage}" in out, stage
     assert set(build_parser()._subparsers._group_actions[0].choices) == set(STAGES)

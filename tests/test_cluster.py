@@ -94,8 +94,9 @@ def test_weighted_kmeans_centroid_is_the_weighted_mean(backend):
     res = km.kmeans(x, 2, weights=w, iters=10, restarts=3, backend=backend)
     order = res.centroids[:, 0].argsort()
     torch.testing.assert_close(res.centroids[order], torch.tensor([[0.25, 0.5], [10.25, 10.0]]), atol=1e-5, rtol=0)
-    assert res.inertia == pytest.approx(1 * (0.25**2 + 0.5**2) + 1 * (0.75**2 + 0.5**2) + 2 * (0.25**2 + 0.5**2)
-                                        + 3 * 0.25**2 + 1 * 0.75**2, rel=1e-4)
+    assert res.inertia == pytest.approx(
+        1 * (0.25**2 + 0.5**2) + 1 * (0.75**2 + 0.5**2) + 2 * (0.25**2 + 0.5**2) + 3 * 0.25**2 + 1 * 0.75**2, rel=1e-4
+    )
 
 
 def test_assign_nearest_backends_agree():
@@ -182,8 +183,14 @@ def test_l2_normalize_is_in_place():
 # ------------------------------------------------------------------------------------------------
 
 
-def write_run(root, image_features: torch.Tensor, labels: torch.Tensor, shard_size: int = 64,
-              text: torch.Tensor | None = None, **cluster_cfg) -> RunRoot:
+def write_run(
+    root,
+    image_features: torch.Tensor,
+    labels: torch.Tensor,
+    shard_size: int = 64,
+    text: torch.Tensor | None = None,
+    **cluster_cfg,
+) -> RunRoot:
     """A run.yaml (mnist-tiny with the given cluster section) and a complete data/ of synthetic items."""
     cfg = preset("mnist-tiny").to_dict()
     cfg["cluster"].update({"features": "semantic", "balance": False, **cluster_cfg})
@@ -197,11 +204,15 @@ def write_run(root, image_features: torch.Tensor, labels: torch.Tensor, shard_si
     for lo in range(0, n, shard_size):
         hi = min(lo + shard_size, n)
         m = hi - lo
-        tensors = {"latents": torch.rand(m, 1, 16, 16, generator=g) * 2 - 1, "features": image_features[lo:hi] * 3.0,
-                   "text_tokens": torch.randn(m, 8, 384, generator=g).half(),
-                   "text_mask": torch.ones(m, 8, dtype=torch.uint8),
-                   "text_pooled": text[lo:hi] if text is not None else torch.randn(m, 384, generator=g),
-                   "labels": labels[lo:hi], "index": torch.arange(lo, hi)}
+        tensors = {
+            "latents": torch.rand(m, 1, 16, 16, generator=g) * 2 - 1,
+            "features": image_features[lo:hi] * 3.0,
+            "text_tokens": torch.randn(m, 8, 384, generator=g).half(),
+            "text_mask": torch.ones(m, 8, dtype=torch.uint8),
+            "text_pooled": text[lo:hi] if text is not None else torch.randn(m, 384, generator=g),
+            "labels": labels[lo:hi],
+            "index": torch.arange(lo, hi),
+        }
         data.append(manifest, tensors, [f"item {i}" for i in range(lo, hi)])
     manifest.complete = True
     data.write_manifest(manifest)
@@ -221,8 +232,10 @@ def test_cluster_stage_writes_aligned_files_and_complete_partitions(run_root):
     assert sorted(report["label_mix"][0].values(), reverse=True)[0] == report["sizes"][0]  # pure clusters
     cents = safetensors.torch.load(run.read_bytes("clusters", "centroids.safetensors"))
     assert cents["fine"].shape == (24, 16) and cents["coarse"].shape == (4, 16)
-    assert torch.equal(cents["fine_to_coarse"][safetensors.torch.load(
-        run.read_bytes("clusters", "assignments.safetensors"))["fine"]], assign)
+    assert torch.equal(
+        cents["fine_to_coarse"][safetensors.torch.load(run.read_bytes("clusters", "assignments.safetensors"))["fine"]],
+        assign,
+    )
     assert run.read_json("clusters", "report.json")["sizes"] == report["sizes"]
 
     full, captions = ShardSet(run, "data").load(FIELDS, with_captions=True)

@@ -38,18 +38,21 @@ def _with(change) -> dict:
     return raw
 
 
-@pytest.mark.parametrize("change, key", [
-    (lambda r: r["train"].update(bogus=1), "train.bogus: unknown key"),
-    (lambda r: r.update(extra=1), "extra: unknown key"),
-    (lambda r: r["train"].update(lr=-1), "train.lr"),
-    (lambda r: r["train"].update(batch_size=10, grad_accum=3), "train.batch_size"),
-    (lambda r: r["expert"].update(hidden_size=130), "expert.hidden_size"),
-    (lambda r: r["cluster"].update(k=5), "router.num_outputs"),
-    (lambda r: r["expert"].update(text_dim=768), "expert.text_dim"),
-    (lambda r: r["expert"].update(input_size=[16, 16]), "expert.input_size"),
-    (lambda r: r["data"].update(source="folder"), "data.path"),
-    (lambda r: r["data"].update(source="imagenet"), "data.source"),
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (lambda r: r["train"].update(bogus=1), "train.bogus: unknown key"),
+        (lambda r: r.update(extra=1), "extra: unknown key"),
+        (lambda r: r["train"].update(lr=-1), "train.lr"),
+        (lambda r: r["train"].update(batch_size=10, grad_accum=3), "train.batch_size"),
+        (lambda r: r["expert"].update(hidden_size=130), "expert.hidden_size"),
+        (lambda r: r["cluster"].update(k=5), "router.num_outputs"),
+        (lambda r: r["expert"].update(text_dim=768), "expert.text_dim"),
+        (lambda r: r["expert"].update(input_size=[16, 16]), "expert.input_size"),
+        (lambda r: r["data"].update(source="folder"), "data.path"),
+        (lambda r: r["data"].update(source="imagenet"), "data.source"),
+    ],
+)
 def test_bad_config_names_the_key(change, key):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(_with(change), "run.yaml")

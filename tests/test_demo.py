@@ -61,8 +61,9 @@ def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
     k = plan.config.cluster.k
     status = json.loads((out / "monolith" / "status.json").read_text())
     assert status["state"] == "done" and status["total_steps"] == k * plan.config.train.steps
-    assert sorted(p.name for p in (out / "model").iterdir() if p.name.startswith("expert_")) == \
-        [f"expert_{i}" for i in range(k)]
+    assert sorted(p.name for p in (out / "model").iterdir() if p.name.startswith("expert_")) == [
+        f"expert_{i}" for i in range(k)
+    ]
 
 
 def test_demo_refuses_an_out_folder_of_another_run(tmp_path):

@@ -37,8 +37,13 @@ def trace_of(steps: list[tuple[list[list[int]], list[list[float]]]], k: int) -> 
 
 def test_trajectory_weights_dominant_expert_and_usage():
     # 3 samples, K = 3, top-2 for two steps.
-    tr = trace_of([([[0, 1], [2, 1], [1, 0]], [[0.6, 0.4], [0.5, 0.5], [0.9, 0.1]]),
-                   ([[1, 0], [2, 0], [1, 2]], [[0.7, 0.3], [0.8, 0.2], [0.6, 0.4]])], k=3)
+    tr = trace_of(
+        [
+            ([[0, 1], [2, 1], [1, 0]], [[0.6, 0.4], [0.5, 0.5], [0.9, 0.1]]),
+            ([[1, 0], [2, 0], [1, 2]], [[0.7, 0.3], [0.8, 0.2], [0.6, 0.4]]),
+        ],
+        k=3,
+    )
     w = weight_per_expert(tr)
     assert torch.allclose(w, torch.tensor([[0.9, 1.1, 0.0], [0.2, 0.5, 1.3], [0.1, 1.5, 0.4]], dtype=torch.float64))
     assert dominant_experts(tr).tolist() == [1, 2, 1]
@@ -55,7 +60,7 @@ def test_centroid_alignment():
     dominant = torch.tensor([0, 1, 2, 0])  # the last sample landed in cluster 2, not in its expert's
     out = centroid_alignment(features, dominant, coarse, fine, fine_to_coarse)
     assert out["assigned_is_dominant"] == pytest.approx(0.75)
-    root2 = 2 ** 0.5
+    root2 = 2**0.5
     assert out["dominant_distance"] == pytest.approx(root2 / 4)  # three exact hits, one at distance sqrt 2
     # others: aligned samples are sqrt 2 from both others; the misaligned one: 0 and sqrt 2 -> mean sqrt2/2
     assert out["other_distance"] == pytest.approx((3 * root2 + root2 / 2) / 4)

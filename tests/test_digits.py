@@ -49,9 +49,11 @@ def test_classifier_reads_held_out_digits(judge, held_out):
 def test_classifier_gives_chance_or_less_on_noise(judge):
     gen = torch.Generator().manual_seed(0)
     digits = torch.arange(500) % 10
-    for noise in (torch.rand(500, 1, 28, 28, generator=gen) * 2 - 1,
-                  torch.randn(500, 1, 32, 32, generator=gen).clamp(-1, 1),
-                  torch.full((500, 1, 28, 28), -1.0)):
+    for noise in (
+        torch.rand(500, 1, 28, 28, generator=gen) * 2 - 1,
+        torch.randn(500, 1, 32, 32, generator=gen).clamp(-1, 1),
+        torch.full((500, 1, 28, 28), -1.0),
+    ):
         assert judge.prompt_accuracy(noise, _prompts(digits))["accuracy"] <= 0.2
 
 

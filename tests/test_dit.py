@@ -33,8 +33,9 @@ def _randomize(model: torch.nn.Module, seed: int = 1) -> None:
 
 @pytest.mark.parametrize("size, millions", [("S/2", 33), ("B/2", 130), ("L/2", 458), ("XL/2", 675)])
 def test_parameter_counts_match_dit_paper(size, millions):
-    cfg = DiTConfig(size=size, input_size=(32, 32), in_channels=4, out_channels=8,
-                    conditioning="class", num_classes=1000)
+    cfg = DiTConfig(
+        size=size, input_size=(32, 32), in_channels=4, out_channels=8, conditioning="class", num_classes=1000
+    )
     with torch.device("meta"):
         model = DiTModel.from_dit_config(cfg)
     n = sum(p.numel() for p in model.parameters())
@@ -160,8 +161,9 @@ def test_cross_attention_respects_text_mask():
     mask = torch.tensor([[True, True, False, False]])
     other = tokens.clone()
     other[:, 2:] = torch.randn(1, 2, 12)
-    assert torch.allclose(model(x, t, text_tokens=tokens, text_mask=mask),
-                          model(x, t, text_tokens=other, text_mask=mask), atol=1e-6)
+    assert torch.allclose(
+        model(x, t, text_tokens=tokens, text_mask=mask), model(x, t, text_tokens=other, text_mask=mask), atol=1e-6
+    )
     assert not torch.allclose(model(x, t, text_tokens=tokens), model(x, t, text_tokens=other))
 
 
@@ -170,13 +172,16 @@ def test_expert_is_a_dit_model():
     assert isinstance(expert, DiTModel)
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(input_size=(9, 8)), "input_size"),
-    (dict(hidden_size=130, num_heads=4), "hidden_size"),
-    (dict(conditioning="class", num_classes=0), "num_classes"),
-    (dict(conditioning="cross_attn", text_dim=8, text_len=0), "text_len"),
-    (dict(time_convention="x_t=t*x0+(1-t)*eps"), "time_convention"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(input_size=(9, 8)), "input_size"),
+        (dict(hidden_size=130, num_heads=4), "hidden_size"),
+        (dict(conditioning="class", num_classes=0), "num_classes"),
+        (dict(conditioning="cross_attn", text_dim=8, text_len=0), "text_len"),
+        (dict(time_convention="x_t=t*x0+(1-t)*eps"), "time_convention"),
+    ],
+)
 def test_invalid_configs_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         DiTConfig(**{**dict(size="tiny/2", input_size=(8, 8)), **bad})

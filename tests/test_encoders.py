@@ -44,9 +44,15 @@ def tiny_vae(tmp_path_factory):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
-    vae = AutoencoderKL(block_out_channels=(8, 8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 4,
-                        up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=4, norm_num_groups=4,
-                        layers_per_block=1, sample_size=16).eval()
+    vae = AutoencoderKL(
+        block_out_channels=(8, 8, 8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=4,
+        norm_num_groups=4,
+        layers_per_block=1,
+        sample_size=16,
+    ).eval()
     path = tmp_path_factory.mktemp("vae")
     vae.save_pretrained(path)
     return vae, str(path)
@@ -114,8 +120,13 @@ def test_dinov2_mean_pooled_patch_tokens_match_the_reference_preprocessing(tmp_p
     assert enc.dim == 32
     u8 = torch.randint(0, 256, (2, 3, 32, 32), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
     feats = enc.encode(u8.float() / 127.5 - 1)
-    proc = BitImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 28, "width": 28},
-                             image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD, do_convert_rgb=False)
+    proc = BitImageProcessor(
+        size={"shortest_edge": 32},
+        crop_size={"height": 28, "width": 28},
+        image_mean=IMAGENET_MEAN,
+        image_std=IMAGENET_STD,
+        do_convert_rgb=False,
+    )
     pixel_values = proc(list(u8.permute(0, 2, 3, 1).numpy()), return_tensors="pt")["pixel_values"]
     with torch.no_grad():
         hidden = model(pixel_values=pixel_values).last_hidden_state  # [2, 1 + registers + 4, 32]
@@ -151,8 +162,11 @@ def test_inception_matches_the_torchscript_network():
     feats = enc.encode(x)
     net = torch.jit.load(str(default_1_path()), map_location="cpu").eval()
     u8 = ((x.clamp(-1, 1) + 1) * 127.5).round()  # the uint8 values the FID interface sees
-    ref_in = torch.nn.functional.interpolate(u8.expand(-1, 3, -1, -1), size=(299, 299), mode="bilinear",
-                                             align_corners=False) / 128 - 1
+    ref_in = (
+        torch.nn.functional.interpolate(u8.expand(-1, 3, -1, -1), size=(299, 299), mode="bilinear", align_corners=False)
+        / 128
+        - 1
+    )
     with torch.inference_mode():
         ref = net(ref_in)
     assert feats.shape == (2, 2048)
@@ -215,9 +229,17 @@ def tiny_clip(tmp_path_factory):
     tok = CLIPTokenizer(vocab=vocab, merges=[])
     tok.save_pretrained(path)
     torch.manual_seed(0)
-    cfg = CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=1,
-                         pad_token_id=1)
+    cfg = CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
     CLIPTextModel(cfg).eval().save_pretrained(path)
     return str(path)
 

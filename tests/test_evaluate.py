@@ -93,10 +93,17 @@ def fleet(tmp_path_factory):
     root = RunRoot(str(path))
     write_synthetic_run(root, cfg, per_cluster=16)
     gen = torch.Generator().manual_seed(0)
-    root.write_bytes(safetensors.torch.save({"fine": torch.randn(4, 192, generator=gen), "coarse":
-                                             torch.randn(2, 192, generator=gen),
-                                             "fine_to_coarse": torch.tensor([0, 0, 1, 1])}),
-                     "clusters", "centroids.safetensors")
+    root.write_bytes(
+        safetensors.torch.save(
+            {
+                "fine": torch.randn(4, 192, generator=gen),
+                "coarse": torch.randn(2, 192, generator=gen),
+                "fine_to_coarse": torch.tensor([0, 0, 1, 1]),
+            }
+        ),
+        "clusters",
+        "centroids.safetensors",
+    )
     write_random_fleet(root.url, cfg)
     save_model(randomize_(DiTExpert.from_dit_config(cfg.expert), seed=7), root, "monolith", "final")
     root.write_json({"job": "monolith", "state": "done", "step": 1, "total_steps": 1}, "monolith", "status.json")
@@ -107,8 +114,17 @@ def fleet(tmp_path_factory):
 def options(**kw):
     from flowfleet.stages.evaluate import EvaluateOptions
 
-    base = dict(n=12, batch_size=5, ref_n=20, grid=6, diagnostic_n=3, device="cpu", fid=FIDSettings(batch_size=7),
-                strategies=("top1", "top2", "full"), monolith=True)
+    base = dict(
+        n=12,
+        batch_size=5,
+        ref_n=20,
+        grid=6,
+        diagnostic_n=3,
+        device="cpu",
+        fid=FIDSettings(batch_size=7),
+        strategies=("top1", "top2", "full"),
+        monolith=True,
+    )
     return EvaluateOptions(**{**base, **kw})
 
 
@@ -143,19 +159,26 @@ def test_evaluate_writes_fid_per_strategy_diagnostics_and_a_report(fleet):
     assert scores["full"] == scores["top2"] and usage["full"] == usage["top2"]
     assert any("full uses the same experts with the same weights as top2" in line for line in lines)
     write_report(fleet.url)
-    assert "full selects the same experts with the same weights as top2" in \
-        fleet.local_path("reports", "report.html").read_text()
+    assert (
+        "full selects the same experts with the same weights as top2"
+        in fleet.local_path("reports", "report.html").read_text()
+    )
 
     # Same seed, same prompts and noise: a second evaluation reproduces every FID and reuses the cache;
     # `full` sampled for itself gives what was recorded for it from top2.
-    again = evaluate(fleet.url_of("model"), fleet.url,
-                     options(strategies=("top1", "full"), monolith=False, diagnostics=False),
-                     echo=lines.append, extractor=SmallFeatures())
+    again = evaluate(
+        fleet.url_of("model"),
+        fleet.url,
+        options(strategies=("top1", "full"), monolith=False, diagnostics=False),
+        echo=lines.append,
+        extractor=SmallFeatures(),
+    )
     assert again["fid"]["scores"]["top1"] == pytest.approx(scores["top1"], rel=1e-9)
     assert again["runs"]["full"]["same_as"] is None
     assert again["fid"]["scores"]["full"] == pytest.approx(scores["full"], rel=1e-9)
-    assert [n for n in fleet.ls("reports") if n.startswith("fid_ref_")] == \
-        ["fid_ref_data_custom-SmallFeatures_n20.safetensors"]
+    assert [n for n in fleet.ls("reports") if n.startswith("fid_ref_")] == [
+        "fid_ref_data_custom-SmallFeatures_n20.safetensors"
+    ]
 
     # The report shows the FID table of the last evaluation.
     write_report(fleet.url)
@@ -221,16 +244,20 @@ def test_evaluate_measures_prompt_adherence_for_the_shapes_source(tmp_path):
     data.write_manifest(manifest)
     write_random_fleet(root.url, cfg)
     assemble(root.url)
-    result = evaluate(root.url_of("model"), root.url, options(strategies=("top1",), monolith=False, diagnostics=False,
-                                                              ref_n=16, n=24), echo=lambda _: None,
-                      extractor=SmallFeatures())
+    result = evaluate(
+        root.url_of("model"),
+        root.url,
+        options(strategies=("top1",), monolith=False, diagnostics=False, ref_n=16, n=24),
+        echo=lambda _: None,
+        extractor=SmallFeatures(),
+    )
     adh = result["adherence"]["top1"]
     assert adh["n"] + adh["unparsed"] == 24 and adh["n"] >= 20
     assert 0.0 <= adh["both"] <= adh["colour"] <= 1.0 and adh["both"] <= adh["shape"]
     assert adh["both"] < 0.5  # random weights draw no coloured shapes
 
 
-JUDGE_MODULE = '''
+JUDGE_MODULE = """
 import torch
 from flowfleet.evaluate.judge import ClassifierJudge
 
@@ -240,7 +267,7 @@ def make(root):
         m = images.float().mean(dim=(1, 2, 3))
         return torch.stack([-m, m], dim=1) * 100
     return ClassifierJudge(classify, [["dark"], ["bright", "light"]], record={"kind": "test"})
-'''
+"""
 
 
 def test_user_judge_scores_prompt_accuracy(fleet, tmp_path):
@@ -259,10 +286,18 @@ def test_user_judge_scores_prompt_accuracy(fleet, tmp_path):
 
     # the synthetic captions ("item 3 of cluster 0") name no class: refused before any sampling
     with pytest.raises(FlowfleetError, match="--judge: none of the 12 prompts names one of the judge's classes"):
-        evaluate(fleet.url_of("model"), fleet.url, options(strategies=("top1",), monolith=False, diagnostics=False,
-                 judge=f"{judge_file}:make"), echo=lambda _m: None, extractor=SmallFeatures())
+        evaluate(
+            fleet.url_of("model"),
+            fleet.url,
+            options(strategies=("top1",), monolith=False, diagnostics=False, judge=f"{judge_file}:make"),
+            echo=lambda _m: None,
+            extractor=SmallFeatures(),
+        )
 
-    for bad, message in (("nocolon", "not MODULE:FACTORY"), (f"{tmp_path}/missing.py:make", "cannot import"),
-                         (f"{judge_file}:absent", "no callable 'absent'")):
+    for bad, message in (
+        ("nocolon", "not MODULE:FACTORY"),
+        (f"{tmp_path}/missing.py:make", "cannot import"),
+        (f"{judge_file}:absent", "no callable 'absent'"),
+    ):
         with pytest.raises(FlowfleetError, match=message):
             load_judge(bad, fleet)

@@ -12,9 +12,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_fault_case_is_a_collected_test():
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "faults or not faults",
-                          *sorted({node.split("::")[0] for _, node, _ in FAULT_CASES})],
-                         capture_output=True, text=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-m",
+            "faults or not faults",
+            *sorted({node.split("::")[0] for _, node, _ in FAULT_CASES}),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    ).stdout
     collected = set(out.split()) | {node.split("[")[0] for node in out.split()}
     missing = [node for _, node, _ in FAULT_CASES if node not in collected]
     assert not missing, missing

@@ -137,8 +137,11 @@ def test_default_1_wrapper_preprocesses_like_the_fid_network(inception75):
     u8 = to_uint8(mnist_images(1))
     feats = net(u8)
     assert feats.shape == (1, 2048) and torch.isfinite(feats).all()
-    x = nn.functional.interpolate(u8.float().repeat(1, 3, 1, 1), size=(299, 299), mode="bilinear",
-                                  align_corners=False) / 128.0 - 1.0
+    x = (
+        nn.functional.interpolate(u8.float().repeat(1, 3, 1, 1), size=(299, 299), mode="bilinear", align_corners=False)
+        / 128.0
+        - 1.0
+    )
     with torch.inference_mode():
         direct = net.net(x)
     assert torch.allclose(feats, direct, atol=1e-5)

@@ -95,8 +95,9 @@ def test_tiny_dit_learns_the_toy_flow():
     torch.manual_seed(0)
     mix = GaussianMixture.default(torch.float32)
     exact = GaussianMixture.default()
-    model = DiTModel.from_dit_config(DiTConfig(input_size=(1, 1), in_channels=2, patch_size=1,
-                                               hidden_size=64, depth=2, num_heads=2))
+    model = DiTModel.from_dit_config(
+        DiTConfig(input_size=(1, 1), in_channels=2, patch_size=1, hidden_size=64, depth=2, num_heads=2)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     losses, optimum = [], []
@@ -111,8 +112,11 @@ def test_tiny_dit_learns_the_toy_flow():
         opt.step()
         losses.append(loss.item())
         # the same batch under the closed-form marginal velocity: the irreducible loss
-        optimum.append(flow_matching_loss(lambda x, tt: exact.velocity(x.flatten(1).double(), tt)
-                                          .float()[:, :, None, None], x0, t, eps).item())
+        optimum.append(
+            flow_matching_loss(
+                lambda x, tt: exact.velocity(x.flatten(1).double(), tt).float()[:, :, None, None], x0, t, eps
+            ).item()
+        )
     first, end = losses[0], sum(losses[-50:]) / 50
     best = sum(optimum[-50:]) / 50
     assert first > 1.5 * best  # zero-initialised output: the loss starts at E|eps - x0|^2

@@ -17,8 +17,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture
 def model_dir(run_root, monkeypatch):
     """An assembled 3-expert fleet; generate builds the hash text encoder instead of MiniLM."""
-    monkeypatch.setattr("flowfleet.sampling.pipeline.build_text_encoder_from",
-                        lambda index, device: HashTextEncoder(index.text_width, index.text_len))
+    monkeypatch.setattr(
+        "flowfleet.sampling.pipeline.build_text_encoder_from",
+        lambda index, device: HashTextEncoder(index.text_width, index.text_len),
+    )
     write_random_fleet(str(run_root), tiny_run_config(3))
     assert main(["assemble", str(run_root)]) == 0
     return run_root / "model"
@@ -31,14 +33,35 @@ def generate(model_dir, *args):
 @pytest.mark.parametrize("strategy,k", [("top1", 1), ("top2", 2), ("full", 3)])
 def test_generate_writes_grid_routing_json_and_heatmap(model_dir, tmp_path, capsys, strategy, k):
     out = tmp_path / "samples" / f"{strategy}.png"
-    rc = generate(model_dir, "--prompt", "a handwritten seven", "--prompt", "a zero", "--n", "6",
-                  "--strategy", strategy, "--cfg", "3", "--out", str(out))
+    rc = generate(
+        model_dir,
+        "--prompt",
+        "a handwritten seven",
+        "--prompt",
+        "a zero",
+        "--n",
+        "6",
+        "--strategy",
+        strategy,
+        "--cfg",
+        "3",
+        "--out",
+        str(out),
+    )
     assert rc == 0
     grid = Image.open(out)
     assert grid.size == (3 * 64, 2 * 64)  # 6 samples, 8x8 cells upscaled to 64 px, 3 columns
     routing = json.loads((tmp_path / "samples" / f"{strategy}.routing.json").read_text())
-    assert routing["settings"] == {"strategy": strategy, "k": k, "steps": 3, "sampler": "euler", "cfg": 3.0,
-                                   "shift": 1.0, "route_every": 1, "seed": 0}
+    assert routing["settings"] == {
+        "strategy": strategy,
+        "k": k,
+        "steps": 3,
+        "sampler": "euler",
+        "cfg": 3.0,
+        "shift": 1.0,
+        "route_every": 1,
+        "seed": 0,
+    }
     assert routing["num_steps"] == 3 and routing["num_samples"] == 6
     assert routing["prompts"] == ["a handwritten seven", "a zero"] * 3
     for step in routing["steps"]:
@@ -66,8 +89,26 @@ def test_generate_defaults_and_determinism(model_dir, capsys):
 
 def test_offload_and_route_every_are_recorded(model_dir, tmp_path):
     out = tmp_path / "o.png"
-    assert generate(model_dir, "--prompt", "a digit", "--n", "8", "--strategy", "top2", "--offload", "1",
-                    "--route-every", "2", "--sampler", "heun", "--out", str(out)) == 0
+    assert (
+        generate(
+            model_dir,
+            "--prompt",
+            "a digit",
+            "--n",
+            "8",
+            "--strategy",
+            "top2",
+            "--offload",
+            "1",
+            "--route-every",
+            "2",
+            "--sampler",
+            "heun",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     routing = json.loads((tmp_path / "o.routing.json").read_text())
     assert [s["router_ran"] for s in routing["steps"]] == [True, False, True]
     assert routing["router_calls"] == 2
@@ -76,14 +117,17 @@ def test_offload_and_route_every_are_recorded(model_dir, tmp_path):
     assert loads > len(used) >= 2  # two experts per sample with room for one: reloads happen
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--prompt", "x", "--strategy", "best"], "--strategy: unknown strategy 'best'"),
-    (["--prompt", "x", "--strategy", "topk:4"], "k=4 exceeds the 3 experts present"),
-    (["--prompt", ""], "--prompt: empty prompt"),
-    ([], "--prompt: required"),
-    (["--prompt", "x", "--offload", "0"], "--offload: must be >= 1"),
-    (["--prompt", "x", "--out", "grid.jpg"], "must name a .png file"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompt", "x", "--strategy", "best"], "--strategy: unknown strategy 'best'"),
+        (["--prompt", "x", "--strategy", "topk:4"], "k=4 exceeds the 3 experts present"),
+        (["--prompt", ""], "--prompt: empty prompt"),
+        ([], "--prompt: required"),
+        (["--prompt", "x", "--offload", "0"], "--offload: must be >= 1"),
+        (["--prompt", "x", "--out", "grid.jpg"], "must name a .png file"),
+    ],
+)
 def test_bad_input_is_one_line(model_dir, capsys, args, message):
     assert generate(model_dir, *args) == 1
     err = capsys.readouterr().err
@@ -114,11 +158,29 @@ def test_assemble_cli_partial_warning(run_root, capsys):
     assert "experts [0, 2] of K = 3" in captured.out
 
 
-@pytest.mark.parametrize("command,options", [
-    ("assemble", ["--out", "--allow-partial"]),
-    ("generate", ["--prompt", "--n", "--strategy", "top1 | top2 | topk:K | full", "--steps", "--sampler", "--cfg",
-                  "--seed", "--out", "--offload", "--route-every", "--shift"]),
-])
+@pytest.mark.parametrize(
+    "command,options",
+    [
+        ("assemble", ["--out", "--allow-partial"]),
+        (
+            "generate",
+            [
+                "--prompt",
+                "--n",
+                "--strategy",
+                "top1 | top2 | topk:K | full",
+                "--steps",
+                "--sampler",
+                "--cfg",
+                "--seed",
+                "--out",
+                "--offload",
+                "--route-every",
+                "--shift",
+            ],
+        ),
+    ],
+)
 def test_help_lists_every_option(capsys, command, options):
     with pytest.raises(SystemExit) as info:
         main([command, "--help"])
@@ -133,8 +195,22 @@ def test_generate_with_the_runs_own_minilm_reference(run_root, tmp_path):
     write_random_fleet(str(run_root), tiny_run_config(2))
     assert main(["assemble", str(run_root)]) == 0
     out = tmp_path / "m.png"
-    assert generate(run_root / "model", "--prompt", "a handwritten digit seven", "--n", "2", "--strategy", "top1",
-                    "--steps", "2", "--out", str(out)) == 0
+    assert (
+        generate(
+            run_root / "model",
+            "--prompt",
+            "a handwritten digit seven",
+            "--n",
+            "2",
+            "--strategy",
+            "top1",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     assert Image.open(out).size == (2 * 64, 64)
 
 
@@ -143,13 +219,33 @@ def test_mnist_tiny_end_to_end(tmp_path):
     """init -> prepare -> cluster -> train-all -> assemble -> generate top1 / top2 / full (about 20 min on a
     loaded 2-core box, most of it Inception features in prepare)."""
     run = str(tmp_path / "run")
-    for argv in (["init", run, "--preset", "mnist-tiny"], ["prepare", run, "--quiet"], ["cluster", run, "--quiet"],
-                 ["train-all", run, "--no-progress"], ["assemble", run]):
+    for argv in (
+        ["init", run, "--preset", "mnist-tiny"],
+        ["prepare", run, "--quiet"],
+        ["cluster", run, "--quiet"],
+        ["train-all", run, "--no-progress"],
+        ["assemble", run],
+    ):
         assert main(argv) == 0, argv
     for strategy, k in (("top1", 1), ("top2", 2), ("full", 3)):
         out = tmp_path / "samples" / f"{strategy}.png"
-        assert main(["generate", f"{run}/model", "--prompt", "a handwritten digit seven", "--n", "8",
-                     "--strategy", strategy, "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    f"{run}/model",
+                    "--prompt",
+                    "a handwritten digit seven",
+                    "--n",
+                    "8",
+                    "--strategy",
+                    strategy,
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         assert Image.open(out).size == (3 * 64, 3 * 64)  # 8 samples of 16x16 on a 3x3 grid of 64 px cells
         routing = json.loads((tmp_path / "samples" / f"{strategy}.routing.json").read_text())
         assert routing["settings"]["k"] == k and routing["num_samples"] == 8

@@ -13,8 +13,16 @@ from flowfleet.models.files import WEIGHTS_NAME, ModelFileError, load_model, rea
 
 
 def _expert() -> DiTExpert:
-    cfg = DiTConfig(size="tiny/2", input_size=(8, 8), in_channels=1, conditioning="cross_attn",
-                    text_dim=12, text_len=4, add_pooled=True, adaln="single")
+    cfg = DiTConfig(
+        size="tiny/2",
+        input_size=(8, 8),
+        in_channels=1,
+        conditioning="cross_attn",
+        text_dim=12,
+        text_len=4,
+        add_pooled=True,
+        adaln="single",
+    )
     model = DiTExpert.from_dit_config(cfg)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -26,7 +34,8 @@ def _expert() -> DiTExpert:
 def _inputs():
     g = torch.Generator().manual_seed(1)
     return (torch.randn(2, 1, 8, 8, generator=g), torch.rand(2, generator=g)), dict(
-        text_tokens=torch.randn(2, 4, 12, generator=g), text_pooled=torch.randn(2, 12, generator=g))
+        text_tokens=torch.randn(2, 4, 12, generator=g), text_pooled=torch.randn(2, 12, generator=g)
+    )
 
 
 def test_round_trip_gives_identical_outputs(tmp_path):

@@ -38,10 +38,19 @@ FORK = dict(start_method="fork", timeout_s=20.0)
 K = 3  # experts in the routed fleet
 B = 3  # samples
 STEPS = 5
-EXPERT = DiTConfig(input_size=(8, 8), in_channels=2, patch_size=2, hidden_size=32, depth=2, num_heads=2,
-                   conditioning="cross_attn", text_dim=8, text_len=3, add_pooled=True)  # 4x4 tokens
-ROUTER = DiTConfig(input_size=(8, 8), in_channels=2, patch_size=2, hidden_size=32, depth=1, num_heads=2,
-                   num_outputs=K)
+EXPERT = DiTConfig(
+    input_size=(8, 8),
+    in_channels=2,
+    patch_size=2,
+    hidden_size=32,
+    depth=2,
+    num_heads=2,
+    conditioning="cross_attn",
+    text_dim=8,
+    text_len=3,
+    add_pooled=True,
+)  # 4x4 tokens
+ROUTER = DiTConfig(input_size=(8, 8), in_channels=2, patch_size=2, hidden_size=32, depth=1, num_heads=2, num_outputs=K)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,14 +70,18 @@ def fleet() -> tuple[dict[int, DiTModel], DiTModel]:
 def inputs() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     noise = torch.randn(B, 2, 8, 8, generator=g)
-    cond = dict(text_tokens=torch.randn(B, 3, 8, generator=g), text_mask=torch.tensor([[1, 1, 0]] * B).bool(),
-                text_pooled=torch.randn(B, 8, generator=g))
+    cond = dict(
+        text_tokens=torch.randn(B, 3, 8, generator=g),
+        text_mask=torch.tensor([[1, 1, 0]] * B).bool(),
+        text_pooled=torch.randn(B, 8, generator=g),
+    )
     return noise, cond
 
 
 def route_fn(router: DiTModel, k: int):
     def route(x, t, step):
         return routing_weights(torch.softmax(router(x, t), dim=1), k)
+
     return route
 
 
@@ -83,8 +96,12 @@ def single_process_run(top_k: int, cfg_scale: float, sampler: str = "euler") -> 
         dense = dense_weights(idx, w, K)  # [B, K]
         v = torch.zeros_like(x)
         for k, model in experts.items():
-            out = model(torch.cat([x, x]), torch.cat([t, t]), drop=torch.arange(2 * B) >= B,
-                        **{n: torch.cat([c, c]) for n, c in cond.items()})
+            out = model(
+                torch.cat([x, x]),
+                torch.cat([t, t]),
+                drop=torch.arange(2 * B) >= B,
+                **{n: torch.cat([c, c]) for n, c in cond.items()},
+            )
             v += dense[:, k, None, None, None] * cfg_combine(*out.chunk(2), cfg_scale)
         return v
 
@@ -92,20 +109,37 @@ def single_process_run(top_k: int, cfg_scale: float, sampler: str = "euler") -> 
         return integrate(velocity, noise, time_grid(STEPS), sampler)
 
 
-def parallel_run(ctx, mode: str, warmup: int, top_k: int, cfg_scale: float, cfg_split: bool,
-                 sampler: str = "euler", batch_bytes: int = 8 << 20) -> dict:
+def parallel_run(
+    ctx,
+    mode: str,
+    warmup: int,
+    top_k: int,
+    cfg_scale: float,
+    cfg_split: bool,
+    sampler: str = "euler",
+    batch_bytes: int = 8 << 20,
+) -> dict:
     """Worker: the same run patch-parallel on ctx's ranks."""
     experts, router = fleet()
     noise, cond = inputs()
-    runner = PatchParallelRunner(ctx, {k: m.cfg for k, m in experts.items()}, experts.__getitem__,
-                                 ParallelPlan(mode, warmup, cfg_split=cfg_split, batch_bytes=batch_bytes),
-                                 batch=B, guided=True)
+    runner = PatchParallelRunner(
+        ctx,
+        {k: m.cfg for k, m in experts.items()},
+        experts.__getitem__,
+        ParallelPlan(mode, warmup, cfg_split=cfg_split, batch_bytes=batch_bytes),
+        batch=B,
+        guided=True,
+    )
     vf = runner.velocity(cond, cfg_scale=cfg_scale, route=route_fn(router, top_k), steps=STEPS)
     with torch.inference_mode():
         out = integrate(vf, runner.broadcast(noise), time_grid(STEPS), sampler)
     runner.close()
-    return dict(out=out, bytes=runner.comm.bytes_by_step, batches=runner.comm.num_batches,
-                modes=[sorted({m.value for m in ran.values()}) for ran in vf.modes])
+    return dict(
+        out=out,
+        bytes=runner.comm.bytes_by_step,
+        batches=runner.comm.num_batches,
+        modes=[sorted({m.value for m in ran.values()}) for ran in vf.modes],
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -287,8 +321,9 @@ def _stripes_run(ctx, state: dict, mode: str, warmup: int, noise: torch.Tensor) 
     model = DiTModel.from_dit_config(STRIPES)
     model.load_state_dict(state)
     model.eval()
-    runner = PatchParallelRunner(ctx, {0: STRIPES}, lambda k: model, ParallelPlan(mode, warmup),
-                                 batch=noise.shape[0], guided=False)
+    runner = PatchParallelRunner(
+        ctx, {0: STRIPES}, lambda k: model, ParallelPlan(mode, warmup), batch=noise.shape[0], guided=False
+    )
     vf = runner.velocity({}, steps=QUALITY_STEPS)
     with torch.inference_mode():
         out = integrate(vf, noise, time_grid(QUALITY_STEPS))
@@ -308,10 +343,12 @@ def test_trained_model_displaced_beats_naive_by_3db():
     for mode, warmup in [("sync", 0), ("displaced", 1), ("naive", 0)]:
         got = run_local(_stripes_run, 2, (state, mode, warmup, noise), **FORK)[0].clamp(-1, 1)
         psnr[mode] = peak_signal_noise_ratio(got, want, data_range=2.0).item()
-    print(f"\nstripes DiT (trained {train_s:.1f} s, {STRIPES_ITERS} steps), 2 ranks, {QUALITY_STEPS} Euler steps, "
-          "PSNR vs "
-          f"single process: sync {psnr['sync']:.1f} dB, displaced (warmup 1) {psnr['displaced']:.1f} dB, "
-          f"naive {psnr['naive']:.1f} dB")
+    print(
+        f"\nstripes DiT (trained {train_s:.1f} s, {STRIPES_ITERS} steps), 2 ranks, {QUALITY_STEPS} Euler steps, "
+        "PSNR vs "
+        f"single process: sync {psnr['sync']:.1f} dB, displaced (warmup 1) {psnr['displaced']:.1f} dB, "
+        f"naive {psnr['naive']:.1f} dB"
+    )
     assert psnr["sync"] > 60  # float rounding only
     assert psnr["displaced"] >= psnr["naive"] + 3.0
 
@@ -324,8 +361,14 @@ def test_trained_model_displaced_beats_naive_by_3db():
 def _failing_run(ctx, how: str) -> dict:
     experts, router = fleet()
     noise, cond = inputs()
-    runner = PatchParallelRunner(ctx, {k: m.cfg for k, m in experts.items()}, experts.__getitem__,
-                                 ParallelPlan("displaced"), batch=B, guided=True)
+    runner = PatchParallelRunner(
+        ctx,
+        {k: m.cfg for k, m in experts.items()},
+        experts.__getitem__,
+        ParallelPlan("displaced"),
+        batch=B,
+        guided=True,
+    )
     vf = runner.velocity(cond, cfg_scale=2.0, route=route_fn(router, 2), steps=STEPS)
 
     def velocity(x, t, step):
@@ -389,9 +432,24 @@ def test_cli_generate_nproc_2_sync_writes_the_single_process_png(run_root, tmp_p
     args = ["generate", model, "--label", "1", "--label", "3", "--n", "3", "--steps", "4", "--cfg", "1"]
     assert main([*args, "--out", str(tmp_path / "single.png")]) == 0
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "flowfleet.cli", *args, "--out", str(tmp_path / "par.png"),
-                           "--nproc", "2", "--parallel", "sync"], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flowfleet.cli",
+            *args,
+            "--out",
+            str(tmp_path / "par.png"),
+            "--nproc",
+            "2",
+            "--parallel",
+            "sync",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wrote" in proc.stdout and proc.stdout.count("wrote ") == 1  # rank 0 reports, rank 1 stays quiet
     single, par = _pixels(tmp_path / "single.png"), _pixels(tmp_path / "par.png")
@@ -435,8 +493,23 @@ def test_cli_generate_mnist_tiny_nproc_2(run_root, tmp_path):
     for extra, mode in ((["--cfg", "1"], "sync"), ([], "displaced")):
         args = ["generate", model, "--prompt", "a handwritten digit 3", "--n", "4", *extra]
         assert main([*args, "--out", str(tmp_path / f"single-{mode}.png")]) == 0
-        proc = subprocess.run([sys.executable, "-m", "flowfleet.cli", *args, "--out", str(tmp_path / f"{mode}.png"),
-                               "--nproc", "2", "--parallel", mode], env=env, capture_output=True, text=True,
-                              timeout=1200)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "flowfleet.cli",
+                *args,
+                "--out",
+                str(tmp_path / f"{mode}.png"),
+                "--nproc",
+                "2",
+                "--parallel",
+                mode,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert torch.equal(_pixels(tmp_path / f"single-{mode}.png"), _pixels(tmp_path / f"{mode}.png"))

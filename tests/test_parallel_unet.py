@@ -46,9 +46,17 @@ def tiny_unet(seed: int = 0) -> UNet2DConditionModel:
     """Two levels (one downsampling), cross-attention on the fine level, 8 groups: ~0.8 M parameters."""
     torch.manual_seed(seed)
     return UNet2DConditionModel(
-        sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8).eval()
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    ).eval()
 
 
 def inputs(size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +130,8 @@ def test_corrected_statistics_follow_paper_equation_2():
     second = lambda s: s[..., 1] + s[..., 0] ** 2  # E[x^2] = Var + mean^2  # noqa: E731
     g_mean, g_var = pooled(stale)
     e_mean = g_mean + (fresh[..., 0] - stale[me, ..., 0])  # Eq. 2, mean
-    e_second = (g_var + g_mean ** 2) + (second(fresh) - second(stale[me]))  # Eq. 2, second moment
-    e_var = e_second - e_mean ** 2
+    e_second = (g_var + g_mean**2) + (second(fresh) - second(stale[me]))  # Eq. 2, second moment
+    e_var = e_second - e_mean**2
     torch.testing.assert_close(mean, e_mean)
     torch.testing.assert_close(var, torch.where(e_var < 0, fresh[..., 1], e_var))
     # A band that did not change leaves the previous step's global statistics as they were.
@@ -168,8 +176,12 @@ def test_unsupported_models_and_inputs_are_one_line_errors():
     with pytest.raises(FlowfleetError, match="multiple of 2 x 2 = 4"):
         punet.forward(torch.randn(1, 4, 10, 8), 10, encoder_hidden_states=torch.randn(1, 7, 32))
     with pytest.raises(FlowfleetError, match="down_block_additional_residuals"):
-        punet.forward(torch.randn(1, 4, 8, 8), 10, encoder_hidden_states=torch.randn(1, 7, 32),
-                      down_block_additional_residuals=(torch.zeros(1),))
+        punet.forward(
+            torch.randn(1, 4, 8, 8),
+            10,
+            encoder_hidden_states=torch.randn(1, 7, 32),
+            down_block_additional_residuals=(torch.zeros(1),),
+        )
     punet.restore()
 
 

@@ -52,10 +52,12 @@ class FixedRouter:
 
 def toy_pipeline(router=None) -> tuple[FleetPipeline, GaussianMixture]:
     mix = GaussianMixture.default()
-    experts = [(lambda sub: (lambda x, t, **_: sub.velocity(x, t)))(mix.subset(c)) for c in CLUSTERS]
+    experts = [(lambda sub: lambda x, t, **_: sub.velocity(x, t))(mix.subset(c)) for c in CLUSTERS]
     if router is None:
+
         def router(x, t):
             return cluster_posterior(mix, CLUSTERS, x, t).log()  # softmax(log p) = p
+
     pipe = FleetPipeline(ExpertStore.from_callables(experts), router, latent_shape=(2,), dtype=torch.float64)
     return pipe, mix
 
@@ -73,8 +75,13 @@ def dit_pipeline(dit_fleet, *, router=None, present=None, max_resident=None):
     cfg, experts, dit_router = dit_fleet
     wrapped = [Counting(e) for e in experts]
     store = ExpertStore.from_callables(wrapped, present=present, max_resident=max_resident)
-    pipe = FleetPipeline(store, router or dit_router, latent_shape=(1, 8, 8), conditioning="cross_attn",
-                         text_encoder=HashTextEncoder(384, 4))
+    pipe = FleetPipeline(
+        store,
+        router or dit_router,
+        latent_shape=(1, 8, 8),
+        conditioning="cross_attn",
+        text_encoder=HashTextEncoder(384, 4),
+    )
     return pipe, wrapped
 
 
@@ -198,8 +205,15 @@ def test_only_selected_experts_run_each_on_exactly_its_samples(dit_fleet):
         assert torch.equal(call["x"], torch.cat([x[rows], x[rows]]))
         assert torch.equal(call["drop"], torch.tensor([False] * n + [True] * n))
     assert dict(trace.stats.rows) == {0: 4, 2: 6, 3: 2}
-    ref = dense_reference(pipe, dit_fleet[1], x, t, cond, cfg=3.0,
-                          probs=torch.zeros(3, 4).scatter(1, trace.experts[0], trace.weights[0].float()))
+    ref = dense_reference(
+        pipe,
+        dit_fleet[1],
+        x,
+        t,
+        cond,
+        cfg=3.0,
+        probs=torch.zeros(3, 4).scatter(1, trace.experts[0], trace.weights[0].float()),
+    )
     assert torch.allclose(v, ref, atol=1e-5)
 
 
@@ -242,8 +256,10 @@ def test_partial_fleet_renormalises_over_present_experts(dit_fleet):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sampler,route_every,router_calls", [
-    ("euler", 1, 6), ("euler", 2, 3), ("euler", 4, 2), ("heun", 1, 11), ("heun", 3, 2)])
+@pytest.mark.parametrize(
+    "sampler,route_every,router_calls",
+    [("euler", 1, 6), ("euler", 2, 3), ("euler", 4, 2), ("heun", 1, 11), ("heun", 3, 2)],
+)
 def test_route_every_reuses_the_router_choice_in_between(dit_fleet, sampler, route_every, router_calls):
     _, _, dit_router = dit_fleet
     counting = Counting(dit_router)
@@ -269,8 +285,13 @@ def test_experts_load_lazily_and_offload_bounds_the_resident_set(dit_fleet):
     # samples alternate between experts 1 and 3; 0 and 2 are never selected
     logits = torch.tensor([[0.0, 5.0, 0.0, 1.0], [0.0, 1.0, 0.0, 5.0]])
     store = ExpertStore(loader, range(4), 4, max_resident=None)
-    pipe = FleetPipeline(store, FixedRouter(logits), latent_shape=(1, 8, 8), conditioning="cross_attn",
-                         text_encoder=HashTextEncoder(384, 4))
+    pipe = FleetPipeline(
+        store,
+        FixedRouter(logits),
+        latent_shape=(1, 8, 8),
+        conditioning="cross_attn",
+        text_encoder=HashTextEncoder(384, 4),
+    )
     pipe(["a digit"], n=4, strategy="top1", steps=3, cfg=2.0)
     assert dict(store.loads) == {1: 1, 3: 1}  # lazily, once each
     store = ExpertStore(loader, range(4), 4, max_resident=1)
@@ -280,8 +301,13 @@ def test_experts_load_lazily_and_offload_bounds_the_resident_set(dit_fleet):
     # 3 steps x 2 experts with room for 1: the expert still resident runs first at each step, so only one
     # load per step after the first (4 loads, 3 releases) instead of two (6, 5)
     assert (store.loads[1] + store.loads[3], sum(store.releases.values())) == (4, 3)
-    ref = FleetPipeline(ExpertStore.from_callables(experts), FixedRouter(logits), latent_shape=(1, 8, 8),
-                        conditioning="cross_attn", text_encoder=HashTextEncoder(384, 4))
+    ref = FleetPipeline(
+        ExpertStore.from_callables(experts),
+        FixedRouter(logits),
+        latent_shape=(1, 8, 8),
+        conditioning="cross_attn",
+        text_encoder=HashTextEncoder(384, 4),
+    )
     assert torch.equal(out.images, ref(["a digit"], n=4, strategy="top1", steps=3, cfg=2.0).images)
 
 
@@ -308,8 +334,13 @@ def test_cfg_scale_one_runs_no_unconditional_pass(dit_fleet):
 
 def test_single_expert_without_router_is_a_monolith(dit_fleet):
     _, experts, _ = dit_fleet
-    pipe = FleetPipeline(ExpertStore.from_callables(experts[:1]), None, latent_shape=(1, 8, 8),
-                         conditioning="cross_attn", text_encoder=HashTextEncoder(384, 4))
+    pipe = FleetPipeline(
+        ExpertStore.from_callables(experts[:1]),
+        None,
+        latent_shape=(1, 8, 8),
+        conditioning="cross_attn",
+        text_encoder=HashTextEncoder(384, 4),
+    )
     x, t = torch.randn(3, 1, 8, 8), torch.rand(3)
     cond = encoded(pipe, 3)
     v, trace = one_step(pipe, x, t, cond, "top1")
@@ -319,14 +350,17 @@ def test_single_expert_without_router_is_a_monolith(dit_fleet):
         FleetPipeline(ExpertStore.from_callables(experts), None, latent_shape=(1, 8, 8))
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(strategy="best"), "--strategy: unknown strategy 'best'"),
-    (dict(strategy="top5"), "--strategy: strategy 'top5': k=5 exceeds the 4 experts present"),
-    (dict(strategy="topk:0"), "--strategy: unknown strategy"),
-    (dict(steps=0), "--steps: must be >= 1"),
-    (dict(sampler="rk4"), "--sampler: unknown sampler 'rk4'"),
-    (dict(route_every=0), "--route-every: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(strategy="best"), "--strategy: unknown strategy 'best'"),
+        (dict(strategy="top5"), "--strategy: strategy 'top5': k=5 exceeds the 4 experts present"),
+        (dict(strategy="topk:0"), "--strategy: unknown strategy"),
+        (dict(steps=0), "--steps: must be >= 1"),
+        (dict(sampler="rk4"), "--sampler: unknown sampler 'rk4'"),
+        (dict(route_every=0), "--route-every: must be >= 1"),
+    ],
+)
 def test_bad_settings_are_one_line_errors(dit_fleet, kwargs, message):
     pipe, _ = dit_pipeline(dit_fleet)
     with pytest.raises(FlowfleetError, match=message.replace("(", r"\(")) as info:
@@ -347,8 +381,9 @@ def test_class_conditioned_fleet_cycles_labels_and_checks_their_range():
     expert_cfg = cfg.expert.model_copy(update={"conditioning": "class", "num_classes": 10})
     experts = [Counting(randomize_(DiTExpert.from_dit_config(expert_cfg), seed=k).eval()) for k in range(2)]
     router = randomize_(DiTRouter.from_dit_config(cfg.router), seed=5).eval()
-    pipe = FleetPipeline(ExpertStore.from_callables(experts), router, latent_shape=(1, 8, 8), conditioning="class",
-                         num_classes=10)
+    pipe = FleetPipeline(
+        ExpertStore.from_callables(experts), router, latent_shape=(1, 8, 8), conditioning="class", num_classes=10
+    )
     out = pipe(None, n=3, labels=[3, 7], strategy="full", steps=1, cfg=2.0)
     assert out.images.shape == (3, 1, 8, 8)
     for e in experts:  # one call per expert: [3, 7, 3] conditional then the same rows dropped

@@ -21,8 +21,9 @@ from flowfleet.stages.prepare import prepare
 from flowfleet.storage import RunRoot
 
 
-def make_run(root, base: str = "mnist-tiny", *, text: str = "none", semantic: dict[str, Any] | None = None,
-             **data: Any) -> RunRoot:
+def make_run(
+    root, base: str = "mnist-tiny", *, text: str = "none", semantic: dict[str, Any] | None = None, **data: Any
+) -> RunRoot:
     """A run.yaml from a tiny preset with cheap encoders (pixel features, optionally no text)."""
     cfg = preset(base).to_dict()
     cfg["data"].update(data)
@@ -133,8 +134,7 @@ def test_bad_images_are_skipped_and_missing_captions_counted(tmp_path):
     (folder / "ok3.txt").unlink()  # one caption missing
     (folder / "broken.png").write_bytes(b"\x89PNG but not really")
     (folder / "empty.jpg").write_bytes(b"")
-    run = make_run(tmp_path / "run", base="shapes-tiny", source="folder", path=str(folder), shard_size=2,
-                   batch_size=2)
+    run = make_run(tmp_path / "run", base="shapes-tiny", source="folder", path=str(folder), shard_size=2, batch_size=2)
     m = prepare(run, progress=False)
     assert m.count == 4 and m.extra["skipped_count"] == 2 and m.extra["missing_captions"] == 1
     assert sorted(s["key"] for s in m.extra["skipped"]) == ["broken.png", "empty.jpg"]

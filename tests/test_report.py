@@ -61,13 +61,27 @@ def png(seed: int, size: int = 8) -> bytes:
 
 
 def job(root: RunRoot, folder: str, steps: int, *, torn: bool = False) -> None:
-    lines = [json.dumps({"step": s, "loss": 1.0 / (s + 1), "lr": 1e-3, "samples_per_s": 100.0, "time": 1000.0 + s})
-             for s in range(0, steps + 1, 5)]
+    lines = [
+        json.dumps({"step": s, "loss": 1.0 / (s + 1), "lr": 1e-3, "samples_per_s": 100.0, "time": 1000.0 + s})
+        for s in range(0, steps + 1, 5)
+    ]
     if torn:
         lines.append('{"step": 99, "lo')  # a crash mid-write
     root.write_bytes(("\n".join(lines) + "\n").encode(), folder, "metrics.jsonl")
-    root.write_json({"job": folder, "state": "done", "step": steps, "total_steps": steps, "last_loss": 0.1,
-                     "host": "box", "pid": 1, "heartbeat": 0.0}, folder, "status.json")
+    root.write_json(
+        {
+            "job": folder,
+            "state": "done",
+            "step": steps,
+            "total_steps": steps,
+            "last_loss": 0.1,
+            "host": "box",
+            "pid": 1,
+            "heartbeat": 0.0,
+        },
+        folder,
+        "status.json",
+    )
     root.write_bytes(png(steps), folder, "samples", f"step-{steps:07d}.png")
 
 
@@ -75,16 +89,31 @@ def synthetic_run(path) -> RunRoot:
     root = RunRoot(str(path))
     preset("mnist-tiny", name="synthetic").save(root)
     root.write_json({"count": 384, "complete": True}, "data", "manifest.json")
-    root.write_json({"k": 3, "sizes": [100, 150, 134], "nmi": 0.61,
-                     "label_mix": [{"1": 80, "7": 20}, {"0": 150}, {"3": 70, "8": 64}]}, "clusters", "report.json")
+    root.write_json(
+        {
+            "k": 3,
+            "sizes": [100, 150, 134],
+            "nmi": 0.61,
+            "label_mix": [{"1": 80, "7": 20}, {"0": 150}, {"3": 70, "8": 64}],
+        },
+        "clusters",
+        "report.json",
+    )
     for k in range(3):
         root.write_bytes(png(k), "clusters", f"preview-{k}.png")
         job(root, f"experts/{k}", 30, torn=k == 1)
     job(root, "router", 30)
     job(root, "monolith", 90)
-    root.write_json({"t_buckets": [[i / 10, (i + 1) / 10] for i in range(10)],
-                     "accuracy": [0.9 - 0.05 * i for i in range(10)], "chance": 0.39, "items": 256},
-                    "router", "report.json")
+    root.write_json(
+        {
+            "t_buckets": [[i / 10, (i + 1) / 10] for i in range(10)],
+            "accuracy": [0.9 - 0.05 * i for i in range(10)],
+            "chance": 0.39,
+            "items": 256,
+        },
+        "router",
+        "report.json",
+    )
     runs = {}
     for name in ("monolith", "top1", "top2", "full"):
         root.write_bytes(png(len(name)), "reports", "samples", f"{name}.png")
@@ -92,20 +121,39 @@ def synthetic_run(path) -> RunRoot:
         if name != "monolith":
             root.write_bytes(png(7), "reports", "samples", f"{name}.routing.png")
             heat = f"samples/{name}.routing.png"
-        runs[name] = {"kind": "monolith" if name == "monolith" else "fleet", "grid": f"samples/{name}.png",
-                      "heatmap": heat, "prompts": [f"a handwritten digit {d}" for d in range(4)]}
+        runs[name] = {
+            "kind": "monolith" if name == "monolith" else "fleet",
+            "grid": f"samples/{name}.png",
+            "heatmap": heat,
+            "prompts": [f"a handwritten digit {d}" for d in range(4)],
+        }
     evaluation = {
-        "model": str(path / "model"), "reference": str(path), "n": 64, "seed": 0,
+        "model": str(path / "model"),
+        "reference": str(path),
+        "n": 64,
+        "seed": 0,
         "sampling": {"steps": 6, "cfg": 2.0},
-        "fid": {"extractor": "default_1-75", "resize": 75, "standard_input": False, "reference_images": 128,
-                "generated_images": 64, "scores": {"monolith": 81.5, "top1": 90.25, "top2": 77.75, "full": 120.0}},
+        "fid": {
+            "extractor": "default_1-75",
+            "resize": 75,
+            "standard_input": False,
+            "reference_images": 128,
+            "generated_images": 64,
+            "scores": {"monolith": 81.5, "top1": 90.25, "top2": 77.75, "full": 120.0},
+        },
         "runs": runs,
         "adherence": None,
         "diagnostics": {
-            "router_accuracy": {"t_buckets": [[0, 0.5], [0.5, 1]], "accuracy": [0.8, 0.4], "chance": 0.39,
-                                "items": 64},
-            "alignment": {"top1": {"dominant_distance": 0.4, "other_distance": 0.7, "assigned_is_dominant": 0.8,
-                                   "chance": 0.4, "n": 64}},
+            "router_accuracy": {"t_buckets": [[0, 0.5], [0.5, 1]], "accuracy": [0.8, 0.4], "chance": 0.39, "items": 64},
+            "alignment": {
+                "top1": {
+                    "dominant_distance": 0.4,
+                    "other_distance": 0.7,
+                    "assigned_is_dominant": 0.8,
+                    "chance": 0.4,
+                    "n": 64,
+                }
+            },
             "disagreement": {"top2": {"t": [1.0, 0.5, 0.0], "spread": [0.1, 0.3, 0.2]}},
             "usage": {"top1": [0.2, 0.5, 0.3], "full": [0.33, 0.33, 0.34]},
         },
@@ -144,8 +192,14 @@ def test_report_has_every_section_with_embedded_images(tmp_path):
     assert "Non-standard Inception input size" in html
     assert "a handwritten digit 3" in html and "name: synthetic" in html
     # The torn metrics line is skipped, not fatal; the plots are also written beside the page.
-    assert sorted(root.ls("reports", "plots")) == ["disagreement.png", "fid.png", "loss_curves.png",
-                                                  "router_accuracy.png", "router_training_accuracy.png", "usage.png"]
+    assert sorted(root.ls("reports", "plots")) == [
+        "disagreement.png",
+        "fid.png",
+        "loss_curves.png",
+        "router_accuracy.png",
+        "router_training_accuracy.png",
+        "usage.png",
+    ]
     # the job table shows wall times from metrics.jsonl: 90 s for the monolith
     assert "90" in page.cells
 

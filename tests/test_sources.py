@@ -152,8 +152,11 @@ def test_folder_with_caption_table_and_labels(tmp_path, table):
         (tmp_path / "captions.csv").write_text("file,text,label\nx.png,first,4\ny.png,second,1\n")
     src = FolderSource(str(tmp_path))
     items = list(src.items())
-    assert [(it.key, it.caption, it.label) for it in items] == [("x.png", "first", 4), ("y.png", "second", 1),
-                                                                ("z.png", None, -1)]
+    assert [(it.key, it.caption, it.label) for it in items] == [
+        ("x.png", "first", 4),
+        ("y.png", "second", 1),
+        ("z.png", None, -1),
+    ]
     assert src.has_labels
 
 
@@ -184,19 +187,30 @@ def write_tar(path, samples: list[dict[str, bytes]]) -> None:
 
 
 def test_webdataset_brace_pattern_groups_members(tmp_path):
-    write_tar(tmp_path / "shard-0.tar", [
-        {"k0.jpg": jpeg(), "k0.txt": b"zero", "k0.cls": b"3"},
-        {"k1.png": png(), "k1.txt": b"one"},
-    ])
-    write_tar(tmp_path / "shard-1.tar", [
-        {"dir/k2.jpg": jpeg(), "dir/k2.json": b'{"caption": "two"}'},
-        {"k3.txt": b"no image"},
-        {"k4.jpg": jpeg()},
-    ])
+    write_tar(
+        tmp_path / "shard-0.tar",
+        [
+            {"k0.jpg": jpeg(), "k0.txt": b"zero", "k0.cls": b"3"},
+            {"k1.png": png(), "k1.txt": b"one"},
+        ],
+    )
+    write_tar(
+        tmp_path / "shard-1.tar",
+        [
+            {"dir/k2.jpg": jpeg(), "dir/k2.json": b'{"caption": "two"}'},
+            {"k3.txt": b"no image"},
+            {"k4.jpg": jpeg()},
+        ],
+    )
     src = WebdatasetSource(str(tmp_path / "shard-{0..1}.tar"))
     items = list(src.items())
-    assert [it.key for it in items] == ["shard-0.tar:k0", "shard-0.tar:k1", "shard-1.tar:dir/k2", "shard-1.tar:k3",
-                                        "shard-1.tar:k4"]
+    assert [it.key for it in items] == [
+        "shard-0.tar:k0",
+        "shard-0.tar:k1",
+        "shard-1.tar:dir/k2",
+        "shard-1.tar:k3",
+        "shard-1.tar:k4",
+    ]
     assert [it.caption for it in items] == ["zero", "one", "two", "no image", None]
     assert items[0].label == 3 and items[1].label == -1
     assert items[3].error and "no image" in items[3].error and items[4].error is None
@@ -231,8 +245,11 @@ def test_parquet_bytes_and_hf_struct_columns(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"image": [png(), jpeg()], "text": ["p", None], "label": [1, 2]}), tmp_path / "0.parquet",
-                   row_group_size=1)
+    pq.write_table(
+        pa.table({"image": [png(), jpeg()], "text": ["p", None], "label": [1, 2]}),
+        tmp_path / "0.parquet",
+        row_group_size=1,
+    )
     struct = pa.array([{"bytes": png((1, 2, 3)), "path": None}, {"bytes": None, "path": "gone.png"}])
     pq.write_table(pa.table({"image": struct, "text": ["q", "r"], "label": [3, 4]}), tmp_path / "1.parquet")
     src = ParquetSource(str(tmp_path), "image", "text")
@@ -254,10 +271,15 @@ def test_hf_save_to_disk_dataset(tmp_path):
     import datasets
 
     ds = datasets.Dataset.from_dict(
-        {"image": [Image.new("RGB", (8, 8), (i * 40, 0, 0)) for i in range(5)], "text": [f"t{i}" for i in range(5)],
-         "label": list(range(5))},
-        features=datasets.Features({"image": datasets.Image(), "text": datasets.Value("string"),
-                                    "label": datasets.Value("int64")}))
+        {
+            "image": [Image.new("RGB", (8, 8), (i * 40, 0, 0)) for i in range(5)],
+            "text": [f"t{i}" for i in range(5)],
+            "label": list(range(5)),
+        },
+        features=datasets.Features(
+            {"image": datasets.Image(), "text": datasets.Value("string"), "label": datasets.Value("int64")}
+        ),
+    )
     ds.save_to_disk(str(tmp_path / "ds"))
     src = HfDiskSource(str(tmp_path / "ds"), "image", "text")
     items = list(src.items())

@@ -50,8 +50,7 @@ def test_retries_transient_errors_then_gives_up():
 
     assert with_retries(flaky, what="read x", base_delay=0.001) == "ok" and len(calls) == 3
     with pytest.raises(OSError, match="read y: failed after 2 attempts"):
-        with_retries(lambda: (_ for _ in ()).throw(TimeoutError("slow")), what="read y", attempts=2,
-                     base_delay=0.001)
+        with_retries(lambda: (_ for _ in ()).throw(TimeoutError("slow")), what="read y", attempts=2, base_delay=0.001)
     with pytest.raises(FileNotFoundError):  # not transient: no retry
         with_retries(lambda: (_ for _ in ()).throw(FileNotFoundError("gone")), what="read z")
 
@@ -109,9 +108,16 @@ def test_storage_block_of_run_yaml_applies_to_every_write(s3_url, s3_endpoint):
     machine = RunRoot(f"{s3_url}/run")  # reads and writes through AWS_ENDPOINT_URL (127.0.0.1)
     assert machine.storage_options == {"endpoint_url": s3_endpoint}
     same_server = s3_endpoint.replace("127.0.0.1", "localhost")
-    machine.write_yaml({"name": "run", "storage": {
-        "endpoint_url": same_server,
-        "options": {"s3_additional_kwargs": {"ServerSideEncryption": "AES256"}}}}, "run.yaml")
+    machine.write_yaml(
+        {
+            "name": "run",
+            "storage": {
+                "endpoint_url": same_server,
+                "options": {"s3_additional_kwargs": {"ServerSideEncryption": "AES256"}},
+            },
+        },
+        "run.yaml",
+    )
 
     for root in (RunRoot(f"{s3_url}/run"), RunRoot(f"{s3_url}/run/model")):
         assert root.storage_options["endpoint_url"] == same_server

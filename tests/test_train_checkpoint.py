@@ -29,8 +29,11 @@ def _optimizer_state() -> dict:
 
 def _ckpt(step: int, value: float) -> Checkpoint:
     skeleton, tensors = flatten_state(_optimizer_state())
-    return Checkpoint(step, {"model": {"w": torch.full((3, 3), value)}, "optimizer": tensors},
-                      {"optimizer": skeleton, "data_position": {"samples": step * 4}})
+    return Checkpoint(
+        step,
+        {"model": {"w": torch.full((3, 3), value)}, "optimizer": tensors},
+        {"optimizer": skeleton, "data_position": {"samples": step * 4}},
+    )
 
 
 def test_optimizer_state_round_trips_through_json_and_flat_tensors():
@@ -61,8 +64,11 @@ def test_save_latest_load_and_prune(run_root):
     for step in (2, 4, 6):
         store.save(_ckpt(step, float(step)))
     assert store.latest() == step_dir(6)
-    assert sorted(p.name for p in (run_root / "experts/0/checkpoints").iterdir()) == \
-        ["latest.json", "step-0000004", "step-0000006"]
+    assert sorted(p.name for p in (run_root / "experts/0/checkpoints").iterdir()) == [
+        "latest.json",
+        "step-0000004",
+        "step-0000006",
+    ]
     loaded = store.load(step_dir(6))
     assert loaded.step == 6 and loaded.state["data_position"] == {"samples": 24}
     assert torch.equal(loaded.tensors["model"]["w"], torch.full((3, 3), 6.0))

@@ -67,8 +67,13 @@ def test_sigterm_to_the_command_checkpoints_marks_stopped_and_returns_0(tmp_path
 @pytest.mark.slow
 def test_sigterm_to_a_real_process_checkpoints_marks_stopped_and_exits_cleanly(tmp_path):
     root = make_run(tmp_path / "r", steps=100_000, train=dict(log_every=1))
-    proc = subprocess.Popen([*CLI, "train-expert", str(tmp_path / "r"), "--expert", "1", "--no-progress"],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*CLI, "train-expert", str(tmp_path / "r"), "--expert", "1", "--no-progress"],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: len(metrics_lines(tmp_path / "r/experts/1")) >= 2, 180, "two training steps")
         proc.send_signal(signal.SIGTERM)
@@ -86,9 +91,26 @@ def test_ddp_with_two_gloo_processes_matches_one_process_with_accumulation(tmp_p
     kw = dict(steps=3, batch=8)
     make_run(tmp_path / "ddp", **kw)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "flowfleet.cli", "train-expert", str(tmp_path / "ddp"), "--expert", "0", "--no-progress"],
-        env=ENV, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "flowfleet.cli",
+            "train-expert",
+            str(tmp_path / "ddp"),
+            "--expert",
+            "0",
+            "--no-progress",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("expert-0: done (3/3 steps") == 1  # rank 0 reports, rank 1 stays quiet
     ddp_root = RunRoot(tmp_path / "ddp")
@@ -111,14 +133,22 @@ def test_ddp_with_two_gloo_processes_matches_one_process_with_accumulation(tmp_p
 
 def test_train_all_runs_every_job_then_status_shows_them_done(tmp_path, capsys):
     root = make_run(tmp_path / "r", k=2, steps=2)
-    assert [j.name for j in fleet_jobs(synthetic_config(k=2, monolith=True))] == \
-        ["expert-0", "expert-1", "router", "monolith"]
+    assert [j.name for j in fleet_jobs(synthetic_config(k=2, monolith=True))] == [
+        "expert-0",
+        "expert-1",
+        "router",
+        "monolith",
+    ]
     assert main(["train-all", str(tmp_path / "r"), "--parallel", "3", "--no-progress"]) == 0
     out = capsys.readouterr().out
     for job in ("expert-0", "expert-1", "router"):
         assert f"{job}: done" in out
-        assert read_status(root, "experts/0" if job == "expert-0" else
-                           "experts/1" if job == "expert-1" else "router").state == "done"
+        assert (
+            read_status(
+                root, "experts/0" if job == "expert-0" else "experts/1" if job == "expert-1" else "router"
+            ).state
+            == "done"
+        )
     assert (tmp_path / "r/experts/1/train.log").exists()
 
     assert main(["status", str(tmp_path / "r")]) == 0
@@ -139,8 +169,12 @@ def test_status_of_a_fresh_run_lists_pending_jobs(tmp_path, capsys):
     assert main(["status", str(tmp_path / "r"), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["job"], r["state"], r["total_steps"]) for r in rows] == [
-        ("expert-0", "pending", 5), ("expert-1", "pending", 5), ("expert-2", "pending", 5), ("router", "pending", 5),
-        ("monolith", "pending", 15)]
+        ("expert-0", "pending", 5),
+        ("expert-1", "pending", 5),
+        ("expert-2", "pending", 5),
+        ("router", "pending", 5),
+        ("monolith", "pending", 15),
+    ]
     (tmp_path / "r/router").mkdir()
     (tmp_path / "r/router/status.json").write_text("{torn")
     assert main(["status", str(tmp_path / "r")]) == 0  # one bad file does not hide the other jobs
@@ -169,8 +203,10 @@ def _py(code: str) -> list[str]:
 
 
 def test_fanout_runs_at_most_n_at_a_time_and_reports_failures(tmp_path):
-    stamp = "import time, sys; open(sys.argv[1], 'w').write(f'{time.time()} '); time.sleep(0.6); " \
-            "open(sys.argv[1], 'a').write(f'{time.time()}')"
+    stamp = (
+        "import time, sys; open(sys.argv[1], 'w').write(f'{time.time()} '); time.sleep(0.6); "
+        "open(sys.argv[1], 'a').write(f'{time.time()}')"
+    )
     jobs = [ProcessJob(f"j{i}", [*_py(stamp), str(tmp_path / f"j{i}.t")], tmp_path / f"j{i}.log") for i in range(4)]
     jobs.append(ProcessJob("bad", _py("import sys; print('it broke'); sys.exit(3)"), tmp_path / "bad.log"))
     outcomes = LocalFanout([Slot(1), Slot(1)], poll_every=0.05).run(jobs)
@@ -187,12 +223,19 @@ def test_fanout_runs_at_most_n_at_a_time_and_reports_failures(tmp_path):
 
 
 def test_fanout_stop_forwards_sigterm_and_starts_nothing_new(tmp_path):
-    wait = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); " \
-           "open(sys.argv[1], 'w').write('up'); time.sleep(60)"
+    wait = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+        "open(sys.argv[1], 'w').write('up'); time.sleep(60)"
+    )
     jobs = [ProcessJob(f"j{i}", [*_py(wait), str(tmp_path / f"j{i}.up")], tmp_path / f"j{i}.log") for i in range(3)]
     fanout = LocalFanout([Slot(1), Slot(1)], poll_every=0.05)
-    threading.Thread(target=lambda: (wait_for(lambda: all((tmp_path / f"j{i}.up").exists() for i in range(2)), 30,
-                                              "jobs up"), fanout.request_stop()), daemon=True).start()
+    threading.Thread(
+        target=lambda: (
+            wait_for(lambda: all((tmp_path / f"j{i}.up").exists() for i in range(2)), 30, "jobs up"),
+            fanout.request_stop(),
+        ),
+        daemon=True,
+    ).start()
     t0 = time.monotonic()
     outcomes = fanout.run(jobs)
     assert time.monotonic() - t0 < 30
@@ -202,12 +245,18 @@ def test_fanout_stop_forwards_sigterm_and_starts_nothing_new(tmp_path):
 
 def test_fanout_runs_flowfleet_commands_from_a_preloaded_forkserver(tmp_path):
     root = make_run(tmp_path / "run")
-    jobs = [flowfleet_job("version", ["--version"], tmp_path / "version.log"),
-            flowfleet_job("status", ["status", root.url], tmp_path / "status.log"),
-            flowfleet_job("bad", ["status", str(tmp_path / "missing")], tmp_path / "bad.log")]
+    jobs = [
+        flowfleet_job("version", ["--version"], tmp_path / "version.log"),
+        flowfleet_job("status", ["status", root.url], tmp_path / "status.log"),
+        flowfleet_job("bad", ["status", str(tmp_path / "missing")], tmp_path / "bad.log"),
+    ]
     pids = {}
-    fanout = LocalFanout([Slot(1), Slot(1)], poll_every=0.05, preload=("flowfleet.cli",),
-                         on_start=lambda job, pid: pids.__setitem__(job.name, pid))
+    fanout = LocalFanout(
+        [Slot(1), Slot(1)],
+        poll_every=0.05,
+        preload=("flowfleet.cli",),
+        on_start=lambda job, pid: pids.__setitem__(job.name, pid),
+    )
     outcomes = {o.name: o for o in fanout.run(jobs)}
     assert outcomes["version"].returncode == 0 and outcomes["version"].last_line == "flowfleet 0.1.0"
     assert outcomes["status"].returncode == 0 and "expert-0" in (tmp_path / "status.log").read_text()

@@ -26,8 +26,13 @@ def test_mnist_tiny_init_prepare_cluster_train_all_status(tmp_path, capsys):
     capsys.readouterr()
     assert main(["status", run]) == 0
     table = capsys.readouterr().out
-    jobs = {"expert-0": "30/30", "expert-1": "30/30", "expert-2": "30/30", "router": "30/30",
-            "monolith": "90/90"}  # monolith: matched compute = 3 experts x 30 steps
+    jobs = {
+        "expert-0": "30/30",
+        "expert-1": "30/30",
+        "expert-2": "30/30",
+        "router": "30/30",
+        "monolith": "90/90",
+    }  # monolith: matched compute = 3 experts x 30 steps
     for job, steps in jobs.items():
         row = next(line for line in table.splitlines() if f" {job} " in line)
         assert " done " in row and steps in row and "100%" in row, row

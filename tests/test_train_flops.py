@@ -15,12 +15,40 @@ from flowfleet.train.jobs import JobSpec, job_steps, monolith_steps
 
 CONFIGS = [
     dict(size="tiny/4", input_size=(16, 16), in_channels=1),
-    dict(hidden_size=64, depth=2, num_heads=2, patch_size=2, input_size=(8, 8), in_channels=1,
-         conditioning="cross_attn", text_dim=24, text_len=5, add_pooled=True),
-    dict(hidden_size=64, depth=2, num_heads=2, patch_size=2, input_size=(8, 12), in_channels=3, adaln="single",
-         conditioning="pooled", text_dim=24),
-    dict(hidden_size=32, depth=1, num_heads=2, patch_size=2, input_size=(8, 8), in_channels=1,
-         conditioning="class", num_classes=10, out_channels=2),
+    dict(
+        hidden_size=64,
+        depth=2,
+        num_heads=2,
+        patch_size=2,
+        input_size=(8, 8),
+        in_channels=1,
+        conditioning="cross_attn",
+        text_dim=24,
+        text_len=5,
+        add_pooled=True,
+    ),
+    dict(
+        hidden_size=64,
+        depth=2,
+        num_heads=2,
+        patch_size=2,
+        input_size=(8, 12),
+        in_channels=3,
+        adaln="single",
+        conditioning="pooled",
+        text_dim=24,
+    ),
+    dict(
+        hidden_size=32,
+        depth=1,
+        num_heads=2,
+        patch_size=2,
+        input_size=(8, 8),
+        in_channels=1,
+        conditioning="class",
+        num_classes=10,
+        out_channels=2,
+    ),
     dict(hidden_size=32, depth=1, num_heads=2, patch_size=4, input_size=(8, 8), in_channels=1, num_outputs=3),
 ]
 
@@ -37,8 +65,11 @@ def _inputs(cfg: DiTConfig, b: int) -> dict:
     return kw
 
 
-@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: f"{kw.get('conditioning', 'none')}-{kw.get('adaln', 'zero')}"
-                         f"-{kw.get('num_outputs', 0)}")
+@pytest.mark.parametrize(
+    "kw",
+    CONFIGS,
+    ids=lambda kw: f"{kw.get('conditioning', 'none')}-{kw.get('adaln', 'zero')}-{kw.get('num_outputs', 0)}",
+)
 def test_forward_flops_equal_flop_counter(kw):
     cfg = DiTConfig(**kw)
     model = DiTModel.from_dit_config(cfg)

@@ -69,8 +69,19 @@ def test_expert_job_writes_everything_the_contract_lists(tmp_path):
     status = run_job(root, options=TrainOptions(progress=False, heartbeat_every=0.2, tensorboard=True))
     job = tmp_path / "r/experts/0"
     on_disk = json.loads((job / "status.json").read_text())
-    assert set(on_disk) == {"job", "state", "step", "total_steps", "samples_seen", "last_checkpoint", "host", "pid",
-                            "heartbeat", "last_loss", "message"}
+    assert set(on_disk) == {
+        "job",
+        "state",
+        "step",
+        "total_steps",
+        "samples_seen",
+        "last_checkpoint",
+        "host",
+        "pid",
+        "heartbeat",
+        "last_loss",
+        "message",
+    }
     assert on_disk["job"] == "expert-0" and on_disk["state"] == "done" == status.state
     assert (on_disk["step"], on_disk["total_steps"], on_disk["samples_seen"]) == (4, 4, 32)
     assert on_disk["last_checkpoint"] == "step-0000004" and on_disk["pid"] == os.getpid()
@@ -82,8 +93,13 @@ def test_expert_job_writes_everything_the_contract_lists(tmp_path):
     assert (job / "samples/step-0000002.png").read_bytes()[:4] == b"\x89PNG"
     assert any(p.name.startswith("events.out.tfevents") for p in (job / "tb").iterdir())
     ckpt = job / "checkpoints/step-0000004"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["ema.safetensors", "model.safetensors",
-                                                       "optimizer.safetensors", "rng.safetensors", "state.json"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "ema.safetensors",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "rng.safetensors",
+        "state.json",
+    ]
     assert not list(job.rglob("*.pt")) and not list(job.rglob("*.bin"))  # nothing pickled
     final = load_model(DiTExpert, RunRoot(job), "final")  # final/ = the EMA weights as a model folder
     ema = tensors(ckpt / "ema.safetensors")
@@ -116,10 +132,14 @@ def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     assert run_job(resumed).state == "done"
 
     for name in ("model.safetensors", "ema.safetensors", "optimizer.safetensors"):
-        assert_bit_identical(tensors(tmp_path / "a/experts/0/checkpoints/step-0000006" / name),
-                             tensors(tmp_path / "b/experts/0/checkpoints/step-0000006" / name))
-    assert_bit_identical(tensors(tmp_path / "a/experts/0/final/diffusion_pytorch_model.safetensors"),
-                         tensors(tmp_path / "b/experts/0/final/diffusion_pytorch_model.safetensors"))
+        assert_bit_identical(
+            tensors(tmp_path / "a/experts/0/checkpoints/step-0000006" / name),
+            tensors(tmp_path / "b/experts/0/checkpoints/step-0000006" / name),
+        )
+    assert_bit_identical(
+        tensors(tmp_path / "a/experts/0/final/diffusion_pytorch_model.safetensors"),
+        tensors(tmp_path / "b/experts/0/final/diffusion_pytorch_model.safetensors"),
+    )
     metrics_a = [json.loads(x) for x in (tmp_path / "a/experts/0/metrics.jsonl").read_text().splitlines()]
     metrics_b = [json.loads(x) for x in (tmp_path / "b/experts/0/metrics.jsonl").read_text().splitlines()]
     assert [m["loss"] for m in metrics_a] == [m["loss"] for m in metrics_b]
@@ -145,8 +165,10 @@ def test_crash_during_a_checkpoint_then_resume_matches_uninterrupted(tmp_path, m
     assert status.state == "failed" and "injected" in status.message
     assert CheckpointStore(crashed, "experts/0").latest() == "step-0000002"
     assert run_job(crashed).state == "done"  # resumes from step 2
-    assert_bit_identical(tensors(tmp_path / "a/experts/0/final/diffusion_pytorch_model.safetensors"),
-                         tensors(tmp_path / "b/experts/0/final/diffusion_pytorch_model.safetensors"))
+    assert_bit_identical(
+        tensors(tmp_path / "a/experts/0/final/diffusion_pytorch_model.safetensors"),
+        tensors(tmp_path / "b/experts/0/final/diffusion_pytorch_model.safetensors"),
+    )
 
 
 def test_expert_trains_with_every_other_partition_and_data_deleted(tmp_path):
@@ -179,8 +201,11 @@ def test_partition_that_does_not_fit_the_expert_is_one_line_naming_both(tmp_path
     msg = str(err.value)
     assert "\n" not in msg and "partitions/0" in msg and "1x4x4" in msg and "1x8x8" in msg and "expert" in msg
     _rewrite_partition(root, 1, text_pooled=torch.zeros(n, 16))
-    with pytest.raises(FlowfleetError, match=r"partitions/1: pooled text width is 16 but run.yaml expert expects "
-                                             r"text_dim 384"):
+    with pytest.raises(
+        FlowfleetError,
+        match=r"partitions/1: pooled text width is 16 but run.yaml expert expects "
+        r"text_dim 384",
+    ):
         run_job(root, JobSpec("expert", 1))
     with pytest.raises(FlowfleetError, match=r"--expert 5: run.yaml has cluster.k = 2"):
         run_job(root, JobSpec("expert", 5))
@@ -237,8 +262,9 @@ def test_router_learns_clusters_and_reports_accuracy_per_t_bucket(tmp_path):
 
 def test_router_refuses_assignments_that_do_not_cover_the_data(tmp_path):
     root = make_run(tmp_path / "r", steps=2)
-    root.write_bytes(safetensors.torch.save({"assign": torch.zeros(5, dtype=torch.long)}),
-                     "clusters", "assignments.safetensors")
+    root.write_bytes(
+        safetensors.torch.save({"assign": torch.zeros(5, dtype=torch.long)}), "clusters", "assignments.safetensors"
+    )
     with pytest.raises(FlowfleetError, match=r"assignments.safetensors: 'assign' has shape \(5,\)"):
         run_job(root, JobSpec("router"))
 
@@ -272,8 +298,12 @@ def test_job_on_an_object_store_run_root_trains_and_resumes(tmp_path):
     assert run_job(root, on_loss=stop_in_step_2, options=options).state == "stopped"
     assert len(root.read_bytes("experts/0", "metrics.jsonl").decode().splitlines()) == 2
     assert run_job(root, options=options).state == "done"
-    assert [json.loads(x)["step"] for x in root.read_bytes("experts/0", "metrics.jsonl").decode().splitlines()] \
-        == [1, 2, 3, 4]
+    assert [json.loads(x)["step"] for x in root.read_bytes("experts/0", "metrics.jsonl").decode().splitlines()] == [
+        1,
+        2,
+        3,
+        4,
+    ]
     assert root.exists("experts/0", "final", "config.json") and root.ls("experts/0", "tb")
     assert load_model(DiTExpert, root, "experts/0", "final").cfg == load_run_config(root).expert
     root.remove(recursive=True)

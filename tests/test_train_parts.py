@@ -50,8 +50,16 @@ def test_sampler_is_a_pure_function_of_the_position():
 
 
 def test_in_memory_batches_have_model_dtypes():
-    data = InMemoryData({"latents": torch.randn(4, 1, 2, 2), "text_tokens": torch.randn(4, 3, 5).half(),
-                         "text_mask": torch.ones(4, 3, dtype=torch.uint8), "labels": torch.arange(4)}, [], "x")
+    data = InMemoryData(
+        {
+            "latents": torch.randn(4, 1, 2, 2),
+            "text_tokens": torch.randn(4, 3, 5).half(),
+            "text_mask": torch.ones(4, 3, dtype=torch.uint8),
+            "labels": torch.arange(4),
+        },
+        [],
+        "x",
+    )
     batch = data.gather(torch.tensor([2, 0]))
     assert batch["text_tokens"].dtype == torch.float32 and batch["text_mask"].dtype == torch.bool
     assert batch["labels"].tolist() == [2, 0] and batch["latents"].shape == (2, 1, 2, 2)
@@ -87,6 +95,5 @@ def test_status_file_errors_name_the_file(run_root):
     (run_root / "router/status.json").write_text("{not json")
     with pytest.raises(FlowfleetError, match=r"router/status.json: not valid JSON"):
         read_status(root, "router")
-    dead = JobStatus("expert-0", state="running", host=socket.gethostname(), pid=2**22 + 12345,
-                     heartbeat=time.time())
+    dead = JobStatus("expert-0", state="running", host=socket.gethostname(), pid=2**22 + 12345, heartbeat=time.time())
     assert not dead.is_live()  # same host, no such process: dead even with a fresh heartbeat

@@ -26,8 +26,21 @@ from flowfleet.errors import FlowfleetError
 COMMAND_MODULES = (init, data, train, sample, evaluate)
 
 # The stages, in pipeline order; every one must be registered by a command module.
-STAGES = ("init", "prepare", "cluster", "train-expert", "train-router", "train-monolith", "train-all",
-          "status", "assemble", "generate", "evaluate", "report", "demo")
+STAGES = (
+    "init",
+    "prepare",
+    "cluster",
+    "train-expert",
+    "train-router",
+    "train-monolith",
+    "train-all",
+    "status",
+    "assemble",
+    "generate",
+    "evaluate",
+    "report",
+    "demo",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -184,27 +184,36 @@ class RunConfig(_Strict):
         if self.router.num_outputs != self.cluster.k:
             raise ValueError(f"router.num_outputs: {self.router.num_outputs} differs from cluster.k {self.cluster.k}")
         if self.cluster.features != "semantic" and self.encoders.text.name == "none":
-            raise ValueError(f"cluster.features: {self.cluster.features!r} clusters captions, but encoders.text.name "
-                             "is 'none'")
+            raise ValueError(
+                f"cluster.features: {self.cluster.features!r} clusters captions, but encoders.text.name is 'none'"
+            )
         if self.expert.num_outputs:
             raise ValueError("expert.num_outputs: experts predict velocities; must be 0")
         if self.router_baseline and not self.router.uses_text:
-            raise ValueError("router_baseline: the run's router is already prompt-blind (router.conditioning "
-                             "'none'); the baseline compares it with a prompt-aware one")
+            raise ValueError(
+                "router_baseline: the run's router is already prompt-blind (router.conditioning "
+                "'none'); the baseline compares it with a prompt-aware one"
+            )
         if self.router.conditioning == "class":
-            raise ValueError("router.conditioning: a router sees (x_t, t) and optionally the prompt "
-                             "('none', 'pooled' or 'cross_attn'), not class labels")
+            raise ValueError(
+                "router.conditioning: a router sees (x_t, t) and optionally the prompt "
+                "('none', 'pooled' or 'cross_attn'), not class labels"
+            )
         for name, model in (("expert", self.expert), ("router", self.router)):
             if not model.uses_text:
                 continue
             if self.encoders.text.name == "none":
                 raise ValueError(f"{name}.conditioning: {model.conditioning} needs a text encoder")
             if model.text_dim != self.encoders.text.width:
-                raise ValueError(f"{name}.text_dim: {model.text_dim} differs from the {self.encoders.text.name} "
-                                 f"text width {self.encoders.text.width}")
+                raise ValueError(
+                    f"{name}.text_dim: {model.text_dim} differs from the {self.encoders.text.name} "
+                    f"text width {self.encoders.text.width}"
+                )
             if model.conditioning == "cross_attn" and model.text_len != self.encoders.text.max_length:
-                raise ValueError(f"{name}.text_len: {model.text_len} differs from encoders.text.max_length "
-                                 f"{self.encoders.text.max_length}")
+                raise ValueError(
+                    f"{name}.text_len: {model.text_len} differs from encoders.text.max_length "
+                    f"{self.encoders.text.max_length}"
+                )
         return self
 
     # -- files ---------------------------------------------------------------------------------------

@@ -119,8 +119,15 @@ def in_torchrun() -> bool:
     return all(k in os.environ for k in TORCHRUN_ENV)
 
 
-def init_process_group(rank: int, world_size: int, *, init_method: str = "env://", timeout_s: float = 60.0,
-                       device: str | None = None, local_rank: int | None = None) -> DistContext:
+def init_process_group(
+    rank: int,
+    world_size: int,
+    *,
+    init_method: str = "env://",
+    timeout_s: float = 60.0,
+    device: str | None = None,
+    local_rank: int | None = None,
+) -> DistContext:
     """Join the default process group (gloo on CPU, NCCL on CUDA) with a collective timeout."""
     dev = resolve_device(device, rank if local_rank is None else local_rank)
     if dev.type == "cuda":
@@ -130,12 +137,19 @@ def init_process_group(rank: int, world_size: int, *, init_method: str = "env://
     if backend == "nccl":
         kwargs["device_id"] = dev  # eager NCCL init: a missing peer fails here, within the timeout
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
     except (RuntimeError, ValueError) as err:
         reason = (str(err).strip().splitlines() or ["?"])[0][:200]
-        raise FlowfleetError(f"rank {rank} of {world_size}: could not join the process group within "
-                             f"{timeout_s:g} s ({reason})") from err
+        raise FlowfleetError(
+            f"rank {rank} of {world_size}: could not join the process group within {timeout_s:g} s ({reason})"
+        ) from err
     return DistContext(rank, world_size, dev, backend, timeout_s, owns_group=True)
 
 
@@ -144,8 +158,13 @@ def init_from_env(timeout_s: float = 60.0, device: str | None = None) -> DistCon
     if not in_torchrun():
         missing = ", ".join(k for k in TORCHRUN_ENV if k not in os.environ)
         raise FlowfleetError(f"not started by torchrun (missing {missing})")
-    return init_process_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s=timeout_s,
-                              device=device, local_rank=int(os.environ["LOCAL_RANK"]))
+    return init_process_group(
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        timeout_s=timeout_s,
+        device=device,
+        local_rank=int(os.environ["LOCAL_RANK"]),
+    )
 
 
 def join_from_env(device: str | None = None, timeout_s: float = TRAIN_TIMEOUT_S) -> DistContext:

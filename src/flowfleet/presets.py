@@ -13,8 +13,18 @@ from typing import Any, Callable
 from flowfleet.config import RunConfig
 
 
-def _builtin(source: str, *, size: int, channels: int, k: int, steps: int, router_steps: int, batch: int,
-             text_len: int, **data: Any) -> dict[str, Any]:
+def _builtin(
+    source: str,
+    *,
+    size: int,
+    channels: int,
+    k: int,
+    steps: int,
+    router_steps: int,
+    batch: int,
+    text_len: int,
+    **data: Any,
+) -> dict[str, Any]:
     """The built-in sources' recipe, chosen by measurement on MNIST-5k (benchmarks/mnist_recipe.py,
     BENCHMARKS.md "The mnist recipe"): a pixel-space DiT with 7 x 7 patches (16 tokens at 28 px; 4 x 4
     patches cost 3x more per sample and learn less per second), hidden 128, depth 4, conditioned on the
@@ -23,27 +33,63 @@ def _builtin(source: str, *, size: int, channels: int, k: int, steps: int, route
     from the captions, balanced, so each expert owns whole digits."""
     latent = (channels, size, size)
     patch = 7 if size % 7 == 0 else 4
-    expert = dict(size=None, hidden_size=128, depth=4, num_heads=4, patch_size=patch, input_size=latent[1:],
-                  in_channels=channels, conditioning="pooled", text_dim=384, cond_dropout=0.1)
-    router = dict(size=None, hidden_size=64, depth=2, num_heads=2, patch_size=patch, input_size=latent[1:],
-                  in_channels=channels, num_outputs=k, conditioning="pooled", text_dim=384)
+    expert = dict(
+        size=None,
+        hidden_size=128,
+        depth=4,
+        num_heads=4,
+        patch_size=patch,
+        input_size=latent[1:],
+        in_channels=channels,
+        conditioning="pooled",
+        text_dim=384,
+        cond_dropout=0.1,
+    )
+    router = dict(
+        size=None,
+        hidden_size=64,
+        depth=2,
+        num_heads=2,
+        patch_size=patch,
+        input_size=latent[1:],
+        in_channels=channels,
+        num_outputs=k,
+        conditioning="pooled",
+        text_dim=384,
+    )
     fine_k = min(64, 8 * k)
     cluster = dict(k=k, fine_k=fine_k, iters=25)
     if source == "mnist":  # captions name the digit: clusters of captions hold whole digits
         cluster.update(features="text", balance=True)
     return dict(
         data=dict(source=source, image_size=size, channels=channels, **data),
-        encoders=dict(latent=dict(name="pixels"), semantic=dict(name="inception"),
-                      text=dict(name="minilm", max_length=text_len)),
+        encoders=dict(
+            latent=dict(name="pixels"), semantic=dict(name="inception"), text=dict(name="minilm", max_length=text_len)
+        ),
         cluster=cluster,
         expert=expert,
         router=router,
-        train=dict(steps=steps, batch_size=batch, lr=2e-3, warmup_steps=min(100, steps // 3),
-                   time_sampling="logit_normal", ema_decay=0.999, ckpt_every=max(steps // 4, 1),
-                   sample_every=max(steps // 2, 1), log_every=max(steps // 50, 1)),
-        router_train=dict(steps=router_steps, batch_size=batch, lr=1e-3, schedule="cosine", ema_decay=0.999,
-                          ckpt_every=max(router_steps // 2, 1), sample_every=router_steps,
-                          log_every=max(router_steps // 50, 1)),
+        train=dict(
+            steps=steps,
+            batch_size=batch,
+            lr=2e-3,
+            warmup_steps=min(100, steps // 3),
+            time_sampling="logit_normal",
+            ema_decay=0.999,
+            ckpt_every=max(steps // 4, 1),
+            sample_every=max(steps // 2, 1),
+            log_every=max(steps // 50, 1),
+        ),
+        router_train=dict(
+            steps=router_steps,
+            batch_size=batch,
+            lr=1e-3,
+            schedule="cosine",
+            ema_decay=0.999,
+            ckpt_every=max(router_steps // 2, 1),
+            sample_every=router_steps,
+            log_every=max(router_steps // 50, 1),
+        ),
         sampling=dict(steps=20, cfg=6.0, strategy="top2"),
     )
 
@@ -61,35 +107,93 @@ def _tiny(cfg: dict[str, Any]) -> dict[str, Any]:
 def _paris(expert_size: str, router_size: str) -> dict[str, Any]:
     text_len = 77
     return dict(
-        data=dict(source="webdataset", path="/path/to/laion-aesthetic/{00000..01099}.tar", image_size=256,
-                  channels=3, shard_size=4096, batch_size=64),
-        encoders=dict(latent=dict(name="sd-vae-ft-mse", path="stabilityai/sd-vae-ft-mse"),
-                      semantic=dict(name="dinov2", path="facebook/dinov2-large"),
-                      text=dict(name="clip", path="openai/clip-vit-large-patch14", max_length=text_len)),
+        data=dict(
+            source="webdataset",
+            path="/path/to/laion-aesthetic/{00000..01099}.tar",
+            image_size=256,
+            channels=3,
+            shard_size=4096,
+            batch_size=64,
+        ),
+        encoders=dict(
+            latent=dict(name="sd-vae-ft-mse", path="stabilityai/sd-vae-ft-mse"),
+            semantic=dict(name="dinov2", path="facebook/dinov2-large"),
+            text=dict(name="clip", path="openai/clip-vit-large-patch14", max_length=text_len),
+        ),
         cluster=dict(k=8, fine_k=1024, sample_size=1_000_000, iters=20),
-        expert=dict(size=expert_size, input_size=(32, 32), in_channels=4, adaln="single",
-                    conditioning="cross_attn", text_dim=768, text_len=text_len, cond_dropout=0.1),
+        expert=dict(
+            size=expert_size,
+            input_size=(32, 32),
+            in_channels=4,
+            adaln="single",
+            conditioning="cross_attn",
+            text_dim=768,
+            text_len=text_len,
+            cond_dropout=0.1,
+        ),
         router=dict(size=router_size, input_size=(32, 32), in_channels=4, num_outputs=8),
         # batch 128 x 2 accumulation = 256 per step (paris §3.1.1)
-        train=dict(steps=400_000, batch_size=256, grad_accum=2, lr=1e-4, ema_decay=0.9999, precision="bf16",
-                   ckpt_every=5000, sample_every=5000, log_every=100),
+        train=dict(
+            steps=400_000,
+            batch_size=256,
+            grad_accum=2,
+            lr=1e-4,
+            ema_decay=0.9999,
+            precision="bf16",
+            ckpt_every=5000,
+            sample_every=5000,
+            log_every=100,
+        ),
         # router: batch 64 x 4 accumulation = 256, lr 5e-5, cosine
-        router_train=dict(steps=100_000, batch_size=256, grad_accum=4, lr=5e-5, schedule="cosine",
-                          ema_decay=0.9999, precision="bf16", ckpt_every=5000, sample_every=100_000,
-                          log_every=100),
+        router_train=dict(
+            steps=100_000,
+            batch_size=256,
+            grad_accum=4,
+            lr=5e-5,
+            schedule="cosine",
+            ema_decay=0.9999,
+            precision="bf16",
+            ckpt_every=5000,
+            sample_every=100_000,
+            log_every=100,
+        ),
         sampling=dict(steps=50, cfg=4.0, strategy="top2", shift=1.0),
     )
 
 
 PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
-    "mnist": lambda: _builtin("mnist", size=28, channels=1, k=2, steps=1000, router_steps=300, batch=64,
-                              text_len=16),
-    "mnist-tiny": lambda: _tiny(_builtin("mnist", size=16, channels=1, k=3, steps=30, router_steps=30, batch=32,
-                                         text_len=8, limit=384, shard_size=128)),
-    "shapes": lambda: _builtin("shapes", size=32, channels=3, k=4, steps=1500, router_steps=600, batch=64,
-                               text_len=16, count=4000),
-    "shapes-tiny": lambda: _tiny(_builtin("shapes", size=16, channels=3, k=3, steps=30, router_steps=30, batch=32,
-                                          text_len=8, count=256, shard_size=128)),
+    "mnist": lambda: _builtin("mnist", size=28, channels=1, k=2, steps=1000, router_steps=300, batch=64, text_len=16),
+    "mnist-tiny": lambda: _tiny(
+        _builtin(
+            "mnist",
+            size=16,
+            channels=1,
+            k=3,
+            steps=30,
+            router_steps=30,
+            batch=32,
+            text_len=8,
+            limit=384,
+            shard_size=128,
+        )
+    ),
+    "shapes": lambda: _builtin(
+        "shapes", size=32, channels=3, k=4, steps=1500, router_steps=600, batch=64, text_len=16, count=4000
+    ),
+    "shapes-tiny": lambda: _tiny(
+        _builtin(
+            "shapes",
+            size=16,
+            channels=3,
+            k=3,
+            steps=30,
+            router_steps=30,
+            batch=32,
+            text_len=8,
+            count=256,
+            shard_size=128,
+        )
+    ),
     "paris-b2": lambda: _paris("B/2", "S/2"),
     "paris-xl2": lambda: _paris("XL/2", "B/2"),
 }

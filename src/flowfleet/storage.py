@@ -24,8 +24,13 @@ T = TypeVar("T")
 
 # What never heals by waiting: a missing path, a refused permission, a path of the wrong kind. Every other
 # OSError (timeouts, throttling, connection resets, a store that is briefly unreachable) is retried.
-PERMANENT: tuple[type[OSError], ...] = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-                                        FileExistsError)
+PERMANENT: tuple[type[OSError], ...] = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    FileExistsError,
+)
 TRANSIENT: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, OSError)
 
 
@@ -98,8 +103,9 @@ class RunRoot:
             if not with_retries(lambda c=candidate: self.fs.exists(c), what=f"exists {candidate}"):
                 continue
             try:
-                raw = yaml.safe_load(io.BytesIO(with_retries(lambda c=candidate: self.fs.cat_file(c),
-                                                             what=f"read {candidate}")))
+                raw = yaml.safe_load(
+                    io.BytesIO(with_retries(lambda c=candidate: self.fs.cat_file(c), what=f"read {candidate}"))
+                )
             except yaml.YAMLError:
                 return {}
             block = raw.get("storage") if isinstance(raw, dict) else None
@@ -171,8 +177,9 @@ class RunRoot:
 
     def remove(self, *parts: str, recursive: bool = False) -> None:
         if self.exists(*parts):
-            with_retries(lambda: self.fs.rm(self.path(*parts), recursive=recursive),
-                         what=f"remove {self.url_of(*parts)}")
+            with_retries(
+                lambda: self.fs.rm(self.path(*parts), recursive=recursive), what=f"remove {self.url_of(*parts)}"
+            )
 
     # -- structured ----------------------------------------------------------------------------------
 

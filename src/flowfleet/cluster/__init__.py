@@ -11,5 +11,13 @@ from flowfleet.cluster.kmeans import (
     two_stage_kmeans,
 )
 
-__all__ = ["KMeansResult", "TwoStageResult", "assign_nearest", "balance_fine_to_coarse", "faiss_available",
-           "l2_normalize_", "random_partition", "two_stage_kmeans"]
+__all__ = [
+    "KMeansResult",
+    "TwoStageResult",
+    "assign_nearest",
+    "balance_fine_to_coarse",
+    "faiss_available",
+    "l2_normalize_",
+    "random_partition",
+    "two_stage_kmeans",
+]

@@ -21,7 +21,7 @@ def write_assignments(root: RunRoot, assign: torch.Tensor, fine: torch.Tensor) -
 
 
 def read_assignments(root: RunRoot, num_clusters: int | None = None) -> torch.Tensor:
-    """"assign" [N] int64; one-line errors when the file is missing, not an assignment, or (given
+    """ "assign" [N] int64; one-line errors when the file is missing, not an assignment, or (given
     num_clusters, run.yaml cluster.k) holds a cluster id outside 0..num_clusters - 1."""
     where = root.url_of(*ASSIGNMENTS)
     if not root.exists(*ASSIGNMENTS):
@@ -34,6 +34,8 @@ def read_assignments(root: RunRoot, num_clusters: int | None = None) -> torch.Te
         raise FlowfleetError(f"{where}: 'assign' has shape {tuple(assign.shape)}, expected [items]")
     assign = assign.long()
     if num_clusters is not None and assign.numel() and (int(assign.min()) < 0 or int(assign.max()) >= num_clusters):
-        raise FlowfleetError(f"{where}: cluster ids span {int(assign.min())}..{int(assign.max())}, "
-                             f"but run.yaml cluster.k is {num_clusters}")
+        raise FlowfleetError(
+            f"{where}: cluster ids span {int(assign.min())}..{int(assign.max())}, "
+            f"but run.yaml cluster.k is {num_clusters}"
+        )
     return assign

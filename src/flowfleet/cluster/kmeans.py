@@ -72,9 +72,15 @@ class KMeansResult:
     inertia: float  # sum of squared distances to the assigned centroid
 
 
-def assign_nearest(x: torch.Tensor, centroids: torch.Tensor, *, backend: str = "auto",
-                   device: torch.device | str = "cpu", progress: bool = False, desc: str = "assign"
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def assign_nearest(
+    x: torch.Tensor,
+    centroids: torch.Tensor,
+    *,
+    backend: str = "auto",
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+    desc: str = "assign",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Nearest centroid of each row: (index [N] int64, squared distance [N] float32)."""
     backend = resolve_backend(backend)
     n = x.shape[0]
@@ -105,8 +111,9 @@ def assign_nearest(x: torch.Tensor, centroids: torch.Tensor, *, backend: str = "
     return idx, dist
 
 
-def _torch_kmeans(x: torch.Tensor, k: int, iters: int, seed: int, device: torch.device | str,
-                  weights: torch.Tensor) -> torch.Tensor:
+def _torch_kmeans(
+    x: torch.Tensor, k: int, iters: int, seed: int, device: torch.device | str, weights: torch.Tensor
+) -> torch.Tensor:
     """Lloyd's algorithm on weighted points; returns the centroids [k, D]."""
     gen = torch.Generator().manual_seed(seed)
     c = x[torch.randperm(x.shape[0], generator=gen)[:k]].to(device, torch.float32).clone()  # [k, D]
@@ -126,9 +133,17 @@ def _torch_kmeans(x: torch.Tensor, k: int, iters: int, seed: int, device: torch.
     return c.cpu()
 
 
-def kmeans(x: torch.Tensor, k: int, *, iters: int = 25, seed: int = 0, restarts: int = 1,
-           weights: torch.Tensor | None = None, backend: str = "auto", device: torch.device | str = "cpu"
-           ) -> KMeansResult:
+def kmeans(
+    x: torch.Tensor,
+    k: int,
+    *,
+    iters: int = 25,
+    seed: int = 0,
+    restarts: int = 1,
+    weights: torch.Tensor | None = None,
+    backend: str = "auto",
+    device: torch.device | str = "cpu",
+) -> KMeansResult:
     """k-means of the rows of x [n, D] (n >= k), each row counting `weights[i]` times (default 1);
     with restarts > 1, the lowest-inertia of that many seeded runs. Inertia is weighted."""
     n = x.shape[0]
@@ -141,8 +156,16 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 25, seed: int = 0, restarts:
         import faiss
 
         # max_points_per_centroid = all: the caller already chose the sample (cluster.sample_size).
-        km = faiss.Kmeans(x.shape[1], k, niter=iters, seed=seed, nredo=restarts, verbose=False,
-                          min_points_per_centroid=1, max_points_per_centroid=math.ceil(n / k) + 1)
+        km = faiss.Kmeans(
+            x.shape[1],
+            k,
+            niter=iters,
+            seed=seed,
+            nredo=restarts,
+            verbose=False,
+            min_points_per_centroid=1,
+            max_points_per_centroid=math.ceil(n / k) + 1,
+        )
         km.train(x.numpy(), weights=None if weights is None else np.ascontiguousarray(w.numpy()))
         centroids = torch.from_numpy(np.array(km.centroids, dtype=np.float32))
         assign, d2 = assign_nearest(x, centroids, backend=backend, device=device)
@@ -183,8 +206,9 @@ class TwoStageResult:
         return torch.bincount(self.assign, minlength=self.coarse.shape[0]).tolist()
 
 
-def balance_fine_to_coarse(fine: torch.Tensor, coarse: torch.Tensor, fine_sizes: torch.Tensor,
-                           slack: float = 0.1) -> torch.Tensor:
+def balance_fine_to_coarse(
+    fine: torch.Tensor, coarse: torch.Tensor, fine_sizes: torch.Tensor, slack: float = 0.1
+) -> torch.Tensor:
     """Size-balanced fine -> coarse map: each coarse cluster holds at most (1 + slack) N / K items.
 
     Greedy, hand-written (no library does capacity-constrained assignment of weighted points): fine
@@ -219,9 +243,20 @@ def _coarse_inertia(x: torch.Tensor, coarse: torch.Tensor, assign: torch.Tensor)
     return total
 
 
-def two_stage_kmeans(x: torch.Tensor, k: int, *, fine_k: int, sample_size: int, iters: int = 25, seed: int = 0,
-                     balance: bool = False, backend: str = "auto", device: torch.device | str = "cpu",
-                     max_reseeds: int = 5, progress: bool = False) -> TwoStageResult:
+def two_stage_kmeans(
+    x: torch.Tensor,
+    k: int,
+    *,
+    fine_k: int,
+    sample_size: int,
+    iters: int = 25,
+    seed: int = 0,
+    balance: bool = False,
+    backend: str = "auto",
+    device: torch.device | str = "cpu",
+    max_reseeds: int = 5,
+    progress: bool = False,
+) -> TwoStageResult:
     """Partition the rows of x [N, D] (L2-normalised by the caller) into k clusters; see the module doc.
 
     An empty partition triggers the coarse k-means again with the next seed (at most `max_reseeds`
@@ -236,8 +271,10 @@ def two_stage_kmeans(x: torch.Tensor, k: int, *, fine_k: int, sample_size: int, 
     if f < fine_k:
         notes.append(f"fine_k {fine_k} capped at the sample size {s}")
     if f < k:
-        raise FlowfleetError(f"cluster.fine_k: {f} fine clusters (capped at the {s}-item sample) cannot make {k} "
-                             f"coarse clusters; raise cluster.fine_k or cluster.sample_size")
+        raise FlowfleetError(
+            f"cluster.fine_k: {f} fine clusters (capped at the {s}-item sample) cannot make {k} "
+            f"coarse clusters; raise cluster.fine_k or cluster.sample_size"
+        )
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
@@ -247,14 +284,23 @@ def two_stage_kmeans(x: torch.Tensor, k: int, *, fine_k: int, sample_size: int, 
     del xs
     seconds["fine"] = time.perf_counter() - t
     t = time.perf_counter()
-    fine_assign, d2 = assign_nearest(x, fine, backend=backend, device=device, progress=progress,
-                                     desc="assign to fine centroids")  # [N], [N]
+    fine_assign, d2 = assign_nearest(
+        x, fine, backend=backend, device=device, progress=progress, desc="assign to fine centroids"
+    )  # [N], [N]
     seconds["assign"] = time.perf_counter() - t
     t = time.perf_counter()
     fine_sizes = torch.bincount(fine_assign, minlength=f)  # [F]
     for attempt in range(max_reseeds + 1):
-        coarse_fit = kmeans(fine, k, iters=iters, seed=seed + 1000 * attempt, restarts=COARSE_RESTARTS,
-                            weights=fine_sizes.float(), backend=backend, device=device)
+        coarse_fit = kmeans(
+            fine,
+            k,
+            iters=iters,
+            seed=seed + 1000 * attempt,
+            restarts=COARSE_RESTARTS,
+            weights=fine_sizes.float(),
+            backend=backend,
+            device=device,
+        )
         fine_to_coarse = coarse_fit.assign  # [F]
         coarse = coarse_fit.centroids  # [K, D]
         if balance:
@@ -265,12 +311,25 @@ def two_stage_kmeans(x: torch.Tensor, k: int, *, fine_k: int, sample_size: int, 
         if not empty:
             break
     else:
-        raise FlowfleetError(f"cluster: partition(s) {empty} stay empty after {max_reseeds} re-seeded coarse k-means "
-                             f"runs; lower cluster.k or raise cluster.fine_k")
+        raise FlowfleetError(
+            f"cluster: partition(s) {empty} stay empty after {max_reseeds} re-seeded coarse k-means "
+            f"runs; lower cluster.k or raise cluster.fine_k"
+        )
     seconds["coarse"] = time.perf_counter() - t
-    return TwoStageResult(fine, coarse, fine_to_coarse, fine_assign, assign, float(d2.double().sum()),
-                          _coarse_inertia(x, coarse, assign), s, backend, attempt, notes,
-                          {k: round(v, 3) for k, v in seconds.items()})
+    return TwoStageResult(
+        fine,
+        coarse,
+        fine_to_coarse,
+        fine_assign,
+        assign,
+        float(d2.double().sum()),
+        _coarse_inertia(x, coarse, assign),
+        s,
+        backend,
+        attempt,
+        notes,
+        {k: round(v, 3) for k, v in seconds.items()},
+    )
 
 
 def random_partition(n: int, k: int, seed: int = 0) -> torch.Tensor:

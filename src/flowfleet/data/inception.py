@@ -109,8 +109,9 @@ class TorchFidelityInception(nn.Module):
         from torchmetrics.image.fid import NoTrainInceptionV3
 
         try:
-            self.net = NoTrainInceptionV3(name="inception-v3-compat", features_list=[str(FEATURES)],
-                                          feature_extractor_weights_path=weights)
+            self.net = NoTrainInceptionV3(
+                name="inception-v3-compat", features_list=[str(FEATURES)], feature_extractor_weights_path=weights
+            )
         except Exception as err:  # download refused offline, or an unreadable weights file
             raise FlowfleetError(f"torch-fidelity Inception weights unavailable ({str(err).splitlines()[0]})") from None
         self.key = "torch-fidelity-299"
@@ -122,8 +123,7 @@ class TorchFidelityInception(nn.Module):
         return self.net(to_rgb(images).contiguous()).float()  # resizes to 299 itself; [B, 2048]
 
 
-def build_extractor(name: str = "default_1", *, weights: str | None = None,
-                    resize: int = STANDARD_SIZE) -> nn.Module:
+def build_extractor(name: str = "default_1", *, weights: str | None = None, resize: int = STANDARD_SIZE) -> nn.Module:
     """The feature network by name; `weights` is a file for either (default: the shipped/cached one)."""
     if name == "default_1":
         return Default1Inception(weights, resize)

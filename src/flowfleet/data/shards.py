@@ -50,15 +50,23 @@ class ShardSetManifest:
         return sum(s["count"] for s in self.shards)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "complete": self.complete, "shards": self.shards, "fields": self.fields,
-                **self.extra}
+        return {
+            "count": self.count,
+            "complete": self.complete,
+            "shards": self.shards,
+            "fields": self.fields,
+            **self.extra,
+        }
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ShardSetManifest":
         known = {"count", "complete", "shards", "fields"}
-        return cls(shards=list(raw.get("shards", [])), fields=dict(raw.get("fields", {})),
-                   complete=bool(raw.get("complete", False)),
-                   extra={k: v for k, v in raw.items() if k not in known})
+        return cls(
+            shards=list(raw.get("shards", [])),
+            fields=dict(raw.get("fields", {})),
+            complete=bool(raw.get("complete", False)),
+            extra={k: v for k, v in raw.items() if k not in known},
+        )
 
 
 class ShardSet:
@@ -83,8 +91,13 @@ class ShardSet:
     def write_manifest(self, manifest: ShardSetManifest) -> None:
         self.root.write_json(manifest.to_dict(), self.folder, MANIFEST)
 
-    def append(self, manifest: ShardSetManifest, tensors: dict[str, torch.Tensor], captions: list[str],
-               info: dict[str, Any] | None = None) -> None:
+    def append(
+        self,
+        manifest: ShardSetManifest,
+        tensors: dict[str, torch.Tensor],
+        captions: list[str],
+        info: dict[str, Any] | None = None,
+    ) -> None:
         """Write the next shard, then the manifest that names it (so a crash never exposes half a shard).
         `info` adds keys to the shard's manifest entry (prepare records where in the source it ends)."""
         n = len(captions)
@@ -96,8 +109,10 @@ class ShardSet:
         data = safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
         self.root.write_bytes(data, self.folder, name)
         if not manifest.fields:
-            manifest.fields = {k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype).removeprefix("torch.")}
-                               for k, v in tensors.items()}
+            manifest.fields = {
+                k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype).removeprefix("torch.")}
+                for k, v in tensors.items()
+            }
         manifest.shards.append({"name": name, "count": n, **(info or {})})
         self.write_manifest(manifest)
 
@@ -131,8 +146,10 @@ def open_complete(root: RunRoot, folder: str, made_by: str) -> ShardSet:
         raise FlowfleetError(f"{where}: missing; run `{made_by}` first")
     manifest = shards.manifest()
     if not manifest.complete:
-        raise FlowfleetError(f"{where}: incomplete ({manifest.count} items so far; its writer is still running or "
-                             f"stopped early); finish `{made_by}` first")
+        raise FlowfleetError(
+            f"{where}: incomplete ({manifest.count} items so far; its writer is still running or "
+            f"stopped early); finish `{made_by}` first"
+        )
     return shards
 
 

@@ -152,8 +152,7 @@ class ShapesSource(Source):
         return self.count
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"kind": self.kind, "count": self.count, "size": self.size, "seed": self.seed,
-                "version": SHAPES_VERSION}
+        return {"kind": self.kind, "count": self.count, "size": self.size, "seed": self.seed, "version": SHAPES_VERSION}
 
     def items(self, start: int = 0) -> Iterator[RawItem]:
         for i in range(start, self.count):
@@ -166,14 +165,35 @@ class ShapesSource(Source):
 # SHAPES_VERSION whenever a change alters the pixels, so old `data/` folders are not resumed.
 SHAPES_VERSION = 1
 SHAPES = ("circle", "square", "triangle", "diamond", "star", "cross")  # label = index
-COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (240, 220, 40),
-           "purple": (150, 60, 200), "orange": (250, 140, 20), "white": (250, 250, 250), "cyan": (40, 210, 220)}
-BACKGROUNDS = {"black": (10, 10, 10), "gray": (128, 128, 128), "white": (245, 245, 245),
-               "navy": (20, 30, 90), "beige": (225, 210, 170)}
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (50, 80, 230),
+    "yellow": (240, 220, 40),
+    "purple": (150, 60, 200),
+    "orange": (250, 140, 20),
+    "white": (250, 250, 250),
+    "cyan": (40, 210, 220),
+}
+BACKGROUNDS = {
+    "black": (10, 10, 10),
+    "gray": (128, 128, 128),
+    "white": (245, 245, 245),
+    "navy": (20, 30, 90),
+    "beige": (225, 210, 170),
+}
 SIZES = {"small": 0.14, "medium": 0.22, "large": 0.32}  # radius as a fraction of the image side
-POSITIONS = {"top left": (0.25, 0.25), "top": (0.5, 0.25), "top right": (0.75, 0.25),
-             "left": (0.25, 0.5), "centre": (0.5, 0.5), "right": (0.75, 0.5),
-             "bottom left": (0.25, 0.75), "bottom": (0.5, 0.75), "bottom right": (0.75, 0.75)}
+POSITIONS = {
+    "top left": (0.25, 0.25),
+    "top": (0.5, 0.25),
+    "top right": (0.75, 0.25),
+    "left": (0.25, 0.5),
+    "centre": (0.5, 0.5),
+    "right": (0.75, 0.5),
+    "bottom left": (0.25, 0.75),
+    "bottom": (0.5, 0.75),
+    "bottom right": (0.75, 0.75),
+}
 _SUPERSAMPLE = 4  # draw 4x larger, then box-filter down: antialiased edges
 
 
@@ -197,9 +217,20 @@ def _polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, fl
         return pts
     if shape == "cross":
         w = r * 0.35
-        return [(cx - w, cy - r), (cx + w, cy - r), (cx + w, cy - w), (cx + r, cy - w), (cx + r, cy + w),
-                (cx + w, cy + w), (cx + w, cy + r), (cx - w, cy + r), (cx - w, cy + w), (cx - r, cy + w),
-                (cx - r, cy - w), (cx - w, cy - w)]
+        return [
+            (cx - w, cy - r),
+            (cx + w, cy - r),
+            (cx + w, cy - w),
+            (cx + r, cy - w),
+            (cx + r, cy + w),
+            (cx + w, cy + w),
+            (cx + w, cy + r),
+            (cx - w, cy + r),
+            (cx - w, cy + w),
+            (cx - r, cy + w),
+            (cx - r, cy - w),
+            (cx - w, cy - w),
+        ]
     raise ValueError(shape)
 
 
@@ -242,8 +273,9 @@ def _is_image(name: str) -> bool:
     return posixpath.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
-def _caption_table(rows: list[dict[str, Any]], where: str, image_column: str, text_column: str
-                   ) -> dict[str, tuple[str | None, int]]:
+def _caption_table(
+    rows: list[dict[str, Any]], where: str, image_column: str, text_column: str
+) -> dict[str, tuple[str | None, int]]:
     """{relative file: (caption, label)} from captions.jsonl / captions.csv rows."""
     table: dict[str, tuple[str | None, int]] = {}
     for n, row in enumerate(rows, 1):
@@ -273,8 +305,9 @@ class FolderSource(Source):
             raise SourceError(f"data.path: {path}: no such folder")
         found = self.fs.find(self.root, detail=True)  # {full path: info}
         self.sizes = {posixpath.relpath(p, self.root): int(info.get("size") or 0) for p, info in found.items()}
-        self.images = sorted(rel for rel in self.sizes
-                             if _is_image(rel) and not posixpath.basename(rel).startswith("."))
+        self.images = sorted(
+            rel for rel in self.sizes if _is_image(rel) and not posixpath.basename(rel).startswith(".")
+        )
         if not self.images:
             raise SourceError(f"data.path: {path}: no images ({', '.join(IMAGE_EXTENSIONS)}) in the folder")
         self.table: dict[str, tuple[str | None, int]] | None = None
@@ -306,8 +339,12 @@ class FolderSource(Source):
 
     def fingerprint(self) -> dict[str, Any]:
         files = sorted(self.sizes)
-        return {"kind": self.kind, "path": self.path, "count": len(self.images),
-                "digest": _digest([f"{f}:{self.sizes[f]}" for f in files])}
+        return {
+            "kind": self.kind,
+            "path": self.path,
+            "count": len(self.images),
+            "digest": _digest([f"{f}:{self.sizes[f]}" for f in files]),
+        }
 
     def items(self, start: int = 0) -> Iterator[RawItem]:
         for rel in self.images[start:]:
@@ -510,8 +547,9 @@ class ParquetSource(Source):
                     data = batch.to_pydict()
                     for j in range(batch.num_rows):
                         if row >= start:
-                            yield _row_item(f"{posixpath.basename(f)}:{row - offset}", data, j,
-                                            self.image_column, self.text_column)
+                            yield _row_item(
+                                f"{posixpath.basename(f)}:{row - offset}", data, j, self.image_column, self.text_column
+                            )
                         row += 1
             offset += n
 
@@ -536,8 +574,9 @@ class HfDiskSource(Source):
         try:
             import datasets
         except ImportError:
-            raise SourceError("data.source: 'hf_disk' needs the datasets package "
-                              "(pip install 'flowfleet[data]')") from None
+            raise SourceError(
+                "data.source: 'hf_disk' needs the datasets package (pip install 'flowfleet[data]')"
+            ) from None
         self.path, self.image_column, self.text_column = path, image_column, text_column
         try:
             ds = datasets.load_from_disk(path, storage_options=storage_options)
@@ -547,8 +586,9 @@ class HfDiskSource(Source):
             raise SourceError(f"data.path: {path}: holds splits {list(ds)}; point it at one split's folder")
         for col, field in ((image_column, "image_column"), (text_column, "text_column")):
             if col not in ds.column_names:
-                raise SourceError(f"data.{field}: {col!r} is not a column of {path} "
-                                  f"(columns: {', '.join(ds.column_names)})")
+                raise SourceError(
+                    f"data.{field}: {col!r} is not a column of {path} (columns: {', '.join(ds.column_names)})"
+                )
         if isinstance(ds.features[image_column], datasets.Image):
             ds = ds.cast_column(image_column, datasets.Image(decode=False))  # keep bytes; decode in prepare
         if len(ds) == 0:

@@ -85,8 +85,11 @@ class ShapeReader:
         total = mask.sum()
         ys, xs = np.indices(mask.shape)
         c = mask.shape[0] / 2
-        return float(total), float((mask * (xs + 0.5 - c)).sum() / total / 100.0), \
-            float((mask * (ys + 0.5 - c)).sum() / total / 100.0)
+        return (
+            float(total),
+            float((mask * (xs + 0.5 - c)).sum() / total / 100.0),
+            float((mask * (ys + 0.5 - c)).sum() / total / 100.0),
+        )
 
     def read(self, image: np.ndarray) -> Reading:
         px = image.reshape(-1, 3).astype(np.float64)  # [H*W, 3]
@@ -133,5 +136,4 @@ def prompt_adherence(images: torch.Tensor, prompts: Sequence[str]) -> dict[str, 
         shape += got.shape == want[1]
         both += got.colour == want[0] and got.shape == want[1]
     share = (lambda c: c / n) if n else (lambda c: None)
-    return {"both": share(both), "colour": share(colour), "shape": share(shape), "n": n,
-            "unparsed": len(prompts) - n}
+    return {"both": share(both), "colour": share(colour), "shape": share(shape), "n": n, "unparsed": len(prompts) - n}

@@ -34,9 +34,16 @@ from flowfleet.sampling.trace import RoutingTrace
 # --------------------------------------------------------------------------------------------------
 
 
-def router_accuracy(router: torch.nn.Module, latents: torch.Tensor, clusters: torch.Tensor, num_clusters: int,
-                    *, seed: int = 0, device: torch.device | str = "cpu",
-                    cond: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+def router_accuracy(
+    router: torch.nn.Module,
+    latents: torch.Tensor,
+    clusters: torch.Tensor,
+    num_clusters: int,
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    cond: dict[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
     """Accuracy of the router against the cluster of x0 per t-bucket (t uniform inside each bucket,
     fresh noise), the largest cluster's share as chance level, and the confusion matrix."""
     from flowfleet.train.preview import router_accuracy as _accuracy
@@ -75,8 +82,13 @@ def usage_shares(trace: RoutingTrace) -> list[float]:
 # --------------------------------------------------------------------------------------------------
 
 
-def centroid_alignment(features: torch.Tensor, dominant: torch.Tensor, coarse: torch.Tensor, fine: torch.Tensor,
-                       fine_to_coarse: torch.Tensor) -> dict[str, Any]:
+def centroid_alignment(
+    features: torch.Tensor,
+    dominant: torch.Tensor,
+    coarse: torch.Tensor,
+    fine: torch.Tensor,
+    fine_to_coarse: torch.Tensor,
+) -> dict[str, Any]:
     """features [N, D] (raw semantic features of generated images), dominant [N] expert ids,
     coarse [K, D], fine [F, D], fine_to_coarse [F] from clusters/centroids.safetensors."""
     n, k = features.shape[0], coarse.shape[0]
@@ -128,9 +140,11 @@ class DisagreementProbe:
         b = x.shape[0]
         out = []
         for k in self.experts.present:
-            only_k = Selection(torch.full((b, 1), k, dtype=torch.long, device=x.device),
-                               torch.ones(b, 1, dtype=x.dtype, device=x.device),
-                               torch.zeros(b, self.experts.num_experts, dtype=x.dtype, device=x.device))
+            only_k = Selection(
+                torch.full((b, 1), k, dtype=torch.long, device=x.device),
+                torch.ones(b, 1, dtype=x.dtype, device=x.device),
+                torch.zeros(b, self.experts.num_experts, dtype=x.dtype, device=x.device),
+            )
             out.append(run_selected(self.experts, x, t, self.cond, only_k, self.cfg, self.guided))
         return torch.stack(out)
 

@@ -50,9 +50,13 @@ class DigitNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.convs = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(1, 32, 3, padding=1, bias=False),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
             nn.MaxPool2d(2),  # 14 x 14
-            nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
             nn.MaxPool2d(2),  # 7 x 7
         )
         self.fc = nn.Linear(64 * 7 * 7, FEATURES)
@@ -103,8 +107,9 @@ def accuracy(net: DigitNet, x: torch.Tensor, y: torch.Tensor, batch: int = 500) 
     return hits / len(y)
 
 
-def train_classifier(x: torch.Tensor, y: torch.Tensor, settings: TrainSettings = TrainSettings(),
-                     progress: bool = True) -> tuple[DigitNet, dict[str, Any]]:
+def train_classifier(
+    x: torch.Tensor, y: torch.Tensor, settings: TrainSettings = TrainSettings(), progress: bool = True
+) -> tuple[DigitNet, dict[str, Any]]:
     """Train on the first `train_items` of (x, y), validate on the rest; returns the net and its record."""
 
     torch.manual_seed(settings.seed)
@@ -129,8 +134,14 @@ def train_classifier(x: torch.Tensor, y: torch.Tensor, settings: TrainSettings =
             sched.step()
             bar.update(1)
     bar.close()
-    record = {"network": NETWORK, "val_accuracy": accuracy(net, xv, yv), "val_items": int(len(yv)), "train_items": n,
-              "train_s": round(time.perf_counter() - t0, 1), "settings": asdict(settings)}
+    record = {
+        "network": NETWORK,
+        "val_accuracy": accuracy(net, xv, yv),
+        "val_items": int(len(yv)),
+        "train_items": n,
+        "train_s": round(time.perf_counter() - t0, 1),
+        "settings": asdict(settings),
+    }
     net.eval()
     return net, record
 
@@ -153,15 +164,22 @@ class DigitJudge(ClassifierJudge):
         if root.exists(*weights) and root.exists(*meta):
             record = root.read_json(*meta)
             if record.get("network") != NETWORK:  # made by another flowfleet version's network
-                log.info("%s: a %s classifier, not %s; training it again", root.url_of(*meta),
-                         record.get("network", "older"), NETWORK)
+                log.info(
+                    "%s: a %s classifier, not %s; training it again",
+                    root.url_of(*meta),
+                    record.get("network", "older"),
+                    NETWORK,
+                )
             else:
                 net = DigitNet()
                 try:
                     net.load_state_dict(safetensors.torch.load(root.read_bytes(*weights)))
                 except Exception as err:  # damaged cache: say so and retrain below
-                    log.warning("%s: unreadable (%s); training the digit classifier again",
-                                root.url_of(*weights), str(err).splitlines()[0][:120])
+                    log.warning(
+                        "%s: unreadable (%s); training the digit classifier again",
+                        root.url_of(*weights),
+                        str(err).splitlines()[0][:120],
+                    )
                 else:
                     return cls(net, record)
         log.info("training the digit classifier on MNIST-5k (cached in %s)", root.url_of(*FOLDER))
@@ -191,4 +209,3 @@ class DigitFeatures(nn.Module):
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net.features(images.float() / 127.5 - 1.0).double()
-

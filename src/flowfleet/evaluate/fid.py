@@ -119,8 +119,11 @@ class FeatureStats:
     # -- files --------------------------------------------------------------------------------------
 
     def to_bytes(self) -> bytes:
-        tensors = {"sum": self.sum.contiguous(), "cov_sum": self.cov_sum.contiguous(),
-                   "n": torch.tensor([self.n], dtype=torch.int64)}
+        tensors = {
+            "sum": self.sum.contiguous(),
+            "cov_sum": self.cov_sum.contiguous(),
+            "n": torch.tensor([self.n], dtype=torch.int64),
+        }
         return safetensors.torch.save(tensors, metadata={k: str(v) for k, v in self.meta.items()})
 
     @classmethod
@@ -146,13 +149,20 @@ class FeatureStats:
 class FID:
     """One feature network, used for every image set of an evaluation."""
 
-    def __init__(self, settings: FIDSettings = FIDSettings(), device: torch.device | str = "cpu",
-                 extractor: nn.Module | None = None):
+    def __init__(
+        self,
+        settings: FIDSettings = FIDSettings(),
+        device: torch.device | str = "cpu",
+        extractor: nn.Module | None = None,
+    ):
         self.settings = settings
         self.device = torch.device(device)
         # `extractor` lets tests and callers supply any uint8 -> [B, D] module (torchmetrics' contract).
-        net = extractor if extractor is not None else build_extractor(settings.extractor, weights=settings.weights,
-                                                                      resize=settings.resize)
+        net = (
+            extractor
+            if extractor is not None
+            else build_extractor(settings.extractor, weights=settings.weights, resize=settings.resize)
+        )
         self.extractor = net.to(self.device).eval()
         # The key names the features in cache files and results; a supplied module never borrows Inception's.
         self.key = getattr(net, "key", None) or f"custom-{type(net).__name__}"
@@ -163,8 +173,13 @@ class FID:
         with torch.inference_mode():
             return self.extractor(to_uint8(images).to(self.device)).float().cpu()
 
-    def statistics(self, batches: Iterable[torch.Tensor], total: int | None = None, desc: str = "fid features",
-                   meta: dict[str, str] | None = None) -> FeatureStats:
+    def statistics(
+        self,
+        batches: Iterable[torch.Tensor],
+        total: int | None = None,
+        desc: str = "fid features",
+        meta: dict[str, str] | None = None,
+    ) -> FeatureStats:
         """Stream image batches through the extractor (in chunks of settings.batch_size)."""
         stats = FeatureStats.empty(self.dim, {"extractor": self.key, **(meta or {})})
         bs = self.settings.batch_size
@@ -192,25 +207,40 @@ class FID:
     def reference_file(self, name: str, n: int) -> str:
         return f"fid_ref_{name}_{self.key}_n{n}.safetensors"
 
-    def reference_from_features(self, root: RunRoot, name: str, features: Callable[[], Iterable[torch.Tensor]],
-                                n: int, fingerprint: str = "") -> FeatureStats:
+    def reference_from_features(
+        self, root: RunRoot, name: str, features: Callable[[], Iterable[torch.Tensor]], n: int, fingerprint: str = ""
+    ) -> FeatureStats:
         """As reference(), from features [B, D] that this extractor already computed (e.g. by prepare)."""
         return self.reference(root, name, features, n, fingerprint, are_features=True)
 
-    def _compute(self, batches: Callable[[], Iterable[torch.Tensor]], n: int, name: str, meta: dict[str, str],
-                 are_features: bool = False) -> FeatureStats:
+    def _compute(
+        self,
+        batches: Callable[[], Iterable[torch.Tensor]],
+        n: int,
+        name: str,
+        meta: dict[str, str],
+        are_features: bool = False,
+    ) -> FeatureStats:
         if not are_features:
             return self.statistics(batches(), total=n, desc=f"fid reference ({name})", meta=meta)
         stats = FeatureStats.empty(self.dim, meta)
         for f in batches():
             if f.ndim != 2 or f.shape[1] != self.dim:
-                raise FlowfleetError(f"fid reference ({name}): features of shape {tuple(f.shape)}, "
-                                     f"expected [N, {self.dim}]")
+                raise FlowfleetError(
+                    f"fid reference ({name}): features of shape {tuple(f.shape)}, expected [N, {self.dim}]"
+                )
             stats.update(f)
         return stats
 
-    def reference(self, root: RunRoot, name: str, images: Callable[[], Iterable[torch.Tensor]], n: int,
-                  fingerprint: str = "", are_features: bool = False) -> FeatureStats:
+    def reference(
+        self,
+        root: RunRoot,
+        name: str,
+        images: Callable[[], Iterable[torch.Tensor]],
+        n: int,
+        fingerprint: str = "",
+        are_features: bool = False,
+    ) -> FeatureStats:
         """Statistics of n reference images, read from RUN_ROOT/reports/ when a matching cache exists.
 
         `images()` yields float batches in [-1, 1] totalling n (with are_features: feature batches
@@ -245,5 +275,10 @@ def frechet_distance(real: FeatureStats, fake: FeatureStats) -> float:
 
 def fid_metadata(settings: FIDSettings, key: str, n_ref: int, n_fake: int) -> dict[str, Any]:
     """What a reader needs to compare two FIDs: same extractor, size and sample counts."""
-    return {"extractor": key, "resize": settings.resize, "standard_input": settings.standard,
-            "reference_images": n_ref, "generated_images": n_fake}
+    return {
+        "extractor": key,
+        "resize": settings.resize,
+        "standard_input": settings.standard,
+        "reference_images": n_ref,
+        "generated_images": n_fake,
+    }

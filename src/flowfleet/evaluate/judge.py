@@ -45,8 +45,14 @@ class PromptClasses:
 class ClassifierJudge:
     """A classifier over named classes, and the share of images it reads as their prompt's class."""
 
-    def __init__(self, classify: Callable[[torch.Tensor], torch.Tensor], classes: Sequence[Sequence[str]],
-                 record: dict[str, Any] | None = None, features: nn.Module | None = None, batch: int = 500):
+    def __init__(
+        self,
+        classify: Callable[[torch.Tensor], torch.Tensor],
+        classes: Sequence[Sequence[str]],
+        record: dict[str, Any] | None = None,
+        features: nn.Module | None = None,
+        batch: int = 500,
+    ):
         self.classes = PromptClasses(classes)
         self.labels = self.classes.labels
         self.classify, self.batch, self._features = classify, batch, features
@@ -61,11 +67,17 @@ class ClassifierJudge:
         """images [B, C, H, W] in [-1, 1] -> class probabilities [B, K]."""
         if images.ndim != 4:
             raise FlowfleetError(f"judge: expected images [B, C, H, W], got shape {tuple(images.shape)}")
-        probs = torch.cat([self.classify(images[i : i + self.batch]).float().softmax(1)
-                           for i in range(0, images.shape[0], self.batch)])
+        probs = torch.cat(
+            [
+                self.classify(images[i : i + self.batch]).float().softmax(1)
+                for i in range(0, images.shape[0], self.batch)
+            ]
+        )
         if probs.shape != (images.shape[0], len(self.labels)):
-            raise FlowfleetError(f"judge: the classifier gave {tuple(probs.shape)} for {images.shape[0]} images "
-                                 f"and {len(self.labels)} classes")
+            raise FlowfleetError(
+                f"judge: the classifier gave {tuple(probs.shape)} for {images.shape[0]} images "
+                f"and {len(self.labels)} classes"
+            )
         return probs
 
     def prompt_accuracy(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, Any]:
@@ -79,11 +91,19 @@ class ClassifierJudge:
         probs = self.probabilities(images[keep])  # [n, K]
         want = torch.tensor([targets[i] for i in keep])
         hit = probs.argmax(1) == want
-        per_class = {self.labels[c]: round(float(hit[want == c].float().mean()), 4)
-                     for c in range(len(self.labels)) if bool((want == c).any())}
-        return {"accuracy": float(hit.float().mean()), "confidence": float(probs.gather(1, want[:, None]).mean()),
-                "n": len(keep), "skipped": len(prompts) - len(keep), "per_class": per_class,
-                "predicted": [self.labels[c] for c in probs.argmax(1).tolist()]}
+        per_class = {
+            self.labels[c]: round(float(hit[want == c].float().mean()), 4)
+            for c in range(len(self.labels))
+            if bool((want == c).any())
+        }
+        return {
+            "accuracy": float(hit.float().mean()),
+            "confidence": float(probs.gather(1, want[:, None]).mean()),
+            "n": len(keep),
+            "skipped": len(prompts) - len(keep),
+            "per_class": per_class,
+            "predicted": [self.labels[c] for c in probs.argmax(1).tolist()],
+        }
 
     def extractor(self) -> nn.Module | None:
         """torchmetrics' custom-extractor module for a Fréchet distance in the classifier's features, or None."""

@@ -54,11 +54,30 @@ from flowfleet.storage import RunRoot
 REPORT_FILE = "report.html"
 EVALUATION_FILE = "evaluation.json"
 TIMINGS_FILE = "timings.json"
-SECTIONS = ("overview", "config", "clusters", "training", "samples", "routing", "fid", "adherence",
-            "diagnostics", "timings")
-TITLES = {"overview": "Overview", "config": "Configuration", "clusters": "Clusters", "training": "Training",
-          "samples": "Samples per strategy", "routing": "Routing heatmaps", "fid": "Quality",
-          "adherence": "Prompt adherence", "diagnostics": "Diagnostics", "timings": "Timings"}
+SECTIONS = (
+    "overview",
+    "config",
+    "clusters",
+    "training",
+    "samples",
+    "routing",
+    "fid",
+    "adherence",
+    "diagnostics",
+    "timings",
+)
+TITLES = {
+    "overview": "Overview",
+    "config": "Configuration",
+    "clusters": "Clusters",
+    "training": "Training",
+    "samples": "Samples per strategy",
+    "routing": "Routing heatmaps",
+    "fid": "Quality",
+    "adherence": "Prompt adherence",
+    "diagnostics": "Diagnostics",
+    "timings": "Timings",
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,27 +173,48 @@ class ReportBuilder:
         s.notes.append(f"Run root: {self.root.url}")
         if cfg:
             data = cfg.get("data", {})
-            s.notes.append(f"Run {cfg.get('name', '?')}: source {data.get('source', '?')}, "
-                           f"{data.get('image_size', '?')} px, K = {cfg.get('cluster', {}).get('k', '?')} experts.")
+            s.notes.append(
+                f"Run {cfg.get('name', '?')}: source {data.get('source', '?')}, "
+                f"{data.get('image_size', '?')} px, K = {cfg.get('cluster', {}).get('k', '?')} experts."
+            )
         manifest = _json(self.root, DATA, MANIFEST)
         if manifest:
             s.notes.append(f"Prepared items: {manifest.get('count', '?')}.")
         runs = (self.evaluation or {}).get("runs") or {}
         scored = {name: r["prompt_accuracy"] for name, r in runs.items() if r.get("prompt_accuracy") is not None}
         if scored:  # the headline: does each model draw what it is asked for?
-            s.notes.append("Prompt accuracy (share of samples drawn as prompted; see Quality): "
-                           + ", ".join(f"{name} {acc:.3f}" for name, acc in scored.items()) + ".")
+            s.notes.append(
+                "Prompt accuracy (share of samples drawn as prompted; see Quality): "
+                + ", ".join(f"{name} {acc:.3f}" for name, acc in scored.items())
+                + "."
+            )
         rows = []
         for job in job_dirs(self.root):
             st = _json(self.root, job, STATUS_FILE) or {}
-            rows.append([job_label(job), st.get("state", "?"), f"{st.get('step', 0)}/{st.get('total_steps', '?')}",
-                         _fmt(st.get("last_loss")), st.get("host", "")])
+            rows.append(
+                [
+                    job_label(job),
+                    st.get("state", "?"),
+                    f"{st.get('step', 0)}/{st.get('total_steps', '?')}",
+                    _fmt(st.get("last_loss")),
+                    st.get("host", ""),
+                ]
+            )
         if rows:
             s.tables.append({"caption": "jobs", "header": ["job", "state", "step", "last loss", "host"], "rows": rows})
-        stages = [(f"{DATA}/{MANIFEST}", "prepare"), ("/".join(CLUSTER_REPORT), "cluster"),
-                  (f"{MODEL}/{INDEX_FILE}", "assemble"), (f"{REPORTS}/{EVALUATION_FILE}", "evaluate")]
-        s.tables.append({"caption": "stages", "header": ["stage", "output", "present"],
-                         "rows": [[st, path, "yes" if self.root.exists(path) else "no"] for path, st in stages]})
+        stages = [
+            (f"{DATA}/{MANIFEST}", "prepare"),
+            ("/".join(CLUSTER_REPORT), "cluster"),
+            (f"{MODEL}/{INDEX_FILE}", "assemble"),
+            (f"{REPORTS}/{EVALUATION_FILE}", "evaluate"),
+        ]
+        s.tables.append(
+            {
+                "caption": "stages",
+                "header": ["stage", "output", "present"],
+                "rows": [[st, path, "yes" if self.root.exists(path) else "no"] for path, st in stages],
+            }
+        )
         return s
 
     def section_config(self) -> Section:
@@ -206,8 +246,10 @@ class ReportBuilder:
             note += f"; NMI against the source labels {nmi:.3f}"
         coherence = rep.get("label_coherence")
         if isinstance(coherence, (int, float)):
-            note += (f"; label coherence {coherence:.3f} (mean over labels of the share of a label's items in its "
-                     "majority cluster; 1 = every label whole in one cluster)")
+            note += (
+                f"; label coherence {coherence:.3f} (mean over labels of the share of a label's items in its "
+                "majority cluster; 1 = every label whole in one cluster)"
+            )
         s.notes.append(note)
         mixes = rep.get("label_mix") or []
         rows = []
@@ -216,8 +258,9 @@ class ReportBuilder:
             top = ", ".join(f"{lab}: {cnt}" for lab, cnt in sorted(mix.items(), key=lambda kv: -kv[1])[:4])
             rows.append([k, size, top])
         if rows:
-            s.tables.append({"caption": "cluster sizes", "header": ["cluster", "items", "most frequent labels"],
-                             "rows": rows})
+            s.tables.append(
+                {"caption": "cluster sizes", "header": ["cluster", "items", "most frequent labels"], "rows": rows}
+            )
         for name in self.root.ls(CLUSTERS):
             if name.startswith("preview-") and name.endswith(".png"):
                 img = self._file_image(f"cluster {name[8:-4]}", CLUSTERS, name)
@@ -237,24 +280,43 @@ class ReportBuilder:
         curves, rows = {}, []
         for job in jobs:
             records = read_metrics(self.root, job)
-            curves[job_label(job)] = [(r["step"], float(r["loss"])) for r in records
-                                     if isinstance(r.get("loss"), (int, float))]
+            curves[job_label(job)] = [
+                (r["step"], float(r["loss"])) for r in records if isinstance(r.get("loss"), (int, float))
+            ]
             st = _json(self.root, job, STATUS_FILE) or {}
             speed = [r["samples_per_s"] for r in records if isinstance(r.get("samples_per_s"), (int, float))]
-            rows.append([job_label(job), st.get("state", "?"), st.get("step", 0), _fmt(st.get("last_loss")),
-                         _fmt(sum(speed) / len(speed)) if speed else "", _fmt(_wall_time(records))])
-        s.images.append(self._plot("loss_curves.png", views.loss_curves_png(curves),
-                                   "loss of every job (metrics.jsonl)"))
-        s.tables.append({"caption": "jobs", "header": ["job", "state", "steps", "last loss", "samples/s", "wall s"],
-                         "rows": rows})
+            rows.append(
+                [
+                    job_label(job),
+                    st.get("state", "?"),
+                    st.get("step", 0),
+                    _fmt(st.get("last_loss")),
+                    _fmt(sum(speed) / len(speed)) if speed else "",
+                    _fmt(_wall_time(records)),
+                ]
+            )
+        s.images.append(
+            self._plot("loss_curves.png", views.loss_curves_png(curves), "loss of every job (metrics.jsonl)")
+        )
+        s.tables.append(
+            {"caption": "jobs", "header": ["job", "state", "steps", "last loss", "samples/s", "wall s"], "rows": rows}
+        )
         routers = {name: rep for name in ROUTERS if (rep := _json(self.root, name, JOB_REPORT)) and "accuracy" in rep}
         if routers:
             s.tables.append(router_accuracy_table(routers, self._router_kinds(routers)))
         for name, rep in routers.items():
-            s.images.append(self._plot(f"{name}_training_accuracy.png",
-                                       views.router_accuracy_png(rep["t_buckets"], rep["accuracy"], rep.get("chance"),
-                                                                 f"{name} accuracy per t ({name}/report.json)"),
-                                       f"{name} on {rep.get('items', '?')} training items"))
+            s.images.append(
+                self._plot(
+                    f"{name}_training_accuracy.png",
+                    views.router_accuracy_png(
+                        rep["t_buckets"],
+                        rep["accuracy"],
+                        rep.get("chance"),
+                        f"{name} accuracy per t ({name}/report.json)",
+                    ),
+                    f"{name} on {rep.get('items', '?')} training items",
+                )
+            )
         for job in jobs:  # the last sample grid each job drew while training
             grids = [n for n in self.root.ls(job, SAMPLES) if n.endswith(".png")]
             if grids:
@@ -287,8 +349,13 @@ class ReportBuilder:
         grids = [n for n in self.root.ls(REPORTS, SHOWCASE) if n.endswith(".png") and not n.endswith(".routing.png")]
         grids.sort(key=lambda n: (n != "monolith.png", n))  # `flowfleet demo`: the monolith, then each strategy
         for name in grids:
-            img = self._file_image(f"{name[:-4]}: `flowfleet generate`, the same prompts and noise for every "
-                                   "model, each image labelled with its prompt", REPORTS, SHOWCASE, name)
+            img = self._file_image(
+                f"{name[:-4]}: `flowfleet generate`, the same prompts and noise for every "
+                "model, each image labelled with its prompt",
+                REPORTS,
+                SHOWCASE,
+                name,
+            )
             if img:
                 s.images.append(img)
         if self._needs_evaluation(s):
@@ -300,8 +367,12 @@ class ReportBuilder:
                     s.images.append(img)
             prompts = run.get("prompts") or []
             if any(prompts):
-                s.lists.append({"caption": f"{name}: prompts of the grid, row by row",
-                                "items": [f"{i}: {p}" for i, p in enumerate(prompts)]})
+                s.lists.append(
+                    {
+                        "caption": f"{name}: prompts of the grid, row by row",
+                        "items": [f"{i}: {p}" for i, p in enumerate(prompts)],
+                    }
+                )
         return s
 
     def section_routing(self) -> Section:
@@ -330,41 +401,69 @@ class ReportBuilder:
         digits = self.evaluation.get("prompt_accuracy") or None
         if digits:
             clf = digits.get("classifier") or {}
-            s.tables.append({
-                "caption": "per model: prompt accuracy (share of samples the judge reads as the prompted class; "
-                           "higher is better), the judge's mean probability of that class, the Fréchet "
-                           "distance in the classifier's features (lower is better), and Inception FID",
-                "header": ["model", "prompt accuracy", "confidence", "classifier FD", "FID"],
-                "rows": [[name, _fmt(r.get("prompt_accuracy")), _fmt(r.get("confidence")),
-                          _fmt(r.get("classifier_fd")), _fmt(r.get("fid"))] for name, r in runs.items()]})
+            s.tables.append(
+                {
+                    "caption": "per model: prompt accuracy (share of samples the judge reads as the prompted class; "
+                    "higher is better), the judge's mean probability of that class, the Fréchet "
+                    "distance in the classifier's features (lower is better), and Inception FID",
+                    "header": ["model", "prompt accuracy", "confidence", "classifier FD", "FID"],
+                    "rows": [
+                        [
+                            name,
+                            _fmt(r.get("prompt_accuracy")),
+                            _fmt(r.get("confidence")),
+                            _fmt(r.get("classifier_fd")),
+                            _fmt(r.get("fid")),
+                        ]
+                        for name, r in runs.items()
+                    ],
+                }
+            )
             per_model = digits.get("scores") or {}
             classes = list(dict.fromkeys(c for a in per_model.values() for c in (a.get("per_class") or {})))
-            s.tables.append({
-                "caption": "prompt accuracy per prompted class",
-                "header": ["model", *classes],
-                "rows": [[name, *[_fmt((a.get("per_class") or {}).get(c)) for c in classes]]
-                         for name, a in per_model.items()]})
+            s.tables.append(
+                {
+                    "caption": "prompt accuracy per prompted class",
+                    "header": ["model", *classes],
+                    "rows": [
+                        [name, *[_fmt((a.get("per_class") or {}).get(c)) for c in classes]]
+                        for name, a in per_model.items()
+                    ],
+                }
+            )
             if "val_accuracy" in clf:
-                s.notes.append(f"Judge: the {clf.get('judge', 'classifier')}, trained by flowfleet on "
-                               f"{clf.get('train_items', '?')} MNIST-5k digits, validation accuracy "
-                               f"{_fmt(clf.get('val_accuracy'))} on the other {clf.get('val_items', '?')} "
-                               "(reports/digit_classifier/).")
+                s.notes.append(
+                    f"Judge: the {clf.get('judge', 'classifier')}, trained by flowfleet on "
+                    f"{clf.get('train_items', '?')} MNIST-5k digits, validation accuracy "
+                    f"{_fmt(clf.get('val_accuracy'))} on the other {clf.get('val_items', '?')} "
+                    "(reports/digit_classifier/)."
+                )
             else:
                 s.notes.append(f"Judge: {clf.get('judge', '?')}.")
         else:
-            s.tables.append({"caption": "FID per strategy (lower is better)", "header": ["model", "FID"],
-                             "rows": [[name, f"{v:.2f}"] for name, v in scores.items()]})
+            s.tables.append(
+                {
+                    "caption": "FID per strategy (lower is better)",
+                    "header": ["model", "FID"],
+                    "rows": [[name, f"{v:.2f}"] for name, v in scores.items()],
+                }
+            )
         for name, r in runs.items():
             if r.get("same_as"):
-                s.notes.append(f"{name} selects the same experts with the same weights as {r['same_as']} "
-                               f"(k is at least the number of experts): its samples are {r['same_as']}'s.")
+                s.notes.append(
+                    f"{name} selects the same experts with the same weights as {r['same_as']} "
+                    f"(k is at least the number of experts): its samples are {r['same_as']}'s."
+                )
         s.notes.append(
             f"Feature network {fid.get('extractor', '?')} at {fid.get('resize', '?')} px input; "
             f"{fid.get('generated_images', '?')} generated images against {fid.get('reference_images', '?')} "
-            "reference images of data/.")
+            "reference images of data/."
+        )
         if fid.get("standard_input") is False:
-            s.notes.append("Non-standard Inception input size: compare these numbers only with FIDs computed "
-                           "at the same size and sample counts, not with published FIDs.")
+            s.notes.append(
+                "Non-standard Inception input size: compare these numbers only with FIDs computed "
+                "at the same size and sample counts, not with published FIDs."
+            )
         s.images.append(self._plot("fid.png", views.fid_png(scores), "FID"))
         return s
 
@@ -376,10 +475,16 @@ class ReportBuilder:
         if not adh:
             s.notes.append("Not applicable: prompt adherence is measured for the shapes source only.")
             return s
-        s.tables.append({"caption": "share of samples whose drawn colour and shape match the prompt",
-                         "header": ["model", "colour and shape", "colour", "shape", "samples"],
-                         "rows": [[name, _fmt(a.get("both")), _fmt(a.get("colour")), _fmt(a.get("shape")), a.get("n")]
-                                  for name, a in adh.items()]})
+        s.tables.append(
+            {
+                "caption": "share of samples whose drawn colour and shape match the prompt",
+                "header": ["model", "colour and shape", "colour", "shape", "samples"],
+                "rows": [
+                    [name, _fmt(a.get("both")), _fmt(a.get("colour")), _fmt(a.get("shape")), a.get("n")]
+                    for name, a in adh.items()
+                ],
+            }
+        )
         return s
 
     def section_diagnostics(self) -> Section:
@@ -389,24 +494,43 @@ class ReportBuilder:
         diag = self.evaluation.get("diagnostics") or {}
         acc = diag.get("router_accuracy")
         if acc:
-            s.images.append(self._plot("router_accuracy.png",
-                                       views.router_accuracy_png(acc["t_buckets"], acc["accuracy"], acc.get("chance")),
-                                       f"router accuracy against the cluster of x0, {acc.get('items', '?')} items"))
+            s.images.append(
+                self._plot(
+                    "router_accuracy.png",
+                    views.router_accuracy_png(acc["t_buckets"], acc["accuracy"], acc.get("chance")),
+                    f"router accuracy against the cluster of x0, {acc.get('items', '?')} items",
+                )
+            )
         align = diag.get("alignment") or {}
         if align:
-            s.tables.append({
-                "caption": "expert-data alignment: semantic distance (L2-normalised clustering features) of generated "
-                           "samples to the centroid of their dominant expert vs. the other centroids, and how often "
-                           "the sample falls in its dominant expert's cluster (chance: the largest cluster's share)",
-                "header": ["model", "to dominant", "to others", "in dominant's cluster", "chance", "samples"],
-                "rows": [[n, _fmt(a.get("dominant_distance")), _fmt(a.get("other_distance")),
-                          _fmt(a.get("assigned_is_dominant")), _fmt(a.get("chance")), a.get("n")]
-                         for n, a in align.items()]})
+            s.tables.append(
+                {
+                    "caption": "expert-data alignment: semantic distance (L2-normalised clustering features) of generated "
+                    "samples to the centroid of their dominant expert vs. the other centroids, and how often "
+                    "the sample falls in its dominant expert's cluster (chance: the largest cluster's share)",
+                    "header": ["model", "to dominant", "to others", "in dominant's cluster", "chance", "samples"],
+                    "rows": [
+                        [
+                            n,
+                            _fmt(a.get("dominant_distance")),
+                            _fmt(a.get("other_distance")),
+                            _fmt(a.get("assigned_is_dominant")),
+                            _fmt(a.get("chance")),
+                            a.get("n"),
+                        ]
+                        for n, a in align.items()
+                    ],
+                }
+            )
         dis = diag.get("disagreement") or {}
         if dis:
-            s.images.append(self._plot("disagreement.png",
-                                       views.disagreement_png({n: (d["t"], d["spread"]) for n, d in dis.items()}),
-                                       "spread of the K experts' velocities at the states each strategy visits"))
+            s.images.append(
+                self._plot(
+                    "disagreement.png",
+                    views.disagreement_png({n: (d["t"], d["spread"]) for n, d in dis.items()}),
+                    "spread of the K experts' velocities at the states each strategy visits",
+                )
+            )
         usage = diag.get("usage") or {}
         if usage:
             s.images.append(self._plot("usage.png", views.usage_png(usage), "share of the ensemble weight per expert"))
@@ -418,20 +542,27 @@ class ReportBuilder:
         s = Section("timings", TITLES["timings"])
         stages = _json(self.root, REPORTS, TIMINGS_FILE) or {}
         if stages:
-            s.tables.append({"caption": "stages (flowfleet demo)", "header": ["stage", "seconds"],
-                             "rows": [[k, _fmt(v)] for k, v in stages.items()]})
+            s.tables.append(
+                {
+                    "caption": "stages (flowfleet demo)",
+                    "header": ["stage", "seconds"],
+                    "rows": [[k, _fmt(v)] for k, v in stages.items()],
+                }
+            )
         rows = []
         for job in job_dirs(self.root):
             w = _wall_time(read_metrics(self.root, job))
             if w is not None:
                 rows.append([job_label(job), _fmt(w)])
         if rows:
-            s.tables.append({"caption": "training jobs (first to last logged step)", "header": ["job", "seconds"],
-                             "rows": rows})
+            s.tables.append(
+                {"caption": "training jobs (first to last logged step)", "header": ["job", "seconds"], "rows": rows}
+            )
         ev = (self.evaluation or {}).get("timings") or {}
         if ev:
-            s.tables.append({"caption": "evaluation", "header": ["part", "seconds"],
-                             "rows": [[k, _fmt(v)] for k, v in ev.items()]})
+            s.tables.append(
+                {"caption": "evaluation", "header": ["part", "seconds"], "rows": [[k, _fmt(v)] for k, v in ev.items()]}
+            )
         if not s.tables:
             s.missing = "no timings recorded yet"
         return s
@@ -440,11 +571,21 @@ class ReportBuilder:
 def router_accuracy_table(routers: dict[str, dict[str, Any]], kinds: dict[str, str]) -> dict[str, Any]:
     """Accuracy per t-bucket of each router (rows), from its report.json."""
     buckets = next(iter(routers.values()))["t_buckets"]
-    return {"caption": "router accuracy against the cluster of x0, per t-bucket (t = 1 is noise); chance = the "
-                       "largest cluster's share",
-            "header": ["router", "sees", *[f"t {lo:.1f}-{hi:.1f}" for lo, hi in buckets], "overall", "chance"],
-            "rows": [[name, kinds.get(name, ""), *[_fmt(a) for a in rep["accuracy"]], _fmt(rep.get("overall_accuracy")),
-                      _fmt(rep.get("chance"))] for name, rep in routers.items()]}
+    return {
+        "caption": "router accuracy against the cluster of x0, per t-bucket (t = 1 is noise); chance = the "
+        "largest cluster's share",
+        "header": ["router", "sees", *[f"t {lo:.1f}-{hi:.1f}" for lo, hi in buckets], "overall", "chance"],
+        "rows": [
+            [
+                name,
+                kinds.get(name, ""),
+                *[_fmt(a) for a in rep["accuracy"]],
+                _fmt(rep.get("overall_accuracy")),
+                _fmt(rep.get("chance")),
+            ]
+            for name, rep in routers.items()
+        ],
+    }
 
 
 def _json_yaml(root: RunRoot) -> dict[str, Any] | None:
@@ -505,15 +646,15 @@ img { max-width: 100%; image-rendering: pixelated; } pre { background: #f6f6f6; 
 
 def render(sections: list[Section], *, name: str, url: str) -> str:
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
-    return env.from_string(TEMPLATE).render(sections=sections, name=name, url=url,
-                                            created=time.strftime("%Y-%m-%d %H:%M:%S"))
+    return env.from_string(TEMPLATE).render(
+        sections=sections, name=name, url=url, created=time.strftime("%Y-%m-%d %H:%M:%S")
+    )
 
 
 def write_report(run_root: str | RunRoot) -> str:
     """Build reports/report.html (and reports/plots/*.png) from whatever the run root holds; returns its URL."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     if not root.exists():
-
         raise FlowfleetError(f"{root.url}: no such run root")
     builder = ReportBuilder(root)
     sections = builder.build()

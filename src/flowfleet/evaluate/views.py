@@ -37,15 +37,16 @@ def _figure(w: float, h: float):
 # --------------------------------------------------------------------------------------------------
 
 
-def captioned_grid_png(images: torch.Tensor, captions: Sequence[str], cols: int = 8, cell: int = 64,
-                       title: str = "") -> bytes:
+def captioned_grid_png(
+    images: torch.Tensor, captions: Sequence[str], cols: int = 8, cell: int = 64, title: str = ""
+) -> bytes:
     """images [n, C, H, W] in [-1, 1] in a grid, each with the first characters of its prompt below."""
     from PIL import Image, ImageDraw
 
     n = images.shape[0]
     captions, shared = strip_common_prefix(list(captions[:n]))
     if shared:  # "a handwritten digit" under every cell would hide the word that differs
-        title = f"{title}   prompts: \"{shared} ...\"" if title else f"prompts: \"{shared} ...\""
+        title = f'{title}   prompts: "{shared} ..."' if title else f'prompts: "{shared} ..."'
     cols = max(1, min(cols, n))
     rows = math.ceil(n / cols)
     h, w = images.shape[-2:]
@@ -108,8 +109,12 @@ def loss_curves_png(curves: Mapping[str, Sequence[tuple[int, float]]], title: st
     return _png(fig)
 
 
-def router_accuracy_png(buckets: Sequence[Sequence[float]], accuracy: Sequence[float], chance: float | None,
-                        title: str = "router accuracy per t-bucket") -> bytes:
+def router_accuracy_png(
+    buckets: Sequence[Sequence[float]],
+    accuracy: Sequence[float],
+    chance: float | None,
+    title: str = "router accuracy per t-bucket",
+) -> bytes:
     fig = _figure(5.5, 3.4)
     ax = fig.add_subplot(1, 1, 1)
     centres = [(lo + hi) / 2 for lo, hi in buckets]
@@ -123,15 +128,18 @@ def router_accuracy_png(buckets: Sequence[Sequence[float]], accuracy: Sequence[f
     return _png(fig)
 
 
-def disagreement_png(series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
-                     title: str = "expert disagreement along the trajectory") -> bytes:
+def disagreement_png(
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    title: str = "expert disagreement along the trajectory",
+) -> bytes:
     """series: name -> (t values, spread values); t from 1 (noise) on the left to 0, the sampling order."""
     fig = _figure(5.5, 3.4)
     ax = fig.add_subplot(1, 1, 1)
     for name, (ts, spread) in series.items():
         ax.plot(ts, spread, marker="o", markersize=3, label=name)
-    ax.set(title=title, xlabel="t  (1 = noise; sampling runs left to right)",
-           ylabel="relative spread of expert velocities")
+    ax.set(
+        title=title, xlabel="t  (1 = noise; sampling runs left to right)", ylabel="relative spread of expert velocities"
+    )
     ax.set_xlim(1.0, 0.0)
     ax.grid(alpha=0.3)
     if series:
@@ -165,8 +173,13 @@ def fid_png(scores: Mapping[str, float], title: str = "FID (lower is better)") -
     colors = ["tab:gray" if n == "monolith" else "tab:blue" for n in names]
     bars = ax.bar(names, [scores[n] for n in names], color=colors)
     for bar, name in zip(bars, names):
-        ax.annotate(f"{scores[name]:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{scores[name]:.1f}",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set(title=title, ylabel="FID")
     fig.tight_layout()
     return _png(fig)

@@ -18,7 +18,19 @@ from flowfleet.flow.path import (
 from flowfleet.flow.sampler import cfg_combine, guided_velocity, integrate, time_grid
 
 __all__ = [
-    "TIME_CONVENTION", "embedder_timestep", "interpolate", "target_velocity", "x0_from_velocity",
-    "flow_matching_loss", "sample_t", "time_grid", "integrate", "cfg_combine", "guided_velocity",
-    "combine", "routing_weights", "parse_strategy", "Strategy",
+    "TIME_CONVENTION",
+    "embedder_timestep",
+    "interpolate",
+    "target_velocity",
+    "x0_from_velocity",
+    "flow_matching_loss",
+    "sample_t",
+    "time_grid",
+    "integrate",
+    "cfg_combine",
+    "guided_velocity",
+    "combine",
+    "routing_weights",
+    "parse_strategy",
+    "Strategy",
 ]

@@ -59,8 +59,14 @@ def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> t
     return v_uncond + scale * (v_cond - v_uncond)
 
 
-def guided_velocity(model: Callable[..., torch.Tensor], x: torch.Tensor, t: torch.Tensor,
-                    cond: dict[str, torch.Tensor], scale: float, **model_kwargs) -> torch.Tensor:
+def guided_velocity(
+    model: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    t: torch.Tensor,
+    cond: dict[str, torch.Tensor],
+    scale: float,
+    **model_kwargs,
+) -> torch.Tensor:
     """Classifier-free guided velocity [B, ...] from ONE model call on 2B rows: the B samples with their
     condition, then the same samples with drop=True (the null condition); cfg_combine of the halves.
     `model_kwargs` go to the call unchanged (e.g. a patch-parallel expert's mode and row slots, which the

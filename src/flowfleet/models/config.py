@@ -71,8 +71,9 @@ class DiTConfig(BaseModel):
                 if given is None:
                     data[name] = value
                 elif given != value:
-                    raise ValueError(f"{name}: {given} contradicts size {data['size']!r} ({name} {value}); "
-                                     "give one or the other")
+                    raise ValueError(
+                        f"{name}: {given} contradicts size {data['size']!r} ({name} {value}); give one or the other"
+                    )
         return data
 
     @model_validator(mode="after")

@@ -69,11 +69,21 @@ class DiTModel(ModelMixin, ConfigMixin):
         # One way to build a model: DiTConfig resolves `size` and refuses fields that contradict it.
         shape = {"patch_size": patch_size, "hidden_size": hidden_size, "depth": depth, "num_heads": num_heads}
         cfg = DiTConfig(
-            size=size, input_size=tuple(input_size), in_channels=in_channels, out_channels=out_channels,
+            size=size,
+            input_size=tuple(input_size),
+            in_channels=in_channels,
+            out_channels=out_channels,
             **{name: v for name, v in shape.items() if v is not None},
-            mlp_ratio=mlp_ratio, adaln=adaln, conditioning=conditioning, num_classes=num_classes,
-            text_dim=text_dim, text_len=text_len, add_pooled=add_pooled, cond_dropout=cond_dropout,
-            num_outputs=num_outputs, time_convention=time_convention,
+            mlp_ratio=mlp_ratio,
+            adaln=adaln,
+            conditioning=conditioning,
+            num_classes=num_classes,
+            text_dim=text_dim,
+            text_len=text_len,
+            add_pooled=add_pooled,
+            cond_dropout=cond_dropout,
+            num_outputs=num_outputs,
+            time_convention=time_convention,
         )
         self.register_to_config(**{name: getattr(cfg, name) for name in shape})  # config.json: resolved values
         self.cfg = cfg
@@ -153,8 +163,7 @@ class DiTModel(ModelMixin, ConfigMixin):
     #                                        Forward
     # ----------------------------------------------------------------------------------------------
 
-    def conditioning(self, t: torch.Tensor, labels=None, text_pooled=None, text_tokens=None,
-                     text_mask=None, drop=None):
+    def conditioning(self, t: torch.Tensor, labels=None, text_pooled=None, text_tokens=None, text_mask=None, drop=None):
         """-> c [B, D] (timestep + global condition), block modulation input, cross-attn context and mask."""
         c = self.t_embedder(embedder_timestep(t))  # [B, D]
         if self.y_embedder is not None:
@@ -176,8 +185,16 @@ class DiTModel(ModelMixin, ConfigMixin):
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(b, ch, grid_h * p, grid_w * p)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, labels=None, text_pooled=None, text_tokens=None,
-                text_mask=None, drop=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        labels=None,
+        text_pooled=None,
+        text_tokens=None,
+        text_mask=None,
+        drop=None,
+    ) -> torch.Tensor:
         if x.shape[-2:] != tuple(self.cfg.input_size) or x.shape[1] != self.cfg.in_channels:
             raise ValueError(
                 f"input of shape {tuple(x.shape[1:])} does not match the model's "

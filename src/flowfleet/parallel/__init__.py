@@ -20,12 +20,26 @@ from typing import Any
 
 _WORLD = "flowfleet.distributed"
 _EXPORTS = {
-    "BandLayout": "bands", "CommManager": "comm", "Group": _WORLD, "ParallelError": "comm",
-    "PatchParallelDiT": "dit", "register_dit": "dit", "DistContext": _WORLD, "in_torchrun": _WORLD,
-    "init_from_env": _WORLD, "init_process_group": _WORLD, "relaunch_torchrun": "launch",
-    "run_local": "launch", "shutdown": _WORLD, "single_process": _WORLD, "ParallelMode": "mode",
-    "ParallelPlan": "runner", "ParallelVelocity": "runner", "PatchParallelRunner": "runner",
-    "ParallelFleet": "fleet", "join_fleet": "fleet",
+    "BandLayout": "bands",
+    "CommManager": "comm",
+    "Group": _WORLD,
+    "ParallelError": "comm",
+    "PatchParallelDiT": "dit",
+    "register_dit": "dit",
+    "DistContext": _WORLD,
+    "in_torchrun": _WORLD,
+    "init_from_env": _WORLD,
+    "init_process_group": _WORLD,
+    "relaunch_torchrun": "launch",
+    "run_local": "launch",
+    "shutdown": _WORLD,
+    "single_process": _WORLD,
+    "ParallelMode": "mode",
+    "ParallelPlan": "runner",
+    "ParallelVelocity": "runner",
+    "PatchParallelRunner": "runner",
+    "ParallelFleet": "fleet",
+    "join_fleet": "fleet",
 }
 
 __all__ = sorted(_EXPORTS)

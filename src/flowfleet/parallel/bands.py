@@ -35,7 +35,8 @@ class BandLayout:
         if grid_h % bands:
             raise FlowfleetError(
                 f"--nproc: the latent's {grid_h} token rows ({h} px / patch {patch}) cannot be split into "
-                f"{bands} equal bands; use a number of image bands that divides {grid_h}")
+                f"{bands} equal bands; use a number of image bands that divides {grid_h}"
+            )
         return cls(grid_h, grid_w, patch, bands, index)
 
     @property

@@ -77,8 +77,16 @@ class CommManager:
     """Flat-buffer all-gathers within `bands` (the ranks splitting one image) plus one-off collectives
     over `world` (all ranks: step outputs, routing decisions)."""
 
-    def __init__(self, bands: Group, world: Group | None = None, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, batch_bytes: int = 8 << 20, timeout_s: float = 60.0):
+    def __init__(
+        self,
+        bands: Group,
+        world: Group | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        batch_bytes: int = 8 << 20,
+        timeout_s: float = 60.0,
+    ):
         self.bands = bands
         self.world = world or bands
         self.device = torch.device(device)
@@ -243,13 +251,14 @@ class CommManager:
             raise RuntimeError(f"comm buffer {name!r} was never registered") from None
 
     def _view(self, slot: _Slot) -> torch.Tensor:
-        return self._recv[:, slot.start: slot.start + slot.numel].view(self.bands.size, *slot.shape)
+        return self._recv[:, slot.start : slot.start + slot.numel].view(self.bands.size, *slot.shape)
 
     def _write(self, slot: _Slot, tensor: torch.Tensor, rows: torch.Tensor | None) -> None:
         if tuple(tensor.shape[1:]) != slot.shape[1:] or tensor.shape[0] > slot.shape[0]:
-            raise RuntimeError(f"comm buffer {slot.name!r}: tensor {tuple(tensor.shape)} does not fit slot "
-                               f"{slot.shape}")
-        view = self._send[slot.start: slot.start + slot.numel].view(slot.shape)
+            raise RuntimeError(
+                f"comm buffer {slot.name!r}: tensor {tuple(tensor.shape)} does not fit slot {slot.shape}"
+            )
+        view = self._send[slot.start : slot.start + slot.numel].view(slot.shape)
         if rows is None:
             view[: tensor.shape[0]].copy_(tensor)
         else:

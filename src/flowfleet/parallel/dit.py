@@ -71,8 +71,9 @@ class SelfAttentionBand:
             ParallelMode.NAIVE: self._naive,
         }
 
-    def __call__(self, x: torch.Tensor, *, mode: ParallelMode, rows: torch.Tensor | None,
-                 prefetch: bool) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, *, mode: ParallelMode, rows: torch.Tensor | None, prefetch: bool
+    ) -> torch.Tensor:
         q, k, v = self.attn.forward_qkv(x)  # each [B, H, n, Dh]
         kv = torch.stack((k, v), dim=1)  # [B, 2, H, n, Dh]: this band's fresh keys and values
         kv_all = self._paths[mode](kv, rows, prefetch)  # [B, 2, H, N (or n for naive), Dh]
@@ -116,8 +117,10 @@ class PatchParallelDiT:
             raise FlowfleetError(f"{name}: a router (classification head) cannot run patch-parallel")
         gh, gw = model.cfg.grid_size
         if (gh, gw, model.cfg.patch_size) != (layout.grid_h, layout.grid_w, layout.patch):
-            raise FlowfleetError(f"{name}: token grid {gh}x{gw} (patch {model.cfg.patch_size}) differs from the "
-                                 f"band layout's {layout.grid_h}x{layout.grid_w} (patch {layout.patch})")
+            raise FlowfleetError(
+                f"{name}: token grid {gh}x{gw} (patch {model.cfg.patch_size}) differs from the "
+                f"band layout's {layout.grid_h}x{layout.grid_w} (patch {layout.patch})"
+            )
         self.model = model
         self.name = name
         self.layout = layout
@@ -125,12 +128,23 @@ class PatchParallelDiT:
         self.embed = PatchEmbedBand(model, layout)
         self.attn = [SelfAttentionBand(b.attn, comm, f"{name}.blocks.{i}.attn") for i, b in enumerate(model.blocks)]
 
-    def __call__(self, x: torch.Tensor, t: torch.Tensor, *, mode: ParallelMode, rows: torch.Tensor | None = None,
-                 prefetch: bool = True, drop: torch.Tensor | None = None, **cond: Any) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        *,
+        mode: ParallelMode,
+        rows: torch.Tensor | None = None,
+        prefetch: bool = True,
+        drop: torch.Tensor | None = None,
+        **cond: Any,
+    ) -> torch.Tensor:
         m, lay = self.model, self.layout
         if x.shape[1] != m.cfg.in_channels or tuple(x.shape[-2:]) != (lay.rows * lay.patch, lay.grid_w * lay.patch):
-            raise ValueError(f"{self.name}: band input {tuple(x.shape[1:])} does not match band "
-                             f"({m.cfg.in_channels}, {lay.rows * lay.patch}, {lay.grid_w * lay.patch})")
+            raise ValueError(
+                f"{self.name}: band input {tuple(x.shape[1:])} does not match band "
+                f"({m.cfg.in_channels}, {lay.rows * lay.patch}, {lay.grid_w * lay.patch})"
+            )
         t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
         h = self.embed(x)  # [B, n, D]
         c, block_c, ctx, ctx_mask = m.conditioning(t, drop=drop, **cond)  # replicated on every rank

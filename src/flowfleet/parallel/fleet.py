@@ -27,16 +27,19 @@ from flowfleet.sampling.pipeline import RoutedVelocity
 from flowfleet.storage import RunRoot
 
 
-def join_fleet(model_dir: str, nproc: int, mode: str, warmup: int = 0, *, device: str = "auto",
-               timeout_s: float = 120.0) -> "ParallelFleet":
+def join_fleet(
+    model_dir: str, nproc: int, mode: str, warmup: int = 0, *, device: str = "auto", timeout_s: float = 120.0
+) -> "ParallelFleet":
     """Inside torchrun: validate the plan, read the experts' configs, join the process group.
 
     device: "auto" / "cuda" -> this rank's GPU (LOCAL_RANK) when CUDA is available, else CPU; "cpu" -> CPU."""
 
     plan = ParallelPlan(mode, warmup)  # one-line errors for --parallel / --warmup before any work
     if not in_torchrun():
-        raise FlowfleetError(f"--nproc {nproc}: not running under torchrun (`flowfleet generate` relaunches "
-                             f"itself; inside your own torchrun pass --nproc-per-node {nproc})")
+        raise FlowfleetError(
+            f"--nproc {nproc}: not running under torchrun (`flowfleet generate` relaunches "
+            f"itself; inside your own torchrun pass --nproc-per-node {nproc})"
+        )
     world = int(os.environ["WORLD_SIZE"])
     if world != nproc:
         raise FlowfleetError(f"--nproc {nproc}: torchrun started {world} ranks")
@@ -50,8 +53,13 @@ def join_fleet(model_dir: str, nproc: int, mode: str, warmup: int = 0, *, device
 
 
 class ParallelFleet:
-    def __init__(self, ctx: DistContext, plan: ParallelPlan, configs: Mapping[int, DiTConfig] | None = None,
-                 owns_group: bool = False):
+    def __init__(
+        self,
+        ctx: DistContext,
+        plan: ParallelPlan,
+        configs: Mapping[int, DiTConfig] | None = None,
+        owns_group: bool = False,
+    ):
         self.ctx = ctx
         self.owns_group = owns_group
         self.plan = plan
@@ -66,8 +74,9 @@ class ParallelFleet:
         if r is not None:
             r.close()
         configs = self.configs or {k: pipe.experts.get(k).cfg for k in pipe.present}
-        self.runner = PatchParallelRunner(self.ctx, configs, pipe.experts.get, self.plan, batch=batch,
-                                          guided=guided, dtype=pipe.dtype)
+        self.runner = PatchParallelRunner(
+            self.ctx, configs, pipe.experts.get, self.plan, batch=batch, guided=guided, dtype=pipe.dtype
+        )
         return self.runner
 
     def velocity_fn(self, pipe: Any, cond: Any, settings: Any, trace: Any):
@@ -84,8 +93,9 @@ class ParallelFleet:
         def velocity(x: torch.Tensor, t: torch.Tensor, step: int) -> torch.Tensor:
             if "vf" not in state:  # the batch size is known at the first evaluation
                 runner = self._runner(pipe, x.shape[0], routed.guided)
-                state["vf"] = self.last = runner.velocity(cond.kwargs(), cfg_scale=settings.cfg, route=route,
-                                                          steps=settings.steps, stats=trace.stats)
+                state["vf"] = self.last = runner.velocity(
+                    cond.kwargs(), cfg_scale=settings.cfg, route=route, steps=settings.steps, stats=trace.stats
+                )
             return state["vf"](x, t, step)
 
         return velocity

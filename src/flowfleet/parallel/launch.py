@@ -40,15 +40,26 @@ def relaunch_torchrun(nproc: int, argv: Sequence[str], threads_per_rank: int = 1
 
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
     # What `torchrun --standalone` sets up: a c10d rendezvous on a free local port.
-    opts = torchrun.parse_args(["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}",
-                                f"--nproc-per-node={nproc}", "--max-restarts=0", "--module", "flowfleet.cli"])
+    opts = torchrun.parse_args(
+        [
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=localhost:0",
+            f"--rdzv-id={uuid.uuid4()}",
+            f"--nproc-per-node={nproc}",
+            "--max-restarts=0",
+            "--module",
+            "flowfleet.cli",
+        ]
+    )
     config, cmd, cmd_args = torchrun.config_from_args(opts)
     try:
         elastic_launch(config, cmd)(*cmd_args, *argv)
     except ChildFailedError as err:
         rank, failure = min(err.failures.items(), key=lambda kv: kv[1].timestamp)  # global rank -> failure
-        raise FlowfleetError(f"--nproc {nproc}: rank {rank} failed first (exit code {failure.exitcode}; its error "
-                             f"is printed above) and the other ranks were stopped") from None
+        raise FlowfleetError(
+            f"--nproc {nproc}: rank {rank} failed first (exit code {failure.exitcode}; its error "
+            f"is printed above) and the other ranks were stopped"
+        ) from None
     return 0
 
 
@@ -85,12 +96,12 @@ def _from_plain(obj: Any) -> Any:
     return obj
 
 
-def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, timeout_s: float, threads: int,
-           results: Any) -> None:
+def _child(
+    rank: int, nproc: int, port: int, fn: Callable, args: tuple, timeout_s: float, threads: int, results: Any
+) -> None:
     torch.set_num_threads(threads)
     try:
-        ctx = init_process_group(rank, nproc, init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s,
-                                 device="cpu")
+        ctx = init_process_group(rank, nproc, init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s, device="cpu")
         try:
             out = fn(ctx, *args)
         finally:
@@ -103,8 +114,16 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, timeout_
         results.put((rank, False, f"{type(err).__name__}: {first}"))
 
 
-def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout_s: float = 30.0, threads: int = 1,
-              start_method: str = "spawn", deadline_s: float | None = None) -> list[Any]:
+def run_local(
+    fn: Callable[..., Any],
+    nproc: int,
+    args: tuple = (),
+    *,
+    timeout_s: float = 30.0,
+    threads: int = 1,
+    start_method: str = "spawn",
+    deadline_s: float | None = None,
+) -> list[Any]:
     """fn(ctx, *args) on nproc local CPU ranks (gloo over 127.0.0.1) -> each rank's return value.
 
     fn must be importable (module level). A rank that raises makes this raise one FlowfleetError naming
@@ -113,8 +132,10 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout_s
     ctx = torch.multiprocessing.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, nproc, port, fn, args, timeout_s, threads, results), daemon=True)
-             for r in range(nproc)]
+    procs = [
+        ctx.Process(target=_child, args=(r, nproc, port, fn, args, timeout_s, threads, results), daemon=True)
+        for r in range(nproc)
+    ]
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[bool, Any]] = {}

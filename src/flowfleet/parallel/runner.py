@@ -70,8 +70,17 @@ class PatchParallelRunner:
     up front; get_expert(id) returns the loaded model when it is first needed (lazy stores welcome).
     """
 
-    def __init__(self, ctx: DistContext, configs: Mapping[int, DiTConfig], get_expert: Callable[[int], DiTModel],
-                 plan: ParallelPlan, *, batch: int, guided: bool, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        ctx: DistContext,
+        configs: Mapping[int, DiTConfig],
+        get_expert: Callable[[int], DiTModel],
+        plan: ParallelPlan,
+        *,
+        batch: int,
+        guided: bool,
+        dtype: torch.dtype = torch.float32,
+    ):
         if not configs:
             raise FlowfleetError("no experts to run")
         ids = sorted(configs)
@@ -79,9 +88,11 @@ class PatchParallelRunner:
         for k in ids[1:]:
             c = configs[k]
             if (c.input_size, c.patch_size, c.in_channels) != (ref.input_size, ref.patch_size, ref.in_channels):
-                raise FlowfleetError(f"expert {k}: latent {c.in_channels}x{c.input_size} / patch {c.patch_size} "
-                                     f"differs from expert {ids[0]}'s {ref.in_channels}x{ref.input_size} / "
-                                     f"patch {ref.patch_size}")
+                raise FlowfleetError(
+                    f"expert {k}: latent {c.in_channels}x{c.input_size} / patch {c.patch_size} "
+                    f"differs from expert {ids[0]}'s {ref.in_channels}x{ref.input_size} / "
+                    f"patch {ref.patch_size}"
+                )
         self.ctx, self.plan, self.guided = ctx, plan, guided
         self.get_expert = get_expert
         self.batch = batch
@@ -90,8 +101,9 @@ class PatchParallelRunner:
         bands = ctx.subgroups(ctx.world_size // self.groups) if ctx.world_size > 1 else ctx.world
         self.group_index = ctx.rank // bands.size  # 0: conditional rows, 1: unconditional (when split)
         self.layout = BandLayout.for_latent(ref.input_size, ref.patch_size, bands.size, bands.rank)
-        self.comm = CommManager(bands, ctx.world, device=ctx.device, dtype=dtype, batch_bytes=plan.batch_bytes,
-                                timeout_s=ctx.timeout_s)
+        self.comm = CommManager(
+            bands, ctx.world, device=ctx.device, dtype=dtype, batch_bytes=plan.batch_bytes, timeout_s=ctx.timeout_s
+        )
         # A band group of one rank owns the whole image: nothing to exchange, every mode is the plain model.
         self.mode = plan.mode if bands.size > 1 else ParallelMode.NAIVE
         self.slot_rows = batch * (2 if guided and not self.split else 1)
@@ -115,8 +127,15 @@ class PatchParallelRunner:
         """Rank 0's tensor on every rank (e.g. the starting noise)."""
         return self.comm.broadcast_world(x, what="starting noise")
 
-    def velocity(self, cond: Mapping[str, torch.Tensor | None], *, cfg_scale: float = 1.0,
-                 route: RouteFn | None = None, steps: int | None = None, stats: Any = None) -> "ParallelVelocity":
+    def velocity(
+        self,
+        cond: Mapping[str, torch.Tensor | None],
+        *,
+        cfg_scale: float = 1.0,
+        route: RouteFn | None = None,
+        steps: int | None = None,
+        stats: Any = None,
+    ) -> "ParallelVelocity":
         """The per-step velocity (x_t, t, step) -> v for one sampling run of up to `batch` samples.
 
         steps: the run's step count, so the last step does not prefetch activations nobody will read.
@@ -124,8 +143,7 @@ class PatchParallelRunner:
         self.comm.drain()  # a previous run's last gathers must land before their slots are reused
         if route is None and len(self.expert_ids) != 1:
             raise FlowfleetError("a routing function is required for more than one expert")
-        return ParallelVelocity(self, {k: v for k, v in cond.items() if v is not None}, cfg_scale, route, steps,
-                                stats)
+        return ParallelVelocity(self, {k: v for k, v in cond.items() if v is not None}, cfg_scale, route, steps, stats)
 
     def close(self) -> None:
         self.comm.drain()
@@ -138,8 +156,15 @@ def expert_name(k: int) -> str:
 class ParallelVelocity:
     """(x_t, t, step) -> v for the sampler; see the module docstring for what one call does."""
 
-    def __init__(self, runner: PatchParallelRunner, cond: dict[str, torch.Tensor], cfg_scale: float,
-                 route: RouteFn | None, steps: int | None, stats: Any = None):
+    def __init__(
+        self,
+        runner: PatchParallelRunner,
+        cond: dict[str, torch.Tensor],
+        cfg_scale: float,
+        route: RouteFn | None,
+        steps: int | None,
+        stats: Any = None,
+    ):
         self.r = runner
         self.stats = stats
         self.cond = cond
@@ -174,7 +199,7 @@ class ParallelVelocity:
         self.modes.append(ran)
         bands = r.comm.all_gather_world(acc)  # [world, B, C, R*p, W]
         nb = r.layout.bands
-        halves = [torch.cat(list(bands[g * nb:(g + 1) * nb]), dim=-2) for g in range(r.groups)]  # [B, C, H, W]
+        halves = [torch.cat(list(bands[g * nb : (g + 1) * nb]), dim=-2) for g in range(r.groups)]  # [B, C, H, W]
         if r.split:
             return cfg_combine(halves[0], halves[1], self.cfg_scale)
         return halves[0]
@@ -185,16 +210,19 @@ class ParallelVelocity:
         b = x.shape[0]
         if self.route is None:
             only = self.r.expert_ids[0]
-            return (torch.full((b, 1), only, dtype=torch.long, device=x.device),
-                    torch.ones(b, 1, dtype=x.dtype, device=x.device))
+            return (
+                torch.full((b, 1), only, dtype=torch.long, device=x.device),
+                torch.ones(b, 1, dtype=x.dtype, device=x.device),
+            )
         experts, weights = self.route(x, t, step)
         k = experts.shape[1]
         packed = torch.cat([experts.double(), weights.double()], dim=1)  # [B, 2k]: one broadcast
         packed = self.r.comm.broadcast_world(packed, what="routing decision")
         return packed[:, :k].round().long(), packed[:, k:].to(x.dtype)
 
-    def _run_expert(self, k: int, x_band: torch.Tensor, t: torch.Tensor, rows: torch.Tensor, mode: ParallelMode,
-                    step: int) -> tuple[torch.Tensor, ParallelMode]:
+    def _run_expert(
+        self, k: int, x_band: torch.Tensor, t: torch.Tensor, rows: torch.Tensor, mode: ParallelMode, step: int
+    ) -> tuple[torch.Tensor, ParallelMode]:
         r = self.r
         n = rows.numel()
         xk, tk = x_band[rows], t[rows]

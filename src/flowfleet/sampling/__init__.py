@@ -15,7 +15,18 @@ from flowfleet.sampling.store import ExpertStore
 from flowfleet.sampling.trace import RoutingTrace
 
 __all__ = [
-    "ModelIndex", "SchedulerConfig", "read_model_index", "FleetOutput", "FleetPipeline", "RoutedVelocity",
-    "SamplingSettings", "Condition", "ExecutionStats", "Selection", "run_selected", "select_experts",
-    "ExpertStore", "RoutingTrace",
+    "ModelIndex",
+    "SchedulerConfig",
+    "read_model_index",
+    "FleetOutput",
+    "FleetPipeline",
+    "RoutedVelocity",
+    "SamplingSettings",
+    "Condition",
+    "ExecutionStats",
+    "Selection",
+    "run_selected",
+    "select_experts",
+    "ExpertStore",
+    "RoutingTrace",
 ]

@@ -61,8 +61,16 @@ class SamplingSettings:
     seed: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"strategy": self.strategy.name, "k": self.k, "steps": self.steps, "sampler": self.sampler,
-                "cfg": self.cfg, "shift": self.shift, "route_every": self.route_every, "seed": self.seed}
+        return {
+            "strategy": self.strategy.name,
+            "k": self.k,
+            "steps": self.steps,
+            "sampler": self.sampler,
+            "cfg": self.cfg,
+            "shift": self.shift,
+            "route_every": self.route_every,
+            "seed": self.seed,
+        }
 
 
 @dataclass
@@ -88,8 +96,9 @@ class RoutedVelocity:
     evaluation of every route_every-th step, its selection being reused in between.
     """
 
-    def __init__(self, pipe: "FleetPipeline", cond: Condition, k: int, cfg: float, route_every: int,
-                 trace: RoutingTrace):
+    def __init__(
+        self, pipe: "FleetPipeline", cond: Condition, k: int, cfg: float, route_every: int, trace: RoutingTrace
+    ):
         self.pipe, self.cond, self.k, self.cfg = pipe, cond, k, cfg
         self.route_every = route_every
         self.guided = pipe.guidance_applies(cfg)
@@ -99,15 +108,13 @@ class RoutedVelocity:
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor, step: int) -> torch.Tensor:
         selection = self.select(x, t, step)
-        return run_selected(self.pipe.experts, x, t, self.cond, selection, self.cfg, self.guided,
-                            self.trace.stats)
+        return run_selected(self.pipe.experts, x, t, self.cond, selection, self.cfg, self.guided, self.trace.stats)
 
     def select(self, x: torch.Tensor, t: torch.Tensor, step: int) -> Selection:
         """This evaluation's per-sample experts and weights (routing + trace, no expert runs); the
         patch-parallel velocity (flowfleet.parallel.fleet) routes through here too."""
         first_eval = step != self._last_step
-        reroute = (self._selection is None or self.route_every == 1
-                   or (first_eval and step % self.route_every == 0))
+        reroute = self._selection is None or self.route_every == 1 or (first_eval and step % self.route_every == 0)
         if reroute:
             probs = self.pipe.router_probs(x, t, self.cond)  # [B, P]
             self._selection = select_experts(probs, self.pipe.present, self.pipe.num_experts, self.k)
@@ -197,8 +204,10 @@ class FleetPipeline:
             cfg = read_dit_config(root, folder)
             if (cfg.in_channels, *cfg.input_size) != (c, h, w):
                 shape = (cfg.in_channels, *cfg.input_size)
-                raise FlowfleetError(f"{root.url_of(folder)}: expert {k} denoises {shape}, "
-                                     f"model_index.json says latent_shape {(c, h, w)}")
+                raise FlowfleetError(
+                    f"{root.url_of(folder)}: expert {k} denoises {shape}, "
+                    f"model_index.json says latent_shape {(c, h, w)}"
+                )
         router = None
         if tuple(index.router) == (None, None):  # a one-expert model (the monolith): nothing to route
             if index.num_experts != 1:
@@ -208,16 +217,27 @@ class FleetPipeline:
         else:
             router = load_model(DiTRouter, root, "router").to(device)
         if router is not None and router.cfg.num_outputs != index.num_experts:
-            raise FlowfleetError(f"{root.url_of('router')}: num_outputs {router.cfg.num_outputs} differs from "
-                                 f"the fleet's K = {index.num_experts}")
+            raise FlowfleetError(
+                f"{root.url_of('router')}: num_outputs {router.cfg.num_outputs} differs from "
+                f"the fleet's K = {index.num_experts}"
+            )
 
         def load_expert(k: int) -> DiTExpert:
             return load_model(DiTExpert, root, expert_folder(k)).to(device)
 
         store = ExpertStore(load_expert, index.present_experts, index.num_experts, offload)
-        pipe = cls(store, router, latent_shape=index.latent_shape, conditioning=index.conditioning,
-                   num_classes=index.num_classes, text_encoder=text_encoder, latent_decoder=latent_decoder,
-                   scheduler=index.scheduler, device=device, index=index)
+        pipe = cls(
+            store,
+            router,
+            latent_shape=index.latent_shape,
+            conditioning=index.conditioning,
+            num_classes=index.num_classes,
+            text_encoder=text_encoder,
+            latent_decoder=latent_decoder,
+            scheduler=index.scheduler,
+            device=device,
+            index=index,
+        )
         if load_encoders:
             pipe.load_encoders()
         return pipe
@@ -256,9 +276,16 @@ class FleetPipeline:
 
     # -- settings -----------------------------------------------------------------------------------------
 
-    def settings(self, strategy: str | None = None, steps: int | None = None, sampler: str | None = None,
-                 cfg: float | None = None, shift: float | None = None, route_every: int | None = None,
-                 seed: int = 0) -> SamplingSettings:
+    def settings(
+        self,
+        strategy: str | None = None,
+        steps: int | None = None,
+        sampler: str | None = None,
+        cfg: float | None = None,
+        shift: float | None = None,
+        route_every: int | None = None,
+        seed: int = 0,
+    ) -> SamplingSettings:
         """Fill unset choices from the fleet's scheduler config and validate them (one-line errors)."""
         sch = self.scheduler
         name = strategy if strategy is not None else sch.strategy
@@ -301,8 +328,9 @@ class FleetPipeline:
             if bad:
                 raise FlowfleetError(f"--label: {bad[0]} outside 0..{self.num_classes - 1}")
 
-    def encode_condition(self, prompts: Sequence[str] | None, labels: Sequence[int] | None, n: int
-                         ) -> tuple[Condition, list[str]]:
+    def encode_condition(
+        self, prompts: Sequence[str] | None, labels: Sequence[int] | None, n: int
+    ) -> tuple[Condition, list[str]]:
         """Per-sample Condition for n samples, cycling through the prompts (or labels)."""
         self.check_condition(prompts, labels)
         if self.conditioning in TEXT_CONDITIONING:
@@ -312,8 +340,9 @@ class FleetPipeline:
             emb = self.text_encoder.encode(prompts)  # tokens [P, L, T], mask [P, L], pooled [P, T]
             width = self.index.text_width if self.index is not None else emb.tokens.shape[-1]
             if emb.tokens.shape[-1] != width:
-                raise FlowfleetError(f"text encoder: width {emb.tokens.shape[-1]} differs from the experts' "
-                                     f"text width {width}")
+                raise FlowfleetError(
+                    f"text encoder: width {emb.tokens.shape[-1]} differs from the experts' text width {width}"
+                )
             which = torch.arange(n) % len(prompts)
             cond = Condition(
                 text_tokens=emb.tokens[which].to(self.device, self.dtype),
@@ -329,9 +358,15 @@ class FleetPipeline:
 
     # -- sampling ----------------------------------------------------------------------------------------
 
-    def sample(self, noise: torch.Tensor, cond: Condition, settings: SamplingSettings,
-               velocity_fn: VelocityFn | None = None, progress: bool | str = False,
-               parallel: Any = None) -> tuple[torch.Tensor, RoutingTrace]:
+    def sample(
+        self,
+        noise: torch.Tensor,
+        cond: Condition,
+        settings: SamplingSettings,
+        velocity_fn: VelocityFn | None = None,
+        progress: bool | str = False,
+        parallel: Any = None,
+    ) -> tuple[torch.Tensor, RoutingTrace]:
         """Integrate from noise x_1 to x_0 with the routed velocity (or the given velocity_fn).
 
         progress: True shows a bar named after the strategy; a string names the bar itself.
@@ -350,8 +385,13 @@ class FleetPipeline:
             bar = tqdm(total=settings.steps, desc=f"sampling ({label})", unit="step", leave=False)
         try:
             with torch.inference_mode():
-                x0 = integrate(vf, noise, grid, settings.sampler,  # type: ignore[arg-type]
-                               callback=(lambda i, x: bar.update(1)) if bar is not None else None)
+                x0 = integrate(
+                    vf,
+                    noise,
+                    grid,
+                    settings.sampler,  # type: ignore[arg-type]
+                    callback=(lambda i, x: bar.update(1)) if bar is not None else None,
+                )
         finally:
             if bar is not None:
                 bar.close()
@@ -362,11 +402,23 @@ class FleetPipeline:
         images = self.latent_decoder.decode(latents) if self.latent_decoder is not None else latents
         return images.clamp(-1.0, 1.0)
 
-    def __call__(self, prompts: Sequence[str] | None = None, n: int = 16, *, labels: Sequence[int] | None = None,
-                 strategy: str | None = None, steps: int | None = None, sampler: str | None = None,
-                 cfg: float | None = None, shift: float | None = None, route_every: int | None = None,
-                 seed: int = 0, batch_size: int | None = None, progress: bool | str = False,
-                 parallel: Any = None) -> FleetOutput:
+    def __call__(
+        self,
+        prompts: Sequence[str] | None = None,
+        n: int = 16,
+        *,
+        labels: Sequence[int] | None = None,
+        strategy: str | None = None,
+        steps: int | None = None,
+        sampler: str | None = None,
+        cfg: float | None = None,
+        shift: float | None = None,
+        route_every: int | None = None,
+        seed: int = 0,
+        batch_size: int | None = None,
+        progress: bool | str = False,
+        parallel: Any = None,
+    ) -> FleetOutput:
         """Generate n samples. Noise for all n comes from one seeded generator, so the batch size does
         not change the images. parallel: see sample()."""
         if n < 1:
@@ -397,8 +449,10 @@ def _encoders_module():
     try:
         from flowfleet.data import encoders
     except ImportError:
-        raise FlowfleetError("encoders: flowfleet.data.encoders is not available in this install "
-                             "(pass text_encoder= / latent_decoder= objects instead)") from None
+        raise FlowfleetError(
+            "encoders: flowfleet.data.encoders is not available in this install "
+            "(pass text_encoder= / latent_decoder= objects instead)"
+        ) from None
     return encoders
 
 

@@ -54,8 +54,9 @@ class ExpertStore:
         self.releases: Counter[int] = Counter()
 
     @classmethod
-    def from_callables(cls, experts: Sequence[ExpertFn], present: Iterable[int] | None = None,
-                       max_resident: int | None = None) -> "ExpertStore":
+    def from_callables(
+        cls, experts: Sequence[ExpertFn], present: Iterable[int] | None = None, max_resident: int | None = None
+    ) -> "ExpertStore":
         """Experts already in memory (closed-form toys, counting wrappers in tests, benchmarks)."""
         ids = range(len(experts)) if present is None else present
         return cls(lambda k: experts[k], ids, len(experts), max_resident)

@@ -105,5 +105,11 @@ class RoutingTrace:
             }
             for i in range(self.num_steps)
         ]
-        return {"num_experts": self.num_experts, "num_samples": self.num_samples, "num_steps": self.num_steps,
-                "router_calls": self.router_calls, "usage": usage, "steps": steps}
+        return {
+            "num_experts": self.num_experts,
+            "num_samples": self.num_samples,
+            "num_steps": self.num_steps,
+            "router_calls": self.router_calls,
+            "usage": usage,
+            "steps": steps,
+        }

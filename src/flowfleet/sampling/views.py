@@ -58,13 +58,20 @@ def routing_heatmap(trace: RoutingTrace, max_samples: int = 64) -> bytes:
     fig = Figure(figsize=(11, 3.6), dpi=110)
     FigureCanvasAgg(fig)
     ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.3]})
-    im = ax1.imshow(probs.mean(axis=1).T, aspect="auto", origin="lower", vmin=0, vmax=1, cmap="viridis",
-                    interpolation="nearest")
+    im = ax1.imshow(
+        probs.mean(axis=1).T, aspect="auto", origin="lower", vmin=0, vmax=1, cmap="viridis", interpolation="nearest"
+    )
     ax1.set(title="mean router probability", xlabel="sampling step (t: 1 -> 0)", ylabel="expert")
     ax1.set_yticks(range(k))
     fig.colorbar(im, ax=ax1, fraction=0.05)
-    im2 = ax2.imshow(top1.T, aspect="auto", origin="lower", cmap=_expert_colors(k),
-                     norm=BoundaryNorm(np.arange(k + 1) - 0.5, k), interpolation="nearest")
+    im2 = ax2.imshow(
+        top1.T,
+        aspect="auto",
+        origin="lower",
+        cmap=_expert_colors(k),
+        norm=BoundaryNorm(np.arange(k + 1) - 0.5, k),
+        interpolation="nearest",
+    )
     ax2.set(title="top expert per sample", xlabel="sampling step (t: 1 -> 0)", ylabel="sample")
     cb = fig.colorbar(im2, ax=ax2, fraction=0.05, ticks=range(k))
     cb.set_label("expert")
@@ -104,8 +111,13 @@ def usage_table(trace: RoutingTrace, loads: Counter[int] | None = None, width: i
         table.add_column("loads", justify="right")
     for k in range(trace.num_experts):
         share = sel.get(k, 0) / total
-        row = [str(k), Bar(1.0, 0.0, share, width=width, color="cyan"), f"{100 * share:5.1f}",
-               str(trace.stats.calls.get(k, 0)), str(trace.stats.rows.get(k, 0))]
+        row = [
+            str(k),
+            Bar(1.0, 0.0, share, width=width, color="cyan"),
+            f"{100 * share:5.1f}",
+            str(trace.stats.calls.get(k, 0)),
+            str(trace.stats.rows.get(k, 0)),
+        ]
         if loads is not None:
             row.append(str(loads.get(k, 0)))
         table.add_row(*row)

@@ -53,8 +53,10 @@ class AssembleResult:
 def _check_shape(who: str, where: str, cfg: DiTConfig, run: RunConfig) -> None:
     c, h, w = run.latent_shape
     if cfg.in_channels != c or tuple(cfg.input_size) != (h, w):
-        raise FlowfleetError(f"{who} ({where}): latent shape {(cfg.in_channels, *cfg.input_size)} (in_channels, "
-                             f"input_size) differs from the run's latent shape {(c, h, w)}")
+        raise FlowfleetError(
+            f"{who} ({where}): latent shape {(cfg.in_channels, *cfg.input_size)} (in_channels, "
+            f"input_size) differs from the run's latent shape {(c, h, w)}"
+        )
 
 
 def check_expert(k: int | str, where: str, cfg: DiTConfig, run: RunConfig) -> None:
@@ -65,30 +67,41 @@ def check_expert(k: int | str, where: str, cfg: DiTConfig, run: RunConfig) -> No
     if cfg.num_outputs:
         raise FlowfleetError(f"{who} ({where}): num_outputs {cfg.num_outputs}: a router head, not a velocity expert")
     if cfg.out_ch != cfg.in_channels:
-        raise FlowfleetError(f"{who} ({where}): out_channels {cfg.out_ch} differs from in_channels "
-                             f"{cfg.in_channels} (learned-sigma heads cannot be sampled as velocities)")
+        raise FlowfleetError(
+            f"{who} ({where}): out_channels {cfg.out_ch} differs from in_channels "
+            f"{cfg.in_channels} (learned-sigma heads cannot be sampled as velocities)"
+        )
     if cfg.patch_size != ref.patch_size:
-        raise FlowfleetError(f"{who} ({where}): patch_size {cfg.patch_size} differs from run.yaml "
-                             f"expert.patch_size {ref.patch_size}")
+        raise FlowfleetError(
+            f"{who} ({where}): patch_size {cfg.patch_size} differs from run.yaml expert.patch_size {ref.patch_size}"
+        )
     if cfg.conditioning != ref.conditioning:
-        raise FlowfleetError(f"{who} ({where}): conditioning {cfg.conditioning!r} differs from run.yaml "
-                             f"expert.conditioning {ref.conditioning!r}")
+        raise FlowfleetError(
+            f"{who} ({where}): conditioning {cfg.conditioning!r} differs from run.yaml "
+            f"expert.conditioning {ref.conditioning!r}"
+        )
     if cfg.uses_text and cfg.text_dim != ref.text_dim:
-        raise FlowfleetError(f"{who} ({where}): text_dim (text width) {cfg.text_dim} differs from run.yaml "
-                             f"expert.text_dim {ref.text_dim} ({run.encoders.text.name})")
+        raise FlowfleetError(
+            f"{who} ({where}): text_dim (text width) {cfg.text_dim} differs from run.yaml "
+            f"expert.text_dim {ref.text_dim} ({run.encoders.text.name})"
+        )
     if cfg.conditioning == "cross_attn" and cfg.text_len != ref.text_len:
-        raise FlowfleetError(f"{who} ({where}): text_len {cfg.text_len} differs from run.yaml "
-                             f"expert.text_len {ref.text_len}")
+        raise FlowfleetError(
+            f"{who} ({where}): text_len {cfg.text_len} differs from run.yaml expert.text_len {ref.text_len}"
+        )
     if cfg.conditioning == "class" and cfg.num_classes != ref.num_classes:
-        raise FlowfleetError(f"{who} ({where}): num_classes {cfg.num_classes} differs from run.yaml "
-                             f"expert.num_classes {ref.num_classes}")
+        raise FlowfleetError(
+            f"{who} ({where}): num_classes {cfg.num_classes} differs from run.yaml expert.num_classes {ref.num_classes}"
+        )
 
 
 def check_router(where: str, cfg: DiTConfig, run: RunConfig) -> None:
     _check_shape("router", where, cfg, run)
     if cfg.num_outputs != run.cluster.k:
-        raise FlowfleetError(f"router ({where}): num_outputs {cfg.num_outputs} differs from K = "
-                             f"{run.cluster.k} experts (run.yaml cluster.k)")
+        raise FlowfleetError(
+            f"router ({where}): num_outputs {cfg.num_outputs} differs from K = "
+            f"{run.cluster.k} experts (run.yaml cluster.k)"
+        )
 
 
 def _read_config(who: str, root: RunRoot, *parts: str) -> DiTConfig:
@@ -101,8 +114,9 @@ def _read_config(who: str, root: RunRoot, *parts: str) -> DiTConfig:
             raw = None  # read_dit_config below reports the corrupted JSON
         convention = raw.get("time_convention", TIME_CONVENTION) if isinstance(raw, dict) else TIME_CONVENTION
         if convention != TIME_CONVENTION:
-            raise FlowfleetError(f"{who} ({where}): time_convention {convention!r} differs from flowfleet's "
-                                 f"{TIME_CONVENTION!r}")
+            raise FlowfleetError(
+                f"{who} ({where}): time_convention {convention!r} differs from flowfleet's {TIME_CONVENTION!r}"
+            )
     try:
         return read_dit_config(root, *parts)
     except ModelFileError as err:
@@ -114,8 +128,15 @@ def _read_config(who: str, root: RunRoot, *parts: str) -> DiTConfig:
 # --------------------------------------------------------------------------------------------------
 
 
-def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = False, monolith: bool = False,
-             router: str = "router", progress: bool = False) -> AssembleResult:
+def assemble(
+    run_root: str,
+    out: str | None = None,
+    *,
+    allow_partial: bool = False,
+    monolith: bool = False,
+    router: str = "router",
+    progress: bool = False,
+) -> AssembleResult:
     """Check, then copy experts + router into a model folder; model_index.json is written last.
     router: the router job folder ("router", or "router-paris" for the prompt-blind baseline).
     monolith=True: the monolith alone as a one-expert model with no router (default out RUN_ROOT/model-monolith),
@@ -151,17 +172,24 @@ def assemble(run_root: str, out: str | None = None, *, allow_partial: bool = Fal
         statuses[k] = status
     if missing and not allow_partial:
         first = next(iter(missing))
-        raise FlowfleetError(f"expert {first} is not finished ({missing[first]}); {len(missing)} of {num_experts} "
-                             f"experts missing — wait for them or pass --allow-partial")
+        raise FlowfleetError(
+            f"expert {first} is not finished ({missing[first]}); {len(missing)} of {num_experts} "
+            f"experts missing — wait for them or pass --allow-partial"
+        )
     if not present:
         raise FlowfleetError(f"no finished expert among the {num_experts} in {root.url_of(EXPERTS)}")
-    warnings = [f"partial fleet: expert {k} left out ({why}); router probabilities are renormalised over "
-                f"experts {present}" for k, why in missing.items()]
+    warnings = [
+        f"partial fleet: expert {k} left out ({why}); router probabilities are renormalised over experts {present}"
+        for k, why in missing.items()
+    ]
     components = [("router", (router, FINAL), DiTRouter)] + [
-        (expert_folder(k), (expert_job(k), FINAL), DiTExpert) for k in present]
-    source = {"router": {"job": router, "step": router_status.step, "samples_seen": router_status.samples_seen},
-              "experts": {str(k): {"step": s.step, "samples_seen": s.samples_seen} for k, s in statuses.items()},
-              "missing_experts": {str(k): why for k, why in missing.items()}}
+        (expert_folder(k), (expert_job(k), FINAL), DiTExpert) for k in present
+    ]
+    source = {
+        "router": {"job": router, "step": router_status.step, "samples_seen": router_status.samples_seen},
+        "experts": {str(k): {"step": s.step, "samples_seen": s.samples_seen} for k, s in statuses.items()},
+        "missing_experts": {str(k): why for k, why in missing.items()},
+    }
     out_root = RunRoot(out) if out else RunRoot(root.url_of(MODEL))
     _write_model(root, run, out_root, components, num_experts, present, source, router=True, progress=progress)
     return AssembleResult(out_root.url, num_experts, present, missing, warnings)
@@ -176,8 +204,17 @@ def _assemble_monolith(root: RunRoot, run: RunConfig, out: str | None, progress:
     check_expert(MONOLITH, root.url_of(MONOLITH, FINAL, "config.json"), cfg, run)
     source = {"monolith": {"step": status.step, "samples_seen": status.samples_seen}}
     out_root = RunRoot(out) if out else RunRoot(root.url_of(MONOLITH_MODEL))
-    _write_model(root, run, out_root, [(expert_folder(0), (MONOLITH, FINAL), DiTExpert)], 1, [0], source,
-                 router=False, progress=progress)
+    _write_model(
+        root,
+        run,
+        out_root,
+        [(expert_folder(0), (MONOLITH, FINAL), DiTExpert)],
+        1,
+        [0],
+        source,
+        router=False,
+        progress=progress,
+    )
     return AssembleResult(out_root.url, 1, [0], {}, [])
 
 
@@ -187,9 +224,18 @@ def _command(job: str, root: RunRoot) -> str:
     return "flowfleet " + " ".join(JobSpec(job).cli_args(root.url))
 
 
-def _write_model(root: RunRoot, run: RunConfig, out_root: RunRoot, components: list[tuple[str, tuple[str, ...], type]],
-                 num_experts: int, present: list[int], source: dict[str, Any], *, router: bool,
-                 progress: bool) -> None:
+def _write_model(
+    root: RunRoot,
+    run: RunConfig,
+    out_root: RunRoot,
+    components: list[tuple[str, tuple[str, ...], type]],
+    num_experts: int,
+    present: list[int],
+    source: dict[str, Any],
+    *,
+    router: bool,
+    progress: bool,
+) -> None:
     """Copy the components (strictly loaded first), the encoder references and run.yaml; index last."""
     out_root.remove(INDEX_FILE)  # the folder stops being a model until the new index lands
     for name in out_root.ls():
@@ -200,7 +246,6 @@ def _write_model(root: RunRoot, run: RunConfig, out_root: RunRoot, components: l
 
     bar = None
     if progress:
-
         bar = tqdm(total=len(components), desc="assemble", unit="model", leave=False)
     for dest, src, cls in components:
         load_model(cls, root, *src)  # strict: weights match config.json (refuse a corrupted file now)
@@ -215,17 +260,32 @@ def _write_model(root: RunRoot, run: RunConfig, out_root: RunRoot, components: l
     ref = run.expert
     text_cfg = run.encoders.text if ref.uses_text else None
     if text_cfg is not None:
-        out_root.write_json({**text_cfg.model_dump(mode="json"), "width": text_cfg.width,
-                             "_note": "a reference: flowfleet.data.encoders.build_text_encoder loads it; "
-                                      "the encoder itself is not copied"}, "text_encoder", "config.json")
+        out_root.write_json(
+            {
+                **text_cfg.model_dump(mode="json"),
+                "width": text_cfg.width,
+                "_note": "a reference: flowfleet.data.encoders.build_text_encoder loads it; "
+                "the encoder itself is not copied",
+            },
+            "text_encoder",
+            "config.json",
+        )
     latent_cfg = run.encoders.latent
     if latent_cfg.name == "pixels":
-        out_root.write_bytes(b"This fleet works in pixel space: its 'latents' are images in [-1, 1], "
-                             b"so there is no vae/ folder and generate does not decode.\n", PIXEL_NOTE)
+        out_root.write_bytes(
+            b"This fleet works in pixel space: its 'latents' are images in [-1, 1], "
+            b"so there is no vae/ folder and generate does not decode.\n",
+            PIXEL_NOTE,
+        )
     else:
-        out_root.write_json({**latent_cfg.model_dump(mode="json"),
-                             "_note": "a reference: flowfleet.data.encoders.build_latent_encoder loads it"},
-                            "vae", "config.json")
+        out_root.write_json(
+            {
+                **latent_cfg.model_dump(mode="json"),
+                "_note": "a reference: flowfleet.data.encoders.build_latent_encoder loads it",
+            },
+            "vae",
+            "config.json",
+        )
 
     index = ModelIndex(
         flowfleet_version=__version__,
@@ -244,8 +304,12 @@ def _write_model(root: RunRoot, run: RunConfig, out_root: RunRoot, components: l
         router=("flowfleet", "DiTRouter") if router else (None, None),
         text_encoder=("flowfleet", "TextEncoderReference") if text_cfg is not None else (None, None),
         vae=("flowfleet", "LatentEncoderReference") if latent_cfg.name != "pixels" else (None, None),
-        source={"run_root": root.url, "run_name": run.name, "assembled_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                **source},
+        source={
+            "run_root": root.url,
+            "run_name": run.name,
+            "assembled_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **source,
+        },
         **{expert_folder(k): ["flowfleet", "DiTExpert"] for k in present},
     )
     out_root.write_json(index.to_json_dict(), INDEX_FILE)

@@ -86,8 +86,11 @@ def one_point_per_caption(x: torch.Tensor, captions: list[str]) -> tuple[torch.T
 
 def _feature_description(kind: str, manifest: ShardSetManifest) -> dict[str, Any]:
     encoders = manifest.extra.get("encoders") or {}
-    return {"kind": kind, "semantic": encoders.get("semantic") if kind != "text" else None,
-            "text": encoders.get("text") if kind != "semantic" else None}
+    return {
+        "kind": kind,
+        "semantic": encoders.get("semantic") if kind != "text" else None,
+        "text": encoders.get("text") if kind != "semantic" else None,
+    }
 
 
 def _label_mix(labels: torch.Tensor, assign: torch.Tensor, k: int) -> list[dict[str, int]]:
@@ -101,8 +104,9 @@ def _label_mix(labels: torch.Tensor, assign: torch.Tensor, k: int) -> list[dict[
     return out
 
 
-def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | None = None,
-            progress: bool = True) -> dict[str, Any]:
+def cluster(
+    run_root: str | RunRoot, *, backend: str = "auto", device: str | None = None, progress: bool = True
+) -> dict[str, Any]:
     """Partition the prepared data; writes clusters/ and partitions/. Returns the report.
     backend: "faiss", "torch" or "auto" (faiss when installed); device: for the torch backend."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
@@ -124,9 +128,14 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
         raise FlowfleetError(f"cluster.k: {c.k} partitions for only {n} prepared items")
     dev = resolve_device(device)
 
-    report: dict[str, Any] = {"mode": c.mode, "k": c.k, "count": n, "config": c.model_dump(mode="json"),
-                              "source": manifest.extra.get("source"),
-                              "features": _feature_description(c.features, manifest)}
+    report: dict[str, Any] = {
+        "mode": c.mode,
+        "k": c.k,
+        "count": n,
+        "config": c.model_dump(mode="json"),
+        "source": manifest.extra.get("source"),
+        "features": _feature_description(c.features, manifest),
+    }
     if c.mode == "random":
         assign = random_partition(n, c.k, c.seed)
         sums = torch.zeros(c.k, x.shape[1]).index_add_(0, assign, x)
@@ -135,22 +144,41 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
         fine, fine_to_coarse, fine_assign = coarse.clone(), torch.arange(c.k), assign.clone()
         report.update(backend="none")
     else:
-        res = two_stage_kmeans(x, c.k, fine_k=fine_k, sample_size=c.sample_size, iters=c.iters, seed=c.seed,
-                               balance=c.balance, backend=backend, device=dev, progress=progress)
+        res = two_stage_kmeans(
+            x,
+            c.k,
+            fine_k=fine_k,
+            sample_size=c.sample_size,
+            iters=c.iters,
+            seed=c.seed,
+            balance=c.balance,
+            backend=backend,
+            device=dev,
+            progress=progress,
+        )
         assign, fine, coarse = res.assign, res.fine, res.coarse
         fine_to_coarse, fine_assign = res.fine_to_coarse, res.fine_assign
-        report.update(backend=res.backend, fine_k=fine.shape[0], sample_size=res.sample_size,
-                      inertia={"fine": res.inertia_fine, "coarse": res.inertia_coarse,
-                               "coarse_per_item": res.inertia_coarse / n},
-                      reseeds=res.reseeds, notes=res.notes, seconds_per_phase=res.seconds,
-                      fine_to_coarse=fine_to_coarse.tolist())
+        report.update(
+            backend=res.backend,
+            fine_k=fine.shape[0],
+            sample_size=res.sample_size,
+            inertia={"fine": res.inertia_fine, "coarse": res.inertia_coarse, "coarse_per_item": res.inertia_coarse / n},
+            reseeds=res.reseeds,
+            notes=res.notes,
+            seconds_per_phase=res.seconds,
+            fine_to_coarse=fine_to_coarse.tolist(),
+        )
     sizes = torch.bincount(assign, minlength=c.k).tolist()
     report.update(sizes=sizes, seconds_clustering=round(time.perf_counter() - t0, 2))
     score = nmi(labels, assign)
     if score is not None:
         shuffled = assign[torch.randperm(n, generator=torch.Generator().manual_seed(c.seed))]
-        report.update(nmi=score, nmi_random_same_sizes=nmi(labels, shuffled),
-                      label_coherence=label_coherence(labels, assign), label_mix=_label_mix(labels, assign, c.k))
+        report.update(
+            nmi=score,
+            nmi_random_same_sizes=nmi(labels, shuffled),
+            label_coherence=label_coherence(labels, assign),
+            label_mix=_label_mix(labels, assign, c.k),
+        )
     else:
         report.update(nmi=None, label_coherence=None)
 
@@ -158,8 +186,12 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
     root.remove(CLUSTERS, recursive=True)
     root.remove(PARTITIONS, recursive=True)
     write_assignments(root, assign, fine_assign)
-    root.write_bytes(safetensors.torch.save({"fine": fine.contiguous(), "coarse": coarse.contiguous(),
-                                             "fine_to_coarse": fine_to_coarse.contiguous()}), *CENTROIDS)
+    root.write_bytes(
+        safetensors.torch.save(
+            {"fine": fine.contiguous(), "coarse": coarse.contiguous(), "fine_to_coarse": fine_to_coarse.contiguous()}
+        ),
+        *CENTROIDS,
+    )
     examples = write_partitions(root, cfg, data, manifest, assign, progress=progress)
     write_previews(root, cfg, examples, dev)
     report["examples"] = {str(k): caps for k, (_, caps) in examples.items()}
@@ -168,9 +200,15 @@ def cluster(run_root: str | RunRoot, *, backend: str = "auto", device: str | Non
     return report
 
 
-def write_partitions(root: RunRoot, cfg: RunConfig, data: ShardSet, manifest: ShardSetManifest,
-                     assign: torch.Tensor, *, progress: bool = True
-                     ) -> dict[int, tuple[torch.Tensor, list[str]]]:
+def write_partitions(
+    root: RunRoot,
+    cfg: RunConfig,
+    data: ShardSet,
+    manifest: ShardSetManifest,
+    assign: torch.Tensor,
+    *,
+    progress: bool = True,
+) -> dict[int, tuple[torch.Tensor, list[str]]]:
     """partitions/k/ for every k, streamed shard by shard; returns per partition (latents, captions)
     of up to PREVIEW_ITEMS seeded-random members for the previews."""
     k_total = cfg.cluster.k
@@ -181,9 +219,14 @@ def write_partitions(root: RunRoot, cfg: RunConfig, data: ShardSet, manifest: Sh
         members = (assign == k).nonzero().flatten()
         picked[members[torch.randperm(len(members), generator=gen)[:PREVIEW_ITEMS]]] = True
     sets = [ShardSet(root, partition(k)) for k in range(k_total)]
-    extra = {"partition": None, "num_partitions": k_total, "source": manifest.extra.get("source"),
-             "encoders": manifest.extra.get("encoders"), "cluster": cfg.cluster.model_dump(mode="json"),
-             "data_count": manifest.count}
+    extra = {
+        "partition": None,
+        "num_partitions": k_total,
+        "source": manifest.extra.get("source"),
+        "encoders": manifest.extra.get("encoders"),
+        "cluster": cfg.cluster.model_dump(mode="json"),
+        "data_count": manifest.count,
+    }
     outs = [ShardSetManifest(extra={**extra, "partition": k}) for k in range(k_total)]
     pending: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(k_total)]
     pending_caps: list[list[str]] = [[] for _ in range(k_total)]
@@ -219,8 +262,9 @@ def write_partitions(root: RunRoot, cfg: RunConfig, data: ShardSet, manifest: Sh
     return {k: (torch.cat(lat), caps[:EXAMPLE_CAPTIONS]) for k, (lat, caps) in examples.items()}
 
 
-def write_previews(root: RunRoot, cfg: RunConfig, examples: dict[int, tuple[torch.Tensor, list[str]]],
-                   device: torch.device) -> None:
+def write_previews(
+    root: RunRoot, cfg: RunConfig, examples: dict[int, tuple[torch.Tensor, list[str]]], device: torch.device
+) -> None:
     """clusters/preview-k.png: a grid of partition k's sampled members, decoded to images."""
 
     latent = build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device)

@@ -54,8 +54,9 @@ from flowfleet.storage import RunRoot
 
 DEMO_INCEPTION_SIZE = 75
 STRATEGIES = ("top1", "top2", "full")
-SHOWCASE_PROMPTS = tuple(f"a handwritten digit {w}" for w in
-                         ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"))
+SHOWCASE_PROMPTS = tuple(
+    f"a handwritten digit {w}" for w in ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+)
 
 
 @dataclass(frozen=True)
@@ -99,15 +100,20 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
         _steps(raw, "router_train", 300)
         evaluation = EvaluateOptions(n=300, ref_n=None, batch_size=300, fid=fid, grid=40, diagnostic_n=16)
     evaluation = replace(evaluation, strategies=STRATEGIES, monolith=True)
-    return DemoPlan(RunConfig.from_dict(raw, where="demo configuration"), evaluation,
-                    showcase_n=10 if size == "smoke" else 20)
+    return DemoPlan(
+        RunConfig.from_dict(raw, where="demo configuration"), evaluation, showcase_n=10 if size == "smoke" else 20
+    )
 
 
 def _steps(raw: dict[str, Any], section: str, steps: int) -> None:
     """Set a training section's steps and the intervals that follow from them."""
-    raw[section].update(steps=steps, ckpt_every=max(steps // 2, 1), sample_every=steps,
-                        log_every=max(steps // 40, 1),
-                        warmup_steps=min(raw[section].get("warmup_steps", 0), steps // 3))
+    raw[section].update(
+        steps=steps,
+        ckpt_every=max(steps // 2, 1),
+        sample_every=steps,
+        log_every=max(steps // 40, 1),
+        warmup_steps=min(raw[section].get("warmup_steps", 0), steps // 3),
+    )
 
 
 @dataclass
@@ -125,15 +131,23 @@ def _open(out: str, plan: DemoPlan) -> RunRoot:
     if root.exists(RUN_FILE):
         existing = load_run_config(root)
         if existing.to_dict() != plan.config.to_dict():
-            raise FlowfleetError(f"{root.url_of(RUN_FILE)}: exists with another configuration (not this demo's); "
-                                 "choose another --out or delete the folder")
+            raise FlowfleetError(
+                f"{root.url_of(RUN_FILE)}: exists with another configuration (not this demo's); "
+                "choose another --out or delete the folder"
+            )
     else:
         plan.config.save(root)
     return root
 
 
-def demo(out: str = "runs/demo", *, quick: bool = False, size: DemoSize | None = None,
-         echo: Callable[[str], None] = print, progress: bool = True) -> DemoResult:
+def demo(
+    out: str = "runs/demo",
+    *,
+    quick: bool = False,
+    size: DemoSize | None = None,
+    echo: Callable[[str], None] = print,
+    progress: bool = True,
+) -> DemoResult:
     """Run (or resume) the demo in `out`; returns where the report is. `size` overrides `quick`."""
     return _demo(out, size or ("quick" if quick else "full"), echo, progress)
 
@@ -162,9 +176,11 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
     if not outcome.ok:
         failed = {k: v for k, v in outcome.results.items() if v not in ("done", "skipped")}
         first = next(iter(failed))
-        raise FlowfleetError(f"demo: training job {first} {failed[first]}"
-                             f"{': ' + outcome.messages[first] if first in outcome.messages else ''} "
-                             f"(logs in {url}/<job>/train.log; run the demo again to resume)")
+        raise FlowfleetError(
+            f"demo: training job {first} {failed[first]}"
+            f"{': ' + outcome.messages[first] if first in outcome.messages else ''} "
+            f"(logs in {url}/<job>/train.log; run the demo again to resume)"
+        )
     model, monolith = stage("assemble", lambda: (assemble(url).out, assemble(url, monolith=True).out))
 
     def showcase() -> None:
@@ -180,13 +196,24 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
             if k in drawn:  # top2 of 2 experts is the full ensemble: the same images, not drawn twice
                 title, out = f"{name} (= {drawn[k][0]}: the same experts and weights)", drawn[k][1]
             else:
-                out = generate(folder, prompts=list(SHOWCASE_PROMPTS), n=plan.showcase_n, strategy=strategy, seed=0,
-                               out=root.url_of(REPORTS, SHOWCASE, f"{name}.png"), text_encoder=text,
-                               progress=progress).output
+                out = generate(
+                    folder,
+                    prompts=list(SHOWCASE_PROMPTS),
+                    n=plan.showcase_n,
+                    strategy=strategy,
+                    seed=0,
+                    out=root.url_of(REPORTS, SHOWCASE, f"{name}.png"),
+                    text_encoder=text,
+                    progress=progress,
+                ).output
                 drawn[k] = (name, out)
             # each image labelled with its prompt, for the report
-            root.write_bytes(captioned_grid_png(out.images, out.prompts, cols=len(SHOWCASE_PROMPTS), title=title),
-                             REPORTS, SHOWCASE, f"{name}.png")
+            root.write_bytes(
+                captioned_grid_png(out.images, out.prompts, cols=len(SHOWCASE_PROMPTS), title=title),
+                REPORTS,
+                SHOWCASE,
+                f"{name}.png",
+            )
 
     stage("generate", showcase)
     evaluation = stage("evaluate", lambda: evaluate(model, url, plan.evaluation, echo=echo))

@@ -158,12 +158,17 @@ def features_are_fid_features(cfg: RunConfig, fid_key: str) -> bool:
     Inception at the FID's input size on the same uint8 images (pixel space; a VAE's decoded images
     differ from the source images, so latent runs always re-extract)."""
     sem = cfg.encoders.semantic
-    return (cfg.encoders.latent.name == "pixels" and sem.name == "inception" and not sem.path
-            and fid_key == f"default_1-{sem.image_size or 299}")
+    return (
+        cfg.encoders.latent.name == "pixels"
+        and sem.name == "inception"
+        and not sem.path
+        and fid_key == f"default_1-{sem.image_size or 299}"
+    )
 
 
-def reference_images(cfg: RunConfig, latents: torch.Tensor, order: torch.Tensor, n: int, batch: int,
-                     device: torch.device) -> Callable[[], Any]:
+def reference_images(
+    cfg: RunConfig, latents: torch.Tensor, order: torch.Tensor, n: int, batch: int, device: torch.device
+) -> Callable[[], Any]:
     """A generator factory of n decoded data images (in `order`), batch by batch."""
     from flowfleet.data.encoders import build_latent_encoder
 
@@ -180,8 +185,14 @@ def reference_images(cfg: RunConfig, latents: torch.Tensor, order: torch.Tensor,
 # --------------------------------------------------------------------------------------------------
 
 
-def evaluate(model_dir: str, reference: str | None = None, options: EvaluateOptions = EvaluateOptions(), *,
-             echo: Callable[[str], None] = print, extractor: torch.nn.Module | None = None) -> dict[str, Any]:
+def evaluate(
+    model_dir: str,
+    reference: str | None = None,
+    options: EvaluateOptions = EvaluateOptions(),
+    *,
+    echo: Callable[[str], None] = print,
+    extractor: torch.nn.Module | None = None,
+) -> dict[str, Any]:
     """Evaluate an assembled fleet against its run's data; returns (and writes) evaluation.json.
 
     extractor: any uint8 [B, C, H, W] -> [B, D] module with `num_features` to use instead of the
@@ -219,8 +230,17 @@ def root_has_clusters(root: RunRoot) -> bool:
 class _Evaluation:
     """The shared inputs of one evaluation (data, prompts, FID reference) and what the models produced."""
 
-    def __init__(self, model_url: str, root: RunRoot, cfg: RunConfig, data: ShardSet, options: EvaluateOptions,
-                 device: torch.device, echo: Callable[[str], None], conditioning: str):
+    def __init__(
+        self,
+        model_url: str,
+        root: RunRoot,
+        cfg: RunConfig,
+        data: ShardSet,
+        options: EvaluateOptions,
+        device: torch.device,
+        echo: Callable[[str], None],
+        conditioning: str,
+    ):
         self.model_url, self.root, self.cfg, self.data, self.options = model_url, root, cfg, data, options
         self.device, self.echo = device, echo
         fields, captions = data.load(["latents", "labels", "index"], with_captions=True)
@@ -249,8 +269,14 @@ class _Evaluation:
         self.timings: dict[str, float] = {}
 
     @classmethod
-    def open(cls, model_dir: str, reference: str | None, options: EvaluateOptions, echo: Callable[[str], None],
-             extractor: torch.nn.Module | None) -> "_Evaluation":
+    def open(
+        cls,
+        model_dir: str,
+        reference: str | None,
+        options: EvaluateOptions,
+        echo: Callable[[str], None],
+        extractor: torch.nn.Module | None,
+    ) -> "_Evaluation":
 
         options.validate()
         model_root = RunRoot(model_dir)
@@ -260,8 +286,10 @@ class _Evaluation:
             reference = url.rsplit("/", 1)[0] if "/" in url else "."
         root, cfg, data = _open_reference(reference)
         if tuple(index.latent_shape) != tuple(cfg.latent_shape):
-            raise FlowfleetError(f"{model_root.url}: latent shape {tuple(index.latent_shape)} differs from the "
-                                 f"reference run's {tuple(cfg.latent_shape)} ({root.url_of('run.yaml')})")
+            raise FlowfleetError(
+                f"{model_root.url}: latent shape {tuple(index.latent_shape)} differs from the "
+                f"reference run's {tuple(cfg.latent_shape)} ({root.url_of('run.yaml')})"
+            )
         for s in options.strategies:
             try:
                 parse_strategy(s).resolve_k(len(index.present_experts))
@@ -283,14 +311,16 @@ class _Evaluation:
         if features_are_fid_features(self.cfg, fid.key):
             # prepare stored exactly these Inception features for clustering: no second pass over the data.
             feats = self.data.load(["features"])["features"]
-            self.ref = fid.reference_from_features(self.root, DATA, lambda: [feats[order[:ref_n]]], n=ref_n,
-                                                   fingerprint=fingerprint)
+            self.ref = fid.reference_from_features(
+                self.root, DATA, lambda: [feats[order[:ref_n]]], n=ref_n, fingerprint=fingerprint
+            )
         else:
             images = reference_images(self.cfg, self.latents, order, ref_n, self.options.fid.batch_size, self.device)
             self.ref = fid.reference(self.root, DATA, images, n=ref_n, fingerprint=fingerprint)
         self.timings["reference_s"] = time.perf_counter() - t0
-        if self.options.judge or (self.prompts and self.data_is_mnist()
-                                  and any(prompted_digit(p) is not None for p in self.prompts)):
+        if self.options.judge or (
+            self.prompts and self.data_is_mnist() and any(prompted_digit(p) is not None for p in self.prompts)
+        ):
             self._open_judge(fingerprint)
         if self.options.diagnostics:
             self.semantic = _SemanticFeatures(self.root, self.cfg, fid.key, self.device)
@@ -311,8 +341,10 @@ class _Evaluation:
             self.judge = load_judge(self.options.judge, self.root)
             target = getattr(self.judge, "target", None)
             if callable(target) and all(target(p) is None for p in self.prompts):
-                raise FlowfleetError(f"--judge: none of the {len(self.prompts)} prompts names one of the judge's "
-                                     f"classes (e.g. {self.prompts[0]!r})")
+                raise FlowfleetError(
+                    f"--judge: none of the {len(self.prompts)} prompts names one of the judge's "
+                    f"classes (e.g. {self.prompts[0]!r})"
+                )
         else:
             self.judge = DigitJudge.load_or_train(self.root)
             self.echo(f"evaluate: digit classifier (validation accuracy {self.judge.val_accuracy:.3f})")
@@ -330,13 +362,25 @@ class _Evaluation:
         o, fid = self.options, self.fid
         strategy = "top1" if kind == "monolith" else name
         settings = self.settings = pipe.settings(strategy, o.steps, o.sampler, o.cfg, o.shift, o.route_every, o.seed)
-        self.echo(f"evaluate: {name}: sampling {o.n} images ({settings.steps} {settings.sampler} steps, "
-                  f"cfg {settings.cfg})")
+        self.echo(
+            f"evaluate: {name}: sampling {o.n} images ({settings.steps} {settings.sampler} steps, cfg {settings.cfg})"
+        )
         run = ModelRun(name, kind)
         t0 = time.perf_counter()
-        out = pipe(self.prompts, o.n, labels=self.labels, strategy=strategy, steps=settings.steps,
-                   sampler=settings.sampler, cfg=settings.cfg, shift=settings.shift, route_every=settings.route_every,
-                   seed=o.seed, batch_size=o.batch_size, progress=name)
+        out = pipe(
+            self.prompts,
+            o.n,
+            labels=self.labels,
+            strategy=strategy,
+            steps=settings.steps,
+            sampler=settings.sampler,
+            cfg=settings.cfg,
+            shift=settings.shift,
+            route_every=settings.route_every,
+            seed=o.seed,
+            batch_size=o.batch_size,
+            progress=name,
+        )
         run.sampling_s = time.perf_counter() - t0
         images = out.images.float().cpu()  # [n, C, H, W] in [-1, 1]
 
@@ -352,22 +396,26 @@ class _Evaluation:
             if self.judge_fd is not None:
                 fake = self.judge_fd.statistics([images], desc="classifier features")
                 run.classifier_fd = self.judge_fd.score(fake, self.judge_ref)
-            self.echo(f"evaluate: {name}: prompt accuracy {run.prompt_accuracy:.3f}"
-                      + (f", classifier FD {run.classifier_fd:.2f}" if run.classifier_fd is not None else ""))
+            self.echo(
+                f"evaluate: {name}: prompt accuracy {run.prompt_accuracy:.3f}"
+                + (f", classifier FD {run.classifier_fd:.2f}" if run.classifier_fd is not None else "")
+            )
         run.samples = f"{SAMPLES}/{name}.npz"
         self.root.write_bytes(samples_npz(images, out.prompts, o.seed), REPORTS, run.samples)
 
         shown = min(o.grid, o.n)
         run.prompts, run.grid = list(out.prompts[:shown]), f"{SAMPLES}/{name}.png"
-        title = (f"{name}  prompt accuracy {run.prompt_accuracy:.3f}  FID {run.fid:.2f}"
-                 if run.prompt_accuracy is not None else f"{name}  FID {run.fid:.2f}")
+        title = (
+            f"{name}  prompt accuracy {run.prompt_accuracy:.3f}  FID {run.fid:.2f}"
+            if run.prompt_accuracy is not None
+            else f"{name}  FID {run.fid:.2f}"
+        )
         self.root.write_bytes(captioned_grid_png(images[:shown], run.prompts, title=title), REPORTS, run.grid)
         if kind == "fleet":
             run.heatmap = f"{SAMPLES}/{name}.routing.png"
             self.root.write_bytes(routing_heatmap(out.trace), REPORTS, run.heatmap)
             run.usage = self.diagnostics["usage"][name] = usage_shares(out.trace)
         if self.cfg.data.source == "shapes" and images.shape[1] == 3 and self.prompts:
-
             self.adherence[name] = prompt_adherence(images, out.prompts)
         if kind == "fleet" and self.semantic is not None and self.semantic.available:
             t0 = time.perf_counter()
@@ -385,8 +433,13 @@ class _Evaluation:
         """Record strategy `name` as the model already evaluated as `earlier` (its samples would be
         identical), without sampling it again."""
         run = self.runs[name] = replace(self.runs[earlier], name=name, same_as=earlier, sampling_s=0.0, fid_s=0.0)
-        for table in (self.prompt_accuracy, self.adherence, self.diagnostics["usage"], self.diagnostics["alignment"],
-                      self.diagnostics["disagreement"]):
+        for table in (
+            self.prompt_accuracy,
+            self.adherence,
+            self.diagnostics["usage"],
+            self.diagnostics["alignment"],
+            self.diagnostics["disagreement"],
+        ):
             if earlier in table:
                 table[name] = table[earlier]
         self.echo(f"evaluate: {name} uses the same experts with the same weights as {earlier}: not sampled twice")
@@ -397,15 +450,26 @@ class _Evaluation:
         o = self.options
         sampling = {k: v for k, v in self.settings.to_json().items() if k not in ("strategy", "k")}
         return {
-            "model": self.model_url, "reference": self.root.url, "created": time.time(), "n": o.n, "seed": o.seed,
+            "model": self.model_url,
+            "reference": self.root.url,
+            "created": time.time(),
+            "n": o.n,
+            "seed": o.seed,
             "sampling": sampling,
-            "fid": {**fid_metadata(o.fid, self.fid.key, self.ref_n, o.n),
-                    "scores": {name: r.fid for name, r in self.runs.items()}},
+            "fid": {
+                **fid_metadata(o.fid, self.fid.key, self.ref_n, o.n),
+                "scores": {name: r.fid for name, r in self.runs.items()},
+            },
             "runs": {name: r.to_json() for name, r in self.runs.items()},
             "adherence": self.adherence or None,
-            "prompt_accuracy": ({"classifier": {"judge": o.judge or "mnist digit classifier",
-                                                **getattr(self.judge, "record", {})},
-                                 "scores": self.prompt_accuracy} if self.judge is not None else None),
+            "prompt_accuracy": (
+                {
+                    "classifier": {"judge": o.judge or "mnist digit classifier", **getattr(self.judge, "record", {})},
+                    "scores": self.prompt_accuracy,
+                }
+                if self.judge is not None
+                else None
+            ),
             "diagnostics": self.diagnostics,
             "timings": self.timings,
         }
@@ -419,11 +483,13 @@ class _Evaluation:
 def samples_npz(images: torch.Tensor, prompts: Sequence[str], seed: int) -> bytes:
     """Every scored sample as a compressed npz: images uint8 [n, H, W, C], prompts [n], seed."""
 
-
-
     buf = io.BytesIO()
-    np.savez_compressed(buf, images=to_uint8(images).permute(0, 2, 3, 1).numpy(),
-                        prompts=np.array(list(prompts), dtype=str), seed=np.array(seed))
+    np.savez_compressed(
+        buf,
+        images=to_uint8(images).permute(0, 2, 3, 1).numpy(),
+        prompts=np.array(list(prompts), dtype=str),
+        seed=np.array(seed),
+    )
     return buf.getvalue()
 
 
@@ -445,13 +511,22 @@ def _monolith_pipeline(root: RunRoot, fleet, device: torch.device):
 
     mcfg = read_dit_config(root, MONOLITH, FINAL)
     if (mcfg.in_channels, *mcfg.input_size) != tuple(fleet.latent_shape):
-        raise FlowfleetError(f"{root.url_of(MONOLITH, FINAL)}: latent shape {(mcfg.in_channels, *mcfg.input_size)} "
-                             f"differs from the fleet's {tuple(fleet.latent_shape)}")
+        raise FlowfleetError(
+            f"{root.url_of(MONOLITH, FINAL)}: latent shape {(mcfg.in_channels, *mcfg.input_size)} "
+            f"differs from the fleet's {tuple(fleet.latent_shape)}"
+        )
     store = ExpertStore(lambda _k: load_model(DiTExpert, root, MONOLITH, FINAL).to(device), [0], 1)
-    return FleetPipeline(store, None, latent_shape=fleet.latent_shape, conditioning=fleet.conditioning,
-                         num_classes=fleet.num_classes, text_encoder=fleet.text_encoder,
-                         latent_decoder=fleet.latent_decoder,
-                         scheduler=fleet.scheduler.model_copy(update={"strategy": "top1"}), device=device)
+    return FleetPipeline(
+        store,
+        None,
+        latent_shape=fleet.latent_shape,
+        conditioning=fleet.conditioning,
+        num_classes=fleet.num_classes,
+        text_encoder=fleet.text_encoder,
+        latent_decoder=fleet.latent_decoder,
+        scheduler=fleet.scheduler.model_copy(update={"strategy": "top1"}),
+        device=device,
+    )
 
 
 class _SemanticFeatures:
@@ -486,8 +561,9 @@ def _disagreement(pipe, prompts, labels, settings, options: EvaluateOptions) -> 
 
     n = min(options.diagnostic_n, options.n)
     cond, _ = pipe.encode_condition(prompts[:n] if prompts else None, labels[:n] if labels else None, n)
-    noise = torch.randn(n, *pipe.latent_shape, generator=torch.Generator().manual_seed(options.seed),
-                        dtype=pipe.dtype).to(pipe.device)
+    noise = torch.randn(
+        n, *pipe.latent_shape, generator=torch.Generator().manual_seed(options.seed), dtype=pipe.dtype
+    ).to(pipe.device)
     trace = RoutingTrace(pipe.num_experts)
     inner = pipe.velocity_fn(cond, settings.k, settings.cfg, settings.route_every, trace)
     probe = DisagreementProbe(inner, pipe.experts, cond, settings.cfg, pipe.guidance_applies(settings.cfg))
@@ -498,29 +574,29 @@ def _disagreement(pipe, prompts, labels, settings, options: EvaluateOptions) -> 
 def _router_accuracy(ev: _Evaluation, pipe) -> dict[str, Any]:
     """The fleet's router against the clusters of (up to 512 of) the data items."""
 
-
     assign = read_assignments(ev.root, ev.cfg.cluster.k)
     pick = ev.order[: min(512, ev.order.numel())]
     clusters = assign[ev.index[pick]]
     cond = None
     if pipe.router_sees_prompt:  # the items' own captions, as the router was trained
-
         fields = [f for f in model_fields(pipe.router.cfg) if f != "latents"]
         batch = InMemoryData(ev.data.load(fields), [], ev.data.url).gather(pick)
         cond = condition_kwargs(batch, pipe.router.cfg)
-    rep = router_accuracy(pipe.router, ev.latents[pick], clusters, pipe.num_experts, seed=ev.options.seed,
-                          device=ev.device, cond=cond)
+    rep = router_accuracy(
+        pipe.router, ev.latents[pick], clusters, pipe.num_experts, seed=ev.options.seed, device=ev.device, cond=cond
+    )
     rep["note"] = "the assembled router on a seeded random subset of data/, fresh noise, t uniform per bucket"
     return rep
-
 
 
 def print_table(result: dict[str, Any]) -> None:
     """One row per model: prompt accuracy and classifier FD (MNIST), FID, adherence, alignment when present."""
     fid = result["fid"]
     digits = result.get("prompt_accuracy") or None
-    title = (f"{fid['generated_images']} samples per model; FID: {fid['extractor']} vs {fid['reference_images']} "
-             "reference images (lower is better)")
+    title = (
+        f"{fid['generated_images']} samples per model; FID: {fid['extractor']} vs {fid['reference_images']} "
+        "reference images (lower is better)"
+    )
     table = Table(title=title, title_justify="left")
     table.add_column("model")
     if digits:
@@ -538,8 +614,11 @@ def print_table(result: dict[str, Any]) -> None:
     for name, run in result["runs"].items():
         row = [name]
         if digits:
-            row += [_num(run.get("prompt_accuracy"), 3), _num(run.get("confidence"), 3),
-                    _num(run.get("classifier_fd"), 2)]
+            row += [
+                _num(run.get("prompt_accuracy"), 3),
+                _num(run.get("confidence"), 3),
+                _num(run.get("classifier_fd"), 2),
+            ]
         row.append(f"{run['fid']:.2f}")
         if adherence:
             a = adherence.get(name) or {}
@@ -553,11 +632,14 @@ def print_table(result: dict[str, Any]) -> None:
     if digits:
         clf = digits.get("classifier") or {}
         val = f" (validation accuracy {clf['val_accuracy']:.3f})" if "val_accuracy" in clf else ""
-        Console().print(f"prompt accuracy: share of samples the {clf.get('judge', 'classifier')}{val} reads as "
-                        "the prompted class")
+        Console().print(
+            f"prompt accuracy: share of samples the {clf.get('judge', 'classifier')}{val} reads as the prompted class"
+        )
     if not fid.get("standard_input", True):
-        Console().print(f"note: Inception input {fid['resize']} px (non-standard): compare only with FIDs at the same "
-                        "size and sample counts")
+        Console().print(
+            f"note: Inception input {fid['resize']} px (non-standard): compare only with FIDs at the same "
+            "size and sample counts"
+        )
 
 
 def _num(value: Any, digits: int) -> str:

@@ -78,8 +78,14 @@ def generate(
             raise FlowfleetError(f"--nproc: must be >= 1, got {nproc}")
         fleet = join_fleet(model_dir, nproc, parallel, warmup, device=device)
     dev = fleet.ctx.device if fleet is not None else resolve_device(device)
-    pipe = FleetPipeline.from_pretrained(model_dir, device=dev, offload=offload, text_encoder=text_encoder,
-                                         latent_decoder=latent_decoder, load_encoders=False)
+    pipe = FleetPipeline.from_pretrained(
+        model_dir,
+        device=dev,
+        offload=offload,
+        text_encoder=text_encoder,
+        latent_decoder=latent_decoder,
+        load_encoders=False,
+    )
     settings = pipe.settings(strategy, steps, sampler, cfg, shift, route_every, seed)  # one-line errors
     pipe.check_condition(prompts, labels)
     if out is None:
@@ -87,10 +93,21 @@ def generate(
     folder, png_name, json_name, heat_name = sibling_paths(out)
     pipe.load_encoders()
 
-    result = pipe(prompts, n, labels=labels, strategy=settings.strategy.name, steps=settings.steps,
-                  sampler=settings.sampler, cfg=settings.cfg, shift=settings.shift,
-                  route_every=settings.route_every, seed=seed, batch_size=batch_size,
-                  progress=progress and (fleet is None or fleet.ctx.is_main), parallel=fleet)
+    result = pipe(
+        prompts,
+        n,
+        labels=labels,
+        strategy=settings.strategy.name,
+        steps=settings.steps,
+        sampler=settings.sampler,
+        cfg=settings.cfg,
+        shift=settings.shift,
+        route_every=settings.route_every,
+        seed=seed,
+        batch_size=batch_size,
+        progress=progress and (fleet is None or fleet.ctx.is_main),
+        parallel=fleet,
+    )
     if fleet is not None:
         fleet.close()
         if not fleet.ctx.is_main:  # every rank holds the same images; rank 0 writes them
@@ -107,5 +124,6 @@ def generate(
     }
     dest.write_json(routing, json_name)
     dest.write_bytes(routing_heatmap(result.trace), heat_name)
-    return GenerateResult(result, dest.url_of(png_name), dest.url_of(json_name), dest.url_of(heat_name),
-                          Counter(pipe.experts.loads))
+    return GenerateResult(
+        result, dest.url_of(png_name), dest.url_of(json_name), dest.url_of(heat_name), Counter(pipe.experts.loads)
+    )

@@ -50,18 +50,25 @@ class Encoders:
     text: TextEncoder | None
 
     def describe(self) -> dict[str, Any]:
-        return {"latent": self.latent.describe(), "semantic": self.semantic.describe(),
-                "text": self.text.describe() if self.text else None}
+        return {
+            "latent": self.latent.describe(),
+            "semantic": self.semantic.describe(),
+            "text": self.text.describe() if self.text else None,
+        }
 
 
 def build_encoders(cfg: RunConfig, device: torch.device | str = "cpu") -> Encoders:
     """The run's encoders, checked against what run.yaml promises the models (text width)."""
-    enc = Encoders(build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device),
-                   build_semantic_encoder(cfg.encoders.semantic, device),
-                   build_text_encoder(cfg.encoders.text, device))
+    enc = Encoders(
+        build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device),
+        build_semantic_encoder(cfg.encoders.semantic, device),
+        build_text_encoder(cfg.encoders.text, device),
+    )
     if enc.text is not None and enc.text.width != cfg.encoders.text.width:
-        raise FlowfleetError(f"encoders.text.path: the {cfg.encoders.text.name} model gives {enc.text.width}-d "
-                             f"tokens, run.yaml expects {cfg.encoders.text.width}")
+        raise FlowfleetError(
+            f"encoders.text.path: the {cfg.encoders.text.name} model gives {enc.text.width}-d "
+            f"tokens, run.yaml expects {cfg.encoders.text.width}"
+        )
     return enc
 
 
@@ -92,8 +99,9 @@ class _Rows:
         return head, captions, end
 
 
-def encode_batch(enc: Encoders, images: torch.Tensor, captions: list[str],
-                 labels: list[int]) -> dict[str, torch.Tensor]:
+def encode_batch(
+    enc: Encoders, images: torch.Tensor, captions: list[str], labels: list[int]
+) -> dict[str, torch.Tensor]:
     """One batch through the encoders, as the shard fields (CPU tensors in the shard dtypes)."""
     out = {
         "latents": enc.latent.encode(images).float().cpu(),  # [b, c, h, w]
@@ -114,8 +122,13 @@ def encode_batch(enc: Encoders, images: torch.Tensor, captions: list[str],
 def _recipe(cfg: RunConfig, source: Source) -> dict[str, Any]:
     """Everything that decides the prepared bytes; a manifest with another recipe is not resumed."""
     d = cfg.data
-    return {"source": source.fingerprint(), "image_size": d.image_size, "channels": d.channels, "limit": d.limit,
-            "encoders": cfg.encoders.model_dump(mode="json")}
+    return {
+        "source": source.fingerprint(),
+        "image_size": d.image_size,
+        "channels": d.channels,
+        "limit": d.limit,
+        "encoders": cfg.encoders.model_dump(mode="json"),
+    }
 
 
 def _first_difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:
@@ -146,13 +159,16 @@ class _BadInput:
     def record(self, end: int | None = None) -> dict[str, Any]:
         """Manifest keys for the items before source position `end` (all when None)."""
         before = (lambda p: p < end) if end is not None else (lambda p: True)  # noqa: E731
-        return {"skipped": [s for s in self.listed if before(s["pos"])],
-                "skipped_count": self.skipped_before + sum(map(before, self.skipped_pos)),
-                "missing_captions": self.missing_before + sum(map(before, self.missing_pos))}
+        return {
+            "skipped": [s for s in self.listed if before(s["pos"])],
+            "skipped_count": self.skipped_before + sum(map(before, self.skipped_pos)),
+            "missing_captions": self.missing_before + sum(map(before, self.missing_pos)),
+        }
 
 
-def _decoded(items: Iterator[RawItem], start: int, size: int, channels: int, bad: _BadInput
-             ) -> Iterator[tuple[int, torch.Tensor, str, int]]:
+def _decoded(
+    items: Iterator[RawItem], start: int, size: int, channels: int, bad: _BadInput
+) -> Iterator[tuple[int, torch.Tensor, str, int]]:
     """(source position after the item, image [C, S, S], caption, label) for every usable item."""
     for pos, item in enumerate(items, start):
         if item.error is None:
@@ -169,8 +185,9 @@ def _decoded(items: Iterator[RawItem], start: int, size: int, channels: int, bad
         yield pos + 1, image, caption, item.label
 
 
-def prepare(run_root: str | RunRoot, *, device: str | None = None, restart: bool = False,
-            progress: bool = True) -> ShardSetManifest:
+def prepare(
+    run_root: str | RunRoot, *, device: str | None = None, restart: bool = False, progress: bool = True
+) -> ShardSetManifest:
     """Encode the run's source into RUN_ROOT/data/; resumes an interrupted run. Returns the manifest."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     cfg = load_run_config(root)
@@ -187,20 +204,30 @@ def prepare(run_root: str | RunRoot, *, device: str | None = None, restart: bool
             root.remove(DATA, recursive=True)
         elif old.extra.get("recipe") != recipe:
             diff = _first_difference(old.extra.get("recipe") or {}, recipe) or "recipe"
-            raise FlowfleetError(f"{where}: prepared with a different {diff}; "
-                                 f"`flowfleet prepare {root.url} --restart` discards it")
+            raise FlowfleetError(
+                f"{where}: prepared with a different {diff}; `flowfleet prepare {root.url} --restart` discards it"
+            )
         elif old.complete:
             return old
         else:
             manifest = old
     start = manifest.shards[-1]["source_end"] if manifest.shards else 0
-    bad = _BadInput([s for s in manifest.extra.get("skipped", []) if s["pos"] < start],
-                    int(manifest.extra.get("skipped_count", 0)), int(manifest.extra.get("missing_captions", 0)))
+    bad = _BadInput(
+        [s for s in manifest.extra.get("skipped", []) if s["pos"] < start],
+        int(manifest.extra.get("skipped_count", 0)),
+        int(manifest.extra.get("missing_captions", 0)),
+    )
 
     dev = resolve_device(device)
     enc = build_encoders(cfg, dev)
-    manifest.extra.update(recipe=recipe, source=recipe["source"], encoders=enc.describe(),
-                          has_labels=source.has_labels, image_size=d.image_size, channels=d.channels)
+    manifest.extra.update(
+        recipe=recipe,
+        source=recipe["source"],
+        encoders=enc.describe(),
+        has_labels=source.has_labels,
+        image_size=d.image_size,
+        channels=d.channels,
+    )
 
     total = len(source) if len(source) >= 0 else None  # None: unknown (tar streams)
     if d.limit is not None:
@@ -241,8 +268,10 @@ def prepare(run_root: str | RunRoot, *, device: str | None = None, restart: bool
     if manifest.count == 0:
         listed = record["skipped"]
         first = f" (first: {listed[0]['key']}: {listed[0]['reason']})" if listed else ""
-        raise FlowfleetError(f"data.source: {d.source} {d.path or ''} gave no usable item; "
-                             f"{record['skipped_count']} skipped{first}".replace("  ", " "))
+        raise FlowfleetError(
+            f"data.source: {d.source} {d.path or ''} gave no usable item; "
+            f"{record['skipped_count']} skipped{first}".replace("  ", " ")
+        )
     manifest.extra.update(record, seconds=round(time.perf_counter() - t0, 2))
     manifest.complete = True
     shards.write_manifest(manifest)
@@ -254,8 +283,10 @@ def _encode_into(rows: _Rows, enc: Encoders, batch: list, cfg: RunConfig, checke
     ends, images, captions, labels = zip(*batch)
     tensors = encode_batch(enc, torch.stack(images), list(captions), list(labels))
     if not checked_shape and tuple(tensors["latents"].shape[1:]) != cfg.latent_shape:
-        raise FlowfleetError(f"encoders.latent: {cfg.encoders.latent.name} gives latents of shape "
-                             f"{tuple(tensors['latents'].shape[1:])}, run.yaml expects {cfg.latent_shape}")
+        raise FlowfleetError(
+            f"encoders.latent: {cfg.encoders.latent.name} gives latents of shape "
+            f"{tuple(tensors['latents'].shape[1:])}, run.yaml expects {cfg.latent_shape}"
+        )
     rows.add(tensors, list(captions), list(ends))
     return True
 

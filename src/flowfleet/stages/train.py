@@ -1,10 +1,10 @@
 """Stages `train-expert`, `train-router`, `train-monolith`, `train-all` and `status`.
 
-    train_expert(run_root, k)        expert k on partitions/k only (an isolated job; DDP under torchrun)
-    train_router(run_root)           the router on data/ + clusters/assignments.safetensors
-    train_monolith(run_root)         the baseline on data/ (match_compute: FLOPs = sum over the experts)
-    train_all(run_root, parallel=N)  all of them as local processes, skipping finished jobs
-    job_status(run_root)             every job's status.json (pending when never started)
+train_expert(run_root, k)        expert k on partitions/k only (an isolated job; DDP under torchrun)
+train_router(run_root)           the router on data/ + clusters/assignments.safetensors
+train_monolith(run_root)         the baseline on data/ (match_compute: FLOPs = sum over the experts)
+train_all(run_root, parallel=N)  all of them as local processes, skipping finished jobs
+job_status(run_root)             every job's status.json (pending when never started)
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def _open(run_root: str | RunRoot) -> tuple[RunRoot, RunConfig]:
     return root, load_run_config(root)
 
 
-def train_job(run_root: str | RunRoot, spec: JobSpec, *, options: TrainOptions | None = None,
-              match_compute: bool | None = None) -> JobStatus:
+def train_job(
+    run_root: str | RunRoot, spec: JobSpec, *, options: TrainOptions | None = None, match_compute: bool | None = None
+) -> JobStatus:
     """Train one job to its total steps (resuming from its newest checkpoint); -> final status."""
     root, cfg = _open(run_root)
     task = build_task(root, cfg, spec, match_compute=match_compute)
@@ -53,8 +54,9 @@ def train_router(run_root: str | RunRoot, *, paris: bool = False, options: Train
     return train_job(run_root, JobSpec("router-paris" if paris else "router"), options=options)
 
 
-def train_monolith(run_root: str | RunRoot, *, match_compute: bool | None = None,
-                   options: TrainOptions | None = None) -> JobStatus:
+def train_monolith(
+    run_root: str | RunRoot, *, match_compute: bool | None = None, options: TrainOptions | None = None
+) -> JobStatus:
     return train_job(run_root, JobSpec("monolith"), options=options, match_compute=match_compute)
 
 
@@ -95,10 +97,8 @@ class FleetOutcome:
         return all(r in ("done", "skipped") for r in self.results.values())
 
 
-def train_all(run_root: str, *, parallel: int | None = None, progress: bool = True,
-              echo=print) -> FleetOutcome:
+def train_all(run_root: str, *, parallel: int | None = None, progress: bool = True, echo=print) -> FleetOutcome:
     """Run every unfinished job of the run as a local process (`--parallel` at a time)."""
-
 
     root, cfg = _open(run_root)
     results: dict[str, str] = {}
@@ -120,8 +120,9 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
         return FleetOutcome(results, messages)
 
     todo.sort(key=lambda s: job_cost(cfg, s), reverse=True)  # longest first: shortest makespan
-    slots = plan_slots(len(todo), parallel, os.cpu_count() or 1,
-                       torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    slots = plan_slots(
+        len(todo), parallel, os.cpu_count() or 1, torch.cuda.device_count() if torch.cuda.is_available() else 0
+    )
     logs_tmp = None if root.is_local else tempfile.TemporaryDirectory(prefix="flowfleet-logs-")
     url = root.url_of()
 
@@ -132,8 +133,13 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
     jobs = [flowfleet_job(s.name, s.cli_args(url), log_path(s)) for s in todo]
     specs = {s.name: s for s in todo}
     totals = {s.name: job_steps(cfg, s) for s in todo}
-    bar = tqdm(total=sum(totals.values()), desc="train-all", unit="step", dynamic_ncols=True,
-               disable=None if progress else True)
+    bar = tqdm(
+        total=sum(totals.values()),
+        desc="train-all",
+        unit="step",
+        dynamic_ncols=True,
+        disable=None if progress else True,
+    )
     seen = {name: 0 for name in totals}
     last_poll = [0.0]
 
@@ -157,17 +163,21 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
             results[outcome.name] = status.state
         else:
             results[outcome.name] = "failed"
-            messages[outcome.name] = (status.message if status and status.message else outcome.last_line) or \
-                f"exit code {outcome.returncode}"
-        bar.write(f"{outcome.name}: {results[outcome.name]} after {outcome.seconds:.0f} s"
-                  + (f" ({messages[outcome.name]})" if outcome.name in messages else ""))
+            messages[outcome.name] = (
+                status.message if status and status.message else outcome.last_line
+            ) or f"exit code {outcome.returncode}"
+        bar.write(
+            f"{outcome.name}: {results[outcome.name]} after {outcome.seconds:.0f} s"
+            + (f" ({messages[outcome.name]})" if outcome.name in messages else "")
+        )
         if logs_tmp is not None:
             root.write_bytes(outcome.log.read_bytes(), specs[outcome.name].dir, LOG_FILE)
 
     echo(f"train-all: {len(todo)} job(s), {len(slots)} at a time")
     # every job imports the same modules: the forkserver does it once (flowfleet.train.fanout)
-    fanout = LocalFanout(slots, on_start=started, on_exit=exited, on_poll=poll,
-                         preload=("flowfleet.cli", "flowfleet.stages.train"))
+    fanout = LocalFanout(
+        slots, on_start=started, on_exit=exited, on_poll=poll, preload=("flowfleet.cli", "flowfleet.stages.train")
+    )
     try:
         fanout.run(jobs)
     finally:

@@ -46,23 +46,29 @@ def check_compatible(manifest: ShardSetManifest, cfg: DiTConfig, *, data_where: 
     fields = manifest.fields
     for name in model_fields(cfg):
         if name not in fields:
-            raise DataMismatchError(f"{data_where}: has no {name!r} field, which {model_where} "
-                                    f"(conditioning={cfg.conditioning}) needs")
+            raise DataMismatchError(
+                f"{data_where}: has no {name!r} field, which {model_where} (conditioning={cfg.conditioning}) needs"
+            )
     want = (cfg.in_channels, *cfg.input_size)
     have = tuple(fields["latents"]["shape"])
     if have != want:
-        raise DataMismatchError(f"{data_where}: latents are {'x'.join(map(str, have))} but {model_where} "
-                                f"expects {'x'.join(map(str, want))} (in_channels x input_size)")
+        raise DataMismatchError(
+            f"{data_where}: latents are {'x'.join(map(str, have))} but {model_where} "
+            f"expects {'x'.join(map(str, want))} (in_channels x input_size)"
+        )
     if "text_tokens" in model_fields(cfg):
         length, width = fields["text_tokens"]["shape"]
         if (length, width) != (cfg.text_len, cfg.text_dim):
-            raise DataMismatchError(f"{data_where}: text tokens are {length}x{width} but {model_where} "
-                                    f"expects {cfg.text_len}x{cfg.text_dim} (text_len x text_dim)")
+            raise DataMismatchError(
+                f"{data_where}: text tokens are {length}x{width} but {model_where} "
+                f"expects {cfg.text_len}x{cfg.text_dim} (text_len x text_dim)"
+            )
     if "text_pooled" in model_fields(cfg):
         (width,) = fields["text_pooled"]["shape"]
         if width != cfg.text_dim:
-            raise DataMismatchError(f"{data_where}: pooled text width is {width} but {model_where} "
-                                    f"expects text_dim {cfg.text_dim}")
+            raise DataMismatchError(
+                f"{data_where}: pooled text width is {width} but {model_where} expects text_dim {cfg.text_dim}"
+            )
 
 
 class InMemoryData:

@@ -179,9 +179,14 @@ class LocalFanout:
                     started = _Forked(forkserver, job, self.slots[slot].env())
                 else:
                     log = open(job.log, "ab")
-                    started = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL, env=self.slots[slot].env(),
-                                               start_new_session=True)
+                    started = subprocess.Popen(
+                        job.argv,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=self.slots[slot].env(),
+                        start_new_session=True,
+                    )
                 running[slot] = (job, started, time.perf_counter(), log)
                 if self.on_start:
                     self.on_start(job, started.pid)
@@ -192,8 +197,7 @@ class LocalFanout:
                     continue
                 if log is not None:
                     log.close()
-                outcome = ProcessOutcome(job.name, returncode, time.perf_counter() - t0, job.log,
-                                         _last_line(job.log))
+                outcome = ProcessOutcome(job.name, returncode, time.perf_counter() - t0, job.log, _last_line(job.log))
                 outcomes.append(outcome)
                 del running[slot]
                 free.append(slot)

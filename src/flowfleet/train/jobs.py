@@ -93,8 +93,9 @@ def monolith_steps(cfg: RunConfig, match_compute: bool | None = None) -> int:
 
 def paris_router_config(cfg: RunConfig) -> DiTConfig:
     """The run's router blind to the prompt: p(k | x_t, t) as in Paris §2.5."""
-    return DiTConfig(**{**cfg.router.model_dump(), "conditioning": "none", "text_dim": 0, "text_len": 0,
-                        "add_pooled": False})
+    return DiTConfig(
+        **{**cfg.router.model_dump(), "conditioning": "none", "text_dim": 0, "text_len": 0, "add_pooled": False}
+    )
 
 
 def job_steps(cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) -> int:
@@ -122,8 +123,15 @@ class TrainTask:
 
     model_cls: type[DiTModel] = DiTModel
 
-    def __init__(self, spec: JobSpec, run: RunConfig, model_cfg: DiTConfig, train_cfg: TrainConfig,
-                 total_steps: int, data: InMemoryData):
+    def __init__(
+        self,
+        spec: JobSpec,
+        run: RunConfig,
+        model_cfg: DiTConfig,
+        train_cfg: TrainConfig,
+        total_steps: int,
+        data: InMemoryData,
+    ):
         self.spec = spec
         self.run = run
         self.model_cfg = model_cfg
@@ -138,8 +146,9 @@ class TrainTask:
     def build_model(self) -> DiTModel:
         return self.model_cls.from_dit_config(self.model_cfg)
 
-    def loss(self, model: Callable[..., torch.Tensor], batch: dict[str, torch.Tensor],
-             gen: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, model: Callable[..., torch.Tensor], batch: dict[str, torch.Tensor], gen: torch.Generator
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Scalar loss of one micro-batch, and extra per-batch metrics (means)."""
         raise NotImplementedError
 
@@ -184,8 +193,12 @@ class FlowTask(TrainTask):
                 self._decoder = encoder.decode
             except Exception as err:  # any loader failure (hub offline, missing files) -> latent previews
                 why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-                log.warning("%s: previews show raw latents; the %s decoder did not load (%s)", self.name,
-                            self.run.encoders.latent.name, why)
+                log.warning(
+                    "%s: previews show raw latents; the %s decoder did not load (%s)",
+                    self.name,
+                    self.run.encoders.latent.name,
+                    why,
+                )
                 self._decoder = False
                 return None
         return self._decoder
@@ -196,13 +209,26 @@ class FlowTask(TrainTask):
         batch = self.data.gather(items, device)
         s = self.run.sampling
         samples = preview.sample_flow(
-            model, self.model_cfg, preview.condition_kwargs(batch, self.model_cfg), n, steps=s.steps,
-            sampler=s.sampler, guidance=s.cfg, shift=s.shift, seed=self.train_cfg.seed, device=device)
+            model,
+            self.model_cfg,
+            preview.condition_kwargs(batch, self.model_cfg),
+            n,
+            steps=s.steps,
+            sampler=s.sampler,
+            guidance=s.cfg,
+            shift=s.shift,
+            seed=self.train_cfg.seed,
+            device=device,
+        )
         decode = self._decode(device)
         captions = [self.data.captions[i] if i < len(self.data.captions) else "" for i in range(n)]
         title = f"{self.name}  step {step}  (EMA, {s.sampler} {s.steps} steps, cfg {s.cfg})"
-        return preview.sample_grid_png(preview.latents_to_images(samples, decode),
-                                       preview.latents_to_images(batch["latents"], decode), captions, title)
+        return preview.sample_grid_png(
+            preview.latents_to_images(samples, decode),
+            preview.latents_to_images(batch["latents"], decode),
+            captions,
+            title,
+        )
 
 
 class RouterTask(TrainTask):
@@ -228,11 +254,18 @@ class RouterTask(TrainTask):
         n = min(items, len(self.data))
         pick = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.train_cfg.seed))[:n]
         batch = self.data.gather(pick)
-        report = preview.router_accuracy(model, batch["latents"], batch["cluster"], self.model_cfg.num_outputs,
-                                         seed=self.train_cfg.seed + 1, device=device,
-                                         cond=preview.condition_kwargs(batch, self.model_cfg))
-        report["note"] = ("EMA router on a fixed random subset of the training items, fresh noise; "
-                          "t uniform within each bucket")
+        report = preview.router_accuracy(
+            model,
+            batch["latents"],
+            batch["cluster"],
+            self.model_cfg.num_outputs,
+            seed=self.train_cfg.seed + 1,
+            device=device,
+            cond=preview.condition_kwargs(batch, self.model_cfg),
+        )
+        report["note"] = (
+            "EMA router on a fixed random subset of the training items, fresh noise; t uniform within each bucket"
+        )
         return report
 
     def preview(self, model, step, device):
@@ -254,8 +287,10 @@ def load_assignments(root: RunRoot, data: InMemoryData, k: int) -> torch.Tensor:
     assign = read_assignments(root, num_clusters=k)
     index = data.tensors["index"]
     if int(index.max()) >= assign.shape[0] or int(index.min()) < 0:
-        raise FlowfleetError(f"{root.url_of(*ASSIGNMENTS)}: 'assign' has shape {tuple(assign.shape)}, but data/ "
-                             f"holds item index {int(index.max())}; re-run `flowfleet cluster`")
+        raise FlowfleetError(
+            f"{root.url_of(*ASSIGNMENTS)}: 'assign' has shape {tuple(assign.shape)}, but data/ "
+            f"holds item index {int(index.max())}; re-run `flowfleet cluster`"
+        )
     return assign[index]
 
 
@@ -264,8 +299,9 @@ def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: b
     if spec.kind == "expert":
         k = spec.expert
         if k is None or not 0 <= k < cfg.cluster.k:
-            raise FlowfleetError(f"--expert {k}: run.yaml has cluster.k = {cfg.cluster.k} experts "
-                                 f"(0..{cfg.cluster.k - 1})")
+            raise FlowfleetError(
+                f"--expert {k}: run.yaml has cluster.k = {cfg.cluster.k} experts (0..{cfg.cluster.k - 1})"
+            )
         shards = open_complete(root, partition(k), f"flowfleet cluster {root.url}")
         check_compatible(shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert")
         data = InMemoryData.load(shards, model_fields(cfg.expert))

@@ -170,15 +170,23 @@ class Trainer:
             return done
         st = self._setup(island)
         sampler = self.sampler()
-        bar = tqdm(total=task.total_steps, initial=st.step, desc=task.name, unit="step", dynamic_ncols=True,
-                   disable=True if not (island.is_main and self.options.progress) else None)
+        bar = tqdm(
+            total=task.total_steps,
+            initial=st.step,
+            desc=task.name,
+            unit="step",
+            dynamic_ncols=True,
+            disable=True if not (island.is_main and self.options.progress) else None,
+        )
         state, message = "failed", ""
         try:
             while st.step < task.total_steps:
                 if self._step(st, sampler, bar):
                     state = "stopped"
-                    message = (f"stopped by {self._stop_reason or 'a stop on another rank'} at step {st.step}; "
-                               f"re-run the same command to resume")
+                    message = (
+                        f"stopped by {self._stop_reason or 'a stop on another rank'} at step {st.step}; "
+                        f"re-run the same command to resume"
+                    )
                     break
             else:
                 if island.is_main:
@@ -212,25 +220,34 @@ class Trainer:
         task, tc, dev = self.task, self.task.train_cfg, island.device
         chunks = island.world_size * tc.grad_accum
         if tc.batch_size % chunks:
-            raise FlowfleetError(f"{task.name}: batch_size {tc.batch_size} is not divisible by grad_accum x "
-                                 f"processes = {tc.grad_accum} x {island.world_size}")
+            raise FlowfleetError(
+                f"{task.name}: batch_size {tc.batch_size} is not divisible by grad_accum x "
+                f"processes = {tc.grad_accum} x {island.world_size}"
+            )
         torch.manual_seed(tc.seed)
         model = task.build_model().to(dev)
         amp = autocast_dtype(tc.precision, dev)
         if amp is None and tc.precision != "fp32" and island.is_main:
             log.warning("%s: precision %s applies on CUDA only; training in fp32 on %s", task.name, tc.precision, dev)
-        st = _State(island=island, model=model, net=model, amp=amp, micro=tc.batch_size // chunks,
-                    opt=torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay),
-                    scaler=torch.amp.GradScaler(dev.type, enabled=amp == torch.float16),
-                    ema=EMA(model, tc.ema_decay, tc.ema_warmup) if island.is_main else None)
+        st = _State(
+            island=island,
+            model=model,
+            net=model,
+            amp=amp,
+            micro=tc.batch_size // chunks,
+            opt=torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay),
+            scaler=torch.amp.GradScaler(dev.type, enabled=amp == torch.float16),
+            ema=EMA(model, tc.ema_decay, tc.ema_warmup) if island.is_main else None,
+        )
         last = self.store.latest()
         if last is not None:
             self._restore(st, self.store.load(last))
 
         error: FlowfleetError | None = None
         if island.is_main:
-            status = JobStatus(task.name, step=st.step, total_steps=task.total_steps, samples_seen=st.position,
-                               last_checkpoint=last)
+            status = JobStatus(
+                task.name, step=st.step, total_steps=task.total_steps, samples_seen=st.position, last_checkpoint=last
+            )
             every = self.options.heartbeat_every or (HEARTBEAT_EVERY_LOCAL if self.root.is_local else HEARTBEAT_EVERY)
             st.lease = JobLease(self.root, task.spec.dir, status, interval=every)
             try:
@@ -243,8 +260,9 @@ class Trainer:
             st.metrics = MetricsLog(self.root, task.spec.dir, tensorboard=self.options.tensorboard)
             st.metrics.truncate_after(st.step)
         if island.distributed:
-            st.net = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                             broadcast_buffers=False)
+            st.net = DistributedDataParallel(
+                model, device_ids=[dev.index] if dev.type == "cuda" else None, broadcast_buffers=False
+            )
         return st
 
     def sampler(self) -> ResumableSampler:
@@ -319,7 +337,8 @@ class Trainer:
             raise TrainingDiverged(
                 f"{self.task.name}: loss was {loss} for {st.bad} consecutive steps (up to step {st.step}); stopped "
                 f"without saving. Last good checkpoint: {self.store.url(last) if last else 'none'}. Lower "
-                f"train.lr or set train.grad_clip, check the data, then re-run to resume")
+                f"train.lr or set train.grad_clip, check the data, then re-run to resume"
+            )
 
     # ----------------------------------------------------------------------------------------------
     #                                 Checkpoints, logs, outputs
@@ -331,8 +350,10 @@ class Trainer:
         current = self.task.model_cfg.model_dump(mode="json")
         if saved_cfg != current:
             diff = sorted(k for k in set(saved_cfg) | set(current) if saved_cfg.get(k) != current.get(k))
-            raise FlowfleetError(f"{where}: trained with a different {self.task.name} model config (differs in "
-                                 f"{', '.join(diff)}); delete {self.root.url_of(self.task.spec.dir)} to start over")
+            raise FlowfleetError(
+                f"{where}: trained with a different {self.task.name} model config (differs in "
+                f"{', '.join(diff)}); delete {self.root.url_of(self.task.spec.dir)} to start over"
+            )
         st.model.load_state_dict(ckpt.tensors["model"], strict=True)
         if st.ema is not None:
             st.ema.load_state_dict(ckpt.tensors["ema"])
@@ -347,8 +368,13 @@ class Trainer:
         st.step, st.bad = ckpt.step, int(ckpt.state.get("bad_steps", 0))
         st.position = int(ckpt.state["data_position"]["samples"])
         if ckpt.state["data_position"].get("num_items") != len(self.task.data):
-            log.warning("%s: the data changed since %s (%s -> %d items); continuing with the new data", self.task.name,
-                        where, ckpt.state["data_position"].get("num_items"), len(self.task.data))
+            log.warning(
+                "%s: the data changed since %s (%s -> %d items); continuing with the new data",
+                self.task.name,
+                where,
+                ckpt.state["data_position"].get("num_items"),
+                len(self.task.data),
+            )
 
     def _checkpoint(self, st: _State) -> None:
         if st.island.is_main:
@@ -358,14 +384,24 @@ class Trainer:
                 rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
             ckpt = Checkpoint(
                 step=st.step,
-                tensors={"model": cpu_state(st.model.state_dict()), "ema": cpu_state(st.ema.state_dict()),
-                         "optimizer": opt_tensors, "rng": rng},
-                state={"job": self.task.name, "total_steps": self.task.total_steps, "samples_seen": st.position,
-                       "data_position": {"samples": st.position, "num_items": len(self.task.data)},
-                       "bad_steps": st.bad, "world_size": st.island.world_size, "optimizer": opt_skeleton,
-                       "scaler": st.scaler.state_dict(),
-                       "model_config": self.task.model_cfg.model_dump(mode="json"),
-                       "train_config": self.task.train_cfg.model_dump(mode="json")},
+                tensors={
+                    "model": cpu_state(st.model.state_dict()),
+                    "ema": cpu_state(st.ema.state_dict()),
+                    "optimizer": opt_tensors,
+                    "rng": rng,
+                },
+                state={
+                    "job": self.task.name,
+                    "total_steps": self.task.total_steps,
+                    "samples_seen": st.position,
+                    "data_position": {"samples": st.position, "num_items": len(self.task.data)},
+                    "bad_steps": st.bad,
+                    "world_size": st.island.world_size,
+                    "optimizer": opt_skeleton,
+                    "scaler": st.scaler.state_dict(),
+                    "model_config": self.task.model_cfg.model_dump(mode="json"),
+                    "train_config": self.task.train_cfg.model_dump(mode="json"),
+                },
             )
             name = self.store.save(ckpt)
             st.metrics.flush()
@@ -375,9 +411,14 @@ class Trainer:
 
     def _log(self, st: _State, bar, lr: float) -> None:
         w, now = st.window, time.perf_counter()
-        record = {"step": st.step, "loss": w.loss / w.finite_steps if w.finite_steps else float("nan"), "lr": lr,
-                  "samples_per_s": w.samples / max(now - w.t0, 1e-9), "time": time.time(),
-                  "epoch": st.position / len(self.task.data)}
+        record = {
+            "step": st.step,
+            "loss": w.loss / w.finite_steps if w.finite_steps else float("nan"),
+            "lr": lr,
+            "samples_per_s": w.samples / max(now - w.t0, 1e-9),
+            "time": time.time(),
+            "epoch": st.position / len(self.task.data),
+        }
         record.update({k: v / max(w.finite_steps, 1) for k, v in w.extras.items()})
         st.metrics.log(record)
         st.lease.update(last_loss=record["loss"])

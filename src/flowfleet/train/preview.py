@@ -48,9 +48,19 @@ def condition_kwargs(batch: dict[str, torch.Tensor], cfg: DiTConfig) -> dict[str
 
 
 @torch.no_grad()
-def sample_flow(model: torch.nn.Module, cfg: DiTConfig, cond: dict[str, torch.Tensor], n: int, *,
-                steps: int, sampler: str, guidance: float, shift: float, seed: int,
-                device: torch.device) -> torch.Tensor:
+def sample_flow(
+    model: torch.nn.Module,
+    cfg: DiTConfig,
+    cond: dict[str, torch.Tensor],
+    n: int,
+    *,
+    steps: int,
+    sampler: str,
+    guidance: float,
+    shift: float,
+    seed: int,
+    device: torch.device,
+) -> torch.Tensor:
     """n latents sampled from noise with classifier-free guidance (when the model is conditioned)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     x1 = torch.randn(n, cfg.in_channels, *cfg.input_size, generator=gen, device=device)
@@ -80,8 +90,9 @@ def latents_to_images(latents: torch.Tensor, decode: Callable[[torch.Tensor], to
     return x.permute(0, 2, 3, 1)
 
 
-def sample_grid_png(samples: torch.Tensor, reals: torch.Tensor, captions: list[str], title: str,
-                    cell: int = 96) -> bytes:
+def sample_grid_png(
+    samples: torch.Tensor, reals: torch.Tensor, captions: list[str], title: str, cell: int = 96
+) -> bytes:
     """Generated samples (top row) above the real items whose captions conditioned them (bottom row),
     each caption under its column. Drawn with PIL: a grid of images needs no plotting library."""
     from PIL import Image, ImageDraw
@@ -115,9 +126,17 @@ def sample_grid_png(samples: torch.Tensor, reals: torch.Tensor, captions: list[s
 
 
 @torch.no_grad()
-def router_accuracy(model: torch.nn.Module, latents: torch.Tensor, clusters: torch.Tensor, num_clusters: int, *,
-                    seed: int, device: torch.device, batch_size: int = 256,
-                    cond: dict[str, torch.Tensor] | None = None) -> dict:
+def router_accuracy(
+    model: torch.nn.Module,
+    latents: torch.Tensor,
+    clusters: torch.Tensor,
+    num_clusters: int,
+    *,
+    seed: int,
+    device: torch.device,
+    batch_size: int = 256,
+    cond: dict[str, torch.Tensor] | None = None,
+) -> dict:
     """Accuracy of argmax p(k | x_t, t[, prompt]) against the cluster id, per t-bucket (t uniform inside
     each of T_BUCKETS buckets, fresh noise), plus the confusion matrix over all buckets. `cond`: the
     items' prompt keywords (condition_kwargs), for a prompt-aware router."""
@@ -137,7 +156,8 @@ def router_accuracy(model: torch.nn.Module, latents: torch.Tensor, clusters: tor
             pred = model(x_t.to(device), t.to(device), **kw).argmax(dim=1).cpu()
             correct[b] += (pred == k).sum()
             confusion += torch.bincount(k * num_clusters + pred, minlength=num_clusters**2).reshape(
-                num_clusters, num_clusters)
+                num_clusters, num_clusters
+            )
     acc = (correct.double() / n).tolist()
     return {
         "t_buckets": [[i / T_BUCKETS, (i + 1) / T_BUCKETS] for i in range(T_BUCKETS)],

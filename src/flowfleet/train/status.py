@@ -123,8 +123,15 @@ class JobLease:
     `interval` seconds; flush() writes it now. All writes happen under one lock.
     """
 
-    def __init__(self, root: RunRoot, job_dir: str, status: JobStatus, *, interval: float = HEARTBEAT_EVERY,
-                 stale_after: float | None = None):
+    def __init__(
+        self,
+        root: RunRoot,
+        job_dir: str,
+        status: JobStatus,
+        *,
+        interval: float = HEARTBEAT_EVERY,
+        stale_after: float | None = None,
+    ):
         self.root = root
         self.job_dir = job_dir
         self.status = status

@@ -74,12 +74,19 @@ class SelfAttentionBand:
             ParallelMode.NAIVE: self._naive,
         }
 
-    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None,
-                 **kwargs) -> torch.Tensor:
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         if encoder_hidden_states is not None or attention_mask is not None:
-            raise FlowfleetError(f"U-Net layer {self.name}: patch-parallel self-attention takes no encoder states "
-                                 f"or attention mask")
+            raise FlowfleetError(
+                f"U-Net layer {self.name}: patch-parallel self-attention takes no encoder states or attention mask"
+            )
         residual = hidden_states
         x = _tokens(attn, hidden_states)  # [B, n, C]: this band's tokens
         q = _heads(attn, attn.to_q(x))  # [B, H, n, Dh]
@@ -126,9 +133,15 @@ class CrossAttentionBand:
         self._key: tuple[int, ...] = ()
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None,
-                 **kwargs) -> torch.Tensor:
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         if encoder_hidden_states is None:
             raise FlowfleetError(f"U-Net layer {self.name}: cross-attention called without encoder hidden states")
         residual = hidden_states

@@ -95,9 +95,11 @@ class HaloConvBand:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         halo, h = self.halo, x.shape[-2]
         if h < max(halo.top, halo.bottom) or h % halo.stride:
-            raise FlowfleetError(f"U-Net layer {self.name}: a band of {h} rows cannot feed a convolution needing "
-                                 f"{halo.top} rows above, {halo.bottom} below and stride {halo.stride}; use fewer "
-                                 f"ranks or a larger latent")
+            raise FlowfleetError(
+                f"U-Net layer {self.name}: a band of {h} rows cannot feed a convolution needing "
+                f"{halo.top} rows above, {halo.bottom} below and stride {halo.stride}; use fewer "
+                f"ranks or a larger latent"
+            )
         self.step.declare(self.slot, (x.shape[1], halo.rows, x.shape[-1]))
         above, below = self._paths[self.step.exchange](x)  # [B, C, top, W], [B, C, bottom, W]
         return conv_band(self.conv, torch.cat((above, x, below), dim=-2))
@@ -105,7 +107,7 @@ class HaloConvBand:
     def _edges(self, x: torch.Tensor) -> torch.Tensor:
         """What the neighbours need from this band: [first `bottom` rows; last `top` rows], [B, C, top+bottom, W]."""
         h = x.shape[-2]
-        return torch.cat((x[..., : self.halo.bottom, :], x[..., h - self.halo.top:, :]), dim=-2)
+        return torch.cat((x[..., : self.halo.bottom, :], x[..., h - self.halo.top :, :]), dim=-2)
 
     def _split(self, x: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every band's edges [N, B, C, top+bottom, W] -> this band's (above, below), zeros at the image edge."""

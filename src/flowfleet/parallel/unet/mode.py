@@ -71,19 +71,23 @@ class UNetMode(str, Enum):
         return self
 
 
-_EXCHANGE = MappingProxyType({
-    UNetMode.SYNC: ParallelMode.SYNC,
-    UNetMode.DISPLACED: ParallelMode.DISPLACED,
-    UNetMode.SYNC_GN: ParallelMode.DISPLACED,
-    UNetMode.STALE_GN: ParallelMode.DISPLACED,
-    UNetMode.SEPARATE_GN: ParallelMode.DISPLACED,
-    UNetMode.NAIVE: ParallelMode.NAIVE,
-})
-_NORM = MappingProxyType({
-    UNetMode.SYNC: NormStats.EXACT,
-    UNetMode.DISPLACED: NormStats.CORRECTED,
-    UNetMode.SYNC_GN: NormStats.EXACT,
-    UNetMode.STALE_GN: NormStats.STALE,
-    UNetMode.SEPARATE_GN: NormStats.SEPARATE,
-    UNetMode.NAIVE: NormStats.LOCAL,
-})
+_EXCHANGE = MappingProxyType(
+    {
+        UNetMode.SYNC: ParallelMode.SYNC,
+        UNetMode.DISPLACED: ParallelMode.DISPLACED,
+        UNetMode.SYNC_GN: ParallelMode.DISPLACED,
+        UNetMode.STALE_GN: ParallelMode.DISPLACED,
+        UNetMode.SEPARATE_GN: ParallelMode.DISPLACED,
+        UNetMode.NAIVE: ParallelMode.NAIVE,
+    }
+)
+_NORM = MappingProxyType(
+    {
+        UNetMode.SYNC: NormStats.EXACT,
+        UNetMode.DISPLACED: NormStats.CORRECTED,
+        UNetMode.SYNC_GN: NormStats.EXACT,
+        UNetMode.STALE_GN: NormStats.STALE,
+        UNetMode.SEPARATE_GN: NormStats.SEPARATE,
+        UNetMode.NAIVE: NormStats.LOCAL,
+    }
+)

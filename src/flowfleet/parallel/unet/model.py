@@ -45,17 +45,23 @@ from flowfleet.parallel.unet.step import BandStep
 # Layers whose forward mixes rows in ways the band wrappers do not model (functional group norms,
 # FIR/kernel resamplers with their own padding). Matched by class name so that the check works across
 # diffusers releases that move or drop these classes.
-_UNSUPPORTED = frozenset({"AdaGroupNorm", "SpatialNorm", "FirDownsample2D", "FirUpsample2D", "KDownsample2D",
-                          "KUpsample2D"})
-_UNSUPPORTED_ARGS = ("attention_mask", "down_block_additional_residuals", "mid_block_additional_residual",
-                     "down_intrablock_additional_residuals")
+_UNSUPPORTED = frozenset(
+    {"AdaGroupNorm", "SpatialNorm", "FirDownsample2D", "FirUpsample2D", "KDownsample2D", "KUpsample2D"}
+)
+_UNSUPPORTED_ARGS = (
+    "attention_mask",
+    "down_block_additional_residuals",
+    "mid_block_additional_residual",
+    "down_intrablock_additional_residuals",
+)
 
 
 def check_supported(unet: nn.Module) -> None:
     """Raise a one-line FlowfleetError naming the first layer that patch parallelism cannot run exactly."""
     if not isinstance(unet, UNet2DConditionModel):
-        raise FlowfleetError(f"patch-parallel U-Net: expected a diffusers UNet2DConditionModel, "
-                             f"got {type(unet).__name__}")
+        raise FlowfleetError(
+            f"patch-parallel U-Net: expected a diffusers UNet2DConditionModel, got {type(unet).__name__}"
+        )
     for name, m in unet.named_modules():
         kind = type(m).__name__
         if kind in _UNSUPPORTED:
@@ -63,14 +69,18 @@ def check_supported(unet: nn.Module) -> None:
         if isinstance(m, nn.ConvTranspose2d) and (m.kernel_size[0] > 1 or m.stride[0] > 1):
             raise FlowfleetError(f"U-Net layer {name}: transposed convolutions are not supported by patch parallelism")
         if isinstance(m, nn.Conv2d) and (isinstance(m.padding, str) or m.padding_mode != "zeros"):
-            raise FlowfleetError(f"U-Net layer {name}: only explicit zero padding is supported "
-                                 f"(padding={m.padding!r}, padding_mode={m.padding_mode!r})")
+            raise FlowfleetError(
+                f"U-Net layer {name}: only explicit zero padding is supported "
+                f"(padding={m.padding!r}, padding_mode={m.padding_mode!r})"
+            )
         if kind == "Downsample2D" and getattr(m, "use_conv", False) and getattr(m, "padding", 1) == 0:
             raise FlowfleetError(f"U-Net layer {name}: asymmetric-padding downsampling (padding=0) is not supported")
         if isinstance(m, Attention):
             if not isinstance(m.processor, (AttnProcessor2_0, AttnProcessor)):
-                raise FlowfleetError(f"U-Net layer {name}: attention processor {type(m.processor).__name__} is not "
-                                     f"supported by patch parallelism (use the default AttnProcessor2_0)")
+                raise FlowfleetError(
+                    f"U-Net layer {name}: attention processor {type(m.processor).__name__} is not "
+                    f"supported by patch parallelism (use the default AttnProcessor2_0)"
+                )
             if m.spatial_norm is not None:
                 raise FlowfleetError(f"U-Net layer {name}: attention with a spatial norm is not supported")
 
@@ -91,8 +101,17 @@ def default_group() -> Group:
 class ParallelUNet:
     """A UNet2DConditionModel patched to run on this rank's band of rows; see the module docstring."""
 
-    def __init__(self, unet: UNet2DConditionModel, group: Group, *, mode: UNetMode | str = UNetMode.DISPLACED,
-                 warmup: int = 1, max_batch: int | None = None, batch_bytes: int = 8 << 20, timeout_s: float = 60.0):
+    def __init__(
+        self,
+        unet: UNet2DConditionModel,
+        group: Group,
+        *,
+        mode: UNetMode | str = UNetMode.DISPLACED,
+        warmup: int = 1,
+        max_batch: int | None = None,
+        batch_bytes: int = 8 << 20,
+        timeout_s: float = 60.0,
+    ):
         check_supported(unet)
         if warmup < 0:
             raise FlowfleetError(f"--warmup: must be >= 0, got {warmup}")
@@ -106,8 +125,9 @@ class ParallelUNet:
         self.warmup = int(warmup)
         self.max_batch = max_batch
         self.factor = down_factor(unet)
-        self.comm = CommManager(group, device=unet.device, dtype=unet.dtype, batch_bytes=batch_bytes,
-                                timeout_s=timeout_s)
+        self.comm = CommManager(
+            group, device=unet.device, dtype=unet.dtype, batch_bytes=batch_bytes, timeout_s=timeout_s
+        )
         self.step = BandStep(self.comm, group.rank, group.size)
         self.modes: list[UNetMode] = []  # the mode each evaluation ran in (since construction)
         self._evals = 0  # evaluations since the run started
@@ -167,8 +187,15 @@ class ParallelUNet:
         self.comm.drain()
         self._evals, self._filled, self._last_t = 0, None, None
 
-    def forward(self, sample: torch.Tensor, timestep, encoder_hidden_states: torch.Tensor | None = None,
-                *args, return_dict: bool = True, **kwargs):
+    def forward(
+        self,
+        sample: torch.Tensor,
+        timestep,
+        encoder_hidden_states: torch.Tensor | None = None,
+        *args,
+        return_dict: bool = True,
+        **kwargs,
+    ):
         """UNet2DConditionModel.forward's signature: full latent in, full prediction out, on every rank."""
         if args:
             raise FlowfleetError("patch-parallel U-Net: pass the arguments after encoder_hidden_states by name")
@@ -187,8 +214,9 @@ class ParallelUNet:
             mode = UNetMode.SYNC  # no previous-step activations for this batch
         self.comm.begin_step(self._evals)
         self.step.mode, self.step.batch = mode, b
-        band = self._class_forward(self.unet, sample, timestep, encoder_hidden_states,
-                                   return_dict=False, **kwargs)[0]  # [B, C, H/N, W]
+        band = self._class_forward(self.unet, sample, timestep, encoder_hidden_states, return_dict=False, **kwargs)[
+            0
+        ]  # [B, C, H/N, W]
         if mode.exchange is ParallelMode.DISPLACED:
             self.comm.flush()  # a batch not yet complete (a layer skipped this evaluation) leaves now
         self._filled = b if mode.exchange is not ParallelMode.NAIVE else None
@@ -209,7 +237,8 @@ class ParallelUNet:
         if h % (n * self.factor):
             raise FlowfleetError(
                 f"patch-parallel U-Net: a latent of height {h} cannot be split into {n} bands of whole rows at every "
-                f"U-Net level (the height must be a multiple of {n} x {self.factor} = {n * self.factor})")
+                f"U-Net level (the height must be a multiple of {n} x {self.factor} = {n * self.factor})"
+            )
         if self.max_batch is not None and b > self.max_batch:
             raise FlowfleetError(f"patch-parallel U-Net: batch of {b} exceeds max_batch={self.max_batch}")
         return b
@@ -222,8 +251,7 @@ class ParallelUNet:
             self.step.mode, self.step.batch, self.step.recording = UNetMode.NAIVE, sample.shape[0], {}
             try:
                 with torch.no_grad():
-                    self._class_forward(self.unet, sample, timestep, encoder_hidden_states, return_dict=False,
-                                        **kwargs)
+                    self._class_forward(self.unet, sample, timestep, encoder_hidden_states, return_dict=False, **kwargs)
                 slots = self.step.recording
             finally:
                 self.step.recording = None
@@ -234,10 +262,24 @@ class ParallelUNet:
         self._registered = True
 
 
-def parallelize(unet: UNet2DConditionModel, group: Group | None = None, *, mode: UNetMode | str = UNetMode.DISPLACED,
-                warmup: int = 1, max_batch: int | None = None, batch_bytes: int = 8 << 20,
-                timeout_s: float = 60.0) -> ParallelUNet:
+def parallelize(
+    unet: UNet2DConditionModel,
+    group: Group | None = None,
+    *,
+    mode: UNetMode | str = UNetMode.DISPLACED,
+    warmup: int = 1,
+    max_batch: int | None = None,
+    batch_bytes: int = 8 << 20,
+    timeout_s: float = 60.0,
+) -> ParallelUNet:
     """Patch `unet` in place to run on this rank's band of `group` (default: every rank of the default
     process group). Returns the handle (reset(), restore(), comm, modes); use it as a context manager."""
-    return ParallelUNet(unet, group or default_group(), mode=mode, warmup=warmup, max_batch=max_batch,
-                        batch_bytes=batch_bytes, timeout_s=timeout_s)
+    return ParallelUNet(
+        unet,
+        group or default_group(),
+        mode=mode,
+        warmup=warmup,
+        max_batch=max_batch,
+        batch_bytes=batch_bytes,
+        timeout_s=timeout_s,
+    )

@@ -49,6 +49,8 @@ class BandStep:
         if self.recording is None:
             return
         if name in self.recording:
-            raise FlowfleetError(f"U-Net layer {name!r} runs twice in one forward; patch parallelism needs "
-                                 f"one call per layer and evaluation")
+            raise FlowfleetError(
+                f"U-Net layer {name!r} runs twice in one forward; patch parallelism needs "
+                f"one call per layer and evaluation"
+            )
         self.recording[name] = tuple(int(s) for s in shape)
