@@ -14,6 +14,7 @@ from flowfleet.flow import (
     interpolate,
     parse_strategy,
     routing_weights,
+    same_as_earlier,
     sample_t,
     target_velocity,
     time_grid,
@@ -159,3 +160,10 @@ def test_strategy_k_above_experts_is_refused():
     with pytest.raises(ValueError, match="exceeds"):
         parse_strategy("topk:5").resolve_k(4)
     assert parse_strategy("full").resolve_k(4) == 4
+
+
+def test_same_as_earlier_names_the_strategies_that_are_one_model():
+    assert same_as_earlier(["top1", "top2", "full"], 2) == {"full": "top2"}
+    assert same_as_earlier(["top1", "top2", "full"], 4) == {}
+    assert same_as_earlier(["full", "topk:3", "top1"], 3) == {"topk:3": "full"}
+    assert same_as_earlier(["top1", "full"], 1) == {"full": "top1"}

@@ -322,6 +322,10 @@ def test_batching_and_seed_determine_the_images(dit_fleet):
     assert not torch.allclose(a.images, c.images)
     assert a.prompts == ["a digit", "another", "a digit", "another", "a digit"]
     assert a.images.shape == (5, 1, 8, 8) and a.images.abs().max() <= 1
+    # settings resolved once by pipe.settings() (what generate and evaluate pass) give the same images
+    resolved = pipe.settings("top2", 3, None, 2.0, None, None, 7)
+    d = pipe(["a digit", "another"], n=5, settings=resolved)
+    assert torch.equal(d.images, a.images) and d.settings == a.settings
 
 
 def test_cfg_scale_one_runs_no_unconditional_pass(dit_fleet):

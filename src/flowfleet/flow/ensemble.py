@@ -9,6 +9,7 @@ selected experts ever run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -41,6 +42,21 @@ def parse_strategy(text: str) -> Strategy:
     if k_text is None or not k_text.isdigit() or int(k_text) < 1:
         raise ValueError(f"unknown strategy {text!r} (expected top1, top2, topk:K or full)")
     return Strategy(int(k_text), s)
+
+
+def same_as_earlier(strategies: Sequence[str], num_experts: int) -> dict[str, str]:
+    """Each strategy that selects the same experts with the same weights as an earlier one in the list
+    -> that earlier one (top-k with k >= K is the full ensemble: with K = 2, top2 and full are one model).
+    Strategies that are a model of their own are not keys."""
+    first: dict[int, str] = {}  # experts per sample -> the first strategy that uses that many
+    same = {}
+    for name in strategies:
+        k = parse_strategy(name).resolve_k(num_experts)
+        if k in first:
+            same[name] = first[k]
+        else:
+            first[k] = name
+    return same
 
 
 def routing_weights(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

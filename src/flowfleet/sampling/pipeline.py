@@ -418,14 +418,17 @@ class FleetPipeline:
         batch_size: int | None = None,
         progress: bool | str = False,
         parallel: Any = None,
+        settings: SamplingSettings | None = None,
     ) -> FleetOutput:
         """Generate n samples. Noise for all n comes from one seeded generator, so the batch size does
-        not change the images. parallel: see sample()."""
+        not change the images. parallel: see sample(). settings: the choices as self.settings() already
+        resolved them (then strategy ... seed are not read)."""
         if n < 1:
             raise FlowfleetError(f"--n: must be >= 1, got {n}")
-        settings = self.settings(strategy, steps, sampler, cfg, shift, route_every, seed)
+        if settings is None:
+            settings = self.settings(strategy, steps, sampler, cfg, shift, route_every, seed)
         cond, per_sample_prompts = self.encode_condition(prompts, labels, n)
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(settings.seed)
         noise = torch.randn(n, *self.latent_shape, generator=gen, dtype=self.dtype).to(self.device)
         bs = batch_size or n
         latents, traces = [], []

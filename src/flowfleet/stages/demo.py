@@ -41,7 +41,7 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.fid import FIDSettings
 from flowfleet.evaluate.report import TIMINGS_FILE, write_report
 from flowfleet.evaluate.views import captioned_grid_png
-from flowfleet.flow import parse_strategy
+from flowfleet.flow import same_as_earlier
 from flowfleet.layout import CLUSTER_REPORT, REPORTS, RUN_FILE, SHOWCASE
 from flowfleet.presets import PRESETS
 from flowfleet.stages.assemble import assemble
@@ -153,7 +153,6 @@ def demo(
 
 
 def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool) -> DemoResult:
-
     plan = demo_plan(size)
     root = _open(out, plan)
     url = root.url
@@ -188,13 +187,12 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
 
         # loaded once for the monolith and the three strategies
         text = build_text_encoder(plan.config.encoders.text, resolve_device("auto"))
-        k_experts = plan.config.cluster.k
-        drawn: dict[int | None, tuple[str, Any]] = {}  # experts per sample -> (strategy, its output)
+        same = same_as_earlier(STRATEGIES, plan.config.cluster.k)  # top2 of 2 experts is the full ensemble
+        drawn: dict[str, Any] = {}  # name -> its output
         for name, folder, strategy in [("monolith", monolith, "top1")] + [(s, model, s) for s in STRATEGIES]:
-            k = parse_strategy(strategy).resolve_k(k_experts) if folder == model else None
             title = name
-            if k in drawn:  # top2 of 2 experts is the full ensemble: the same images, not drawn twice
-                title, out = f"{name} (= {drawn[k][0]}: the same experts and weights)", drawn[k][1]
+            if name in same:  # the same images: not drawn twice
+                title, out = f"{name} (= {same[name]}: the same experts and weights)", drawn[same[name]]
             else:
                 out = generate(
                     folder,
@@ -206,7 +204,7 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
                     text_encoder=text,
                     progress=progress,
                 ).output
-                drawn[k] = (name, out)
+                drawn[name] = out
             # each image labelled with its prompt, for the report
             root.write_bytes(
                 captioned_grid_png(out.images, out.prompts, cols=len(SHOWCASE_PROMPTS), title=title),

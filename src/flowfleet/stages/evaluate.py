@@ -58,7 +58,7 @@ from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
 from flowfleet.evaluate.judge import load_judge
 from flowfleet.evaluate.report import EVALUATION_FILE
 from flowfleet.evaluate.views import captioned_grid_png
-from flowfleet.flow import parse_strategy
+from flowfleet.flow import parse_strategy, same_as_earlier
 from flowfleet.layout import ASSIGNMENTS, CENTROIDS, DATA, FINAL, MONOLITH, REPORTS, SAMPLES
 from flowfleet.models.dit import DiTExpert
 from flowfleet.models.files import load_model, read_dit_config
@@ -147,7 +147,6 @@ def _open_reference(reference: str) -> tuple[RunRoot, RunConfig, ShardSet]:
 
 def data_fingerprint(data: ShardSet) -> str:
     """What identifies data/: the source fingerprint recorded by prepare, and the item count."""
-
     m = data.manifest()
     record = {"count": m.count, "source": m.extra.get("source"), "encoders": m.extra.get("encoders")}
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -197,22 +196,18 @@ def evaluate(
 
     extractor: any uint8 [B, C, H, W] -> [B, D] module with `num_features` to use instead of the
     Inception (torchmetrics' custom-extractor contract; tests use a cheap one)."""
-
     t_start = time.perf_counter()
     ev = _Evaluation.open(model_dir, reference, options, echo, extractor)  # every check before heavy work
     pipe = FleetPipeline.from_pretrained(model_dir, device=ev.device)
     models = [(s, "fleet", pipe) for s in options.strategies]
     if options.monolith:
         models.insert(0, (MONOLITH, "monolith", _monolith_pipeline(ev.root, pipe, ev.device)))
-    experts_of = {}  # k experts per sample -> the strategy that sampled with them
+    same = same_as_earlier(options.strategies, len(pipe.present))  # e.g. top2 of 2 experts IS full
     for name, kind, p in models:
-        k = parse_strategy(name).resolve_k(len(pipe.present)) if kind == "fleet" else None
-        if k in experts_of:  # e.g. top2 of 2 experts IS full: same weights, same prompts and noise
-            ev.same_model(name, experts_of[k])
-            continue
-        ev.run_model(name, kind, p)
-        if k is not None:
-            experts_of[k] = name
+        if kind == "fleet" and name in same:  # same weights, same prompts and noise: same samples
+            ev.same_model(name, same[name])
+        else:
+            ev.run_model(name, kind, p)
     if options.diagnostics and root_has_clusters(ev.root):
         t0 = time.perf_counter()
         ev.diagnostics["router_accuracy"] = _router_accuracy(ev, pipe)
@@ -277,7 +272,6 @@ class _Evaluation:
         echo: Callable[[str], None],
         extractor: torch.nn.Module | None,
     ) -> "_Evaluation":
-
         options.validate()
         model_root = RunRoot(model_dir)
         index = read_model_index(model_root)  # one-line error when DIR is not an assembled fleet
@@ -333,7 +327,6 @@ class _Evaluation:
     def _open_judge(self, fingerprint: str) -> None:
         """The prompt-accuracy judge (--judge, or the MNIST digit classifier, trained once and cached in
         reports/) and, when it has features, their reference statistics for the classifier FD."""
-
         if not self.prompts:
             raise FlowfleetError("--judge: the model is not text-conditioned; prompt accuracy needs prompts")
         t0 = time.perf_counter()
@@ -358,7 +351,6 @@ class _Evaluation:
     def run_model(self, name: str, kind: str, pipe) -> ModelRun:
         """Sample options.n images from one model (a strategy of the fleet, or the monolith); FID, the
         grid, routing heatmap, usage, adherence and diagnostics."""
-
         o, fid = self.options, self.fid
         strategy = "top1" if kind == "monolith" else name
         settings = self.settings = pipe.settings(strategy, o.steps, o.sampler, o.cfg, o.shift, o.route_every, o.seed)
@@ -371,13 +363,7 @@ class _Evaluation:
             self.prompts,
             o.n,
             labels=self.labels,
-            strategy=strategy,
-            steps=settings.steps,
-            sampler=settings.sampler,
-            cfg=settings.cfg,
-            shift=settings.shift,
-            route_every=settings.route_every,
-            seed=o.seed,
+            settings=settings,
             batch_size=o.batch_size,
             progress=name,
         )
@@ -482,7 +468,6 @@ class _Evaluation:
 
 def samples_npz(images: torch.Tensor, prompts: Sequence[str], seed: int) -> bytes:
     """Every scored sample as a compressed npz: images uint8 [n, H, W, C], prompts [n], seed."""
-
     buf = io.BytesIO()
     np.savez_compressed(
         buf,
@@ -508,7 +493,6 @@ def _features(fid: FID, images: torch.Tensor, name: str) -> tuple[FeatureStats, 
 def _monolith_pipeline(root: RunRoot, fleet, device: torch.device):
     """The monolith (RUN_ROOT/monolith/final) as a one-expert fleet with no router: the same sampling
     loop, conditioning, text encoder and decoder as the fleet it is compared with."""
-
     mcfg = read_dit_config(root, MONOLITH, FINAL)
     if (mcfg.in_channels, *mcfg.input_size) != tuple(fleet.latent_shape):
         raise FlowfleetError(
@@ -552,13 +536,11 @@ class _SemanticFeatures:
         return torch.cat([self._encoder.encode(images[i : i + 64]).cpu() for i in range(0, images.shape[0], 64)])
 
     def alignment(self, features: torch.Tensor, dominant: torch.Tensor) -> dict[str, Any]:
-
         return centroid_alignment(features, dominant, self.coarse, self.fine, self.fine_to_coarse)
 
 
 def _disagreement(pipe, prompts, labels, settings, options: EvaluateOptions) -> dict[str, list[float]]:
     """Sample options.diagnostic_n trajectories with the strategy, probing all experts at every step."""
-
     n = min(options.diagnostic_n, options.n)
     cond, _ = pipe.encode_condition(prompts[:n] if prompts else None, labels[:n] if labels else None, n)
     noise = torch.randn(
@@ -573,7 +555,6 @@ def _disagreement(pipe, prompts, labels, settings, options: EvaluateOptions) -> 
 
 def _router_accuracy(ev: _Evaluation, pipe) -> dict[str, Any]:
     """The fleet's router against the clusters of (up to 512 of) the data items."""
-
     assign = read_assignments(ev.root, ev.cfg.cluster.k)
     pick = ev.order[: min(512, ev.order.numel())]
     clusters = assign[ev.index[pick]]
