@@ -49,10 +49,9 @@ def main() -> None:
 
         digits.DigitNet.__init__ = init
         digits.NETWORK = a.network  # names (and keys the cache of) the judge in its record
-    if a.epochs is not None:
-        digits.train_classifier.__defaults__ = (digits.TrainSettings(epochs=a.epochs), True)
+    settings = digits.TrainSettings() if a.epochs is None else digits.TrainSettings(epochs=a.epochs)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    judge = digits.DigitJudge.load_or_train(RunRoot(a.out), progress=False)
+    judge = digits.DigitJudge.load_or_train(RunRoot(a.out), progress=False, settings=settings)
     scores: dict[str, list[float]] = {}
     for run in a.runs:
         for npz in sorted(Path(run, "reports", "samples").glob("*.npz")):

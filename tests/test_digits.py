@@ -98,7 +98,7 @@ def test_a_cached_classifier_of_another_network_is_retrained(digit_classifier, t
     copy.write_json(record, *FOLDER, "classifier.json")
     trained = []
 
-    def fake_train(x, y, progress=True):
+    def fake_train(x, y, settings, progress=True):
         trained.append(len(y))
         return digits.DigitNet(), {"network": digits.NETWORK, "val_accuracy": 0.0}
 
@@ -106,3 +106,8 @@ def test_a_cached_classifier_of_another_network_is_retrained(digit_classifier, t
     judge = DigitJudge.load_or_train(copy, progress=False)
     assert trained == [5000] and judge.record["network"] == digits.NETWORK
     assert copy.read_json(*FOLDER, "classifier.json")["network"] == digits.NETWORK  # the cache now holds the new one
+    # the right network trained with another recipe is not this judge either
+    record = {**digit_classifier.read_json(*FOLDER, "classifier.json"), "settings": {"epochs": 8}}
+    copy.write_json(record, *FOLDER, "classifier.json")
+    DigitJudge.load_or_train(copy, progress=False)
+    assert trained == [5000, 5000]

@@ -94,7 +94,6 @@ def _shifted(x: torch.Tensor, shift: int, gen: torch.Generator) -> torch.Tensor:
 
 def mnist_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     """The built-in MNIST-5k as images [5000, 1, 28, 28] in [-1, 1] and labels [5000]."""
-
     src = MnistSource()
     x = torch.from_numpy(src.images).float().unsqueeze(1) / 127.5 - 1.0
     return x, torch.from_numpy(src.labels)
@@ -111,7 +110,6 @@ def train_classifier(
     x: torch.Tensor, y: torch.Tensor, settings: TrainSettings = TrainSettings(), progress: bool = True
 ) -> tuple[DigitNet, dict[str, Any]]:
     """Train on the first `train_items` of (x, y), validate on the rest; returns the net and its record."""
-
     torch.manual_seed(settings.seed)
     gen = torch.Generator().manual_seed(settings.seed)
     n = settings.train_items
@@ -158,17 +156,22 @@ class DigitJudge(ClassifierJudge):
         return float(self.record["val_accuracy"])
 
     @classmethod
-    def load_or_train(cls, root: RunRoot, progress: bool = True) -> "DigitJudge":
-        """The run's cached classifier, or a new one trained on MNIST-5k and cached (atomic writes)."""
+    def load_or_train(
+        cls, root: RunRoot, progress: bool = True, settings: TrainSettings = TrainSettings()
+    ) -> "DigitJudge":
+        """The run's cached classifier, or a new one trained on MNIST-5k with `settings` and cached
+        (atomic writes). A cache made by another network or recipe is trained again."""
         weights, meta = (*FOLDER, "model.safetensors"), (*FOLDER, "classifier.json")
         if root.exists(*weights) and root.exists(*meta):
             record = root.read_json(*meta)
-            if record.get("network") != NETWORK:  # made by another flowfleet version's network
+            made = (record.get("network", "an older network"), record.get("settings"))
+            if made != (NETWORK, asdict(settings)):  # made by another flowfleet version's network or recipe
                 log.info(
-                    "%s: a %s classifier, not %s; training it again",
+                    "%s: a %s classifier trained with %s, not %s with %s; training it again",
                     root.url_of(*meta),
-                    record.get("network", "older"),
+                    *made,
                     NETWORK,
+                    asdict(settings),
                 )
             else:
                 net = DigitNet()
@@ -184,7 +187,7 @@ class DigitJudge(ClassifierJudge):
                     return cls(net, record)
         log.info("training the digit classifier on MNIST-5k (cached in %s)", root.url_of(*FOLDER))
         x, y = mnist_tensors()
-        net, record = train_classifier(x, y, progress=progress)
+        net, record = train_classifier(x, y, settings, progress=progress)
         root.write_bytes(safetensors.torch.save(net.state_dict()), *weights)
         root.write_json(record, *meta)
         return cls(net, record)

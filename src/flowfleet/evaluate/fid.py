@@ -267,10 +267,10 @@ def frechet_distance(real: FeatureStats, fake: FeatureStats) -> float:
     """|mu_r - mu_f|^2 + tr(C_r) + tr(C_f) - 2 tr sqrt(C_r C_f), with tr sqrt(C_r C_f) =
     sum sqrt(eig(S C_f S)), S = sqrt(C_r) (similar matrices; eigenvalues >= 0 up to rounding, clamped
     as torchmetrics' complex square root drops them)."""
-    s = real.cov_sqrt()
-    eig = torch.linalg.eigvalsh(s @ fake.cov @ s)  # [D]
+    s, fake_cov = real.cov_sqrt(), fake.cov
+    eig = torch.linalg.eigvalsh(s @ fake_cov @ s)  # [D]
     diff = real.mean - fake.mean
-    return float(diff.dot(diff) + real.cov.trace() + fake.cov.trace() - 2 * eig.clamp_min(0).sqrt().sum())
+    return float(diff.dot(diff) + real.cov.trace() + fake_cov.trace() - 2 * eig.clamp_min(0).sqrt().sum())
 
 
 def fid_metadata(settings: FIDSettings, key: str, n_ref: int, n_fake: int) -> dict[str, Any]:
