@@ -33,7 +33,6 @@ def join_fleet(
     """Inside torchrun: validate the plan, read the experts' configs, join the process group.
 
     device: "auto" / "cuda" -> this rank's GPU (LOCAL_RANK) when CUDA is available, else CPU; "cpu" -> CPU."""
-
     plan = ParallelPlan(mode, warmup)  # one-line errors for --parallel / --warmup before any work
     if not in_torchrun():
         raise FlowfleetError(
@@ -81,7 +80,6 @@ class ParallelFleet:
 
     def velocity_fn(self, pipe: Any, cond: Any, settings: Any, trace: Any):
         """FleetPipeline's hook: the patch-parallel (x_t, t, step) -> v for one batch."""
-
         routed = RoutedVelocity(pipe, cond, settings.k, settings.cfg, settings.route_every, trace)
 
         def route(x: torch.Tensor, t: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:

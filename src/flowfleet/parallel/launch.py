@@ -86,7 +86,6 @@ def _to_plain(obj: Any) -> Any:
 
 
 def _from_plain(obj: Any) -> Any:
-
     if isinstance(obj, np.ndarray):
         return torch.from_numpy(obj)
     if isinstance(obj, dict):

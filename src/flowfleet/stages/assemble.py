@@ -141,7 +141,6 @@ def assemble(
     router: the router job folder ("router", or "router-paris" for the prompt-blind baseline).
     monolith=True: the monolith alone as a one-expert model with no router (default out RUN_ROOT/model-monolith),
     which generate and evaluate open like a fleet."""
-
     root = RunRoot(run_root)
     run = load_run_config(root)
     if monolith:
@@ -196,7 +195,6 @@ def assemble(
 
 
 def _assemble_monolith(root: RunRoot, run: RunConfig, out: str | None, progress: bool) -> AssembleResult:
-
     ok, why, status = job_finished(root, MONOLITH)
     if not ok:
         raise FlowfleetError(f"monolith: not finished ({why}); train it with `{_command(MONOLITH, root)}`")

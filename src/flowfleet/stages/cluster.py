@@ -266,7 +266,6 @@ def write_previews(
     root: RunRoot, cfg: RunConfig, examples: dict[int, tuple[torch.Tensor, list[str]]], device: torch.device
 ) -> None:
     """clusters/preview-k.png: a grid of partition k's sampled members, decoded to images."""
-
     latent = build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device)
     for k, (latents, _) in examples.items():
         images = latent.decode(latents).cpu()  # [<=64, C, H, W]

@@ -293,7 +293,6 @@ def _encode_into(rows: _Rows, enc: Encoders, batch: list, cfg: RunConfig, checke
 
 def write_preview(shards: ShardSet, latent: LatentEncoder, n: int = 64) -> None:
     """data/preview.png: the first n prepared items decoded back to images (what the experts will see)."""
-
     first = shards.manifest().shards[0]["name"]
     tensors, _ = shards.read_shard(first)
     images = latent.decode(tensors["latents"][:n]).cpu()  # [n, C, H, W]

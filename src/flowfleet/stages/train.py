@@ -99,7 +99,6 @@ class FleetOutcome:
 
 def train_all(run_root: str, *, parallel: int | None = None, progress: bool = True, echo=print) -> FleetOutcome:
     """Run every unfinished job of the run as a local process (`--parallel` at a time)."""
-
     root, cfg = _open(run_root)
     results: dict[str, str] = {}
     messages: dict[str, str] = {}

@@ -10,9 +10,8 @@ A job that is a flowfleet command (ProcessJob.cli) starts from Python's multipro
 which imports `preload` (torch, diffusers, flowfleet: ~5 s of every job's start) once: each job is a
 fresh fork of that interpreter that runs `flowfleet.cli.main(cli)` with its own environment, session
 and log, exactly as the command line would. Where there is no forkserver (Windows), or for any other
-command, the job is a plain subprocess.
-
-torch and the CLI are imported inside the forkserver child (the server preloads them).
+command, the job is a plain subprocess. (torch and the CLI are imported inside `_run_cli`, the
+forkserver child: the server has preloaded them.)
 """
 
 from __future__ import annotations
