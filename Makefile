@@ -31,6 +31,7 @@ demo-quick: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -x --timeout=900
 
 test-slow: $(STAMP)

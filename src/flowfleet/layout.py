@@ -22,6 +22,8 @@ flowfleet.data.shards.open_complete.
 
 from __future__ import annotations
 
+from typing import Final
+
 RUN_FILE = "run.yaml"
 
 # prepare and cluster
@@ -35,10 +37,10 @@ PARTITIONS = "partitions"
 
 # training jobs
 EXPERTS = "experts"
-ROUTER = "router"  # the run's router (prompt-aware or Paris', per run.yaml router)
-PARIS_ROUTER = "router-paris"  # Paris' prompt-blind router, trained beside it for comparison
+ROUTER: Final = "router"  # the run's router (prompt-aware or Paris', per run.yaml router)
+PARIS_ROUTER: Final = "router-paris"  # Paris' prompt-blind router, trained beside it for comparison
 ROUTERS = (ROUTER, PARIS_ROUTER)
-MONOLITH = "monolith"  # the compute-matched single-model baseline
+MONOLITH: Final = "monolith"  # the compute-matched single-model baseline
 
 # inside a job folder
 STATUS_FILE = "status.json"

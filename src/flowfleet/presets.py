@@ -58,7 +58,7 @@ def _builtin(
         text_dim=384,
     )
     fine_k = min(64, 8 * k)
-    cluster = dict(k=k, fine_k=fine_k, iters=25)
+    cluster: dict[str, Any] = dict(k=k, fine_k=fine_k, iters=25)
     if source == "mnist":  # captions name the digit: clusters of captions hold whole digits
         cluster.update(features="text", balance=True)
     return dict(

@@ -8,6 +8,7 @@ retried with exponential backoff.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -100,11 +101,11 @@ class RunRoot:
         """
         for folder in (self.root, posixpath.dirname(self.root)):
             candidate = posixpath.join(folder, "run.yaml")
-            if not with_retries(lambda c=candidate: self.fs.exists(c), what=f"exists {candidate}"):
+            if not with_retries(functools.partial(self.fs.exists, candidate), what=f"exists {candidate}"):
                 continue
             try:
                 raw = yaml.safe_load(
-                    io.BytesIO(with_retries(lambda c=candidate: self.fs.cat_file(c), what=f"read {candidate}"))
+                    io.BytesIO(with_retries(functools.partial(self.fs.cat_file, candidate), what=f"read {candidate}"))
                 )
             except yaml.YAMLError:
                 return {}

@@ -93,9 +93,9 @@ def assign_nearest(
         index = faiss.IndexFlatL2(centroids.shape[1])
         index.add(np.ascontiguousarray(centroids.cpu().numpy(), dtype=np.float32))
         for i in range(0, n, CHUNK):
-            d2, j = index.search(np.ascontiguousarray(x[i : i + CHUNK].numpy(), dtype=np.float32), 1)
-            idx[i : i + CHUNK] = torch.from_numpy(j[:, 0])
-            dist[i : i + CHUNK] = torch.from_numpy(d2[:, 0])
+            found_d2, found = index.search(np.ascontiguousarray(x[i : i + CHUNK].numpy(), dtype=np.float32), 1)
+            idx[i : i + CHUNK] = torch.from_numpy(found[:, 0])
+            dist[i : i + CHUNK] = torch.from_numpy(found_d2[:, 0])
             bar.update(min(CHUNK, n - i))
     else:
         c = centroids.to(device, torch.float32)  # [k, D]

@@ -317,7 +317,10 @@ class MiniLMText(TextEncoder):
             raise _load_error("text.path", "a sentence-transformers model", str(self.path), err) from None
         self.model.eval()
         dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
-        self.width = int(dim())
+        width = dim()
+        if width is None:
+            raise EncoderError(f"text.path: {self.path}: the sentence-transformers model does not state its width")
+        self.width = int(width)
 
     @torch.inference_mode()
     def encode(self, captions: list[str]) -> TextEmbeddings:
@@ -349,7 +352,7 @@ class ClipText(TextEncoder):
         self.path = cfg.path or "openai/clip-vit-large-patch14"
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-            self.model = CLIPTextModel.from_pretrained(self.path).to(self.device).eval()
+            self.model = CLIPTextModel.from_pretrained(self.path).to(self.device).eval()  # type: ignore[arg-type]
         except (OSError, ValueError, EnvironmentError) as err:
             raise _load_error("text.path", "a CLIP text model", self.path, err) from None
         self.model.requires_grad_(False)

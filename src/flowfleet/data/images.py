@@ -64,7 +64,7 @@ def to_tensor(img: Image.Image, size: int, channels: int) -> torch.Tensor:
     left, top = (w - side) // 2, (h - side) // 2
     img = img.crop((left, top, left + side, top + side))
     if side != size:
-        img = img.resize((size, size), Image.BICUBIC)
+        img = img.resize((size, size), Image.Resampling.BICUBIC)
     arr = np.asarray(img, dtype=np.uint8)  # [H, W] or [H, W, 3]
     x = torch.from_numpy(arr.copy()).float()
     x = x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)  # [C, H, W]

@@ -315,7 +315,7 @@ class FolderSource(Source):
             if name in self.sizes:
                 self.table = _caption_table(self._read_table(name), f"{path}/{name}", image_column, text_column)
                 break
-        self.has_labels = bool(self.table) and any(lab >= 0 for _, lab in self.table.values())
+        self.has_labels = self.table is not None and any(lab >= 0 for _, lab in self.table.values())
 
     def _read_table(self, name: str) -> list[dict[str, Any]]:
         raw = self.fs.cat_file(posixpath.join(self.root, name)).decode("utf-8", errors="replace")

@@ -166,7 +166,10 @@ class FID:
         self.extractor = net.to(self.device).eval()
         # The key names the features in cache files and results; a supplied module never borrows Inception's.
         self.key = getattr(net, "key", None) or f"custom-{type(net).__name__}"
-        self.dim = int(net.num_features)
+        dim = getattr(net, "num_features", None)
+        if not isinstance(dim, int):
+            raise ValueError(f"FID extractor {type(net).__name__}: needs an int `num_features` (its feature width)")
+        self.dim = dim
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
         """float images [B, C, H, W] in [-1, 1] -> features [B, D] (float32, on the CPU)."""

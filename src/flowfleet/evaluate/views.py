@@ -63,7 +63,7 @@ def captioned_grid_png(
     for i in range(n):
         r, c = divmod(i, cols)
         x, y = pad + c * (cw + pad), title_h + pad + r * (ch + text_h + pad)
-        tile = Image.fromarray(pixels[i].permute(1, 2, 0).numpy()).resize((cw, ch), Image.NEAREST)
+        tile = Image.fromarray(pixels[i].permute(1, 2, 0).numpy()).resize((cw, ch), Image.Resampling.NEAREST)
         canvas.paste(tile, (x, y))
         if captions and i < len(captions):
             draw.text((x, y + ch + 1), captions[i][:chars], fill="black")

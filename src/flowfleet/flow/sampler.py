@@ -28,7 +28,7 @@ def integrate(
     x1: torch.Tensor,
     grid: torch.Tensor,
     sampler: SamplerName = "euler",
-    callback: Callable[[int, torch.Tensor], None] | None = None,
+    callback: Callable[[int, torch.Tensor], object] | None = None,  # its return value is ignored
 ) -> torch.Tensor:
     """Integrate dx/dt = v(x, t) along `grid` (decreasing) starting from noise x1.
 

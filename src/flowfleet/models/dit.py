@@ -18,6 +18,7 @@ import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
+from typing_extensions import Self
 
 from flowfleet.flow.path import TIME_CONVENTION, embedder_timestep
 from flowfleet.models.config import DiTConfig
@@ -29,7 +30,7 @@ from flowfleet.models.embeddings import (
     TimestepEmbedder,
     sincos_2d,
 )
-from flowfleet.models.layers import ClassifierHead, DiTBlock, FinalLayer
+from flowfleet.models.layers import ClassifierHead, DiTBlock, FinalLayer, linear_at, zero_
 
 
 class DiTModel(ModelMixin, ConfigMixin):
@@ -40,7 +41,7 @@ class DiTModel(ModelMixin, ConfigMixin):
     (classifier-free guidance).
     """
 
-    config_name = "config.json"
+    config_name = "config.json"  # type: ignore[assignment]  # diffusers declares it None, subclasses set it
     _supports_gradient_checkpointing = False
 
     @register_to_config
@@ -104,6 +105,8 @@ class DiTModel(ModelMixin, ConfigMixin):
         self.blocks = nn.ModuleList(
             [DiTBlock(d, cfg.num_heads, cfg.mlp_ratio, cfg.adaln, cross) for _ in range(cfg.depth)]
         )
+        self.head: ClassifierHead | None
+        self.final_layer: FinalLayer | None
         if cfg.num_outputs:
             self.head = ClassifierHead(d, cfg.num_outputs)
             self.final_layer = None
@@ -113,7 +116,7 @@ class DiTModel(ModelMixin, ConfigMixin):
         self.initialize_weights()
 
     @classmethod
-    def from_dit_config(cls, cfg: DiTConfig) -> "DiTModel":
+    def from_dit_config(cls, cfg: DiTConfig) -> Self:
         return cls(**cfg.model_dump())
 
     # ----------------------------------------------------------------------------------------------
@@ -128,36 +131,36 @@ class DiTModel(ModelMixin, ConfigMixin):
                     nn.init.zeros_(module.bias)
 
         self.apply(_basic_init)
-        w = self.x_embedder.proj.weight
-        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
-        nn.init.zeros_(self.x_embedder.proj.bias)
+        proj = self.x_embedder.proj  # like nn.Linear: xavier on the flattened kernel, zero bias
+        nn.init.xavier_uniform_(proj.weight.view(proj.weight.shape[0], -1))
+        if proj.bias is not None:
+            nn.init.zeros_(proj.bias)
         if self.y_embedder is not None:
             nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        nn.init.normal_(linear_at(self.t_embedder.mlp, 0).weight, std=0.02)
+        nn.init.normal_(linear_at(self.t_embedder.mlp, 2).weight, std=0.02)
         if self.t_block is not None:  # zero like adaLN-Zero's per-block MLPs (PixArt: normal 0.02)
-            nn.init.zeros_(self.t_block[1].weight)
-            nn.init.zeros_(self.t_block[1].bias)
-        for block in self.blocks:
+            zero_(linear_at(self.t_block, 1))
+        for block in self.dit_blocks:
             if self.cfg.adaln == "zero":
-                nn.init.zeros_(block.adaLN_modulation[-1].weight)
-                nn.init.zeros_(block.adaLN_modulation[-1].bias)
+                zero_(linear_at(block.adaLN_modulation, -1))
             else:
                 nn.init.normal_(block.scale_shift_table, std=self.cfg.hidden_size**-0.5)
                 with torch.no_grad():
                     block.scale_shift_table[[2, 5]] = 0.0  # gates: identity blocks at init
             if block.cross_attn is not None:
-                nn.init.zeros_(block.cross_attn.proj.weight)
-                nn.init.zeros_(block.cross_attn.proj.bias)
+                zero_(block.cross_attn.proj)
         if self.final_layer is not None:
             if self.cfg.adaln == "zero":
-                nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
-                nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
-            nn.init.zeros_(self.final_layer.linear.weight)
-            nn.init.zeros_(self.final_layer.linear.bias)
+                zero_(linear_at(self.final_layer.adaLN_modulation, -1))
+            zero_(self.final_layer.linear)
         if self.head is not None:
-            nn.init.zeros_(self.head.adaLN_modulation[-1].weight)
-            nn.init.zeros_(self.head.adaLN_modulation[-1].bias)
+            zero_(linear_at(self.head.adaLN_modulation, -1))
+
+    @property
+    def dit_blocks(self) -> list[DiTBlock]:
+        """self.blocks, typed (iterating an nn.ModuleList is typed as yielding any Module)."""
+        return [block for block in self.blocks if isinstance(block, DiTBlock)]
 
     # ----------------------------------------------------------------------------------------------
     #                                        Forward
@@ -207,6 +210,7 @@ class DiTModel(ModelMixin, ConfigMixin):
             h = block(h, block_c, ctx, ctx_mask)  # [B, N, D]
         if self.head is not None:
             return self.head(h, c)  # [B, K]
+        assert self.final_layer is not None  # exactly one of head / final_layer exists
         h = self.final_layer(h, c)  # [B, N, p*p*C]
         return self.unpatchify(h, self.cfg.grid_size[0])  # [B, C, H, W]
 

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from flowfleet.models.layers import linear_at
+
 # --------------------------------------------------------------------------------------------------
 #                                   Sinusoidal helpers
 # --------------------------------------------------------------------------------------------------
@@ -75,7 +77,7 @@ class TimestepEmbedder(nn.Module):
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         t_freq = timestep_sinusoid(t, self.frequency_embedding_size)  # [B, 256]
-        return self.mlp(t_freq.to(self.mlp[0].weight.dtype))  # [B, D]
+        return self.mlp(t_freq.to(linear_at(self.mlp, 0).weight.dtype))  # [B, D]
 
 
 class LabelEmbedder(nn.Module):

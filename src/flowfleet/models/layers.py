@@ -17,6 +17,20 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
+def linear_at(seq: nn.Sequential, index: int) -> nn.Linear:
+    """The nn.Linear at `index` of `seq` (indexing a Sequential is typed as returning any Module)."""
+    layer = seq[index]
+    assert isinstance(layer, nn.Linear), f"{type(layer).__name__} at {index} is not nn.Linear"
+    return layer
+
+
+def zero_(layer: nn.Linear | nn.Conv2d) -> None:
+    """Zero a layer's weight and bias (adaLN-Zero's modulation, the final layer)."""
+    nn.init.zeros_(layer.weight)
+    if layer.bias is not None:
+        nn.init.zeros_(layer.bias)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -105,7 +119,7 @@ class DiTBlock(nn.Module):
         attn = self.attn if attn is None else attn
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.modulation(c)
         x = x + gate_msa.unsqueeze(1) * attn(modulate(self.norm1(x), shift_msa, scale_msa))  # [B, N, D]
-        if self.cross_attn is not None:
+        if self.cross_attn is not None and self.norm_cross is not None:
             x = x + self.cross_attn(self.norm_cross(x), ctx, ctx_mask)  # [B, N, D]
         x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))  # [B, N, D]
         return x

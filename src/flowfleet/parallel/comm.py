@@ -97,8 +97,9 @@ class CommManager:
         self._index: dict[str, int] = {}
         self._batches: list[_Batch] = []
         self._numel = 0
-        self._send: torch.Tensor | None = None  # [numel]
-        self._recv: torch.Tensor | None = None  # [group size, numel]
+        self._allocated = False
+        self._send = torch.empty(0, device=self.device, dtype=dtype)  # [numel] once allocated
+        self._recv = torch.empty(0, 0, device=self.device, dtype=dtype)  # [group size, numel] once allocated
         self._bytes = _Counter()
 
     # ----------------------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ class CommManager:
 
     def register(self, name: str, shape: tuple[int, ...], family: str = "") -> None:
         """Reserve a [shape] slot. Once per layer, in forward order, before allocate()."""
-        if self._send is not None:
+        if self._allocated:
             raise RuntimeError(f"comm buffer {name!r} registered after allocate()")
         if name in self._index:
             raise RuntimeError(f"comm buffer {name!r} registered twice")
@@ -120,15 +121,16 @@ class CommManager:
 
     def allocate(self) -> None:
         """One flat send buffer and one flat receive buffer for every slot; slots -> batches."""
-        if self._send is not None:
+        if self._allocated:
             return
+        self._allocated = True
         self._send = torch.zeros(self._numel, device=self.device, dtype=self.dtype)
         self._recv = torch.zeros(self.bands.size, self._numel, device=self.device, dtype=self.dtype)
         elem = self._send.element_size()
         for i, slot in enumerate(self._slots):
             last = self._batches[-1] if self._batches else None
             same_family = last is not None and self._slots[last.slots[-1]].family == slot.family
-            if not same_family or (last.end - last.start + slot.numel) * elem > self.batch_bytes:
+            if last is None or not same_family or (last.end - last.start + slot.numel) * elem > self.batch_bytes:
                 self._batches.append(_Batch([], slot.start, slot.start, label=slot.name))
                 last = self._batches[-1]
             last.slots.append(i)
@@ -243,7 +245,7 @@ class CommManager:
     # ----------------------------------------------------------------------------------------------
 
     def _slot(self, name: str) -> _Slot:
-        if self._send is None:
+        if not self._allocated:
             raise RuntimeError("CommManager.allocate() has not been called")
         try:
             return self._slots[self._index[name]]

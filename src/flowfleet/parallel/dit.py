@@ -126,7 +126,7 @@ class PatchParallelDiT:
         self.layout = layout
         self.comm = comm
         self.embed = PatchEmbedBand(model, layout)
-        self.attn = [SelfAttentionBand(b.attn, comm, f"{name}.blocks.{i}.attn") for i, b in enumerate(model.blocks)]
+        self.attn = [SelfAttentionBand(b.attn, comm, f"{name}.blocks.{i}.attn") for i, b in enumerate(model.dit_blocks)]
 
     def __call__(
         self,
@@ -152,5 +152,6 @@ class PatchParallelDiT:
             h = block(h, block_c, ctx, ctx_mask, attn=partial(attn, mode=mode, rows=rows, prefetch=prefetch))
         if prefetch and mode is ParallelMode.DISPLACED:
             self.comm.flush(self.name)
+        assert m.final_layer is not None  # __init__ refused a router
         h = m.final_layer(h, c)  # [B, n, p*p*C]
         return m.unpatchify(h, lay.rows)  # [B, C, R*p, W]

@@ -21,6 +21,7 @@ from flowfleet.distributed import DistContext, in_torchrun, init_from_env, shutd
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.files import read_dit_config
+from flowfleet.parallel.mode import ParallelMode
 from flowfleet.parallel.runner import ParallelPlan, ParallelVelocity, PatchParallelRunner
 from flowfleet.sampling.index import expert_folder, read_model_index
 from flowfleet.sampling.pipeline import RoutedVelocity
@@ -33,7 +34,7 @@ def join_fleet(
     """Inside torchrun: validate the plan, read the experts' configs, join the process group.
 
     device: "auto" / "cuda" -> this rank's GPU (LOCAL_RANK) when CUDA is available, else CPU; "cpu" -> CPU."""
-    plan = ParallelPlan(mode, warmup)  # one-line errors for --parallel / --warmup before any work
+    plan = ParallelPlan(ParallelMode.parse(mode), warmup)  # one-line errors for --parallel / --warmup before any work
     if not in_torchrun():
         raise FlowfleetError(
             f"--nproc {nproc}: not running under torchrun (`flowfleet generate` relaunches "

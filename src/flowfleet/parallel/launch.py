@@ -132,7 +132,9 @@ def run_local(
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, nproc, port, fn, args, timeout_s, threads, results), daemon=True)
+        ctx.Process(  # type: ignore[attr-defined]  # typeshed's BaseContext lacks Process; real contexts have it
+            target=_child, args=(r, nproc, port, fn, args, timeout_s, threads, results), daemon=True
+        )
         for r in range(nproc)
     ]
     for p in procs:

@@ -21,14 +21,14 @@ Model classes, tqdm and the encoders are imported where used, so importing the p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import integrate, parse_strategy, time_grid
 from flowfleet.flow.ensemble import Strategy
-from flowfleet.flow.sampler import VelocityFn
+from flowfleet.flow.sampler import SamplerName, VelocityFn
 from flowfleet.layout import INDEX_FILE
 from flowfleet.models.files import load_model, read_dit_config
 from flowfleet.sampling.index import ModelIndex, SchedulerConfig, expert_folder, read_model_index
@@ -54,7 +54,7 @@ class SamplingSettings:
     strategy: Strategy
     k: int  # experts per sample per step
     steps: int
-    sampler: str
+    sampler: SamplerName
     cfg: float
     shift: float
     route_every: int
@@ -114,15 +114,16 @@ class RoutedVelocity:
         """This evaluation's per-sample experts and weights (routing + trace, no expert runs); the
         patch-parallel velocity (flowfleet.parallel.fleet) routes through here too."""
         first_eval = step != self._last_step
-        reroute = self._selection is None or self.route_every == 1 or (first_eval and step % self.route_every == 0)
-        if reroute:
+        selection = self._selection
+        reroute = selection is None or self.route_every == 1 or (first_eval and step % self.route_every == 0)
+        if selection is None or reroute:
             probs = self.pipe.router_probs(x, t, self.cond)  # [B, P]
-            self._selection = select_experts(probs, self.pipe.present, self.pipe.num_experts, self.k)
+            selection = self._selection = select_experts(probs, self.pipe.present, self.pipe.num_experts, self.k)
             self.trace.router_calls += self.pipe.router is not None
         if first_eval:
-            self.trace.record(float(t[0]), self._selection, routed=reroute)
+            self.trace.record(float(t[0]), selection, routed=reroute)
             self._last_step = step
-        return self._selection
+        return selection
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,7 +310,8 @@ class FleetPipeline:
             raise FlowfleetError(f"--shift: must be > 0, got {shift}")
         if route_every < 1:
             raise FlowfleetError(f"--route-every: must be >= 1, got {route_every}")
-        return SamplingSettings(strat, k, steps, sampler, float(cfg), float(shift), route_every, seed)
+        checked = cast(SamplerName, sampler)  # one of SamplerName's values, checked above
+        return SamplingSettings(strat, k, steps, checked, float(cfg), float(shift), route_every, seed)
 
     # -- conditioning ------------------------------------------------------------------------------------
 
@@ -389,7 +391,7 @@ class FleetPipeline:
                     vf,
                     noise,
                     grid,
-                    settings.sampler,  # type: ignore[arg-type]
+                    settings.sampler,
                     callback=(lambda i, x: bar.update(1)) if bar is not None else None,
                 )
         finally:

@@ -21,7 +21,9 @@ import sys
 from collections import Counter, OrderedDict
 from typing import Callable, Iterable, Sequence
 
-ExpertFn = Callable[..., "object"]  # (x [B, C, H, W], t [B], **condition) -> velocity [B, C, H, W]
+import torch
+
+ExpertFn = Callable[..., torch.Tensor]  # (x [B, C, H, W], t [B], **condition) -> velocity [B, C, H, W]
 
 
 class ExpertStore:

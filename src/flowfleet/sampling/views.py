@@ -18,8 +18,8 @@ from flowfleet.sampling.trace import RoutingTrace
 
 def to_pil(images: torch.Tensor) -> list[Image.Image]:
     """[n, C, H, W] in [-1, 1] (C = 1 or 3) -> PIL images."""
-    arr = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # [n, C, H, W]
-    arr = arr.permute(0, 2, 3, 1).numpy()  # [n, H, W, C]
+    u8 = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # [n, C, H, W]
+    arr = u8.permute(0, 2, 3, 1).numpy()  # [n, H, W, C]
     if arr.shape[-1] == 1:
         return [Image.fromarray(a[..., 0], mode="L").convert("RGB") for a in arr]
     return [Image.fromarray(a[..., :3], mode="RGB") for a in arr]
@@ -35,7 +35,7 @@ def image_grid(images: torch.Tensor, cols: int | None = None, min_cell: int = 64
     rows = math.ceil(n / cols)
     w, h = pil[0].size
     scale = max(1, math.ceil(min_cell / max(w, h)))
-    pil = [im.resize((w * scale, h * scale), Image.NEAREST) for im in pil]
+    pil = [im.resize((w * scale, h * scale), Image.Resampling.NEAREST) for im in pil]
     pil += [Image.new("RGB", pil[0].size)] * (rows * cols - n)  # black padding
     return make_image_grid(pil, rows=rows, cols=cols)
 
@@ -90,13 +90,16 @@ def _expert_colors(k: int):
     from matplotlib.colors import ListedColormap
 
     if k <= 20:
-        return ListedColormap(colormaps["tab10" if k <= 10 else "tab20"].colors[:k])
+        table = colormaps["tab10" if k <= 10 else "tab20"]
+        assert isinstance(table, ListedColormap)
+        return ListedColormap(np.asarray(table.colors)[:k])
     return ListedColormap(colormaps["turbo"](np.linspace(0, 1, k)))
 
 
 def usage_table(trace: RoutingTrace, loads: Counter[int] | None = None, width: int = 30):
     """A rich Table: one bar per expert with its share of (sample, step) selections and what ran."""
     from rich.bar import Bar
+    from rich.console import RenderableType
     from rich.table import Table
 
     sel = trace.selections()
@@ -111,7 +114,7 @@ def usage_table(trace: RoutingTrace, loads: Counter[int] | None = None, width: i
         table.add_column("loads", justify="right")
     for k in range(trace.num_experts):
         share = sel.get(k, 0) / total
-        row = [
+        row: list[RenderableType] = [
             str(k),
             Bar(1.0, 0.0, share, width=width, color="cyan"),
             f"{100 * share:5.1f}",

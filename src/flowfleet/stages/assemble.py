@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence, cast
 
 from tqdm.auto import tqdm
 
@@ -22,7 +22,7 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.layout import EXPERTS, FINAL, MODEL, MONOLITH, MONOLITH_MODEL, ROUTERS, RUN_FILE, expert_job
 from flowfleet.models.config import DiTConfig
-from flowfleet.models.dit import DiTExpert, DiTRouter
+from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
 from flowfleet.models.files import ModelFileError, load_model, read_dit_config
 from flowfleet.sampling.index import (
     INDEX_FILE,
@@ -32,7 +32,7 @@ from flowfleet.sampling.index import (
     expert_folder,
 )
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import JobSpec
+from flowfleet.train.jobs import JobKind, JobSpec
 from flowfleet.train.status import JobStatus, job_finished
 
 
@@ -151,7 +151,7 @@ def assemble(
     if router not in ROUTERS:
         raise FlowfleetError(f"--router: {router!r} is not a router job (expected one of {', '.join(ROUTERS)})")
     ok, why, router_status = job_finished(root, router)
-    if not ok:
+    if not ok or router_status is None:
         raise FlowfleetError(f"{router}: not finished ({why}); train it with `{_command(router, root)}`")
     router_cfg = _read_config(router, root, router, FINAL)
     check_router(root.url_of(router, FINAL, "config.json"), router_cfg, run)
@@ -162,7 +162,7 @@ def assemble(
     for k in range(num_experts):
         job = expert_job(k)
         ok, why, status = job_finished(root, job)
-        if not ok:
+        if not ok or status is None:
             missing[k] = why
             continue
         cfg = _read_config(f"expert {k}", root, job, FINAL)
@@ -196,7 +196,7 @@ def assemble(
 
 def _assemble_monolith(root: RunRoot, run: RunConfig, out: str | None, progress: bool) -> AssembleResult:
     ok, why, status = job_finished(root, MONOLITH)
-    if not ok:
+    if not ok or status is None:
         raise FlowfleetError(f"monolith: not finished ({why}); train it with `{_command(MONOLITH, root)}`")
     cfg = _read_config(MONOLITH, root, MONOLITH, FINAL)
     check_expert(MONOLITH, root.url_of(MONOLITH, FINAL, "config.json"), cfg, run)
@@ -218,15 +218,14 @@ def _assemble_monolith(root: RunRoot, run: RunConfig, out: str | None, progress:
 
 def _command(job: str, root: RunRoot) -> str:
     """The CLI command that trains one of the run's jobs (router, router-paris, monolith)."""
-
-    return "flowfleet " + " ".join(JobSpec(job).cli_args(root.url))
+    return "flowfleet " + " ".join(JobSpec(cast(JobKind, job)).cli_args(root.url))
 
 
 def _write_model(
     root: RunRoot,
     run: RunConfig,
     out_root: RunRoot,
-    components: list[tuple[str, tuple[str, ...], type]],
+    components: Sequence[tuple[str, tuple[str, ...], type[DiTModel]]],
     num_experts: int,
     present: list[int],
     source: dict[str, Any],

@@ -30,7 +30,7 @@ import io
 import json
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import safetensors.torch
@@ -71,6 +71,9 @@ from flowfleet.storage import RunRoot
 from flowfleet.train.data import InMemoryData, model_fields
 from flowfleet.train.preview import condition_kwargs
 from flowfleet.train.status import job_finished
+
+if TYPE_CHECKING:  # the encoders module loads transformers; only its type is needed here
+    from flowfleet.data.encoders import SemanticEncoder
 
 
 @dataclass(frozen=True)
@@ -254,8 +257,7 @@ class _Evaluation:
         self.ref: FeatureStats | None = None
         self.semantic: _SemanticFeatures | None = None
         self.judge: Any = None  # prompt accuracy: --judge, or the digit classifier on the MNIST source
-        self.judge_fd: FID | None = None
-        self.judge_ref: FeatureStats | None = None
+        self.judge_fd: tuple[FID, FeatureStats] | None = None  # the classifier's feature space, reference
         self.prompt_accuracy: dict[str, Any] = {}
         self.runs: dict[str, ModelRun] = {}
         self.settings: Any = None
@@ -319,6 +321,11 @@ class _Evaluation:
         if self.options.diagnostics:
             self.semantic = _SemanticFeatures(self.root, self.cfg, fid.key, self.device)
 
+    def _fid_reference(self) -> tuple[FID, FeatureStats]:
+        if self.fid is None or self.ref is None:
+            raise RuntimeError("the FID reference is not open (open() has not run)")
+        return self.fid, self.ref
+
     def data_is_mnist(self) -> bool:
         """data/ was prepared from the built-in MNIST-5k (as prepare recorded it), the digit judge's domain."""
         source = self.data.manifest().extra.get("source") or {}
@@ -343,15 +350,16 @@ class _Evaluation:
             self.echo(f"evaluate: digit classifier (validation accuracy {self.judge.val_accuracy:.3f})")
         extractor = self.judge.extractor() if callable(getattr(self.judge, "extractor", None)) else None
         if extractor is not None:
-            self.judge_fd = FID(FIDSettings(batch_size=500), self.device, extractor=extractor)
+            judge_fd = FID(FIDSettings(batch_size=500), self.device, extractor=extractor)
             images = reference_images(self.cfg, self.latents, self.order, self.ref_n, 500, self.device)
-            self.judge_ref = self.judge_fd.reference(self.root, DATA, images, n=self.ref_n, fingerprint=fingerprint)
+            judge_ref = judge_fd.reference(self.root, DATA, images, n=self.ref_n, fingerprint=fingerprint)
+            self.judge_fd = judge_fd, judge_ref
         self.timings["judge_s"] = time.perf_counter() - t0
 
     def run_model(self, name: str, kind: str, pipe) -> ModelRun:
         """Sample options.n images from one model (a strategy of the fleet, or the monolith); FID, the
         grid, routing heatmap, usage, adherence and diagnostics."""
-        o, fid = self.options, self.fid
+        o, (fid, ref) = self.options, self._fid_reference()
         strategy = "top1" if kind == "monolith" else name
         settings = self.settings = pipe.settings(strategy, o.steps, o.sampler, o.cfg, o.shift, o.route_every, o.seed)
         self.echo(
@@ -372,7 +380,7 @@ class _Evaluation:
 
         t0 = time.perf_counter()
         stats, feats = _features(fid, images, name)
-        run.fid = fid.score(stats, self.ref)
+        run.fid = fid.score(stats, ref)
         run.fid_s = time.perf_counter() - t0
         self.echo(f"evaluate: {name}: FID {run.fid:.2f}")
 
@@ -380,8 +388,9 @@ class _Evaluation:
             acc = self.prompt_accuracy[name] = self.judge.prompt_accuracy(images, out.prompts)
             run.prompt_accuracy, run.confidence = acc["accuracy"], acc.get("confidence")
             if self.judge_fd is not None:
-                fake = self.judge_fd.statistics([images], desc="classifier features")
-                run.classifier_fd = self.judge_fd.score(fake, self.judge_ref)
+                judge_fd, judge_ref = self.judge_fd
+                fake = judge_fd.statistics([images], desc="classifier features")
+                run.classifier_fd = judge_fd.score(fake, judge_ref)
             self.echo(
                 f"evaluate: {name}: prompt accuracy {run.prompt_accuracy:.3f}"
                 + (f", classifier FD {run.classifier_fd:.2f}" if run.classifier_fd is not None else "")
@@ -443,7 +452,7 @@ class _Evaluation:
             "seed": o.seed,
             "sampling": sampling,
             "fid": {
-                **fid_metadata(o.fid, self.fid.key, self.ref_n, o.n),
+                **fid_metadata(o.fid, self._fid_reference()[0].key, self.ref_n, o.n),
                 "scores": {name: r.fid for name, r in self.runs.items()},
             },
             "runs": {name: r.to_json() for name, r in self.runs.items()},
@@ -523,7 +532,8 @@ class _SemanticFeatures:
         size = sem.image_size or 299
         # The clustering features ARE the FID features when both are default_1 at one input size.
         self.same_as_fid = sem.name == "inception" and not sem.path and fid_key == f"default_1-{size}"
-        self.cfg, self.device, self._encoder = cfg, device, None
+        self.cfg, self.device = cfg, device
+        self._encoder: SemanticEncoder | None = None
         if self.available:
             c = safetensors.torch.load(root.read_bytes(*CENTROIDS))
             self.coarse, self.fine, self.fine_to_coarse = c["coarse"], c["fine"], c["fine_to_coarse"]

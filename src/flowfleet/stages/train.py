@@ -127,7 +127,10 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
 
     def log_path(spec: JobSpec) -> Path:
         local = root.local_path(spec.dir, LOG_FILE)
-        return local if local is not None else Path(logs_tmp.name) / spec.dir / LOG_FILE
+        if local is not None:
+            return local
+        assert logs_tmp is not None  # a remote run root's logs are written locally, then uploaded
+        return Path(logs_tmp.name) / spec.dir / LOG_FILE
 
     jobs = [flowfleet_job(s.name, s.cli_args(url), log_path(s)) for s in todo]
     specs = {s.name: s for s in todo}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar, cast
+
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
@@ -14,30 +16,34 @@ def ema_decay_at(decay: float, updates: int, warmup: bool) -> float:
     return min(decay, (1 + updates) / (10 + updates)) if warmup else decay
 
 
-class EMA:
+M = TypeVar("M", bound=nn.Module)
+_Tensors = tuple[torch.Tensor, ...] | list[torch.Tensor]  # what torch._foreach_* take
+
+
+class EMA(Generic[M]):
     """EMA of a model's parameters via torch's AveragedModel (a foreach lerp, deterministic on CPU).
 
     Buffers are copied, not averaged (the DiT's only buffer is its fixed position table). The number
     of updates lives in AveragedModel's `n_averaged` buffer, so it is checkpointed with the weights.
     """
 
-    def __init__(self, model: nn.Module, decay: float, warmup: bool = True):
+    def __init__(self, model: M, decay: float, warmup: bool = True):
         self.decay = decay
         self.warmup = warmup
 
         @torch.no_grad()
-        def lerp_all(ema_params: list[torch.Tensor], params: list[torch.Tensor], n: torch.Tensor) -> None:
+        def lerp_all(ema_params: _Tensors, params: _Tensors, n: torch.Tensor | int) -> None:
             # AveragedModel calls this from the second update on (the first copies); n counts earlier updates.
-            d = ema_decay_at(self.decay, int(n.item()), self.warmup)
+            d = ema_decay_at(self.decay, int(n), self.warmup)
             torch._foreach_lerp_(ema_params, params, 1.0 - d)  # what torch's own get_ema_multi_avg_fn runs
 
         self.averaged = AveragedModel(model, multi_avg_fn=lerp_all)
         self.averaged.requires_grad_(False)
 
     @property
-    def module(self) -> nn.Module:
+    def module(self) -> M:
         """The averaged copy of the model (same class and config as the trained one)."""
-        return self.averaged.module
+        return cast(M, self.averaged.module)
 
     def update(self, model: nn.Module) -> None:
         self.averaged.update_parameters(model)

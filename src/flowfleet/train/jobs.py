@@ -168,7 +168,7 @@ class FlowTask(TrainTask):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._decoder: Callable[[torch.Tensor], torch.Tensor] | bool | None = None  # False: unavailable
+        self._decoder: Callable[[torch.Tensor], torch.Tensor] | Literal[False] | None = None  # False: unavailable
 
     def loss(self, model, batch, gen):
         x0 = batch["latents"]  # [B, C, H, W]

@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -110,6 +110,18 @@ class _State:
     position: int = 0  # samples drawn so far (the data position)
     bad: int = 0  # consecutive non-finite steps
     window: _Window = field(default_factory=_Window)
+
+    def rank0(self) -> _Rank0:
+        """Rank 0's EMA, lease and metrics log; an error on any other rank."""
+        if self.ema is None or self.lease is None or self.metrics is None:
+            raise RuntimeError("only rank 0 holds the EMA, the job lease and the metrics log")
+        return _Rank0(self.ema, self.lease, self.metrics)
+
+
+class _Rank0(NamedTuple):
+    ema: EMA
+    lease: JobLease
+    metrics: MetricsLog
 
 
 class Trainer:
@@ -201,8 +213,8 @@ class Trainer:
         finally:
             bar.close()
             if island.is_main:
-                st.metrics.close()
-                st.lease.release(state, message)
+                st.rank0().metrics.close()
+                st.rank0().lease.release(state, message)
             if state != "failed":
                 island.barrier()
         if st.lease is None:
@@ -225,7 +237,7 @@ class Trainer:
                 f"processes = {tc.grad_accum} x {island.world_size}"
             )
         torch.manual_seed(tc.seed)
-        model = task.build_model().to(dev)
+        model = task.build_model().to(dev)  # type: ignore[arg-type]  # diffusers' functools.wraps hides .to's binding
         amp = autocast_dtype(tc.precision, dev)
         if amp is None and tc.precision != "fp32" and island.is_main:
             log.warning("%s: precision %s applies on CUDA only; training in fp32 on %s", task.name, tc.precision, dev)
@@ -277,7 +289,7 @@ class Trainer:
         self._update(st, loss, extras)
         bar.update(1)
         if st.island.is_main:
-            st.lease.update(step=st.step, samples_seen=st.position)
+            st.rank0().lease.update(step=st.step, samples_seen=st.position)
             if st.step % tc.log_every == 0 or st.step == total:
                 self._log(st, bar, lr)
             if st.step % tc.sample_every == 0 or st.step == total:
@@ -298,8 +310,10 @@ class Trainer:
             chunk = island.rank * tc.grad_accum + m  # which piece of the global batch
             batch = self.task.data.gather(items[chunk * st.micro : (chunk + 1) * st.micro], dev)
             gen = torch.Generator(device=dev).manual_seed(derive_seed(tc.seed, st.step, chunk))
-            last = m == tc.grad_accum - 1
-            with st.net.no_sync() if island.distributed and not last else contextlib.nullcontext():
+            sync: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+            if isinstance(st.net, DistributedDataParallel) and m < tc.grad_accum - 1:
+                sync = st.net.no_sync()  # gradients all-reduced on the last micro-batch only
+            with sync:
                 with torch.autocast(dev.type, dtype=st.amp) if st.amp else contextlib.nullcontext():
                     loss, extras = self.task.loss(st.net, batch, gen)
                 st.scaler.scale(loss / tc.grad_accum).backward()
@@ -309,8 +323,8 @@ class Trainer:
         stop = torch.tensor(float(self._stop_reason is not None), device=dev)
         stats = island.all_sum(torch.stack([loss_sum, *extra_sums.values(), stop])).tolist()
         chunks = island.world_size * tc.grad_accum
-        extras = {key: value / chunks for key, value in zip(extra_sums, stats[1:-1])}
-        return stats[0] / chunks, extras, stats[-1] > 0
+        means = {key: value / chunks for key, value in zip(extra_sums, stats[1:-1])}
+        return stats[0] / chunks, means, stats[-1] > 0
 
     def _update(self, st: _State, loss: float, extras: dict[str, float]) -> None:
         """Optimiser step + EMA for a finite loss; skip a non-finite one, and stop after a run of them."""
@@ -386,7 +400,7 @@ class Trainer:
                 step=st.step,
                 tensors={
                     "model": cpu_state(st.model.state_dict()),
-                    "ema": cpu_state(st.ema.state_dict()),
+                    "ema": cpu_state(st.rank0().ema.state_dict()),
                     "optimizer": opt_tensors,
                     "rng": rng,
                 },
@@ -404,9 +418,10 @@ class Trainer:
                 },
             )
             name = self.store.save(ckpt)
-            st.metrics.flush()
-            st.lease.update(last_checkpoint=name)
-            st.lease.flush()
+            main = st.rank0()
+            main.metrics.flush()
+            main.lease.update(last_checkpoint=name)
+            main.lease.flush()
         st.island.barrier()
 
     def _log(self, st: _State, bar, lr: float) -> None:
@@ -420,20 +435,20 @@ class Trainer:
             "epoch": st.position / len(self.task.data),
         }
         record.update({k: v / max(w.finite_steps, 1) for k, v in w.extras.items()})
-        st.metrics.log(record)
-        st.lease.update(last_loss=record["loss"])
+        st.rank0().metrics.log(record)
+        st.rank0().lease.update(last_loss=record["loss"])
         bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
         st.window = _Window(t0=now)
 
     def _preview(self, st: _State) -> None:
-        model = st.ema.module.eval()
-        png = self.task.preview(model, st.step, st.island.device)
+        main = st.rank0()
+        png = self.task.preview(main.ema.module.eval(), st.step, st.island.device)
         self.root.write_bytes(png, self.task.spec.dir, SAMPLES, f"step-{st.step:07d}.png")
-        st.metrics.add_image_png("samples", png, st.step)
+        main.metrics.add_image_png("samples", png, st.step)
 
     def _finish(self, st: _State) -> None:
         """final/ (the EMA weights as a model folder), then the task's report."""
-        model = st.ema.module.eval()
+        model = st.rank0().ema.module.eval()
         save_model(model, self.root, self.task.spec.dir, FINAL)
         report = self.task.report(model, st.island.device)
         if report is not None:

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from flowfleet.flow import guided_velocity, integrate, interpolate, time_grid
+from flowfleet.flow.sampler import SamplerName
 from flowfleet.models.config import DiTConfig
 
 T_BUCKETS = 10  # router accuracy is reported per t-bucket [i/10, (i+1)/10)
@@ -55,7 +56,7 @@ def sample_flow(
     n: int,
     *,
     steps: int,
-    sampler: str,
+    sampler: SamplerName,
     guidance: float,
     shift: float,
     seed: int,
@@ -108,7 +109,7 @@ def sample_grid_png(
         for i in range(n):
             img = (images[i].clamp(0, 1) * 255).round().to(torch.uint8)
             img = img.expand(*img.shape[:2], 3) if img.shape[-1] == 1 else img  # [H, W, 3]
-            tile = Image.fromarray(img.numpy()).resize((w, h), Image.NEAREST)
+            tile = Image.fromarray(img.numpy()).resize((w, h), Image.Resampling.NEAREST)
             canvas.paste(tile, (pad + i * (w + pad), title_h + row * (h + pad)))
     for i, caption in enumerate(captions[:n]):
         x, y = pad + i * (w + pad), title_h + 2 * (h + pad)

@@ -40,7 +40,7 @@ class RowHalo:
 
     @classmethod
     def of(cls, conv: nn.Conv2d) -> "RowHalo":
-        k, s, p, d = conv.kernel_size[0], conv.stride[0], conv.padding[0], conv.dilation[0]
+        k, s, p, d = conv.kernel_size[0], conv.stride[0], _padding(conv)[0], conv.dilation[0]
         return cls(top=p, bottom=max(0, d * (k - 1) - p - s + 1), stride=s)
 
     @property
@@ -50,7 +50,14 @@ class RowHalo:
 
 def conv_band(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     """The convolution of a band already extended by its halo rows: no height padding, the layer's width padding."""
-    return F.conv2d(x, conv.weight, conv.bias, conv.stride, (0, conv.padding[1]), conv.dilation, conv.groups)
+    return F.conv2d(x, conv.weight, conv.bias, conv.stride, (0, _padding(conv)[1]), conv.dilation, conv.groups)
+
+
+def _padding(conv: nn.Conv2d) -> tuple[int, int]:
+    """(rows, columns) of zero padding; "same"/"valid" (a string) would hide how many rows a band needs."""
+    if isinstance(conv.padding, str):
+        raise ValueError(f"a convolution with padding={conv.padding!r} cannot be split into bands; give row counts")
+    return conv.padding[0], conv.padding[1]
 
 
 def _zeros(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -25,12 +25,13 @@ them, in forward order, with one CommManager.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from diffusers import UNet2DConditionModel
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
-from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel, UNet2DConditionOutput
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
@@ -136,7 +137,7 @@ class ParallelUNet:
         self.slots: dict[str, tuple[int, ...]] = {}  # comm slot -> shape, in forward order (after the first call)
         self._registered = False  # comm slots registered and allocated (first call)
         self._patched: list[nn.Module] = []
-        self._processors: dict[Attention, object] = {}
+        self._processors: dict[Attention, AttnProcessor] = {}
         self._install()
 
     # ----------------------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ class ParallelUNet:
     def _install(self) -> None:
         unet, step = self.unet, self.step
         for name, m in unet.named_modules():
-            wrapper = None
+            wrapper: Callable[..., torch.Tensor] | None = None
             if isinstance(m, nn.GroupNorm):
                 wrapper = GroupNormBand(m, name, step)
             elif isinstance(m, nn.Conv2d) and m is unet.conv_in:
@@ -155,7 +156,8 @@ class ParallelUNet:
                 wrapper = HaloConvBand(m, name, step)  # (1x1 convolutions are row-local: left alone)
             elif isinstance(m, Attention):
                 self._processors[m] = m.processor
-                m.set_processor(CrossAttentionBand(name) if m.is_cross_attention else SelfAttentionBand(name, step))
+                band = CrossAttentionBand(name) if m.is_cross_attention else SelfAttentionBand(name, step)
+                m.set_processor(band)  # type: ignore[arg-type]  # diffusers takes any processor; it types one class
             if wrapper is not None:
                 m.forward = wrapper  # an instance attribute shadows the class's forward
                 self._patched.append(m)
