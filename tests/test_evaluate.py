@@ -187,6 +187,56 @@ def test_evaluate_writes_fid_per_strategy_diagnostics_and_a_report(fleet):
     assert f"{again['fid']['scores']['top1']:.2f}" in html
 
 
+def test_the_monolith_is_opened_as_its_assembled_folder_and_other_folders_report_apart(fleet):
+    """evaluate --monolith opens RUN_ROOT/model-monolith (assembling it when missing or older than
+    monolith/final), the same folder a user evaluates directly; a model folder other than model/ writes
+    under reports/<folder>/ and leaves reports/evaluation.json alone."""
+    from flowfleet.stages.evaluate import evaluate
+
+    fleet.remove("model-monolith", recursive=True)
+    fleet.remove("reports", "evaluation.json")
+    lines: list[str] = []
+    small = dict(n=6, grid=3, diagnostics=False)
+    mono = evaluate(
+        fleet.url_of("model"), fleet.url, options(strategies=(), **small), echo=lines.append, extractor=SmallFeatures()
+    )
+    assert fleet.exists("model-monolith", "model_index.json")
+    assert sum("assembling the monolith" in line for line in lines) == 1
+    assert fleet.read_json("reports", "evaluation.json")["fid"]["scores"] == mono["fid"]["scores"]
+
+    direct = evaluate(
+        fleet.url_of("model-monolith"),
+        fleet.url,
+        options(strategies=("top1",), monolith=False, **small),
+        extractor=SmallFeatures(),
+    )
+    assert direct["fid"]["scores"]["top1"] == mono["fid"]["scores"]["monolith"]  # the same model, samples
+    assert direct["runs"]["top1"]["grid"] == "model-monolith/samples/top1.png"
+    assert fleet.exists("reports", "model-monolith", "evaluation.json")
+    assert fleet.exists("reports", "model-monolith", "samples", "top1.npz")
+    assert fleet.read_json("reports", "evaluation.json")["fid"]["scores"] == mono["fid"]["scores"]  # untouched
+
+    # Up to date: used as it is. Retrained (status.json moves on): assembled again.
+    evaluate(
+        fleet.url_of("model"), fleet.url, options(strategies=(), **small), echo=lines.append, extractor=SmallFeatures()
+    )
+    assert sum("assembling the monolith" in line for line in lines) == 1
+    status = fleet.read_json("monolith", "status.json")
+    try:
+        fleet.write_json({**status, "step": 2, "total_steps": 2}, "monolith", "status.json")
+        evaluate(
+            fleet.url_of("model"),
+            fleet.url,
+            options(strategies=(), **small),
+            echo=lines.append,
+            extractor=SmallFeatures(),
+        )
+        assert sum("assembling the monolith" in line for line in lines) == 2
+        assert fleet.read_json("model-monolith", "model_index.json")["source"]["monolith"]["step"] == 2
+    finally:
+        fleet.write_json(status, "monolith", "status.json")
+
+
 def test_evaluate_refuses_bad_requests_before_sampling(fleet, tmp_path):
     from flowfleet.stages.evaluate import evaluate
 

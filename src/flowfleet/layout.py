@@ -59,6 +59,13 @@ REPORTS = "reports"
 SHOWCASE = "showcase"  # reports/showcase/: the demo's labelled grids, one prompt per digit
 
 
+def evaluation_folder(model_url: str, run_url: str) -> str:
+    """Where `evaluate` writes, relative to reports/: "" for the run's own model/ (what `report` reads),
+    the model folder's name for any other (model-partial, a student...), so that one never overwrites another."""
+    model_url, run_url = model_url.rstrip("/"), run_url.rstrip("/")
+    return "" if model_url == f"{run_url}/{MODEL}" else model_url.rsplit("/", 1)[-1]
+
+
 def expert_job(k: int) -> str:
     """Expert k's job folder."""
     return f"{EXPERTS}/{k}"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import posixpath
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -59,14 +60,21 @@ from flowfleet.evaluate.judge import load_judge
 from flowfleet.evaluate.report import EVALUATION_FILE
 from flowfleet.evaluate.views import captioned_grid_png
 from flowfleet.flow import parse_strategy, same_as_earlier
-from flowfleet.layout import ASSIGNMENTS, CENTROIDS, DATA, FINAL, MONOLITH, REPORTS, SAMPLES
-from flowfleet.models.dit import DiTExpert
-from flowfleet.models.files import load_model, read_dit_config
+from flowfleet.layout import (
+    ASSIGNMENTS,
+    CENTROIDS,
+    DATA,
+    MONOLITH,
+    MONOLITH_MODEL,
+    REPORTS,
+    SAMPLES,
+    evaluation_folder,
+)
 from flowfleet.sampling.index import read_model_index
 from flowfleet.sampling.pipeline import FleetPipeline
-from flowfleet.sampling.store import ExpertStore
 from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.sampling.views import routing_heatmap
+from flowfleet.stages.assemble import assemble
 from flowfleet.storage import RunRoot
 from flowfleet.train.data import InMemoryData, model_fields
 from flowfleet.train.preview import condition_kwargs
@@ -204,7 +212,7 @@ def evaluate(
     pipe = FleetPipeline.from_pretrained(model_dir, device=ev.device)
     models = [(s, "fleet", pipe) for s in options.strategies]
     if options.monolith:
-        models.insert(0, (MONOLITH, "monolith", _monolith_pipeline(ev.root, pipe, ev.device)))
+        models.insert(0, (MONOLITH, "monolith", _monolith_pipeline(ev.root, pipe, ev.device, echo)))
     same = same_as_earlier(options.strategies, len(pipe.present))  # e.g. top2 of 2 experts IS full
     for name, kind, p in models:
         if kind == "fleet" and name in same:  # same weights, same prompts and noise: same samples
@@ -217,7 +225,7 @@ def evaluate(
         ev.timings["router_accuracy_s"] = time.perf_counter() - t0
     ev.timings["total_s"] = time.perf_counter() - t_start
     result = ev.result()
-    ev.root.write_json(result, REPORTS, EVALUATION_FILE)
+    ev.root.write_json(result, REPORTS, ev.out, EVALUATION_FILE)  # (an empty ev.out joins to nothing)
     return result
 
 
@@ -241,6 +249,8 @@ class _Evaluation:
     ):
         self.model_url, self.root, self.cfg, self.data, self.options = model_url, root, cfg, data, options
         self.device, self.echo = device, echo
+        # reports/ for the run's model/, reports/<folder>/ for another model folder of the run
+        self.out = evaluation_folder(model_url, root.url)
         fields, captions = data.load(["latents", "labels", "index"], with_captions=True)
         self.latents, self.index = fields["latents"], fields["index"]
         count = self.latents.shape[0]
@@ -321,6 +331,10 @@ class _Evaluation:
         if self.options.diagnostics:
             self.semantic = _SemanticFeatures(self.root, self.cfg, fid.key, self.device)
 
+    def _report_path(self, file: str) -> str:
+        """A sample file's path relative to reports/, as evaluation.json records it."""
+        return posixpath.join(self.out, SAMPLES, file)
+
     def _fid_reference(self) -> tuple[FID, FeatureStats]:
         if self.fid is None or self.ref is None:
             raise RuntimeError("the FID reference is not open (open() has not run)")
@@ -395,11 +409,11 @@ class _Evaluation:
                 f"evaluate: {name}: prompt accuracy {run.prompt_accuracy:.3f}"
                 + (f", classifier FD {run.classifier_fd:.2f}" if run.classifier_fd is not None else "")
             )
-        run.samples = f"{SAMPLES}/{name}.npz"
+        run.samples = self._report_path(f"{name}.npz")
         self.root.write_bytes(samples_npz(images, out.prompts, o.seed), REPORTS, run.samples)
 
         shown = min(o.grid, o.n)
-        run.prompts, run.grid = list(out.prompts[:shown]), f"{SAMPLES}/{name}.png"
+        run.prompts, run.grid = list(out.prompts[:shown]), self._report_path(f"{name}.png")
         title = (
             f"{name}  prompt accuracy {run.prompt_accuracy:.3f}  FID {run.fid:.2f}"
             if run.prompt_accuracy is not None
@@ -407,7 +421,7 @@ class _Evaluation:
         )
         self.root.write_bytes(captioned_grid_png(images[:shown], run.prompts, title=title), REPORTS, run.grid)
         if kind == "fleet":
-            run.heatmap = f"{SAMPLES}/{name}.routing.png"
+            run.heatmap = self._report_path(f"{name}.routing.png")
             self.root.write_bytes(routing_heatmap(out.trace), REPORTS, run.heatmap)
             run.usage = self.diagnostics["usage"][name] = usage_shares(out.trace)
         if self.cfg.data.source == "shapes" and images.shape[1] == 3 and self.prompts:
@@ -499,27 +513,29 @@ def _features(fid: FID, images: torch.Tensor, name: str) -> tuple[FeatureStats, 
     return stats, torch.cat(parts)
 
 
-def _monolith_pipeline(root: RunRoot, fleet, device: torch.device):
-    """The monolith (RUN_ROOT/monolith/final) as a one-expert fleet with no router: the same sampling
-    loop, conditioning, text encoder and decoder as the fleet it is compared with."""
-    mcfg = read_dit_config(root, MONOLITH, FINAL)
-    if (mcfg.in_channels, *mcfg.input_size) != tuple(fleet.latent_shape):
-        raise FlowfleetError(
-            f"{root.url_of(MONOLITH, FINAL)}: latent shape {(mcfg.in_channels, *mcfg.input_size)} "
-            f"differs from the fleet's {tuple(fleet.latent_shape)}"
-        )
-    store = ExpertStore(lambda _k: load_model(DiTExpert, root, MONOLITH, FINAL).to(device), [0], 1)
-    return FleetPipeline(
-        store,
-        None,
-        latent_shape=fleet.latent_shape,
-        conditioning=fleet.conditioning,
-        num_classes=fleet.num_classes,
-        text_encoder=fleet.text_encoder,
-        latent_decoder=fleet.latent_decoder,
-        scheduler=fleet.scheduler.model_copy(update={"strategy": "top1"}),
-        device=device,
+def _monolith_pipeline(root: RunRoot, fleet: FleetPipeline, device: torch.device, echo: Callable[[str], None]):
+    """The run's monolith opened the one way a model is opened: as the assembled one-expert folder
+    RUN_ROOT/model-monolith (what `assemble --monolith` writes; assembled here when it is missing or
+    older than monolith/final), sharing the fleet's text encoder and decoder."""
+    folder = RunRoot(root.url_of(MONOLITH_MODEL))
+    _, _, status = job_finished(root, MONOLITH)
+    trained = {"step": status.step, "samples_seen": status.samples_seen} if status is not None else None
+    try:
+        built = read_model_index(folder).source.get("monolith")
+    except FlowfleetError:  # not assembled yet
+        built = None
+    if built != trained:
+        echo(f"evaluate: assembling the monolith into {folder.url}")
+        assemble(root.url, monolith=True)
+    pipe = FleetPipeline.from_pretrained(
+        folder.url, device=device, text_encoder=fleet.text_encoder, latent_decoder=fleet.latent_decoder
     )
+    if tuple(pipe.latent_shape) != tuple(fleet.latent_shape):
+        raise FlowfleetError(
+            f"{folder.url}: latent shape {tuple(pipe.latent_shape)} differs from the fleet's "
+            f"{tuple(fleet.latent_shape)}"
+        )
+    return pipe
 
 
 class _SemanticFeatures:
