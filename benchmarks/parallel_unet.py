@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -44,6 +45,9 @@ from flowfleet.flow.path import embedder_timestep
 from flowfleet.parallel import run_local
 from flowfleet.parallel.unet import UNetMode, parallelize
 from flowfleet.storage import RunRoot
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test fixtures
+from fixtures.unets import banded_latent, tiny_unet  # noqa: E402
 
 MODES = [m.value for m in UNetMode]
 
@@ -62,22 +66,6 @@ def latency_unet(seed: int = 0) -> UNet2DConditionModel:
         attention_head_dim=8,
         norm_num_groups=32,
     ).eval()
-
-
-def tiny_unet(channels: int = 4, seed: int = 0) -> UNet2DConditionModel:
-    torch.manual_seed(seed)
-    return UNet2DConditionModel(
-        sample_size=16,
-        in_channels=channels,
-        out_channels=channels,
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32,
-        attention_head_dim=8,
-        norm_num_groups=8,
-    )
 
 
 def flow_loop(unet, x: torch.Tensor, text: torch.Tensor, steps: int) -> torch.Tensor:
@@ -187,7 +175,7 @@ def landscapes(n: int, size: int, g: torch.Generator) -> torch.Tensor:
 
 
 def train_landscape_unet(iters: int, seed: int = 0, batch: int = 32) -> dict:
-    unet = tiny_unet(channels=1, seed=seed)
+    unet = tiny_unet(channels=1, seed=seed).train()
     opt = torch.optim.AdamW(unet.parameters(), lr=2e-3)
     g = torch.Generator().manual_seed(seed)
     text = torch.zeros(batch, 1, 32)  # unconditional: one constant text token
@@ -209,11 +197,8 @@ def train_landscape_unet(iters: int, seed: int = 0, batch: int = 32) -> dict:
 
 def quality_worker(ctx, state: dict | None, modes: list[str], n: int, steps: int, seed: int) -> dict:
     if state is None:  # the random U-Net and inhomogeneous latent of tests/test_parallel_unet.py
-        unet = tiny_unet(seed=seed).eval()
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(1, 4, 16, 16, generator=g)
-        rows = torch.linspace(0, 1, 16).view(1, 1, 16, 1)
-        x, text = x * (0.3 + 2.5 * rows) + 1.5 * (rows > 0.5), torch.randn(1, 7, 32, generator=g)
+        unet = tiny_unet(seed=seed)
+        x, text = banded_latent(16)
     else:
         unet = tiny_unet(channels=1)
         unet.load_state_dict(state)

@@ -124,7 +124,7 @@ def evaluate_seed(args: argparse.Namespace, root, seed: int) -> dict[str, Any]:
             diagnostic_n=16,
             device=args.device,
         )
-        r = evaluate(root.url_of(folder), root.url, opts, echo=lambda _m: None)
+        r = evaluate(root.url_of(folder), root.url, opts)
         result["runs"].update({(name if name == "monolith" else prefix + name): run for name, run in r["runs"].items()})
         result["router_accuracy"][folder] = (r["diagnostics"].get("router_accuracy") or {}).get("accuracy")
     result["wall_s"] = time.perf_counter() - t0

@@ -53,7 +53,7 @@ def check_run(path, *, strategies=("top1", "top2", "full")) -> dict:
 def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
     out = tmp_path / "demo"
     install_digit_classifier(digit_classifier, out)  # trained once per session
-    result = demo(str(out), size="smoke", echo=lambda _: None, progress=False)
+    result = demo(str(out), size="smoke", progress=False)
     assert result.report.endswith("reports/report.html")
     check_run(out)
     # Training jobs, assembled experts and the monolith are all there; monolith = K x expert steps.
@@ -70,7 +70,7 @@ def test_demo_refuses_an_out_folder_of_another_run(tmp_path):
     root = RunRoot(str(tmp_path / "other"))
     preset("mnist-tiny", name="someone-else").save(root)
     with pytest.raises(FlowfleetError, match="exists with another configuration"):
-        demo(root.url, size="smoke", echo=lambda _: None, progress=False)
+        demo(root.url, size="smoke", progress=False)
     assert not root.exists("data")  # refused before any work
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import safetensors.torch
@@ -128,11 +130,11 @@ def options(**kw):
     return EvaluateOptions(**{**base, **kw})
 
 
-def test_evaluate_writes_fid_per_strategy_diagnostics_and_a_report(fleet):
+def test_evaluate_writes_fid_per_strategy_diagnostics_and_a_report(fleet, caplog):
     from flowfleet.stages.evaluate import evaluate
 
-    lines: list[str] = []
-    result = evaluate(fleet.url_of("model"), fleet.url, options(), echo=lines.append, extractor=SmallFeatures())
+    caplog.set_level(logging.INFO, logger="flowfleet")
+    result = evaluate(fleet.url_of("model"), fleet.url, options(), extractor=SmallFeatures())
     assert list(result["runs"]) == ["monolith", "top1", "top2", "full"]
     scores = result["fid"]["scores"]
     assert all(np.isfinite(v) and v >= 0 for v in scores.values())
@@ -153,11 +155,11 @@ def test_evaluate_writes_fid_per_strategy_diagnostics_and_a_report(fleet):
     assert all(s > 0 for s in dis["spread"])  # random experts disagree
     acc = result["diagnostics"]["router_accuracy"]
     assert len(acc["accuracy"]) == 10 and acc["items"] == 32
-    assert any("FID" in line for line in lines)
+    assert any("FID" in line for line in caplog.messages)
     # top2 of two experts is the full ensemble: evaluated once, recorded under both names
     assert result["runs"]["full"]["same_as"] == "top2" and result["runs"]["top2"]["same_as"] is None
     assert scores["full"] == scores["top2"] and usage["full"] == usage["top2"]
-    assert any("full uses the same experts with the same weights as top2" in line for line in lines)
+    assert any("full uses the same experts with the same weights as top2" in line for line in caplog.messages)
     write_report(fleet.url)
     assert (
         "full selects the same experts with the same weights as top2"
@@ -170,7 +172,6 @@ def test_evaluate_writes_fid_per_strategy_diagnostics_and_a_report(fleet):
         fleet.url_of("model"),
         fleet.url,
         options(strategies=("top1", "full"), monolith=False, diagnostics=False),
-        echo=lines.append,
         extractor=SmallFeatures(),
     )
     assert again["fid"]["scores"]["top1"] == pytest.approx(scores["top1"], rel=1e-9)
@@ -187,7 +188,7 @@ def test_evaluate_writes_fid_per_strategy_diagnostics_and_a_report(fleet):
     assert f"{again['fid']['scores']['top1']:.2f}" in html
 
 
-def test_the_monolith_is_opened_as_its_assembled_folder_and_other_folders_report_apart(fleet):
+def test_the_monolith_is_opened_as_its_assembled_folder_and_other_folders_report_apart(fleet, caplog):
     """evaluate --monolith opens RUN_ROOT/model-monolith (assembling it when missing or older than
     monolith/final), the same folder a user evaluates directly; a model folder other than model/ writes
     under reports/<folder>/ and leaves reports/evaluation.json alone."""
@@ -195,13 +196,11 @@ def test_the_monolith_is_opened_as_its_assembled_folder_and_other_folders_report
 
     fleet.remove("model-monolith", recursive=True)
     fleet.remove("reports", "evaluation.json")
-    lines: list[str] = []
+    caplog.set_level(logging.INFO, logger="flowfleet")
     small = dict(n=6, grid=3, diagnostics=False)
-    mono = evaluate(
-        fleet.url_of("model"), fleet.url, options(strategies=(), **small), echo=lines.append, extractor=SmallFeatures()
-    )
+    mono = evaluate(fleet.url_of("model"), fleet.url, options(strategies=(), **small), extractor=SmallFeatures())
     assert fleet.exists("model-monolith", "model_index.json")
-    assert sum("assembling the monolith" in line for line in lines) == 1
+    assert sum("assembling the monolith" in line for line in caplog.messages) == 1
     assert fleet.read_json("reports", "evaluation.json")["fid"]["scores"] == mono["fid"]["scores"]
 
     direct = evaluate(
@@ -217,10 +216,8 @@ def test_the_monolith_is_opened_as_its_assembled_folder_and_other_folders_report
     assert fleet.read_json("reports", "evaluation.json")["fid"]["scores"] == mono["fid"]["scores"]  # untouched
 
     # Up to date: used as it is. Retrained (status.json moves on): assembled again.
-    evaluate(
-        fleet.url_of("model"), fleet.url, options(strategies=(), **small), echo=lines.append, extractor=SmallFeatures()
-    )
-    assert sum("assembling the monolith" in line for line in lines) == 1
+    evaluate(fleet.url_of("model"), fleet.url, options(strategies=(), **small), extractor=SmallFeatures())
+    assert sum("assembling the monolith" in line for line in caplog.messages) == 1
     status = fleet.read_json("monolith", "status.json")
     try:
         fleet.write_json({**status, "step": 2, "total_steps": 2}, "monolith", "status.json")
@@ -228,10 +225,9 @@ def test_the_monolith_is_opened_as_its_assembled_folder_and_other_folders_report
             fleet.url_of("model"),
             fleet.url,
             options(strategies=(), **small),
-            echo=lines.append,
             extractor=SmallFeatures(),
         )
-        assert sum("assembling the monolith" in line for line in lines) == 2
+        assert sum("assembling the monolith" in line for line in caplog.messages) == 2
         assert fleet.read_json("model-monolith", "model_index.json")["source"]["monolith"]["step"] == 2
     finally:
         fleet.write_json(status, "monolith", "status.json")
@@ -298,7 +294,6 @@ def test_evaluate_measures_prompt_adherence_for_the_shapes_source(tmp_path):
         root.url_of("model"),
         root.url,
         options(strategies=("top1",), monolith=False, diagnostics=False, ref_n=16, n=24),
-        echo=lambda _: None,
         extractor=SmallFeatures(),
     )
     adh = result["adherence"]["top1"]
@@ -340,7 +335,6 @@ def test_user_judge_scores_prompt_accuracy(fleet, tmp_path):
             fleet.url_of("model"),
             fleet.url,
             options(strategies=("top1",), monolith=False, diagnostics=False, judge=f"{judge_file}:make"),
-            echo=lambda _m: None,
             extractor=SmallFeatures(),
         )
 

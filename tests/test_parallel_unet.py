@@ -16,8 +16,9 @@ import math
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, UNet2DConditionModel
+from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.models.attention_processor import AttnProcessor
+from fixtures.unets import banded_latent, tiny_unet
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
@@ -40,31 +41,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def tiny_unet(seed: int = 0) -> UNet2DConditionModel:
-    """Two levels (one downsampling), cross-attention on the fine level, 8 groups: ~0.8 M parameters."""
-    torch.manual_seed(seed)
-    return UNet2DConditionModel(
-        sample_size=16,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32,
-        attention_head_dim=8,
-        norm_num_groups=8,
-    ).eval()
-
-
-def inputs(size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """A latent [1, 4, size, size] whose rows grow louder downwards, lower half shifted; text [1, 7, 32]."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, 4, size, size, generator=g)
-    rows = torch.linspace(0, 1, size).view(1, 1, size, 1)
-    return x * (0.3 + 2.5 * rows) + 1.5 * (rows > 0.5), torch.randn(1, 7, 32, generator=g)
 
 
 def flow_loop(unet, x: torch.Tensor, text: torch.Tensor, steps: int = STEPS) -> torch.Tensor:
@@ -188,7 +164,7 @@ def test_unsupported_models_and_inputs_are_one_line_errors():
 def test_one_rank_is_the_plain_model_and_restore_undoes_the_patch():
     unet = tiny_unet()
     unet.down_blocks[0].attentions[0].transformer_blocks[0].attn2.set_processor(AttnProcessor())  # also supported
-    x, text = inputs(16)
+    x, text = banded_latent(16)
     keys = list(unet.state_dict())
     processors = dict(unet.attn_processors)
     ref = flow_loop(unet, x, text, steps=3)
@@ -208,7 +184,7 @@ def test_text_keys_values_are_computed_once_per_prompt_tensor():
     calls = []
     to_k = unet.down_blocks[0].attentions[0].transformer_blocks[0].attn2.to_k
     to_k.register_forward_hook(lambda *a: calls.append(1))
-    x, text = inputs(16)
+    x, text = banded_latent(16)
     with parallelize(unet, Group.solo()), torch.no_grad():
         ref = [unet(x, t, encoder_hidden_states=text).sample for t in (900, 500, 100)]
         assert len(calls) == 1
@@ -228,7 +204,7 @@ def test_text_keys_values_are_computed_once_per_prompt_tensor():
 def _ablation(ctx, size: int, modes: list[str], warmup: int, steps: int = STEPS, again: bool = True) -> dict:
     """Every mode's final latent on this rank (and the modes each step ran in, and bytes per step)."""
     unet = tiny_unet()
-    x, text = inputs(size)
+    x, text = banded_latent(size)
     out = {}
     for mode in modes:
         with parallelize(unet, ctx.world, mode=mode, warmup=warmup) as punet:
@@ -243,7 +219,7 @@ def _ablation(ctx, size: int, modes: list[str], warmup: int, steps: int = STEPS,
 
 def test_two_ranks_sync_is_exact_and_corrected_gn_beats_stale_and_separate():
     unet = tiny_unet()
-    x, text = inputs(16)
+    x, text = banded_latent(16)
     ref = flow_loop(unet, x, text)
     r0, r1 = run_local(_ablation, 2, (16, MODES, 1), **FORK)
     for mode in MODES:
@@ -269,7 +245,7 @@ def test_two_ranks_sync_is_exact_and_corrected_gn_beats_stale_and_separate():
 def test_small_latents_stay_exact_in_sync_and_never_black(nproc):
     """8x8 latents: 4 (or 2) rows per band, 2 (or 1) at the coarse level, where halos and GN matter most."""
     unet = tiny_unet()
-    x, text = inputs(8)
+    x, text = banded_latent(8)
     ref = flow_loop(unet, x, text, steps=4)
     modes = ["sync", "displaced", "naive"] if nproc == 4 else MODES
     ranks = run_local(_ablation, nproc, (8, modes, 1, 4, False), **FORK)

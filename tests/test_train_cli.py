@@ -161,7 +161,9 @@ def test_train_all_runs_every_job_then_status_shows_them_done(tmp_path, capsys):
 
     t0 = time.monotonic()
     assert main(["train-all", str(tmp_path / "r"), "--no-progress"]) == 0  # nothing left to do
-    assert "expert-0: already done, skipped" in capsys.readouterr().out and time.monotonic() - t0 < 5
+    out = capsys.readouterr()
+    assert "expert-0: skipped" in out.out and time.monotonic() - t0 < 5
+    assert "flowfleet: expert-0: already done, skipped" in out.err  # the reason, as a log message
 
 
 def test_status_of_a_fresh_run_lists_pending_jobs(tmp_path, capsys):

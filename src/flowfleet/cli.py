@@ -69,12 +69,27 @@ def configure_logging(verbose: bool = False, quiet: bool = False) -> None:
     one line each; tables, progress bars and final paths stay console output of the commands."""
     logger = logging.getLogger("flowfleet")
     logger.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
-    if not any(getattr(h, "_flowfleet", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("flowfleet: %(message)s"))
-        handler._flowfleet = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
         logger.propagate = False
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each message, not as it was when main() first ran (tests and
+    notebooks swap it); the stdlib's own last-resort handler does the same."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:

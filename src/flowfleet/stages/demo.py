@@ -31,6 +31,7 @@ configuration is refused rather than mixed.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal
@@ -54,6 +55,8 @@ from flowfleet.storage import RunRoot
 
 DEMO_INCEPTION_SIZE = 75
 STRATEGIES = ("top1", "top2", "full")
+
+log = logging.getLogger(__name__)
 SHOWCASE_PROMPTS = tuple(
     f"a handwritten digit {w}" for w in ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 )
@@ -145,14 +148,13 @@ def demo(
     *,
     quick: bool = False,
     size: DemoSize | None = None,
-    echo: Callable[[str], None] = print,
     progress: bool = True,
 ) -> DemoResult:
     """Run (or resume) the demo in `out`; returns where the report is. `size` overrides `quick`."""
-    return _demo(out, size or ("quick" if quick else "full"), echo, progress)
+    return _demo(out, size or ("quick" if quick else "full"), progress)
 
 
-def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool) -> DemoResult:
+def _demo(out: str, size: DemoSize, progress: bool) -> DemoResult:
     plan = demo_plan(size)
     root = _open(out, plan)
     url = root.url
@@ -160,18 +162,18 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
     t_all = time.perf_counter()
 
     def stage(name: str, fn: Callable[[], Any]) -> Any:
-        echo(f"demo: {name} ...")
+        log.info(f"demo: {name} ...")
         t0 = time.perf_counter()
         result = fn()
         timings[name] = round(time.perf_counter() - t0, 2)
-        echo(f"demo: {name} done in {timings[name]:.0f} s")
+        log.info(f"demo: {name} done in {timings[name]:.0f} s")
         root.write_json(timings, REPORTS, TIMINGS_FILE)
         return result
 
     stage("prepare", lambda: prepare(root, progress=progress))
     if not root.exists(*CLUSTER_REPORT):
         stage("cluster", lambda: cluster(root, progress=progress))
-    outcome = stage("train-all", lambda: train_all(url, progress=progress, echo=echo))
+    outcome = stage("train-all", lambda: train_all(url, progress=progress))
     if not outcome.ok:
         failed = {k: v for k, v in outcome.results.items() if v not in ("done", "skipped")}
         first = next(iter(failed))
@@ -214,7 +216,7 @@ def _demo(out: str, size: DemoSize, echo: Callable[[str], None], progress: bool)
             )
 
     stage("generate", showcase)
-    evaluation = stage("evaluate", lambda: evaluate(model, url, plan.evaluation, echo=echo))
+    evaluation = stage("evaluate", lambda: evaluate(model, url, plan.evaluation))
     print_table(evaluation)
     timings["total"] = round(time.perf_counter() - t_all, 2)
     root.write_json(timings, REPORTS, TIMINGS_FILE)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import posixpath
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -82,6 +83,8 @@ from flowfleet.train.status import job_finished
 
 if TYPE_CHECKING:  # the encoders module loads transformers; only its type is needed here
     from flowfleet.data.encoders import SemanticEncoder
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,6 @@ def evaluate(
     reference: str | None = None,
     options: EvaluateOptions = EvaluateOptions(),
     *,
-    echo: Callable[[str], None] = print,
     extractor: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
     """Evaluate an assembled fleet against its run's data; returns (and writes) evaluation.json.
@@ -208,11 +210,11 @@ def evaluate(
     extractor: any uint8 [B, C, H, W] -> [B, D] module with `num_features` to use instead of the
     Inception (torchmetrics' custom-extractor contract; tests use a cheap one)."""
     t_start = time.perf_counter()
-    ev = _Evaluation.open(model_dir, reference, options, echo, extractor)  # every check before heavy work
+    ev = _Evaluation.open(model_dir, reference, options, extractor)  # every check before heavy work
     pipe = FleetPipeline.from_pretrained(model_dir, device=ev.device)
     models = [(s, "fleet", pipe) for s in options.strategies]
     if options.monolith:
-        models.insert(0, (MONOLITH, "monolith", _monolith_pipeline(ev.root, pipe, ev.device, echo)))
+        models.insert(0, (MONOLITH, "monolith", _monolith_pipeline(ev.root, pipe, ev.device)))
     same = same_as_earlier(options.strategies, len(pipe.present))  # e.g. top2 of 2 experts IS full
     for name, kind, p in models:
         if kind == "fleet" and name in same:  # same weights, same prompts and noise: same samples
@@ -244,11 +246,10 @@ class _Evaluation:
         data: ShardSet,
         options: EvaluateOptions,
         device: torch.device,
-        echo: Callable[[str], None],
         conditioning: str,
     ):
         self.model_url, self.root, self.cfg, self.data, self.options = model_url, root, cfg, data, options
-        self.device, self.echo = device, echo
+        self.device = device
         # reports/ for the run's model/, reports/<folder>/ for another model folder of the run
         self.out = evaluation_folder(model_url, root.url)
         fields, captions = data.load(["latents", "labels", "index"], with_captions=True)
@@ -281,7 +282,6 @@ class _Evaluation:
         model_dir: str,
         reference: str | None,
         options: EvaluateOptions,
-        echo: Callable[[str], None],
         extractor: torch.nn.Module | None,
     ) -> "_Evaluation":
         options.validate()
@@ -305,7 +305,7 @@ class _Evaluation:
             done, why, _ = job_finished(root, MONOLITH)
             if not done:
                 raise FlowfleetError(f"--monolith: {why}")
-        ev = cls(model_root.url, root, cfg, data, options, resolve_device(options.device), echo, index.conditioning)
+        ev = cls(model_root.url, root, cfg, data, options, resolve_device(options.device), index.conditioning)
         ev._open_fid(extractor)
         return ev
 
@@ -361,7 +361,7 @@ class _Evaluation:
                 )
         else:
             self.judge = DigitJudge.load_or_train(self.root)
-            self.echo(f"evaluate: digit classifier (validation accuracy {self.judge.val_accuracy:.3f})")
+            log.info(f"evaluate: digit classifier (validation accuracy {self.judge.val_accuracy:.3f})")
         extractor = self.judge.extractor() if callable(getattr(self.judge, "extractor", None)) else None
         if extractor is not None:
             judge_fd = FID(FIDSettings(batch_size=500), self.device, extractor=extractor)
@@ -376,7 +376,7 @@ class _Evaluation:
         o, (fid, ref) = self.options, self._fid_reference()
         strategy = "top1" if kind == "monolith" else name
         settings = self.settings = pipe.settings(strategy, o.steps, o.sampler, o.cfg, o.shift, o.route_every, o.seed)
-        self.echo(
+        log.info(
             f"evaluate: {name}: sampling {o.n} images ({settings.steps} {settings.sampler} steps, cfg {settings.cfg})"
         )
         run = ModelRun(name, kind)
@@ -396,7 +396,7 @@ class _Evaluation:
         stats, feats = _features(fid, images, name)
         run.fid = fid.score(stats, ref)
         run.fid_s = time.perf_counter() - t0
-        self.echo(f"evaluate: {name}: FID {run.fid:.2f}")
+        log.info(f"evaluate: {name}: FID {run.fid:.2f}")
 
         if self.judge is not None:
             acc = self.prompt_accuracy[name] = self.judge.prompt_accuracy(images, out.prompts)
@@ -405,7 +405,7 @@ class _Evaluation:
                 judge_fd, judge_ref = self.judge_fd
                 fake = judge_fd.statistics([images], desc="classifier features")
                 run.classifier_fd = judge_fd.score(fake, judge_ref)
-            self.echo(
+            log.info(
                 f"evaluate: {name}: prompt accuracy {run.prompt_accuracy:.3f}"
                 + (f", classifier FD {run.classifier_fd:.2f}" if run.classifier_fd is not None else "")
             )
@@ -451,7 +451,7 @@ class _Evaluation:
         ):
             if earlier in table:
                 table[name] = table[earlier]
-        self.echo(f"evaluate: {name} uses the same experts with the same weights as {earlier}: not sampled twice")
+        log.info(f"evaluate: {name} uses the same experts with the same weights as {earlier}: not sampled twice")
         return run
 
     def result(self) -> dict[str, Any]:
@@ -513,7 +513,7 @@ def _features(fid: FID, images: torch.Tensor, name: str) -> tuple[FeatureStats, 
     return stats, torch.cat(parts)
 
 
-def _monolith_pipeline(root: RunRoot, fleet: FleetPipeline, device: torch.device, echo: Callable[[str], None]):
+def _monolith_pipeline(root: RunRoot, fleet: FleetPipeline, device: torch.device) -> FleetPipeline:
     """The run's monolith opened the one way a model is opened: as the assembled one-expert folder
     RUN_ROOT/model-monolith (what `assemble --monolith` writes; assembled here when it is missing or
     older than monolith/final), sharing the fleet's text encoder and decoder."""
@@ -525,7 +525,7 @@ def _monolith_pipeline(root: RunRoot, fleet: FleetPipeline, device: torch.device
     except FlowfleetError:  # not assembled yet
         built = None
     if built != trained:
-        echo(f"evaluate: assembling the monolith into {folder.url}")
+        log.info(f"evaluate: assembling the monolith into {folder.url}")
         assemble(root.url, monolith=True)
     pipe = FleetPipeline.from_pretrained(
         folder.url, device=device, text_encoder=fleet.text_encoder, latent_decoder=fleet.latent_decoder

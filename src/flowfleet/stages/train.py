@@ -97,7 +97,7 @@ class FleetOutcome:
         return all(r in ("done", "skipped") for r in self.results.values())
 
 
-def train_all(run_root: str, *, parallel: int | None = None, progress: bool = True, echo=print) -> FleetOutcome:
+def train_all(run_root: str, *, parallel: int | None = None, progress: bool = True) -> FleetOutcome:
     """Run every unfinished job of the run as a local process (`--parallel` at a time)."""
     root, cfg = _open(run_root)
     results: dict[str, str] = {}
@@ -114,7 +114,7 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
         else:
             todo.append(spec)
     for name, why in messages.items():
-        echo(f"{name}: {why}, skipped")
+        log.info(f"{name}: {why}, skipped")
     if not todo:
         return FleetOutcome(results, messages)
 
@@ -175,7 +175,7 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
         if logs_tmp is not None:
             root.write_bytes(outcome.log.read_bytes(), specs[outcome.name].dir, LOG_FILE)
 
-    echo(f"train-all: {len(todo)} job(s), {len(slots)} at a time")
+    log.info(f"train-all: {len(todo)} job(s), {len(slots)} at a time")
     # every job imports the same modules: the forkserver does it once (flowfleet.train.fanout)
     fanout = LocalFanout(
         slots, on_start=started, on_exit=exited, on_poll=poll, preload=("flowfleet.cli", "flowfleet.stages.train")
