@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
 
 from flowfleet.commands import add_run_root
 from flowfleet.layout import ROUTER, ROUTERS
+
+log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -149,7 +151,7 @@ def run_assemble(args: argparse.Namespace) -> int:
         progress=True,
     )
     for w in result.warnings:
-        print(f"flowfleet assemble: warning: {w}", file=sys.stderr)
+        log.warning("assemble: warning: %s", w)
     if args.monolith:
         print(f"wrote {result.out}: the monolith as a one-expert model")
     else:
