@@ -50,6 +50,7 @@ EXPERT = DiTConfig(
     text_len=3,
     add_pooled=True,
 )  # 4x4 tokens
+WIDE = DiTConfig(**{**EXPERT.model_dump(), "hidden_size": 64, "num_heads": 4})  # expert 1 of a mixed fleet
 ROUTER = DiTConfig(input_size=(8, 8), in_channels=2, patch_size=2, hidden_size=32, depth=1, num_heads=2, num_outputs=K)
 
 
@@ -61,8 +62,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # --------------------------------------------------------------------------------------------------
 
 
-def fleet() -> tuple[dict[int, DiTModel], DiTModel]:
-    experts = {k: randomize_(DiTModel.from_dit_config(EXPERT), seed=10 + k, std=0.15).eval() for k in range(K)}
+def fleet(wide: bool = False) -> tuple[dict[int, DiTModel], DiTModel]:
+    """K random experts (expert 1 twice as wide when `wide`) and a router."""
+    configs = {k: WIDE if wide and k == 1 else EXPERT for k in range(K)}
+    experts = {k: randomize_(DiTModel.from_dit_config(c), seed=10 + k, std=0.15).eval() for k, c in configs.items()}
     router = randomize_(DiTModel.from_dit_config(ROUTER), seed=99, std=0.3).eval()
     return experts, router
 
@@ -85,9 +88,9 @@ def route_fn(router: DiTModel, k: int):
     return route
 
 
-def single_process_run(top_k: int, cfg_scale: float, sampler: str = "euler") -> torch.Tensor:
+def single_process_run(top_k: int, cfg_scale: float, sampler: str = "euler", wide: bool = False) -> torch.Tensor:
     """Reference: every expert on the whole image, guided, combined with the routing weights."""
-    experts, router = fleet()
+    experts, router = fleet(wide)
     noise, cond = inputs()
     route = route_fn(router, top_k)
 
@@ -118,9 +121,10 @@ def parallel_run(
     cfg_split: bool,
     sampler: str = "euler",
     batch_bytes: int = 8 << 20,
+    wide: bool = False,
 ) -> dict:
     """Worker: the same run patch-parallel on ctx's ranks."""
-    experts, router = fleet()
+    experts, router = fleet(wide)
     noise, cond = inputs()
     runner = PatchParallelRunner(
         ctx,
@@ -258,6 +262,17 @@ def test_displaced_with_full_warmup_equals_sync_and_without_it_differs():
     diff = (disp["out"] - sync["out"]).abs().max().item()
     print(f"\ndisplaced (warmup 1) vs sync, random fleet: max abs diff {diff:.2e}")
     assert diff > 1e-5  # stale keys/values were really used
+
+
+def test_a_fleet_with_a_wider_expert_on_two_ranks():
+    """Expert 1 twice as wide as the others (its own comm slots): sync equals one process; displaced runs
+    the steps after warm-up on stale keys/values."""
+    want = single_process_run(top_k=2, cfg_scale=2.0, wide=True)
+    sync = run_local(parallel_run, 2, ("sync", 0, 2, 2.0, False, "euler", 8 << 20, True), **FORK)[0]
+    assert (sync["out"] - want).abs().max().item() <= 1e-5
+    disp = run_local(parallel_run, 2, ("displaced", 1, 2, 2.0, False, "euler", 8 << 20, True), **FORK)[0]
+    assert torch.isfinite(disp["out"]).all() and not torch.equal(disp["out"], sync["out"])
+    assert disp["modes"][:2] == [["sync"], ["sync"]] and "displaced" in {m for ms in disp["modes"][2:] for m in ms}
 
 
 def test_bytes_per_step_follow_the_layout():
@@ -402,7 +417,7 @@ def test_failing_rank_gives_clear_error_within_timeout(how):
 
 
 def _class_fleet(run_root) -> str:
-    """An assembled 3-expert fleet, class-conditioned (no text encoder to load in every rank)."""
+    """An assembled 3-expert fleet of mixed widths, class-conditioned (no text encoder to load in every rank)."""
     from fixtures.random_fleet import tiny_run_config, write_random_fleet
 
     from flowfleet.cli import main
@@ -410,6 +425,7 @@ def _class_fleet(run_root) -> str:
 
     raw = tiny_run_config(3, size=8, conditioning="none").model_dump()
     raw["expert"] = {**raw["expert"], "conditioning": "class", "num_classes": 4, "depth": 2}
+    raw["expert_overrides"] = {1: {"hidden_size": 64, "num_heads": 4}}  # a mixed fleet: expert 1 twice as wide
     write_random_fleet(str(run_root), RunConfig(**raw))
     assert main(["assemble", str(run_root)]) == 0
     return str(run_root / "model")

@@ -20,10 +20,10 @@ from typing import Sequence
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from flowfleet import __version__  # noqa: E402
-from flowfleet.commands import data, evaluate, init, sample, train  # noqa: E402
+from flowfleet.commands import data, evaluate, fleet, init, sample, train  # noqa: E402
 from flowfleet.errors import FlowfleetError
 
-COMMAND_MODULES = (init, data, train, sample, evaluate)
+COMMAND_MODULES = (init, data, train, sample, evaluate, fleet)
 
 # The stages, in pipeline order; every one must be registered by a command module.
 STAGES = (
@@ -40,6 +40,7 @@ STAGES = (
     "evaluate",
     "report",
     "demo",
+    "remove-expert",
 )
 
 

@@ -137,6 +137,12 @@ class SamplingConfig(_Strict):
     route_every: int = Field(1, ge=1)
 
 
+# What an expert may change of `expert` in run.yaml expert_overrides: its width, depth and inner
+# architecture. Not the latent space, patch grid or text interface, which every expert of a fleet shares.
+EXPERT_OVERRIDABLE = ("size", "hidden_size", "depth", "num_heads", "mlp_ratio", "adaln", "cond_dropout")
+_SHAPE_FIELDS = ("hidden_size", "depth", "num_heads")  # what a `size` preset fills
+
+
 class StorageConfig(_Strict):
     endpoint_url: str | None = None
     options: dict[str, Any] = {}
@@ -153,6 +159,11 @@ class RunConfig(_Strict):
     encoders: EncodersConfig = EncodersConfig()
     cluster: ClusterConfig = ClusterConfig()
     expert: DiTConfig
+    # Experts of another width or depth than `expert` (a larger cluster, a contributor's bigger machine):
+    # expert k -> the fields of `expert` it changes (EXPERT_OVERRIDABLE), e.g. {1: {size: "B"}}.
+    expert_overrides: dict[int, dict[str, Any]] = {}
+    # Experts taken out of the fleet by `flowfleet remove-expert` (their data leaves the router too).
+    removed_experts: list[int] = []
     router: DiTConfig
     train: TrainConfig = TrainConfig()
     router_train: TrainConfig = TrainConfig(lr=5e-5, schedule="cosine")
@@ -170,6 +181,22 @@ class RunConfig(_Strict):
         if self.encoders.latent.name == "sd-vae-ft-mse":
             return 4, s // 8, s // 8
         return self.data.channels, s, s
+
+    @property
+    def fleet_experts(self) -> list[int]:
+        """The experts of the fleet: 0..K-1 without the removed ones."""
+        return [k for k in range(self.cluster.k) if k not in self.removed_experts]
+
+    def expert_config(self, k: int) -> DiTConfig:
+        """Expert k's architecture: `expert` with its expert_overrides applied (a `size` there replaces
+        the width, depth and heads of `expert`)."""
+        changes = self.expert_overrides.get(k)
+        if not changes:
+            return self.expert
+        base = self.expert.model_dump()
+        if changes.get("size"):
+            base = {name: v for name, v in base.items() if name not in _SHAPE_FIELDS}
+        return DiTConfig(**{**base, **changes})
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
@@ -189,6 +216,26 @@ class RunConfig(_Strict):
             )
         if self.expert.num_outputs:
             raise ValueError("expert.num_outputs: experts predict velocities; must be 0")
+        if sorted(set(self.removed_experts)) != self.removed_experts:
+            raise ValueError(f"removed_experts: {self.removed_experts} must be sorted and without repeats")
+        for k in self.removed_experts:
+            if not 0 <= k < self.cluster.k:
+                raise ValueError(f"removed_experts: {k} is not an expert (cluster.k = {self.cluster.k})")
+        if self.removed_experts and len(self.removed_experts) >= self.cluster.k:
+            raise ValueError(f"removed_experts: {self.removed_experts} would leave no expert")
+        for k, changes in self.expert_overrides.items():
+            if not 0 <= k < self.cluster.k:
+                raise ValueError(f"expert_overrides.{k}: no such expert (cluster.k = {self.cluster.k})")
+            for name in changes:
+                if name not in EXPERT_OVERRIDABLE:
+                    raise ValueError(
+                        f"expert_overrides.{k}.{name}: an expert may change only {', '.join(EXPERT_OVERRIDABLE)} "
+                        f"(the latent space, patch grid and text interface are the fleet's)"
+                    )
+            try:  # (a size whose patch differs contradicts the patch_size kept from `expert`)
+                self.expert_config(k)
+            except ValidationError as err:
+                raise ValueError(f"expert_overrides.{k}.{describe_validation_error(err)}") from None
         if self.router_baseline and not self.router.uses_text:
             raise ValueError(
                 "router_baseline: the run's router is already prompt-blind (router.conditioning "

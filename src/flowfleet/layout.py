@@ -22,7 +22,7 @@ flowfleet.data.shards.open_complete.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Sequence
 
 RUN_FILE = "run.yaml"
 
@@ -64,6 +64,15 @@ def evaluation_folder(model_url: str, run_url: str) -> str:
     the model folder's name for any other (model-partial, a student...), so that one never overwrites another."""
     model_url, run_url = model_url.rstrip("/"), run_url.rstrip("/")
     return "" if model_url == f"{run_url}/{MODEL}" else model_url.rsplit("/", 1)[-1]
+
+
+def router_job(router: str, without: Sequence[int] = ()) -> str:
+    """A router's job folder: router/ or router-paris/, or, once `remove-expert` took experts out of the
+    fleet, router-without-1-3/ (...-paris-without-1-3/): a new router trained from scratch on the data
+    that is left, beside the old one."""
+    if not without:
+        return router
+    return f"{router}-without-{'-'.join(str(k) for k in without)}"
 
 
 def expert_job(k: int) -> str:

@@ -20,7 +20,17 @@ from flowfleet import __version__
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION
-from flowfleet.layout import EXPERTS, FINAL, MODEL, MONOLITH, MONOLITH_MODEL, ROUTERS, RUN_FILE, expert_job
+from flowfleet.layout import (
+    EXPERTS,
+    FINAL,
+    MODEL,
+    MONOLITH,
+    MONOLITH_MODEL,
+    ROUTERS,
+    RUN_FILE,
+    expert_job,
+    router_job,
+)
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
 from flowfleet.models.files import ModelFileError, load_model, read_dit_config
@@ -150,16 +160,17 @@ def assemble(
     # 1. Everything is checked before anything is written.
     if router not in ROUTERS:
         raise FlowfleetError(f"--router: {router!r} is not a router job (expected one of {', '.join(ROUTERS)})")
-    ok, why, router_status = job_finished(root, router)
+    router_dir = router_job(router, run.removed_experts)  # after remove-expert: a router trained without them
+    ok, why, router_status = job_finished(root, router_dir)
     if not ok or router_status is None:
-        raise FlowfleetError(f"{router}: not finished ({why}); train it with `{_command(router, root)}`")
-    router_cfg = _read_config(router, root, router, FINAL)
-    check_router(root.url_of(router, FINAL, "config.json"), router_cfg, run)
+        raise FlowfleetError(f"{router_dir}: not finished ({why}); train it with `{_command(router, root)}`")
+    router_cfg = _read_config(router_dir, root, router_dir, FINAL)
+    check_router(root.url_of(router_dir, FINAL, "config.json"), router_cfg, run)
 
     present: list[int] = []
     missing: dict[int, str] = {}
     statuses: dict[int, JobStatus] = {}
-    for k in range(num_experts):
+    for k in run.fleet_experts:
         job = expert_job(k)
         ok, why, status = job_finished(root, job)
         if not ok or status is None:
@@ -181,13 +192,14 @@ def assemble(
         f"partial fleet: expert {k} left out ({why}); router probabilities are renormalised over experts {present}"
         for k, why in missing.items()
     ]
-    components = [("router", (router, FINAL), DiTRouter)] + [
+    components = [("router", (router_dir, FINAL), DiTRouter)] + [
         (expert_folder(k), (expert_job(k), FINAL), DiTExpert) for k in present
     ]
     source = {
-        "router": {"job": router, "step": router_status.step, "samples_seen": router_status.samples_seen},
+        "router": {"job": router_dir, "step": router_status.step, "samples_seen": router_status.samples_seen},
         "experts": {str(k): {"step": s.step, "samples_seen": s.samples_seen} for k, s in statuses.items()},
         "missing_experts": {str(k): why for k, why in missing.items()},
+        "removed_experts": run.removed_experts,
     }
     out_root = RunRoot(out) if out else RunRoot(root.url_of(MODEL))
     _write_model(root, run, out_root, components, num_experts, present, source, router=True, progress=progress)

@@ -24,7 +24,7 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
 from flowfleet.train.fanout import LocalFanout, ProcessJob, flowfleet_job, plan_slots
-from flowfleet.train.jobs import JobSpec, build_task, fleet_jobs, job_cost, job_steps
+from flowfleet.train.jobs import JobSpec, build_task, fleet_jobs, job_cost, job_steps, router_spec
 from flowfleet.train.loop import Trainer, TrainOptions
 from flowfleet.train.status import JobStatus, job_finished, read_status
 
@@ -50,8 +50,10 @@ def train_expert(run_root: str | RunRoot, k: int, *, options: TrainOptions | Non
 
 
 def train_router(run_root: str | RunRoot, *, paris: bool = False, options: TrainOptions | None = None) -> JobStatus:
-    """The run's router; paris=True: the prompt-blind comparison router in router-paris/."""
-    return train_job(run_root, JobSpec("router-paris" if paris else "router"), options=options)
+    """The run's router; paris=True: the prompt-blind comparison router in router-paris/. After
+    `remove-expert`, a new router without the removed experts' data (flowfleet.layout.router_job)."""
+    root, cfg = _open(run_root)
+    return train_job(root, router_spec(cfg, paris), options=options)
 
 
 def train_monolith(

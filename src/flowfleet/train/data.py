@@ -95,6 +95,12 @@ class InMemoryData:
     def __len__(self) -> int:
         return next(iter(self.tensors.values())).shape[0]
 
+    def select(self, keep: torch.Tensor) -> "InMemoryData":
+        """Only the items where `keep` [N] bool is true (a copy; captions too)."""
+        items = keep.nonzero(as_tuple=True)[0]
+        captions = [self.captions[i] for i in items.tolist()] if self.captions else []
+        return InMemoryData({name: t.index_select(0, items) for name, t in self.tensors.items()}, captions, self.where)
+
     def gather(self, items: torch.Tensor, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The given items as a batch: float32 latents/text, bool mask, int64 labels, on `device`."""
         batch = {}

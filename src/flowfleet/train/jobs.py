@@ -27,7 +27,7 @@ from flowfleet.config import RunConfig, TrainConfig
 from flowfleet.data.shards import open_complete
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import flow_matching_loss, interpolate, sample_t
-from flowfleet.layout import ASSIGNMENTS, DATA, expert_job, partition
+from flowfleet.layout import ASSIGNMENTS, DATA, ROUTERS, expert_job, partition, router_job
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
 from flowfleet.models.flops import train_flops, train_flops_per_sample
@@ -51,15 +51,20 @@ log = logging.getLogger(__name__)
 class JobSpec:
     kind: JobKind
     expert: int | None = None
+    without: tuple[int, ...] = ()  # routers: the removed experts whose data they leave out
 
     @property
     def name(self) -> str:
-        return f"expert-{self.expert}" if self.kind == "expert" else self.kind
+        if self.kind == "expert":
+            return f"expert-{self.expert}"
+        return router_job(self.kind, self.without) if self.kind in ROUTERS else self.kind
 
     @property
     def dir(self) -> str:
         """The job's folder in the run root (flowfleet.layout)."""
-        return expert_job(self.expert) if self.kind == "expert" and self.expert is not None else self.kind
+        if self.kind == "expert" and self.expert is not None:
+            return expert_job(self.expert)
+        return self.name
 
     def cli_args(self, run_root: str) -> list[str]:
         """Arguments of `flowfleet ...` that run this job."""
@@ -70,11 +75,16 @@ class JobSpec:
         return [f"train-{self.kind}", run_root]
 
 
+def router_spec(cfg: RunConfig, paris: bool = False) -> JobSpec:
+    """The run's router job (or Paris' comparison router), without the data of removed experts."""
+    return JobSpec("router-paris" if paris else "router", without=tuple(cfg.removed_experts))
+
+
 def fleet_jobs(cfg: RunConfig) -> list[JobSpec]:
-    """Every training job of a run: K experts, the router, and the monolith when enabled."""
-    jobs = [JobSpec("expert", k) for k in range(cfg.cluster.k)] + [JobSpec("router")]
+    """Every training job of a run: the fleet's experts, its router, and the monolith when enabled."""
+    jobs = [JobSpec("expert", k) for k in cfg.fleet_experts] + [router_spec(cfg)]
     if cfg.router_baseline:
-        jobs.append(JobSpec("router-paris"))
+        jobs.append(router_spec(cfg, paris=True))
     if cfg.monolith.enabled:
         jobs.append(JobSpec("monolith"))
     return jobs
@@ -87,7 +97,9 @@ def monolith_steps(cfg: RunConfig, match_compute: bool | None = None) -> int:
     match = cfg.monolith.match_compute if match_compute is None else match_compute
     if not match:
         return cfg.train.steps
-    experts = sum(train_flops(cfg.expert, cfg.train.steps, cfg.train.batch_size) for _ in range(cfg.cluster.k))
+    experts = sum(
+        train_flops(cfg.expert_config(k), cfg.train.steps, cfg.train.batch_size) for k in range(cfg.cluster.k)
+    )
     return math.ceil(experts / (train_flops_per_sample(cfg.expert) * cfg.train.batch_size))
 
 
@@ -110,7 +122,8 @@ def job_cost(cfg: RunConfig, spec: JobSpec) -> int:
     """Training FLOPs of a job (to start the longest jobs first)."""
     if spec.kind in ("router", "router-paris"):
         return train_flops(cfg.router, cfg.router_train.steps, cfg.router_train.batch_size)
-    return train_flops(cfg.expert, job_steps(cfg, spec), cfg.train.batch_size)
+    model = cfg.expert_config(spec.expert) if spec.kind == "expert" and spec.expert is not None else cfg.expert
+    return train_flops(model, job_steps(cfg, spec), cfg.train.batch_size)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -303,9 +316,10 @@ def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: b
                 f"--expert {k}: run.yaml has cluster.k = {cfg.cluster.k} experts (0..{cfg.cluster.k - 1})"
             )
         shards = open_complete(root, partition(k), f"flowfleet cluster {root.url}")
-        check_compatible(shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert")
-        data = InMemoryData.load(shards, model_fields(cfg.expert))
-        return FlowTask(spec, cfg, cfg.expert, cfg.train, job_steps(cfg, spec), data)
+        model = cfg.expert_config(k)
+        check_compatible(shards.manifest(), model, data_where=shards.url, model_where="run.yaml expert")
+        data = InMemoryData.load(shards, model_fields(model))
+        return FlowTask(spec, cfg, model, cfg.train, job_steps(cfg, spec), data)
 
     shards = open_complete(root, DATA, f"flowfleet prepare {root.url}")
     if spec.kind == "monolith":
@@ -318,4 +332,8 @@ def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: b
     data = InMemoryData.load(shards, [*model_fields(router), "index"])
     data.tensors["cluster"] = load_assignments(root, data, cfg.cluster.k)
     del data.tensors["index"]
+    if spec.without:  # removed experts: their data is in no weight of the new router
+        data = data.select(~torch.isin(data.tensors["cluster"], torch.tensor(spec.without)))
+        if len(data) == 0:
+            raise FlowfleetError(f"{spec.name}: no data is left without experts {list(spec.without)}")
     return RouterTask(spec, cfg, router, cfg.router_train, job_steps(cfg, spec), data)
