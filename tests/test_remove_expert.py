@@ -100,7 +100,7 @@ def test_remove_expert_cli_reports_what_is_lost_and_refuses_bad_experts(run, run
     assert "expert 1 is gone; the fleet no longer draws: 1 (12) — e.g. item 1 of cluster 1" in out
     assert main(["remove-expert", run.url, "--expert", "7"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "flowfleet remove-expert: error: --expert 7: run.yaml has cluster.k = 3 experts (0..2)"
+        "flowfleet remove-expert: error: --expert 7: run.yaml has 3 experts (0..2)"
     )
     # train-all and status know the fleet without expert 1.
     assert main(["status", run.url, "--json"]) == 0

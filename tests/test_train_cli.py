@@ -192,7 +192,7 @@ def test_failing_job_is_one_line_from_the_cli(tmp_path, capsys):
     make_run(tmp_path / "r", k=2, steps=2)
     assert main(["train-expert", str(tmp_path / "r"), "--expert", "7"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--expert 7: run.yaml has cluster.k = 2 experts (0..1)" in err[0]
+    assert len(err) == 1 and "--expert 7: run.yaml has 2 experts (0..1)" in err[0]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ STAGES = (
     "evaluate",
     "report",
     "demo",
+    "add-expert",
     "remove-expert",
 )
 

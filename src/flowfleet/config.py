@@ -36,6 +36,7 @@ class DataConfig(_Strict):
     image_size: int = Field(32, ge=8, le=4096)
     channels: Literal[1, 3] = 1  # image channels fed to the latent encoder
     limit: int | None = Field(None, ge=1)  # use only the first `limit` items
+    labels: list[int] | None = None  # keep only the items with these class labels (sources that have labels)
     count: int = Field(4000, ge=1)  # shapes: how many images to draw
     seed: int = 0  # shapes: drawing seed
     image_column: str = "image"
@@ -143,6 +144,13 @@ EXPERT_OVERRIDABLE = ("size", "hidden_size", "depth", "num_heads", "mlp_ratio", 
 _SHAPE_FIELDS = ("hidden_size", "depth", "num_heads")  # what a `size` preset fills
 
 
+class Addition(_Strict):
+    """Data that `flowfleet add-expert` brought to a trained fleet, and how many experts it became."""
+
+    data: DataConfig
+    k: int = Field(1, ge=1)  # its experts (its data clustered into k partitions)
+
+
 class StorageConfig(_Strict):
     endpoint_url: str | None = None
     options: dict[str, Any] = {}
@@ -162,6 +170,9 @@ class RunConfig(_Strict):
     # Experts of another width or depth than `expert` (a larger cluster, a contributor's bigger machine):
     # expert k -> the fields of `expert` it changes (EXPERT_OVERRIDABLE), e.g. {1: {size: "B"}}.
     expert_overrides: dict[int, dict[str, Any]] = {}
+    # Data added after training by `flowfleet add-expert`, each prepared and clustered in added/<n>/ and
+    # trained as experts cluster.k, cluster.k + 1, ... in order.
+    added: list[Addition] = []
     # Experts taken out of the fleet by `flowfleet remove-expert` (their data leaves the router too).
     removed_experts: list[int] = []
     router: DiTConfig
@@ -183,9 +194,39 @@ class RunConfig(_Strict):
         return self.data.channels, s, s
 
     @property
+    def num_experts(self) -> int:
+        """K: the experts of the run's clusters and of every addition (the router's outputs)."""
+        return self.cluster.k + sum(a.k for a in self.added)
+
+    @property
     def fleet_experts(self) -> list[int]:
         """The experts of the fleet: 0..K-1 without the removed ones."""
-        return [k for k in range(self.cluster.k) if k not in self.removed_experts]
+        return [k for k in range(self.num_experts) if k not in self.removed_experts]
+
+    def expert_origin(self, k: int) -> tuple[int, int]:
+        """(n, j): expert k trains on partition j of the run's data (n = 0) or of addition n (1, 2, ...)."""
+        if k < self.cluster.k:
+            return 0, k
+        first = self.cluster.k
+        for n, addition in enumerate(self.added, 1):
+            if k < first + addition.k:
+                return n, k - first
+            first += addition.k
+        raise ValueError(f"expert {k}: the run has {self.num_experts} experts")
+
+    def addition_config(self, n: int) -> "RunConfig":
+        """The run.yaml of addition n's folder (added/<n>/): the run's encoders and models, the added data,
+        its k clusters, nothing added or removed."""
+        addition = self.added[n - 1]
+        raw = self.to_dict()
+        raw.update(data=addition.data.model_dump(mode="json"), added=[], removed_experts=[], expert_overrides={})
+        raw["cluster"] = {
+            **raw["cluster"],
+            "k": addition.k,
+            "fine_k": max(addition.k, min(raw["cluster"]["fine_k"], 8 * addition.k)),
+        }
+        raw["router"] = {**raw["router"], "num_outputs": addition.k}
+        return RunConfig.model_validate(raw)
 
     def expert_config(self, k: int) -> DiTConfig:
         """Expert k's architecture: `expert` with its expert_overrides applied (a `size` there replaces
@@ -208,8 +249,18 @@ class RunConfig(_Strict):
                 raise ValueError(f"{name}.input_size: {tuple(model.input_size)} differs from the latent size {(h, w)}")
             if model.in_channels != c:
                 raise ValueError(f"{name}.in_channels: {model.in_channels} differs from the latent channels {c}")
-        if self.router.num_outputs != self.cluster.k:
-            raise ValueError(f"router.num_outputs: {self.router.num_outputs} differs from cluster.k {self.cluster.k}")
+        if self.router.num_outputs != self.num_experts:
+            raise ValueError(
+                f"router.num_outputs: {self.router.num_outputs} differs from the {self.num_experts} experts "
+                f"(cluster.k {self.cluster.k}"
+                + (f" + {self.num_experts - self.cluster.k} added)" if self.added else ")")
+            )
+        for n, addition in enumerate(self.added, 1):
+            if (addition.data.image_size, addition.data.channels) != (self.data.image_size, self.data.channels):
+                raise ValueError(
+                    f"added.{n - 1}.data: image_size/channels {addition.data.image_size}/{addition.data.channels} "
+                    f"differ from the run's {self.data.image_size}/{self.data.channels}"
+                )
         if self.cluster.features != "semantic" and self.encoders.text.name == "none":
             raise ValueError(
                 f"cluster.features: {self.cluster.features!r} clusters captions, but encoders.text.name is 'none'"
@@ -219,13 +270,13 @@ class RunConfig(_Strict):
         if sorted(set(self.removed_experts)) != self.removed_experts:
             raise ValueError(f"removed_experts: {self.removed_experts} must be sorted and without repeats")
         for k in self.removed_experts:
-            if not 0 <= k < self.cluster.k:
-                raise ValueError(f"removed_experts: {k} is not an expert (cluster.k = {self.cluster.k})")
-        if self.removed_experts and len(self.removed_experts) >= self.cluster.k:
+            if not 0 <= k < self.num_experts:
+                raise ValueError(f"removed_experts: {k} is not an expert (the run has {self.num_experts})")
+        if self.removed_experts and len(self.removed_experts) >= self.num_experts:
             raise ValueError(f"removed_experts: {self.removed_experts} would leave no expert")
         for k, changes in self.expert_overrides.items():
-            if not 0 <= k < self.cluster.k:
-                raise ValueError(f"expert_overrides.{k}: no such expert (cluster.k = {self.cluster.k})")
+            if not 0 <= k < self.num_experts:
+                raise ValueError(f"expert_overrides.{k}: no such expert (the run has {self.num_experts})")
             for name in changes:
                 if name not in EXPERT_OVERRIDABLE:
                     raise ValueError(

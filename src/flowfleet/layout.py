@@ -34,6 +34,7 @@ ASSIGNMENTS = (CLUSTERS, "assignments.safetensors")
 CENTROIDS = (CLUSTERS, "centroids.safetensors")
 CLUSTER_REPORT = (CLUSTERS, "report.json")
 PARTITIONS = "partitions"
+ADDED = "added"  # added/<n>/: the data `add-expert` brought, prepared and clustered like the run's
 
 # training jobs
 EXPERTS = "experts"
@@ -66,13 +67,18 @@ def evaluation_folder(model_url: str, run_url: str) -> str:
     return "" if model_url == f"{run_url}/{MODEL}" else model_url.rsplit("/", 1)[-1]
 
 
-def router_job(router: str, without: Sequence[int] = ()) -> str:
-    """A router's job folder: router/ or router-paris/, or, once `remove-expert` took experts out of the
-    fleet, router-without-1-3/ (...-paris-without-1-3/): a new router trained from scratch on the data
-    that is left, beside the old one."""
-    if not without:
-        return router
-    return f"{router}-without-{'-'.join(str(k) for k in without)}"
+def router_job(router: str, without: Sequence[int] = (), num_experts: int | None = None) -> str:
+    """A router's job folder: router/ or router-paris/; once `add-expert` grew the fleet to K experts,
+    router-kK/; once `remove-expert` took experts out, router[-kK]-without-1-3/. Each is a new router
+    beside the old ones (a grown fleet's is warm-started from the previous router, a shrunk one's is
+    trained from scratch)."""
+    name = router if num_experts is None else f"{router}-k{num_experts}"
+    return f"{name}-without-{'-'.join(str(k) for k in without)}" if without else name
+
+
+def addition(n: int) -> str:
+    """Addition n's folder (`add-expert`): a run root of its own with run.yaml, data/, clusters/, partitions/."""
+    return f"{ADDED}/{n}"
 
 
 def expert_job(k: int) -> str:

@@ -1,4 +1,4 @@
-"""Changing a trained fleet: `remove-expert`."""
+"""Changing a trained fleet: `add-expert`, `remove-expert`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,29 @@ from flowfleet.commands import add_run_root
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "add-expert",
+        help="grow a trained fleet with new data: new experts, the router retrained, the rest untouched",
+        description="Prepare new data with the run's encoders and cluster it into K partitions in "
+        "RUN_ROOT/added/<n>/, train K new experts on them (isolated jobs, experts/<k>/), train the grown "
+        "fleet's router on all data warm-started from the previous one (router-k<K>/), and re-assemble "
+        "RUN_ROOT/model. The existing experts' files are not touched. Interrupted, the same command resumes.",
+        epilog="example:  flowfleet add-expert runs/r --source folder --path /data/new-images --k 2",
+    )
+    add_run_root(p)
+    p.add_argument(
+        "--source",
+        required=True,
+        choices=("mnist", "shapes", "folder", "webdataset", "parquet", "hf_disk"),
+        help="where the new data comes from (as run.yaml data.source)",
+    )
+    p.add_argument("--path", default=None, help="folder / tar glob / parquet glob / save_to_disk folder")
+    p.add_argument("--labels", default=None, metavar="LIST", help="keep only these class labels, e.g. 8,9")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N items of the source")
+    p.add_argument("--k", type=int, default=1, help="experts to split the new data into (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_add_expert)
+
     p = sub.add_parser(
         "remove-expert",
         help="take an expert (and its data) out of a trained fleet",
@@ -26,6 +49,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_remove_expert)
+
+
+def run_add_expert(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from flowfleet.config import ConfigError, DataConfig, describe_validation_error, load_run_config
+    from flowfleet.stages.add_expert import add_expert
+    from flowfleet.storage import RunRoot
+
+    run = load_run_config(RunRoot(args.run_root))
+    try:
+        labels = [int(v) for v in args.labels.split(",") if v.strip()] if args.labels else None
+    except ValueError:
+        raise ConfigError(f"--labels: {args.labels!r} is not a comma-separated list of integers") from None
+    fields = {"source": args.source, "path": args.path, "labels": labels, "limit": args.limit}
+    keep = ("image_size", "channels", "shard_size", "batch_size", "image_column", "text_column")
+    try:
+        data = DataConfig(**{name: getattr(run.data, name) for name in keep}, **fields)
+    except ValidationError as err:
+        raise ConfigError(f"--source {args.source}: {describe_validation_error(err)}") from None
+    result = add_expert(args.run_root, data, k=args.k, progress=not args.no_progress)
+    print(
+        f"wrote {result.model}: the fleet with experts {result.experts} on {result.items} added items "
+        f"(added/{result.addition}/; router: {', '.join(result.routers)})"
+    )
+    return 0
 
 
 def run_remove_expert(args: argparse.Namespace) -> int:

@@ -137,6 +137,31 @@ class ShardSet:
         return (out, captions) if with_captions else out
 
 
+class ShardSetUnion:
+    """Several shard sets read as one, in order: a run's data/ and the data its additions brought
+    (add-expert). The first set's manifest describes the run's source and encoders."""
+
+    def __init__(self, sets: list[ShardSet]):
+        self.sets = sets
+
+    @property
+    def url(self) -> str:
+        return " + ".join(s.url for s in self.sets)
+
+    def manifest(self) -> ShardSetManifest:
+        return self.sets[0].manifest()
+
+    def manifests(self) -> list[ShardSetManifest]:
+        return [s.manifest() for s in self.sets]
+
+    def load(self, fields: Iterable[str] = FIELDS, with_captions: bool = False):
+        fields = list(fields)
+        loaded = [s.load(fields, with_captions=True) for s in self.sets]
+        out = {f: torch.cat([t[f] for t, _ in loaded]) for f in loaded[0][0]}
+        captions = [c for _, caps in loaded for c in caps]
+        return (out, captions) if with_captions else out
+
+
 def open_complete(root: RunRoot, folder: str, made_by: str) -> ShardSet:
     """The shards of `folder` (data/ or a partition), written to the end; otherwise a one-line error
     naming its manifest and `made_by`, the command that writes it ("flowfleet prepare RUN")."""

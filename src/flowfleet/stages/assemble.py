@@ -29,7 +29,6 @@ from flowfleet.layout import (
     ROUTERS,
     RUN_FILE,
     expert_job,
-    router_job,
 )
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
@@ -42,7 +41,7 @@ from flowfleet.sampling.index import (
     expert_folder,
 )
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import JobKind, JobSpec
+from flowfleet.train.jobs import JobKind, JobSpec, router_spec
 from flowfleet.train.status import JobStatus, job_finished
 
 
@@ -107,10 +106,10 @@ def check_expert(k: int | str, where: str, cfg: DiTConfig, run: RunConfig) -> No
 
 def check_router(where: str, cfg: DiTConfig, run: RunConfig) -> None:
     _check_shape("router", where, cfg, run)
-    if cfg.num_outputs != run.cluster.k:
+    if cfg.num_outputs != run.num_experts:
         raise FlowfleetError(
             f"router ({where}): num_outputs {cfg.num_outputs} differs from K = "
-            f"{run.cluster.k} experts (run.yaml cluster.k)"
+            f"{run.num_experts} experts (run.yaml cluster.k" + (" + added)" if run.added else ")")
         )
 
 
@@ -155,12 +154,12 @@ def assemble(
     run = load_run_config(root)
     if monolith:
         return _assemble_monolith(root, run, out, progress)
-    num_experts = run.cluster.k
+    num_experts = run.num_experts
 
     # 1. Everything is checked before anything is written.
     if router not in ROUTERS:
         raise FlowfleetError(f"--router: {router!r} is not a router job (expected one of {', '.join(ROUTERS)})")
-    router_dir = router_job(router, run.removed_experts)  # after remove-expert: a router trained without them
+    router_dir = router_spec(run, paris=router != ROUTERS[0]).dir  # after add/remove-expert: that fleet's router
     ok, why, router_status = job_finished(root, router_dir)
     if not ok or router_status is None:
         raise FlowfleetError(f"{router_dir}: not finished ({why}); train it with `{_command(router, root)}`")

@@ -41,10 +41,9 @@ from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from flowfleet.cluster.assignments import read_assignments
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.images import to_uint8
-from flowfleet.data.shards import ShardSet, open_complete
+from flowfleet.data.shards import ShardSetUnion, open_complete
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.adherence import prompt_adherence
@@ -69,6 +68,7 @@ from flowfleet.layout import (
     MONOLITH_MODEL,
     REPORTS,
     SAMPLES,
+    addition,
     evaluation_folder,
 )
 from flowfleet.sampling.index import read_model_index
@@ -78,6 +78,7 @@ from flowfleet.sampling.views import routing_heatmap
 from flowfleet.stages.assemble import assemble
 from flowfleet.storage import RunRoot
 from flowfleet.train.data import InMemoryData, model_fields
+from flowfleet.train.jobs import clustered_data
 from flowfleet.train.preview import condition_kwargs
 from flowfleet.train.status import job_finished
 
@@ -153,16 +154,22 @@ class ModelRun:
 # --------------------------------------------------------------------------------------------------
 
 
-def _open_reference(reference: str) -> tuple[RunRoot, RunConfig, ShardSet]:
+def _open_reference(reference: str) -> tuple[RunRoot, RunConfig, ShardSetUnion]:
+    """The run's prepared items: data/, then the data of each addition (add-expert), in expert order."""
     root = RunRoot(reference)
     cfg = load_run_config(root)
-    return root, cfg, open_complete(root, DATA, f"flowfleet prepare {root.url}")
+    sets = [open_complete(root, DATA, f"flowfleet prepare {root.url}")]
+    sets += [open_complete(root, f"{addition(n)}/{DATA}", "flowfleet add-expert") for n in range(1, len(cfg.added) + 1)]
+    return root, cfg, ShardSetUnion(sets)
 
 
-def data_fingerprint(data: ShardSet) -> str:
-    """What identifies data/: the source fingerprint recorded by prepare, and the item count."""
-    m = data.manifest()
-    record = {"count": m.count, "source": m.extra.get("source"), "encoders": m.extra.get("encoders")}
+def data_fingerprint(data: ShardSetUnion) -> str:
+    """What identifies the reference data: each part's source fingerprint recorded by prepare, and item count."""
+    records = [
+        {"count": m.count, "source": m.extra.get("source"), "encoders": m.extra.get("encoders")}
+        for m in data.manifests()
+    ]
+    record = records[0] if len(records) == 1 else records  # (the same key as before additions existed)
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -243,7 +250,7 @@ class _Evaluation:
         model_url: str,
         root: RunRoot,
         cfg: RunConfig,
-        data: ShardSet,
+        data: ShardSetUnion,
         options: EvaluateOptions,
         device: torch.device,
         conditioning: str,
@@ -252,8 +259,8 @@ class _Evaluation:
         self.device = device
         # reports/ for the run's model/, reports/<folder>/ for another model folder of the run
         self.out = evaluation_folder(model_url, root.url)
-        fields, captions = data.load(["latents", "labels", "index"], with_captions=True)
-        self.latents, self.index = fields["latents"], fields["index"]
+        fields, captions = data.load(["latents", "labels"], with_captions=True)
+        self.latents = fields["latents"]
         count = self.latents.shape[0]
         self.ref_n = min(count, 10_000) if options.ref_n is None else options.ref_n
         if self.ref_n > count:
@@ -581,9 +588,8 @@ def _disagreement(pipe, prompts, labels, settings, options: EvaluateOptions) -> 
 
 def _router_accuracy(ev: _Evaluation, pipe) -> dict[str, Any]:
     """The fleet's router against the clusters of (up to 512 of) the data items."""
-    assign = read_assignments(ev.root, ev.cfg.cluster.k)
     pick = ev.order[: min(512, ev.order.numel())]
-    clusters = assign[ev.index[pick]]
+    clusters = clustered_data(ev.root, ev.cfg, []).tensors["cluster"][pick]
     cond = None
     if pipe.router_sees_prompt:  # the items' own captions, as the router was trained
         fields = [f for f in model_fields(pipe.router.cfg) if f != "latents"]

@@ -35,11 +35,11 @@ from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.data.sources import RawItem, Source, build_source
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
+from flowfleet.layout import DATA
 from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.storage import RunRoot
 
-DATA = "data"
-PREVIEW = "preview.png"
+PREVIEW = "preview.png"  # data/preview.png
 MAX_LISTED = 1000  # skipped items listed by key in the manifest (all are counted)
 
 
@@ -127,6 +127,7 @@ def _recipe(cfg: RunConfig, source: Source) -> dict[str, Any]:
         "image_size": d.image_size,
         "channels": d.channels,
         "limit": d.limit,
+        **({"labels": d.labels} if d.labels is not None else {}),  # (absent: runs prepared before it existed)
         "encoders": cfg.encoders.model_dump(mode="json"),
     }
 
@@ -167,10 +168,13 @@ class _BadInput:
 
 
 def _decoded(
-    items: Iterator[RawItem], start: int, size: int, channels: int, bad: _BadInput
+    items: Iterator[RawItem], start: int, size: int, channels: int, bad: _BadInput, labels: list[int] | None = None
 ) -> Iterator[tuple[int, torch.Tensor, str, int]]:
-    """(source position after the item, image [C, S, S], caption, label) for every usable item."""
+    """(source position after the item, image [C, S, S], caption, label) for every usable item (with
+    `labels`, only the items of those labels: the others are passed over, not counted as bad)."""
     for pos, item in enumerate(items, start):
+        if labels is not None and item.label not in labels:
+            continue
         if item.error is None:
             try:
                 image = to_tensor(open_image(item.image), size, channels)
@@ -248,7 +252,7 @@ def prepare(
     bar = tqdm(total=total, initial=start, unit="img", desc="prepare", disable=not progress, dynamic_ncols=True)
     last_pos = start
     checked_shape = False
-    for entry in _decoded(items, start, d.image_size, d.channels, bad):
+    for entry in _decoded(items, start, d.image_size, d.channels, bad, d.labels):
         batch.append(entry)
         if len(batch) == d.batch_size:
             checked_shape = _encode_into(rows, enc, batch, cfg, checked_shape)

@@ -26,10 +26,11 @@ from typing import Any
 
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import CLUSTER_REPORT, MONOLITH, ROUTER, expert_job, partition, router_job
+from flowfleet.layout import CLUSTER_REPORT, MONOLITH, ROUTER, addition, expert_job, partition
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.train import train_router
 from flowfleet.storage import RunRoot
+from flowfleet.train.jobs import router_spec
 from flowfleet.train.loop import TrainOptions
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,9 @@ def remove_expert(
     folder re-assembled. `purge` also deletes its job folder, its partition and the routers that saw it."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     cfg = load_run_config(root)
-    k_total = cfg.cluster.k
+    k_total = cfg.num_experts
     if not 0 <= expert < k_total:
-        raise FlowfleetError(f"--expert {expert}: run.yaml has cluster.k = {k_total} experts (0..{k_total - 1})")
+        raise FlowfleetError(f"--expert {expert}: run.yaml has {k_total} experts (0..{k_total - 1})")
     before = list(cfg.removed_experts)
     if expert in before:
         log.info(f"remove-expert: expert {expert} is already out of the fleet; finishing its removal")
@@ -78,9 +79,9 @@ def remove_expert(
                 f"{status.job}: {status.state} at step {status.step}/{status.total_steps}; "
                 f"re-run `flowfleet remove-expert {root.url} --expert {expert}` to resume"
             )
-        folders.append(router_job("router-paris" if paris else ROUTER, cfg.removed_experts))
+        folders.append(router_spec(cfg, paris).dir)
     result = assemble(root.url, progress=progress)
-    lost = _lost(root, cfg.removed_experts)
+    lost = _lost(root, cfg, cfg.removed_experts)
     purged = _purge(root, cfg) if purge else []
     if root.exists(MONOLITH):
         log.warning(
@@ -90,26 +91,26 @@ def remove_expert(
     return RemoveResult(cfg.removed_experts, result.out, folders, lost, purged)
 
 
-def _lost(root: RunRoot, removed: list[int]) -> dict[str, Any]:
+def _lost(root: RunRoot, cfg: RunConfig, removed: list[int]) -> dict[str, Any]:
     """The removed clusters' label counts and example captions (clusters/report.json), when it has them."""
-    if not root.exists(*CLUSTER_REPORT):
-        return {}
-    report = root.read_json(*CLUSTER_REPORT)
-    mix, examples = report.get("label_mix") or [], report.get("examples") or {}
-    return {
-        str(k): {
-            "labels": mix[k] if k < len(mix) else {},
-            "examples": examples.get(str(k), []),
-        }
-        for k in removed
-    }
+    lost = {}
+    for k in removed:
+        n, j = cfg.expert_origin(k)
+        sub = root if n == 0 else RunRoot(root.url_of(addition(n)))
+        report = sub.read_json(*CLUSTER_REPORT) if sub.exists(*CLUSTER_REPORT) else {}
+        mix, examples = report.get("label_mix") or [], report.get("examples") or {}
+        lost[str(k)] = {"labels": mix[j] if j < len(mix) else {}, "examples": examples.get(str(j), [])}
+    return lost
 
 
 def _purge(root: RunRoot, cfg: RunConfig) -> list[str]:
     """Delete what still holds the removed experts' data: their job folders and partitions, and every
     router folder trained with it (those of an earlier fleet)."""
-    keep = {router_job(r, cfg.removed_experts) for r in (ROUTER, "router-paris")}
-    gone = [expert_job(k) for k in cfg.removed_experts] + [partition(k) for k in cfg.removed_experts]
+    keep = {router_spec(cfg, paris).dir for paris in (False, True)}
+    gone = [expert_job(k) for k in cfg.removed_experts]
+    for k in cfg.removed_experts:
+        n, j = cfg.expert_origin(k)
+        gone.append(partition(j) if n == 0 else f"{addition(n)}/{partition(j)}")
     gone += [name for name in root.ls() if name.startswith(ROUTER) and name not in keep]
     deleted = []
     for folder in gone:

@@ -27,13 +27,15 @@ from flowfleet.config import RunConfig, TrainConfig
 from flowfleet.data.shards import open_complete
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import flow_matching_loss, interpolate, sample_t
-from flowfleet.layout import ASSIGNMENTS, DATA, ROUTERS, expert_job, partition, router_job
+from flowfleet.layout import ASSIGNMENTS, DATA, FINAL, ROUTERS, addition, expert_job, partition, router_job
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
+from flowfleet.models.files import load_model
 from flowfleet.models.flops import train_flops, train_flops_per_sample
 from flowfleet.storage import RunRoot
 from flowfleet.train import preview
 from flowfleet.train.data import InMemoryData, check_compatible, model_fields
+from flowfleet.train.status import job_finished
 
 JobKind = Literal["expert", "router", "router-paris", "monolith"]  # router-paris, monolith: also their folders
 PREVIEW_COUNT = 8  # samples in an expert's grid
@@ -52,12 +54,13 @@ class JobSpec:
     kind: JobKind
     expert: int | None = None
     without: tuple[int, ...] = ()  # routers: the removed experts whose data they leave out
+    num_experts: int | None = None  # routers of a fleet grown by add-expert: their outputs
 
     @property
     def name(self) -> str:
         if self.kind == "expert":
             return f"expert-{self.expert}"
-        return router_job(self.kind, self.without) if self.kind in ROUTERS else self.kind
+        return router_job(self.kind, self.without, self.num_experts) if self.kind in ROUTERS else self.kind
 
     @property
     def dir(self) -> str:
@@ -77,7 +80,8 @@ class JobSpec:
 
 def router_spec(cfg: RunConfig, paris: bool = False) -> JobSpec:
     """The run's router job (or Paris' comparison router), without the data of removed experts."""
-    return JobSpec("router-paris" if paris else "router", without=tuple(cfg.removed_experts))
+    grown = cfg.num_experts if cfg.added else None
+    return JobSpec("router-paris" if paris else "router", without=tuple(cfg.removed_experts), num_experts=grown)
 
 
 def fleet_jobs(cfg: RunConfig) -> list[JobSpec]:
@@ -248,6 +252,29 @@ class RouterTask(TrainTask):
     """The router: cross-entropy of p(k | x_t, t) against the cluster id of x0 (paris Eq. 12)."""
 
     model_cls = DiTRouter
+    warm_start: tuple[RunRoot, str] | None = None  # (run root, job folder) of a router to start from
+
+    def build_model(self) -> DiTModel:
+        """A fresh router, or (a grown fleet) the previous router's weights with its K outputs kept and
+        the new experts' outputs fresh: every tensor of equal shape is copied, and the head's rows for
+        the first K experts."""
+        model = super().build_model()
+        if self.warm_start is None:
+            return model
+        root, job = self.warm_start
+        old = load_model(DiTRouter, root, job, FINAL).state_dict()
+        state = model.state_dict()
+        with torch.no_grad():
+            for name, tensor in state.items():
+                prev = old.get(name)
+                if prev is None:
+                    continue
+                if prev.shape == tensor.shape:
+                    tensor.copy_(prev)
+                elif prev.shape[1:] == tensor.shape[1:] and prev.shape[0] < tensor.shape[0]:
+                    tensor[: prev.shape[0]].copy_(prev)  # the head: the old experts' rows
+        log.info("%s: warm start from %s", self.name, root.url_of(job, FINAL))
+        return model
 
     def loss(self, model, batch, gen):
         x0, k = batch["latents"], batch["cluster"]  # [B, C, H, W], [B]
@@ -307,15 +334,31 @@ def load_assignments(root: RunRoot, data: InMemoryData, k: int) -> torch.Tensor:
     return assign[index]
 
 
+def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str]) -> InMemoryData:
+    """Every prepared item of the run (data/, then each addition's added/<n>/data/) with `fields` and its
+    expert in "cluster" (an addition's clusters follow the run's: cluster.k + j for its j-th)."""
+    parts = []
+    first = 0
+    for n, k in [(0, cfg.cluster.k)] + [(n, a.k) for n, a in enumerate(cfg.added, 1)]:
+        sub = root if n == 0 else RunRoot(root.url_of(addition(n)))
+        shards = open_complete(sub, DATA, f"flowfleet prepare {sub.url}" if n == 0 else "flowfleet add-expert")
+        data = InMemoryData.load(shards, [*fields, "index"])
+        data.tensors["cluster"] = load_assignments(sub, data, k) + first
+        del data.tensors["index"]
+        parts.append(data)
+        first += k
+    return InMemoryData.concat(parts)
+
+
 def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: bool | None = None) -> TrainTask:
-    """Load and check a job's data; an expert reads partitions/k/ and nothing else."""
+    """Load and check a job's data; an expert reads its partition and nothing else."""
     if spec.kind == "expert":
         k = spec.expert
-        if k is None or not 0 <= k < cfg.cluster.k:
-            raise FlowfleetError(
-                f"--expert {k}: run.yaml has cluster.k = {cfg.cluster.k} experts (0..{cfg.cluster.k - 1})"
-            )
-        shards = open_complete(root, partition(k), f"flowfleet cluster {root.url}")
+        if k is None or not 0 <= k < cfg.num_experts:
+            raise FlowfleetError(f"--expert {k}: run.yaml has {cfg.num_experts} experts (0..{cfg.num_experts - 1})")
+        n, j = cfg.expert_origin(k)
+        folder = partition(j) if n == 0 else f"{addition(n)}/{partition(j)}"
+        shards = open_complete(root, folder, f"flowfleet cluster {root.url}" if n == 0 else "flowfleet add-expert")
         model = cfg.expert_config(k)
         check_compatible(shards.manifest(), model, data_where=shards.url, model_where="run.yaml expert")
         data = InMemoryData.load(shards, model_fields(model))
@@ -329,11 +372,15 @@ def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: b
 
     router = paris_router_config(cfg) if spec.kind == "router-paris" else cfg.router
     check_compatible(shards.manifest(), router, data_where=shards.url, model_where="run.yaml router")
-    data = InMemoryData.load(shards, [*model_fields(router), "index"])
-    data.tensors["cluster"] = load_assignments(root, data, cfg.cluster.k)
-    del data.tensors["index"]
+    data = clustered_data(root, cfg, model_fields(router))
     if spec.without:  # removed experts: their data is in no weight of the new router
         data = data.select(~torch.isin(data.tensors["cluster"], torch.tensor(spec.without)))
         if len(data) == 0:
             raise FlowfleetError(f"{spec.name}: no data is left without experts {list(spec.without)}")
-    return RouterTask(spec, cfg, router, cfg.router_train, job_steps(cfg, spec), data)
+    task = RouterTask(spec, cfg, router, cfg.router_train, job_steps(cfg, spec), data)
+    if cfg.added and not spec.without:  # a grown fleet: start from the router before the last addition
+        before = cfg.num_experts - cfg.added[-1].k
+        previous = JobSpec(spec.kind, num_experts=before if len(cfg.added) > 1 else None).dir
+        if job_finished(root, previous)[0]:
+            task.warm_start = (root, previous)
+    return task

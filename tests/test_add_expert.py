@@ -1,0 +1,138 @@
+"""`add-expert`: new data (here the MNIST digits a run left out) prepared with the run's encoders into
+added/1/, a new expert trained on it, the grown fleet's router warm-started from the old one, the model
+re-assembled; the old experts untouched; resume, a second addition, errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from fixtures.random_fleet import write_random_fleet
+
+from flowfleet.cli import main
+from flowfleet.config import DataConfig, RunConfig, load_run_config
+from flowfleet.data.shards import ShardSet
+from flowfleet.models.dit import DiTRouter
+from flowfleet.models.files import load_model
+from flowfleet.presets import preset
+from flowfleet.sampling import read_model_index
+from flowfleet.stages.add_expert import add_expert
+from flowfleet.stages.cluster import cluster
+from flowfleet.stages.prepare import prepare
+from flowfleet.storage import RunRoot
+from flowfleet.train.jobs import build_task, router_spec
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FEW = dict(steps=3, batch_size=8, ckpt_every=100, sample_every=100, log_every=1, warmup_steps=0)
+
+
+def files(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """mnist-tiny on the digits 0-7 (of the first 160 source items), clustered in 2, with a random
+    finished fleet; then the digits 8 and 9 added."""
+    raw = preset("mnist-tiny").to_dict()
+    raw["data"].update(limit=160, labels=list(range(8)))
+    raw["cluster"].update(k=2, fine_k=8)
+    raw["encoders"]["semantic"] = {"name": "pixels", "image_size": 16}  # clusters come from the captions
+    raw["router"]["num_outputs"] = 2
+    raw["train"].update(FEW)
+    raw["router_train"].update(FEW)
+    raw["monolith"]["enabled"] = False
+    cfg = RunConfig.from_dict(raw)
+    path = tmp_path_factory.mktemp("add") / "run"
+    root = RunRoot(str(path))
+    cfg.save(root)
+    prepare(root, progress=False)
+    cluster(root, progress=False)
+    write_random_fleet(root.url, cfg)
+    before = {k: files(path / "experts" / str(k)) for k in (0, 1)}
+    added = DataConfig(**{**cfg.data.model_dump(), "labels": [8, 9], "limit": 200})
+    return root, path, added, before
+
+
+def test_add_expert_trains_an_expert_on_the_new_data_and_grows_the_router(run, caplog):
+    root, path, added, before = run
+    caplog.set_level(logging.INFO, logger="flowfleet")
+    assert not (ShardSet(root, "data").load(["labels"])["labels"] >= 8).any()  # the run never saw 8 or 9
+
+    result = add_expert(root.url, added, progress=False)
+
+    cfg = load_run_config(root)
+    assert result.addition == 1 and result.experts == [2] and cfg.num_experts == 3
+    assert cfg.added[0].data.labels == [8, 9] and cfg.router.num_outputs == 3
+    labels = ShardSet(RunRoot(str(path / "added" / "1")), "data").load(["labels"])["labels"]
+    assert result.items == labels.numel() > 0 and set(labels.tolist()) == {8, 9}
+    assert json.loads((path / "experts" / "2" / "status.json").read_text())["state"] == "done"
+    assert result.routers == ["router-k3"]
+    assert any("warm start from" in m and "router/final" in m for m in caplog.messages)
+    for k in (0, 1):
+        assert files(path / "experts" / str(k)) == before[k]  # the old experts: not a byte changed
+    index = read_model_index(result.model)
+    assert index.present_experts == [0, 1, 2] and index.num_experts == 3
+    assert index.source["router"]["job"] == "router-k3"
+    assert files(path / "model" / "expert_2") == files(path / "experts" / "2" / "final")
+
+    # The grown router's data: every item, the new ones as cluster 2; its start: the old router.
+    task = build_task(root, cfg, router_spec(cfg))
+    clusters = task.data.tensors["cluster"]
+    assert (clusters == 2).sum() == labels.numel() and set(clusters.tolist()) == {0, 1, 2}
+    old = load_model(DiTRouter, root, "router", "final").state_dict()
+    start = task.build_model().state_dict()
+    for name, tensor in start.items():
+        if old[name].shape == tensor.shape:
+            assert torch.equal(tensor, old[name]), name
+        else:  # the head: the old experts' rows kept, a new row for expert 2
+            assert tensor.shape[0] == 3 and torch.equal(tensor[:2], old[name]), name
+
+    # The same command again: resumed, nothing retrained.
+    caplog.clear()
+    again = add_expert(root.url, added, progress=False)
+    assert again.experts == [2] and any("resuming addition 1" in m for m in caplog.messages)
+    assert load_run_config(root).num_experts == 3
+
+
+def test_an_interrupted_second_addition_resumes_where_it_stopped(run, monkeypatch, caplog):
+    """(After the first test.) A second addition, interrupted before its router: the same command
+    resumes it (the expert already trained is not trained again) and warm-starts from router-k3."""
+    import flowfleet.stages.add_expert as stage
+
+    root, path, added, _ = run
+    caplog.set_level(logging.INFO, logger="flowfleet")
+    second = DataConfig(**{**added.model_dump(), "labels": [9], "limit": 120})
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stage, "train_router", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        add_expert(root.url, second, progress=False)
+    cfg = load_run_config(root)
+    assert len(cfg.added) == 2 and cfg.num_experts == 4 and cfg.expert_origin(3) == (2, 0)
+    trained = files(path / "experts" / "3")
+    assert json.loads((path / "experts" / "3" / "status.json").read_text())["state"] == "done"
+
+    monkeypatch.undo()
+    result = add_expert(root.url, second, progress=False)
+    assert any("resuming addition 2" in m for m in caplog.messages)
+    assert result.addition == 2 and result.experts == [3] and result.routers == ["router-k4"]
+    assert any("warm start from" in m and "router-k3/final" in m for m in caplog.messages)
+    assert files(path / "experts" / "3") == trained  # not trained twice
+    assert read_model_index(result.model).present_experts == [0, 1, 2, 3]
+    assert load_run_config(root).num_experts == 4
+
+
+def test_add_expert_cli_refuses_bad_input(run, capsys):
+    root, _, _, _ = run
+    assert main(["add-expert", root.url, "--source", "mnist", "--labels", "8,x"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "flowfleet add-expert: error: --labels: '8,x' is not a comma-separated list of integers"
+    )
+    assert main(["add-expert", root.url, "--source", "folder"]) == 1
+    assert "path: required for source 'folder'" in capsys.readouterr().err
