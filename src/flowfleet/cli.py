@@ -42,6 +42,7 @@ STAGES = (
     "demo",
     "add-expert",
     "remove-expert",
+    "distill",
 )
 
 

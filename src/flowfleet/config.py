@@ -151,6 +151,15 @@ class Addition(_Strict):
     k: int = Field(1, ge=1)  # its experts (its data clustered into k partitions)
 
 
+class DistillConfig(_Strict):
+    """`flowfleet distill`: one student DiT trained on the assembled fleet's guided velocity."""
+
+    teacher: str = "top2"  # the fleet's routing strategy the student learns
+    student: dict[str, Any] = {}  # what the student changes of `expert` (EXPERT_OVERRIDABLE), e.g. {size: S}
+    steps: int = Field(1000, ge=1)
+    cfg: float | None = Field(None, ge=0)  # the teacher's guidance scale (None: sampling.cfg)
+
+
 class StorageConfig(_Strict):
     endpoint_url: str | None = None
     options: dict[str, Any] = {}
@@ -175,6 +184,7 @@ class RunConfig(_Strict):
     added: list[Addition] = []
     # Experts taken out of the fleet by `flowfleet remove-expert` (their data leaves the router too).
     removed_experts: list[int] = []
+    distill: DistillConfig | None = None  # set by `flowfleet distill`
     router: DiTConfig
     train: TrainConfig = TrainConfig()
     router_train: TrainConfig = TrainConfig(lr=5e-5, schedule="cosine")
@@ -214,6 +224,12 @@ class RunConfig(_Strict):
             first += addition.k
         raise ValueError(f"expert {k}: the run has {self.num_experts} experts")
 
+    def student_config(self) -> DiTConfig:
+        """The distilled student: `expert` with distill.student's changes, without condition dropout (it
+        learns the guided velocity, so it samples without guidance)."""
+        changes = dict(self.distill.student) if self.distill else {}
+        return _changed(self.expert, {**changes, "cond_dropout": 0.0})
+
     def addition_config(self, n: int) -> "RunConfig":
         """The run.yaml of addition n's folder (added/<n>/): the run's encoders and models, the added data,
         its k clusters, nothing added or removed."""
@@ -232,12 +248,7 @@ class RunConfig(_Strict):
         """Expert k's architecture: `expert` with its expert_overrides applied (a `size` there replaces
         the width, depth and heads of `expert`)."""
         changes = self.expert_overrides.get(k)
-        if not changes:
-            return self.expert
-        base = self.expert.model_dump()
-        if changes.get("size"):
-            base = {name: v for name, v in base.items() if name not in _SHAPE_FIELDS}
-        return DiTConfig(**{**base, **changes})
+        return _changed(self.expert, changes) if changes else self.expert
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
@@ -274,6 +285,16 @@ class RunConfig(_Strict):
                 raise ValueError(f"removed_experts: {k} is not an expert (the run has {self.num_experts})")
         if self.removed_experts and len(self.removed_experts) >= self.num_experts:
             raise ValueError(f"removed_experts: {self.removed_experts} would leave no expert")
+        if self.distill is not None:
+            for name in self.distill.student:
+                if name not in EXPERT_OVERRIDABLE:
+                    raise ValueError(
+                        f"distill.student.{name}: a student may change only {', '.join(EXPERT_OVERRIDABLE)}"
+                    )
+            try:
+                self.student_config()
+            except ValidationError as err:
+                raise ValueError(f"distill.student.{describe_validation_error(err)}") from None
         for k, changes in self.expert_overrides.items():
             if not 0 <= k < self.num_experts:
                 raise ValueError(f"expert_overrides.{k}: no such expert (the run has {self.num_experts})")
@@ -330,6 +351,14 @@ class RunConfig(_Strict):
 
     def save(self, root: RunRoot) -> None:
         root.write_yaml(self.to_dict(), RUN_FILE)
+
+
+def _changed(model: DiTConfig, changes: dict[str, Any]) -> DiTConfig:
+    """`model` with some fields changed; a `size` among them replaces its width, depth and heads."""
+    base = model.model_dump()
+    if changes.get("size"):
+        base = {name: v for name, v in base.items() if name not in _SHAPE_FIELDS}
+    return DiTConfig(**{**base, **changes})
 
 
 def describe_validation_error(err: ValidationError) -> str:

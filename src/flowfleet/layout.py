@@ -42,6 +42,7 @@ ROUTER: Final = "router"  # the run's router (prompt-aware or Paris', per run.ya
 PARIS_ROUTER: Final = "router-paris"  # Paris' prompt-blind router, trained beside it for comparison
 ROUTERS = (ROUTER, PARIS_ROUTER)
 MONOLITH: Final = "monolith"  # the compute-matched single-model baseline
+STUDENT: Final = "student"  # `distill`: one DiT trained on the fleet's guided velocity
 
 # inside a job folder
 STATUS_FILE = "status.json"
@@ -56,6 +57,7 @@ JOB_REPORT = "report.json"  # what a finished job measured (the router: its accu
 MODEL = "model"
 INDEX_FILE = "model_index.json"  # the model folder's index (flowfleet.sampling.index)
 MONOLITH_MODEL = "model-monolith"  # `assemble --monolith`: the monolith as a one-expert model
+STUDENT_MODEL = "model-student"  # `distill`: the student as a one-expert model (sampled without guidance)
 REPORTS = "reports"
 SHOWCASE = "showcase"  # reports/showcase/: the demo's labelled grids, one prompt per digit
 

@@ -1,4 +1,4 @@
-"""Changing a trained fleet: `add-expert`, `remove-expert`."""
+"""Changing a trained fleet: `add-expert`, `remove-expert`, `distill`."""
 
 from __future__ import annotations
 
@@ -49,6 +49,48 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_remove_expert)
+    _register_distill(sub)
+
+
+def _register_distill(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "distill",
+        help="fold the fleet into one student model (trained on the fleet's guided velocity)",
+        description="Train one student DiT on the assembled fleet's velocity (routed with --teacher, guided with "
+        "the run's CFG) at x_t from the run's data, as an ordinary job in RUN_ROOT/student/, and assemble "
+        "RUN_ROOT/model-student: one model, sampled without guidance. Interrupted, the same command resumes.",
+        epilog="example:  flowfleet distill runs/r --teacher top2 --steps 1000",
+    )
+    add_run_root(p)
+    p.add_argument("--teacher", default="top2", help="the fleet's routing strategy to learn (default top2)")
+    p.add_argument(
+        "--student",
+        default=None,
+        metavar="SIZE",
+        help="a DiT size (tiny, S, B, L, XL) for the student; default: the architecture of one expert",
+    )
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: run.yaml train.steps)")
+    p.add_argument(
+        "--cfg", type=float, default=None, metavar="SCALE", help="the teacher's guidance (default sampling.cfg)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_distill)
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    from flowfleet.stages.distill import distill
+
+    student = {"size": args.student} if args.student else None
+    result = distill(
+        args.run_root,
+        teacher=args.teacher,
+        student=student,
+        steps=args.steps,
+        cfg_scale=args.cfg,
+        progress=not args.no_progress,
+    )
+    print(f"wrote {result.model}: one student learned from the fleet's {result.distill.teacher} (sample it with cfg 1)")
+    return 0
 
 
 def run_add_expert(args: argparse.Namespace) -> int:

@@ -28,6 +28,8 @@ from flowfleet.layout import (
     MONOLITH_MODEL,
     ROUTERS,
     RUN_FILE,
+    STUDENT,
+    STUDENT_MODEL,
     expert_job,
 )
 from flowfleet.models.config import DiTConfig
@@ -143,17 +145,19 @@ def assemble(
     *,
     allow_partial: bool = False,
     monolith: bool = False,
+    student: bool = False,
     router: str = "router",
     progress: bool = False,
 ) -> AssembleResult:
     """Check, then copy experts + router into a model folder; model_index.json is written last.
     router: the router job folder ("router", or "router-paris" for the prompt-blind baseline).
     monolith=True: the monolith alone as a one-expert model with no router (default out RUN_ROOT/model-monolith),
-    which generate and evaluate open like a fleet."""
+    which generate and evaluate open like a fleet; student=True: the distilled student the same way
+    (default out RUN_ROOT/model-student)."""
     root = RunRoot(run_root)
     run = load_run_config(root)
-    if monolith:
-        return _assemble_monolith(root, run, out, progress)
+    if monolith or student:
+        return _assemble_single(root, run, STUDENT if student else MONOLITH, out, progress)
     num_experts = run.num_experts
 
     # 1. Everything is checked before anything is written.
@@ -205,23 +209,29 @@ def assemble(
     return AssembleResult(out_root.url, num_experts, present, missing, warnings)
 
 
-def _assemble_monolith(root: RunRoot, run: RunConfig, out: str | None, progress: bool) -> AssembleResult:
-    ok, why, status = job_finished(root, MONOLITH)
+def _assemble_single(root: RunRoot, run: RunConfig, job: str, out: str | None, progress: bool) -> AssembleResult:
+    """The monolith or the distilled student as a one-expert model with no router (model-monolith/,
+    model-student/); the student samples without guidance (it learned the guided velocity)."""
+    ok, why, status = job_finished(root, job)
     if not ok or status is None:
-        raise FlowfleetError(f"monolith: not finished ({why}); train it with `{_command(MONOLITH, root)}`")
-    cfg = _read_config(MONOLITH, root, MONOLITH, FINAL)
-    check_expert(MONOLITH, root.url_of(MONOLITH, FINAL, "config.json"), cfg, run)
-    source = {"monolith": {"step": status.step, "samples_seen": status.samples_seen}}
-    out_root = RunRoot(out) if out else RunRoot(root.url_of(MONOLITH_MODEL))
+        how = f"flowfleet distill {root.url}" if job == STUDENT else _command(job, root)
+        raise FlowfleetError(f"{job}: not finished ({why}); train it with `{how}`")
+    cfg = _read_config(job, root, job, FINAL)
+    check_expert(job, root.url_of(job, FINAL, "config.json"), cfg, run)
+    source: dict[str, Any] = {job: {"step": status.step, "samples_seen": status.samples_seen}}
+    if job == STUDENT and run.distill is not None:
+        source[job]["distill"] = run.distill.model_dump(mode="json")
+    out_root = RunRoot(out) if out else RunRoot(root.url_of(STUDENT_MODEL if job == STUDENT else MONOLITH_MODEL))
     _write_model(
         root,
         run,
         out_root,
-        [(expert_folder(0), (MONOLITH, FINAL), DiTExpert)],
+        [(expert_folder(0), (job, FINAL), DiTExpert)],
         1,
         [0],
         source,
         router=False,
+        guidance=1.0 if job == STUDENT else None,
         progress=progress,
     )
     return AssembleResult(out_root.url, 1, [0], {}, [])
@@ -243,6 +253,7 @@ def _write_model(
     *,
     router: bool,
     progress: bool,
+    guidance: float | None = None,
 ) -> None:
     """Copy the components (strictly loaded first), the encoder references and run.yaml; index last."""
     out_root.remove(INDEX_FILE)  # the folder stops being a model until the new index lands
@@ -308,7 +319,13 @@ def _write_model(
         latent_encoder=latent_cfg.model_dump(mode="json"),
         text_encoder_config=text_cfg.model_dump(mode="json") if text_cfg is not None else None,
         # a model without a router has one expert to run: top1
-        scheduler=SchedulerConfig(**{**run.sampling.model_dump(), **({} if router else {"strategy": "top1"})}),
+        scheduler=SchedulerConfig(
+            **{
+                **run.sampling.model_dump(),
+                **({} if router else {"strategy": "top1"}),
+                **({} if guidance is None else {"cfg": guidance}),
+            }
+        ),
         router=("flowfleet", "DiTRouter") if router else (None, None),
         text_encoder=("flowfleet", "TextEncoderReference") if text_cfg is not None else (None, None),
         vae=("flowfleet", "LatentEncoderReference") if latent_cfg.name != "pixels" else (None, None),

@@ -27,7 +27,19 @@ from flowfleet.config import RunConfig, TrainConfig
 from flowfleet.data.shards import open_complete
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import flow_matching_loss, interpolate, sample_t
-from flowfleet.layout import ASSIGNMENTS, DATA, FINAL, ROUTERS, addition, expert_job, partition, router_job
+from flowfleet.layout import (
+    ASSIGNMENTS,
+    DATA,
+    FINAL,
+    INDEX_FILE,
+    MODEL,
+    ROUTERS,
+    RUN_FILE,
+    addition,
+    expert_job,
+    partition,
+    router_job,
+)
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
 from flowfleet.models.files import load_model
@@ -37,7 +49,7 @@ from flowfleet.train import preview
 from flowfleet.train.data import InMemoryData, check_compatible, model_fields
 from flowfleet.train.status import job_finished
 
-JobKind = Literal["expert", "router", "router-paris", "monolith"]  # router-paris, monolith: also their folders
+JobKind = Literal["expert", "router", "router-paris", "monolith", "student"]  # all but expert: also their folders
 PREVIEW_COUNT = 8  # samples in an expert's grid
 ROUTER_EVAL_ITEMS = 512  # items the router's accuracy is measured on
 
@@ -119,6 +131,8 @@ def job_steps(cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) 
         return cfg.router_train.steps
     if spec.kind == "monolith":
         return monolith_steps(cfg, match_compute)
+    if spec.kind == "student":
+        return cfg.distill.steps if cfg.distill else cfg.train.steps
     return cfg.train.steps
 
 
@@ -126,6 +140,8 @@ def job_cost(cfg: RunConfig, spec: JobSpec) -> int:
     """Training FLOPs of a job (to start the longest jobs first)."""
     if spec.kind in ("router", "router-paris"):
         return train_flops(cfg.router, cfg.router_train.steps, cfg.router_train.batch_size)
+    if spec.kind == "student":
+        return train_flops(cfg.student_config(), job_steps(cfg, spec), cfg.train.batch_size)
     model = cfg.expert_config(spec.expert) if spec.kind == "expert" and spec.expert is not None else cfg.expert
     return train_flops(model, job_steps(cfg, spec), cfg.train.batch_size)
 
@@ -183,6 +199,11 @@ class FlowTask(TrainTask):
 
     model_cls = DiTExpert
 
+    @property
+    def preview_cfg(self) -> float:
+        """The guidance scale of the training previews."""
+        return self.run.sampling.cfg
+
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._decoder: Callable[[torch.Tensor], torch.Tensor] | Literal[False] | None = None  # False: unavailable
@@ -232,20 +253,62 @@ class FlowTask(TrainTask):
             n,
             steps=s.steps,
             sampler=s.sampler,
-            guidance=s.cfg,
+            guidance=self.preview_cfg,
             shift=s.shift,
             seed=self.train_cfg.seed,
             device=device,
         )
         decode = self._decode(device)
         captions = [self.data.captions[i] if i < len(self.data.captions) else "" for i in range(n)]
-        title = f"{self.name}  step {step}  (EMA, {s.sampler} {s.steps} steps, cfg {s.cfg})"
+        title = f"{self.name}  step {step}  (EMA, {s.sampler} {s.steps} steps, cfg {self.preview_cfg})"
         return preview.sample_grid_png(
             preview.latents_to_images(samples, decode),
             preview.latents_to_images(batch["latents"], decode),
             captions,
             title,
         )
+
+
+class DistillTask(FlowTask):
+    """A student regressing onto the assembled fleet's guided velocity at x_t from the data: the teacher
+    routes with `distill.teacher` and guides with `distill.cfg`, so the student, sampled without guidance,
+    does in one model call per step what the fleet does in k experts x 2 (CFG) calls plus the router."""
+
+    def __init__(self, *args: Any, teacher: str, strategy: str, teacher_cfg: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.teacher_dir, self.strategy, self.teacher_cfg = teacher, strategy, teacher_cfg
+        self._teacher: Any = None  # the FleetPipeline, opened on the training device at the first step
+        self._calls = 0
+
+    @property
+    def preview_cfg(self) -> float:
+        return 1.0  # the guidance is in the student's weights
+
+    def teacher(self, device: torch.device) -> Any:
+        if self._teacher is None:
+            from flowfleet.sampling.pipeline import FleetPipeline  # (sampling's floor: imported where needed)
+
+            self._teacher = FleetPipeline.from_pretrained(self.teacher_dir, device=device, load_encoders=False)
+        return self._teacher
+
+    def loss(self, model, batch, gen):
+        from flowfleet.sampling.routing import Condition
+        from flowfleet.sampling.trace import RoutingTrace
+
+        x0 = batch["latents"]  # [B, C, H, W]
+        b, dev = x0.shape[0], x0.device
+        t = sample_t(b, mode=self.train_cfg.time_sampling, generator=gen, device=dev)  # [B]
+        eps = torch.randn(x0.shape, generator=gen, device=dev)
+        x_t = interpolate(x0, eps, t)  # [B, C, H, W]
+        pipe = self.teacher(dev)
+        k = pipe.settings(self.strategy).k
+        cond = preview.condition_kwargs(batch, self.run.expert)
+        self._calls += 1
+        with torch.no_grad():
+            velocity = pipe.velocity_fn(Condition(**cond), k, self.teacher_cfg, 1, RoutingTrace(pipe.num_experts))
+            target = velocity(x_t, t, self._calls)  # [B, C, H, W] the routed, guided fleet
+        loss = F.mse_loss(model(x_t, t, **preview.condition_kwargs(batch, self.model_cfg)).float(), target.float())
+        return loss, {}
 
 
 class RouterTask(TrainTask):
@@ -365,6 +428,26 @@ def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: b
         return FlowTask(spec, cfg, model, cfg.train, job_steps(cfg, spec), data)
 
     shards = open_complete(root, DATA, f"flowfleet prepare {root.url}")
+    if spec.kind == "student":
+        if cfg.distill is None:
+            raise FlowfleetError(f"{root.url_of(RUN_FILE)}: no distill block; run `flowfleet distill {root.url}`")
+        student = cfg.student_config()
+        teacher = root.url_of(MODEL)
+        if not root.exists(MODEL, INDEX_FILE):
+            raise FlowfleetError(f"{teacher}: not assembled; the student learns from the fleet (`flowfleet assemble`)")
+        data = clustered_data(root, cfg, model_fields(cfg.expert))
+        teacher_cfg = cfg.distill.cfg if cfg.distill.cfg is not None else cfg.sampling.cfg
+        return DistillTask(
+            spec,
+            cfg,
+            student,
+            cfg.train,
+            job_steps(cfg, spec),
+            data,
+            teacher=teacher,
+            strategy=cfg.distill.teacher,
+            teacher_cfg=teacher_cfg,
+        )
     if spec.kind == "monolith":
         check_compatible(shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert")
         data = InMemoryData.load(shards, model_fields(cfg.expert))

@@ -1,0 +1,111 @@
+"""`distill`: a student trained on the fleet's routed, guided velocity; an ordinary job (interrupted, it
+resumes) and an ordinary model folder (one expert, no router, sampled without guidance)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fixtures.random_fleet import HashTextEncoder, write_random_fleet
+from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+
+from flowfleet.cli import main
+from flowfleet.config import load_run_config
+from flowfleet.errors import FlowfleetError
+from flowfleet.flow import interpolate, sample_t
+from flowfleet.sampling import FleetPipeline, read_model_index
+from flowfleet.sampling.routing import Condition
+from flowfleet.sampling.trace import RoutingTrace
+from flowfleet.stages.assemble import assemble
+from flowfleet.stages.distill import distill
+from flowfleet.storage import RunRoot
+from flowfleet.train.jobs import DistillTask, JobSpec, build_task
+from flowfleet.train.preview import condition_kwargs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def fleet(run_root):
+    """An assembled random fleet of 3 on synthetic data."""
+    cfg = synthetic_config(k=3, steps=4)
+    root = RunRoot(str(run_root))
+    write_synthetic_run(root, cfg)
+    write_random_fleet(root.url, cfg)
+    assemble(root.url)
+    return root
+
+
+def test_the_student_regresses_onto_the_fleets_guided_velocity(fleet):
+    distill(fleet.url, teacher="top2", steps=2, progress=False)
+    cfg = load_run_config(fleet)
+    task = build_task(fleet, cfg, JobSpec("student"))
+    assert isinstance(task, DistillTask) and task.model_cfg.cond_dropout == 0.0
+    assert len(task.data) == 3 * 12  # every item of the run
+    batch = task.data.gather(torch.arange(5))
+    student = task.build_model()
+    loss, _ = task.loss(student, batch, torch.Generator().manual_seed(3))
+
+    # The same draws, the teacher computed here: top-2 of the assembled fleet at the run's CFG.
+    gen = torch.Generator().manual_seed(3)
+    x0 = batch["latents"]
+    t = sample_t(5, mode=cfg.train.time_sampling, generator=gen)
+    x_t = interpolate(x0, torch.randn(x0.shape, generator=gen), t)
+    pipe = FleetPipeline.from_pretrained(fleet.url_of("model"), load_encoders=False)
+    cond = condition_kwargs(batch, cfg.expert)
+    with torch.no_grad():
+        target = pipe.velocity_fn(Condition(**cond), 2, cfg.sampling.cfg, 1, RoutingTrace(3))(x_t, t, 0)
+        want = F.mse_loss(student(x_t, t, **condition_kwargs(batch, task.model_cfg)), target)
+        unguided = pipe.velocity_fn(Condition(**cond), 2, 1.0, 1, RoutingTrace(3))(x_t, t, 0)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert not torch.allclose(target, unguided)  # the guidance is in the target
+
+
+def test_distill_is_a_resumable_job_and_its_model_folder_samples_without_guidance(fleet, run_root, monkeypatch):
+    real = DistillTask.loss
+    calls = []
+
+    def sigterm_in_step_2(self, model, batch, gen):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # the trainer's own handler: finish the step, checkpoint, stop
+        return real(self, model, batch, gen)
+
+    monkeypatch.setattr(DistillTask, "loss", sigterm_in_step_2)
+    with pytest.raises(FlowfleetError, match="student: stopped at step 2/4; re-run the same command to resume"):
+        distill(fleet.url, steps=4, student={"size": "tiny"}, progress=False)
+    monkeypatch.undo()
+    result = distill(fleet.url, steps=4, student={"size": "tiny"}, progress=False)
+    metrics = [json.loads(x)["step"] for x in (run_root / "student" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == [1, 2, 3, 4]  # resumed after step 2, not restarted
+    assert load_run_config(fleet).distill.model_dump() == {
+        "teacher": "top2",
+        "student": {"size": "tiny"},
+        "steps": 4,
+        "cfg": None,
+    }
+
+    index = read_model_index(result.model)
+    assert result.model.endswith("model-student") and index.present_experts == [0] and index.router == (None, None)
+    assert index.scheduler.cfg == 1.0 and index.scheduler.strategy == "top1"
+    config = json.loads((run_root / "model-student" / "expert_0" / "config.json").read_text())
+    assert config["hidden_size"] == 128 and config["depth"] == 4  # the tiny preset
+    pipe = FleetPipeline.from_pretrained(result.model, text_encoder=HashTextEncoder(384, 16))
+    out = pipe(["a digit"], n=2, steps=3)
+    assert torch.isfinite(out.images).all() and not pipe.guidance_applies(out.settings.cfg)
+
+    # Other options while student/ exists: refused, nothing changed.
+    with pytest.raises(FlowfleetError, match="student: trained with run.yaml distill"):
+        distill(fleet.url, steps=8, progress=False)
+
+
+def test_distill_cli_errors(fleet, capsys):
+    assert main(["distill", fleet.url, "--teacher", "top5"]) == 1
+    assert "--teacher: strategy 'top5': k=5 exceeds the 3 experts present" in capsys.readouterr().err
+    fleet.remove("model", recursive=True)
+    assert main(["distill", fleet.url]) == 1
+    assert "model_index.json: missing" in capsys.readouterr().err
