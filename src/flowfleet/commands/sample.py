@@ -41,6 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="assemble the compute-matched monolith (monolith/final) instead, as a one-expert model "
         "with no router (default --out RUN_ROOT/model-monolith); generate and evaluate open it like a fleet",
     )
+    p.add_argument(
+        "--student",
+        action="store_true",
+        help="assemble the distilled student (student/final, `flowfleet distill`) the same way "
+        "(default --out RUN_ROOT/model-student), sampled without guidance",
+    )
     p.set_defaults(func=run_assemble)
 
     p = sub.add_parser(
@@ -147,12 +153,15 @@ def run_assemble(args: argparse.Namespace) -> int:
         args.out,
         allow_partial=args.allow_partial,
         monolith=args.monolith,
+        student=args.student,
         router=args.router,
         progress=True,
     )
     for w in result.warnings:
         log.warning("assemble: warning: %s", w)
-    if args.monolith:
+    if args.student:
+        print(f"wrote {result.out}: the distilled student as a one-expert model")
+    elif args.monolith:
         print(f"wrote {result.out}: the monolith as a one-expert model")
     else:
         print(f"wrote {result.out}: experts {result.present} of K = {result.num_experts} + router")

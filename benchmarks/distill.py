@@ -1,0 +1,88 @@
+"""distill on a finished MNIST run: the student next to its top-2 teacher, at 20 and at 4 steps.
+
+Copies a finished demo run (data, clusters, experts, router, model/) to OUT, distils a student the size
+of one expert from the fleet's top-2 (guided with the run's CFG), and evaluates with the same prompts,
+noise and judge: the teacher (top-2, CFG 6) at 20 steps, the student (no guidance) at 20 and at 4 steps,
+and the teacher at 4 steps. Sampling seconds come from evaluate's own timings on this machine.
+
+    .venv/bin/python benchmarks/distill.py runs/demo-fresh-987c745 --out runs/bench/distill --steps 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+COPY = ("run.yaml", "data", "clusters", "partitions", "experts", "router", "model", "reports/digit_classifier")
+
+
+def evaluate(model: Path, run: Path, n: int, strategy: str, steps: int) -> dict:
+    from flowfleet.evaluate.fid import FIDSettings
+    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
+
+    options = EvaluateOptions(
+        n=n,
+        strategies=(strategy,),
+        monolith=False,
+        diagnostics=False,
+        steps=steps,
+        fid=FIDSettings(resize=75),
+        device="cpu",
+    )
+    result = evaluate(str(model), str(run), options)
+    r = result["runs"][strategy]
+    return {
+        "prompt_accuracy": r["prompt_accuracy"],
+        "classifier_fd": r["classifier_fd"],
+        "fid": r["fid"],
+        "sampling_s": r["sampling_s"],
+        "cfg": result["sampling"]["cfg"],
+        "steps": steps,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="a finished MNIST run root (e.g. a `make demo` run)")
+    p.add_argument("--out", default="runs/bench/distill")
+    p.add_argument("--steps", type=int, default=1000, help="student training steps")
+    p.add_argument("--n", type=int, default=1000, help="samples per evaluation")
+    a = p.parse_args()
+
+    from flowfleet.cli import configure_logging
+    from flowfleet.stages.distill import distill
+
+    configure_logging()
+    src, out = Path(a.run), Path(a.out)
+    if not (out / "run.yaml").exists():
+        for name in COPY:
+            if (src / name).is_dir():
+                shutil.copytree(src / name, out / name, ignore=shutil.ignore_patterns("checkpoints"))
+            elif (src / name).exists():
+                out.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src / name, out / name)
+    t0 = time.perf_counter()
+    result = distill(str(out), teacher="top2", steps=a.steps, progress=False)
+    train_s = time.perf_counter() - t0
+    rows = {"student_train_s": round(train_s, 1), "student_steps": a.steps}
+    for name, model, strategy, steps in (
+        ("teacher top2, 20 steps", out / "model", "top2", 20),
+        ("student, 20 steps", Path(result.model), "top1", 20),
+        ("student, 4 steps", Path(result.model), "top1", 4),
+        ("teacher top2, 4 steps", out / "model", "top2", 4),
+    ):
+        rows[name] = evaluate(model, out, a.n, strategy, steps)
+        r = rows[name]
+        print(
+            f"{name:24} prompt accuracy {r['prompt_accuracy']:.3f}  classifier FD {r['classifier_fd']:7.2f}  "
+            f"FID {r['fid']:7.2f}  sampling {r['sampling_s']:6.1f} s  (cfg {r['cfg']})",
+            flush=True,
+        )
+    (out / "distill.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
