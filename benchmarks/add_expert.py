@@ -17,6 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
+from fleet_runs import evaluate_model  # benchmarks/fleet_runs.py
+
 
 def digests(folder: Path) -> dict[str, str]:
     return {
@@ -24,17 +26,6 @@ def digests(folder: Path) -> dict[str, str]:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
-
-
-def evaluate(out: Path, n: int, strategies: tuple[str, ...]) -> dict:
-    from flowfleet.evaluate.fid import FIDSettings
-    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
-
-    options = EvaluateOptions(
-        n=n, strategies=strategies, monolith=False, diagnostics=False, fid=FIDSettings(resize=75), device="cpu"
-    )
-    result = evaluate(str(out / "model"), str(out), options)
-    return {name: result["prompt_accuracy"]["scores"][name] for name in strategies}
 
 
 def main() -> None:
@@ -82,14 +73,14 @@ def main() -> None:
     old = {k: digests(out / "experts" / str(k)) for k in range(cfg.cluster.k)}
     before_file = out / "before.json"
     if not before_file.exists():
-        before_file.write_text(json.dumps(evaluate(out, a.n, strategies)))
+        before_file.write_text(json.dumps(evaluate_model(out / "model", out, a.n, strategies)))
     before = json.loads(before_file.read_text())
 
     added = DataConfig(**{**cfg.data.model_dump(), "labels": [8, 9]})
     t0 = time.perf_counter()
     result = add_expert(root.url, added, progress=False)
     timings["add_expert_s"] = round(time.perf_counter() - t0, 1)
-    after = evaluate(out, a.n, strategies)
+    after = evaluate_model(out / "model", out, a.n, strategies)
     unchanged = all(digests(out / "experts" / str(k)) == old[k] for k in old)
 
     print(

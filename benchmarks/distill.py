@@ -12,36 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 
-COPY = ("run.yaml", "data", "clusters", "partitions", "experts", "router", "model", "reports/digit_classifier")
-
-
-def evaluate(model: Path, run: Path, n: int, strategy: str, steps: int) -> dict:
-    from flowfleet.evaluate.fid import FIDSettings
-    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
-
-    options = EvaluateOptions(
-        n=n,
-        strategies=(strategy,),
-        monolith=False,
-        diagnostics=False,
-        steps=steps,
-        fid=FIDSettings(resize=75),
-        device="cpu",
-    )
-    result = evaluate(str(model), str(run), options)
-    r = result["runs"][strategy]
-    return {
-        "prompt_accuracy": r["prompt_accuracy"],
-        "classifier_fd": r["classifier_fd"],
-        "fid": r["fid"],
-        "sampling_s": r["sampling_s"],
-        "cfg": result["sampling"]["cfg"],
-        "steps": steps,
-    }
+from fleet_runs import copy_run, evaluate_model  # benchmarks/fleet_runs.py
 
 
 def main() -> None:
@@ -56,14 +30,8 @@ def main() -> None:
     from flowfleet.stages.distill import distill
 
     configure_logging()
-    src, out = Path(a.run), Path(a.out)
-    if not (out / "run.yaml").exists():
-        for name in COPY:
-            if (src / name).is_dir():
-                shutil.copytree(src / name, out / name, ignore=shutil.ignore_patterns("checkpoints"))
-            elif (src / name).exists():
-                out.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src / name, out / name)
+    out = Path(a.out)
+    copy_run(Path(a.run), out)
     t0 = time.perf_counter()
     result = distill(str(out), teacher="top2", steps=a.steps, progress=False)
     train_s = time.perf_counter() - t0
@@ -74,10 +42,9 @@ def main() -> None:
         ("student, 4 steps", Path(result.model), "top1", 4),
         ("teacher top2, 4 steps", out / "model", "top2", 4),
     ):
-        rows[name] = evaluate(model, out, a.n, strategy, steps)
-        r = rows[name]
+        r = rows[name] = evaluate_model(model, out, a.n, (strategy,), steps)[strategy]
         print(
-            f"{name:24} prompt accuracy {r['prompt_accuracy']:.3f}  classifier FD {r['classifier_fd']:7.2f}  "
+            f"{name:24} prompt accuracy {r['accuracy']:.3f}  classifier FD {r['classifier_fd']:7.2f}  "
             f"FID {r['fid']:7.2f}  sampling {r['sampling_s']:6.1f} s  (cfg {r['cfg']})",
             flush=True,
         )

@@ -12,22 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 
-COPY = ("run.yaml", "data", "clusters", "partitions", "experts", "router", "model", "reports/digit_classifier")
-
-
-def evaluate(out: Path, n: int, strategies: tuple[str, ...]) -> dict:
-    from flowfleet.evaluate.fid import FIDSettings
-    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
-
-    options = EvaluateOptions(
-        n=n, strategies=strategies, monolith=False, diagnostics=False, fid=FIDSettings(resize=75), device="cpu"
-    )
-    result = evaluate(str(out / "model"), str(out), options)
-    return {name: result["prompt_accuracy"]["scores"][name] for name in strategies}
+from fleet_runs import copy_run, evaluate_model  # benchmarks/fleet_runs.py
 
 
 def main() -> None:
@@ -43,23 +31,17 @@ def main() -> None:
     from flowfleet.stages.remove_expert import remove_expert
 
     configure_logging()
-    src, out = Path(a.run), Path(a.out)
-    if not (out / "run.yaml").exists():
-        for name in COPY:
-            if (src / name).is_dir():
-                shutil.copytree(src / name, out / name, ignore=shutil.ignore_patterns("checkpoints"))
-            elif (src / name).exists():
-                out.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src / name, out / name)
+    out = Path(a.out)
+    copy_run(Path(a.run), out)
     strategies = tuple(s for s in a.strategies.split(",") if s)
     before_file = out / "before.json"
     if not before_file.exists():
-        before_file.write_text(json.dumps(evaluate(out, a.n, strategies)))
+        before_file.write_text(json.dumps(evaluate_model(out / "model", out, a.n, strategies)))
     before = json.loads(before_file.read_text())
     t0 = time.perf_counter()
     removed = remove_expert(str(out), a.expert, progress=False)
     seconds = time.perf_counter() - t0
-    after = evaluate(out, a.n, strategies)
+    after = evaluate_model(out / "model", out, a.n, strategies)
     lost = {int(d) for d in removed.lost.get(str(a.expert), {}).get("labels", {})}
 
     rows = {"expert": a.expert, "lost_digits": sorted(lost), "remove_seconds": round(seconds, 1), "strategies": {}}
