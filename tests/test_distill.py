@@ -8,6 +8,7 @@ import os
 import signal
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from fixtures.random_fleet import HashTextEncoder, write_random_fleet
@@ -16,7 +17,7 @@ from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 from flowfleet.cli import main
 from flowfleet.config import load_run_config
 from flowfleet.errors import FlowfleetError
-from flowfleet.flow import interpolate, sample_t
+from flowfleet.flow import flow_matching_loss, interpolate, sample_t
 from flowfleet.sampling import FleetPipeline, read_model_index
 from flowfleet.sampling.routing import Condition
 from flowfleet.sampling.trace import RoutingTrace
@@ -87,6 +88,9 @@ def test_distill_is_a_resumable_job_and_its_model_folder_samples_without_guidanc
         "student": {"size": "tiny"},
         "steps": 4,
         "cfg": None,
+        "method": "velocity",
+        "pairs": 2000,
+        "teacher_steps": 20,
     }
 
     index = read_model_index(result.model)
@@ -101,6 +105,28 @@ def test_distill_is_a_resumable_job_and_its_model_folder_samples_without_guidanc
     # Other options while student/ exists: refused, nothing changed.
     with pytest.raises(FlowfleetError, match="student: trained with run.yaml distill"):
         distill(fleet.url, steps=8, progress=False)
+
+
+def test_reflow_learns_the_teachers_noise_to_sample_pairs(fleet, run_root):
+    result = distill(fleet.url, steps=2, method="reflow", pairs=6, progress=False)
+    pairs = safetensors.torch.load((run_root / "student" / "reflow-pairs.safetensors").read_bytes())
+    assert pairs["latents"].shape == pairs["noise"].shape == (6, 1, 8, 8) and pairs["text_pooled"].shape == (6, 384)
+    # The pair's sample is the teacher's: top-2 of the fleet at the run's CFG from that noise and condition.
+    cfg = load_run_config(fleet)
+    pipe = FleetPipeline.from_pretrained(fleet.url_of("model"), load_encoders=False)
+    settings = pipe.settings("top2", steps=cfg.distill.teacher_steps, cfg=cfg.sampling.cfg)
+    x0, _ = pipe.sample(pairs["noise"][:2], Condition(text_pooled=pairs["text_pooled"][:2]), settings)
+    assert torch.allclose(x0, pairs["latents"][:2], atol=1e-5)
+    # The student's loss is flow matching on the pairs.
+    task = build_task(fleet, cfg, JobSpec("student"))
+    batch = task.data.gather(torch.arange(4))
+    student = task.build_model()
+    loss, _ = task.loss(student, batch, torch.Generator().manual_seed(1))
+    t = sample_t(4, mode=cfg.train.time_sampling, generator=torch.Generator().manual_seed(1))
+    cond = {"text_pooled": batch["text_pooled"]}
+    want = flow_matching_loss(lambda x, tt: student(x, tt, **cond), batch["latents"], t, batch["noise"])
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert read_model_index(result.model).present_experts == [0]
 
 
 def test_distill_cli_errors(fleet, capsys):

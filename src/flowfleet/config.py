@@ -158,6 +158,11 @@ class DistillConfig(_Strict):
     student: dict[str, Any] = {}  # what the student changes of `expert` (EXPERT_OVERRIDABLE), e.g. {size: S}
     steps: int = Field(1000, ge=1)
     cfg: float | None = Field(None, ge=0)  # the teacher's guidance scale (None: sampling.cfg)
+    # velocity: regression on the teacher's velocity at x_t from the data. reflow (rectified flow, for few
+    # sampling steps): flow matching on (noise, the teacher's sample from that noise) pairs.
+    method: Literal["velocity", "reflow"] = "velocity"
+    pairs: int = Field(2000, ge=1)  # reflow: teacher trajectories (items of the data, fixed noise)
+    teacher_steps: int = Field(20, ge=1)  # reflow: the teacher's sampling steps
 
 
 class StorageConfig(_Strict):

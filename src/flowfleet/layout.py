@@ -43,6 +43,7 @@ PARIS_ROUTER: Final = "router-paris"  # Paris' prompt-blind router, trained besi
 ROUTERS = (ROUTER, PARIS_ROUTER)
 MONOLITH: Final = "monolith"  # the compute-matched single-model baseline
 STUDENT: Final = "student"  # `distill`: one DiT trained on the fleet's guided velocity
+REFLOW_PAIRS = (STUDENT, "reflow-pairs.safetensors")  # distill method reflow: the teacher's (noise, sample) pairs
 
 # inside a job folder
 STATUS_FILE = "status.json"

@@ -71,6 +71,14 @@ def _register_distill(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=int, default=None, help="training steps (default: run.yaml train.steps)")
     p.add_argument(
+        "--method",
+        choices=("velocity", "reflow"),
+        default="velocity",
+        help="velocity: regress on the teacher's velocity at x_t from the data (default); reflow: flow "
+        "matching on the teacher's (noise, sample) pairs, straighter paths for few-step sampling",
+    )
+    p.add_argument("--pairs", type=int, default=2000, help="reflow: teacher trajectories to learn from (default 2000)")
+    p.add_argument(
         "--cfg", type=float, default=None, metavar="SCALE", help="the teacher's guidance (default sampling.cfg)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -87,6 +95,8 @@ def run_distill(args: argparse.Namespace) -> int:
         student=student,
         steps=args.steps,
         cfg_scale=args.cfg,
+        method=args.method,
+        pairs=args.pairs,
         progress=not args.no_progress,
     )
     print(f"wrote {result.model}: one student learned from the fleet's {result.distill.teacher} (sample it with cfg 1)")

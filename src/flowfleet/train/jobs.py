@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +34,7 @@ from flowfleet.layout import (
     FINAL,
     INDEX_FILE,
     MODEL,
+    REFLOW_PAIRS,
     ROUTERS,
     RUN_FILE,
     addition,
@@ -292,6 +294,15 @@ class DistillTask(FlowTask):
         return self._teacher
 
     def loss(self, model, batch, gen):
+        if "noise" in batch:  # reflow: flow matching on the teacher's (noise, sample) pairs
+            t = sample_t(
+                batch["latents"].shape[0],
+                mode=self.train_cfg.time_sampling,
+                generator=gen,
+                device=batch["latents"].device,
+            )
+            cond = preview.condition_kwargs(batch, self.model_cfg)
+            return flow_matching_loss(lambda x_t, tt: model(x_t, tt, **cond), batch["latents"], t, batch["noise"]), {}
         from flowfleet.sampling.routing import Condition
         from flowfleet.sampling.trace import RoutingTrace
 
@@ -435,7 +446,13 @@ def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: b
         teacher = root.url_of(MODEL)
         if not root.exists(MODEL, INDEX_FILE):
             raise FlowfleetError(f"{teacher}: not assembled; the student learns from the fleet (`flowfleet assemble`)")
-        data = clustered_data(root, cfg, model_fields(cfg.expert))
+        if cfg.distill.method == "reflow":
+            if not root.exists(*REFLOW_PAIRS):
+                raise FlowfleetError(f"{root.url_of(*REFLOW_PAIRS)}: missing; `flowfleet distill` writes it")
+            tensors = safetensors.torch.load(root.read_bytes(*REFLOW_PAIRS))
+            data = InMemoryData(tensors, [], root.url_of(*REFLOW_PAIRS))
+        else:
+            data = clustered_data(root, cfg, model_fields(cfg.expert))
         teacher_cfg = cfg.distill.cfg if cfg.distill.cfg is not None else cfg.sampling.cfg
         return DistillTask(
             spec,
