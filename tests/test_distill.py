@@ -102,6 +102,11 @@ def test_distill_is_a_resumable_job_and_its_model_folder_samples_without_guidanc
     out = pipe(["a digit"], n=2, steps=3)
     assert torch.isfinite(out.images).all() and not pipe.guidance_applies(out.settings.cfg)
 
+    # `flowfleet status` lists the student beside the fleet's jobs.
+    from flowfleet.stages.train import job_status
+
+    assert [(s.job, s.state) for s in job_status(fleet.url)][-1] == ("student", "done")
+
     # Other options while student/ exists: refused, nothing changed.
     with pytest.raises(FlowfleetError, match="student: trained with run.yaml distill"):
         distill(fleet.url, steps=8, progress=False)

@@ -71,7 +71,8 @@ def job_status(run_root: str | RunRoot) -> list[JobStatus]:
     """One status per job of the run, in order experts, router, monolith; never-started jobs pending."""
     root, cfg = _open(run_root)
     rows = []
-    for spec in fleet_jobs(cfg):
+    specs = fleet_jobs(cfg) + ([JobSpec("student")] if cfg.distill is not None else [])  # (distill trains it)
+    for spec in specs:
         try:
             status = read_status(root, spec.dir) or JobStatus(spec.name)
         except FlowfleetError as err:  # one unreadable file must not hide the other jobs
