@@ -6,6 +6,7 @@ noise and judge: the teacher (top-2, CFG 6) at 20 steps, the student (no guidanc
 and the teacher at 4 steps. Sampling seconds come from evaluate's own timings on this machine.
 
     .venv/bin/python benchmarks/distill.py runs/demo-fresh-987c745 --out runs/bench/distill --steps 1000
+    .venv/bin/python benchmarks/distill.py runs/demo-fresh-987c745 --out runs/bench/reflow --steps 1000 --method reflow
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def main() -> None:
     p.add_argument("--out", default="runs/bench/distill")
     p.add_argument("--steps", type=int, default=1000, help="student training steps")
     p.add_argument("--n", type=int, default=1000, help="samples per evaluation")
+    p.add_argument("--method", choices=("velocity", "reflow"), default="velocity")
+    p.add_argument("--pairs", type=int, default=2000, help="reflow: teacher trajectories")
     a = p.parse_args()
 
     from flowfleet.cli import configure_logging
@@ -33,9 +36,9 @@ def main() -> None:
     out = Path(a.out)
     copy_run(Path(a.run), out)
     t0 = time.perf_counter()
-    result = distill(str(out), teacher="top2", steps=a.steps, progress=False)
+    result = distill(str(out), teacher="top2", steps=a.steps, method=a.method, pairs=a.pairs, progress=False)
     train_s = time.perf_counter() - t0
-    rows = {"student_train_s": round(train_s, 1), "student_steps": a.steps}
+    rows: dict = {"student_train_s": round(train_s, 1), "student_steps": a.steps, "method": a.method}
     for name, model, strategy, steps in (
         ("teacher top2, 20 steps", out / "model", "top2", 20),
         ("student, 20 steps", Path(result.model), "top1", 20),
