@@ -98,34 +98,40 @@ def test_add_expert_trains_an_expert_on_the_new_data_and_grows_the_router(run, c
     assert load_run_config(root).num_experts == 3
 
 
-def test_an_interrupted_second_addition_resumes_where_it_stopped(run, monkeypatch, caplog):
-    """(After the first test.) A second addition, interrupted before its router: the same command
-    resumes it (the expert already trained is not trained again) and warm-starts from router-k3."""
+def test_an_interrupted_second_addition_of_two_experts_resumes_where_it_stopped(run, monkeypatch, caplog):
+    """(After the first test.) A second addition split into two experts (--k 2: its 8s and 9s), interrupted
+    before its router: the same command resumes it (the experts already trained are not trained again) and
+    warm-starts from router-k3."""
     import flowfleet.stages.add_expert as stage
 
     root, path, added, _ = run
     caplog.set_level(logging.INFO, logger="flowfleet")
-    second = DataConfig(**{**added.model_dump(), "labels": [9], "limit": 120})
+    second = DataConfig(**{**added.model_dump(), "limit": 120})
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(stage, "train_router", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        add_expert(root.url, second, progress=False)
+        add_expert(root.url, second, k=2, progress=False)
     cfg = load_run_config(root)
-    assert len(cfg.added) == 2 and cfg.num_experts == 4 and cfg.expert_origin(3) == (2, 0)
-    trained = files(path / "experts" / "3")
-    assert json.loads((path / "experts" / "3" / "status.json").read_text())["state"] == "done"
+    assert len(cfg.added) == 2 and cfg.num_experts == 5
+    assert (cfg.expert_origin(3), cfg.expert_origin(4)) == ((2, 0), (2, 1))
+    trained = {k: files(path / "experts" / str(k)) for k in (3, 4)}
+    for k in (3, 4):
+        assert json.loads((path / "experts" / str(k) / "status.json").read_text())["state"] == "done"
+    # its two clusters are its two digits (clusters of captions)
+    mix = json.loads((path / "added" / "2" / "clusters" / "report.json").read_text())["label_mix"]
+    assert sorted(sorted(m) for m in mix) == [["8"], ["9"]]
 
     monkeypatch.undo()
-    result = add_expert(root.url, second, progress=False)
+    result = add_expert(root.url, second, k=2, progress=False)
     assert any("resuming addition 2" in m for m in caplog.messages)
-    assert result.addition == 2 and result.experts == [3] and result.routers == ["router-k4"]
+    assert result.addition == 2 and result.experts == [3, 4] and result.routers == ["router-k5"]
     assert any("warm start from" in m and "router-k3/final" in m for m in caplog.messages)
-    assert files(path / "experts" / "3") == trained  # not trained twice
-    assert read_model_index(result.model).present_experts == [0, 1, 2, 3]
-    assert load_run_config(root).num_experts == 4
+    assert {k: files(path / "experts" / str(k)) for k in (3, 4)} == trained  # not trained twice
+    assert read_model_index(result.model).present_experts == [0, 1, 2, 3, 4]
+    assert load_run_config(root).num_experts == 5
 
 
 def test_add_expert_cli_refuses_bad_input(run, capsys):
