@@ -52,6 +52,9 @@ class DiTConfig(BaseModel):
     text_dim: int = Field(0, ge=0)  # width of the text encoder's tokens / pooled vector
     text_len: int = Field(0, ge=0)  # token sequence length (cross_attn)
     add_pooled: bool = False  # cross_attn: also add the pooled text vector to the timestep embedding
+    # cross_attn: a LayerNorm before cross-attention in every block. PixArt-alpha has none; an expert without
+    # it exports to diffusers' PixArtTransformer2DModel exactly (flowfleet.models.pixart).
+    cross_norm: bool = True
     cond_dropout: float = Field(0.1, ge=0.0, lt=1.0)  # null-condition probability for CFG training
     num_outputs: int = Field(0, ge=0)  # > 0: classification head over this many classes (router)
     time_convention: str = TIME_CONVENTION

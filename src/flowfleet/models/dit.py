@@ -62,6 +62,7 @@ class DiTModel(ModelMixin, ConfigMixin):
         text_dim: int = 0,
         text_len: int = 0,
         add_pooled: bool = False,
+        cross_norm: bool = True,
         cond_dropout: float = 0.1,
         num_outputs: int = 0,
         time_convention: str = TIME_CONVENTION,
@@ -82,6 +83,7 @@ class DiTModel(ModelMixin, ConfigMixin):
             text_dim=text_dim,
             text_len=text_len,
             add_pooled=add_pooled,
+            cross_norm=cross_norm,
             cond_dropout=cond_dropout,
             num_outputs=num_outputs,
             time_convention=time_convention,
@@ -103,7 +105,7 @@ class DiTModel(ModelMixin, ConfigMixin):
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d)) if cfg.adaln == "single" else None
 
         self.blocks = nn.ModuleList(
-            [DiTBlock(d, cfg.num_heads, cfg.mlp_ratio, cfg.adaln, cross) for _ in range(cfg.depth)]
+            [DiTBlock(d, cfg.num_heads, cfg.mlp_ratio, cfg.adaln, cross, cfg.cross_norm) for _ in range(cfg.depth)]
         )
         self.head: ClassifierHead | None
         self.final_layer: FinalLayer | None

@@ -92,13 +92,15 @@ class DiTBlock(nn.Module):
     its learned table [6, D].
     """
 
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, adaln: str, cross_attn: bool):
+    def __init__(
+        self, dim: int, num_heads: int, mlp_ratio: float, adaln: str, cross_attn: bool, cross_norm: bool = True
+    ):
         super().__init__()
         self.adaln = adaln
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.attn = SelfAttention(dim, num_heads)
         self.cross_attn = CrossAttention(dim, num_heads) if cross_attn else None
-        self.norm_cross = nn.LayerNorm(dim, eps=1e-6) if cross_attn else None
+        self.norm_cross = nn.LayerNorm(dim, eps=1e-6) if cross_attn and cross_norm else None
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         if adaln == "zero":
@@ -119,8 +121,9 @@ class DiTBlock(nn.Module):
         attn = self.attn if attn is None else attn
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.modulation(c)
         x = x + gate_msa.unsqueeze(1) * attn(modulate(self.norm1(x), shift_msa, scale_msa))  # [B, N, D]
-        if self.cross_attn is not None and self.norm_cross is not None:
-            x = x + self.cross_attn(self.norm_cross(x), ctx, ctx_mask)  # [B, N, D]
+        if self.cross_attn is not None:
+            queries = self.norm_cross(x) if self.norm_cross is not None else x  # [B, N, D]
+            x = x + self.cross_attn(queries, ctx, ctx_mask)  # [B, N, D]
         x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))  # [B, N, D]
         return x
 
