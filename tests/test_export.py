@@ -114,7 +114,8 @@ def test_an_expert_that_is_no_pixart_transformer_is_refused_naming_the_field(run
         pixart_config(cfg)
 
 
-def test_a_pixart_transformer_imports_as_an_expert_with_the_same_outputs(tmp_path):
+def random_pixart(folder) -> PixArtTransformer2DModel:
+    """A tiny PixArt transformer with every tensor random, saved in `folder`."""
     torch.manual_seed(0)
     pixart = PixArtTransformer2DModel(
         sample_size=8,
@@ -132,7 +133,12 @@ def test_a_pixart_transformer_imports_as_an_expert_with_the_same_outputs(tmp_pat
     with torch.no_grad():
         for p in pixart.parameters():
             p.normal_(0, 0.2)  # (PixArt zero-initialises some tensors: make every one matter)
-    pixart.save_pretrained(str(tmp_path / "pixart"))
+    pixart.save_pretrained(str(folder))
+    return pixart
+
+
+def test_a_pixart_transformer_imports_as_an_expert_with_the_same_outputs(tmp_path):
+    pixart = random_pixart(tmp_path / "pixart")
     config = json.loads((tmp_path / "pixart" / "config.json").read_text())
     fields, state = from_pixart(
         config, safetensors.torch.load_file(str(next((tmp_path / "pixart").glob("*.safetensors")))), 4
@@ -147,3 +153,30 @@ def test_a_pixart_transformer_imports_as_an_expert_with_the_same_outputs(tmp_pat
             x, encoder_hidden_states=tokens, encoder_attention_mask=mask.float(), timestep=1000 * t, return_dict=False
         )[0]
     assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_experts_start_from_a_pixart_folder_named_by_expert_init(run_root, tmp_path):
+    """run.yaml expert_init: every expert's job starts from the pretrained transformer (fine-tuning)."""
+    from fixtures.synthetic_run import write_synthetic_run
+
+    from flowfleet.storage import RunRoot
+    from flowfleet.train.jobs import JobSpec, build_task
+
+    pixart = random_pixart(tmp_path / "pixart")
+    raw = tiny_run_config(2, conditioning="cross_attn").model_dump()
+    raw["expert"] = {**raw["expert"], **PIXART_LIKE, "hidden_size": 32, "num_heads": 2}
+    raw["expert_init"] = str(tmp_path / "pixart")
+    cfg = RunConfig(**raw)
+    root = RunRoot(str(run_root))
+    write_synthetic_run(root, cfg)
+    model = build_task(root, cfg, JobSpec("expert", 1)).build_model().eval()
+    x, t, tokens, mask = inputs()
+    with torch.no_grad():
+        ours = model(x, t, text_tokens=tokens, text_mask=mask)
+        theirs = pixart(
+            x, encoder_hidden_states=tokens, encoder_attention_mask=mask.float(), timestep=1000 * t, return_dict=False
+        )[0]
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    wrong = RunConfig(**{**raw, "expert": {**raw["expert"], "depth": 1}})
+    with pytest.raises(FlowfleetError, match=r"expert_init .*pixart: depth is 2, run.yaml expert.depth is 1"):
+        build_task(root, wrong, JobSpec("expert", 1)).build_model()

@@ -184,6 +184,9 @@ class RunConfig(_Strict):
     # Experts of another width or depth than `expert` (a larger cluster, a contributor's bigger machine):
     # expert k -> the fields of `expert` it changes (EXPERT_OVERRIDABLE), e.g. {1: {size: "B"}}.
     expert_overrides: dict[int, dict[str, Any]] = {}
+    # A diffusers PixArtTransformer2DModel folder (local or fsspec URL) every expert starts from: fine-tuning a
+    # pretrained transformer per cluster. The experts must have its architecture (flowfleet.models.pixart).
+    expert_init: str | None = None
     # Data added after training by `flowfleet add-expert`, each prepared and clustered in added/<n>/ and
     # trained as experts cluster.k, cluster.k + 1, ... in order.
     added: list[Addition] = []

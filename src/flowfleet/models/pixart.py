@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.config import DiTConfig
+from flowfleet.models.files import WEIGHTS_NAME
+from flowfleet.storage import RunRoot
 
 PIXART_CLASS = "PixArtTransformer2DModel"
 
@@ -152,3 +155,26 @@ def from_pixart(config: dict[str, Any], state: dict[str, torch.Tensor], text_len
                     [state[f"transformer_blocks.{i}.{p}.{kind}"] for p in parts]
                 )
     return fields, ours
+
+
+def load_pixart_into(model: torch.nn.Module, cfg: DiTConfig, folder: str) -> None:
+    """Copy a PixArtTransformer2DModel folder's weights into `model` (an expert of config `cfg`); one line
+    naming the field when the folder's transformer has another architecture. The expert keeps its own
+    initial null text (PixArt has none)."""
+    root = RunRoot(folder)
+    try:
+        config = root.read_json("config.json")
+        state = safetensors.torch.load(root.read_bytes(WEIGHTS_NAME))
+    except (OSError, ValueError) as err:
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise FlowfleetError(f"expert_init {root.url}: not a {PIXART_CLASS} folder ({why})") from None
+    fields, ours = from_pixart(config, state, cfg.text_len)
+    for name, value in fields.items():
+        mine = cfg.out_ch if name == "out_channels" else getattr(cfg, name)  # (out_channels None: in_channels)
+        mine = tuple(mine) if isinstance(value, tuple) else mine
+        if mine != value:
+            raise FlowfleetError(f"expert_init {root.url}: {name} is {value!r}, run.yaml expert.{name} is {mine!r}")
+    missing, unexpected = model.load_state_dict(ours, strict=False)
+    if unexpected or set(missing) != {"text_projector.null"}:
+        odd = (missing + unexpected)[:3]
+        raise FlowfleetError(f"expert_init {root.url}: its weights do not map onto the expert ({odd})")

@@ -46,6 +46,7 @@ from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
 from flowfleet.models.files import load_model
 from flowfleet.models.flops import train_flops, train_flops_per_sample
+from flowfleet.models.pixart import load_pixart_into
 from flowfleet.storage import RunRoot
 from flowfleet.train import preview
 from flowfleet.train.data import InMemoryData, check_compatible, model_fields
@@ -205,6 +206,14 @@ class FlowTask(TrainTask):
     def preview_cfg(self) -> float:
         """The guidance scale of the training previews."""
         return self.run.sampling.cfg
+
+    def build_model(self) -> DiTModel:
+        """A fresh expert, or one started from run.yaml expert_init (a diffusers PixArt transformer)."""
+        model = super().build_model()
+        if self.spec.kind == "expert" and self.run.expert_init:
+            load_pixart_into(model, self.model_cfg, self.run.expert_init)
+            log.info("%s: starts from %s", self.name, self.run.expert_init)
+        return model
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
