@@ -170,8 +170,9 @@ def load_pixart_into(model: torch.nn.Module, cfg: DiTConfig, folder: str) -> Non
         raise FlowfleetError(f"expert_init {root.url}: not a {PIXART_CLASS} folder ({why})") from None
     fields, ours = from_pixart(config, state, cfg.text_len)
     for name, value in fields.items():
-        mine = cfg.out_ch if name == "out_channels" else getattr(cfg, name)  # (out_channels None: in_channels)
-        mine = tuple(mine) if isinstance(value, tuple) else mine
+        mine: Any = cfg.out_ch if name == "out_channels" else getattr(cfg, name)  # (None: in_channels)
+        if isinstance(value, tuple):
+            mine = tuple(mine)
         if mine != value:
             raise FlowfleetError(f"expert_init {root.url}: {name} is {value!r}, run.yaml expert.{name} is {mine!r}")
     missing, unexpected = model.load_state_dict(ours, strict=False)
