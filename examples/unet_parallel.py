@@ -45,7 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="processes splitting each image into row bands")
     p.add_argument("--mode", default="displaced", choices=[m.value for m in UNetMode])
-    p.add_argument("--warmup", type=int, default=1, help="synchronous steps after the first one")
+    p.add_argument(
+        "--warmup", type=int, default=4, help="synchronous steps after the first one (default 4, as the paper)"
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--size", type=int, default=64, help="image height and width in pixels")
     p.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale (1 = none)")

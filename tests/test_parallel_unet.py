@@ -241,6 +241,35 @@ def test_two_ranks_sync_is_exact_and_corrected_gn_beats_stale_and_separate():
     assert r0["sync/bytes"][0] > 10 * band_out
 
 
+def _warmup_counting(ctx) -> dict:
+    """The mode of every call for a Heun-like loop (t_0, then each later t twice) and for a loop with the
+    CFG halves as two calls at the same t, with the default warm-up."""
+    unet = tiny_unet()
+    x, text = banded_latent(8)
+    out = {}
+    heun = [1000, 900, 900, 800, 800, 700, 700, 600, 600, 500, 500, 400, 400]
+    cfg_calls = [t for t in (1000, 900, 800, 700, 600, 500, 400) for _ in range(2)]
+    with parallelize(unet, ctx.world, mode="displaced") as punet:
+        out["warmup"] = punet.warmup
+        for name, loop in (("heun", heun), ("cfg", cfg_calls)):
+            punet.reset()
+            punet.modes.clear()
+            with torch.no_grad():
+                for t in loop:
+                    unet(x, torch.tensor(t), encoder_hidden_states=text)
+            out[name] = [m.value for m in punet.modes]
+    return out
+
+
+def test_warmup_counts_sampler_steps_not_calls_and_defaults_to_4():
+    r0 = run_local(_warmup_counting, 2, (), **FORK)[0]
+    assert r0["warmup"] == 4  # the paper's and distrifuser's
+    # steps 0..4 synchronous: Heun's 9 calls of steps 0-4, then displaced
+    assert r0["heun"] == ["sync"] * 9 + ["displaced"] * 4
+    # two calls per step (the CFG halves separately): 10 synchronous calls, then displaced
+    assert r0["cfg"] == ["sync"] * 10 + ["displaced"] * 4
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_small_latents_stay_exact_in_sync_and_never_black(nproc):
     """8x8 latents: 4 (or 2) rows per band, 2 (or 1) at the coarse level, where halos and GN matter most."""

@@ -64,7 +64,7 @@ class UNetMode(str, Enum):
         return _NORM[self]
 
     def at_step(self, step: int, warmup: int) -> "UNetMode":
-        """The mode evaluation `step` (0-based) runs in: every exchanging mode is `sync` on step 0 and the
+        """The mode sampler step `step` (0-based) runs in: every exchanging mode is `sync` on step 0 and the
         `warmup` steps after it, so the previous-step buffers hold real activations before they are used."""
         if self is not UNetMode.NAIVE and step < 1 + warmup:
             return UNetMode.SYNC

@@ -1,6 +1,6 @@
 """A diffusers UNet2DConditionModel split into row bands over N ranks, used from a normal scheduler loop.
 
-    with parallelize(unet, group, mode="displaced", warmup=1) as punet:   # on every rank
+    with parallelize(unet, group, mode="displaced", warmup=4) as punet:   # on every rank
         for t in scheduler.timesteps:                                     # the loop is unchanged
             eps = unet(latents, t, encoder_hidden_states=text).sample     # full in, full out, every rank
             latents = scheduler.step(eps, t, latents).prev_sample
@@ -15,9 +15,11 @@ first convolution (exact, from the full input) -> every layer on the band (flowf
 .attention, .norm; the mode of this evaluation in the shared BandStep) -> one all-gather of the output
 bands -> the full prediction on every rank, so every rank's scheduler takes the identical step.
 
-Evaluations are counted from the start of a run; a run starts at the first call, after reset(), or when
-the timestep rises above the previous call's (a new scheduler loop). The first evaluation of a run and
-`warmup` more run as `sync`; so does any evaluation whose batch size differs from the previous one's
+Sampler steps are counted from the start of a run: a new step begins when the timestep changes (Heun's
+corrector at t_next and separate CFG calls at the same t are not steps of their own). A run starts at the
+first call, after reset(), or when the timestep rises above the previous call's (a new scheduler loop).
+The first step of a run and `warmup` more (default 4, as the paper and distrifuser) run as `sync`; so
+does any evaluation whose batch size differs from the previous one's
 (the previous step's buffers would belong to other samples). The first call of the object also runs the
 U-Net once without communication to discover every layer's comm slot (BandStep.declare) and registers
 them, in forward order, with one CommManager.
@@ -108,7 +110,7 @@ class ParallelUNet:
         group: Group,
         *,
         mode: UNetMode | str = UNetMode.DISPLACED,
-        warmup: int = 1,
+        warmup: int = 4,
         max_batch: int | None = None,
         batch_bytes: int = 8 << 20,
         timeout_s: float = 60.0,
@@ -132,6 +134,7 @@ class ParallelUNet:
         self.step = BandStep(self.comm, group.rank, group.size)
         self.modes: list[UNetMode] = []  # the mode each evaluation ran in (since construction)
         self._evals = 0  # evaluations since the run started
+        self._steps = 0  # sampler steps since the run started (the step of the current evaluation)
         self._filled: int | None = None  # batch size whose activations the receive buffers hold
         self._last_t: float | None = None
         self.slots: dict[str, tuple[int, ...]] = {}  # comm slot -> shape, in forward order (after the first call)
@@ -187,7 +190,7 @@ class ParallelUNet:
     def reset(self) -> None:
         """Start a new run: the next evaluation is step 0 (sync)."""
         self.comm.drain()
-        self._evals, self._filled, self._last_t = 0, None, None
+        self._evals, self._steps, self._filled, self._last_t = 0, 0, None, None
 
     def forward(
         self,
@@ -208,10 +211,12 @@ class ParallelUNet:
         t_now = float(torch.as_tensor(timestep, dtype=torch.float64).max())
         if self._last_t is not None and t_now > self._last_t:
             self.reset()  # the timestep went back up: a new scheduler loop
+        elif self._last_t is not None and t_now != self._last_t:
+            self._steps += 1  # a new sampler step
         self._last_t = t_now
         if not self._registered:
             self._register(sample, timestep, encoder_hidden_states, **kwargs)
-        mode = self.mode.at_step(self._evals, self.warmup)
+        mode = self.mode.at_step(self._steps, self.warmup)
         if mode.exchange is ParallelMode.DISPLACED and self._filled != b:
             mode = UNetMode.SYNC  # no previous-step activations for this batch
         self.comm.begin_step(self._evals)
@@ -269,7 +274,7 @@ def parallelize(
     group: Group | None = None,
     *,
     mode: UNetMode | str = UNetMode.DISPLACED,
-    warmup: int = 1,
+    warmup: int = 4,
     max_batch: int | None = None,
     batch_bytes: int = 8 << 20,
     timeout_s: float = 60.0,
