@@ -84,6 +84,11 @@ def addition(n: int) -> str:
     return f"{ADDED}/{n}"
 
 
+def origin_partition(n: int, j: int) -> str:
+    """Partition j of the run's data (n = 0) or of addition n: where an expert's job reads (RunConfig.expert_origin)."""
+    return partition(j) if n == 0 else f"{addition(n)}/{partition(j)}"
+
+
 def expert_job(k: int) -> str:
     """Expert k's job folder."""
     return f"{EXPERTS}/{k}"

@@ -26,7 +26,7 @@ from typing import Any
 
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import CLUSTER_REPORT, MONOLITH, ROUTER, addition, expert_job, partition
+from flowfleet.layout import CLUSTER_REPORT, MONOLITH, ROUTER, addition, expert_job, origin_partition
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.train import train_router
 from flowfleet.storage import RunRoot
@@ -109,8 +109,7 @@ def _purge(root: RunRoot, cfg: RunConfig) -> list[str]:
     keep = {router_spec(cfg, paris).dir for paris in (False, True)}
     gone = [expert_job(k) for k in cfg.removed_experts]
     for k in cfg.removed_experts:
-        n, j = cfg.expert_origin(k)
-        gone.append(partition(j) if n == 0 else f"{addition(n)}/{partition(j)}")
+        gone.append(origin_partition(*cfg.expert_origin(k)))
     gone += [name for name in root.ls() if name.startswith(ROUTER) and name not in keep]
     deleted = []
     for folder in gone:

@@ -39,7 +39,7 @@ from flowfleet.layout import (
     RUN_FILE,
     addition,
     expert_job,
-    partition,
+    origin_partition,
     router_job,
 )
 from flowfleet.models.config import DiTConfig
@@ -440,7 +440,7 @@ def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: b
         if k is None or not 0 <= k < cfg.num_experts:
             raise FlowfleetError(f"--expert {k}: run.yaml has {cfg.num_experts} experts (0..{cfg.num_experts - 1})")
         n, j = cfg.expert_origin(k)
-        folder = partition(j) if n == 0 else f"{addition(n)}/{partition(j)}"
+        folder = origin_partition(n, j)
         shards = open_complete(root, folder, f"flowfleet cluster {root.url}" if n == 0 else "flowfleet add-expert")
         model = cfg.expert_config(k)
         check_compatible(shards.manifest(), model, data_where=shards.url, model_where="run.yaml expert")
