@@ -213,3 +213,23 @@ def test_prepare_clustering_features_are_the_fid_features(inception75):
     prepare_side = build_semantic_encoder(SemanticEncoderConfig(name="inception", image_size=75)).encode(x)
     fid_side = FID(FIDSettings(resize=75), extractor=inception75).features(x)
     assert torch.allclose(prepare_side, fid_side, atol=1e-4)
+
+
+def test_a_set_smaller_than_the_feature_width_is_scored_through_its_rows_exactly():
+    """Fewer generated images than features (the usual evaluation at D = 2048): the distance is taken
+    from the set's own rows; it equals torchmetrics' and the full-width computation."""
+    net = SmallFeatures()  # D = 12
+    real, fake = images(80, 0), images(7, 1, scale=0.3)
+    ours = FID(extractor=net, settings=FIDSettings(batch_size=4))
+    real_stats, fake_stats = ours.statistics([real]), ours.statistics([fake[:3], fake[3:]])
+    assert fake_stats.rows is not None and fake_stats.rows.shape == (7, 12)  # kept across batches
+    assert real_stats.rows is None  # 80 >= 12: only the sums are kept
+    by_rows = ours.score(fake_stats, real_stats)
+
+    fake_stats.rows = None  # the general path: the reference's square root
+    assert by_rows == pytest.approx(ours.score(fake_stats, real_stats), rel=1e-9)
+    metric = FrechetInceptionDistance(feature=net)
+    metric.update(to_uint8(real), real=True)
+    metric.update(to_uint8(fake), real=False)
+    assert by_rows == pytest.approx(float(metric.compute()), rel=1e-6)
+    assert by_rows > 0.1
