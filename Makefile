@@ -29,10 +29,11 @@ demo-quick: $(STAMP)
 	$(BIN)/flowfleet demo --out runs/demo-quick --quick
 
 test: $(STAMP)
+	.ci/install-chromium
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -x --timeout=900
+	$(BIN)/python -m pytest -q -x --timeout=900 -n auto --maxprocesses=4 --dist loadfile
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow --timeout=3600

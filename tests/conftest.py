@@ -11,6 +11,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# `make test` runs the suite on pytest-xdist workers (`--dist loadfile`: a module's tests share its
+# module-scoped fixtures on one worker), one per core: each worker's torch gets its share of the cores,
+# so that two workers on two cores do not fight over four threads.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_collection_modifyitems(config, items):
     """Mark the fault-injection suite (tests/fault_cases.py) with `faults`."""
@@ -82,14 +88,22 @@ def s3_url(s3_endpoint, monkeypatch, request):
 
 @pytest.fixture(scope="session")
 def digit_classifier(tmp_path_factory):
-    """The MNIST digit classifier of flowfleet.evaluate.digits, trained once per session (~40 s on two
-    cores) in a session run root. Returns that RunRoot; `install_digit_classifier(src, run_root_path)`
-    copies its files into another run root so evaluate there finds it cached."""
+    """The MNIST digit classifier of flowfleet.evaluate.digits, trained once per test run (~40 s on two
+    cores) in a run root that every xdist worker shares: the first worker to need it trains it under a
+    file lock, the others wait for it and load it (xdist's recipe for a session fixture run once).
+    Returns that RunRoot; `install_digit_classifier(src, run_root_path)` copies its files into another
+    run root so evaluate there finds it cached."""
+    from filelock import FileLock
+
     from flowfleet.evaluate.digits import DigitJudge
     from flowfleet.storage import RunRoot
 
-    root = RunRoot(str(tmp_path_factory.mktemp("digits")))
-    DigitJudge.load_or_train(root, progress=False)
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base is a folder of the run's own base
+        shared = shared.parent
+    root = RunRoot(str(shared / "digit-classifier"))
+    with FileLock(str(shared / "digit-classifier.lock")):
+        DigitJudge.load_or_train(root, progress=False)  # trained by the first, cached for the others
     return root
 
 

@@ -260,3 +260,39 @@ def test_assemble_with_the_paris_router(fleet, tmp_path):
     assert (tmp_path / "m" / "router" / WEIGHTS_NAME).read_bytes() == (
         run_root / "router-paris" / "final" / WEIGHTS_NAME
     ).read_bytes()
+
+
+def test_the_model_folder_carries_a_fleet_card_from_the_run_root(fleet):
+    """card.json: each expert's size, parameters and steps, its cluster's size, labels and preview (copied),
+    the router's accuracy per t; a folder without it still gets a card from its configs."""
+    from flowfleet.sampling.card import card_markdown, read_card
+
+    run_root, cfg = fleet
+    (run_root / "clusters").mkdir()
+    report = {"count": 60, "sizes": [30, 20, 10], "label_mix": [{"0": 30}, {"1": 15, "7": 5}, {"2": 10}]}
+    report["examples"] = {"0": ["a zero"], "1": ["a one", "a seven"], "2": ["a two"]}
+    (run_root / "clusters" / "report.json").write_text(json.dumps(report))
+    previews = {k: f"png of cluster {k}".encode() for k in range(3)}
+    for k, png in previews.items():
+        (run_root / "clusters" / f"preview-{k}.png").write_bytes(png)
+    router_report = {"overall_accuracy": 0.8, "chance": 1 / 3, "t_buckets": [[0, 0.5], [0.5, 1]], "accuracy": [1, 0.6]}
+    (run_root / "router" / "report.json").write_text(json.dumps(router_report))
+
+    model = run_root / "model"
+    assemble(str(run_root))
+    card = read_card(str(model))
+    assert card.kind == "fleet" and card.num_experts == 3 and card.present == [0, 1, 2] and card.name == cfg.name
+    for k, e in enumerate(card.experts):
+        expert = DiTExpert.from_pretrained(str(model / f"expert_{k}"))
+        assert e.params == sum(p.numel() for p in expert.parameters()) and e.hidden_size == cfg.expert.hidden_size
+        assert e.steps == cfg.train.steps and e.cluster_size == report["sizes"][k]
+        assert e.label_mix == report["label_mix"][k] and e.examples == report["examples"][str(k)]
+        assert (model / e.preview).read_bytes() == previews[k]
+    assert card.router is not None and card.router.accuracy == [1, 0.6] and card.router.job == "router"
+    text = card_markdown(card)
+    assert "a fleet of 3 experts" in text and "1: 15, 7: 5" in text and "accuracy 0.800 (chance 0.333)" in text
+
+    (model / "card.json").unlink()  # an older folder: the card comes from its configs
+    bare = read_card(str(model))
+    assert [e.hidden_size for e in bare.experts] == [cfg.expert.hidden_size] * 3 and bare.router is None
+    assert bare.experts[0].cluster_size is None and "no accuracy recorded" in card_markdown(bare)

@@ -20,10 +20,10 @@ from typing import Sequence
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from flowfleet import __version__  # noqa: E402
-from flowfleet.commands import data, evaluate, export, fleet, init, sample, train  # noqa: E402
+from flowfleet.commands import data, evaluate, export, fleet, init, sample, serve, train  # noqa: E402
 from flowfleet.errors import FlowfleetError
 
-COMMAND_MODULES = (init, data, train, sample, evaluate, fleet, export)
+COMMAND_MODULES = (init, data, train, sample, evaluate, fleet, export, serve)
 
 # The stages, in pipeline order; every one must be registered by a command module.
 STAGES = (
@@ -44,6 +44,7 @@ STAGES = (
     "remove-expert",
     "distill",
     "export",
+    "serve",
 )
 
 

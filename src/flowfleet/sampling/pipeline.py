@@ -20,6 +20,7 @@ Model classes, tqdm and the encoders are imported where used, so importing the p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, cast
 
@@ -368,10 +369,12 @@ class FleetPipeline:
         velocity_fn: VelocityFn | None = None,
         progress: bool | str = False,
         parallel: Any = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, RoutingTrace]:
         """Integrate from noise x_1 to x_0 with the routed velocity (or the given velocity_fn).
 
         progress: True shows a bar named after the strategy; a string names the bar itself.
+        on_step(i): called after step i (0-based) is done, e.g. by a web page's progress bar.
         parallel: a flowfleet.parallel.fleet.ParallelFleet: the same routed velocity, patch-parallel
         over its ranks (`generate --nproc N`)."""
         trace = RoutingTrace(self.num_experts)
@@ -385,15 +388,16 @@ class FleetPipeline:
 
             label = progress if isinstance(progress, str) else settings.strategy.name
             bar = tqdm(total=settings.steps, desc=f"sampling ({label})", unit="step", leave=False)
+
+        def step_done(i: int, x: torch.Tensor) -> None:
+            if bar is not None:
+                bar.update(1)
+            if on_step is not None:
+                on_step(i)
+
         try:
             with torch.inference_mode():
-                x0 = integrate(
-                    vf,
-                    noise,
-                    grid,
-                    settings.sampler,
-                    callback=(lambda i, x: bar.update(1)) if bar is not None else None,
-                )
+                x0 = integrate(vf, noise, grid, settings.sampler, callback=step_done)
         finally:
             if bar is not None:
                 bar.close()
@@ -421,10 +425,12 @@ class FleetPipeline:
         progress: bool | str = False,
         parallel: Any = None,
         settings: SamplingSettings | None = None,
+        on_step: Callable[[int, int], None] | None = None,
     ) -> FleetOutput:
         """Generate n samples. Noise for all n comes from one seeded generator, so the batch size does
         not change the images. parallel: see sample(). settings: the choices as self.settings() already
-        resolved them (then strategy ... seed are not read)."""
+        resolved them (then strategy ... seed are not read). on_step(done, total): after every sampling
+        step of every batch (total = steps x batches)."""
         if n < 1:
             raise FlowfleetError(f"--n: must be >= 1, got {n}")
         if settings is None:
@@ -433,10 +439,16 @@ class FleetPipeline:
         gen = torch.Generator().manual_seed(settings.seed)
         noise = torch.randn(n, *self.latent_shape, generator=gen, dtype=self.dtype).to(self.device)
         bs = batch_size or n
+        total = settings.steps * ((n + bs - 1) // bs)
         latents, traces = [], []
         for start in range(0, n, bs):
             rows = torch.arange(start, min(start + bs, n), device=self.device)
-            x0, trace = self.sample(noise[rows], cond.select(rows), settings, progress=progress, parallel=parallel)
+            step_cb = None
+            if on_step is not None:
+                step_cb = functools.partial(_report_step, on_step, settings.steps * (start // bs), total)
+            x0, trace = self.sample(
+                noise[rows], cond.select(rows), settings, progress=progress, parallel=parallel, on_step=step_cb
+            )
             latents.append(x0)
             traces.append(trace)
         latents_t = torch.cat(latents)
@@ -448,6 +460,11 @@ class FleetPipeline:
 # --------------------------------------------------------------------------------------------------
 #                          Encoders from the folder's references
 # --------------------------------------------------------------------------------------------------
+
+
+def _report_step(on_step: Callable[[int, int], None], done_before: int, total: int, i: int) -> None:
+    """on_step(done, total) after step i of a batch that starts once done_before steps are done."""
+    on_step(done_before + i + 1, total)
 
 
 def _encoders_module():

@@ -84,6 +84,39 @@ def routing_heatmap(trace: RoutingTrace, max_samples: int = 64) -> bytes:
     return buf.getvalue()
 
 
+def sample_routing_view(trace: RoutingTrace, i: int) -> Image.Image:
+    """One image's routing: per sampling step, the experts that ran on it as stacked bars of their
+    weights (one colour per expert, as in routing_heatmap), the router's probabilities as dots."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    k, steps = trace.num_experts, trace.num_steps
+    weights = np.zeros((steps, k))  # [S, K] weight of each expert on image i at each step
+    for s in range(steps):
+        for e, w in zip(trace.experts[s][i].tolist(), trace.weights[s][i].tolist()):
+            weights[s, e] += w
+    probs = trace.prob_matrix()[:, i].numpy()  # [S, K]
+    colors = _expert_colors(k).colors
+    fig = Figure(figsize=(4.2, 2.4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    x, bottom = np.arange(steps), np.zeros(steps)
+    for e in range(k):
+        if weights[:, e].any():
+            ax.bar(x, weights[:, e], bottom=bottom, color=colors[e], label=f"expert {e}", width=0.85)
+            bottom += weights[:, e]
+        ax.scatter(x, probs[:, e], s=9, color=colors[e], edgecolors="black", linewidths=0.4, zorder=3)
+    ax.set(ylim=(0, 1.05), xlabel="sampling step (t: 1 -> 0)", ylabel="weight")
+    ax.set_title(f"image {i}: experts per step (dots: router)", fontsize=9)
+    if steps <= 20:
+        ax.set_xticks(x)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+
+
 def _expert_colors(k: int):
     """One distinct colour per expert (tab10 / tab20; sampled from turbo beyond 20 experts)."""
     from matplotlib import colormaps

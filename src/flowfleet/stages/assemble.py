@@ -35,6 +35,17 @@ from flowfleet.layout import (
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
 from flowfleet.models.files import ModelFileError, load_model, read_dit_config
+from flowfleet.sampling.card import (
+    CARD_FOLDER,
+    ExpertCard,
+    FleetCard,
+    ModelKind,
+    cluster_facts,
+    cluster_preview,
+    preview_name,
+    router_card,
+    write_card,
+)
 from flowfleet.sampling.index import (
     INDEX_FILE,
     PIXEL_NOTE,
@@ -205,7 +216,10 @@ def assemble(
         "removed_experts": run.removed_experts,
     }
     out_root = RunRoot(out) if out else RunRoot(root.url_of(MODEL))
-    _write_model(root, run, out_root, components, num_experts, present, source, router=True, progress=progress)
+    card = _fleet_card(root, run, "fleet", present, {k: s.step for k, s in statuses.items()}, router_dir)
+    _write_model(
+        root, run, out_root, components, num_experts, present, source, router=True, card=card, progress=progress
+    )
     return AssembleResult(out_root.url, num_experts, present, missing, warnings)
 
 
@@ -222,6 +236,8 @@ def _assemble_single(root: RunRoot, run: RunConfig, job: str, out: str | None, p
     if job == STUDENT and run.distill is not None:
         source[job]["distill"] = run.distill.model_dump(mode="json")
     out_root = RunRoot(out) if out else RunRoot(root.url_of(STUDENT_MODEL if job == STUDENT else MONOLITH_MODEL))
+    kind: ModelKind = "student" if job == STUDENT else "monolith"
+    card = _fleet_card(root, run, kind, [0], {0: status.step}, None)
     _write_model(
         root,
         run,
@@ -231,10 +247,49 @@ def _assemble_single(root: RunRoot, run: RunConfig, job: str, out: str | None, p
         [0],
         source,
         router=False,
+        card=card,
         guidance=1.0 if job == STUDENT else None,
         progress=progress,
     )
     return AssembleResult(out_root.url, 1, [0], {}, [])
+
+
+def _fleet_card(
+    root: RunRoot, run: RunConfig, kind: ModelKind, present: list[int], steps: dict[int, int], router_dir: str | None
+) -> tuple[FleetCard, dict[int, bytes]]:
+    """The model folder's card (flowfleet.sampling.card) from the run root: each expert's size and
+    steps, its cluster's size, labels and preview; the router's accuracy per t. Parameter counts are
+    filled in by _write_model, which loads every component anyway."""
+    experts, previews = [], {}
+    for k in present:
+        cfg = run.student_config() if kind == "student" else run.expert_config(k) if kind == "fleet" else run.expert
+        facts: dict[str, Any] = {"steps": steps.get(k)}
+        if kind == "fleet":
+            n, j = run.expert_origin(k)
+            clusters = cluster_facts(root, n)
+            if clusters.get("sizes"):
+                facts["cluster_size"] = int(clusters["sizes"][j])
+            if clusters.get("label_mix"):
+                facts["label_mix"] = dict(clusters["label_mix"][j])
+            facts["examples"] = list(clusters.get("examples", {}).get(str(j), []))[:5]
+            png = cluster_preview(root, n, j)
+            if png is not None:
+                previews[k] = png
+                facts["preview"] = f"{CARD_FOLDER}/{preview_name(k)}"
+        elif kind == "monolith":
+            facts["cluster_size"] = cluster_facts(root, 0).get("count")
+        experts.append(ExpertCard(k, cfg.hidden_size, cfg.depth, cfg.num_heads, cfg.patch_size, **facts))
+    card = FleetCard(
+        name=run.name,
+        kind=kind,
+        num_experts=run.num_experts if kind == "fleet" else 1,
+        present=list(present),
+        conditioning=run.expert.conditioning,
+        latent_shape=list(run.latent_shape),
+        experts=experts,
+        router=router_card(root, router_dir) if router_dir is not None else None,
+    )
+    return card, previews
 
 
 def _command(job: str, root: RunRoot) -> str:
@@ -252,10 +307,11 @@ def _write_model(
     source: dict[str, Any],
     *,
     router: bool,
+    card: tuple[FleetCard, dict[int, bytes]],
     progress: bool,
     guidance: float | None = None,
 ) -> None:
-    """Copy the components (strictly loaded first), the encoder references and run.yaml; index last."""
+    """Copy the components (strictly loaded first), the card, the encoder references and run.yaml; index last."""
     out_root.remove(INDEX_FILE)  # the folder stops being a model until the new index lands
     for name in out_root.ls():
         if name.startswith("expert_") and name.removeprefix("expert_") not in {str(k) for k in present}:
@@ -266,8 +322,11 @@ def _write_model(
     bar = None
     if progress:
         bar = tqdm(total=len(components), desc="assemble", unit="model", leave=False)
+    fleet_card, previews = card
+    params = {}
     for dest, src, cls in components:
-        load_model(cls, root, *src)  # strict: weights match config.json (refuse a corrupted file now)
+        model = load_model(cls, root, *src)  # strict: weights match config.json (refuse a corrupted file now)
+        params[dest] = sum(p.numel() for p in model.parameters())
         for name in root.ls(*src):
             out_root.write_bytes(root.read_bytes(*src, name), dest, name)
         if bar is not None:
@@ -275,6 +334,9 @@ def _write_model(
     if bar is not None:
         bar.close()
 
+    for e in fleet_card.experts:
+        e.params = params.get(expert_folder(e.expert))
+    write_card(out_root, fleet_card, previews)
     out_root.write_bytes(root.read_bytes(RUN_FILE), RUN_FILE)
     ref = run.expert
     text_cfg = run.encoders.text if ref.uses_text else None

@@ -1,0 +1,130 @@
+"""`flowfleet serve`: one model folder as a web page (Gradio, at /) and an HTTP API (FastAPI, at /api).
+
+    POST /api/generate   {"prompt": "a handwritten digit seven", "strategy": "top2", "steps": 30,
+                          "cfg": 2.0, "seed": 0, "n": 4}
+                     ->  200 {"images": [base64 PNG, ...], "prompts": [...], "routing": [[{step, t,
+                          experts, weights, probs}, ...] per image], "settings": {...}, "seconds": ...}
+                         422 {"error": "steps: expected 1..200, got 0"}        a request to fix
+                         413 {"error": "request body: ..."}                    larger than any valid one
+                         503 {"error": "busy: ..."} + Retry-After              the queue is full
+    GET  /api/card       the fleet card (flowfleet.sampling.card) as JSON
+    GET  /api/health     {"status": "ok", served, refused_busy, bad_request, failed, limits}
+    GET  /docs           the OpenAPI page FastAPI writes for the above
+
+Why FastAPI beside Gradio's own API: status codes a client can act on (422 / 503) and a JSON body
+any HTTP client reads, where Gradio's API streams events for its own client. Both call FleetService,
+so they share one queue.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from flowfleet import __version__
+from flowfleet.models.files import validation_message
+from flowfleet.serve.service import BadRequest, Busy, FleetService, GenerateRequest, Generation
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 256 * 1024  # far above any valid request (a prompt is at most ServeLimits.max_prompt_chars)
+RETRY_AFTER_S = 2
+
+
+def png_base64(image: Any) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def response_json(g: Generation) -> dict[str, Any]:
+    return {
+        "images": [png_base64(im) for im in g.images],
+        "prompts": g.prompts,
+        "routing": g.routing,
+        "settings": g.settings.to_json(),
+        "seconds": round(g.seconds, 4),
+        "waited": round(g.waited, 4),
+    }
+
+
+def _error(status: int, message: str, **headers: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers or None)
+
+
+def create_app(service: FleetService, model_dir: str, ui: bool = True) -> FastAPI:
+    """The API routes, and the Gradio page mounted at / when ui (tests of the API alone pass False)."""
+    app = FastAPI(title="flowfleet", version=__version__, summary=f"serving {model_dir}")
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if request.url.path.startswith("/api/") and size is not None and size.isdigit():
+            if int(size) > MAX_BODY_BYTES:
+                return _error(413, f"request body: {int(size)} bytes, at most {MAX_BODY_BYTES}")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error(422, f"request body: not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})")
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "request"
+        return _error(422, f"{where}: {first.get('msg', 'invalid request')}")
+
+    @app.get("/api/health")
+    def health() -> dict[str, Any]:
+        return service.health()
+
+    @app.get("/api/card")
+    def card() -> dict[str, Any]:
+        return service.card.to_json()
+
+    @app.post("/api/generate")
+    def generate(req: GenerateRequest) -> Any:  # a plain def: FastAPI runs it in its thread pool
+        try:
+            return response_json(service.generate(req))
+        except ValidationError as err:
+            return _error(422, validation_message(err))
+        except BadRequest as err:
+            return _error(422, str(err))
+        except Busy as err:
+            return _error(503, str(err), **{"Retry-After": str(RETRY_AFTER_S)})
+
+    if ui:
+        import gradio as gr
+
+        from flowfleet.serve.ui import THEME, build_ui
+
+        page = build_ui(service, model_dir)
+        page.queue(max_size=service.limits.max_queue, default_concurrency_limit=1)
+        app = gr.mount_gradio_app(app, page, path="/", ssr_mode=False, theme=THEME)
+    return app
+
+
+def serve(
+    model_dir: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    device: str = "auto",
+    offload: int | None = None,
+    limits: Any = None,
+    ui: bool = True,
+) -> None:
+    """Open the model folder and serve it until interrupted (uvicorn)."""
+    import uvicorn
+
+    from flowfleet.serve.service import ServeLimits
+
+    service = FleetService.open(model_dir, device=device, offload=offload, limits=limits or ServeLimits())
+    app = create_app(service, model_dir, ui=ui)
+    print(f"serving {model_dir} on http://{host}:{port}  (page /, API /api/generate, docs /docs)", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
