@@ -188,3 +188,22 @@ def test_serve_cli_refuses_bad_options_and_folders_in_one_line(tmp_path, capsys)
     assert "--max-queue: " in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--port", "70000"]) == 1
     assert "--port: 70000 outside 1..65535" in capsys.readouterr().err
+
+
+def test_serve_nproc_2_splits_each_image_over_two_ranks_and_equals_one_process(fleet_model, tmp_path):
+    """`serve --nproc 2 --parallel displaced`: rank 0 serves, both ranks sample each request. With every
+    step synchronous (warm-up >= steps) displaced is exact, so the images equal one process's."""
+    from fixtures.servers import serve_process
+
+    args = ["--no-ui", "--nproc", "2", "--parallel", "displaced", "--warmup", "8"]
+    body = {"prompt": "a handwritten digit seven", "strategy": "top2", "steps": 4, "seed": 5, "n": 2}
+    with serve_process(fleet_model, args, log=str(tmp_path / "serve.log")) as url:
+        first = httpx.post(f"{url}/api/generate", json=body, timeout=120)
+        second = httpx.post(f"{url}/api/generate", json={**body, "seed": 6}, timeout=120)
+        health = httpx.get(f"{url}/api/health").json()
+    assert first.status_code == 200 and second.status_code == 200, (first.text[:300], second.text[:300])
+    assert health["parallel"] == {"nproc": 2, "mode": "displaced", "warmup": 8} and health["served"] == 2
+    pipe = FleetPipeline.from_pretrained(fleet_model)  # the folder's own text encoder, as the server's
+    ref = pipe(["a handwritten digit seven"], 2, strategy="top2", steps=4, seed=5)
+    assert [decode_png(im).tobytes() for im in first.json()["images"]] == [im.tobytes() for im in to_pil(ref.images)]
+    assert first.json()["routing"][0][0]["experts"] == ref.trace.experts[0][0].tolist()

@@ -22,6 +22,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, default=200, help="most sampling steps a request may ask for")
     p.add_argument("--max-images", type=int, default=8, help="most images per request")
     p.add_argument("--no-ui", action="store_true", help="the HTTP API only (no Gradio page)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split each image over N processes (DistriFusion, as `generate --nproc`); relaunches itself "
+        "under torchrun unless already inside one; rank 0 serves",
+    )
+    p.add_argument("--parallel", choices=("sync", "displaced", "naive"), default="displaced", help="with --nproc")
+    p.add_argument("--warmup", type=int, default=1, metavar="W", help="with --parallel displaced: synchronous steps")
     p.set_defaults(func=run_serve)
 
 
@@ -39,6 +49,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise FlowfleetError(f"--{validation_message(err).replace('_', '-')}") from None
     if not 0 < args.port < 65536:
         raise FlowfleetError(f"--port: {args.port} outside 1..65535")
+    if args.nproc > 1:
+        from flowfleet.distributed import in_torchrun
+        from flowfleet.parallel.launch import relaunch_torchrun
+
+        if not in_torchrun():  # every rank runs this same command under torchrun; rank 0 serves
+            return relaunch_torchrun(args.nproc, args.argv)
     serve(
         args.model_dir,
         host=args.host,
@@ -47,5 +63,8 @@ def run_serve(args: argparse.Namespace) -> int:
         offload=args.offload,
         limits=limits,
         ui=not args.no_ui,
+        nproc=args.nproc,
+        parallel=args.parallel,
+        warmup=args.warmup,
     )
     return 0

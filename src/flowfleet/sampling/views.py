@@ -108,8 +108,7 @@ def sample_routing_view(trace: RoutingTrace, i: int) -> Image.Image:
         ax.scatter(x, probs[:, e], s=9, color=colors[e], edgecolors="black", linewidths=0.4, zorder=3)
     ax.set(ylim=(0, 1.05), xlabel="sampling step (t: 1 -> 0)", ylabel="weight")
     ax.set_title(f"image {i}: experts per step (dots: router)", fontsize=9)
-    if steps <= 20:
-        ax.set_xticks(x)
+    ax.set_xticks(x if steps <= 10 else x[:: -(-steps // 8)])  # at most about 8 labels
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.tight_layout()
     buf = io.BytesIO()

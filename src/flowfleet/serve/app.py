@@ -29,8 +29,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from flowfleet import __version__
+from flowfleet.errors import FlowfleetError
 from flowfleet.models.files import validation_message
-from flowfleet.serve.service import BadRequest, Busy, FleetService, GenerateRequest, Generation
+from flowfleet.serve.service import BadRequest, Busy, FleetService, GenerateRequest, Generation, ServeLimits
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +117,37 @@ def serve(
     port: int = 7860,
     device: str = "auto",
     offload: int | None = None,
-    limits: Any = None,
+    limits: ServeLimits | None = None,
     ui: bool = True,
+    nproc: int = 1,
+    parallel: str = "displaced",
+    warmup: int = 1,
 ) -> None:
-    """Open the model folder and serve it until interrupted (uvicorn)."""
+    """Open the model folder and serve it until interrupted (uvicorn).
+
+    nproc > 1 (inside torchrun, as `flowfleet serve --nproc N` relaunches itself): every rank opens the
+    model and joins the patch-parallel fleet; rank 0 serves, the others sample what it announces."""
     import uvicorn
 
-    from flowfleet.serve.service import ServeLimits
+    serving = None
+    if nproc != 1:
+        from flowfleet.parallel.fleet import join_fleet
+        from flowfleet.serve.parallel import ParallelServing
 
-    service = FleetService.open(model_dir, device=device, offload=offload, limits=limits or ServeLimits())
+        if nproc < 1:
+            raise FlowfleetError(f"--nproc: must be >= 1, got {nproc}")
+        serving = ParallelServing(join_fleet(model_dir, nproc, parallel, warmup, device=device))
+    service = FleetService.open(model_dir, device=device, offload=offload, limits=limits, parallel=serving)
+    if serving is not None and not serving.is_main:
+        served = serving.follow(service.pipe)
+        serving.stop()
+        log.info("rank %d: left after %d requests", serving.fleet.ctx.rank, served)
+        return
     app = create_app(service, model_dir, ui=ui)
-    print(f"serving {model_dir} on http://{host}:{port}  (page /, API /api/generate, docs /docs)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    split = f", each image over {nproc} ranks ({parallel})" if serving is not None else ""
+    print(f"serving {model_dir} on http://{host}:{port}{split}  (page /, API /api/generate, docs /docs)", flush=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        if serving is not None:
+            serving.stop()

@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +25,9 @@ from flowfleet.sampling.card import FleetCard, read_card
 from flowfleet.sampling.pipeline import TEXT_CONDITIONING, FleetPipeline, SamplingSettings
 from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.sampling.views import to_pil
+
+if TYPE_CHECKING:  # torch.distributed only for --nproc
+    from flowfleet.serve.parallel import ParallelServing
 
 STRATEGIES = ("top1", "topk", "full")  # the choices of the page; the API also takes top2, topk:3 ...
 
@@ -94,9 +97,17 @@ def per_image_routing(trace: RoutingTrace) -> list[list[dict[str, Any]]]:
 
 
 class FleetService:
-    def __init__(self, pipe: FleetPipeline, card: FleetCard, limits: ServeLimits | None = None):
+    def __init__(
+        self,
+        pipe: FleetPipeline,
+        card: FleetCard,
+        limits: ServeLimits | None = None,
+        parallel: "ParallelServing | None" = None,
+    ):
+        """parallel: rank 0 of a model split over N ranks (flowfleet.serve.parallel); each call is
+        announced to the other ranks and sampled patch-parallel."""
         limits = limits or ServeLimits()
-        self.pipe, self.card, self.limits = pipe, card, limits
+        self.pipe, self.card, self.limits, self.parallel = pipe, card, limits, parallel
         self._generating = threading.Lock()  # one generation at a time: one device holds the model
         self._places = threading.BoundedSemaphore(1 + limits.max_queue)
         self._counts_lock = threading.Lock()
@@ -105,13 +116,20 @@ class FleetService:
 
     @classmethod
     def open(
-        cls, model_dir: str, *, device: str = "auto", offload: int | None = None, limits: ServeLimits | None = None
+        cls,
+        model_dir: str,
+        *,
+        device: Any = "auto",
+        offload: int | None = None,
+        limits: ServeLimits | None = None,
+        parallel: "ParallelServing | None" = None,
     ) -> "FleetService":
         """Load the model folder (router and encoders now, experts when first selected) and its card."""
         from flowfleet.device import resolve_device
 
-        pipe = FleetPipeline.from_pretrained(model_dir, device=resolve_device(device), offload=offload)
-        return cls(pipe, read_card(model_dir), limits)
+        dev = parallel.fleet.ctx.device if parallel is not None else resolve_device(device)
+        pipe = FleetPipeline.from_pretrained(model_dir, device=dev, offload=offload)
+        return cls(pipe, read_card(model_dir), limits, parallel)
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -173,14 +191,17 @@ class FleetService:
             t0 = time.perf_counter()
             with self._generating:
                 t1 = time.perf_counter()
+                prompts = [req.prompt] if self.needs_prompt and req.prompt else None
+                labels = [req.label] if self.needs_label and req.label is not None else None
                 try:
-                    out = self.pipe(
-                        [req.prompt] if self.needs_prompt and req.prompt else None,
-                        req.n,
-                        labels=[req.label] if self.needs_label and req.label is not None else None,
-                        settings=settings,
-                        on_step=on_step,
-                    )
+                    if self.parallel is not None:
+                        from flowfleet.serve.parallel import Call
+
+                        call = Call(prompts, req.n, labels, settings)
+                        self.parallel.announce(call)
+                        out = self.parallel.run(self.pipe, call, on_step)
+                    else:
+                        out = self.pipe(prompts, req.n, labels=labels, settings=settings, on_step=on_step)
                 except Exception:
                     self._count("failed")
                     raise
@@ -208,6 +229,7 @@ class FleetService:
             "status": "ok",
             "experts": list(self.pipe.present),
             "limits": self.limits.model_dump(),
+            "parallel": self.parallel.describe() if self.parallel is not None else None,
             "admitted": admitted,
             **counts,
         }

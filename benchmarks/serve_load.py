@@ -1,0 +1,139 @@
+"""Load on `flowfleet serve`: C concurrent HTTP clients against one served model folder on 127.0.0.1.
+
+Starts the real CLI (`flowfleet serve MODEL --no-ui --max-queue Q`) in its own process, then C client
+threads post R requests each to /api/generate at the same moment. Two client behaviours:
+
+  once   each request is sent once: every answer must be 200 or 503 (busy), none lost — the served
+         count in /api/health equals the 200s
+  retry  a refused request waits Retry-After and is sent again, until served: every request ends served
+
+Reports per behaviour: answers by status, latency p50 / p95 / max of the served requests (client side,
+queue wait included), served images per second, and the server's health afterwards. Without MODEL, a
+random tiny fleet (tests/fixtures/random_fleet.py: K = 3, hidden 32, 8 x 8) is assembled in a temp dir.
+
+    .venv/bin/python benchmarks/serve_load.py --clients 32 --rounds 2
+    .venv/bin/python benchmarks/serve_load.py --model runs/bench/distill/model --clients 32 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from fixtures.servers import serve_process  # noqa: E402
+
+
+def tiny_fleet(folder: Path) -> str:
+    from fixtures.random_fleet import tiny_run_config, write_random_fleet
+
+    from flowfleet.stages.assemble import assemble
+
+    write_random_fleet(str(folder / "run"), tiny_run_config(3))
+    return assemble(str(folder / "run")).out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def load(url: str, clients: int, rounds: int, body: dict, retry: bool) -> dict:
+    start = threading.Barrier(clients)
+    latencies: list[float] = []
+    codes: list[int] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        with httpx.Client(timeout=600) as http:
+            start.wait()
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                while True:
+                    resp = http.post(f"{url}/api/generate", json={**body, "seed": i * rounds + r})
+                    with lock:
+                        codes.append(resp.status_code)
+                    if resp.status_code == 503 and retry:
+                        time.sleep(float(resp.headers.get("retry-after", "1")))
+                        continue
+                    break
+                if resp.status_code == 200:
+                    with lock:
+                        latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    wall = time.perf_counter() - t0
+    served = len(latencies)
+    return {
+        "requests": clients * rounds,
+        "answers": {str(c): codes.count(c) for c in sorted(set(codes))},
+        "served": served,
+        "latency_s": {
+            "p50": round(percentile(latencies, 0.5), 3),
+            "p95": round(percentile(latencies, 0.95), 3),
+            "max": round(max(latencies), 3),
+        }
+        if latencies
+        else None,
+        "images_per_s": round(served * body["n"] / wall, 2),
+        "wall_s": round(wall, 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="an assembled model folder (default: a random tiny fleet)")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2, help="requests per client")
+    p.add_argument("--max-queue", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--n", type=int, default=1, help="images per request")
+    p.add_argument("--strategy", default="top2")
+    p.add_argument("--prompt", default="a handwritten digit seven")
+    p.add_argument("--out", help="write the results as JSON here")
+    a = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = a.model or tiny_fleet(Path(tmp))
+        body = {"prompt": a.prompt, "strategy": a.strategy, "steps": a.steps, "n": a.n}
+        args = ["--no-ui", "--max-queue", str(a.max_queue)]
+        with serve_process(model, args, log=str(Path(tmp) / "serve.log")) as url:
+            httpx.post(f"{url}/api/generate", json=body, timeout=600).raise_for_status()  # warm: experts loaded
+            before = httpx.get(f"{url}/api/health").json()["served"]
+            once = load(url, a.clients, a.rounds, body, retry=False)
+            health_once = httpx.get(f"{url}/api/health").json()
+            retry = load(url, a.clients, a.rounds, body, retry=True)
+            health = httpx.get(f"{url}/api/health").json()
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {platform.system()}",
+        "command": " ".join(sys.argv),
+        "model": a.model or "random tiny fleet (K=3, hidden 32, 8x8)",
+        "request": body,
+        "max_queue": a.max_queue,
+        "clients": a.clients,
+        "rounds": a.rounds,
+        "once": once,
+        "retry": retry,
+        "none_lost_once": health_once["served"] - before == once["served"],
+        "health_after": {k: health[k] for k in ("status", "served", "refused_busy", "bad_request", "failed")},
+    }
+    print(json.dumps(result, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
