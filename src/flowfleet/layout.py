@@ -10,6 +10,7 @@
                                         train-*       one job each: status.json, metrics.jsonl, train.log,
                                                       checkpoints/, final/ (the EMA weights), samples/,
                                                       report.json (routers)
+      backends/                         train-all     submissions.json (job -> backend job id), slurm/*.sbatch
       model/  model-monolith/           assemble      diffusers-style model folders
       reports/                          evaluate      evaluation.json, samples/, FID reference statistics,
                                         report        report.html, plots/, showcase/, timings.json
@@ -53,6 +54,10 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"  # the finished job's model folder (EMA weights)
 SAMPLES = "samples"  # preview grids during training; per-model samples in reports/
 JOB_REPORT = "report.json"  # what a finished job measured (the router: its accuracy per t)
+
+# where train-all handed jobs to a backend (flowfleet.backends): job -> {backend, id, submitted}
+BACKENDS = "backends"
+SUBMISSIONS = (BACKENDS, "submissions.json")
 
 # assembled models and reports
 MODEL = "model"

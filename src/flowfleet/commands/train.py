@@ -70,10 +70,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "train-all",
-        help="run every expert job, the router and the monolith as local processes",
-        description="Run the K expert jobs, the router and (if run.yaml monolith.enabled) the monolith as "
-        "separate processes on this machine, N at a time, longest first. Finished jobs are skipped, "
-        "unfinished ones resume. Each job's output goes to its folder's train.log.",
+        help="run every expert job, the router and the monolith (local processes or a Slurm cluster)",
+        description="Run the K expert jobs, the router and (if run.yaml monolith.enabled) the monolith: as "
+        "separate processes on this machine, N at a time, longest first (--backend local), or as jobs of a "
+        "Slurm cluster (--backend slurm: an sbatch array for the experts, one job per other job, an assemble "
+        "job after all; the scripts are written to RUN_ROOT/backends/slurm/). Finished jobs are skipped, "
+        "unfinished ones resume, a job still queued or running is not submitted twice. Each job's output "
+        "goes to its folder's train.log.",
     )
     add_run_root(p)
     p.add_argument(
@@ -85,6 +88,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "as each job's thread count)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--backend", choices=("local", "slurm"), default="local", help="where the jobs run (default local)")
+    slurm = p.add_argument_group("--backend slurm")
+    slurm.add_argument("--partition", default=None, help="sbatch --partition")
+    slurm.add_argument("--account", default=None, help="sbatch --account")
+    slurm.add_argument("--time", default=None, help="sbatch --time, e.g. 2:00:00")
+    slurm.add_argument("--cpus-per-job", type=int, default=1, metavar="C", help="sbatch --cpus-per-task (default 1)")
+    slurm.add_argument(
+        "--gpus-per-job", type=int, default=0, metavar="G", help="GPUs per job (G > 1: the job runs under torchrun)"
+    )
+    slurm.add_argument(
+        "--sbatch-arg", action="append", default=[], metavar="ARG", help="any other sbatch option (repeatable)"
+    )
+    slurm.add_argument("--no-wait", action="store_true", help="return once the jobs are submitted")
     p.set_defaults(func=run_all)
 
     p = sub.add_parser(
@@ -143,7 +159,26 @@ def run_all(args: argparse.Namespace) -> int:
 
     if args.parallel is not None and args.parallel < 1:
         raise FlowfleetError(f"--parallel: must be >= 1, got {args.parallel}")
-    outcome = train_all(args.run_root, parallel=args.parallel, progress=not args.no_progress)
+    slurm = None
+    if args.backend == "slurm":
+        from flowfleet.backends.slurm import SlurmOptions
+
+        slurm = SlurmOptions(
+            partition=args.partition,
+            account=args.account,
+            time=args.time,
+            cpus_per_job=args.cpus_per_job,
+            gpus_per_job=args.gpus_per_job,
+            sbatch_args=tuple(args.sbatch_arg),
+        )
+    outcome = train_all(
+        args.run_root,
+        parallel=args.parallel,
+        progress=not args.no_progress,
+        backend=args.backend,
+        slurm=slurm,
+        wait=not args.no_wait,
+    )
     for name, result in outcome.results.items():
         why = outcome.messages.get(name, "")
         print(f"{name}: {result}" + (f" ({why})" if why and result not in ("skipped",) else ""))
@@ -164,15 +199,18 @@ def run_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from flowfleet.backends import backend_states
     from flowfleet.stages.train import job_status
+    from flowfleet.storage import RunRoot
 
     rows = job_status(args.run_root)
+    backends = backend_states(RunRoot(args.run_root))
     if args.json:
-        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        print(json.dumps([{**r.to_dict(), "backend": backends.get(r.job)} for r in rows], indent=2))
         return 0
     colours = {"done": "green", "running": "cyan", "failed": "red", "stopped": "yellow", "pending": "dim"}
     table = Table(title=f"jobs of {args.run_root}")
-    for col in ("job", "state", "step", "progress", "heartbeat", "last loss", "host", "message"):
+    for col in ("job", "state", "step", "progress", "heartbeat", "last loss", "host", "backend", "message"):
         table.add_column(col, justify="right" if col in ("step", "progress", "last loss") else "left", overflow="fold")
     now = time.time()
     for r in rows:
@@ -188,6 +226,7 @@ def run_status(args: argparse.Namespace) -> int:
             _age(r.heartbeat_age(now)),
             "-" if r.last_loss is None else f"{r.last_loss:.4f}",
             f"{r.host}:{r.pid}" if r.host else "-",
+            backends.get(r.job, "local" if r.host else "-"),
             r.message,
         )
     Console(width=None if sys.stdout.isatty() else 160).print(table)

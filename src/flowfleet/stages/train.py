@@ -3,7 +3,8 @@
 train_expert(run_root, k)        expert k on partitions/k only (an isolated job; DDP under torchrun)
 train_router(run_root)           the router on data/ + clusters/assignments.safetensors
 train_monolith(run_root)         the baseline on data/ (match_compute: FLOPs = sum over the experts)
-train_all(run_root, parallel=N)  all of them as local processes, skipping finished jobs
+train_all(run_root, parallel=N)  all of them as local processes (or backend="slurm": sbatch jobs),
+                                 skipping finished jobs and jobs a backend still holds
 job_status(run_root)             every job's status.json (pending when never started)
 """
 
@@ -19,6 +20,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from flowfleet.backends import BACKEND_NAMES, read_submissions, record_submissions
+from flowfleet.backends.slurm import SlurmBackend, SlurmOptions
+from flowfleet.backends.slurm import active as slurm_active
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import LOG_FILE
@@ -90,22 +94,68 @@ def job_status(run_root: str | RunRoot) -> list[JobStatus]:
 @dataclass
 class FleetOutcome:
     """What train_all did with each job: done | skipped (already done) | busy (live elsewhere) |
-    stopped | failed | not started."""
+    queued (a backend job already holds it) | submitted (--no-wait) | stopped | failed | not started."""
 
     results: dict[str, str]
     messages: dict[str, str]
 
     @property
     def ok(self) -> bool:
-        return all(r in ("done", "skipped") for r in self.results.values())
+        return all(r in ("done", "skipped", "queued", "submitted") for r in self.results.values())
 
 
-def train_all(run_root: str, *, parallel: int | None = None, progress: bool = True) -> FleetOutcome:
-    """Run every unfinished job of the run as a local process (`--parallel` at a time)."""
+class _StepProgress:
+    """One bar over the steps of the jobs being trained, read from their status.json (any backend)."""
+
+    def __init__(self, root: RunRoot, cfg: RunConfig, specs: list[JobSpec], progress: bool):
+        self.root, self.specs = root, {s.name: s for s in specs}
+        self.totals = {s.name: job_steps(cfg, s) for s in specs}
+        self.seen = dict.fromkeys(self.totals, 0)
+        self.bar = tqdm(
+            total=sum(self.totals.values()),
+            desc="train-all",
+            unit="step",
+            dynamic_ncols=True,
+            disable=None if progress else True,
+        )
+        self.last = 0.0
+
+    def poll(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self.last < 2.0:
+            return
+        self.last = time.monotonic()
+        for name, total in self.totals.items():
+            status = read_status(self.root, self.specs[name].dir)
+            step = min(status.step, total) if status else 0
+            if step > self.seen[name]:
+                self.bar.update(step - self.seen[name])
+                self.seen[name] = step
+
+    def close(self) -> None:
+        self.poll(force=True)
+        self.bar.close()
+
+
+def train_all(
+    run_root: str,
+    *,
+    parallel: int | None = None,
+    progress: bool = True,
+    backend: str = "local",
+    slurm: SlurmOptions | None = None,
+    wait: bool = True,
+) -> FleetOutcome:
+    """Run every unfinished job of the run: as local processes (`--parallel` at a time), or as jobs of a
+    Slurm cluster (backend "slurm"; wait=False returns once they are submitted). A job that is done, live
+    elsewhere (its status lease) or still held by a backend job submitted earlier is not started again."""
+    if backend not in BACKEND_NAMES:
+        raise FlowfleetError(f"--backend: unknown {backend!r} (expected {' or '.join(BACKEND_NAMES)})")
     root, cfg = _open(run_root)
     results: dict[str, str] = {}
     messages: dict[str, str] = {}
     todo: list[JobSpec] = []
+    submitted = read_submissions(root)
+    held = _held_by_slurm(submitted, [s.name for s in fleet_jobs(cfg)]) if backend == "slurm" else {}
     for spec in fleet_jobs(cfg):
         done, _, status = job_finished(root, spec.dir, job_steps(cfg, spec))
         if done:
@@ -114,14 +164,83 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
         elif status is not None and status.is_live():
             results[spec.name] = "busy"
             messages[spec.name] = f"running on {status.host} (pid {status.pid})"
+        elif spec.name in held:
+            results[spec.name] = "queued"
+            messages[spec.name] = f"slurm job {submitted[spec.name]['id']} is {held[spec.name]}"
         else:
             todo.append(spec)
     for name, why in messages.items():
         log.info(f"{name}: {why}, skipped")
     if not todo:
         return FleetOutcome(results, messages)
-
     todo.sort(key=lambda s: job_cost(cfg, s), reverse=True)  # longest first: shortest makespan
+    if backend == "slurm":
+        _train_on_slurm(root, cfg, todo, results, messages, slurm or SlurmOptions(), progress, wait)
+    else:
+        _train_locally(root, cfg, todo, results, messages, parallel, progress)
+    for spec in todo:
+        results.setdefault(spec.name, "not started")
+    if any(r == "not started" for r in results.values()):
+        log.warning("train-all: stopped; re-run to resume")
+    return FleetOutcome(results, messages)
+
+
+def _held_by_slurm(submitted: dict[str, dict], names: list[str]) -> dict[str, str]:
+    """Jobs whose recorded Slurm job is still pending or running -> its squeue state."""
+    ids = {n: str(submitted[n]["id"]) for n in names if submitted.get(n, {}).get("backend") == "slurm"}
+    if not ids:
+        return {}
+    states = SlurmBackend().states(list(ids.values()))
+    return {n: states[i] for n, i in ids.items() if slurm_active(states.get(i))}
+
+
+def _train_on_slurm(
+    root: RunRoot,
+    cfg: RunConfig,
+    todo: list[JobSpec],
+    results: dict[str, str],
+    messages: dict[str, str],
+    options: SlurmOptions,
+    progress: bool,
+    wait: bool,
+) -> None:
+    backend = SlurmBackend(options)
+    ids = backend.submit(root, todo, cfg.name)
+    record_submissions(root, "slurm", ids)
+    for name, job_id in ids.items():
+        log.info(f"{name}: submitted as slurm job {job_id}")
+    if not wait:
+        for spec in todo:
+            results[spec.name], messages[spec.name] = "submitted", f"slurm job {ids[spec.name]}"
+        return
+    bar = _StepProgress(root, cfg, todo, progress)
+    try:
+        backend.wait_for([ids[s.name] for s in todo], on_poll=bar.poll)
+    except KeyboardInterrupt:
+        bar.close()
+        log.warning("train-all: stopped watching; the slurm jobs go on (`flowfleet status` shows them)")
+        raise
+    bar.close()
+    for spec in todo:
+        status = read_status(root, spec.dir)
+        if status is not None and status.state in ("done", "stopped"):
+            results[spec.name] = status.state
+        else:
+            results[spec.name] = "failed"
+            messages[spec.name] = (status.message if status and status.message else "") or (
+                f"slurm job {ids[spec.name]} ended without finishing; its log is beside train.log"
+            )
+
+
+def _train_locally(
+    root: RunRoot,
+    cfg: RunConfig,
+    todo: list[JobSpec],
+    results: dict[str, str],
+    messages: dict[str, str],
+    parallel: int | None,
+    progress: bool,
+) -> None:
     slots = plan_slots(
         len(todo), parallel, os.cpu_count() or 1, torch.cuda.device_count() if torch.cuda.is_available() else 0
     )
@@ -137,30 +256,10 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
 
     jobs = [flowfleet_job(s.name, s.cli_args(url), log_path(s)) for s in todo]
     specs = {s.name: s for s in todo}
-    totals = {s.name: job_steps(cfg, s) for s in todo}
-    bar = tqdm(
-        total=sum(totals.values()),
-        desc="train-all",
-        unit="step",
-        dynamic_ncols=True,
-        disable=None if progress else True,
-    )
-    seen = {name: 0 for name in totals}
-    last_poll = [0.0]
-
-    def poll() -> None:
-        if time.monotonic() - last_poll[0] < 2.0:
-            return
-        last_poll[0] = time.monotonic()
-        for name in totals:
-            status = read_status(root, specs[name].dir)
-            step = min(status.step, totals[name]) if status else 0
-            if step > seen[name]:
-                bar.update(step - seen[name])
-                seen[name] = step
+    bar = _StepProgress(root, cfg, todo, progress)
 
     def started(job: ProcessJob, pid: int) -> None:
-        bar.write(f"{job.name}: started (pid {pid}, {slots[0].threads} threads), log {job.log}")
+        bar.bar.write(f"{job.name}: started (pid {pid}, {slots[0].threads} threads), log {job.log}")
 
     def exited(outcome) -> None:
         status = read_status(root, specs[outcome.name].dir)
@@ -171,7 +270,7 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
             messages[outcome.name] = (
                 status.message if status and status.message else outcome.last_line
             ) or f"exit code {outcome.returncode}"
-        bar.write(
+        bar.bar.write(
             f"{outcome.name}: {results[outcome.name]} after {outcome.seconds:.0f} s"
             + (f" ({messages[outcome.name]})" if outcome.name in messages else "")
         )
@@ -181,18 +280,11 @@ def train_all(run_root: str, *, parallel: int | None = None, progress: bool = Tr
     log.info(f"train-all: {len(todo)} job(s), {len(slots)} at a time")
     # every job imports the same modules: the forkserver does it once (flowfleet.train.fanout)
     fanout = LocalFanout(
-        slots, on_start=started, on_exit=exited, on_poll=poll, preload=("flowfleet.cli", "flowfleet.stages.train")
+        slots, on_start=started, on_exit=exited, on_poll=bar.poll, preload=("flowfleet.cli", "flowfleet.stages.train")
     )
     try:
         fanout.run(jobs)
     finally:
-        last_poll[0] = 0.0
-        poll()
         bar.close()
         if logs_tmp is not None:
             logs_tmp.cleanup()
-    for spec in todo:
-        results.setdefault(spec.name, "not started")
-    if any(r == "not started" for r in results.values()):
-        log.warning("train-all: stopped; re-run to resume")
-    return FleetOutcome(results, messages)

@@ -1,0 +1,176 @@
+"""The `slurm` backend of `train-all`: the run's jobs as sbatch jobs on an existing Slurm cluster.
+
+    RUN_ROOT/backends/slurm/experts.sbatch     one array task per expert (--array=<expert ids>)
+    RUN_ROOT/backends/slurm/<job>.sbatch       router, router-paris, monolith: one job each
+    RUN_ROOT/backends/slurm/assemble.sbatch    `flowfleet assemble`, --dependency=afterok on all of them
+    RUN_ROOT/backends/submissions.json         job -> {backend, id, script, submitted}
+
+The scripts are plain files a user can read and `sbatch` again. Every job runs the same flowfleet
+command as the local backend (`python -m flowfleet.cli train-expert RUN --expert k`, under
+`torchrun --nproc-per-node G` with G GPUs per job), so its checkpoints, status.json and final weights are
+the ones a local run writes; the nodes need the run root (a shared folder or an s3:// URL) and the same
+Python environment. The router does not wait for the experts: it trains on data/ and the cluster ids
+only. Job state comes from `squeue` (a one-node cluster often runs without accounting, so `sacct` is
+not used) next to each job's status.json.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.storage import RunRoot
+from flowfleet.train.jobs import JobSpec
+
+FOLDER = ("backends", "slurm")
+SQUEUE_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None  # --time, e.g. "2:00:00"
+    cpus_per_job: int = 1
+    gpus_per_job: int = 0
+    sbatch_args: tuple[str, ...] = ()  # any other sbatch option, e.g. "--qos=high"
+    python: str = field(default_factory=lambda: sys.executable)  # the environment's interpreter on the nodes
+
+    def __post_init__(self) -> None:
+        if self.cpus_per_job < 1:
+            raise FlowfleetError(f"--cpus-per-job: must be >= 1, got {self.cpus_per_job}")
+        if self.gpus_per_job < 0:
+            raise FlowfleetError(f"--gpus-per-job: must be >= 0, got {self.gpus_per_job}")
+
+
+def _run(cmd: Sequence[str]) -> str:
+    """A Slurm client command -> its stdout; a one-line error naming the command otherwise."""
+    try:
+        out = subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise FlowfleetError(f"slurm: `{cmd[0]}` not found (is this a Slurm login node?)") from None
+    except subprocess.TimeoutExpired:
+        raise FlowfleetError(f"slurm: `{' '.join(cmd[:2])}` did not answer within 60 s") from None
+    if out.returncode != 0:
+        first = (out.stderr.strip() or out.stdout.strip()).splitlines()
+        raise FlowfleetError(f"slurm: `{' '.join(cmd[:2])}` failed: {first[0] if first else out.returncode}")
+    return out.stdout
+
+
+class SlurmBackend:
+    name = "slurm"
+
+    def __init__(self, options: SlurmOptions | None = None):
+        self.options = options or SlurmOptions()
+
+    # -- scripts ----------------------------------------------------------------------------------
+
+    def _header(self, job_name: str, output: str) -> list[str]:
+        o = self.options
+        lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --output={output}"]
+        lines.append(f"#SBATCH --cpus-per-task={o.cpus_per_job}")
+        if o.gpus_per_job:
+            lines.append(f"#SBATCH --gpus-per-task={o.gpus_per_job}")
+        for flag, value in (("partition", o.partition), ("account", o.account), ("time", o.time)):
+            if value:
+                lines.append(f"#SBATCH --{flag}={value}")
+        lines += [f"#SBATCH {arg}" for arg in o.sbatch_args]
+        lines += ["set -euo pipefail", 'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"']
+        return lines
+
+    def _command(self, args: list[str], tail: str = "") -> str:
+        """The job's command line; `tail` is appended unquoted (a shell variable such as the array index)."""
+        o = self.options
+        launcher = [o.python, "-m"]
+        if o.gpus_per_job > 1:  # one job, G GPUs: the trainer's DDP under torchrun
+            launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={o.gpus_per_job}", "-m"]
+        return "exec " + " ".join(shlex.quote(a) for a in [*launcher, "flowfleet.cli", *args]) + tail
+
+    def expert_script(self, root: RunRoot, experts: list[int], run_name: str) -> str:
+        """One array task per expert: the task index is the expert id."""
+        args = JobSpec("expert", 0).cli_args(root.url)[:-1]  # ... --expert
+        lines = self._header(f"flowfleet-{run_name}-experts", self._log(root, "experts/%a", array=True))
+        lines.insert(2, f"#SBATCH --array={','.join(str(k) for k in experts)}")
+        return "\n".join([*lines, self._command(args, ' "$SLURM_ARRAY_TASK_ID"'), ""])
+
+    def job_script(self, root: RunRoot, spec: JobSpec, run_name: str) -> str:
+        lines = self._header(f"flowfleet-{run_name}-{spec.name}", self._log(root, spec.dir))
+        return "\n".join([*lines, self._command(spec.cli_args(root.url)), ""])
+
+    def assemble_script(self, root: RunRoot, run_name: str) -> str:
+        lines = self._header(f"flowfleet-{run_name}-assemble", self._log(root, "/".join(FOLDER)))
+        return "\n".join([*lines, self._command(["assemble", root.url]), ""])
+
+    @staticmethod
+    def _log(root: RunRoot, folder: str, array: bool = False) -> str:
+        """Where Slurm writes a job's output: beside its train.log (%a: the array task, the expert)."""
+        return f"{root.local_path()}/{folder}/slurm-{'%A_%a' if array else '%j'}.log"
+
+    # -- submission and state ---------------------------------------------------------------------
+
+    def sbatch(self, script_path: str, dependency: Sequence[str] = ()) -> str:
+        cmd = ["sbatch", "--parsable"]
+        if dependency:
+            cmd.append(f"--dependency=afterok:{':'.join(dependency)}")
+        out = _run([*cmd, script_path]).strip()
+        return out.split(";")[0]  # "<id>[;cluster]"
+
+    def submit(self, root: RunRoot, specs: list[JobSpec], run_name: str, assemble: bool = True) -> dict[str, str]:
+        """Write the scripts into the run root and submit them -> job name -> Slurm job id (array
+        tasks as "<array id>_<expert>")."""
+        local = root.local_path(*FOLDER)
+        if local is None:
+            raise FlowfleetError(f"--backend slurm: {root.url} is not a local folder; sbatch needs the scripts on disk")
+        local.mkdir(parents=True, exist_ok=True)
+        for spec in specs:  # Slurm opens its log file itself: the job folders must exist
+            (local.parent.parent / spec.dir).mkdir(parents=True, exist_ok=True)
+        ids: dict[str, str] = {}
+        experts = [s for s in specs if s.kind == "expert" and s.expert is not None]
+        if experts:
+            path = local / "experts.sbatch"
+            script = self.expert_script(root, [s.expert for s in experts if s.expert is not None], run_name)
+            root.write_bytes(script.encode(), *FOLDER, "experts.sbatch")
+            array = self.sbatch(str(path))
+            ids.update({s.name: f"{array}_{s.expert}" for s in experts})
+        for spec in specs:
+            if spec.kind == "expert":
+                continue
+            name = f"{spec.name}.sbatch"
+            root.write_bytes(self.job_script(root, spec, run_name).encode(), *FOLDER, name)
+            ids[spec.name] = self.sbatch(str(local / name))
+        if assemble and ids:
+            root.write_bytes(self.assemble_script(root, run_name).encode(), *FOLDER, "assemble.sbatch")
+            parents = sorted({i.split("_")[0] for i in ids.values()})
+            ids["assemble"] = self.sbatch(str(local / "assemble.sbatch"), parents)
+        return ids
+
+    def states(self, ids: Sequence[str]) -> dict[str, str]:
+        """Slurm job id -> its squeue state (PENDING, RUNNING, ...); ids squeue no longer lists are absent."""
+        if not ids:
+            return {}
+        arrays = sorted({i.split("_")[0] for i in ids})
+        out = _run(["squeue", "-h", "-r", "-o", "%i %T", "-j", ",".join(arrays)])
+        listed = dict(line.split()[:2] for line in out.splitlines() if line.strip())
+        return {i: listed[i] for i in ids if i in listed}
+
+    def cancel(self, ids: Sequence[str]) -> None:
+        if ids:
+            _run(["scancel", *ids])
+
+    def wait_for(self, ids: Sequence[str], poll_every: float = 2.0, on_poll=None) -> None:
+        """Until squeue lists none of ids (each finished, failed or was cancelled)."""
+        while True:
+            if on_poll is not None:
+                on_poll()
+            if not self.states(ids):
+                return
+            time.sleep(poll_every)
+
+
+def active(state: str | None) -> bool:
+    return state is not None and state.split()[0] in SQUEUE_ACTIVE

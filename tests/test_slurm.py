@@ -1,0 +1,98 @@
+"""`train-all --backend slurm` on a real one-node Slurm cluster (tests/fixtures/slurm.py): the same weights
+as the local backend, the scripts in the run root, status showing the Slurm state, no job submitted twice."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from fixtures.slurm import missing_daemons, slurm_cluster
+from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+
+from flowfleet.backends import read_submissions
+from flowfleet.backends.slurm import SlurmBackend, SlurmOptions
+from flowfleet.cli import main
+from flowfleet.errors import FlowfleetError
+from flowfleet.models.files import WEIGHTS_NAME
+from flowfleet.stages.train import train_all
+from flowfleet.storage import RunRoot
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if missing_daemons():  # never skipped: make test installs them
+        pytest.fail(f"Slurm not installed ({', '.join(missing_daemons())} missing): run .ci/install-slurm")
+    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as env:
+        yield env
+
+
+def weights(path, job) -> bytes:
+    return (path / job / "final" / WEIGHTS_NAME).read_bytes()
+
+
+def test_train_all_on_slurm_gives_the_local_backends_weights(tmp_path, cluster, monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_CONF", cluster["SLURM_CONF"])
+    cfg = synthetic_config(k=2, steps=3)
+    local, slurm = tmp_path / "local", tmp_path / "slurm"
+    write_synthetic_run(RunRoot(str(local)), cfg)
+    write_synthetic_run(RunRoot(str(slurm)), cfg)
+
+    assert train_all(str(local), progress=False).ok
+    outcome = train_all(str(slurm), progress=False, backend="slurm", slurm=SlurmOptions(cpus_per_job=1))
+    assert outcome.ok and set(outcome.results.values()) == {"done"}, outcome
+    for job in ("experts/0", "experts/1", "router"):
+        assert weights(slurm, job) == weights(local, job), job  # bit-identical to the local run
+        assert list((slurm / job).glob("slurm-*.log")), job  # Slurm's own log beside train.log
+
+    # the scripts a user can read and resubmit, and which Slurm job ran what
+    scripts = sorted(p.name for p in (slurm / "backends" / "slurm").glob("*.sbatch"))
+    assert scripts == ["assemble.sbatch", "experts.sbatch", "router.sbatch"]
+    experts_script = (slurm / "backends" / "slurm" / "experts.sbatch").read_text()
+    assert "#SBATCH --array=0,1" in experts_script and '--expert "$SLURM_ARRAY_TASK_ID"' in experts_script
+    submitted = read_submissions(RunRoot(str(slurm)))
+    array = submitted["expert-0"]["id"].split("_")[0]
+    assert submitted["expert-1"]["id"] == f"{array}_1" and submitted["router"]["backend"] == "slurm"
+
+    # the assemble job ran after all of them
+    SlurmBackend().wait_for([submitted["assemble"]["id"]], poll_every=0.5)
+    assert json.loads((slurm / "model" / "model_index.json").read_text())["present_experts"] == [0, 1]
+
+    # status: the backend's word next to status.json
+    capsys.readouterr()
+    assert main(["status", str(slurm), "--json"]) == 0
+    rows = {r["job"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["expert-1"]["backend"] == f"slurm {array}_1 finished" and rows["expert-1"]["state"] == "done"
+
+    # again: nothing is submitted twice
+    again = train_all(str(slurm), progress=False, backend="slurm")
+    assert set(again.results.values()) == {"skipped"}
+    assert read_submissions(RunRoot(str(slurm))) == submitted
+
+
+def test_a_job_still_queued_on_slurm_is_not_submitted_again(tmp_path, cluster, monkeypatch):
+    monkeypatch.setenv("SLURM_CONF", cluster["SLURM_CONF"])
+    run = tmp_path / "run"
+    write_synthetic_run(RunRoot(str(run)), synthetic_config(k=2, steps=3))
+    hold = SlurmOptions(sbatch_args=("--hold",))  # submitted, held: pending until released
+    first = train_all(str(run), progress=False, backend="slurm", slurm=hold, wait=False)
+    assert set(first.results.values()) == {"submitted"}
+    ids = {name: s["id"] for name, s in read_submissions(RunRoot(str(run))).items()}
+    try:
+        second = train_all(str(run), progress=False, backend="slurm", wait=False)
+        assert set(second.results.values()) == {"queued"}, second
+        assert "is PENDING" in second.messages["expert-0"]
+        assert {name: s["id"] for name, s in read_submissions(RunRoot(str(run))).items()} == ids
+    finally:
+        SlurmBackend().cancel(list(ids.values()))
+
+
+def test_slurm_errors_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm client on PATH
+    with pytest.raises(FlowfleetError, match=r"slurm: `squeue` not found"):
+        SlurmBackend().states(["1"])
+    with pytest.raises(FlowfleetError, match="--cpus-per-job: must be >= 1"):
+        SlurmOptions(cpus_per_job=0)
+    assert os.environ["PATH"] == str(tmp_path)
