@@ -3,6 +3,7 @@
     RUN_ROOT/
       run.yaml                          init          the run's configuration (flowfleet.config)
       data/                             prepare       shards + manifest.json (flowfleet.data.shards)
+      data-parts/<i>-of-<N>/            prepare --part  one slice of the source each, joined into data/ by --merge
       clusters/                         cluster       assignments.safetensors, centroids.safetensors,
                                                       report.json, preview-<k>.png
       partitions/<k>/                   cluster       expert k's items (shards)
@@ -30,6 +31,7 @@ RUN_FILE = "run.yaml"
 # prepare and cluster
 DATA = "data"
 MANIFEST = "manifest.json"  # in every shard folder (data/, partitions/<k>/): what is written, and whether all
+DATA_PARTS = "data-parts"  # prepare --part i/N: data-parts/<i>-of-<N>/, joined into data/ by prepare --merge
 CLUSTERS = "clusters"
 ASSIGNMENTS = (CLUSTERS, "assignments.safetensors")
 CENTROIDS = (CLUSTERS, "centroids.safetensors")
@@ -82,6 +84,11 @@ def router_job(router: str, without: Sequence[int] = (), num_experts: int | None
     trained from scratch)."""
     name = router if num_experts is None else f"{router}-k{num_experts}"
     return f"{name}-without-{'-'.join(str(k) for k in without)}" if without else name
+
+
+def data_part(i: int, n: int) -> str:
+    """Part i (0-based) of n of a sharded `prepare`: a shard set of its own, joined by `prepare --merge`."""
+    return f"{DATA_PARTS}/{i}-of-{n}"
 
 
 def addition(n: int) -> str:

@@ -42,6 +42,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart", action="store_true", help="discard an existing data/ folder and start over")
     p.add_argument("--device", default=None, help="torch device for the encoders (default: cuda if available)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument(
+        "--part",
+        metavar="i/N",
+        default=None,
+        help="encode only slice i (0-based) of N of the source into data-parts/<i>-of-<N>/ (one per machine or job)",
+    )
+    split.add_argument(
+        "--merge",
+        type=int,
+        metavar="N",
+        default=None,
+        help="join the N parts into data/ (the same shards as one prepare)",
+    )
     p.set_defaults(func=run_prepare)
 
     p = sub.add_parser(
@@ -63,9 +77,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from flowfleet.stages.prepare import prepare
+    from flowfleet.errors import FlowfleetError
+    from flowfleet.stages.prepare import merge_parts, parse_part, prepare
 
-    m = prepare(args.run_root, device=args.device, restart=args.restart, progress=not args.quiet)
+    if args.merge is not None:
+        if args.merge < 1:
+            raise FlowfleetError(f"--merge: must be >= 1, got {args.merge}")
+        m = merge_parts(args.run_root, args.merge, progress=not args.quiet)
+    else:
+        part = parse_part(args.part) if args.part is not None else None
+        m = prepare(args.run_root, device=args.device, restart=args.restart, progress=not args.quiet, part=part)
+        if part is not None:
+            print(f"prepared part {part[0]}/{part[1]}: {m.count} items in {len(m.shards)} shards")
+            return 0
     shapes = ", ".join(f"{k} {tuple(v['shape'])}" for k, v in m.fields.items() if k not in ("labels", "index"))
     print(
         f"prepared {m.count} items in {len(m.shards)} shards ({shapes}); skipped {m.extra.get('skipped_count', 0)}, "

@@ -35,7 +35,7 @@ from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.data.sources import RawItem, Source, build_source
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import DATA
+from flowfleet.layout import DATA, data_part
 from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.storage import RunRoot
 
@@ -89,14 +89,14 @@ class _Rows:
         self.captions += captions
         self.ends += ends
 
-    def take(self, n: int) -> tuple[dict[str, torch.Tensor], list[str], int]:
-        """The first n rows (removed from the buffer) and the source position after the last of them."""
+    def take(self, n: int) -> tuple[dict[str, torch.Tensor], list[str], list[int]]:
+        """The first n rows (removed from the buffer) and the source position after each of them."""
         cat = {k: torch.cat(v) for k, v in self.tensors.items()}
         head = {k: v[:n] for k, v in cat.items()}
         self.tensors = {k: [v[n:]] for k, v in cat.items()}
         captions, self.captions = self.captions[:n], self.captions[n:]
-        end, self.ends = self.ends[n - 1], self.ends[n:]
-        return head, captions, end
+        ends, self.ends = self.ends[:n], self.ends[n:]
+        return head, captions, ends
 
 
 def encode_batch(
@@ -157,6 +157,10 @@ class _BadInput:
         if len(self.listed) < MAX_LISTED:
             self.listed.append({"key": key, "reason": reason, "pos": pos})
 
+    def positions(self) -> dict[str, Any]:
+        """What `prepare --merge` needs of a part: every skipped item and missing caption by position."""
+        return {"skipped": self.listed, "skipped_pos": self.skipped_pos, "missing_pos": self.missing_pos}
+
     def record(self, end: int | None = None) -> dict[str, Any]:
         """Manifest keys for the items before source position `end` (all when None)."""
         before = (lambda p: p < end) if end is not None else (lambda p: True)  # noqa: E731
@@ -189,17 +193,55 @@ def _decoded(
         yield pos + 1, image, caption, item.label
 
 
+def parse_part(text: str) -> tuple[int, int]:
+    """'i/N' (0 <= i < N) -> (i, N); a one-line error otherwise."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise FlowfleetError(f"--part: expected i/N (e.g. 0/3), got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise FlowfleetError(f"--part: {text}: expected 0 <= i < N")
+    return i, n
+
+
+def part_range(total: int, i: int, n: int, batch_size: int) -> tuple[int, int]:
+    """Source positions [start, stop) of part i of n: contiguous slices cut at multiples of the encoding
+    batch, so that each batch holds the items it holds in a one-machine prepare."""
+    batches = -(-total // batch_size)
+    per = -(-batches // n)
+    return min(i * per * batch_size, total), min((i + 1) * per * batch_size, total)
+
+
 def prepare(
-    run_root: str | RunRoot, *, device: str | None = None, restart: bool = False, progress: bool = True
+    run_root: str | RunRoot,
+    *,
+    device: str | None = None,
+    restart: bool = False,
+    progress: bool = True,
+    part: tuple[int, int] | None = None,
 ) -> ShardSetManifest:
-    """Encode the run's source into RUN_ROOT/data/; resumes an interrupted run. Returns the manifest."""
+    """Encode the run's source into RUN_ROOT/data/; resumes an interrupted run. Returns the manifest.
+
+    part=(i, N): encode only slice i of N of the source into data-parts/<i>-of-<N>/ (resumable the same
+    way), for N machines or jobs; `merge_parts(run_root, N)` then writes data/ from the N parts."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     cfg = load_run_config(root)
     d = cfg.data
     source = build_source(d, cfg.storage.options)
     recipe = _recipe(cfg, source)
-    shards = ShardSet(root, DATA)
-    where = root.url_of(DATA, "manifest.json")
+    folder = DATA if part is None else data_part(*part)
+    shards = ShardSet(root, folder)
+    where = root.url_of(folder, "manifest.json")
+    stop: int | None = None
+    if part is not None:
+        size = len(source)
+        if size < 0:
+            raise FlowfleetError(
+                f"--part: data.source {d.source} has no known length to split; prepare it on one machine"
+            )
+        size = min(size, d.limit) if d.limit is not None else size
+        part_start, stop = part_range(size, part[0], part[1], d.batch_size)
+        recipe = {**recipe, "part": [part[0], part[1], part_start, stop]}
 
     manifest = ShardSetManifest()
     if shards.exists():
@@ -210,17 +252,23 @@ def prepare(
             diff = _first_difference(old.extra.get("recipe") or {}, recipe) or "recipe"
             raise FlowfleetError(
                 f"{where}: prepared with a different {diff}; `flowfleet prepare {root.url} --restart` discards it"
-            )
+            )  # (a part's recipe names its slice: another --part i/N is another folder)
         elif old.complete:
             return old
         else:
             manifest = old
     start = manifest.shards[-1]["source_end"] if manifest.shards else 0
+    if part is not None and not manifest.shards:
+        start = recipe["part"][2]
     bad = _BadInput(
         [s for s in manifest.extra.get("skipped", []) if s["pos"] < start],
         int(manifest.extra.get("skipped_count", 0)),
         int(manifest.extra.get("missing_captions", 0)),
     )
+    if part is not None:  # a part keeps every position (merge counts them per shard of data/)
+        bad.skipped_before = bad.missing_before = 0
+        bad.skipped_pos = [p for p in manifest.extra.get("skipped_pos", []) if p < start]
+        bad.missing_pos = [p for p in manifest.extra.get("missing_pos", []) if p < start]
 
     dev = resolve_device(device)
     enc = build_encoders(cfg, dev)
@@ -236,15 +284,22 @@ def prepare(
     total = len(source) if len(source) >= 0 else None  # None: unknown (tar streams)
     if d.limit is not None:
         total = min(total, d.limit) if total is not None else d.limit
+    if stop is not None:
+        total = stop
     items = source.items(start)
-    if d.limit is not None:
-        items = itertools.islice(items, max(d.limit - start, 0))
+    end_at = stop if stop is not None else d.limit
+    if end_at is not None:
+        items = itertools.islice(items, max(end_at - start, 0))
 
     def write(rows: _Rows, n: int) -> None:
-        tensors, captions, end = rows.take(n)
-        tensors["index"] = torch.arange(manifest.count, manifest.count + n, dtype=torch.int64)
-        manifest.extra.update(bad.record(end))
-        shards.append(manifest, tensors, captions, {"source_end": end})  # the shard, then the manifest
+        tensors, captions, ends = rows.take(n)
+        if part is None:
+            tensors["index"] = torch.arange(manifest.count, manifest.count + n, dtype=torch.int64)
+            manifest.extra.update(bad.record(ends[-1]))
+        else:  # a part: where each row ends in the source, for --merge to cut data/'s shards
+            tensors["source_end"] = torch.tensor(ends, dtype=torch.int64)
+            manifest.extra.update(bad.positions())
+        shards.append(manifest, tensors, captions, {"source_end": ends[-1]})  # the shard, then the manifest
 
     rows = _Rows()
     batch: list[tuple[int, torch.Tensor, str, int]] = []
@@ -268,6 +323,11 @@ def prepare(
         write(rows, min(d.shard_size, len(rows)))
     bar.close()
 
+    if part is not None:
+        manifest.extra.update(bad.positions(), seconds=round(time.perf_counter() - t0, 2))
+        manifest.complete = True
+        shards.write_manifest(manifest)
+        return manifest
     record = bad.record()
     if manifest.count == 0:
         listed = record["skipped"]
@@ -280,6 +340,72 @@ def prepare(
     manifest.complete = True
     shards.write_manifest(manifest)
     write_preview(shards, enc.latent)
+    return manifest
+
+
+def merge_parts(run_root: str | RunRoot, n: int, *, progress: bool = True) -> ShardSetManifest:
+    """data/ from the N parts of `prepare --part i/N`: their rows in source order, cut into shards of
+    data.shard_size with the global index and the bad-input records a one-machine prepare writes, so the
+    shards are byte for byte the same. Every part must be complete and made with this run's recipe.
+    Rewrites data/ shard by shard (each atomic; the manifest is complete only at the end); merging
+    again after an interruption starts over, which costs no encoding."""
+    root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
+    cfg = load_run_config(root)
+    d = cfg.data
+    recipe = _recipe(cfg, build_source(d, cfg.storage.options))
+    parts = []
+    for i in range(n):
+        sset = ShardSet(root, data_part(i, n))
+        where = root.url_of(data_part(i, n), "manifest.json")
+        if not sset.exists() or not sset.manifest().complete:
+            raise FlowfleetError(f"{where}: missing or incomplete; run `flowfleet prepare {root.url} --part {i}/{n}`")
+        m = sset.manifest()
+        made = {k: v for k, v in (m.extra.get("recipe") or {}).items() if k != "part"}
+        if made != recipe:
+            diff = _first_difference(made, recipe) or "recipe"
+            raise FlowfleetError(f"{where}: prepared with a different {diff} than run.yaml says")
+        parts.append((sset, m))
+    bad = _BadInput([], 0, 0)
+    for _, m in parts:
+        bad.listed += m.extra.get("skipped", [])
+        bad.skipped_pos += m.extra.get("skipped_pos", [])
+        bad.missing_pos += m.extra.get("missing_pos", [])
+    bad.listed = bad.listed[:MAX_LISTED]
+
+    root.remove(DATA, recursive=True)
+    shards = ShardSet(root, DATA)
+    first = parts[0][1]
+    manifest = ShardSetManifest(
+        extra={k: first.extra[k] for k in ("source", "encoders", "has_labels", "image_size", "channels")}
+    )
+    manifest.extra["recipe"] = recipe
+    t0 = time.perf_counter()
+    rows = _Rows()
+
+    def write(count: int) -> None:
+        tensors, captions, ends = rows.take(count)
+        tensors["index"] = torch.arange(manifest.count, manifest.count + count, dtype=torch.int64)
+        manifest.extra.update(bad.record(ends[-1]))
+        shards.append(manifest, tensors, captions, {"source_end": ends[-1]})
+
+    total = sum(m.count for _, m in parts)
+    with tqdm(total=total, unit="item", desc="prepare --merge", disable=not progress) as bar:
+        for sset, m in parts:
+            for entry in m.shards:
+                tensors, captions = sset.read_shard(entry["name"])
+                ends = tensors.pop("source_end").tolist()
+                rows.add(tensors, captions, ends)
+                while len(rows) >= d.shard_size:
+                    write(d.shard_size)
+                bar.update(len(captions))
+        while len(rows):
+            write(min(d.shard_size, len(rows)))
+    if manifest.count == 0:
+        raise FlowfleetError(f"data.source: the {n} parts hold no usable item")
+    manifest.extra.update(bad.record(), seconds=round(time.perf_counter() - t0, 2), merged_parts=n)
+    manifest.complete = True
+    shards.write_manifest(manifest)
+    write_preview(shards, build_latent_encoder(cfg.encoders.latent, d.channels, "cpu"))
     return manifest
 
 
