@@ -13,6 +13,7 @@ from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 from flowfleet.backends import read_submissions
 from flowfleet.backends.slurm import SlurmBackend, SlurmOptions
 from flowfleet.cli import main
+from flowfleet.config import RunConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.files import WEIGHTS_NAME
 from flowfleet.stages.train import train_all
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.slurm
 def cluster(tmp_path_factory):
     if missing_daemons():  # never skipped: make test installs them
         pytest.fail(f"Slurm not installed ({', '.join(missing_daemons())} missing): run .ci/install-slurm")
-    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as env:
-        yield env
+    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as running:
+        yield running
 
 
 def weights(path, job) -> bytes:
@@ -34,7 +35,7 @@ def weights(path, job) -> bytes:
 
 
 def test_train_all_on_slurm_gives_the_local_backends_weights(tmp_path, cluster, monkeypatch, capsys):
-    monkeypatch.setenv("SLURM_CONF", cluster["SLURM_CONF"])
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
     cfg = synthetic_config(k=2, steps=3)
     local, slurm = tmp_path / "local", tmp_path / "slurm"
     write_synthetic_run(RunRoot(str(local)), cfg)
@@ -45,7 +46,7 @@ def test_train_all_on_slurm_gives_the_local_backends_weights(tmp_path, cluster, 
     assert outcome.ok and set(outcome.results.values()) == {"done"}, outcome
     for job in ("experts/0", "experts/1", "router"):
         assert weights(slurm, job) == weights(local, job), job  # bit-identical to the local run
-        assert list((slurm / job).glob("slurm-*.log")), job  # Slurm's own log beside train.log
+        assert f"{job.replace('experts/', 'expert-')}: done" in (slurm / job / "train.log").read_text(), job
 
     # the scripts a user can read and resubmit, and which Slurm job ran what
     scripts = sorted(p.name for p in (slurm / "backends" / "slurm").glob("*.sbatch"))
@@ -73,7 +74,7 @@ def test_train_all_on_slurm_gives_the_local_backends_weights(tmp_path, cluster, 
 
 
 def test_a_job_still_queued_on_slurm_is_not_submitted_again(tmp_path, cluster, monkeypatch):
-    monkeypatch.setenv("SLURM_CONF", cluster["SLURM_CONF"])
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
     run = tmp_path / "run"
     write_synthetic_run(RunRoot(str(run)), synthetic_config(k=2, steps=3))
     hold = SlurmOptions(sbatch_args=("--hold",))  # submitted, held: pending until released
@@ -96,3 +97,50 @@ def test_slurm_errors_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(FlowfleetError, match="--cpus-per-job: must be >= 1"):
         SlurmOptions(cpus_per_job=0)
     assert os.environ["PATH"] == str(tmp_path)
+
+
+def test_a_job_whose_node_dies_is_resubmitted_and_resumes_to_the_uninterrupted_weights(tmp_path, cluster, monkeypatch):
+    """The node running expert 0 dies mid-job (slurmd and the job's process killed) and comes back:
+    train-all sees the expired lease, cancels and resubmits the job, which resumes from its checkpoint;
+    the final weights equal an uninterrupted run's."""
+    import signal
+    import threading
+    import time
+
+    from flowfleet.stages.train import train_expert
+    from flowfleet.train.status import read_status
+
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+    raw = synthetic_config(k=2, steps=1200, train={"ckpt_every": 200}).to_dict()
+    raw["router_train"]["steps"] = 20  # only expert 0 matters here
+    cfg = RunConfig.from_dict(raw)
+    local, slurm = tmp_path / "local", tmp_path / "slurm"
+    write_synthetic_run(RunRoot(str(local)), cfg)
+    write_synthetic_run(RunRoot(str(slurm)), cfg)
+    root = RunRoot(str(slurm))
+    outcome = {}
+    watcher = threading.Thread(
+        target=lambda: outcome.update(result=train_all(str(slurm), progress=False, backend="slurm")), daemon=True
+    )
+    watcher.start()
+    deadline = time.monotonic() + 120
+    while True:  # until expert 0 has checkpointed and trained on
+        status = read_status(root, "experts/0")
+        if status is not None and status.last_checkpoint and status.step >= 400:
+            break
+        assert time.monotonic() < deadline, "expert 0 never reached its second checkpoint"
+        time.sleep(0.1)
+    first_id = read_submissions(root)["expert-0"]["id"]
+    cluster.kill_slurmd()
+    os.kill(status.pid, signal.SIGKILL)  # the node's job dies with it
+    cluster.start_slurmd()
+    watcher.join(timeout=300)
+    assert not watcher.is_alive(), "train-all did not finish"
+    result = outcome["result"]
+    assert result.ok and result.results["expert-0"] == "done", result
+    resubmitted = read_submissions(root)["expert-0"]["id"]
+    assert resubmitted != first_id and "_" not in resubmitted  # expert 0 alone, as a plain job
+    log = (slurm / "experts" / "0" / "train.log").read_text()
+    assert "expert-0: resuming from its checkpoint at step" in log  # the second job started from the checkpoint
+    train_expert(str(local), 0)  # uninterrupted, in this process
+    assert weights(slurm, "experts/0") == weights(local, "experts/0")

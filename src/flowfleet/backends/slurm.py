@@ -3,7 +3,8 @@
     RUN_ROOT/backends/slurm/experts.sbatch     one array task per expert (--array=<expert ids>)
     RUN_ROOT/backends/slurm/<job>.sbatch       router, router-paris, monolith: one job each
     RUN_ROOT/backends/slurm/assemble.sbatch    `flowfleet assemble`, --dependency=afterok on all of them
-    RUN_ROOT/backends/submissions.json         job -> {backend, id, script, submitted}
+    RUN_ROOT/backends/submissions.json         job -> {backend, id, submitted}
+    RUN_ROOT/<job folder>/train.log            the job's output (appended, as the local backend writes it)
 
 The scripts are plain files a user can read and `sbatch` again. Every job runs the same flowfleet
 command as the local backend (`python -m flowfleet.cli train-expert RUN --expert k`, under
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from flowfleet.errors import FlowfleetError
+from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
 from flowfleet.train.jobs import JobSpec
 
@@ -72,7 +74,12 @@ class SlurmBackend:
 
     def _header(self, job_name: str, output: str) -> list[str]:
         o = self.options
-        lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --output={output}"]
+        lines = [
+            "#!/bin/bash",
+            f"#SBATCH --job-name={job_name}",
+            f"#SBATCH --output={output}",
+            "#SBATCH --open-mode=append",
+        ]
         lines.append(f"#SBATCH --cpus-per-task={o.cpus_per_job}")
         if o.gpus_per_job:
             lines.append(f"#SBATCH --gpus-per-task={o.gpus_per_job}")
@@ -94,7 +101,7 @@ class SlurmBackend:
     def expert_script(self, root: RunRoot, experts: list[int], run_name: str) -> str:
         """One array task per expert: the task index is the expert id."""
         args = JobSpec("expert", 0).cli_args(root.url)[:-1]  # ... --expert
-        lines = self._header(f"flowfleet-{run_name}-experts", self._log(root, "experts/%a", array=True))
+        lines = self._header(f"flowfleet-{run_name}-experts", self._log(root, "experts/%a"))
         lines.insert(2, f"#SBATCH --array={','.join(str(k) for k in experts)}")
         return "\n".join([*lines, self._command(args, ' "$SLURM_ARRAY_TASK_ID"'), ""])
 
@@ -107,9 +114,10 @@ class SlurmBackend:
         return "\n".join([*lines, self._command(["assemble", root.url]), ""])
 
     @staticmethod
-    def _log(root: RunRoot, folder: str, array: bool = False) -> str:
-        """Where Slurm writes a job's output: beside its train.log (%a: the array task, the expert)."""
-        return f"{root.local_path()}/{folder}/slurm-{'%A_%a' if array else '%j'}.log"
+    def _log(root: RunRoot, folder: str) -> str:
+        """Where Slurm appends a job's output: its folder's train.log, as the local backend does (%a: the
+        array task, i.e. the expert)."""
+        return f"{root.local_path()}/{folder}/{LOG_FILE}"
 
     # -- submission and state ---------------------------------------------------------------------
 
@@ -148,6 +156,14 @@ class SlurmBackend:
             parents = sorted({i.split("_")[0] for i in ids.values()})
             ids["assemble"] = self.sbatch(str(local / "assemble.sbatch"), parents)
         return ids
+
+    def resubmit(self, root: RunRoot, spec: JobSpec, run_name: str) -> str:
+        """One job again, alone (an expert as a plain job, not an array task) -> its new Slurm job id."""
+        local = root.local_path(*FOLDER)
+        assert local is not None  # submit() refused remote run roots
+        name = f"{spec.name}.sbatch"
+        root.write_bytes(self.job_script(root, spec, run_name).encode(), *FOLDER, name)
+        return self.sbatch(str(local / name))
 
     def states(self, ids: Sequence[str]) -> dict[str, str]:
         """Slurm job id -> its squeue state (PENDING, RUNNING, ...); ids squeue no longer lists are absent."""

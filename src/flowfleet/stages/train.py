@@ -215,7 +215,7 @@ def _train_on_slurm(
         return
     bar = _StepProgress(root, cfg, todo, progress)
     try:
-        backend.wait_for([ids[s.name] for s in todo], on_poll=bar.poll)
+        _watch_slurm(root, cfg, backend, todo, ids, bar)
     except KeyboardInterrupt:
         bar.close()
         log.warning("train-all: stopped watching; the slurm jobs go on (`flowfleet status` shows them)")
@@ -230,6 +230,61 @@ def _train_on_slurm(
             messages[spec.name] = (status.message if status and status.message else "") or (
                 f"slurm job {ids[spec.name]} ended without finishing; its log is beside train.log"
             )
+
+
+def _watch_slurm(
+    root: RunRoot,
+    cfg: RunConfig,
+    backend: SlurmBackend,
+    todo: list[JobSpec],
+    ids: dict[str, str],
+    bar: _StepProgress,
+    poll_every: float = 2.0,
+    max_resubmits: int = 2,
+) -> None:
+    """Until every job has ended. A job is lost when its status says running but its lease has expired
+    (the node or the process died) or Slurm no longer lists it while it never finished: it is cancelled
+    and submitted again (at most max_resubmits times), and resumes from its newest checkpoint. A job
+    that failed by itself (status "failed") is not resubmitted: it would fail again."""
+    submitted = {name: time.time() for name in ids}
+    resubmits = dict.fromkeys(ids, 0)
+    while True:
+        bar.poll()
+        states = backend.states([ids[s.name] for s in todo])
+        waiting = False
+        for spec in todo:
+            job_id, state = ids[spec.name], states.get(ids[spec.name])
+            status = read_status(root, spec.dir)
+            current = status is not None and (status.heartbeat or 0) >= submitted[spec.name] - 1
+            if status is not None and status.state in ("done", "stopped", "failed") and current:
+                if slurm_active(state):
+                    waiting = True  # (Slurm has not noticed the end yet)
+                continue
+            if slurm_active(state):
+                if status is None or not current or status.state != "running" or status.is_live():
+                    waiting = True
+                    continue
+                why = f"its lease expired ({status.host}:{status.pid} silent)"
+            else:
+                why = "Slurm no longer lists it and it never finished"
+            if resubmits[spec.name] >= max_resubmits:
+                log.warning(
+                    f"{spec.name}: slurm job {job_id} lost ({why}); resubmitted {max_resubmits} times, giving up"
+                )
+                continue
+            if slurm_active(state):
+                backend.cancel([job_id])
+            ids[spec.name] = backend.resubmit(root, spec, cfg.name)
+            submitted[spec.name], resubmits[spec.name] = time.time(), resubmits[spec.name] + 1
+            record_submissions(root, "slurm", {spec.name: ids[spec.name]})
+            log.warning(
+                f"{spec.name}: slurm job {job_id} lost ({why}); resubmitted as {ids[spec.name]}, "
+                f"it resumes from its newest checkpoint"
+            )
+            waiting = True
+        if not waiting:
+            return
+        time.sleep(poll_every)
 
 
 def _train_locally(

@@ -254,6 +254,8 @@ class Trainer:
         last = self.store.latest()
         if last is not None:
             self._restore(st, self.store.load(last))
+            if island.is_main:
+                log.info("%s: resuming from its checkpoint at step %d", task.name, st.step)
 
         error: FlowfleetError | None = None
         if island.is_main:
