@@ -31,6 +31,7 @@ demo-quick: $(STAMP)
 test: $(STAMP)
 	.ci/install-chromium
 	.ci/install-slurm
+	.ci/install-skypilot
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy
