@@ -11,9 +11,9 @@ from fixtures.slurm import missing_daemons, slurm_cluster
 from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 
 from flowfleet.backends import read_submissions
-from flowfleet.backends.slurm import SlurmBackend, SlurmOptions
+from flowfleet.backends.slurm import SlurmBackend
 from flowfleet.cli import main
-from flowfleet.config import RunConfig
+from flowfleet.config import BackendConfig, RunConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.files import WEIGHTS_NAME
 from flowfleet.stages.train import train_all
@@ -42,7 +42,7 @@ def test_train_all_on_slurm_gives_the_local_backends_weights(tmp_path, cluster, 
     write_synthetic_run(RunRoot(str(slurm)), cfg)
 
     assert train_all(str(local), progress=False).ok
-    outcome = train_all(str(slurm), progress=False, backend="slurm", slurm=SlurmOptions(cpus_per_job=1))
+    outcome = train_all(str(slurm), progress=False, backend=BackendConfig(kind="slurm", cpus_per_job=1))
     assert outcome.ok and set(outcome.results.values()) == {"done"}, outcome
     for job in ("experts/0", "experts/1", "router"):
         assert weights(slurm, job) == weights(local, job), job  # bit-identical to the local run
@@ -77,8 +77,8 @@ def test_a_job_still_queued_on_slurm_is_not_submitted_again(tmp_path, cluster, m
     monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
     run = tmp_path / "run"
     write_synthetic_run(RunRoot(str(run)), synthetic_config(k=2, steps=3))
-    hold = SlurmOptions(sbatch_args=("--hold",))  # submitted, held: pending until released
-    first = train_all(str(run), progress=False, backend="slurm", slurm=hold, wait=False)
+    hold = BackendConfig(kind="slurm", sbatch_args=["--hold"])  # submitted, held: pending until released
+    first = train_all(str(run), progress=False, backend=hold, wait=False)
     assert set(first.results.values()) == {"submitted"}
     ids = {name: s["id"] for name, s in read_submissions(RunRoot(str(run))).items()}
     try:
@@ -90,12 +90,21 @@ def test_a_job_still_queued_on_slurm_is_not_submitted_again(tmp_path, cluster, m
         SlurmBackend().cancel(list(ids.values()))
 
 
-def test_slurm_errors_are_one_line(tmp_path, monkeypatch):
+def test_slurm_errors_are_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm client on PATH
     with pytest.raises(FlowfleetError, match=r"slurm: `squeue` not found"):
         SlurmBackend().states(["1"])
-    with pytest.raises(FlowfleetError, match="--cpus-per-job: must be >= 1"):
-        SlurmOptions(cpus_per_job=0)
+    run = tmp_path / "run"
+    write_synthetic_run(RunRoot(str(run)), synthetic_config(k=2, steps=3))
+    for argv, error in [
+        (["--backend", "slurm", "--cpus-per-job", "0"], "--cpus-per-job: Input should be greater than or equal to 1"),
+        (["--backend", "slurm", "--address", "http://x:8265"], "--address: a ray option, but kind is 'slurm'"),
+        (["--backend", "slrum"], "--backend: unknown 'slrum' (known: local, slurm, ray)"),
+        (["--no-wait"], "--no-wait: only for jobs on Slurm or Ray (local jobs end with train-all)"),
+    ]:
+        capsys.readouterr()
+        assert main(["train-all", str(run), *argv]) == 1
+        assert capsys.readouterr().err == f"flowfleet train-all: error: {error}\n"
     assert os.environ["PATH"] == str(tmp_path)
 
 

@@ -165,6 +165,36 @@ class DistillConfig(_Strict):
     teacher_steps: int = Field(20, ge=1)  # reflow: the teacher's sampling steps
 
 
+BACKEND_KINDS = ("local", "slurm", "ray")
+
+
+class BackendConfig(_Strict):
+    """Where `train-all` runs jobs (flowfleet.backends): this machine, an existing Slurm cluster, an
+    existing Ray cluster. run.yaml `backends` names several, `placement` maps jobs to them; the
+    `train-all --backend ...` options build one for the jobs placement does not name."""
+
+    kind: Literal["local", "slurm", "ray"] = "local"
+    cpus_per_job: int = Field(1, ge=1)
+    gpus_per_job: int = Field(0, ge=0)  # > 1: the job runs its DDP under torchrun --nproc-per-node G
+    python: str | None = None  # the environment's interpreter on the nodes (None: this one)
+    # slurm: sbatch --partition / --account / --time, and any other sbatch option ("--qos=high")
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    sbatch_args: list[str] = []
+    # ray: the cluster's dashboard URL (http://HEAD:8265); None: RAY_ADDRESS, else a local cluster
+    address: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "BackendConfig":
+        only = {"slurm": ("partition", "account", "time", "sbatch_args"), "ray": ("address",)}
+        for kind, fields in only.items():
+            for name in fields:
+                if self.kind != kind and getattr(self, name):
+                    raise ValueError(f"{name}: a {kind} option, but kind is {self.kind!r}")
+        return self
+
+
 class StorageConfig(_Strict):
     endpoint_url: str | None = None
     options: dict[str, Any] = {}
@@ -202,6 +232,10 @@ class RunConfig(_Strict):
     router_baseline: bool = False
     sampling: SamplingConfig = SamplingConfig()
     storage: StorageConfig = StorageConfig()
+    # Mixed compute: named backends, and job name or pattern ("expert-[0-3]", fnmatch) -> a name of
+    # `backends` or local | slurm | ray (default options); jobs placed nowhere go to train-all's --backend.
+    backends: dict[str, BackendConfig] = {}
+    placement: dict[str, str] = {}
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -286,6 +320,10 @@ class RunConfig(_Strict):
             )
         if self.expert.num_outputs:
             raise ValueError("expert.num_outputs: experts predict velocities; must be 0")
+        for pattern, where in self.placement.items():
+            if where not in self.backends and where not in BACKEND_KINDS:
+                known = ", ".join([*self.backends, *BACKEND_KINDS])
+                raise ValueError(f"placement.{pattern}: unknown backend {where!r} (known: {known})")
         if sorted(set(self.removed_experts)) != self.removed_experts:
             raise ValueError(f"removed_experts: {self.removed_experts} must be sorted and without repeats")
         for k in self.removed_experts:

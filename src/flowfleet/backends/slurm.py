@@ -21,9 +21,10 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
+from flowfleet.config import BackendConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
@@ -31,23 +32,6 @@ from flowfleet.train.jobs import JobSpec
 
 FOLDER = ("backends", "slurm")
 SQUEUE_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
-
-
-@dataclass(frozen=True)
-class SlurmOptions:
-    partition: str | None = None
-    account: str | None = None
-    time: str | None = None  # --time, e.g. "2:00:00"
-    cpus_per_job: int = 1
-    gpus_per_job: int = 0
-    sbatch_args: tuple[str, ...] = ()  # any other sbatch option, e.g. "--qos=high"
-    python: str = field(default_factory=lambda: sys.executable)  # the environment's interpreter on the nodes
-
-    def __post_init__(self) -> None:
-        if self.cpus_per_job < 1:
-            raise FlowfleetError(f"--cpus-per-job: must be >= 1, got {self.cpus_per_job}")
-        if self.gpus_per_job < 0:
-            raise FlowfleetError(f"--gpus-per-job: must be >= 0, got {self.gpus_per_job}")
 
 
 def _run(cmd: Sequence[str]) -> str:
@@ -67,13 +51,15 @@ def _run(cmd: Sequence[str]) -> str:
 class SlurmBackend:
     name = "slurm"
 
-    def __init__(self, options: SlurmOptions | None = None):
-        self.options = options or SlurmOptions()
+    def __init__(self, config: BackendConfig | None = None):
+        self.config = config or BackendConfig(kind="slurm")
+        if self.config.kind != "slurm":
+            raise FlowfleetError(f"SlurmBackend: a {self.config.kind!r} backend config")
 
     # -- scripts ----------------------------------------------------------------------------------
 
     def _header(self, job_name: str, output: str) -> list[str]:
-        o = self.options
+        o = self.config
         lines = [
             "#!/bin/bash",
             f"#SBATCH --job-name={job_name}",
@@ -92,8 +78,8 @@ class SlurmBackend:
 
     def _command(self, args: list[str], tail: str = "") -> str:
         """The job's command line; `tail` is appended unquoted (a shell variable such as the array index)."""
-        o = self.options
-        launcher = [o.python, "-m"]
+        o = self.config
+        launcher = [o.python or sys.executable, "-m"]
         if o.gpus_per_job > 1:  # one job, G GPUs: the trainer's DDP under torchrun
             launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={o.gpus_per_job}", "-m"]
         return "exec " + " ".join(shlex.quote(a) for a in [*launcher, "flowfleet.cli", *args]) + tail
@@ -128,9 +114,9 @@ class SlurmBackend:
         out = _run([*cmd, script_path]).strip()
         return out.split(";")[0]  # "<id>[;cluster]"
 
-    def submit(self, root: RunRoot, specs: list[JobSpec], run_name: str, assemble: bool = True) -> dict[str, str]:
+    def submit(self, root: RunRoot, specs: list[JobSpec], run_name: str, then_assemble: bool = True) -> dict[str, str]:
         """Write the scripts into the run root and submit them -> job name -> Slurm job id (array
-        tasks as "<array id>_<expert>")."""
+        tasks as "<array id>_<expert>"); then_assemble: an assemble job after all of them (afterok)."""
         local = root.local_path(*FOLDER)
         if local is None:
             raise FlowfleetError(f"--backend slurm: {root.url} is not a local folder; sbatch needs the scripts on disk")
@@ -151,7 +137,7 @@ class SlurmBackend:
             name = f"{spec.name}.sbatch"
             root.write_bytes(self.job_script(root, spec, run_name).encode(), *FOLDER, name)
             ids[spec.name] = self.sbatch(str(local / name))
-        if assemble and ids:
+        if then_assemble and ids:
             root.write_bytes(self.assemble_script(root, run_name).encode(), *FOLDER, "assemble.sbatch")
             parents = sorted({i.split("_")[0] for i in ids.values()})
             ids["assemble"] = self.sbatch(str(local / "assemble.sbatch"), parents)
@@ -174,9 +160,26 @@ class SlurmBackend:
         listed = dict(line.split()[:2] for line in out.splitlines() if line.strip())
         return {i: listed[i] for i in ids if i in listed}
 
+    def is_active(self, state: str | None) -> bool:
+        return active(state)
+
     def cancel(self, ids: Sequence[str]) -> None:
         if ids:
             _run(["scancel", *ids])
+
+    def logs(self, job_id: str) -> str:
+        """The job's output file (its folder's train.log) while Slurm still knows the job."""
+        out = _run(["scontrol", "show", "job", job_id])
+        path = next((f.split("=", 1)[1] for f in out.split() if f.startswith("StdOut=")), None)
+        if path is None or not Path(path).is_file():
+            raise FlowfleetError(f"slurm job {job_id}: no output file ({path})")
+        return Path(path).read_text(errors="replace")
+
+    def record(self) -> dict[str, str]:
+        return {}
+
+    def close(self) -> None:
+        pass
 
     def wait_for(self, ids: Sequence[str], poll_every: float = 2.0, on_poll=None) -> None:
         """Until squeue lists none of ids (each finished, failed or was cancelled)."""

@@ -70,13 +70,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "train-all",
-        help="run every expert job, the router and the monolith (local processes or a Slurm cluster)",
+        help="run every expert job, the router and the monolith (local processes, Slurm or Ray jobs)",
         description="Run the K expert jobs, the router and (if run.yaml monolith.enabled) the monolith: as "
-        "separate processes on this machine, N at a time, longest first (--backend local), or as jobs of a "
+        "separate processes on this machine, N at a time, longest first (--backend local); as jobs of a "
         "Slurm cluster (--backend slurm: an sbatch array for the experts, one job per other job, an assemble "
-        "job after all; the scripts are written to RUN_ROOT/backends/slurm/). Finished jobs are skipped, "
-        "unfinished ones resume, a job still queued or running is not submitted twice. Each job's output "
-        "goes to its folder's train.log.",
+        "job after all; the scripts are written to RUN_ROOT/backends/slurm/); or as Ray jobs (--backend ray "
+        "--address http://HEAD:8265). run.yaml `backends` and `placement` may spread the jobs over several "
+        "(mixed compute). Jobs on Slurm or Ray are watched: one whose node dies is resubmitted and resumes "
+        "from its checkpoint. Finished jobs are skipped, unfinished ones resume, a job still queued or "
+        "running is not submitted twice. Each job's output goes to its folder's train.log.",
     )
     add_run_root(p)
     p.add_argument(
@@ -88,19 +90,38 @@ def register(sub: argparse._SubParsersAction) -> None:
         "as each job's thread count)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--backend", choices=("local", "slurm"), default="local", help="where the jobs run (default local)")
+    p.add_argument(
+        "--backend",
+        default="local",
+        metavar="NAME",
+        help="where the jobs run run.yaml `placement` does not place: local, slurm, ray or a name of "
+        "run.yaml `backends` (default local)",
+    )
+    both = p.add_argument_group("--backend slurm or ray")
+    both.add_argument("--cpus-per-job", type=int, default=None, metavar="C", help="CPUs reserved per job (default 1)")
+    both.add_argument(
+        "--gpus-per-job", type=int, default=None, metavar="G", help="GPUs per job (G > 1: the job runs under torchrun)"
+    )
+    both.add_argument("--no-wait", action="store_true", help="return once the jobs are submitted")
     slurm = p.add_argument_group("--backend slurm")
     slurm.add_argument("--partition", default=None, help="sbatch --partition")
     slurm.add_argument("--account", default=None, help="sbatch --account")
     slurm.add_argument("--time", default=None, help="sbatch --time, e.g. 2:00:00")
-    slurm.add_argument("--cpus-per-job", type=int, default=1, metavar="C", help="sbatch --cpus-per-task (default 1)")
     slurm.add_argument(
-        "--gpus-per-job", type=int, default=0, metavar="G", help="GPUs per job (G > 1: the job runs under torchrun)"
+        "--sbatch-arg",
+        dest="sbatch_args",
+        action="append",
+        default=None,
+        metavar="ARG",
+        help="any other sbatch option (repeatable)",
     )
-    slurm.add_argument(
-        "--sbatch-arg", action="append", default=[], metavar="ARG", help="any other sbatch option (repeatable)"
+    ray = p.add_argument_group("--backend ray")
+    ray.add_argument(
+        "--address",
+        default=None,
+        help="the Ray cluster's dashboard URL, http://HEAD:8265 (default: RAY_ADDRESS; neither: a Ray cluster "
+        "started on this machine for this train-all)",
     )
-    slurm.add_argument("--no-wait", action="store_true", help="return once the jobs are submitted")
     p.set_defaults(func=run_all)
 
     p = sub.add_parser(
@@ -153,30 +174,51 @@ def run_monolith(args: argparse.Namespace) -> int:
     return _report(train_monolith(args.run_root, match_compute=args.match_compute, options=_options(args)))
 
 
+_BACKEND_OPTIONS = {
+    "cpus_per_job": "--cpus-per-job",
+    "gpus_per_job": "--gpus-per-job",
+    "partition": "--partition",
+    "account": "--account",
+    "time": "--time",
+    "sbatch_args": "--sbatch-arg",
+    "address": "--address",
+}
+
+
+def _backend(args: argparse.Namespace):
+    """--backend and its options -> a BackendConfig, or the name of a run.yaml backend (no options)."""
+    from pydantic import ValidationError
+
+    from flowfleet.config import BACKEND_KINDS, BackendConfig
+    from flowfleet.errors import FlowfleetError
+
+    given = {field: getattr(args, field) for field in _BACKEND_OPTIONS if getattr(args, field) is not None}
+    if args.backend not in BACKEND_KINDS:
+        if given:
+            flags = ", ".join(_BACKEND_OPTIONS[f] for f in given)
+            raise FlowfleetError(f"{flags}: --backend {args.backend} takes its options from run.yaml backends")
+        return args.backend
+    try:
+        return BackendConfig(kind=args.backend, **given)
+    except ValidationError as err:
+        first = err.errors()[0]
+        msg = first["msg"].removeprefix("Value error, ")
+        field = str(first["loc"][0]) if first["loc"] else msg.split(":")[0]  # (the config's checks name it first)
+        msg = msg.removeprefix(f"{field}: ")
+        raise FlowfleetError(f"{_BACKEND_OPTIONS.get(field, f'--backend {args.backend}')}: {msg}") from None
+
+
 def run_all(args: argparse.Namespace) -> int:
     from flowfleet.errors import FlowfleetError
     from flowfleet.stages.train import train_all
 
     if args.parallel is not None and args.parallel < 1:
         raise FlowfleetError(f"--parallel: must be >= 1, got {args.parallel}")
-    slurm = None
-    if args.backend == "slurm":
-        from flowfleet.backends.slurm import SlurmOptions
-
-        slurm = SlurmOptions(
-            partition=args.partition,
-            account=args.account,
-            time=args.time,
-            cpus_per_job=args.cpus_per_job,
-            gpus_per_job=args.gpus_per_job,
-            sbatch_args=tuple(args.sbatch_arg),
-        )
     outcome = train_all(
         args.run_root,
         parallel=args.parallel,
         progress=not args.no_progress,
-        backend=args.backend,
-        slurm=slurm,
+        backend=_backend(args),
         wait=not args.no_wait,
     )
     for name, result in outcome.results.items():

@@ -3,8 +3,8 @@
 train_expert(run_root, k)        expert k on partitions/k only (an isolated job; DDP under torchrun)
 train_router(run_root)           the router on data/ + clusters/assignments.safetensors
 train_monolith(run_root)         the baseline on data/ (match_compute: FLOPs = sum over the experts)
-train_all(run_root, parallel=N)  all of them as local processes (or backend="slurm": sbatch jobs),
-                                 skipping finished jobs and jobs a backend still holds
+train_all(run_root, parallel=N)  all of them where run.yaml places them or on `backend` (local processes,
+                                 Slurm or Ray jobs), skipping finished jobs and jobs a backend still holds
 job_status(run_root)             every job's status.json (pending when never started)
 """
 
@@ -20,10 +20,18 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from flowfleet.backends import BACKEND_NAMES, read_submissions, record_submissions
-from flowfleet.backends.slurm import SlurmBackend, SlurmOptions
-from flowfleet.backends.slurm import active as slurm_active
-from flowfleet.config import RunConfig, load_run_config
+from flowfleet.backends import (
+    RemoteBackend,
+    backend_of,
+    make_backend,
+    named_backend,
+    place_jobs,
+    read_submissions,
+    record_submissions,
+)
+from flowfleet.backends.ray import RayBackend
+from flowfleet.backends.watch import RemoteWatch
+from flowfleet.config import BackendConfig, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
@@ -138,153 +146,148 @@ class _StepProgress:
 
 def train_all(
     run_root: str,
-    *,
     parallel: int | None = None,
     progress: bool = True,
-    backend: str = "local",
-    slurm: SlurmOptions | None = None,
+    backend: str | BackendConfig = "local",
     wait: bool = True,
 ) -> FleetOutcome:
-    """Run every unfinished job of the run: as local processes (`--parallel` at a time), or as jobs of a
-    Slurm cluster (backend "slurm"; wait=False returns once they are submitted). A job that is done, live
-    elsewhere (its status lease) or still held by a backend job submitted earlier is not started again."""
-    if backend not in BACKEND_NAMES:
-        raise FlowfleetError(f"--backend: unknown {backend!r} (expected {' or '.join(BACKEND_NAMES)})")
+    """Run every unfinished job of the run where it is placed: run.yaml `placement` maps jobs to backends
+    (a `backends` entry, or local | slurm | ray), the others go to `backend`. Local jobs run as processes
+    here (`parallel` at a time) while the jobs of Slurm or Ray clusters are watched and resubmitted if
+    their node dies (wait=False: return once they are submitted). A job that is done, live elsewhere (its
+    status lease) or still held by a backend job submitted earlier is not started again."""
     root, cfg = _open(run_root)
+    default = "cli" if isinstance(backend, BackendConfig) else backend
+    places = {"cli": backend} if isinstance(backend, BackendConfig) else {}
+    placed = place_jobs(cfg, fleet_jobs(cfg), default)
+    for name in set(placed.values()) - set(places):
+        places[name] = named_backend(cfg, name)
+    if not wait and any(places[placed[s.name]].kind == "local" for s in fleet_jobs(cfg)):
+        raise FlowfleetError("--no-wait: only for jobs on Slurm or Ray (local jobs end with train-all)")
+    remotes: dict[str, RemoteBackend] = {}
+    try:
+        for name, config in places.items():
+            if config.kind != "local":
+                remotes[name] = RayBackend(config, start_local=wait) if config.kind == "ray" else make_backend(config)
+        results, messages, todo = _todo(root, cfg)
+        if todo:
+            todo.sort(key=lambda s: job_cost(cfg, s), reverse=True)  # longest first: shortest makespan
+            _run_placed(root, cfg, todo, placed, places, remotes, results, messages, parallel, progress, wait)
+    finally:
+        for remote in remotes.values():
+            remote.close()
+    return FleetOutcome(results, messages)
+
+
+def _todo(root: RunRoot, cfg: RunConfig) -> tuple[dict[str, str], dict[str, str], list[JobSpec]]:
+    """-> (results, messages) of the jobs not to start (done, live, held by a backend) and the others."""
     results: dict[str, str] = {}
     messages: dict[str, str] = {}
     todo: list[JobSpec] = []
     submitted = read_submissions(root)
-    held = _held_by_slurm(submitted, [s.name for s in fleet_jobs(cfg)]) if backend == "slurm" else {}
+    held = _held(submitted, [s.name for s in fleet_jobs(cfg)])
     for spec in fleet_jobs(cfg):
         done, _, status = job_finished(root, spec.dir, job_steps(cfg, spec))
         if done:
             results[spec.name] = "skipped"
             messages[spec.name] = "already done"
-        elif status is not None and status.is_live():
+        elif status is not None and status.state == "running" and status.is_live():
             results[spec.name] = "busy"
             messages[spec.name] = f"running on {status.host} (pid {status.pid})"
         elif spec.name in held:
             results[spec.name] = "queued"
-            messages[spec.name] = f"slurm job {submitted[spec.name]['id']} is {held[spec.name]}"
+            s = submitted[spec.name]
+            messages[spec.name] = f"{s['backend']} job {s['id']} is {held[spec.name]}"
         else:
             todo.append(spec)
     for name, why in messages.items():
         log.info(f"{name}: {why}, skipped")
-    if not todo:
-        return FleetOutcome(results, messages)
-    todo.sort(key=lambda s: job_cost(cfg, s), reverse=True)  # longest first: shortest makespan
-    if backend == "slurm":
-        _train_on_slurm(root, cfg, todo, results, messages, slurm or SlurmOptions(), progress, wait)
-    else:
-        _train_locally(root, cfg, todo, results, messages, parallel, progress)
-    for spec in todo:
-        results.setdefault(spec.name, "not started")
-    if any(r == "not started" for r in results.values()):
-        log.warning("train-all: stopped; re-run to resume")
-    return FleetOutcome(results, messages)
+    return results, messages, todo
 
 
-def _held_by_slurm(submitted: dict[str, dict], names: list[str]) -> dict[str, str]:
-    """Jobs whose recorded Slurm job is still pending or running -> its squeue state."""
-    ids = {n: str(submitted[n]["id"]) for n in names if submitted.get(n, {}).get("backend") == "slurm"}
-    if not ids:
-        return {}
-    states = SlurmBackend().states(list(ids.values()))
-    return {n: states[i] for n, i in ids.items() if slurm_active(states.get(i))}
+def _held(submitted: dict[str, dict], names: list[str]) -> dict[str, str]:
+    """Jobs whose recorded backend job is still queued or running there -> its state there (a cluster that
+    cannot be asked holds nothing: its jobs' leases still keep them from running twice)."""
+    groups: dict[tuple[str, str | None], dict[str, str]] = {}
+    for name in names:
+        if name in submitted:
+            s = submitted[name]
+            groups.setdefault((s.get("backend", "?"), s.get("address")), {})[name] = str(s["id"])
+    held = {}
+    for (kind, address), ids in groups.items():
+        try:
+            remote = backend_of({"backend": kind, "address": address})
+            states = remote.states(list(ids.values()))
+        except FlowfleetError as err:
+            log.warning(f"{', '.join(ids)}: cannot ask {kind} {address or ''} whether still queued ({err})")
+            continue
+        held.update({n: states[i] for n, i in ids.items() if remote.is_active(states.get(i))})
+    return held
 
 
-def _train_on_slurm(
+def _run_placed(
     root: RunRoot,
     cfg: RunConfig,
     todo: list[JobSpec],
+    placed: dict[str, str],
+    places: dict[str, BackendConfig],
+    remotes: dict[str, RemoteBackend],
     results: dict[str, str],
     messages: dict[str, str],
-    options: SlurmOptions,
+    parallel: int | None,
     progress: bool,
     wait: bool,
 ) -> None:
-    backend = SlurmBackend(options)
-    ids = backend.submit(root, todo, cfg.name)
-    record_submissions(root, "slurm", ids)
-    for name, job_id in ids.items():
-        log.info(f"{name}: submitted as slurm job {job_id}")
+    """Submit the remote jobs, run the local ones here while watching the others, then wait for the rest."""
+    watch = RemoteWatch(root, cfg.name)
+    whole = len(todo) == len(fleet_jobs(cfg)) and len({placed[s.name] for s in todo}) == 1
+    for name, remote in remotes.items():
+        mine = [s for s in todo if placed[s.name] == name]
+        if not mine:
+            continue
+        ids = remote.submit(root, mine, cfg.name, then_assemble=whole)
+        record_submissions(root, remote, ids)
+        for job, job_id in ids.items():
+            log.info(f"{job}: submitted as {remote.name} job {job_id}" + (f" ({name})" if name != remote.name else ""))
+        watch.add(remote, mine, ids)
     if not wait:
         for spec in todo:
-            results[spec.name], messages[spec.name] = "submitted", f"slurm job {ids[spec.name]}"
+            w = watch.jobs[spec.name]
+            results[spec.name], messages[spec.name] = "submitted", f"{w.backend.name} job {w.job_id}"
         return
+    local = [s for s in todo if places[placed[s.name]].kind == "local"]
     bar = _StepProgress(root, cfg, todo, progress)
+    last_look = [0.0]
+
+    def look() -> None:  # while local jobs run: the remote ones too, every few seconds
+        bar.poll()
+        if watch.jobs and time.monotonic() - last_look[0] > 2.0:
+            last_look[0] = time.monotonic()
+            watch.step()
+
     try:
-        _watch_slurm(root, cfg, backend, todo, ids, bar)
+        if local:
+            _train_locally(root, cfg, local, results, messages, parallel, bar, look)
+        watch.wait(on_poll=bar.poll)
     except KeyboardInterrupt:
         bar.close()
-        log.warning("train-all: stopped watching; the slurm jobs go on (`flowfleet status` shows them)")
+        if watch.jobs:
+            log.warning("train-all: stopped watching; the submitted jobs go on (`flowfleet status` shows them)")
         raise
     bar.close()
     for spec in todo:
-        status = read_status(root, spec.dir)
-        if status is not None and status.state in ("done", "stopped"):
-            results[spec.name] = status.state
-        else:
-            results[spec.name] = "failed"
-            messages[spec.name] = (status.message if status and status.message else "") or (
-                f"slurm job {ids[spec.name]} ended without finishing; its log is beside train.log"
-            )
-
-
-def _watch_slurm(
-    root: RunRoot,
-    cfg: RunConfig,
-    backend: SlurmBackend,
-    todo: list[JobSpec],
-    ids: dict[str, str],
-    bar: _StepProgress,
-    poll_every: float = 2.0,
-    max_resubmits: int = 2,
-) -> None:
-    """Until every job has ended. A job is lost when its status says running but its lease has expired
-    (the node or the process died) or Slurm no longer lists it while it never finished: it is cancelled
-    and submitted again (at most max_resubmits times), and resumes from its newest checkpoint. A job
-    that failed by itself (status "failed") is not resubmitted: it would fail again."""
-    submitted = {name: time.time() for name in ids}
-    resubmits = dict.fromkeys(ids, 0)
-    while True:
-        bar.poll()
-        states = backend.states([ids[s.name] for s in todo])
-        waiting = False
-        for spec in todo:
-            job_id, state = ids[spec.name], states.get(ids[spec.name])
+        if spec.name in watch.jobs:
+            w = watch.jobs[spec.name]
             status = read_status(root, spec.dir)
-            current = status is not None and (status.heartbeat or 0) >= submitted[spec.name] - 1
-            if status is not None and status.state in ("done", "stopped", "failed") and current:
-                if slurm_active(state):
-                    waiting = True  # (Slurm has not noticed the end yet)
-                continue
-            if slurm_active(state):
-                if status is None or not current or status.state != "running" or status.is_live():
-                    waiting = True
-                    continue
-                why = f"its lease expired ({status.host}:{status.pid} silent)"
+            if status is not None and status.state in ("done", "stopped"):
+                results[spec.name] = status.state
             else:
-                why = "Slurm no longer lists it and it never finished"
-            if resubmits[spec.name] >= max_resubmits:
-                log.warning(
-                    f"{spec.name}: slurm job {job_id} lost ({why}); resubmitted {max_resubmits} times, giving up"
+                results[spec.name] = "failed"
+                messages[spec.name] = (status.message if status and status.message else "") or (
+                    f"{w.backend.name} job {w.job_id} ended without finishing; see its train.log"
                 )
-                continue
-            if slurm_active(state):
-                backend.cancel([job_id])
-            ids[spec.name] = backend.resubmit(root, spec, cfg.name)
-            submitted[spec.name], resubmits[spec.name] = time.time(), resubmits[spec.name] + 1
-            record_submissions(root, "slurm", {spec.name: ids[spec.name]})
-            log.warning(
-                f"{spec.name}: slurm job {job_id} lost ({why}); resubmitted as {ids[spec.name]}, "
-                f"it resumes from its newest checkpoint"
-            )
-            waiting = True
-        if not waiting:
-            return
-        time.sleep(poll_every)
+        if spec.name not in results:
+            results[spec.name] = "not started"
 
 
 def _train_locally(
@@ -294,8 +297,10 @@ def _train_locally(
     results: dict[str, str],
     messages: dict[str, str],
     parallel: int | None,
-    progress: bool,
+    bar: _StepProgress,
+    on_poll,
 ) -> None:
+    """The jobs as processes on this machine, `parallel` at a time (flowfleet.train.fanout)."""
     slots = plan_slots(
         len(todo), parallel, os.cpu_count() or 1, torch.cuda.device_count() if torch.cuda.is_available() else 0
     )
@@ -311,7 +316,6 @@ def _train_locally(
 
     jobs = [flowfleet_job(s.name, s.cli_args(url), log_path(s)) for s in todo]
     specs = {s.name: s for s in todo}
-    bar = _StepProgress(root, cfg, todo, progress)
 
     def started(job: ProcessJob, pid: int) -> None:
         bar.bar.write(f"{job.name}: started (pid {pid}, {slots[0].threads} threads), log {job.log}")
@@ -335,11 +339,10 @@ def _train_locally(
     log.info(f"train-all: {len(todo)} job(s), {len(slots)} at a time")
     # every job imports the same modules: the forkserver does it once (flowfleet.train.fanout)
     fanout = LocalFanout(
-        slots, on_start=started, on_exit=exited, on_poll=bar.poll, preload=("flowfleet.cli", "flowfleet.stages.train")
+        slots, on_start=started, on_exit=exited, on_poll=on_poll, preload=("flowfleet.cli", "flowfleet.stages.train")
     )
     try:
         fanout.run(jobs)
     finally:
-        bar.close()
         if logs_tmp is not None:
             logs_tmp.cleanup()

@@ -1,0 +1,123 @@
+"""The `ray` backend of `train-all`: one Ray job per flowfleet job on an existing Ray cluster (Ray Jobs API).
+
+    flowfleet train-all RUN --backend ray --address http://HEAD:8265 [--cpus-per-job C] [--gpus-per-job G]
+    flowfleet train-all RUN --backend ray        # no address, no RAY_ADDRESS: a Ray cluster on this machine
+
+Each job's entrypoint is the same flowfleet command as the local and Slurm backends (under torchrun with
+G > 1 GPUs), with C CPUs and G GPUs reserved for it by Ray; on a shared-folder run root its output is
+appended to the job's train.log, and Ray keeps it too (`ray job logs ID`). The submission ids go to
+RUN_ROOT/backends/submissions.json. The nodes need the run root (a shared folder or an s3:// URL) and
+the same Python environment. The Jobs API client (ray.job_submission) is imported only here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import sys
+import uuid
+from typing import Any, Sequence
+
+from flowfleet.config import BackendConfig
+from flowfleet.errors import FlowfleetError
+from flowfleet.layout import LOG_FILE
+from flowfleet.storage import RunRoot
+from flowfleet.train.jobs import JobSpec
+
+log = logging.getLogger(__name__)
+
+RAY_ACTIVE = ("PENDING", "RUNNING")
+
+
+class RayBackend:
+    name = "ray"
+
+    def __init__(self, config: BackendConfig | None = None, start_local: bool = False):
+        """start_local: with no address (config.address, RAY_ADDRESS), start a Ray cluster on this machine
+        for the life of this object (close() ends it), as ray.init() does; otherwise that is an error."""
+        self.config = config or BackendConfig(kind="ray")
+        if self.config.kind != "ray":
+            raise FlowfleetError(f"RayBackend: a {self.config.kind!r} backend config")
+        self.address = self.config.address or os.environ.get("RAY_ADDRESS")
+        self.start_local = start_local
+        self._client: Any = None
+        self._started = False
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            try:
+                import ray
+                from ray.job_submission import JobSubmissionClient
+            except ImportError:
+                raise FlowfleetError(
+                    "--backend ray: the ray package is not installed (pip install 'flowfleet[ray]')"
+                ) from None
+            if self.address is None:
+                if not self.start_local:
+                    raise FlowfleetError("--address: the Ray cluster's dashboard URL (http://HEAD:8265) is unknown")
+                log.info("ray: no --address, starting a Ray cluster on this machine for this train-all")
+                context = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
+                self.address, self._started = f"http://{context.dashboard_url}", True
+            try:
+                self._client = JobSubmissionClient(self.address)
+            except Exception as err:  # connection refused, wrong URL, auth: Ray's own exception types
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise FlowfleetError(f"--address {self.address}: no Ray cluster answers ({first[:200]})") from None
+        return self._client
+
+    def entrypoint(self, root: RunRoot, spec: JobSpec) -> str:
+        o = self.config
+        launcher = [o.python or sys.executable, "-m"]
+        if o.gpus_per_job > 1:
+            launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={o.gpus_per_job}", "-m"]
+        cmd = " ".join(shlex.quote(a) for a in [*launcher, "flowfleet.cli", *spec.cli_args(root.url)])
+        log = root.local_path(spec.dir, LOG_FILE)
+        if log is not None:  # a shared folder: the job's output where the other backends put it
+            log.parent.mkdir(parents=True, exist_ok=True)
+            cmd += f" >> {shlex.quote(str(log))} 2>&1"
+        return cmd
+
+    def submit_one(self, root: RunRoot, spec: JobSpec, run_name: str) -> str:
+        o = self.config
+        return self.client.submit_job(
+            entrypoint=self.entrypoint(root, spec),
+            submission_id=f"flowfleet-{run_name}-{spec.name}-{uuid.uuid4().hex[:8]}",
+            entrypoint_num_cpus=o.cpus_per_job,
+            entrypoint_num_gpus=o.gpus_per_job or None,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(o.cpus_per_job)}},
+            metadata={"flowfleet_run": root.url, "flowfleet_job": spec.name},
+        )
+
+    def submit(self, root: RunRoot, specs: list[JobSpec], run_name: str, then_assemble: bool = False) -> dict[str, str]:
+        """One Ray job per spec (Ray jobs cannot wait on each other: assemble once train-all returns,
+        as after a local run)."""
+        return {spec.name: self.submit_one(root, spec, run_name) for spec in specs}
+
+    def resubmit(self, root: RunRoot, spec: JobSpec, run_name: str) -> str:
+        return self.submit_one(root, spec, run_name)
+
+    def states(self, ids: Sequence[str]) -> dict[str, str]:
+        """Ray submission id -> PENDING | RUNNING | SUCCEEDED | FAILED | STOPPED."""
+        return {i: str(self.client.get_job_status(i).value) for i in ids}
+
+    def is_active(self, state: str | None) -> bool:
+        return state in RAY_ACTIVE
+
+    def cancel(self, ids: Sequence[str]) -> None:
+        for i in ids:
+            self.client.stop_job(i)
+
+    def logs(self, job_id: str) -> str:
+        return str(self.client.get_job_logs(job_id))
+
+    def record(self) -> dict[str, Any]:
+        return {"address": self.address}
+
+    def close(self) -> None:
+        if self._started:
+            import ray
+
+            ray.shutdown()
+            self._started, self._client = False, None

@@ -1,0 +1,98 @@
+"""Watching jobs submitted to remote backends until they end, resubmitting the ones whose node died.
+
+A job is lost when its status.json says running but its lease has expired (the node or the process died
+while the backend still lists the job) or when the backend ended it while it never finished (Slurm
+dropped it, Ray's worker node went away). A lost job is cancelled and submitted again, at most
+`max_resubmits` times, and resumes from its newest checkpoint. A job that failed by itself (status
+"failed") is not resubmitted: it would fail again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from flowfleet.backends import RemoteBackend, record_submissions
+from flowfleet.storage import RunRoot
+from flowfleet.train.jobs import JobSpec
+from flowfleet.train.status import read_status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Watched:
+    spec: JobSpec
+    backend: RemoteBackend
+    job_id: str
+    submitted: float = field(default_factory=time.time)
+    resubmits: int = 0
+
+
+class RemoteWatch:
+    """The submitted jobs of one train-all, on any number of backends; step() looks once."""
+
+    def __init__(self, root: RunRoot, run_name: str, max_resubmits: int = 2):
+        self.root, self.run_name, self.max_resubmits = root, run_name, max_resubmits
+        self.jobs: dict[str, _Watched] = {}
+
+    def add(self, backend: RemoteBackend, specs: list[JobSpec], ids: dict[str, str]) -> None:
+        for spec in specs:
+            self.jobs[spec.name] = _Watched(spec, backend, ids[spec.name])
+
+    def ids(self) -> dict[str, str]:
+        return {name: w.job_id for name, w in self.jobs.items()}
+
+    def step(self) -> bool:
+        """Look at every job once, resubmitting the lost ones -> whether any is still queued or running."""
+        states: dict[str, str] = {}
+        for backend in {id(w.backend): w.backend for w in self.jobs.values()}.values():
+            mine = [w.job_id for w in self.jobs.values() if w.backend is backend]
+            states.update(backend.states(mine))
+        waiting = False
+        for w in self.jobs.values():
+            state = states.get(w.job_id)
+            active = w.backend.is_active(state)
+            status = read_status(self.root, w.spec.dir)
+            current = status is not None and (status.heartbeat or 0) >= w.submitted - 1
+            if status is not None and status.state in ("done", "stopped", "failed") and current:
+                waiting = waiting or active  # (the backend has not noticed the end yet)
+                continue
+            if active:
+                if status is None or not current or status.state != "running" or status.is_live():
+                    waiting = True
+                    continue
+                why = f"its lease expired ({status.host}:{status.pid} silent)"
+            else:
+                why = f"{w.backend.name} ended it ({state or 'gone'}) and it never finished"
+            waiting = self._resubmit(w, why, active) or waiting
+        return waiting
+
+    def _resubmit(self, w: _Watched, why: str, active: bool) -> bool:
+        old = w.job_id
+        if w.resubmits >= self.max_resubmits:
+            log.warning(
+                f"{w.spec.name}: {w.backend.name} job {old} lost ({why}); "
+                f"resubmitted {self.max_resubmits} times, giving up"
+            )
+            return False
+        if active:
+            w.backend.cancel([old])
+        w.job_id = w.backend.resubmit(self.root, w.spec, self.run_name)
+        w.submitted, w.resubmits = time.time(), w.resubmits + 1
+        record_submissions(self.root, w.backend, {w.spec.name: w.job_id})
+        log.warning(
+            f"{w.spec.name}: {w.backend.name} job {old} lost ({why}); resubmitted as {w.job_id}, "
+            f"it resumes from its newest checkpoint"
+        )
+        return True
+
+    def wait(self, poll_every: float = 2.0, on_poll=None) -> None:
+        """step() until no job is queued or running."""
+        while True:
+            if on_poll is not None:
+                on_poll()
+            if not self.step():
+                return
+            time.sleep(poll_every)
