@@ -74,10 +74,11 @@ class RayBackend:
             launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={o.gpus_per_job}", "-m"]
         cmd = " ".join(shlex.quote(a) for a in [*launcher, "flowfleet.cli", *spec.cli_args(root.url)])
         log = root.local_path(spec.dir, LOG_FILE)
-        if log is not None:  # a shared folder: the job's output where the other backends put it
-            log.parent.mkdir(parents=True, exist_ok=True)
-            cmd += f" >> {shlex.quote(str(log))} 2>&1"
-        return cmd
+        if log is None:
+            return cmd
+        # a shared folder: the job's output also where the other backends put it (Ray keeps its own copy)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        return "bash -o pipefail -c " + shlex.quote(f"{cmd} 2>&1 | tee -a {shlex.quote(str(log))}")
 
     def submit_one(self, root: RunRoot, spec: JobSpec, run_name: str) -> str:
         o = self.config
@@ -107,7 +108,10 @@ class RayBackend:
 
     def cancel(self, ids: Sequence[str]) -> None:
         for i in ids:
-            self.client.stop_job(i)
+            try:
+                self.client.stop_job(i)
+            except Exception as err:  # a job whose node died may not be stoppable: Ray ends it itself
+                log.warning(f"ray job {i}: could not stop it ({str(err).splitlines()[0][:200] if str(err) else err})")
 
     def logs(self, job_id: str) -> str:
         return str(self.client.get_job_logs(job_id))

@@ -156,9 +156,24 @@ class SlurmBackend:
         if not ids:
             return {}
         arrays = sorted({i.split("_")[0] for i in ids})
-        out = _run(["squeue", "-h", "-r", "-o", "%i %T", "-j", ",".join(arrays)])
+        try:
+            out = _run(["squeue", "-h", "-r", "-o", "%i %T", "-j", ",".join(arrays)])
+        except FlowfleetError as err:
+            if "Invalid job id" not in str(err):
+                raise
+            # squeue refuses a job it has already forgotten (MinJobAge): ask for each job alone
+            out = "".join(self._squeue_if_known(a) for a in arrays)
         listed = dict(line.split()[:2] for line in out.splitlines() if line.strip())
         return {i: listed[i] for i in ids if i in listed}
+
+    @staticmethod
+    def _squeue_if_known(job_id: str) -> str:
+        try:
+            return _run(["squeue", "-h", "-r", "-o", "%i %T", "-j", job_id])
+        except FlowfleetError as err:
+            if "Invalid job id" in str(err):
+                return ""
+            raise
 
     def is_active(self, state: str | None) -> bool:
         return active(state)

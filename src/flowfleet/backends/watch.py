@@ -28,6 +28,7 @@ class _Watched:
     job_id: str
     submitted: float = field(default_factory=time.time)
     resubmits: int = 0
+    lost: tuple[str, int] | None = None  # the process given up on: its status is not the new job's
 
 
 class RemoteWatch:
@@ -55,7 +56,11 @@ class RemoteWatch:
             state = states.get(w.job_id)
             active = w.backend.is_active(state)
             status = read_status(self.root, w.spec.dir)
-            current = status is not None and (status.heartbeat or 0) >= w.submitted - 1
+            current = (
+                status is not None
+                and (status.heartbeat or 0) >= w.submitted - 1
+                and (status.host, status.pid) != w.lost
+            )
             if status is not None and status.state in ("done", "stopped", "failed") and current:
                 waiting = waiting or active  # (the backend has not noticed the end yet)
                 continue
@@ -66,6 +71,8 @@ class RemoteWatch:
                 why = f"its lease expired ({status.host}:{status.pid} silent)"
             else:
                 why = f"{w.backend.name} ended it ({state or 'gone'}) and it never finished"
+            if status is not None:
+                w.lost = (status.host, status.pid)
             waiting = self._resubmit(w, why, active) or waiting
         return waiting
 

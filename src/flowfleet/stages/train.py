@@ -162,8 +162,12 @@ def train_all(
     placed = place_jobs(cfg, fleet_jobs(cfg), default)
     for name in set(placed.values()) - set(places):
         places[name] = named_backend(cfg, name)
-    if not wait and any(places[placed[s.name]].kind == "local" for s in fleet_jobs(cfg)):
-        raise FlowfleetError("--no-wait: only for jobs on Slurm or Ray (local jobs end with train-all)")
+    if not wait:
+        kinds = {places[placed[s.name]].kind for s in fleet_jobs(cfg)}
+        if "local" in kinds:
+            raise FlowfleetError("--no-wait: only for jobs on Slurm or Ray (local jobs end with train-all)")
+        if any(p.kind == "ray" and not (p.address or os.environ.get("RAY_ADDRESS")) for p in places.values()):
+            raise FlowfleetError("--no-wait: give --address; a Ray cluster train-all starts for itself ends with it")
     remotes: dict[str, RemoteBackend] = {}
     try:
         for name, config in places.items():
@@ -176,7 +180,8 @@ def train_all(
     finally:
         for remote in remotes.values():
             remote.close()
-    return FleetOutcome(results, messages)
+    order = [s.name for s in fleet_jobs(cfg)]  # the run's order, wherever each job ran
+    return FleetOutcome({n: results[n] for n in order if n in results}, messages)
 
 
 def _todo(root: RunRoot, cfg: RunConfig) -> tuple[dict[str, str], dict[str, str], list[JobSpec]]:
@@ -248,7 +253,7 @@ def _run_placed(
         ids = remote.submit(root, mine, cfg.name, then_assemble=whole)
         record_submissions(root, remote, ids)
         for job, job_id in ids.items():
-            log.info(f"{job}: submitted as {remote.name} job {job_id}" + (f" ({name})" if name != remote.name else ""))
+            log.info(f"{job}: submitted as {remote.name} job {job_id}" + (f" ({name})" if name in cfg.backends else ""))
         watch.add(remote, mine, ids)
     if not wait:
         for spec in todo:
