@@ -30,7 +30,7 @@ demo-quick: $(STAMP)
 
 test: $(STAMP)
 	.ci/install-chromium
-	.ci/install-slurm
+	.ci/install-clusters
 	.ci/install-skypilot
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slurm
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     if missing_daemons():  # never skipped: make test installs them
-        pytest.fail(f"Slurm not installed ({', '.join(missing_daemons())} missing): run .ci/install-slurm")
+        pytest.fail(f"Slurm not installed ({', '.join(missing_daemons())} missing): run .ci/install-clusters")
     with slurm_cluster(tmp_path_factory.mktemp("slurm")) as running:
         yield running
 
