@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="processes splitting each image into row bands")
     p.add_argument("--mode", default="displaced", choices=[m.value for m in UNetMode])
     p.add_argument(
+        "--cfg-split",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with guidance and an even --nproc: the unconditional and conditional halves on two rank groups",
+    )
+    p.add_argument(
         "--warmup", type=int, default=4, help="synchronous steps after the first one (default 4, as the paper)"
     )
     p.add_argument("--steps", type=int, default=20)
@@ -153,7 +159,10 @@ def run_pipeline(pipe, call: dict, seed: int, device: torch.device) -> tuple[tor
 def rank_main(ctx: DistContext, args: argparse.Namespace) -> None:
     pipe, call = build(args, ctx.device)
     ref, t_ref = run_pipeline(pipe, call, args.seed, ctx.device)  # the plain pipeline (every rank)
-    with parallelize(pipe.unet, ctx.world, mode=args.mode, warmup=args.warmup, timeout_s=ctx.timeout_s) as punet:
+    split = args.cfg_split and args.guidance > 1 and ctx.world_size % 2 == 0
+    with parallelize(
+        pipe.unet, ctx.world, mode=args.mode, warmup=args.warmup, cfg_split=split, timeout_s=ctx.timeout_s
+    ) as punet:
         out, t_par = run_pipeline(pipe, call, args.seed, ctx.device)
         sent = punet.comm.bytes_by_step
         modes = [m.value for m in punet.modes]
@@ -167,7 +176,8 @@ def rank_main(ctx: DistContext, args: argparse.Namespace) -> None:
     RunRoot(out_path.parent).write_bytes(png_bytes(grid), out_path.name)
     steady = sent.get(max(sent), 0) if sent else 0
     print(
-        f"{args.nproc} ranks, mode {args.mode} (warm-up {args.warmup}), {args.steps} steps, {args.size}px, "
+        f"{args.nproc} ranks{' (CFG split)' if split else ''}, mode {args.mode} (warm-up {args.warmup}), "
+        f"{args.steps} steps, {args.size}px, "
         f"{ctx.backend} on {ctx.device}"
     )
     print(f"  modes per U-Net call: {' '.join(modes)}")

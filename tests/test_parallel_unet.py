@@ -285,6 +285,88 @@ def test_small_latents_stay_exact_in_sync_and_never_black(nproc):
     assert psnr(ranks[0]["displaced"], ref) > psnr(ranks[0]["naive"], ref)
 
 
+def guided_loop(unet, x: torch.Tensor, text: torch.Tensor, scale: float = 4.0, steps: int = STEPS) -> torch.Tensor:
+    """A pipeline's guided loop: one U-Net call on [unconditional; conditional] (2B rows), then CFG."""
+    scheduler = FlowMatchEulerDiscreteScheduler()
+    scheduler.set_timesteps(steps)
+    both = torch.cat([torch.zeros_like(text), text])  # [2B, L, D]: the empty prompt's states, then the prompt's
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            uncond, cond = unet(torch.cat([x, x]), t, encoder_hidden_states=both).sample.chunk(2)
+            x = scheduler.step(uncond + scale * (cond - uncond), t, x).prev_sample
+    return x
+
+
+def _cfg_split(ctx, size: int, modes: list[str], batch: int) -> dict:
+    unet = tiny_unet()
+    x, text = banded_latent(size)
+    x, text = x.repeat(batch, 1, 1, 1), text.repeat(batch, 1, 1)
+    out = {}
+    for mode in modes:
+        for split in (True, False):
+            with parallelize(unet, ctx.world, mode=mode, warmup=1, cfg_split=split) as punet:
+                key = f"{mode}/{'split' if split else 'whole'}"
+                out[key] = guided_loop(unet, x, text)
+                out[f"{key}/bytes"] = [punet.comm.bytes_by_step.get(s, 0) for s in range(STEPS)]
+                out[f"{key}/bands"] = punet.step.bands
+    return out
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_cfg_split_is_exact_in_sync_and_halves_each_ranks_rows(nproc):
+    """CFG split (distrifuser's split_batch): ranks [0, N/2) run the unconditional rows, [N/2, N) the
+    conditional; each half in N/2 bands. Sync equals one device; each rank's band holds twice the rows of
+    the unsplit run's band, for half the batch, so band exchanges carry the same bytes per rank and only
+    the output gather differs; at N = 2 each group is one rank: no band exchange at all."""
+    unet = tiny_unet()
+    x, text = banded_latent(16)
+    x, text = x.repeat(2, 1, 1, 1), text.repeat(2, 1, 1)
+    ref = guided_loop(unet, x, text)
+    ranks = run_local(_cfg_split, nproc, (16, ["sync", "displaced", "naive"], 2), **FORK)
+    r0 = ranks[0]
+    for key in ("sync/split", "displaced/split", "naive/split", "sync/whole"):
+        assert all(torch.equal(r[key], r0[key]) for r in ranks), f"{key}: ranks disagree"
+        assert_image_like(r0[key], ref, key)
+    assert (r0["sync/split"] - ref).abs().max() <= 1e-5
+    assert (r0["sync/whole"] - ref).abs().max() <= 1e-5
+    assert r0["sync/split/bands"] == nproc // 2 and r0["sync/whole/bands"] == nproc
+    out_band = 4 * x.numel() * 2 // nproc  # float32: a 1/N share of the guided [2B, C, H, W] output
+    assert r0["naive/split/bytes"] == [(nproc - 1) * out_band] * STEPS
+    if nproc == 2:  # one rank per group: the whole image, only the output gather
+        assert r0["displaced/split/bytes"] == r0["naive/split/bytes"]
+        assert torch.equal(r0["displaced/split"], r0["sync/split"])
+    else:
+        assert psnr(r0["displaced/split"], ref) > psnr(r0["naive/split"], ref)
+        # band traffic: the same activations per rank as unsplit at half the ranks per band group
+        assert r0["sync/split/bytes"][0] < r0["sync/whole/bytes"][0]
+    for key in ("sync/split", "sync/whole"):
+        print(f"N={nproc} {key}: bytes per step sent by rank 0 {r0[key + '/bytes']}")
+
+
+def _cfg_split_odd(ctx) -> dict:
+    unet = tiny_unet()
+    x, text = banded_latent(16)
+    with parallelize(unet, ctx.world, mode="sync", cfg_split=True) as punet:
+        out = {"unguided": flow_loop(unet, x, text, steps=2)}  # batch 1: both groups run it whole
+        try:
+            unet(torch.cat([x] * 3), torch.tensor(900), encoder_hidden_states=torch.cat([text] * 3))
+        except FlowfleetError as e:
+            out["error"] = str(e)
+        out["bands"] = punet.step.bands
+    return out
+
+
+def test_cfg_split_runs_an_unguided_batch_whole_and_refuses_odd_rank_counts():
+    unet = tiny_unet()
+    x, text = banded_latent(16)
+    r0, r1 = run_local(_cfg_split_odd, 2, (), **FORK)
+    assert (r0["unguided"] - flow_loop(unet, x, text, steps=2)).abs().max() <= 1e-5
+    assert torch.equal(r0["unguided"], r1["unguided"]) and r0["bands"] == 1
+    assert "3 rows per rank group exceed the 1 its buffers hold" in r0["error"]
+    with pytest.raises(FlowfleetError, match="cfg_split: needs an even number of ranks, got 3"):
+        parallelize(unet, Group(None, 0, 3), cfg_split=True)
+
+
 # --------------------------------------------------------------------------------------------------
 #                          The example: a diffusers pipeline's own loop
 # --------------------------------------------------------------------------------------------------

@@ -43,6 +43,25 @@ class Group:
         return Group(None, 0, 1)
 
 
+def split_group(group: Group, size: int, timeout_s: float = 60.0) -> Group:
+    """Split `group`'s ranks into consecutive groups of `size`; -> the one holding this process.
+
+    Every rank of `group` creates every subgroup (torch.distributed requires it), in the same order."""
+    if size < 1 or group.size % size:
+        raise FlowfleetError(f"cannot split {group.size} ranks into groups of {size}")
+    if size == group.size:
+        return group
+    # torch.distributed names subgroup members by their rank in the default group
+    ranks = dist.get_process_group_ranks(group.pg) if group.pg is not None else list(range(group.size))
+    mine = Group.solo()
+    for first in range(0, group.size, size):
+        members = ranks[first : first + size]
+        pg = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s)) if size > 1 else None
+        if first <= group.rank < first + size:
+            mine = Group(pg, group.rank - first, size)
+    return mine
+
+
 @dataclass(frozen=True)
 class DistContext:
     """This process's place among the ranks of one world."""
@@ -67,20 +86,8 @@ class DistContext:
         return Group(None, self.rank, self.world_size)
 
     def subgroups(self, size: int) -> Group:
-        """Split the ranks into consecutive groups of `size`; -> the group holding this rank.
-
-        Every rank creates every group (torch.distributed requires it), in the same order."""
-        if self.world_size % size:
-            raise FlowfleetError(f"cannot split {self.world_size} ranks into groups of {size}")
-        if size == self.world_size:
-            return self.world
-        mine = Group.solo()
-        for first in range(0, self.world_size, size):
-            ranks = list(range(first, first + size))
-            pg = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s)) if size > 1 else None
-            if self.rank in ranks:
-                mine = Group(pg, self.rank - first, size)
-        return mine
+        """Split the ranks into consecutive groups of `size`; -> the group holding this rank."""
+        return split_group(self.world, size, self.timeout_s)
 
     def all_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the world's processes, in place (identity for one process)."""

@@ -15,6 +15,11 @@ first convolution (exact, from the full input) -> every layer on the band (flowf
 .attention, .norm; the mode of this evaluation in the shared BandStep) -> one all-gather of the output
 bands -> the full prediction on every rank, so every rank's scheduler takes the identical step.
 
+CFG split (`cfg_split=True`, an even number of ranks N, as distrifuser): a pipeline's guided call has the
+batch [unconditional; conditional] (2B rows). Ranks [0, N/2) run its first half and ranks [N/2, N) its
+second, each half split into N/2 bands: half the rows per rank, twice the rows per band, and the band
+exchanges stay inside each group of N/2. A call whose batch is odd (no guidance) runs whole in both groups.
+
 Sampler steps are counted from the start of a run: a new step begins when the timestep changes (Heun's
 corrector at t_next and separate CFG calls at the same t are not steps of their own). A run starts at the
 first call, after reset(), or when the timestep rises above the previous call's (a new scheduler loop).
@@ -35,7 +40,7 @@ import torch.nn as nn
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel, UNet2DConditionOutput
 
-from flowfleet.distributed import Group
+from flowfleet.distributed import Group, split_group
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import ParallelMode
@@ -111,11 +116,14 @@ class ParallelUNet:
         *,
         mode: UNetMode | str = UNetMode.DISPLACED,
         warmup: int = 4,
+        cfg_split: bool = False,
         max_batch: int | None = None,
         batch_bytes: int = 8 << 20,
         timeout_s: float = 60.0,
     ):
         check_supported(unet)
+        if cfg_split and group.size % 2:
+            raise FlowfleetError(f"cfg_split: needs an even number of ranks, got {group.size}")
         if warmup < 0:
             raise FlowfleetError(f"--warmup: must be >= 0, got {warmup}")
         if max_batch is not None and max_batch < 1:
@@ -123,15 +131,21 @@ class ParallelUNet:
         self.unet = unet
         self._class_forward = type(unet).forward  # the model's own forward, called on the full latent
         self.requested = UNetMode.parse(mode)
+        self.world = group
+        self.cfg_split = cfg_split
+        bands = split_group(group, group.size // 2, timeout_s) if cfg_split else group
+        self.half = group.rank // bands.size  # with cfg_split: which half of a guided batch this rank runs
         # One rank owns the whole image: nothing to exchange, every mode is the plain model.
-        self.mode = self.requested if group.size > 1 else UNetMode.NAIVE
+        self.mode = self.requested if bands.size > 1 else UNetMode.NAIVE
         self.warmup = int(warmup)
         self.max_batch = max_batch
         self.factor = down_factor(unet)
         self.comm = CommManager(
-            group, device=unet.device, dtype=unet.dtype, batch_bytes=batch_bytes, timeout_s=timeout_s
+            bands, group, device=unet.device, dtype=unet.dtype, batch_bytes=batch_bytes, timeout_s=timeout_s
         )
-        self.step = BandStep(self.comm, group.rank, group.size)
+        self.step = BandStep(self.comm, bands.rank, bands.size)
+        self._rows = 0  # batch rows per band slot (the largest batch one group runs), set at registration
+        self._halved: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (text, its version, its half)
         self.modes: list[UNetMode] = []  # the mode each evaluation ran in (since construction)
         self._evals = 0  # evaluations since the run started
         self._steps = 0  # sampler steps since the run started (the step of the current evaluation)
@@ -208,6 +222,12 @@ class ParallelUNet:
             if kwargs.get(key) is not None:
                 raise FlowfleetError(f"patch-parallel U-Net: {key} is not supported")
         b = self._check_input(sample)
+        split = self.cfg_split and b % 2 == 0
+        if split:  # this group's half of [unconditional; conditional]
+            sample, timestep, encoder_hidden_states, kwargs = self._my_half(
+                b, sample, timestep, encoder_hidden_states, kwargs
+            )
+        rows = sample.shape[0]
         t_now = float(torch.as_tensor(timestep, dtype=torch.float64).max())
         if self._last_t is not None and t_now > self._last_t:
             self.reset()  # the timestep went back up: a new scheduler loop
@@ -217,24 +237,55 @@ class ParallelUNet:
         if not self._registered:
             self._register(sample, timestep, encoder_hidden_states, **kwargs)
         mode = self.mode.at_step(self._steps, self.warmup)
-        if mode.exchange is ParallelMode.DISPLACED and self._filled != b:
+        if rows > self._rows:
+            raise FlowfleetError(
+                f"patch-parallel U-Net: {rows} rows per rank group exceed the {self._rows} its buffers hold "
+                f"(a batch of {b}; give max_batch for the largest one)"
+            )
+        if mode.exchange is ParallelMode.DISPLACED and self._filled != rows:
             mode = UNetMode.SYNC  # no previous-step activations for this batch
         self.comm.begin_step(self._evals)
-        self.step.mode, self.step.batch = mode, b
+        self.step.mode, self.step.batch = mode, rows
         band = self._class_forward(self.unet, sample, timestep, encoder_hidden_states, return_dict=False, **kwargs)[
             0
-        ]  # [B, C, H/N, W]
+        ]  # [rows, C, H/n, W]   (n = ranks per group)
         if mode.exchange is ParallelMode.DISPLACED:
             self.comm.flush()  # a batch not yet complete (a layer skipped this evaluation) leaves now
-        self._filled = b if mode.exchange is not ParallelMode.NAIVE else None
+        self._filled = rows if mode.exchange is not ParallelMode.NAIVE else None
         self.modes.append(mode)
         self._evals += 1
-        full = torch.cat(list(self.comm.all_gather_world(band, what="U-Net output band")), dim=-2)  # [B, C, H, W]
+        bands = self.comm.all_gather_world(band, what="U-Net output band")  # [N, rows, C, H/n, W]
+        n = self.step.bands
+        groups = [torch.cat(list(bands[g * n : (g + 1) * n]), dim=-2) for g in range(self.world.size // n)]
+        full = torch.cat(groups) if split else groups[0]  # [B, C, H, W]
         return UNet2DConditionOutput(sample=full) if return_dict else (full,)
 
     __call__ = forward
 
     # ----------------------------------------------------------------------------------------------
+
+    def _my_half(self, b: int, sample, timestep, text, kwargs):
+        """This group's half of every per-sample input (a tensor whose first dimension is the batch, in
+        added_cond_kwargs too); the text half is the same tensor object while the prompt tensor is (its
+        keys/values stay cached)."""
+
+        def half(x):
+            if isinstance(x, dict):
+                return {k: half(v) for k, v in x.items()}
+            if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == b:
+                return x[self.half * (b // 2) : (self.half + 1) * (b // 2)]
+            return x
+
+        if text is not None:
+            cached = self._halved
+            if cached is None or cached[0] is not text or cached[1] != text._version:
+                self._halved = cached = (text, text._version, half(text))
+            text = cached[2]
+        return half(sample), half(timestep), text, {k: half(v) for k, v in kwargs.items()}
+
+    def _group_rows(self, b: int) -> int:
+        """Rows one rank group runs of a batch of b."""
+        return b // 2 if self.cfg_split and b % 2 == 0 else b
 
     def _check_input(self, sample: torch.Tensor) -> int:
         if sample.ndim != 4:
@@ -252,8 +303,7 @@ class ParallelUNet:
 
     def _register(self, sample, timestep, encoder_hidden_states, **kwargs) -> None:
         """Run once without communication, collect every layer's slot, register them in forward order."""
-        if self.max_batch is None:
-            self.max_batch = sample.shape[0]
+        self._rows = self._group_rows(self.max_batch) if self.max_batch is not None else sample.shape[0]
         if self.mode.exchange is not ParallelMode.NAIVE:
             self.step.mode, self.step.batch, self.step.recording = UNetMode.NAIVE, sample.shape[0], {}
             try:
@@ -263,7 +313,7 @@ class ParallelUNet:
             finally:
                 self.step.recording = None
             for name, shape in slots.items():
-                self.slots[name] = (self.max_batch, *shape)
+                self.slots[name] = (self._rows, *shape)
                 self.comm.register(name, self.slots[name], family="unet")
         self.comm.allocate()
         self._registered = True
@@ -275,17 +325,20 @@ def parallelize(
     *,
     mode: UNetMode | str = UNetMode.DISPLACED,
     warmup: int = 4,
+    cfg_split: bool = False,
     max_batch: int | None = None,
     batch_bytes: int = 8 << 20,
     timeout_s: float = 60.0,
 ) -> ParallelUNet:
     """Patch `unet` in place to run on this rank's band of `group` (default: every rank of the default
-    process group). Returns the handle (reset(), restore(), comm, modes); use it as a context manager."""
+    process group); `cfg_split`: the two halves of a guided batch on two halves of the ranks.
+    Returns the handle (reset(), restore(), comm, modes); use it as a context manager."""
     return ParallelUNet(
         unet,
         group or default_group(),
         mode=mode,
         warmup=warmup,
+        cfg_split=cfg_split,
         max_batch=max_batch,
         batch_bytes=batch_bytes,
         timeout_s=timeout_s,
