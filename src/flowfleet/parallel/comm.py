@@ -13,15 +13,20 @@ A slot is a [shape] region of the flat buffers; the receive side holds every ran
 [group size, *shape]. Consecutive slots of one `family` (the layers of one model, which always run
 together) form batches of about `batch_bytes`; a batch's all-gather starts when its last slot is
 enqueued, and `wait(name)` blocks only on the batch holding that slot, so a layer waits for exactly
-the data it needs while the rest keeps flowing. Shapes are arbitrary and `rows` selects leading-dim
-entries (batch rows), so the same slots serve attention keys/values, convolution halos (register a
-[B, C, halo, W] slot per boundary) and normalisation statistics.
+the data it needs while the rest keeps flowing. `batch_bytes=None` sizes batches from the model: about
+AUTO_BATCHES per family and forward (at most 8 MiB each), so that the first leaves early in the forward
+even for a small model whose whole exchange is smaller than a fixed batch. Shapes are arbitrary and
+`rows` selects leading-dim entries (batch rows), so the same slots serve attention keys/values,
+convolution halos (register a [B, C, halo, W] slot per boundary) and normalisation statistics.
 
 Why hand-written: torch.distributed offers collectives but no register-once flat buffer with batched
 asynchronous gathers; distrifuser's comm manager (read, not copied) is the model for this one.
 
 Bandwidth accounting: for each all-gather a rank must deliver its own chunk to the other size - 1
 ranks, so it counts (size - 1) * chunk bytes; a broadcast counts (size - 1) * bytes on the source.
+Overlap accounting (`overlap_by_step`): of the asynchronous bytes of a step, those whose gather started
+while layers of the forward were still to run (a batch completed before its family's last batch), and
+those started at its end (the family's last batch, or flush()): nothing left to hide them behind.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ import torch.distributed as dist
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
+
+AUTO_BATCHES = 8  # batch_bytes=None: about this many all-gathers per family and forward
+MAX_AUTO_BATCH_BYTES = 8 << 20
 
 
 class ParallelError(FlowfleetError):
@@ -84,14 +92,16 @@ class CommManager:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        batch_bytes: int = 8 << 20,
+        batch_bytes: int | None = 8 << 20,
         timeout_s: float = 60.0,
     ):
+        if batch_bytes is not None and batch_bytes < 1:
+            raise FlowfleetError(f"batch_bytes: must be >= 1 or None (from the model), got {batch_bytes}")
         self.bands = bands
         self.world = world or bands
         self.device = torch.device(device)
         self.dtype = dtype
-        self.batch_bytes = int(batch_bytes)
+        self.batch_bytes = batch_bytes  # None: chosen per family in allocate()
         self.timeout_s = float(timeout_s)
         self._slots: list[_Slot] = []
         self._index: dict[str, int] = {}
@@ -101,6 +111,9 @@ class CommManager:
         self._send = torch.empty(0, device=self.device, dtype=dtype)  # [numel] once allocated
         self._recv = torch.empty(0, 0, device=self.device, dtype=dtype)  # [group size, numel] once allocated
         self._bytes = _Counter()
+        self._early = _Counter()  # asynchronous bytes whose gather started with layers still to run
+        self._late = _Counter()  # ... started at the end of the forward
+        self._last_batch: dict[str, int] = {}  # family -> index of its last batch (after allocate())
 
     # ----------------------------------------------------------------------------------------------
     #                                   Registration
@@ -127,15 +140,20 @@ class CommManager:
         self._send = torch.zeros(self._numel, device=self.device, dtype=self.dtype)
         self._recv = torch.zeros(self.bands.size, self._numel, device=self.device, dtype=self.dtype)
         elem = self._send.element_size()
+        family_bytes: dict[str, int] = defaultdict(int)
+        for slot in self._slots:
+            family_bytes[slot.family] += slot.numel * elem
         for i, slot in enumerate(self._slots):
             last = self._batches[-1] if self._batches else None
             same_family = last is not None and self._slots[last.slots[-1]].family == slot.family
-            if last is None or not same_family or (last.end - last.start + slot.numel) * elem > self.batch_bytes:
+            limit = self.batch_bytes or min(MAX_AUTO_BATCH_BYTES, -(-family_bytes[slot.family] // AUTO_BATCHES))
+            if last is None or not same_family or (last.end - last.start + slot.numel) * elem > limit:
                 self._batches.append(_Batch([], slot.start, slot.start, label=slot.name))
                 last = self._batches[-1]
             last.slots.append(i)
             last.end = slot.start + slot.numel
             slot.batch = len(self._batches) - 1
+            self._last_batch[slot.family] = slot.batch
 
     @property
     def num_batches(self) -> int:
@@ -183,13 +201,13 @@ class CommManager:
         slot.enqueued = True
         batch.pending += 1
         if batch.pending == len(batch.slots):
-            self._issue(slot.batch)
+            self._issue(slot.batch, self._late if self._last_batch[slot.family] == slot.batch else self._early)
 
     def flush(self, family: str | None = None) -> None:
         """Start the gathers of partially enqueued batches (of one family, or all)."""
         for i, batch in enumerate(self._batches):
             if batch.pending and (family is None or self._slots[batch.slots[0]].family == family):
-                self._issue(i)
+                self._issue(i, self._late)
 
     def drain(self) -> None:
         """Flush, then wait for every in-flight gather (before tearing the process group down)."""
@@ -237,6 +255,12 @@ class CommManager:
         return dict(self._bytes.by_step)
 
     @property
+    def overlap_by_step(self) -> dict[int, tuple[int, int]]:
+        """step -> (asynchronous bytes sent with layers still to run, bytes sent at the forward's end)."""
+        steps = sorted(set(self._early.by_step) | set(self._late.by_step))
+        return {s: (self._early.by_step.get(s, 0), self._late.by_step.get(s, 0)) for s in steps}
+
+    @property
     def bytes_total(self) -> int:
         return sum(self._bytes.by_step.values())
 
@@ -275,8 +299,10 @@ class CommManager:
         outs = [self._recv[r, start:end] for r in range(size)]
         return dist.all_gather(outs, self._send[start:end], group=self.bands.pg, async_op=async_op)
 
-    def _issue(self, index: int) -> None:
+    def _issue(self, index: int, counter: _Counter) -> None:
         batch = self._batches[index]
+        counter.step = self._bytes.step
+        counter.add((self.bands.size - 1) * (batch.end - batch.start) * self._send.element_size())
         with self._guard("all-gather", batch.label):
             batch.handle = self._all_gather(batch.start, batch.end, async_op=True)
         batch.pending = 0

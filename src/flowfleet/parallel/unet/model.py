@@ -118,7 +118,7 @@ class ParallelUNet:
         warmup: int = 4,
         cfg_split: bool = False,
         max_batch: int | None = None,
-        batch_bytes: int = 8 << 20,
+        batch_bytes: int | None = None,
         timeout_s: float = 60.0,
     ):
         check_supported(unet)
@@ -327,11 +327,12 @@ def parallelize(
     warmup: int = 4,
     cfg_split: bool = False,
     max_batch: int | None = None,
-    batch_bytes: int = 8 << 20,
+    batch_bytes: int | None = None,
     timeout_s: float = 60.0,
 ) -> ParallelUNet:
     """Patch `unet` in place to run on this rank's band of `group` (default: every rank of the default
-    process group); `cfg_split`: the two halves of a guided batch on two halves of the ranks.
+    process group); `cfg_split`: the two halves of a guided batch on two halves of the ranks;
+    `batch_bytes`: bytes per asynchronous all-gather (None: from the model's bytes, see parallel.comm).
     Returns the handle (reset(), restore(), comm, modes); use it as a context manager."""
     return ParallelUNet(
         unet,

@@ -8,9 +8,9 @@ the NormStats member of the current mode decides what it normalises with:
     CORRECTED  stale global statistics + this band's change since the previous step (paper Eq. 2, for
                the mean and the second moment); the fresh statistics are gathered asynchronously
     STALE      the previous step's pooled statistics as they are (gathered asynchronously)
-    SEPARATE   this band's own statistics. They are still enqueued (a few hundred bytes per layer,
-               never read) so that the batch of comm slots they share with convolution halos and
-               attention keys/values leaves as soon as its last layer has run, as in the other modes.
+    SEPARATE   this band's own statistics. They (and sync-gn's EXACT ones) are still enqueued (a few
+               hundred bytes per layer, never read) so that the batch of comm slots they share with
+               convolution halos and attention keys/values leaves as soon as its last layer has run.
     LOCAL      this band's own statistics, no comm slot at all (the naive baseline)
 
 Variances are BIASED (divide by the element count), exactly like torch.nn.GroupNorm, so EXACT equals
@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from flowfleet.parallel.mode import ParallelMode
 from flowfleet.parallel.unet.mode import NormStats
 from flowfleet.parallel.unet.step import BandStep
 
@@ -113,7 +114,10 @@ class GroupNormBand:
         return normalize(x, mean, var, self.norm)
 
     def _exact(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return pooled(self.step.comm.gather(self.slot, fresh).float())  # blocks on every band's statistics
+        mean_var = pooled(self.step.comm.gather(self.slot, fresh).float())  # blocks on every band's statistics
+        if self.step.exchange is ParallelMode.DISPLACED:  # sync-gn: the batch this slot shares must still leave
+            self.step.comm.enqueue(self.slot, fresh)  # during the forward (a few hundred bytes, never read)
+        return mean_var
 
     def _corrected(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         stale = self.step.comm.wait(self.slot)[:, : fresh.shape[0]].float()  # [N, B, G, 2], previous step
