@@ -10,7 +10,20 @@ model.py      ParallelUNet / parallelize(): patch a U-Net in place, full latent 
 All communication goes through flowfleet.parallel.comm.CommManager (one per parallel U-Net).
 """
 
-from flowfleet.parallel.unet.mode import NormStats, UNetMode
-from flowfleet.parallel.unet.model import ParallelUNet, check_supported, parallelize
+from __future__ import annotations
 
-__all__ = ["NormStats", "UNetMode", "ParallelUNet", "check_supported", "parallelize"]
+import importlib
+from typing import Any
+
+# Imported lazily: flowfleet.parallel.patched (which model.py builds on) reads mode.py and step.py of this
+# package, so importing model.py here eagerly would be circular.
+_EXPORTS = {"NormStats": "mode", "UNetMode": "mode", "ParallelUNet": "model", "check_supported": "model"}
+_EXPORTS["parallelize"] = "model"
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flowfleet.parallel.unet' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"flowfleet.parallel.unet.{_EXPORTS[name]}"), name)
