@@ -7,7 +7,9 @@ dit.py        PatchParallelDiT: a DiT on one band, one wrapper per layer kind
 runner.py     PatchParallelRunner / ParallelVelocity: the per-step velocity of a routed fleet on N ranks
 fleet.py      ParallelFleet / join_fleet: FleetPipeline and `generate --nproc N` on top of the runner
 launch.py     torchrun (re)launch, local ranks for tests (the world they join: flowfleet.distributed)
-unet/         the same for diffusers U-Nets
+patched.py    PatchedModel / parallelize(): a diffusers model patched in place (per call: CFG split,
+              warm-up, output gather); unet/ for U-Nets, transformers.py for PixArt
+unet/         the U-Net's band wrappers (halo convolutions, GroupNorm, attention processors)
 
 Names are imported lazily, so `flowfleet generate --nproc N` can relaunch itself under torchrun
 without first importing the model code (diffusers) in the launcher process.
@@ -39,6 +41,8 @@ _EXPORTS = {
     "ParallelVelocity": "runner",
     "PatchParallelRunner": "runner",
     "ParallelFleet": "fleet",
+    "PatchedModel": "patched",
+    "parallelize": "patched",
     "join_fleet": "fleet",
 }
 

@@ -265,3 +265,45 @@ class PatchedModel:
                 self.comm.register(name, self.slots[name], family=self.what)
         self.comm.allocate()
         self._registered = True
+
+
+def parallelize(
+    model,
+    group: Group | None = None,
+    *,
+    mode: UNetMode | str = UNetMode.DISPLACED,
+    warmup: int = 4,
+    cfg_split: bool = False,
+    max_batch: int | None = None,
+    batch_bytes: int | None = None,
+    timeout_s: float = 60.0,
+) -> PatchedModel:
+    """Patch a diffusers model in place to run on this rank's band of `group` (default: every rank of the
+    default process group): a UNet2DConditionModel or a PixArtTransformer2DModel. `cfg_split`: the two
+    halves of a guided batch on two halves of the ranks; `batch_bytes`: bytes per asynchronous all-gather
+    (None: from the model's bytes, see parallel.comm). Returns the handle (reset(), restore(), comm,
+    modes); use it as a context manager."""
+    from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
+    from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
+
+    from flowfleet.parallel.transformers import ParallelPixArt
+    from flowfleet.parallel.unet.model import ParallelUNet
+
+    kinds: dict[type, type[PatchedModel]] = {
+        UNet2DConditionModel: ParallelUNet,
+        PixArtTransformer2DModel: ParallelPixArt,
+    }
+    cls = next((parallel for kind, parallel in kinds.items() if isinstance(model, kind)), None)
+    if cls is None:
+        names = ", ".join(kind.__name__ for kind in kinds)
+        raise FlowfleetError(f"patch parallelism: {type(model).__name__} is not supported (supported: {names})")
+    return cls(
+        model,
+        group or default_group(),
+        mode=mode,
+        warmup=warmup,
+        cfg_split=cfg_split,
+        max_batch=max_batch,
+        batch_bytes=batch_bytes,
+        timeout_s=timeout_s,
+    )

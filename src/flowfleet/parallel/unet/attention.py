@@ -85,7 +85,7 @@ class SelfAttentionBand:
     ) -> torch.Tensor:
         if encoder_hidden_states is not None or attention_mask is not None:
             raise FlowfleetError(
-                f"U-Net layer {self.name}: patch-parallel self-attention takes no encoder states or attention mask"
+                f"layer {self.name}: patch-parallel self-attention takes no encoder states or attention mask"
             )
         residual = hidden_states
         x = _tokens(attn, hidden_states)  # [B, n, C]: this band's tokens
@@ -143,7 +143,7 @@ class CrossAttentionBand:
         **kwargs,
     ) -> torch.Tensor:
         if encoder_hidden_states is None:
-            raise FlowfleetError(f"U-Net layer {self.name}: cross-attention called without encoder hidden states")
+            raise FlowfleetError(f"layer {self.name}: cross-attention called without encoder hidden states")
         residual = hidden_states
         x = _tokens(attn, hidden_states)  # [B, n, C]
         b, length = encoder_hidden_states.shape[0], encoder_hidden_states.shape[1]

@@ -21,10 +21,9 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel, UNet2
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
-from flowfleet.parallel.patched import PatchedModel, default_group
+from flowfleet.parallel.patched import PatchedModel
 from flowfleet.parallel.unet.attention import CrossAttentionBand, SelfAttentionBand
 from flowfleet.parallel.unet.conv import FirstConvBand, HaloConvBand, RowHalo
-from flowfleet.parallel.unet.mode import UNetMode
 from flowfleet.parallel.unet.norm import GroupNormBand
 
 # Layers whose forward mixes rows in ways the band wrappers do not model (functional group norms,
@@ -121,30 +120,3 @@ class ParallelUNet(PatchedModel):
                 f"U-Net level (the height must be a multiple of {n} x {self.factor} = {n * self.factor})"
             )
         return b
-
-
-def parallelize(
-    unet: UNet2DConditionModel,
-    group: Group | None = None,
-    *,
-    mode: UNetMode | str = UNetMode.DISPLACED,
-    warmup: int = 4,
-    cfg_split: bool = False,
-    max_batch: int | None = None,
-    batch_bytes: int | None = None,
-    timeout_s: float = 60.0,
-) -> ParallelUNet:
-    """Patch `unet` in place to run on this rank's band of `group` (default: every rank of the default
-    process group); `cfg_split`: the two halves of a guided batch on two halves of the ranks;
-    `batch_bytes`: bytes per asynchronous all-gather (None: from the model's bytes, see parallel.comm).
-    Returns the handle (reset(), restore(), comm, modes); use it as a context manager."""
-    return ParallelUNet(
-        unet,
-        group or default_group(),
-        mode=mode,
-        warmup=warmup,
-        cfg_split=cfg_split,
-        max_batch=max_batch,
-        batch_bytes=batch_bytes,
-        timeout_s=timeout_s,
-    )

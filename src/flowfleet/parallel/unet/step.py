@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import ParallelMode
@@ -27,6 +29,7 @@ class BandStep:
     mode: UNetMode = UNetMode.SYNC  # the mode of the current evaluation (after warm-up / fallbacks)
     batch: int = 0  # samples in the current evaluation
     recording: "dict[str, tuple[int, ...]] | None" = None  # slot name -> per-sample shape, during recording
+    full: "torch.Tensor | None" = None  # the whole latent of this evaluation (layers that embed it: transformers)
 
     @property
     def exchange(self) -> ParallelMode:
