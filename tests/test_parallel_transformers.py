@@ -1,9 +1,9 @@
-"""Patch-parallel diffusers transformers (flowfleet.parallel.parallelize on PixArtTransformer2DModel).
+"""Patch-parallel diffusers transformers (flowfleet.parallel.parallelize on PixArt and SD3).
 
 Whole scheduler loops with classifier-free guidance run on 2, 3 and 4 gloo ranks (one thread each), with
-and without CFG split, and are compared with the same loop on the plain model. The model is a tiny PixArt
+and without CFG split, and are compared with the same loop on the plain model. Each model is tiny and
 trained here for 300 steps (~10 s) to draw one of four smooth latents per caption
-(fixtures/transformers.py: trained_pixart): displaced patch parallelism pays off only on a model whose
+(fixtures/transformers.py: trained): displaced patch parallelism pays off only on a model whose
 attention has learned structure; on a random one, stale and missing keys/values are both just noise
 (measured while writing this: random weights, 20 steps, N = 2: displaced 32.7 dB, naive 38.7 dB).
 """
@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from fixtures.transformers import caption, smooth_targets, tiny_pixart, trained_pixart
+from fixtures.transformers import TINY, caption, predict, smooth_targets, tiny_pixart, trained
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
@@ -35,20 +35,14 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def pixart_loop(model, x: torch.Tensor, text: torch.Tensor, scale: float = 4.0, steps: int = STEPS) -> torch.Tensor:
-    """PixArt's pipeline loop: one call on [unconditional; conditional], then CFG (flow matching Euler)."""
+def guided_loop(model, x: torch.Tensor, text: torch.Tensor, scale: float = 4.0, steps: int = STEPS) -> torch.Tensor:
+    """A pipeline's loop: one call on [unconditional; conditional], then CFG (flow matching Euler)."""
     scheduler = FlowMatchEulerDiscreteScheduler()
     scheduler.set_timesteps(steps)
     both = torch.cat([torch.zeros_like(text), text])  # [2B, L, D]
     with torch.no_grad():
         for t in scheduler.timesteps:
-            out = model(
-                torch.cat([x, x]),
-                encoder_hidden_states=both,
-                timestep=t.expand(2 * x.shape[0]),
-                added_cond_kwargs={"resolution": None, "aspect_ratio": None},
-            ).sample
-            uncond, cond = out.chunk(2)
+            uncond, cond = predict(model, torch.cat([x, x]), both, t.expand(2 * x.shape[0])).chunk(2)
             x = scheduler.step(uncond + scale * (cond - uncond), t, x).prev_sample
     return x
 
@@ -58,42 +52,42 @@ def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
     return 10 * math.log10((ref.max() - ref.min()).item() ** 2 / max(mse, 1e-30))
 
 
-@pytest.fixture(scope="module")
-def trained():
-    model, captions = trained_pixart(steps=300)
-    return model, captions, torch.randn(1, 4, 12, 12, generator=torch.Generator().manual_seed(5))
+@pytest.fixture(scope="module", params=["pixart", "sd3"])
+def model(request):
+    model, captions = trained(request.param, steps=300)
+    return request.param, model, captions, torch.randn(1, 4, 12, 12, generator=torch.Generator().manual_seed(5))
 
 
-def _pixart_ranks(ctx, state: dict, captions: torch.Tensor, x: torch.Tensor, splits: list[bool]) -> dict:
-    model = tiny_pixart()
+def _ranks(ctx, kind: str, state: dict, captions: torch.Tensor, x: torch.Tensor, splits: list[bool]) -> dict:
+    model = TINY[kind]()
     model.load_state_dict(state)
     out = {}
     for split in splits:
         for mode in ("sync", "displaced", "naive"):
             with parallelize(model, ctx.world, mode=mode, warmup=1, cfg_split=split) as handle:
                 key = f"{mode}/{'split' if split else 'whole'}"
-                out[key] = pixart_loop(model, x, captions[1:2])
+                out[key] = guided_loop(model, x, captions[1:2])
                 out[f"{key}/bytes"] = handle.comm.bytes_by_step
                 out[f"{key}/type"] = type(handle).__name__
     return out
 
 
 @pytest.mark.parametrize("nproc, splits", [(2, [False, True]), (3, [False]), (4, [True])])
-def test_pixart_sync_equals_one_device_and_displaced_beats_naive_by_3db(trained, nproc, splits):
-    model, captions, x = trained
-    ref = pixart_loop(model, x, captions[1:2])
+def test_sync_equals_one_device_and_displaced_beats_naive_by_3db(model, nproc, splits):
+    kind, net, captions, x = model
+    ref = guided_loop(net, x, captions[1:2])
     assert psnr(ref, smooth_targets()[1:2]) > 20  # the model draws what caption 1 asks for
-    ranks = run_local(_pixart_ranks, nproc, (model.state_dict(), captions, x, splits), **FORK)
+    ranks = run_local(_ranks, nproc, (kind, net.state_dict(), captions, x, splits), **FORK)
     r0 = ranks[0]
     for split in splits:
         tag = "split" if split else "whole"
         for mode in ("sync", "displaced", "naive"):
             assert all(torch.equal(r[f"{mode}/{tag}"], r0[f"{mode}/{tag}"]) for r in ranks), f"{mode}/{tag}"
             assert torch.isfinite(r0[f"{mode}/{tag}"]).all()
-        assert r0[f"sync/{tag}/type"] == "ParallelPixArt"
+        assert r0[f"sync/{tag}/type"] == {"pixart": "ParallelPixArt", "sd3": "ParallelSD3"}[kind]
         assert (r0[f"sync/{tag}"] - ref).abs().max() <= 1e-5, (r0[f"sync/{tag}"] - ref).abs().max()
         scores = {mode: round(psnr(r0[f"{mode}/{tag}"], ref), 1) for mode in ("displaced", "naive")}
-        print(f"PixArt N={nproc} {tag}: PSNR vs one device {scores}, rank 0 bytes/step {r0[f'sync/{tag}/bytes']}")
+        print(f"{kind} N={nproc} {tag}: PSNR vs one device {scores}, rank 0 bytes/step {r0[f'sync/{tag}/bytes'][1]}")
         if nproc // (2 if split else 1) > 1:  # bands within a group: displaced uses its neighbours' tokens
             assert scores["displaced"] >= scores["naive"] + 3, scores
         else:  # one rank per CFG half: the whole image on each, exact in every mode

@@ -279,19 +279,19 @@ def parallelize(
     timeout_s: float = 60.0,
 ) -> PatchedModel:
     """Patch a diffusers model in place to run on this rank's band of `group` (default: every rank of the
-    default process group): a UNet2DConditionModel or a PixArtTransformer2DModel. `cfg_split`: the two
-    halves of a guided batch on two halves of the ranks; `batch_bytes`: bytes per asynchronous all-gather
-    (None: from the model's bytes, see parallel.comm). Returns the handle (reset(), restore(), comm,
-    modes); use it as a context manager."""
-    from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
+    default process group): a UNet2DConditionModel, PixArtTransformer2DModel or SD3Transformer2DModel.
+    `cfg_split`: the two halves of a guided batch on two halves of the ranks; `batch_bytes`: bytes per
+    asynchronous all-gather (None: from the model's bytes, see parallel.comm). Returns the handle
+    (reset(), restore(), comm, modes); use it as a context manager."""
     from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 
-    from flowfleet.parallel.transformers import ParallelPixArt
+    from flowfleet.parallel.transformers import ParallelPixArt, ParallelSD3
     from flowfleet.parallel.unet.model import ParallelUNet
 
     kinds: dict[type, type[PatchedModel]] = {
         UNet2DConditionModel: ParallelUNet,
-        PixArtTransformer2DModel: ParallelPixArt,
+        ParallelPixArt.MODEL: ParallelPixArt,
+        ParallelSD3.MODEL: ParallelSD3,
     }
     cls = next((parallel for kind, parallel in kinds.items() if isinstance(model, kind)), None)
     if cls is None:

@@ -1,4 +1,5 @@
-"""Patch parallelism for the diffusers transformers people run: PixArt (PixArtTransformer2DModel).
+"""Patch parallelism for the diffusers transformers people run: PixArt (PixArtTransformer2DModel) and
+Stable Diffusion 3 (SD3Transformer2DModel, joint attention over image + text tokens).
 
     from flowfleet.parallel import parallelize
     with parallelize(pipe.transformer, mode="displaced", cfg_split=True):   # on every rank
@@ -13,6 +14,10 @@ the model's own forward runs on this rank's band of latent rows, and
     self-attention   this band's queries against every band's image keys/values (fresh in sync, the
                      previous step's in displaced mode): the U-Net's SelfAttentionBand processor
     cross-attention  local queries against the text, which every rank holds whole (CrossAttentionBand)
+    joint attention  (SD3) this band's image tokens and the whole text: queries [band; text] against
+                     keys/values [every band's image tokens; text] (JointAttentionBand). In sync every
+                     rank's text stream is identical; in displaced each rank's text sees its own band
+                     fresh and the others stale, as in xDiT's SD3 support
     norms, MLPs, AdaLN, the output projection and unpatchify   per token: the band alone
 
 so the model's unpatchify yields this band's rows of the prediction, which PatchedModel gathers.
@@ -21,16 +26,20 @@ A transformer has no GroupNorm: the U-Net's GN variants (sync-gn, stale-gn, sepa
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+import torch.nn.functional as F
+from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0, JointAttnProcessor2_0
 from diffusers.models.embeddings import PatchEmbed
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
+from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.patched import PatchedModel
-from flowfleet.parallel.unet.attention import CrossAttentionBand, SelfAttentionBand
+from flowfleet.parallel.unet.attention import CrossAttentionBand, SelfAttentionBand, _heads
 from flowfleet.parallel.unet.step import BandStep
 
 
@@ -51,47 +60,93 @@ class PatchEmbedBand:
         return tokens[:, self.step.index * n : (self.step.index + 1) * n]
 
 
-def check_pixart(model) -> None:
-    """Raise a one-line FlowfleetError naming what patch parallelism cannot run exactly."""
-    if not isinstance(model, PixArtTransformer2DModel):
-        raise FlowfleetError(f"patch-parallel PixArt: expected a PixArtTransformer2DModel, got {type(model).__name__}")
-    if not isinstance(model.pos_embed, PatchEmbed):
-        raise FlowfleetError(f"PixArt pos_embed: {type(model.pos_embed).__name__} is not supported")
-    for name, m in model.named_modules():
-        if isinstance(m, Attention) and not isinstance(m.processor, (AttnProcessor2_0, AttnProcessor)):
-            raise FlowfleetError(
-                f"PixArt layer {name}: attention processor {type(m.processor).__name__} is not supported "
-                f"by patch parallelism (use the default AttnProcessor2_0)"
+class JointAttentionBand(SelfAttentionBand):
+    """Processor for SD3's joint attention (mirrors diffusers' JointAttnProcessor2_0 step by step):
+    queries [this band's image tokens; text] against keys/values [every band's image tokens; text].
+    Without text (SD3.5's second, image-only attention) it is self-attention over the image."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        if attention_mask is not None:
+            raise FlowfleetError(f"layer {self.name}: patch-parallel joint attention takes no attention mask")
+        b, n = hidden_states.shape[:2]  # [B, n, D]: this band's image tokens
+        q, k, v = (_heads(attn, proj(hidden_states)) for proj in (attn.to_q, attn.to_k, attn.to_v))  # [B, H, n, Dh]
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        kv = self.all_bands(torch.stack((k, v), dim=1))  # [B, 2, H, N*n, Dh]: the whole image
+        k, v = kv[:, 0], kv[:, 1]
+        if encoder_hidden_states is not None:
+            cq, ck, cv = (
+                _heads(attn, proj(encoder_hidden_states))
+                for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
             )
+            if attn.norm_added_q is not None:
+                cq = attn.norm_added_q(cq)
+            if attn.norm_added_k is not None:
+                ck = attn.norm_added_k(ck)
+            q, k, v = torch.cat([q, cq], dim=2), torch.cat([k, ck], dim=2), torch.cat([v, cv], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v)  # [B, H, n + L, Dh]
+        out = out.transpose(1, 2).reshape(b, -1, attn.heads * q.shape[-1]).to(q.dtype)  # [B, n + L, D]
+        image, text = out[:, :n], out[:, n:]
+        image = attn.to_out[1](attn.to_out[0](image))
+        if encoder_hidden_states is None:
+            return image
+        return image, (text if attn.context_pre_only else attn.to_add_out(text))
 
 
-class ParallelPixArt(PatchedModel):
-    """A PixArtTransformer2DModel patched to run on this rank's band of latent rows (module docstring)."""
+class ParallelTransformer(PatchedModel):
+    """A diffusers image transformer (patch embedding, blocks on tokens, unpatchify) patched to run on this
+    rank's band of latent rows (module docstring). Subclasses name the model class and its
+    unsupported arguments."""
 
     SAMPLE = "hidden_states"
-    UNSUPPORTED = ("attention_mask",)  # a mask over image tokens would have to be split too
-    what = "PixArt"
+    MODEL: type[Any] = object
 
-    def __init__(self, model: PixArtTransformer2DModel, group: Group, **options):
-        check_pixart(model)
+    def __init__(self, model, group: Group, **options):
+        self._check_model(model)
         self.patch = int(model.config["patch_size"])
         super().__init__(model, group, **options)
+
+    def _check_model(self, model: Any) -> None:
+        """Raise a one-line FlowfleetError naming what patch parallelism cannot run exactly."""
+        if not isinstance(model, self.MODEL):
+            raise FlowfleetError(
+                f"patch-parallel {self.what}: expected a {self.MODEL.__name__}, got {type(model).__name__}"
+            )
+        if not isinstance(model.pos_embed, PatchEmbed):
+            raise FlowfleetError(f"{self.what} pos_embed: {type(model.pos_embed).__name__} is not supported")
+        for name, m in model.named_modules():
+            if isinstance(m, Attention) and not isinstance(
+                m.processor, (AttnProcessor2_0, AttnProcessor, JointAttnProcessor2_0)
+            ):
+                raise FlowfleetError(
+                    f"{self.what} layer {name}: attention processor {type(m.processor).__name__} is not supported "
+                    f"by patch parallelism (use diffusers' default processor)"
+                )
 
     def _install(self) -> None:
         self._patch(self.model.pos_embed, PatchEmbedBand(self.model.pos_embed, self.step))
         for name, m in self.model.named_modules():
-            if isinstance(m, Attention):
-                band = CrossAttentionBand(name) if m.is_cross_attention else SelfAttentionBand(name, self.step)
-                self._set_processor(m, band)
+            if not isinstance(m, Attention):
+                continue
+            if isinstance(m.processor, JointAttnProcessor2_0):
+                self._set_processor(m, JointAttentionBand(name, self.step))
+            elif m.is_cross_attention:
+                self._set_processor(m, CrossAttentionBand(name))
+            else:
+                self._set_processor(m, SelfAttentionBand(name, self.step))
 
     def _check_input(self, sample: torch.Tensor) -> int:
         if sample.ndim != 4:
-            raise FlowfleetError(f"patch-parallel PixArt: expected a latent [B, C, H, W], got {tuple(sample.shape)}")
+            raise FlowfleetError(
+                f"patch-parallel {self.what}: expected a latent [B, C, H, W], got {tuple(sample.shape)}"
+            )
         n, h = self.step.bands, sample.shape[-2]
         if h % (n * self.patch):
             raise FlowfleetError(
-                f"patch-parallel PixArt: a latent of height {h} cannot be split into {n} bands of whole token rows "
-                f"(the height must be a multiple of {n} x patch {self.patch} = {n * self.patch})"
+                f"patch-parallel {self.what}: a latent of height {h} cannot be split into {n} bands of whole "
+                f"token rows (the height must be a multiple of {n} x patch {self.patch} = {n * self.patch})"
             )
         return sample.shape[0]
 
@@ -102,3 +157,15 @@ class ParallelPixArt(PatchedModel):
 
     def _output(self, full: torch.Tensor) -> Transformer2DModelOutput:
         return Transformer2DModelOutput(sample=full)
+
+
+class ParallelPixArt(ParallelTransformer):
+    MODEL = PixArtTransformer2DModel
+    UNSUPPORTED = ("attention_mask",)  # a mask over image tokens would have to be split too
+    what = "PixArt"
+
+
+class ParallelSD3(ParallelTransformer):
+    MODEL = SD3Transformer2DModel
+    UNSUPPORTED = ("block_controlnet_hidden_states",)  # ControlNet residuals are not split per band yet
+    what = "SD3"

@@ -96,11 +96,15 @@ class SelfAttentionBand:
             q = attn.norm_q(q)
         if attn.norm_k is not None:
             k = attn.norm_k(k)
-        kv = torch.stack((k, v), dim=1)  # [B, 2, H, n, Dh]: this band's fresh keys and values
-        self.step.declare(self.slot, tuple(kv.shape[1:]))
-        kv_all = self._paths[self.step.exchange](kv)  # [B, 2, H, N*n (n for naive), Dh]
+        kv_all = self.all_bands(torch.stack((k, v), dim=1))  # [B, 2, H, N*n (n for naive), Dh]
         out = F.scaled_dot_product_attention(q, kv_all[:, 0], kv_all[:, 1])  # [B, H, n, Dh]
         return _finish(attn, out, residual, q.dtype)
+
+    def all_bands(self, kv: torch.Tensor) -> torch.Tensor:
+        """This band's fresh keys/values [B, 2, H, n, Dh] -> every band's, as the mode supplies them,
+        [B, 2, H, N*n, Dh] in row order (this band's alone for naive)."""
+        self.step.declare(self.slot, tuple(kv.shape[1:]))
+        return self._paths[self.step.exchange](kv)
 
     def _merge(self, kv: torch.Tensor, bands: torch.Tensor) -> torch.Tensor:
         """This band's fresh K/V + every band's [N, B, 2, H, n, Dh] -> [B, 2, H, N*n, Dh] in row order (copies)."""
