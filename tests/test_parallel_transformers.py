@@ -1,4 +1,4 @@
-"""Patch-parallel diffusers transformers (flowfleet.parallel.parallelize on PixArt and SD3).
+"""Patch-parallel diffusers transformers (flowfleet.parallel.parallelize on PixArt, SD3 and Flux).
 
 Whole scheduler loops with classifier-free guidance run on 2, 3 and 4 gloo ranks (one thread each), with
 and without CFG split, and are compared with the same loop on the plain model. Each model is tiny and
@@ -52,7 +52,7 @@ def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
     return 10 * math.log10((ref.max() - ref.min()).item() ** 2 / max(mse, 1e-30))
 
 
-@pytest.fixture(scope="module", params=["pixart", "sd3"])
+@pytest.fixture(scope="module", params=["pixart", "sd3", "flux"])
 def model(request):
     model, captions = trained(request.param, steps=300)
     return request.param, model, captions, torch.randn(1, 4, 12, 12, generator=torch.Generator().manual_seed(5))
@@ -84,7 +84,9 @@ def test_sync_equals_one_device_and_displaced_beats_naive_by_3db(model, nproc, s
         for mode in ("sync", "displaced", "naive"):
             assert all(torch.equal(r[f"{mode}/{tag}"], r0[f"{mode}/{tag}"]) for r in ranks), f"{mode}/{tag}"
             assert torch.isfinite(r0[f"{mode}/{tag}"]).all()
-        assert r0[f"sync/{tag}/type"] == {"pixart": "ParallelPixArt", "sd3": "ParallelSD3"}[kind]
+        assert (
+            r0[f"sync/{tag}/type"] == {"pixart": "ParallelPixArt", "sd3": "ParallelSD3", "flux": "ParallelFlux"}[kind]
+        )
         assert (r0[f"sync/{tag}"] - ref).abs().max() <= 1e-5, (r0[f"sync/{tag}"] - ref).abs().max()
         scores = {mode: round(psnr(r0[f"{mode}/{tag}"], ref), 1) for mode in ("displaced", "naive")}
         print(f"{kind} N={nproc} {tag}: PSNR vs one device {scores}, rank 0 bytes/step {r0[f'sync/{tag}/bytes'][1]}")

@@ -54,10 +54,11 @@ def default_group() -> Group:
 class PatchedModel:
     """Base of the patch-parallel diffusers models; see the module docstring. A subclass names the forward
     argument holding the latent (`SAMPLE`), the arguments it cannot split (`UNSUPPORTED`), and provides
-    _install() (patch the layers), _check_input(), _model_input() and _output()."""
+    _install() (patch the layers), _check_input(), _band_inputs() and _output()."""
 
     SAMPLE = "sample"
     UNSUPPORTED: tuple[str, ...] = ()
+    SHARED: tuple[str, ...] = ()  # arguments that are never per sample (token ids), so never halved
     what = "model"  # for messages
 
     def __init__(
@@ -161,7 +162,7 @@ class PatchedModel:
             raise FlowfleetError(f"patch-parallel {self.what}: batch of {b} exceeds max_batch={self.max_batch}")
         split = self.cfg_split and b % 2 == 0
         if split:  # this group's half of [unconditional; conditional]
-            call = {name: self._half(name, value, b) for name, value in call.items()}
+            call = {name: value if name in self.SHARED else self._half(name, value, b) for name, value in call.items()}
         rows = call[self.SAMPLE].shape[0]
         t_now = float(torch.as_tensor(call.get("timestep", 0), dtype=torch.float64).max())
         if self._last_t is not None and t_now > self._last_t:
@@ -197,8 +198,7 @@ class PatchedModel:
 
     def _run(self, call: dict[str, Any]) -> torch.Tensor:
         """The model's own forward on this rank's band -> the output band."""
-        call = {**call, self.SAMPLE: self._model_input(call[self.SAMPLE]), "return_dict": False}
-        return self._class_forward(self.model, **call)[0]
+        return self._class_forward(self.model, **self._band_inputs(call), return_dict=False)[0]
 
     # ----------------------------------------------------------------------------------------------
     #                                What a subclass decides
@@ -208,9 +208,9 @@ class PatchedModel:
         """Raise a one-line error for a latent this model cannot split; -> its batch size."""
         raise NotImplementedError
 
-    def _model_input(self, sample: torch.Tensor) -> torch.Tensor:
+    def _band_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
         """What the model's own forward is given: the full latent (default) or this rank's band of it."""
-        return sample
+        return call
 
     def _output(self, full: torch.Tensor):
         raise NotImplementedError
@@ -279,19 +279,20 @@ def parallelize(
     timeout_s: float = 60.0,
 ) -> PatchedModel:
     """Patch a diffusers model in place to run on this rank's band of `group` (default: every rank of the
-    default process group): a UNet2DConditionModel, PixArtTransformer2DModel or SD3Transformer2DModel.
+    default process group): a UNet2DConditionModel, or a PixArt, SD3 or Flux transformer.
     `cfg_split`: the two halves of a guided batch on two halves of the ranks; `batch_bytes`: bytes per
     asynchronous all-gather (None: from the model's bytes, see parallel.comm). Returns the handle
     (reset(), restore(), comm, modes); use it as a context manager."""
     from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 
-    from flowfleet.parallel.transformers import ParallelPixArt, ParallelSD3
+    from flowfleet.parallel.transformers import ParallelFlux, ParallelPixArt, ParallelSD3
     from flowfleet.parallel.unet.model import ParallelUNet
 
     kinds: dict[type, type[PatchedModel]] = {
         UNet2DConditionModel: ParallelUNet,
         ParallelPixArt.MODEL: ParallelPixArt,
         ParallelSD3.MODEL: ParallelSD3,
+        ParallelFlux.MODEL: ParallelFlux,
     }
     cls = next((parallel for kind, parallel in kinds.items() if isinstance(model, kind)), None)
     if cls is None:

@@ -1,5 +1,6 @@
-"""Patch parallelism for the diffusers transformers people run: PixArt (PixArtTransformer2DModel) and
-Stable Diffusion 3 (SD3Transformer2DModel, joint attention over image + text tokens).
+"""Patch parallelism for the diffusers transformers people run: PixArt (PixArtTransformer2DModel),
+Stable Diffusion 3 (SD3Transformer2DModel, joint attention over image + text tokens) and Flux
+(FluxTransformer2DModel: packed tokens, RoPE, double- and single-stream blocks).
 
     from flowfleet.parallel import parallelize
     with parallelize(pipe.transformer, mode="displaced", cfg_split=True):   # on every rank
@@ -21,6 +22,11 @@ the model's own forward runs on this rank's band of latent rows, and
     norms, MLPs, AdaLN, the output projection and unpatchify   per token: the band alone
 
 so the model's unpatchify yields this band's rows of the prediction, which PatchedModel gathers.
+
+Flux takes the latent already packed into tokens [B, (H/2)(W/2), 4C] with their positions as img_ids
+[(H/2)(W/2), 3]: a band is a contiguous slice of both (RoPE is then computed for this band's positions by
+the model itself), and FluxJointBand exchanges the rotated image keys/values of every block, double- and
+single-stream (where the sequence is [text; this band's image tokens]).
 A transformer has no GroupNorm: the U-Net's GN variants (sync-gn, stale-gn, separate-gn) are displaced.
 """
 
@@ -31,9 +37,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0, JointAttnProcessor2_0
-from diffusers.models.embeddings import PatchEmbed
+from diffusers.models.embeddings import PatchEmbed, apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
+from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor, FluxTransformer2DModel
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from flowfleet.distributed import Group
@@ -150,10 +157,11 @@ class ParallelTransformer(PatchedModel):
             )
         return sample.shape[0]
 
-    def _model_input(self, sample: torch.Tensor) -> torch.Tensor:
-        self.step.full = sample  # for PatchEmbedBand
+    def _band_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
+        sample = self.step.full = call[self.SAMPLE]  # the full latent, for PatchEmbedBand
         rows = sample.shape[-2] // self.step.bands
-        return sample[..., self.step.index * rows : (self.step.index + 1) * rows, :]  # [B, C, H/n, W]
+        band = sample[..., self.step.index * rows : (self.step.index + 1) * rows, :]  # [B, C, H/n, W]
+        return {**call, self.SAMPLE: band}
 
     def _output(self, full: torch.Tensor) -> Transformer2DModelOutput:
         return Transformer2DModelOutput(sample=full)
@@ -169,3 +177,91 @@ class ParallelSD3(ParallelTransformer):
     MODEL = SD3Transformer2DModel
     UNSUPPORTED = ("block_controlnet_hidden_states",)  # ControlNet residuals are not split per band yet
     what = "SD3"
+
+
+class FluxJointBand(SelfAttentionBand):
+    """Processor for Flux's attention (mirrors diffusers' FluxAttnProcessor step by step): the local
+    sequence is [text; this band's image tokens] (double-stream: the text from encoder_hidden_states;
+    single-stream: the first step.text_tokens tokens of hidden_states); after RoPE, its queries attend
+    to [text; every band's image tokens]."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        if attention_mask is not None:
+            raise FlowfleetError(f"layer {self.name}: patch-parallel Flux attention takes no attention mask")
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.unflatten(-1, (-1, attn.head_dim))  # [B, S, D] -> [B, S, H, Dh]
+
+        q, k, v = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if encoder_hidden_states is not None:  # double-stream: the text stream's own projections, ahead
+            eq, ek, ev = (
+                heads(proj(encoder_hidden_states)) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            )
+            eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
+            q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)
+            text = encoder_hidden_states.shape[1]
+        else:  # single-stream: hidden_states is already [text; image band]
+            text = self.step.text_tokens
+        if image_rotary_emb is not None:
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        image_kv = torch.stack((k[:, text:], v[:, text:]), dim=1).transpose(2, 3)  # [B, 2, H, n, Dh]
+        kv = self.all_bands(image_kv)  # [B, 2, H, N*n, Dh]
+        keys = torch.cat([k[:, :text].transpose(1, 2), kv[:, 0]], dim=2)  # [B, H, L + N*n, Dh]
+        values = torch.cat([v[:, :text].transpose(1, 2), kv[:, 1]], dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values)  # [B, H, L + n, Dh]
+        out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)  # [B, L + n, D]
+        if encoder_hidden_states is None:
+            return out
+        text_out, image = out[:, :text], out[:, text:]
+        image = attn.to_out[1](attn.to_out[0](image.contiguous()))
+        return image, attn.to_add_out(text_out.contiguous())
+
+
+class ParallelFlux(PatchedModel):
+    """A FluxTransformer2DModel patched to run on this rank's band of image tokens (module docstring)."""
+
+    SAMPLE = "hidden_states"
+    UNSUPPORTED = ("controlnet_block_samples", "controlnet_single_block_samples")
+    SHARED = ("img_ids", "txt_ids")
+    MODEL = FluxTransformer2DModel
+    what = "Flux"
+
+    def __init__(self, model: FluxTransformer2DModel, group: Group, **options):
+        if not isinstance(model, FluxTransformer2DModel):
+            raise FlowfleetError(f"patch-parallel Flux: expected a FluxTransformer2DModel, got {type(model).__name__}")
+        for name, m in model.named_modules():
+            if isinstance(m, FluxAttention) and type(m.processor) is not FluxAttnProcessor:
+                raise FlowfleetError(
+                    f"Flux layer {name}: attention processor {type(m.processor).__name__} is not supported "
+                    f"by patch parallelism (use diffusers' default FluxAttnProcessor)"
+                )
+        super().__init__(model, group, **options)
+
+    def _install(self) -> None:
+        for name, m in self.model.named_modules():
+            if isinstance(m, FluxAttention):
+                self._set_processor(m, FluxJointBand(name, self.step))
+
+    def _check_input(self, sample: torch.Tensor) -> int:
+        if sample.ndim != 3:
+            raise FlowfleetError(
+                f"patch-parallel Flux: expected packed latent tokens [B, S, C], got {tuple(sample.shape)}"
+            )
+        n = self.step.bands
+        if sample.shape[1] % n:
+            raise FlowfleetError(
+                f"patch-parallel Flux: {sample.shape[1]} image tokens cannot be split into {n} equal bands"
+            )
+        return sample.shape[0]
+
+    def _band_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
+        tokens, ids = call[self.SAMPLE], call["img_ids"]  # [B, S, C], [S, 3]
+        n = tokens.shape[1] // self.step.bands
+        band = slice(self.step.index * n, (self.step.index + 1) * n)
+        self.step.text_tokens = call["txt_ids"].shape[-2]
+        return {**call, self.SAMPLE: tokens[:, band], "img_ids": ids[..., band, :]}
+
+    def _output(self, full: torch.Tensor) -> Transformer2DModelOutput:
+        return Transformer2DModelOutput(sample=full)

@@ -30,6 +30,7 @@ class BandStep:
     batch: int = 0  # samples in the current evaluation
     recording: "dict[str, tuple[int, ...]] | None" = None  # slot name -> per-sample shape, during recording
     full: "torch.Tensor | None" = None  # the whole latent of this evaluation (layers that embed it: transformers)
+    text_tokens: int = 0  # Flux: text tokens ahead of the image tokens in a single-stream block's sequence
 
     @property
     def exchange(self) -> ParallelMode:
