@@ -27,12 +27,7 @@ FORK = dict(start_method="fork", timeout_s=60.0)
 STEPS = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # like every rank: two threads contend on 2 cores
 
 
 def guided_loop(model, x: torch.Tensor, text: torch.Tensor, scale: float = 4.0, steps: int = STEPS) -> torch.Tensor:

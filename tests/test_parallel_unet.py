@@ -34,13 +34,7 @@ MODES = [m.value for m in UNetMode]
 STEPS = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One thread in this process too, like every rank: two threads on the shared 2-core box contend badly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # like every rank: two threads contend on 2 cores
 
 
 def flow_loop(unet, x: torch.Tensor, text: torch.Tensor, steps: int = STEPS) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.ray_cluster import missing_tools, ray_cluster
-from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+from fixtures.synthetic_run import fault_run_pair, synthetic_config, write_synthetic_run
 
 from flowfleet.backends import read_submissions
 from flowfleet.config import RunConfig
@@ -76,12 +76,7 @@ def test_a_job_whose_ray_node_dies_is_resubmitted_and_resumes_to_the_uninterrupt
     """The worker node running expert 0 dies mid-job (its raylet and the job's process killed) and comes
     back: train-all sees the expired lease, resubmits the job, which resumes from its checkpoint; the final
     weights equal an uninterrupted run's."""
-    raw = synthetic_config(k=2, steps=1200, train={"ckpt_every": 200}).to_dict()
-    raw["router_train"]["steps"] = 20  # only expert 0 matters here
-    cfg = RunConfig.from_dict(raw)
-    local, ray = tmp_path / "local", tmp_path / "ray"
-    write_synthetic_run(RunRoot(str(local)), cfg)
-    write_synthetic_run(RunRoot(str(ray)), cfg)
+    local, ray = fault_run_pair(tmp_path, "ray")
     root = RunRoot(str(ray))
     out = open(tmp_path / "train-all.out", "w+")
     watcher = cluster.popen(

@@ -8,12 +8,12 @@ import os
 
 import pytest
 from fixtures.slurm import missing_daemons, slurm_cluster
-from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+from fixtures.synthetic_run import fault_run_pair, synthetic_config, write_synthetic_run
 
 from flowfleet.backends import read_submissions
 from flowfleet.backends.slurm import SlurmBackend
 from flowfleet.cli import main
-from flowfleet.config import BackendConfig, RunConfig
+from flowfleet.config import BackendConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.files import WEIGHTS_NAME
 from flowfleet.stages.train import train_all
@@ -120,12 +120,7 @@ def test_a_job_whose_node_dies_is_resubmitted_and_resumes_to_the_uninterrupted_w
     from flowfleet.train.status import read_status
 
     monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
-    raw = synthetic_config(k=2, steps=1200, train={"ckpt_every": 200}).to_dict()
-    raw["router_train"]["steps"] = 20  # only expert 0 matters here
-    cfg = RunConfig.from_dict(raw)
-    local, slurm = tmp_path / "local", tmp_path / "slurm"
-    write_synthetic_run(RunRoot(str(local)), cfg)
-    write_synthetic_run(RunRoot(str(slurm)), cfg)
+    local, slurm = fault_run_pair(tmp_path, "slurm")
     root = RunRoot(str(slurm))
     outcome = {}
     watcher = threading.Thread(

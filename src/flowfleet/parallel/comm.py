@@ -27,6 +27,8 @@ ranks, so it counts (size - 1) * chunk bytes; a broadcast counts (size - 1) * by
 Overlap accounting (`overlap_by_step`): of the asynchronous bytes of a step, those whose gather started
 while layers of the forward were still to run (a batch completed before its family's last batch), and
 those started at its end (the family's last batch, or flush()): nothing left to hide them behind.
+Blocked time (`blocked_by_step`): seconds this rank waited inside band exchanges (a blocking gather, or
+waiting for an asynchronous one to land); the step output's gather, which every mode needs, is not in it.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class CommManager:
         self._early = _Counter()  # asynchronous bytes whose gather started with layers still to run
         self._late = _Counter()  # ... started at the end of the forward
         self._last_batch: dict[str, int] = {}  # family -> index of its last batch (after allocate())
+        self._blocked: dict[int, float] = defaultdict(float)  # step -> seconds waited in band exchanges
 
     # ----------------------------------------------------------------------------------------------
     #                                   Registration
@@ -177,8 +180,10 @@ class CommManager:
         slot = self._slot(name)
         self._await(slot.batch)  # an in-flight asynchronous gather of this slot must land first
         self._write(slot, tensor, rows)
+        t0 = time.perf_counter()
         with self._guard("all-gather", name):
             self._all_gather(slot.start, slot.start + slot.numel, async_op=False)
+        self._blocked[self._bytes.step] += time.perf_counter() - t0
         full = self._view(slot)
         return full[:, : tensor.shape[0]] if rows is None else full[:, rows]
 
@@ -261,6 +266,11 @@ class CommManager:
         return {s: (self._early.by_step.get(s, 0), self._late.by_step.get(s, 0)) for s in steps}
 
     @property
+    def blocked_by_step(self) -> dict[int, float]:
+        """Seconds this rank waited in band exchanges per step (module docstring)."""
+        return dict(self._blocked)
+
+    @property
     def bytes_total(self) -> int:
         return sum(self._bytes.by_step.values())
 
@@ -314,8 +324,10 @@ class CommManager:
         if batch.handle is None:
             return
         handle, batch.handle = batch.handle, None
+        t0 = time.perf_counter()
         with self._guard("asynchronous all-gather", batch.label):
             handle.wait()
+        self._blocked[self._bytes.step] += time.perf_counter() - t0
 
     @contextmanager
     def _guard(self, op: str, what: str, world: bool = False) -> Iterator[None]:
