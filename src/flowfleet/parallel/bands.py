@@ -61,3 +61,12 @@ class BandLayout:
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] -> this band [B, C, R*p, W] (a view)."""
         return x[..., self.pixel_slice, :]
+
+
+def band_sizes(total: int, bands: int) -> tuple[int, ...]:
+    """Split `total` rows (or tokens) into `bands` contiguous bands whose sizes differ by at most one (the
+    first total % bands are one larger), in order: any number of bands up to the number of rows."""
+    if not 1 <= bands <= total:
+        raise FlowfleetError(f"cannot split {total} rows into {bands} bands (at most one band per row)")
+    base, extra = divmod(total, bands)
+    return tuple(base + (1 if i < extra else 0) for i in range(bands))

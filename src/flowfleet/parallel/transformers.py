@@ -7,7 +7,9 @@ Stable Diffusion 3 (SD3Transformer2DModel, joint attention over image + text tok
         images = pipe(prompt).images                                         # the pipeline is unchanged
 
 A transformer's image tokens are the (H/p) x (W/p) patch grid in row-major order, so a band of latent
-rows is a contiguous slice of the token sequence. Per call (flowfleet.parallel.patched.PatchedModel):
+rows is a contiguous slice of the token sequence. Any number of ranks up to the number of token rows
+works: band sizes differ by at most one row (parallel.bands.band_sizes); keys/values and output bands
+travel padded to the largest band and are trimmed on arrival. Per call (parallel.patched.PatchedModel):
 the model's own forward runs on this rank's band of latent rows, and
 
     pos_embed        patch embedding + positional embedding of the whole grid, then this band's tokens
@@ -45,6 +47,7 @@ from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
+from flowfleet.parallel.bands import band_sizes
 from flowfleet.parallel.patched import PatchedModel
 from flowfleet.parallel.unet.attention import CrossAttentionBand, SelfAttentionBand, _heads
 from flowfleet.parallel.unet.step import BandStep
@@ -63,8 +66,9 @@ class PatchEmbedBand:
         full = self.step.full  # [B, C, H, W]
         assert full is not None and full.shape[0] == band.shape[0]
         tokens = self._class_forward(self.embed, full)  # [B, (H/p)(W/p), D]
-        n = tokens.shape[1] // self.step.bands  # tokens per band (whole token rows)
-        return tokens[:, self.step.index * n : (self.step.index + 1) * n]
+        sizes, me = self.step.sizes, self.step.index  # tokens per band (whole token rows)
+        start = sum(sizes[:me])
+        return tokens[:, start : start + sizes[me]]
 
 
 class JointAttentionBand(SelfAttentionBand):
@@ -150,18 +154,21 @@ class ParallelTransformer(PatchedModel):
                 f"patch-parallel {self.what}: expected a latent [B, C, H, W], got {tuple(sample.shape)}"
             )
         n, h = self.step.bands, sample.shape[-2]
-        if h % (n * self.patch):
+        if h % self.patch or h // self.patch < n:
             raise FlowfleetError(
                 f"patch-parallel {self.what}: a latent of height {h} cannot be split into {n} bands of whole "
-                f"token rows (the height must be a multiple of {n} x patch {self.patch} = {n * self.patch})"
+                f"token rows (the height must be a multiple of patch {self.patch} and at least {n * self.patch})"
             )
         return sample.shape[0]
 
     def _band_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
         sample = self.step.full = call[self.SAMPLE]  # the full latent, for PatchEmbedBand
-        rows = sample.shape[-2] // self.step.bands
-        band = sample[..., self.step.index * rows : (self.step.index + 1) * rows, :]  # [B, C, H/n, W]
-        return {**call, self.SAMPLE: band}
+        p, me = self.patch, self.step.index
+        rows = band_sizes(sample.shape[-2] // p, self.step.bands)  # token rows per band, differing by <= 1
+        self.step.sizes = tuple(r * (sample.shape[-1] // p) for r in rows)  # tokens per band
+        self._out_sizes = tuple(r * p for r in rows)  # latent rows per band
+        start = sum(rows[:me]) * p
+        return {**call, self.SAMPLE: sample[..., start : start + rows[me] * p, :]}  # [B, C, rows * p, W]
 
     def _output(self, full: torch.Tensor) -> Transformer2DModelOutput:
         return Transformer2DModelOutput(sample=full)
@@ -249,17 +256,17 @@ class ParallelFlux(PatchedModel):
             raise FlowfleetError(
                 f"patch-parallel Flux: expected packed latent tokens [B, S, C], got {tuple(sample.shape)}"
             )
-        n = self.step.bands
-        if sample.shape[1] % n:
+        if sample.shape[1] < self.step.bands:
             raise FlowfleetError(
-                f"patch-parallel Flux: {sample.shape[1]} image tokens cannot be split into {n} equal bands"
+                f"patch-parallel Flux: {sample.shape[1]} image tokens cannot be split into {self.step.bands} bands"
             )
         return sample.shape[0]
 
     def _band_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
         tokens, ids = call[self.SAMPLE], call["img_ids"]  # [B, S, C], [S, 3]
-        n = tokens.shape[1] // self.step.bands
-        band = slice(self.step.index * n, (self.step.index + 1) * n)
+        sizes = self.step.sizes = self._out_sizes = band_sizes(tokens.shape[1], self.step.bands)
+        start = sum(sizes[: self.step.index])
+        band = slice(start, start + sizes[self.step.index])
         self.step.text_tokens = call["txt_ids"].shape[-2]
         return {**call, self.SAMPLE: tokens[:, band], "img_ids": ids[..., band, :]}
 

@@ -102,21 +102,27 @@ class SelfAttentionBand:
 
     def all_bands(self, kv: torch.Tensor) -> torch.Tensor:
         """This band's fresh keys/values [B, 2, H, n, Dh] -> every band's, as the mode supplies them,
-        [B, 2, H, N*n, Dh] in row order (this band's alone for naive)."""
-        self.step.declare(self.slot, tuple(kv.shape[1:]))
+        [B, 2, H, sum of n, Dh] in row order (this band's alone for naive). Uneven bands (step.sizes) travel
+        padded to the largest band's n and are trimmed on arrival."""
+        self.step.declare(self.slot, (kv.shape[1], kv.shape[2], max(self.step.sizes or [kv.shape[3]]), kv.shape[4]))
         return self._paths[self.step.exchange](kv)
+
+    def _padded(self, kv: torch.Tensor) -> torch.Tensor:
+        missing = max(self.step.sizes or [kv.shape[3]]) - kv.shape[3]
+        return F.pad(kv, (0, 0, 0, missing)) if missing else kv  # [B, 2, H, largest n, Dh]
 
     def _merge(self, kv: torch.Tensor, bands: torch.Tensor) -> torch.Tensor:
         """This band's fresh K/V + every band's [N, B, 2, H, n, Dh] -> [B, 2, H, N*n, Dh] in row order (copies)."""
-        me = self.step.index
-        return torch.cat([kv if r == me else bands[r].to(kv.dtype) for r in range(bands.shape[0])], dim=3)
+        me, sizes = self.step.index, self.step.sizes
+        parts = [kv if r == me else bands[r, :, :, :, : (sizes[r] if sizes else None)] for r in range(bands.shape[0])]
+        return torch.cat([part.to(kv.dtype) for part in parts], dim=3)
 
     def _sync(self, kv):
-        return self._merge(kv, self.step.comm.gather(self.slot, kv))  # blocks on this step's K/V
+        return self._merge(kv, self.step.comm.gather(self.slot, self._padded(kv)))  # blocks on this step's K/V
 
     def _displaced(self, kv):
         full = self._merge(kv, self.step.comm.wait(self.slot)[:, : kv.shape[0]])  # previous step's, copied
-        self.step.comm.enqueue(self.slot, kv)  # gathered while later layers compute
+        self.step.comm.enqueue(self.slot, self._padded(kv))  # gathered while later layers compute
         return full
 
     def _naive(self, kv):

@@ -31,6 +31,7 @@ class BandStep:
     recording: "dict[str, tuple[int, ...]] | None" = None  # slot name -> per-sample shape, during recording
     full: "torch.Tensor | None" = None  # the whole latent of this evaluation (layers that embed it: transformers)
     text_tokens: int = 0  # Flux: text tokens ahead of the image tokens in a single-stream block's sequence
+    sizes: tuple[int, ...] = ()  # attention tokens of every band when they differ (uneven bands); () = equal
 
     @property
     def exchange(self) -> ParallelMode:
