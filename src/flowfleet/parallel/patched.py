@@ -60,11 +60,12 @@ class PatchedModel:
     SAMPLE = "sample"
     UNSUPPORTED: tuple[str, ...] = ()
     SHARED: tuple[str, ...] = ()  # arguments that are never per sample (token ids), so never halved
+    RETURNS_TUPLE = True  # the class forward returns (output,) for return_dict=False (not a VAE Decoder)
     what = "model"  # for messages
 
     def __init__(
         self,
-        model: Any,  # a diffusers ModelMixin (device, dtype)
+        model: Any,  # a diffusers model (an nn.Module)
         group: Group,
         *,
         mode: UNetMode | str = UNetMode.DISPLACED,
@@ -92,8 +93,9 @@ class PatchedModel:
         self.mode = self.requested if bands.size > 1 else UNetMode.NAIVE
         self.warmup = int(warmup)
         self.max_batch = max_batch
+        weights = next(model.parameters())
         self.comm = CommManager(
-            bands, group, device=model.device, dtype=model.dtype, batch_bytes=batch_bytes, timeout_s=timeout_s
+            bands, group, device=weights.device, dtype=weights.dtype, batch_bytes=batch_bytes, timeout_s=timeout_s
         )
         self.step = BandStep(self.comm, bands.rank, bands.size)
         self.modes: list[UNetMode] = []  # the mode each evaluation ran in (since construction)
@@ -200,12 +202,14 @@ class PatchedModel:
             for g in range(self.world.size // n)
         ]
         full = torch.cat(groups) if split else groups[0]  # [B, C, H, W]
-        return self._output(full) if return_dict else (full,)
+        return self._output(full) if return_dict or not self.RETURNS_TUPLE else (full,)
 
     __call__ = forward
 
     def _run(self, call: dict[str, Any]) -> torch.Tensor:
         """The model's own forward on this rank's band -> the output band."""
+        if not self.RETURNS_TUPLE:
+            return self._class_forward(self.model, **self._band_inputs(call))
         return self._class_forward(self.model, **self._band_inputs(call), return_dict=False)[0]
 
     # ----------------------------------------------------------------------------------------------
@@ -287,20 +291,28 @@ def parallelize(
     timeout_s: float = 60.0,
 ) -> PatchedModel:
     """Patch a diffusers model in place to run on this rank's band of `group` (default: every rank of the
-    default process group): a UNet2DConditionModel, or a PixArt, SD3 or Flux transformer.
+    default process group): a UNet2DConditionModel, a PixArt, SD3 or Flux transformer, or a VAE
+    (AutoencoderKL: its decoder; sync only).
     `cfg_split`: the two halves of a guided batch on two halves of the ranks; `batch_bytes`: bytes per
     asynchronous all-gather (None: from the model's bytes, see parallel.comm). Returns the handle
     (reset(), restore(), comm, modes); use it as a context manager."""
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+    from diffusers.models.autoencoders.vae import Decoder
     from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 
     from flowfleet.parallel.transformers import ParallelFlux, ParallelPixArt, ParallelSD3
     from flowfleet.parallel.unet.model import ParallelUNet
+    from flowfleet.parallel.vae import ParallelVAEDecoder
+
+    if isinstance(model, AutoencoderKL):
+        model = model.decoder  # vae.decode(z) runs post_quant_conv (1x1, per row) then the decoder
 
     kinds: dict[type, type[PatchedModel]] = {
         UNet2DConditionModel: ParallelUNet,
         ParallelPixArt.MODEL: ParallelPixArt,
         ParallelSD3.MODEL: ParallelSD3,
         ParallelFlux.MODEL: ParallelFlux,
+        Decoder: ParallelVAEDecoder,
     }
     cls = next((parallel for kind, parallel in kinds.items() if isinstance(model, kind)), None)
     if cls is None:
