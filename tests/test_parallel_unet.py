@@ -140,11 +140,14 @@ def test_unsupported_models_and_inputs_are_one_line_errors():
     unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.set_processor(object())
     with pytest.raises(FlowfleetError, match="attention processor object"):
         check_supported(unet)
-    # Two bands of a 10-row latent are 5 rows, which the U-Net's one downsampling cannot halve: the height
-    # must be a multiple of 2 ranks x 2. The checks run before any communication (no process group here).
+    # A 9-row latent cannot be halved by the U-Net's one downsampling, and 3 ranks need 3 x 2 rows at least.
+    # The checks run before any communication (no process group here).
+    punet = parallelize(tiny_unet(), Group(None, 0, 3), mode="sync")
+    for rows in (9, 4):
+        with pytest.raises(FlowfleetError, match="must be a multiple of 2 and at least 3 x 2 = 6"):
+            punet.forward(torch.randn(1, 4, rows, 8), 10, encoder_hidden_states=torch.randn(1, 7, 32))
+    punet.restore()
     punet = parallelize(tiny_unet(), Group(None, 0, 2), mode="sync")
-    with pytest.raises(FlowfleetError, match="multiple of 2 x 2 = 4"):
-        punet.forward(torch.randn(1, 4, 10, 8), 10, encoder_hidden_states=torch.randn(1, 7, 32))
     with pytest.raises(FlowfleetError, match="down_block_additional_residuals"):
         punet.forward(
             torch.randn(1, 4, 8, 8),
@@ -262,6 +265,23 @@ def test_warmup_counts_sampler_steps_not_calls_and_defaults_to_4():
     assert r0["heun"] == ["sync"] * 9 + ["displaced"] * 4
     # two calls per step (the CFG halves separately): 10 synchronous calls, then displaced
     assert r0["cfg"] == ["sync"] * 10 + ["displaced"] * 4
+
+
+@pytest.mark.parametrize("nproc, size", [(3, 16), (2, 10)], ids=["3-ranks-16-rows", "2-ranks-10-rows"])
+def test_uneven_bands_are_exact_in_sync_and_displaced_beats_naive_by_3db(nproc, size):
+    """16 latent rows on 3 ranks: bands of 6/6/4 rows (3/3/2 at the coarse level); 10 rows on 2: 6/4. GroupNorm
+    pools band statistics weighted by band size; halos and keys/values of unequal bands travel padded."""
+    unet = tiny_unet()
+    x, text = banded_latent(size)
+    ref = flow_loop(unet, x, text)
+    ranks = run_local(_ablation, nproc, (size, ["sync", "displaced", "naive"], 1, STEPS, False), **FORK)
+    for mode in ("sync", "displaced", "naive"):
+        assert all(torch.equal(r[mode], ranks[0][mode]) for r in ranks), f"{mode}: ranks disagree"
+        assert_image_like(ranks[0][mode], ref, mode)
+    assert (ranks[0]["sync"] - ref).abs().max() <= 1e-5
+    scores = {mode: round(psnr(ranks[0][mode], ref), 1) for mode in ("displaced", "naive")}
+    print(f"U-Net N={nproc} {size} rows: PSNR vs one device {scores}")
+    assert scores["displaced"] >= scores["naive"] + 3, scores
 
 
 def _overlap(ctx, batch_bytes) -> dict:

@@ -104,7 +104,6 @@ class PatchedModel:
         self._filled: int | None = None  # batch size whose activations the receive buffers hold
         self._last_t: float | None = None
         self._rows = 0  # batch rows per band slot (the largest batch one group runs), set at registration
-        self._out_sizes: tuple[int, ...] = ()  # each band's size along the output's dim -2 when uneven (_band_inputs)
         self._halves: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}  # argument -> (tensor, version, half)
         self.slots: dict[str, tuple[int, ...]] = {}  # comm slot -> shape, in forward order (after the first call)
         self._registered = False  # comm slots registered and allocated (first call)
@@ -192,7 +191,7 @@ class PatchedModel:
         self._filled = rows if mode.exchange is not ParallelMode.NAIVE else None
         self.modes.append(mode)
         self._evals += 1
-        sizes = self._out_sizes or (band.shape[-2],) * self.step.bands
+        sizes = self.step.counts(band.shape[-2])  # every band's output rows (or tokens)
         if band.shape[-2] < max(sizes):  # uneven bands travel padded to the largest
             band = F.pad(band, (0, 0, 0, max(sizes) - band.shape[-2]))
         bands = self.comm.all_gather_world(band, what=f"{self.what} output band")  # [N, rows, C, H/n, W]

@@ -166,7 +166,6 @@ class ParallelTransformer(PatchedModel):
         p, me = self.patch, self.step.index
         rows = band_sizes(sample.shape[-2] // p, self.step.bands)  # token rows per band, differing by <= 1
         self.step.sizes = tuple(r * (sample.shape[-1] // p) for r in rows)  # tokens per band
-        self._out_sizes = tuple(r * p for r in rows)  # latent rows per band
         start = sum(rows[:me]) * p
         return {**call, self.SAMPLE: sample[..., start : start + rows[me] * p, :]}  # [B, C, rows * p, W]
 
@@ -264,7 +263,7 @@ class ParallelFlux(PatchedModel):
 
     def _band_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
         tokens, ids = call[self.SAMPLE], call["img_ids"]  # [B, S, C], [S, 3]
-        sizes = self.step.sizes = self._out_sizes = band_sizes(tokens.shape[1], self.step.bands)
+        sizes = self.step.sizes = band_sizes(tokens.shape[1], self.step.bands)
         start = sum(sizes[: self.step.index])
         band = slice(start, start + sizes[self.step.index])
         self.step.text_tokens = call["txt_ids"].shape[-2]

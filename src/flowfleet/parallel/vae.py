@@ -25,6 +25,7 @@ from diffusers.models.autoencoders.vae import Decoder
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
+from flowfleet.parallel.bands import band_sizes
 from flowfleet.parallel.patched import PatchedModel
 from flowfleet.parallel.unet.attention import SelfAttentionBand
 from flowfleet.parallel.unet.conv import FirstConvBand, HaloConvBand, RowHalo
@@ -75,12 +76,16 @@ class ParallelVAEDecoder(PatchedModel):
 
     def _check_input(self, sample: torch.Tensor) -> int:
         n, h = self.step.bands, sample.shape[-2] if sample.ndim == 4 else 0
-        if sample.ndim != 4 or h % n:
+        if sample.ndim != 4 or h < n:
             raise FlowfleetError(
                 f"patch-parallel VAE decoder: a latent {tuple(sample.shape)} cannot be split into {n} bands of "
-                f"whole rows (the height must be a multiple of {n})"
+                f"whole rows (at least {n} rows)"
             )
         return sample.shape[0]
+
+    def _band_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
+        self.step.sizes = band_sizes(call[self.SAMPLE].shape[-2], self.step.bands)  # rows, differing by <= 1
+        return call
 
     def _output(self, full: torch.Tensor) -> torch.Tensor:
         return full  # Decoder.forward returns the image tensor itself

@@ -104,17 +104,17 @@ class SelfAttentionBand:
         """This band's fresh keys/values [B, 2, H, n, Dh] -> every band's, as the mode supplies them,
         [B, 2, H, sum of n, Dh] in row order (this band's alone for naive). Uneven bands (step.sizes) travel
         padded to the largest band's n and are trimmed on arrival."""
-        self.step.declare(self.slot, (kv.shape[1], kv.shape[2], max(self.step.sizes or [kv.shape[3]]), kv.shape[4]))
+        self.step.declare(self.slot, (kv.shape[1], kv.shape[2], max(self.step.counts(kv.shape[3])), kv.shape[4]))
         return self._paths[self.step.exchange](kv)
 
     def _padded(self, kv: torch.Tensor) -> torch.Tensor:
-        missing = max(self.step.sizes or [kv.shape[3]]) - kv.shape[3]
+        missing = max(self.step.counts(kv.shape[3])) - kv.shape[3]
         return F.pad(kv, (0, 0, 0, missing)) if missing else kv  # [B, 2, H, largest n, Dh]
 
     def _merge(self, kv: torch.Tensor, bands: torch.Tensor) -> torch.Tensor:
         """This band's fresh K/V + every band's [N, B, 2, H, n, Dh] -> [B, 2, H, N*n, Dh] in row order (copies)."""
-        me, sizes = self.step.index, self.step.sizes
-        parts = [kv if r == me else bands[r, :, :, :, : (sizes[r] if sizes else None)] for r in range(bands.shape[0])]
+        me, counts = self.step.index, self.step.counts(kv.shape[3])
+        parts = [kv if r == me else bands[r, :, :, :, : counts[r]] for r in range(bands.shape[0])]
         return torch.cat([part.to(kv.dtype) for part in parts], dim=3)
 
     def _sync(self, kv):

@@ -65,7 +65,8 @@ def _zeros(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class FirstConvBand:
-    """Replaces the U-Net's conv_in: the full latent [B, C, H, W] -> this band's output rows [B, C', H/N, W]."""
+    """Replaces the U-Net's conv_in: the full latent [B, C, H, W] -> this band's output rows [B, C', h, W]
+    (h = H/N, or this band's share of step.sizes for uneven bands)."""
 
     def __init__(self, conv: nn.Conv2d, step: BandStep):
         self.conv = conv
@@ -75,8 +76,10 @@ class FirstConvBand:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         s, halo = self.step, self.halo
         height = x.shape[-2]
-        rows = height // s.bands
-        r0, r1 = s.index * rows, (s.index + 1) * rows  # this band's input rows
+        unit = height // (sum(s.sizes) if s.sizes else s.bands)  # latent rows per size unit
+        rows = [unit * size for size in s.sizes] if s.sizes else [unit] * s.bands
+        r0 = sum(rows[: s.index])
+        r1 = r0 + rows[s.index]  # this band's input rows
         lo, hi = max(0, r0 - halo.top), min(height, r1 + halo.bottom)
         parts = [_zeros(x, lo - (r0 - halo.top)), x[..., lo:hi, :], _zeros(x, r1 + halo.bottom - hi)]
         return conv_band(self.conv, torch.cat(parts, dim=-2))  # [B, C', rows / stride, W']

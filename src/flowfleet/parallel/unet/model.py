@@ -14,6 +14,8 @@ input), and every later layer runs on the band (flowfleet.parallel.unet.conv, .a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
@@ -21,6 +23,7 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel, UNet2
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
+from flowfleet.parallel.bands import band_sizes
 from flowfleet.parallel.patched import PatchedModel
 from flowfleet.parallel.unet.attention import CrossAttentionBand, SelfAttentionBand
 from flowfleet.parallel.unet.conv import FirstConvBand, HaloConvBand, RowHalo
@@ -113,10 +116,15 @@ class ParallelUNet(PatchedModel):
         if sample.ndim != 4:
             raise FlowfleetError(f"patch-parallel U-Net: expected a latent [B, C, H, W], got {tuple(sample.shape)}")
         b, h = sample.shape[0], sample.shape[-2]
-        n = self.step.bands
-        if h % (n * self.factor):
+        n, f = self.step.bands, self.factor
+        if h % f or h // f < n:
             raise FlowfleetError(
                 f"patch-parallel U-Net: a latent of height {h} cannot be split into {n} bands of whole rows at every "
-                f"U-Net level (the height must be a multiple of {n} x {self.factor} = {n * self.factor})"
+                f"U-Net level (the height must be a multiple of {f} and at least {n} x {f} = {n * f})"
             )
         return b
+
+    def _band_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
+        # bands of whole groups of `factor` rows (whole rows at the coarsest level), sizes differing by <= 1
+        self.step.sizes = band_sizes(call[self.SAMPLE].shape[-2] // self.factor, self.step.bands)
+        return call

@@ -14,9 +14,9 @@ the NormStats member of the current mode decides what it normalises with:
     LOCAL      this band's own statistics, no comm slot at all (the naive baseline)
 
 Variances are BIASED (divide by the element count), exactly like torch.nn.GroupNorm, so EXACT equals
-the single-device layer up to float rounding. Bands have equal sizes, so pooling is an equal-weight
-mean of the band means and of (band variance + squared deviation of the band mean), which is the
-biased variance of the union without forming E[x^2] - E[x]^2 (no cancellation when |mean| >> std).
+the single-device layer up to float rounding. Pooling is the size-weighted mean of the band means and
+of (band variance + squared deviation of the band mean), which is the biased variance of the union
+without forming E[x^2] - E[x]^2 (no cancellation when |mean| >> std); uneven bands weigh by their sizes.
 Statistics are computed in float32 whatever the activation dtype.
 """
 
@@ -41,15 +41,20 @@ def band_stats(x: torch.Tensor, groups: int) -> torch.Tensor:
     return torch.stack((mean, var), dim=-1)  # [B, G, 2]
 
 
-def pooled(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every band's statistics [N, B, G, 2] (equal band sizes) -> the whole image's (mean, biased var), [B, G]."""
+def pooled(stats: torch.Tensor, sizes: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every band's statistics [N, B, G, 2] -> the whole image's (mean, biased var), [B, G]; bands weighted
+    by their sizes (any unit proportional to their element counts; () = equal)."""
     means, variances = stats[..., 0], stats[..., 1]  # [N, B, G]
-    mean = means.mean(dim=0)  # [B, G]
-    var = variances.mean(dim=0) + (means - mean).square().mean(dim=0)  # [B, G]
+    w = torch.tensor(sizes or [1] * stats.shape[0], dtype=means.dtype, device=means.device)
+    w = (w / w.sum()).view(-1, 1, 1)  # [N, 1, 1]
+    mean = (w * means).sum(dim=0)  # [B, G]
+    var = (w * (variances + (means - mean).square())).sum(dim=0)  # [B, G]
     return mean, var
 
 
-def corrected(stale: torch.Tensor, fresh: torch.Tensor, me: int) -> tuple[torch.Tensor, torch.Tensor]:
+def corrected(
+    stale: torch.Tensor, fresh: torch.Tensor, me: int, sizes: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Paper Eq. 2 applied to the mean and the second moment, with the negative-variance fallback.
 
     stale: every band's previous-step statistics [N, B, G, 2]; fresh: this band's [B, G, 2]; me: this band.
@@ -62,7 +67,7 @@ def corrected(stale: torch.Tensor, fresh: torch.Tensor, me: int) -> tuple[torch.
         Var ~ Var_t+1 + (Var_t^i - Var_t+1^i) + 2 d (E[A_t+1^i] - E[A_t+1])
     which is what is computed (the same number without subtracting two large second moments).
     Where that estimate is negative, the band's own fresh variance is used (paper §4)."""
-    g_mean, g_var = pooled(stale)  # [B, G]: previous step, whole image
+    g_mean, g_var = pooled(stale, sizes)  # [B, G]: previous step, whole image
     o_mean, o_var = stale[me, ..., 0], stale[me, ..., 1]  # [B, G]: previous step, this band
     f_mean, f_var = fresh[..., 0], fresh[..., 1]  # [B, G]: this step, this band
     d = f_mean - o_mean
@@ -114,19 +119,19 @@ class GroupNormBand:
         return normalize(x, mean, var, self.norm)
 
     def _exact(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mean_var = pooled(self.step.comm.gather(self.slot, fresh).float())  # blocks on every band's statistics
+        mean_var = pooled(self.step.comm.gather(self.slot, fresh).float(), self.step.sizes)  # blocks: all bands
         if self.step.exchange is ParallelMode.DISPLACED:  # sync-gn: the batch this slot shares must still leave
             self.step.comm.enqueue(self.slot, fresh)  # during the forward (a few hundred bytes, never read)
         return mean_var
 
     def _corrected(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         stale = self.step.comm.wait(self.slot)[:, : fresh.shape[0]].float()  # [N, B, G, 2], previous step
-        mean, var = corrected(stale, fresh, self.step.index)  # new tensors: the buffer may be refilled now
+        mean, var = corrected(stale, fresh, self.step.index, self.step.sizes)  # new tensors: buffer reusable
         self.step.comm.enqueue(self.slot, fresh)  # this step's statistics, for the next step
         return mean, var
 
     def _stale(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mean, var = pooled(self.step.comm.wait(self.slot)[:, : fresh.shape[0]].float())  # previous step, all bands
+        mean, var = pooled(self.step.comm.wait(self.slot)[:, : fresh.shape[0]].float(), self.step.sizes)  # previous
         self.step.comm.enqueue(self.slot, fresh)
         return mean, var
 

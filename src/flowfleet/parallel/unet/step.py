@@ -31,7 +31,16 @@ class BandStep:
     recording: "dict[str, tuple[int, ...]] | None" = None  # slot name -> per-sample shape, during recording
     full: "torch.Tensor | None" = None  # the whole latent of this evaluation (layers that embed it: transformers)
     text_tokens: int = 0  # Flux: text tokens ahead of the image tokens in a single-stream block's sequence
-    sizes: tuple[int, ...] = ()  # attention tokens of every band when they differ (uneven bands); () = equal
+    # Uneven bands: every band's size in some unit (tokens, rows, groups of rows) proportional to its size
+    # in every layer, so a layer holding n of this band's items finds band r's as sizes[r] * n // sizes[index].
+    # () = equal bands.
+    sizes: tuple[int, ...] = ()
+
+    def counts(self, n: int) -> list[int]:
+        """Every band's item count in a layer where this band has n (uneven bands), in band order."""
+        if not self.sizes:
+            return [n] * self.bands
+        return [s * n // self.sizes[self.index] for s in self.sizes]
 
     @property
     def exchange(self) -> ParallelMode:
