@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from fixtures.transformers import TINY, caption, predict, smooth_targets, tiny_pixart, trained
+from fixtures.transformers import TINY, caption, image_ids, pack, predict, smooth_targets, tiny_pixart, trained
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
@@ -103,6 +103,52 @@ def test_sync_equals_one_device_and_displaced_beats_naive_by_3db(model, nproc, s
             assert scores["displaced"] >= scores["naive"] + 3, scores
         else:  # one rank per CFG half: the whole image on each, exact in every mode
             assert scores["naive"] > 100 and scores["displaced"] > 100, scores
+
+
+def controlnet_call(model, kind: str, x: torch.Tensor, text: torch.Tensor, residuals: list) -> torch.Tensor:
+    """One call with ControlNet residuals ([B, image tokens, 32] per block), as the ControlNet pipelines pass them."""
+    t = torch.tensor([500.0])
+    if kind == "sd3":
+        out = model(
+            x,
+            encoder_hidden_states=text,
+            pooled_projections=text.mean(1),
+            timestep=t,
+            block_controlnet_hidden_states=residuals,
+        ).sample
+        return out
+    h, w = x.shape[-2:]
+    return model(
+        pack(x),
+        encoder_hidden_states=text,
+        pooled_projections=text.mean(1),
+        timestep=t / 1000,
+        img_ids=image_ids(h, w),
+        txt_ids=torch.zeros(text.shape[1], 3),
+        controlnet_block_samples=residuals,
+        controlnet_single_block_samples=residuals,
+    ).sample
+
+
+def _controlnet_ranks(ctx, kind: str, residuals: list) -> torch.Tensor:
+    model = TINY[kind]()
+    with torch.no_grad(), parallelize(model, ctx.world, mode="sync"):
+        return controlnet_call(model, kind, start(14), caption(), residuals)
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_controlnet_residuals_are_split_per_band(kind):
+    """3 ranks on 7 token rows (uneven): each band adds its own tokens' share of every block's residual."""
+    model = TINY[kind]()
+    g = torch.Generator().manual_seed(6)
+    residuals = [torch.randn(1, 49, 32, generator=g) for _ in range(2)]
+    with torch.no_grad():
+        ref = controlnet_call(model, kind, start(14), caption(), residuals)
+        plain = controlnet_call(model, kind, start(14), caption(), [torch.zeros_like(r) for r in residuals])
+    assert (ref - plain).abs().max() > 0.01  # the residuals change the output
+    ranks = run_local(_controlnet_ranks, 3, (kind, residuals), **FORK)
+    for out in ranks:
+        assert (out - ref).abs().max() <= 1e-5, (out - ref).abs().max()
 
 
 def test_pixart_refuses_what_it_cannot_split():

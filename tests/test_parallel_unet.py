@@ -148,12 +148,9 @@ def test_unsupported_models_and_inputs_are_one_line_errors():
             punet.forward(torch.randn(1, 4, rows, 8), 10, encoder_hidden_states=torch.randn(1, 7, 32))
     punet.restore()
     punet = parallelize(tiny_unet(), Group(None, 0, 2), mode="sync")
-    with pytest.raises(FlowfleetError, match="down_block_additional_residuals"):
+    with pytest.raises(FlowfleetError, match="attention_mask is not supported"):
         punet.forward(
-            torch.randn(1, 4, 8, 8),
-            10,
-            encoder_hidden_states=torch.randn(1, 7, 32),
-            down_block_additional_residuals=(torch.zeros(1),),
+            torch.randn(1, 4, 8, 8), 10, encoder_hidden_states=torch.randn(1, 7, 32), attention_mask=torch.ones(1, 64)
         )
     punet.restore()
 
@@ -282,6 +279,63 @@ def test_uneven_bands_are_exact_in_sync_and_displaced_beats_naive_by_3db(nproc, 
     scores = {mode: round(psnr(ranks[0][mode], ref), 1) for mode in ("displaced", "naive")}
     print(f"U-Net N={nproc} {size} rows: PSNR vs one device {scores}")
     assert scores["displaced"] >= scores["naive"] + 3, scores
+
+
+def controlnet_loop(unet, controlnet, x, text, hint, steps: int = 4) -> torch.Tensor:
+    """A ControlNet pipeline's loop: the ControlNet (whole image, every rank) gives residuals for every
+    U-Net level, which the U-Net adds (each rank its band's rows)."""
+    scheduler = FlowMatchEulerDiscreteScheduler()
+    scheduler.set_timesteps(steps)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            down, mid = controlnet(x, t, encoder_hidden_states=text, controlnet_cond=hint, return_dict=False)
+            eps = unet(
+                x,
+                t,
+                encoder_hidden_states=text,
+                down_block_additional_residuals=down,
+                mid_block_additional_residual=mid,
+            ).sample
+            x = scheduler.step(eps, t, x).prev_sample
+    return x
+
+
+def tiny_controlnet(unet):
+    from diffusers import ControlNetModel
+
+    torch.manual_seed(3)
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 16)).eval()
+    with torch.no_grad():  # ControlNet zero-initialises its output convolutions: make the residuals matter
+        for p in controlnet.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return controlnet
+
+
+def _controlnet(ctx, size: int) -> dict:
+    unet = tiny_unet()
+    controlnet = tiny_controlnet(unet)
+    x, text = banded_latent(size)
+    hint = torch.rand(1, 3, 2 * size, 2 * size, generator=torch.Generator().manual_seed(4))
+    out = {}
+    for mode in ("sync", "displaced"):
+        with parallelize(unet, ctx.world, mode=mode, warmup=1):
+            out[mode] = controlnet_loop(unet, controlnet, x, text, hint)
+    return out
+
+
+@pytest.mark.parametrize("nproc, size", [(2, 16), (3, 16)])
+def test_controlnet_residuals_are_split_per_band(nproc, size):
+    unet = tiny_unet()
+    controlnet = tiny_controlnet(unet)
+    x, text = banded_latent(size)
+    hint = torch.rand(1, 3, 2 * size, 2 * size, generator=torch.Generator().manual_seed(4))
+    ref = controlnet_loop(unet, controlnet, x, text, hint)
+    plain = flow_loop(unet, x, text, steps=4)
+    assert (ref - plain).abs().max() > 0.05  # the residuals change the result
+    ranks = run_local(_controlnet, nproc, (size,), **FORK)
+    assert (ranks[0]["sync"] - ref).abs().max() <= 1e-5
+    assert all(torch.equal(r["displaced"], ranks[0]["displaced"]) for r in ranks)
+    assert_image_like(ranks[0]["displaced"], ref, "displaced with ControlNet")
 
 
 def _overlap(ctx, batch_bytes) -> dict:

@@ -60,6 +60,7 @@ class PatchedModel:
     SAMPLE = "sample"
     UNSUPPORTED: tuple[str, ...] = ()
     SHARED: tuple[str, ...] = ()  # arguments that are never per sample (token ids), so never halved
+    RESIDUALS: tuple[str, ...] = ()  # whole-image tensors (ControlNet residuals) each band gets its share of
     RETURNS_TUPLE = True  # the class forward returns (output,) for return_dict=False (not a VAE Decoder)
     what = "model"  # for messages
 
@@ -248,6 +249,8 @@ class PatchedModel:
         on every call, so caches keyed on the prompt tensor (text keys/values) keep working."""
         if isinstance(value, dict):
             return {k: self._half(f"{name}.{k}", v, b) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):  # ControlNet residuals: one tensor per block
+            return type(value)(self._half(f"{name}.{i}", v, b) for i, v in enumerate(value))
         if not (isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == b):
             return value
         cached = self._halves.get(name)
@@ -255,6 +258,24 @@ class PatchedModel:
             cached = (value, value._version, value[self.half * (b // 2) : (self.half + 1) * (b // 2)])
             self._halves[name] = cached
         return cached[2]
+
+    def _my_band(self, whole: torch.Tensor, dim: int = -2) -> torch.Tensor:
+        """This band's share of a whole-image tensor along `dim` (rows at any U-Net level, or tokens), cut in
+        the proportions of step.sizes (ControlNet residuals)."""
+        sizes, me = self.step.sizes or (1,) * self.step.bands, self.step.index
+        unit = whole.shape[dim] // sum(sizes)
+        return whole.narrow(dim, unit * sum(sizes[:me]), unit * sizes[me])
+
+    def _my_bands(self, call: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+        """`call` with this band's share of the whole-image tensors (or lists of them) under `names`."""
+        out = dict(call)
+        for name in names:
+            value = call.get(name)
+            if isinstance(value, torch.Tensor):
+                out[name] = self._my_band(value)
+            elif value is not None:
+                out[name] = type(value)(self._my_band(v) for v in value)
+        return out
 
     def _group_rows(self, b: int) -> int:
         """Rows one rank group runs of a batch of b."""

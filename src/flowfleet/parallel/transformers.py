@@ -167,7 +167,8 @@ class ParallelTransformer(PatchedModel):
         rows = band_sizes(sample.shape[-2] // p, self.step.bands)  # token rows per band, differing by <= 1
         self.step.sizes = tuple(r * (sample.shape[-1] // p) for r in rows)  # tokens per band
         start = sum(rows[:me]) * p
-        return {**call, self.SAMPLE: sample[..., start : start + rows[me] * p, :]}  # [B, C, rows * p, W]
+        band = sample[..., start : start + rows[me] * p, :]  # [B, C, rows * p, W]
+        return self._my_bands({**call, self.SAMPLE: band}, self.RESIDUALS)
 
     def _output(self, full: torch.Tensor) -> Transformer2DModelOutput:
         return Transformer2DModelOutput(sample=full)
@@ -181,7 +182,7 @@ class ParallelPixArt(ParallelTransformer):
 
 class ParallelSD3(ParallelTransformer):
     MODEL = SD3Transformer2DModel
-    UNSUPPORTED = ("block_controlnet_hidden_states",)  # ControlNet residuals are not split per band yet
+    RESIDUALS = ("block_controlnet_hidden_states",)  # ControlNet: [B, image tokens, D] per block
     what = "SD3"
 
 
@@ -229,7 +230,7 @@ class ParallelFlux(PatchedModel):
     """A FluxTransformer2DModel patched to run on this rank's band of image tokens (module docstring)."""
 
     SAMPLE = "hidden_states"
-    UNSUPPORTED = ("controlnet_block_samples", "controlnet_single_block_samples")
+    RESIDUALS = ("controlnet_block_samples", "controlnet_single_block_samples")  # [B, image tokens, D] each
     SHARED = ("img_ids", "txt_ids")
     MODEL = FluxTransformer2DModel
     what = "Flux"
@@ -267,7 +268,7 @@ class ParallelFlux(PatchedModel):
         start = sum(sizes[: self.step.index])
         band = slice(start, start + sizes[self.step.index])
         self.step.text_tokens = call["txt_ids"].shape[-2]
-        return {**call, self.SAMPLE: tokens[:, band], "img_ids": ids[..., band, :]}
+        return self._my_bands({**call, self.SAMPLE: tokens[:, band], "img_ids": ids[..., band, :]}, self.RESIDUALS)
 
     def _output(self, full: torch.Tensor) -> Transformer2DModelOutput:
         return Transformer2DModelOutput(sample=full)

@@ -82,8 +82,9 @@ class ParallelUNet(PatchedModel):
     """A UNet2DConditionModel patched to run on this rank's band of rows; see the module docstring."""
 
     SAMPLE = "sample"
-    UNSUPPORTED = (
-        "attention_mask",
+    UNSUPPORTED = ("attention_mask",)
+    # ControlNet / T2I-Adapter residuals: whole feature maps of every level, cut into this band's rows
+    RESIDUALS = (
         "down_block_additional_residuals",
         "mid_block_additional_residual",
         "down_intrablock_additional_residuals",
@@ -127,4 +128,4 @@ class ParallelUNet(PatchedModel):
     def _band_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
         # bands of whole groups of `factor` rows (whole rows at the coarsest level), sizes differing by <= 1
         self.step.sizes = band_sizes(call[self.SAMPLE].shape[-2] // self.factor, self.step.bands)
-        return call
+        return self._my_bands(call, self.RESIDUALS)
