@@ -475,18 +475,24 @@ def _example_rank(ctx, argv: list[str]) -> None:
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "unet_parallel.py"
-    spec = importlib.util.spec_from_file_location("unet_parallel_example", path)
+    path = Path(__file__).resolve().parents[1] / "examples" / "pipeline_parallel.py"
+    spec = importlib.util.spec_from_file_location("pipeline_parallel_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     example.rank_main(ctx, example.parse_args(argv))
 
 
-def test_example_runs_a_stable_diffusion_pipeline_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("pipeline, nproc", [("sd", 2), ("pixart", 3)])
+def test_example_runs_a_diffusers_pipeline_split_over_ranks(tmp_path, capfd, pipeline, nproc):
+    """The example on a tiny Stable Diffusion pipeline (2 ranks, CFG split) and a tiny PixArt-α pipeline
+    (3 ranks: 3/3/2 token rows), in sync mode: the pipeline's own loop gives the single-device image."""
     from PIL import Image
 
     out = tmp_path / "grid.png"
-    argv = ["--nproc", "2", "--steps", "3", "--size", "16", "--guidance", "3", "--out", str(out)]
-    run_local(_example_rank, 2, (argv,), **FORK)
+    argv = ["--nproc", str(nproc), "--pipeline", pipeline, "--mode", "sync", "--steps", "3", "--size", "32"]
+    run_local(_example_rank, nproc, ([*argv, "--guidance", "3", "--out", str(out)],), **FORK)
     grid = Image.open(out)
-    assert grid.size == (64, 3 * 64)  # one 16 px image (upscaled to 64) per row: single | parallel | |diff|
+    assert grid.size == (64, 3 * 64)  # one 32 px image (upscaled to 64) per row: single | parallel | |diff|
+    printed = capfd.readouterr().out
+    diff = float(printed.split("max |parallel - single| = ")[1].split()[0])
+    assert diff <= 1e-4, printed

@@ -1,20 +1,23 @@
-"""A diffusers Stable Diffusion pipeline whose U-Net runs patch-parallel over N processes (DistriFusion).
+"""A diffusers pipeline whose denoiser (Stable Diffusion's U-Net or PixArt's transformer) runs
+patch-parallel over N processes (DistriFusion).
 
-    .venv/bin/python examples/unet_parallel.py --nproc 2                        # tiny random pipeline, CPU
-    .venv/bin/python examples/unet_parallel.py --nproc 2 --mode sync --steps 10
-    .venv/bin/python examples/unet_parallel.py --nproc 2 --model DIR --prompt "a red fox" --size 512
-    torchrun --nproc-per-node 4 examples/unet_parallel.py --nproc 4 --model DIR      # NCCL, one GPU each
+    .venv/bin/python examples/pipeline_parallel.py --nproc 2                     # tiny random SD pipeline, CPU
+    .venv/bin/python examples/pipeline_parallel.py --nproc 3 --pipeline pixart   # tiny random PixArt-α
+    .venv/bin/python examples/pipeline_parallel.py --nproc 2 --mode sync --steps 10
+    .venv/bin/python examples/pipeline_parallel.py --nproc 2 --model DIR --prompt "a red fox" --size 512
+    torchrun --nproc-per-node 4 examples/pipeline_parallel.py --nproc 4 --model DIR   # NCCL, one GPU each
 
 Every rank builds the same pipeline and runs it twice with the same seed: once as it is (the
-single-device reference) and once with `pipe.unet` patched by flowfleet.parallel.unet.parallelize, so
-the pipeline's own scheduler loop drives the band-parallel U-Net. Rank 0 writes a PNG grid
-(reference | patch-parallel | 10 x |difference|) and prints the largest difference, the PSNR, the time
-per step and the bytes this rank sent per step.
+single-device reference) and once with `pipe.unet` / `pipe.transformer` patched by
+flowfleet.parallel.parallelize, so the pipeline's own scheduler loop drives the band-parallel model.
+Rank 0 writes a PNG grid (reference | patch-parallel | 10 x |difference|) and prints the largest
+difference, the PSNR, the time per step and the bytes this rank sent per step.
 
-Without --model there are no weights here: the pipeline is a tiny randomly initialised one (U-Net,
-VAE) and the prompt embedding is a seeded random tensor (the prompt text only picks the seed), so the
-images are noise patterns; they still show whether the parallel U-Net reproduces the plain one. With
---model DIR (a local Stable Diffusion folder) the pipeline's own tokenizer and text encoder are used.
+Without --model there are no weights here: the pipeline is a tiny randomly initialised one (U-Net or
+PixArt transformer, VAE) and the prompt embedding is a seeded random tensor (the prompt text only picks
+the seed), so the images are noise patterns; they still show whether the parallel model reproduces the
+plain one. With --model DIR (a local Stable Diffusion or PixArt-α folder, by --pipeline) the pipeline's
+own tokenizer and text encoder are used.
 
 Launching: under torchrun each process joins the group from torchrun's environment (NCCL when it has a
 GPU, gloo otherwise); without torchrun --nproc N starts N processes with torch.multiprocessing (gloo on
@@ -35,8 +38,9 @@ import torch
 
 from flowfleet.distributed import DistContext, in_torchrun, init_from_env, init_process_group, shutdown
 from flowfleet.errors import FlowfleetError
+from flowfleet.parallel import parallelize
 from flowfleet.parallel.launch import free_port
-from flowfleet.parallel.unet import UNetMode, parallelize
+from flowfleet.parallel.unet import UNetMode
 from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.storage import RunRoot
 
@@ -44,6 +48,7 @@ from flowfleet.storage import RunRoot
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="processes splitting each image into row bands")
+    p.add_argument("--pipeline", default="sd", choices=["sd", "pixart"], help="Stable Diffusion or PixArt-α")
     p.add_argument("--mode", default="displaced", choices=[m.value for m in UNetMode])
     p.add_argument(
         "--cfg-split",
@@ -58,9 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", type=int, default=64, help="image height and width in pixels")
     p.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale (1 = none)")
     p.add_argument("--prompt", default="a lighthouse on a cliff at dusk")
-    p.add_argument("--model", default=None, help="a local Stable Diffusion pipeline folder (default: tiny random)")
+    p.add_argument("--model", default=None, help="a local pipeline folder of that kind (default: tiny random)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="unet_parallel.png", help="PNG grid written by rank 0")
+    p.add_argument("--out", default="pipeline_parallel.png", help="PNG grid written by rank 0")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait for another rank")
     args = p.parse_args(argv)
     if args.nproc < 1 or args.steps < 1 or args.size < 8 or args.warmup < 0:
@@ -110,22 +115,65 @@ def tiny_pipeline(seed: int):
     )
 
 
+def tiny_pixart_pipeline(seed: int):
+    """A randomly initialised PixArt-α pipeline small enough for a CPU (no text encoder)."""
+    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtAlphaPipeline, PixArtTransformer2DModel
+
+    torch.manual_seed(seed)
+    transformer = PixArtTransformer2DModel(
+        sample_size=32,
+        patch_size=2,
+        in_channels=4,
+        out_channels=8,  # (learned variance, as PixArt-α)
+        num_layers=2,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        cross_attention_dim=32,
+        caption_channels=32,
+        use_additional_conditions=False,
+    )
+    vae = AutoencoderKL(
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=8,
+    )
+    return PixArtAlphaPipeline(
+        tokenizer=None, text_encoder=None, vae=vae, transformer=transformer, scheduler=DPMSolverMultistepScheduler()
+    )
+
+
+def denoiser(pipe):
+    """The model parallelize() splits: the pipeline's U-Net or transformer."""
+    return pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+
+
 def build(args: argparse.Namespace, device: torch.device):
     """-> (pipeline, keyword arguments of its call, identical on every rank)."""
+    pixart = args.pipeline == "pixart"
     if args.model is None:
-        pipe = tiny_pipeline(args.seed)
+        pipe = tiny_pixart_pipeline(args.seed) if pixart else tiny_pipeline(args.seed)
         g = torch.Generator().manual_seed(zlib.crc32(args.prompt.encode()))  # same on every rank
-        text = torch.randn(1, 7, pipe.unet.config.cross_attention_dim, generator=g)
-        prompt = dict(prompt_embeds=text.to(device), negative_prompt_embeds=torch.zeros_like(text).to(device))
+        width = pipe.transformer.config.caption_channels if pixart else pipe.unet.config.cross_attention_dim
+        text = torch.randn(1, 7, width, generator=g).to(device)
+        prompt = dict(prompt_embeds=text, negative_prompt_embeds=torch.zeros_like(text))
+        if pixart:  # PixArt also takes the prompts' attention masks, and a size-binning step not wanted here
+            mask = torch.ones(1, 7, device=device)
+            prompt |= dict(prompt=None, negative_prompt=None, use_resolution_binning=False)
+            prompt |= dict(prompt_attention_mask=mask, negative_prompt_attention_mask=mask)
     else:
-        from diffusers import StableDiffusionPipeline
+        from diffusers import PixArtAlphaPipeline, StableDiffusionPipeline
 
         if not Path(args.model).is_dir():
             raise FlowfleetError(f"--model: {args.model!r} is not a local pipeline folder")
         dtype = torch.float16 if device.type == "cuda" else torch.float32
-        pipe = StableDiffusionPipeline.from_pretrained(
-            args.model, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False
-        )
+        if pixart:
+            pipe = PixArtAlphaPipeline.from_pretrained(args.model, torch_dtype=dtype)
+        else:
+            pipe = StableDiffusionPipeline.from_pretrained(
+                args.model, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False
+            )
         prompt = dict(prompt=args.prompt)
     pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
@@ -161,11 +209,11 @@ def rank_main(ctx: DistContext, args: argparse.Namespace) -> None:
     ref, t_ref = run_pipeline(pipe, call, args.seed, ctx.device)  # the plain pipeline (every rank)
     split = args.cfg_split and args.guidance > 1 and ctx.world_size % 2 == 0
     with parallelize(
-        pipe.unet, ctx.world, mode=args.mode, warmup=args.warmup, cfg_split=split, timeout_s=ctx.timeout_s
-    ) as punet:
+        denoiser(pipe), ctx.world, mode=args.mode, warmup=args.warmup, cfg_split=split, timeout_s=ctx.timeout_s
+    ) as handle:
         out, t_par = run_pipeline(pipe, call, args.seed, ctx.device)
-        sent = punet.comm.bytes_by_step
-        modes = [m.value for m in punet.modes]
+        sent = handle.comm.bytes_by_step
+        modes = [m.value for m in handle.modes]
     if not ctx.is_main:
         return
     diff = (out - ref).abs()
@@ -180,7 +228,7 @@ def rank_main(ctx: DistContext, args: argparse.Namespace) -> None:
         f"{args.steps} steps, {args.size}px, "
         f"{ctx.backend} on {ctx.device}"
     )
-    print(f"  modes per U-Net call: {' '.join(modes)}")
+    print(f"  modes per {args.pipeline} denoiser call: {' '.join(modes)}")
     print(f"  max |parallel - single| = {diff.max().item():.3g}   PSNR = {psnr:.1f} dB")
     print(
         f"  time: single {t_ref / args.steps * 1e3:.0f} ms/step, parallel {t_par / args.steps * 1e3:.0f} ms/step "
