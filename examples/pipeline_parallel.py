@@ -78,9 +78,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------------------------------
 
 
+def tiny_vae():
+    """A randomly initialised VAE with SD's layout at 2 levels (latent = image / 2)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=8,
+    )
+
+
 def tiny_pipeline(seed: int):
     """A randomly initialised Stable Diffusion pipeline small enough for a CPU (no text encoder)."""
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
@@ -95,13 +108,7 @@ def tiny_pipeline(seed: int):
         attention_head_dim=8,
         norm_num_groups=8,
     )
-    vae = AutoencoderKL(
-        block_out_channels=(32, 64),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4,
-        norm_num_groups=8,
-    )
+    vae = tiny_vae()
     scheduler = DDIMScheduler(clip_sample=False, set_alpha_to_one=False, steps_offset=1)
     return StableDiffusionPipeline(
         vae=vae,
@@ -117,7 +124,7 @@ def tiny_pipeline(seed: int):
 
 def tiny_pixart_pipeline(seed: int):
     """A randomly initialised PixArt-α pipeline small enough for a CPU (no text encoder)."""
-    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtAlphaPipeline, PixArtTransformer2DModel
+    from diffusers import DPMSolverMultistepScheduler, PixArtAlphaPipeline, PixArtTransformer2DModel
 
     torch.manual_seed(seed)
     transformer = PixArtTransformer2DModel(
@@ -132,13 +139,7 @@ def tiny_pixart_pipeline(seed: int):
         caption_channels=32,
         use_additional_conditions=False,
     )
-    vae = AutoencoderKL(
-        block_out_channels=(32, 64),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4,
-        norm_num_groups=8,
-    )
+    vae = tiny_vae()
     return PixArtAlphaPipeline(
         tokenizer=None, text_encoder=None, vae=vae, transformer=transformer, scheduler=DPMSolverMultistepScheduler()
     )

@@ -167,8 +167,12 @@ def test_band_layout_tiles_the_latent():
     layouts = [BandLayout.for_latent((16, 6), 2, 4, r) for r in range(4)]
     assert layouts[1].rows == 2 and layouts[1].tokens == 6 and layouts[1].token_slice == slice(6, 12)
     assert torch.equal(torch.cat([lay.split(x) for lay in layouts], dim=-2), x)
-    with pytest.raises(FlowfleetError, match="8 token rows .* cannot be split into 3"):
-        BandLayout.for_latent((16, 6), 2, 3, 0)
+    uneven = [BandLayout.for_latent((16, 6), 2, 3, r) for r in range(3)]  # 8 token rows: 3/3/2
+    assert [lay.rows for lay in uneven] == [3, 3, 2] and uneven[2].token_slice == slice(18, 24)
+    assert uneven[0].token_counts == [9, 9, 6]
+    assert torch.equal(torch.cat([lay.split(x) for lay in uneven], dim=-2), x)
+    with pytest.raises(FlowfleetError, match="8 token rows .* cannot be split into 9 bands; use at most 8"):
+        BandLayout.for_latent((16, 6), 2, 9, 0)
 
 
 def test_comm_manager_slots_batches_and_rows_on_one_rank():
@@ -222,15 +226,16 @@ def test_runner_on_one_process_is_the_routed_fleet():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sampler", ["euler", "heun"])
-def test_sync_equals_single_process(sampler):
-    """Routed top-2 of 3 experts, CFG 2.5, both CFG halves on each rank: every band exchanges K/V."""
+@pytest.mark.parametrize("sampler, nproc", [("euler", 2), ("heun", 2), ("euler", 3)])
+def test_sync_equals_single_process(sampler, nproc):
+    """Routed top-2 of 3 experts, CFG 2.5, both CFG halves on each rank: every band exchanges K/V.
+    3 ranks split the 4 token rows unevenly (2/1/1)."""
     want = single_process_run(top_k=2, cfg_scale=2.5, sampler=sampler)
-    ranks = run_local(parallel_run, 2, ("sync", 0, 2, 2.5, False, sampler), **FORK)
+    ranks = run_local(parallel_run, nproc, ("sync", 0, 2, 2.5, False, sampler), **FORK)
     diff = (ranks[0]["out"] - want).abs().max().item()
     print(f"\nsync ({sampler}) vs single process: max abs diff {diff:.2e}")
     assert diff <= 1e-5
-    assert torch.equal(ranks[0]["out"], ranks[1]["out"])  # every rank holds the same latent
+    assert all(torch.equal(r["out"], ranks[0]["out"]) for r in ranks)  # every rank holds the same latent
     assert all(m == ["sync"] for m in ranks[0]["modes"])
 
 
@@ -354,18 +359,18 @@ def test_trained_model_displaced_beats_naive_by_3db():
     with torch.inference_mode():
         want = integrate(lambda x, t, i: model(x, t), noise, time_grid(QUALITY_STEPS)).clamp(-1, 1)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    psnr = {}
-    for mode, warmup in [("sync", 0), ("displaced", 1), ("naive", 0)]:
-        got = run_local(_stripes_run, 2, (state, mode, warmup, noise), **FORK)[0].clamp(-1, 1)
-        psnr[mode] = peak_signal_noise_ratio(got, want, data_range=2.0).item()
-    print(
-        f"\nstripes DiT (trained {train_s:.1f} s, {STRIPES_ITERS} steps), 2 ranks, {QUALITY_STEPS} Euler steps, "
-        "PSNR vs "
-        f"single process: sync {psnr['sync']:.1f} dB, displaced (warmup 1) {psnr['displaced']:.1f} dB, "
-        f"naive {psnr['naive']:.1f} dB"
-    )
-    assert psnr["sync"] > 60  # float rounding only
-    assert psnr["displaced"] >= psnr["naive"] + 3.0
+    for nproc in (2, 3):  # 4 token rows: 2/2, and 2/1/1 (uneven)
+        psnr = {}
+        for mode, warmup in [("sync", 0), ("displaced", 1), ("naive", 0)]:
+            got = run_local(_stripes_run, nproc, (state, mode, warmup, noise), **FORK)[0].clamp(-1, 1)
+            psnr[mode] = peak_signal_noise_ratio(got, want, data_range=2.0).item()
+        print(
+            f"\nstripes DiT (trained {train_s:.1f} s, {STRIPES_ITERS} steps), {nproc} ranks, {QUALITY_STEPS} Euler "
+            f"steps, PSNR vs single process: sync {psnr['sync']:.1f} dB, displaced (warmup 1) "
+            f"{psnr['displaced']:.1f} dB, naive {psnr['naive']:.1f} dB"
+        )
+        assert psnr["sync"] > 60  # float rounding only
+        assert psnr["displaced"] >= psnr["naive"] + 3.0
 
 
 # --------------------------------------------------------------------------------------------------

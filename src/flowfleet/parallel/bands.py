@@ -3,10 +3,11 @@
 A DiT's tokens are the (H/p) x (W/p) patch grid in row-major order, so a band of whole token rows is
 a contiguous slice of the token sequence and a contiguous slice of p-pixel rows of the latent:
 
-    latent rows   [r * R * p, (r + 1) * R * p)        R = (H/p) / N token rows per band
-    tokens        [r * R * W/p, (r + 1) * R * W/p)
+    latent rows   [S_r * p, (S_r + R_r) * p)        R_r token rows of band r, S_r = R_0 + ... + R_{r-1}
+    tokens        [S_r * W/p, (S_r + R_r) * W/p)
 
-Concatenating the bands of ranks 0..N-1 in order restores the full image and the full sequence.
+Any N up to H/p: band sizes differ by at most one row (band_sizes). Concatenating the bands of ranks
+0..N-1 in order restores the full image and the full sequence.
 """
 
 from __future__ import annotations
@@ -32,31 +33,46 @@ class BandLayout:
         grid_h, grid_w = h // patch, w // patch
         if bands < 1 or not 0 <= index < bands:
             raise FlowfleetError(f"band {index} of {bands}: invalid band layout")
-        if grid_h % bands:
+        if grid_h < bands:
             raise FlowfleetError(
                 f"--nproc: the latent's {grid_h} token rows ({h} px / patch {patch}) cannot be split into "
-                f"{bands} equal bands; use a number of image bands that divides {grid_h}"
+                f"{bands} bands; use at most {grid_h} image bands"
             )
         return cls(grid_h, grid_w, patch, bands, index)
 
     @property
+    def sizes(self) -> tuple[int, ...]:
+        """Token rows of every band (differing by at most one)."""
+        return band_sizes(self.grid_h, self.bands)
+
+    @property
     def rows(self) -> int:
-        """Token rows per band."""
-        return self.grid_h // self.bands
+        """Token rows of this band."""
+        return self.sizes[self.index]
 
     @property
     def tokens(self) -> int:
-        """Tokens per band."""
+        """Tokens of this band."""
         return self.rows * self.grid_w
 
     @property
+    def token_counts(self) -> list[int]:
+        """Tokens of every band; comm slots hold the largest."""
+        return [r * self.grid_w for r in self.sizes]
+
+    @property
+    def start(self) -> int:
+        """This band's first token row."""
+        return sum(self.sizes[: self.index])
+
+    @property
     def token_slice(self) -> slice:
-        return slice(self.index * self.tokens, (self.index + 1) * self.tokens)
+        return slice(self.start * self.grid_w, (self.start + self.rows) * self.grid_w)
 
     @property
     def pixel_slice(self) -> slice:
         """This band's rows of the latent (dimension -2)."""
-        return slice(self.index * self.rows * self.patch, (self.index + 1) * self.rows * self.patch)
+        return slice(self.start * self.patch, (self.start + self.rows) * self.patch)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] -> this band [B, C, R*p, W] (a view)."""

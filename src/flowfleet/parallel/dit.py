@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.config import DiTConfig
@@ -30,8 +31,8 @@ from flowfleet.parallel.mode import ParallelMode
 
 
 def attention_slot_shape(cfg: DiTConfig, layout: BandLayout, batch: int) -> tuple[int, ...]:
-    """One self-attention layer's keys and values for this band: [B, 2, heads, band tokens, head dim]."""
-    return (batch, 2, cfg.num_heads, layout.tokens, cfg.hidden_size // cfg.num_heads)
+    """One self-attention layer's keys and values for a band: [B, 2, heads, the largest band's tokens, head dim]."""
+    return (batch, 2, cfg.num_heads, max(layout.token_counts), cfg.hidden_size // cfg.num_heads)
 
 
 def register_dit(comm: CommManager, name: str, cfg: DiTConfig, layout: BandLayout, batch: int) -> None:
@@ -60,11 +61,12 @@ class PatchEmbedBand:
 class SelfAttentionBand:
     """Local queries, keys/values of every band. One method per ParallelMode."""
 
-    def __init__(self, attn: SelfAttention, comm: CommManager, slot: str):
+    def __init__(self, attn: SelfAttention, comm: CommManager, slot: str, counts: list[int]):
         self.attn = attn
         self.comm = comm
         self.slot = slot
         self.me = comm.bands.rank
+        self.counts = counts  # every band's tokens (uneven bands travel padded to the largest)
         self._paths = {
             ParallelMode.SYNC: self._sync,
             ParallelMode.DISPLACED: self._displaced,
@@ -80,19 +82,23 @@ class SelfAttentionBand:
         return self.attn.attend(q, kv_all[:, 0], kv_all[:, 1])  # [B, n, D]
 
     def _merge(self, kv: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
-        """Own fresh band + the other ranks' bands ([size, B, 2, H, n, Dh]) -> [B, 2, H, size*n, Dh]."""
-        parts = [kv if r == self.me else others[r] for r in range(others.shape[0])]
+        """Own fresh band + the other ranks' bands ([size, B, 2, H, n, Dh]) -> [B, 2, H, all tokens, Dh]."""
+        parts = [kv if r == self.me else others[r, :, :, :, : self.counts[r]] for r in range(others.shape[0])]
         return torch.cat(parts, dim=3)
 
+    def _padded(self, kv: torch.Tensor) -> torch.Tensor:
+        missing = max(self.counts) - kv.shape[3]
+        return F.pad(kv, (0, 0, 0, missing)) if missing else kv  # [B, 2, H, largest n, Dh]
+
     def _sync(self, kv, rows, prefetch):
-        return self._merge(kv, self.comm.gather(self.slot, kv, rows))  # blocks on this step's K/V
+        return self._merge(kv, self.comm.gather(self.slot, self._padded(kv), rows))  # blocks on this step's K/V
 
     def _displaced(self, kv, rows, prefetch):
         stale = self.comm.wait(self.slot)  # [size, B_slot, 2, H, n, Dh]: the previous step's K/V
         stale = stale[:, : kv.shape[0]] if rows is None else stale[:, rows]  # copies (index) or view
         full = self._merge(kv, stale)  # copies: the receive buffer may be refilled from here on
         if prefetch:
-            self.comm.enqueue(self.slot, kv, rows)  # gathered while later layers compute
+            self.comm.enqueue(self.slot, self._padded(kv), rows)  # gathered while later layers compute
         return full
 
     def _naive(self, kv, rows, prefetch):
@@ -126,7 +132,10 @@ class PatchParallelDiT:
         self.layout = layout
         self.comm = comm
         self.embed = PatchEmbedBand(model, layout)
-        self.attn = [SelfAttentionBand(b.attn, comm, f"{name}.blocks.{i}.attn") for i, b in enumerate(model.dit_blocks)]
+        self.attn = [
+            SelfAttentionBand(b.attn, comm, f"{name}.blocks.{i}.attn", layout.token_counts)
+            for i, b in enumerate(model.dit_blocks)
+        ]
 
     def __call__(
         self,
