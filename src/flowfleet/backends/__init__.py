@@ -56,7 +56,9 @@ class RemoteBackend(Protocol):
         ...
 
 
-def make_backend(config: BackendConfig) -> RemoteBackend:
+def make_backend(config: BackendConfig, start_local: bool = False) -> RemoteBackend:
+    """The backend `config` names; start_local: a Ray backend without an address starts a local cluster
+    (for the jobs of one train-all, which waits for them) instead of refusing."""
     if config.kind == "slurm":
         from flowfleet.backends.slurm import SlurmBackend
 
@@ -64,7 +66,7 @@ def make_backend(config: BackendConfig) -> RemoteBackend:
     if config.kind == "ray":
         from flowfleet.backends.ray import RayBackend
 
-        return RayBackend(config)
+        return RayBackend(config, start_local=start_local)
     raise FlowfleetError(f"backend kind {config.kind!r} runs on this machine, not as a remote backend")
 
 

@@ -41,6 +41,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
@@ -234,6 +235,19 @@ class CommManager:
             dist.all_gather(outs, tensor, group=self.world.pg)
         self._bytes.add((self.world.size - 1) * tensor.numel() * tensor.element_size())
         return torch.stack(outs)
+
+    def gather_image(self, band: torch.Tensor, sizes: list[int], what: str = "output band") -> list[torch.Tensor]:
+        """Every rank's band of the output -> the whole output of each band group (one group, or two with a
+        CFG split), on every rank. sizes: every band's extent along dim -2; unequal bands travel padded to
+        the largest and are trimmed on arrival."""
+        if band.shape[-2] < max(sizes):
+            band = F.pad(band, (0, 0, 0, max(sizes) - band.shape[-2]))
+        bands = self.all_gather_world(band, what=what)  # [world, *band.shape]
+        n = self.bands.size
+        return [
+            torch.cat([bands[g * n + i].narrow(-2, 0, sizes[i]) for i in range(n)], dim=-2)
+            for g in range(self.world.size // n)
+        ]
 
     def broadcast_world(self, tensor: torch.Tensor, src: int = 0, what: str = "routing") -> torch.Tensor:
         """Every rank gets rank `src`'s tensor (same shape and dtype on every rank)."""

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from flowfleet.distributed import Group, split_group
 from flowfleet.errors import FlowfleetError
@@ -175,7 +174,7 @@ class PatchedModel:
             self._steps += 1  # a new sampler step
         self._last_t = t_now
         if not self._registered:
-            self._register(call, b)
+            self._register(call)
         mode = self.mode.at_step(self._steps, self.warmup)
         if rows > self._rows:
             raise FlowfleetError(
@@ -193,14 +192,7 @@ class PatchedModel:
         self.modes.append(mode)
         self._evals += 1
         sizes = self.step.counts(band.shape[-2])  # every band's output rows (or tokens)
-        if band.shape[-2] < max(sizes):  # uneven bands travel padded to the largest
-            band = F.pad(band, (0, 0, 0, max(sizes) - band.shape[-2]))
-        bands = self.comm.all_gather_world(band, what=f"{self.what} output band")  # [N, rows, C, H/n, W]
-        n = self.step.bands
-        groups = [
-            torch.cat([bands[g * n + i].narrow(-2, 0, sizes[i]) for i in range(n)], dim=-2)
-            for g in range(self.world.size // n)
-        ]
+        groups = self.comm.gather_image(band, sizes, what=f"{self.what} output band")  # [B/groups, C, H, W] each
         full = torch.cat(groups) if split else groups[0]  # [B, C, H, W]
         return self._output(full) if return_dict or not self.RETURNS_TUPLE else (full,)
 
@@ -259,29 +251,23 @@ class PatchedModel:
             self._halves[name] = cached
         return cached[2]
 
-    def _my_band(self, whole: torch.Tensor, dim: int = -2) -> torch.Tensor:
-        """This band's share of a whole-image tensor along `dim` (rows at any U-Net level, or tokens), cut in
-        the proportions of step.sizes (ControlNet residuals)."""
-        sizes, me = self.step.sizes or (1,) * self.step.bands, self.step.index
-        unit = whole.shape[dim] // sum(sizes)
-        return whole.narrow(dim, unit * sum(sizes[:me]), unit * sizes[me])
-
     def _my_bands(self, call: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
-        """`call` with this band's share of the whole-image tensors (or lists of them) under `names`."""
+        """`call` with this band's share of the whole-image tensors (or lists of them) under `names`
+        (ControlNet residuals: rows at every U-Net level, or tokens)."""
         out = dict(call)
         for name in names:
             value = call.get(name)
             if isinstance(value, torch.Tensor):
-                out[name] = self._my_band(value)
+                out[name] = self.step.cut(value)
             elif value is not None:
-                out[name] = type(value)(self._my_band(v) for v in value)
+                out[name] = type(value)(self.step.cut(v) for v in value)
         return out
 
     def _group_rows(self, b: int) -> int:
         """Rows one rank group runs of a batch of b."""
         return b // 2 if self.cfg_split and b % 2 == 0 else b
 
-    def _register(self, call: dict[str, Any], b: int) -> None:
+    def _register(self, call: dict[str, Any]) -> None:
         """Run once without communication, collect every layer's slot, register them in forward order."""
         self._rows = self._group_rows(self.max_batch) if self.max_batch is not None else call[self.SAMPLE].shape[0]
         if self.mode.exchange is not ParallelMode.NAIVE:

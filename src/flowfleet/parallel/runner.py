@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 
 from flowfleet.distributed import DistContext
 from flowfleet.errors import FlowfleetError
@@ -198,14 +197,7 @@ class ParallelVelocity:
             w = dense[rows, k].to(v.dtype).reshape(-1, 1, 1, 1)
             acc.index_add_(0, rows, w * v)
         self.modes.append(ran)
-        p, sizes = r.layout.patch, r.layout.sizes
-        acc = F.pad(acc, (0, 0, 0, (max(sizes) - r.layout.rows) * p))  # uneven bands travel padded to the largest
-        bands = r.comm.all_gather_world(acc)  # [world, B, C, max R*p, W]
-        nb = r.layout.bands
-        halves = [
-            torch.cat([bands[g * nb + i].narrow(-2, 0, sizes[i] * p) for i in range(nb)], dim=-2)
-            for g in range(r.groups)
-        ]  # [B, C, H, W]
+        halves = r.comm.gather_image(acc, [rows * r.layout.patch for rows in r.layout.sizes], what="step output")
         if r.split:
             return cfg_combine(halves[0], halves[1], self.cfg_scale)
         return halves[0]

@@ -65,10 +65,7 @@ class PatchEmbedBand:
     def __call__(self, band: torch.Tensor) -> torch.Tensor:
         full = self.step.full  # [B, C, H, W]
         assert full is not None and full.shape[0] == band.shape[0]
-        tokens = self._class_forward(self.embed, full)  # [B, (H/p)(W/p), D]
-        sizes, me = self.step.sizes, self.step.index  # tokens per band (whole token rows)
-        start = sum(sizes[:me])
-        return tokens[:, start : start + sizes[me]]
+        return self.step.cut(self._class_forward(self.embed, full))  # [B, (H/p)(W/p), D] -> this band's tokens
 
 
 class JointAttentionBand(SelfAttentionBand):
@@ -163,11 +160,10 @@ class ParallelTransformer(PatchedModel):
 
     def _band_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
         sample = self.step.full = call[self.SAMPLE]  # the full latent, for PatchEmbedBand
-        p, me = self.patch, self.step.index
+        p = self.patch
         rows = band_sizes(sample.shape[-2] // p, self.step.bands)  # token rows per band, differing by <= 1
         self.step.sizes = tuple(r * (sample.shape[-1] // p) for r in rows)  # tokens per band
-        start = sum(rows[:me]) * p
-        band = sample[..., start : start + rows[me] * p, :]  # [B, C, rows * p, W]
+        band = self.step.cut(sample)  # [B, C, rows * p, W]
         return self._my_bands({**call, self.SAMPLE: band}, self.RESIDUALS)
 
     def _output(self, full: torch.Tensor) -> Transformer2DModelOutput:
@@ -264,11 +260,10 @@ class ParallelFlux(PatchedModel):
 
     def _band_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
         tokens, ids = call[self.SAMPLE], call["img_ids"]  # [B, S, C], [S, 3]
-        sizes = self.step.sizes = band_sizes(tokens.shape[1], self.step.bands)
-        start = sum(sizes[: self.step.index])
-        band = slice(start, start + sizes[self.step.index])
+        self.step.sizes = band_sizes(tokens.shape[1], self.step.bands)
         self.step.text_tokens = call["txt_ids"].shape[-2]
-        return self._my_bands({**call, self.SAMPLE: tokens[:, band], "img_ids": ids[..., band, :]}, self.RESIDUALS)
+        band = {self.SAMPLE: self.step.cut(tokens), "img_ids": self.step.cut(ids)}  # [B, n, C], [n, 3]
+        return self._my_bands({**call, **band}, self.RESIDUALS)
 
     def _output(self, full: torch.Tensor) -> Transformer2DModelOutput:
         return Transformer2DModelOutput(sample=full)

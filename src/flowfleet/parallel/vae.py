@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+from diffusers.models.attention_processor import Attention
 from diffusers.models.autoencoders.vae import Decoder
 
 from flowfleet.distributed import Group
@@ -30,25 +30,19 @@ from flowfleet.parallel.patched import PatchedModel
 from flowfleet.parallel.unet.attention import SelfAttentionBand
 from flowfleet.parallel.unet.conv import FirstConvBand, HaloConvBand, RowHalo
 from flowfleet.parallel.unet.mode import UNetMode
+from flowfleet.parallel.unet.model import check_layers
 from flowfleet.parallel.unet.norm import GroupNormBand
-
-_UNSUPPORTED = frozenset({"SpatialNorm", "AdaGroupNorm", "FirUpsample2D", "KUpsample2D"})  # by class name
 
 
 def check_decoder(decoder: Any) -> None:
-    """Raise a one-line FlowfleetError naming the first layer patch parallelism cannot decode exactly."""
+    """Raise a one-line FlowfleetError naming the first layer patch parallelism cannot decode exactly: the
+    U-Net's layer limits, and no transposed convolution at all (a decoder upsamples by interpolation)."""
     if not isinstance(decoder, Decoder):
         raise FlowfleetError(f"patch-parallel VAE: expected a diffusers VAE Decoder, got {type(decoder).__name__}")
+    check_layers(decoder, "VAE")
     for name, m in decoder.named_modules():
-        kind = type(m).__name__
-        if kind in _UNSUPPORTED:
-            raise FlowfleetError(f"VAE layer {name} ({kind}) is not supported by patch parallelism")
         if isinstance(m, nn.ConvTranspose2d):
             raise FlowfleetError(f"VAE layer {name}: transposed convolutions are not supported by patch parallelism")
-        if isinstance(m, nn.Conv2d) and (isinstance(m.padding, str) or m.padding_mode != "zeros"):
-            raise FlowfleetError(f"VAE layer {name}: only explicit zero padding is supported")
-        if isinstance(m, Attention) and not isinstance(m.processor, (AttnProcessor2_0, AttnProcessor)):
-            raise FlowfleetError(f"VAE layer {name}: attention processor {type(m.processor).__name__} is not supported")
 
 
 class ParallelVAEDecoder(PatchedModel):

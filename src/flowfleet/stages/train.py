@@ -29,7 +29,6 @@ from flowfleet.backends import (
     read_submissions,
     record_submissions,
 )
-from flowfleet.backends.ray import RayBackend
 from flowfleet.backends.watch import RemoteWatch
 from flowfleet.config import BackendConfig, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
@@ -172,7 +171,7 @@ def train_all(
     try:
         for name, config in places.items():
             if config.kind != "local":
-                remotes[name] = RayBackend(config, start_local=wait) if config.kind == "ray" else make_backend(config)
+                remotes[name] = make_backend(config, start_local=wait)
         results, messages, todo = _todo(root, cfg)
         if todo:
             todo.sort(key=lambda s: job_cost(cfg, s), reverse=True)  # longest first: shortest makespan

@@ -76,10 +76,8 @@ class FirstConvBand:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         s, halo = self.step, self.halo
         height = x.shape[-2]
-        unit = height // (sum(s.sizes) if s.sizes else s.bands)  # latent rows per size unit
-        rows = [unit * size for size in s.sizes] if s.sizes else [unit] * s.bands
-        r0 = sum(rows[: s.index])
-        r1 = r0 + rows[s.index]  # this band's input rows
+        r0, rows = s.span(height)
+        r1 = r0 + rows  # this band's input rows
         lo, hi = max(0, r0 - halo.top), min(height, r1 + halo.bottom)
         parts = [_zeros(x, lo - (r0 - halo.top)), x[..., lo:hi, :], _zeros(x, r1 + halo.bottom - hi)]
         return conv_band(self.conv, torch.cat(parts, dim=-2))  # [B, C', rows / stride, W']

@@ -35,12 +35,6 @@ from flowfleet.parallel.unet.norm import GroupNormBand
 _UNSUPPORTED = frozenset(
     {"AdaGroupNorm", "SpatialNorm", "FirDownsample2D", "FirUpsample2D", "KDownsample2D", "KUpsample2D"}
 )
-_UNSUPPORTED_ARGS = (
-    "attention_mask",
-    "down_block_additional_residuals",
-    "mid_block_additional_residual",
-    "down_intrablock_additional_residuals",
-)
 
 
 def check_supported(unet: nn.Module) -> None:
@@ -49,27 +43,33 @@ def check_supported(unet: nn.Module) -> None:
         raise FlowfleetError(
             f"patch-parallel U-Net: expected a diffusers UNet2DConditionModel, got {type(unet).__name__}"
         )
-    for name, m in unet.named_modules():
+    check_layers(unet, "U-Net")
+
+
+def check_layers(model: nn.Module, what: str) -> None:
+    """The band wrappers' limits, for any model made of them (a U-Net, a VAE decoder): a one-line
+    FlowfleetError naming the first layer `what` has that they cannot run exactly."""
+    for name, m in model.named_modules():
         kind = type(m).__name__
         if kind in _UNSUPPORTED:
-            raise FlowfleetError(f"U-Net layer {name} ({kind}) is not supported by patch parallelism")
+            raise FlowfleetError(f"{what} layer {name} ({kind}) is not supported by patch parallelism")
         if isinstance(m, nn.ConvTranspose2d) and (m.kernel_size[0] > 1 or m.stride[0] > 1):
-            raise FlowfleetError(f"U-Net layer {name}: transposed convolutions are not supported by patch parallelism")
+            raise FlowfleetError(f"{what} layer {name}: transposed convolutions are not supported by patch parallelism")
         if isinstance(m, nn.Conv2d) and (isinstance(m.padding, str) or m.padding_mode != "zeros"):
             raise FlowfleetError(
-                f"U-Net layer {name}: only explicit zero padding is supported "
+                f"{what} layer {name}: only explicit zero padding is supported "
                 f"(padding={m.padding!r}, padding_mode={m.padding_mode!r})"
             )
         if kind == "Downsample2D" and getattr(m, "use_conv", False) and getattr(m, "padding", 1) == 0:
-            raise FlowfleetError(f"U-Net layer {name}: asymmetric-padding downsampling (padding=0) is not supported")
+            raise FlowfleetError(f"{what} layer {name}: asymmetric-padding downsampling (padding=0) is not supported")
         if isinstance(m, Attention):
             if not isinstance(m.processor, (AttnProcessor2_0, AttnProcessor)):
                 raise FlowfleetError(
-                    f"U-Net layer {name}: attention processor {type(m.processor).__name__} is not "
+                    f"{what} layer {name}: attention processor {type(m.processor).__name__} is not "
                     f"supported by patch parallelism (use the default AttnProcessor2_0)"
                 )
             if m.spatial_norm is not None:
-                raise FlowfleetError(f"U-Net layer {name}: attention with a spatial norm is not supported")
+                raise FlowfleetError(f"{what} layer {name}: attention with a spatial norm is not supported")
 
 
 def down_factor(unet: UNet2DConditionModel) -> int:
@@ -93,12 +93,11 @@ class ParallelUNet(PatchedModel):
 
     def __init__(self, unet: UNet2DConditionModel, group: Group, **options):
         check_supported(unet)
-        self.unet = unet
         self.factor = down_factor(unet)
         super().__init__(unet, group, **options)
 
     def _install(self) -> None:
-        unet, step = self.unet, self.step
+        unet, step = self.model, self.step
         for name, m in unet.named_modules():
             if isinstance(m, nn.GroupNorm):
                 self._patch(m, GroupNormBand(m, name, step))

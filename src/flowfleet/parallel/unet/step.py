@@ -42,6 +42,17 @@ class BandStep:
             return [n] * self.bands
         return [s * n // self.sizes[self.index] for s in self.sizes]
 
+    def span(self, total: int) -> tuple[int, int]:
+        """(first index, length) of this band's share of `total` rows or tokens of the whole image."""
+        sizes = self.sizes or (1,) * self.bands
+        cut = [s * total // sum(sizes) for s in sizes]  # multiply first: exact whatever the unit of sizes
+        return sum(cut[: self.index]), cut[self.index]
+
+    def cut(self, whole: torch.Tensor, dim: int = -2) -> torch.Tensor:
+        """This band's share of a whole-image tensor along `dim` (rows at any level, or tokens): a view."""
+        start, length = self.span(whole.shape[dim])
+        return whole.narrow(dim, start, length)
+
     @property
     def exchange(self) -> ParallelMode:
         return self.mode.exchange
