@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from fixtures.random_fleet import HashTextEncoder, write_random_fleet
 from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+from fixtures.tolerances import gamma, net_tol, network_terms, reorder
 
 from flowfleet.cli import main
 from flowfleet.config import load_run_config
@@ -62,7 +63,8 @@ def test_the_student_regresses_onto_the_fleets_guided_velocity(fleet):
         target = pipe.velocity_fn(Condition(**cond), 2, cfg.sampling.cfg, 1, RoutingTrace(3))(x_t, t, 0)
         want = F.mse_loss(student(x_t, t, **condition_kwargs(batch, task.model_cfg)), target)
         unguided = pipe.velocity_fn(Condition(**cond), 2, 1.0, 1, RoutingTrace(3))(x_t, t, 0)
-    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    # the teacher's target in another batch: the fleet's reordering bound (caption width 384, ~8 roundings)
+    assert loss.item() == pytest.approx(want.item(), rel=reorder(network_terms(384, 8)))
     assert not torch.allclose(target, unguided)  # the guidance is in the target
 
 
@@ -121,7 +123,9 @@ def test_reflow_learns_the_teachers_noise_to_sample_pairs(fleet, run_root):
     pipe = FleetPipeline.from_pretrained(fleet.url_of("model"), load_encoders=False)
     settings = pipe.settings("top2", steps=cfg.distill.teacher_steps, cfg=cfg.sampling.cfg)
     x0, _ = pipe.sample(pairs["noise"][:2], Condition(text_pooled=pairs["text_pooled"][:2]), settings)
-    assert torch.allclose(x0, pairs["latents"][:2], atol=1e-5)
+    # sampled again in a batch of 2 (6 when the pairs were made): the fleet's reordering bound per step
+    tol = net_tol(x0, 384, 8, cfg.distill.teacher_steps)
+    assert torch.allclose(x0, pairs["latents"][:2], rtol=0, atol=tol)
     # The student's loss is flow matching on the pairs.
     task = build_task(fleet, cfg, JobSpec("student"))
     batch = task.data.gather(torch.arange(4))
@@ -130,7 +134,8 @@ def test_reflow_learns_the_teachers_noise_to_sample_pairs(fleet, run_root):
     t = sample_t(4, mode=cfg.train.time_sampling, generator=torch.Generator().manual_seed(1))
     cond = {"text_pooled": batch["text_pooled"]}
     want = flow_matching_loss(lambda x, tt: student(x, tt, **cond), batch["latents"], t, batch["noise"])
-    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    # the same student on the same batch; the mean over 4 x 64 squared errors may be reordered
+    assert loss.item() == pytest.approx(want.item(), rel=gamma(4 * 64, torch.float32))
     assert read_model_index(result.model).present_experts == [0]
 
 

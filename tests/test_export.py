@@ -13,6 +13,7 @@ import torch
 from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from fixtures.random_fleet import tiny_run_config, write_random_fleet
+from fixtures.tolerances import net_tol
 
 from flowfleet.cli import main
 from flowfleet.config import RunConfig
@@ -28,6 +29,13 @@ from flowfleet.stages.export import export_diffusers
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PIXART_LIKE = {"adaln": "single", "cross_norm": False, "add_pooled": False, "depth": 2}
+
+
+def parity_tol(ref: torch.Tensor, steps: int = 1) -> float:
+    """Our DiT and diffusers' PixArt compute the same sums in other orders: the longest reduction is the
+    caption projection (384 wide), through 2 blocks of ~4 roundings each plus the embeddings and the final
+    layer (~10), for each sampler step."""
+    return net_tol(ref, reduction=384, layers=10, steps=steps)
 
 
 def inputs(b: int = 3, channels: int = 1, length: int = 4, width: int = 384):
@@ -59,7 +67,7 @@ def test_an_exported_expert_is_a_pixart_transformer_with_the_same_outputs(fleet,
         theirs = transformer(
             x, encoder_hidden_states=tokens, encoder_attention_mask=mask.float(), timestep=1000 * t, return_dict=False
         )[0]
-    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert (ours - theirs).abs().max().item() <= parity_tol(theirs)
     # the expert's null text is diffusers' negative prompt: the unconditional branch of CFG
     null = safetensors.torch.load_file(str(out / "negative_prompt_embeds.safetensors"))
     with torch.no_grad():
@@ -71,7 +79,7 @@ def test_an_exported_expert_is_a_pixart_transformer_with_the_same_outputs(fleet,
             timestep=1000 * t,
             return_dict=False,
         )[0]
-    assert (ours_null - theirs_null).abs().max().item() <= 1e-5
+    assert (ours_null - theirs_null).abs().max().item() <= parity_tol(theirs_null)
     assert json.loads((out / "text_encoder.json").read_text())["name"] == "minilm"
     assert "FlowMatchEulerDiscreteScheduler" in (out / "README.md").read_text()
 
@@ -98,7 +106,7 @@ def test_diffusers_flow_match_scheduler_equals_flowfleets_euler_sampler(fleet, t
                 return_dict=False,
             )[0]
             x = scheduler.step(v, step, x).prev_sample
-    assert (ours - x).abs().max().item() <= 1e-5
+    assert (ours - x).abs().max().item() <= parity_tol(x, steps)
 
 
 def test_an_expert_that_is_no_pixart_transformer_is_refused_naming_the_field(run_root, tmp_path, capsys):
@@ -152,7 +160,7 @@ def test_a_pixart_transformer_imports_as_an_expert_with_the_same_outputs(tmp_pat
         theirs = pixart(
             x, encoder_hidden_states=tokens, encoder_attention_mask=mask.float(), timestep=1000 * t, return_dict=False
         )[0]
-    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert (ours - theirs).abs().max().item() <= parity_tol(theirs)
 
 
 def test_experts_start_from_a_pixart_folder_named_by_expert_init(run_root, tmp_path):
@@ -176,7 +184,7 @@ def test_experts_start_from_a_pixart_folder_named_by_expert_init(run_root, tmp_p
         theirs = pixart(
             x, encoder_hidden_states=tokens, encoder_attention_mask=mask.float(), timestep=1000 * t, return_dict=False
         )[0]
-    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert (ours - theirs).abs().max().item() <= parity_tol(theirs)
     wrong = RunConfig(**{**raw, "expert": {**raw["expert"], "depth": 1}})
     with pytest.raises(FlowfleetError, match=r"expert_init .*pixart: depth is 2, run.yaml expert.depth is 1"):
         build_task(root, wrong, JobSpec("expert", 1)).build_model()

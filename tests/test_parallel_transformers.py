@@ -15,7 +15,17 @@ import math
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from fixtures.transformers import TINY, caption, image_ids, pack, predict, smooth_targets, tiny_pixart, trained
+from fixtures.transformers import (
+    TINY,
+    caption,
+    image_ids,
+    pack,
+    predict,
+    smooth_targets,
+    tiny_pixart,
+    trained,
+    transformer_tol,
+)
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
@@ -93,7 +103,9 @@ def test_sync_equals_one_device_and_displaced_beats_naive_by_3db(model, nproc, s
         assert (
             r0[f"sync/{tag}/type"] == {"pixart": "ParallelPixArt", "sd3": "ParallelSD3", "flux": "ParallelFlux"}[kind]
         )
-        assert (r0[f"sync/{tag}"] - ref).abs().max() <= 1e-5, (r0[f"sync/{tag}"] - ref).abs().max()
+        assert (r0[f"sync/{tag}"] - ref).abs().max() <= transformer_tol(ref, STEPS), (
+            (r0[f"sync/{tag}"] - ref).abs().max()
+        )
         scores = {mode: round(psnr(r0[f"{mode}/{tag}"], ref), 1) for mode in ("displaced", "naive")}
         print(
             f"{kind} N={nproc} {size}x{size} {tag}: PSNR vs one device {scores}, "
@@ -148,7 +160,7 @@ def test_controlnet_residuals_are_split_per_band(kind):
     assert (ref - plain).abs().max() > 0.01  # the residuals change the output
     ranks = run_local(_controlnet_ranks, 3, (kind, residuals), **FORK)
     for out in ranks:
-        assert (out - ref).abs().max() <= 1e-5, (out - ref).abs().max()
+        assert (out - ref).abs().max() <= transformer_tol(ref, 1), (out - ref).abs().max()
 
 
 def test_pixart_refuses_what_it_cannot_split():

@@ -18,7 +18,8 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.models.attention_processor import AttnProcessor
-from fixtures.unets import banded_latent, tiny_unet
+from fixtures.tolerances import max_abs, reorder
+from fixtures.unets import banded_latent, tiny_unet, unet_tol
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
@@ -84,9 +85,13 @@ def test_pooled_band_statistics_equal_torch_group_norm():
     stats = torch.stack([band_stats(band, 4) for band in x.chunk(3, dim=2)])  # [3 bands, B, G, 2]
     mean, var = pooled(stats)
     ref_var, ref_mean = torch.var_mean(x.reshape(2, 4, -1), dim=-1, correction=0)  # biased, as GroupNorm
-    torch.testing.assert_close(mean, ref_mean, rtol=0, atol=1e-6)
-    torch.testing.assert_close(var, ref_var, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(normalize(x, mean, var, norm), norm(x), rtol=0, atol=2e-6)
+    # A group holds 4 channels x 12 x 5 = 240 values of |x| <= ~10: pooling three bands' statistics reorders
+    # those sums (the variance's terms are squares, |x|^2); normalising divides by a std >= ~0.2.
+    n = 4 * 12 * 5
+    torch.testing.assert_close(mean, ref_mean, rtol=0, atol=reorder(n, scale=max_abs(x)))
+    torch.testing.assert_close(var, ref_var, rtol=0, atol=reorder(n, scale=max_abs(x) ** 2))
+    want = norm(x)
+    torch.testing.assert_close(normalize(x, mean, var, norm), want, rtol=0, atol=reorder(n, scale=max_abs(want)))
     unbiased = torch.var(x.reshape(2, 4, -1), dim=-1)  # what would make sync differ from one device
     assert (unbiased - var).abs().min() > 1e-4
 
@@ -126,7 +131,8 @@ def test_first_convolution_bands_equal_the_full_convolution(k, s, p, d):
     assert halo.top == p
     bands = [FirstConvBand(conv, BandStep(comm=None, index=i, bands=4))(x) for i in range(4)]
     assert all(b.shape[-2] == 16 // s // 4 for b in bands)
-    torch.testing.assert_close(torch.cat(bands, dim=-2), full, rtol=0, atol=1e-5)
+    # the same k x k x 3-term dot products on a slice with its halo rows: only their blocking may differ
+    torch.testing.assert_close(torch.cat(bands, dim=-2), full, rtol=0, atol=reorder(k * k * 3, scale=max_abs(full)))
 
 
 def test_unsupported_models_and_inputs_are_one_line_errors():
@@ -167,7 +173,7 @@ def test_one_rank_is_the_plain_model_and_restore_undoes_the_patch():
         out = flow_loop(unet, x, text, steps=3)
         assert punet.modes == [UNetMode.NAIVE] * 3  # one band: nothing to exchange
         assert list(unet.state_dict()) == keys  # patched forwards, same modules and parameters
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=0, atol=unet_tol(ref, 3))
     assert not any("forward" in m.__dict__ for m in unet.modules())
     assert all(unet.attn_processors[k] is v for k, v in processors.items())
     torch.testing.assert_close(flow_loop(unet, x, text, steps=3), ref, rtol=0, atol=0)
@@ -219,7 +225,7 @@ def test_two_ranks_sync_is_exact_and_corrected_gn_beats_stale_and_separate():
     for mode in MODES:
         assert torch.equal(r0[mode], r1[mode]), f"{mode}: ranks disagree"
         assert_image_like(r0[mode], ref, mode)
-    assert (r0["sync"] - ref).abs().max() <= 1e-5
+    assert (r0["sync"] - ref).abs().max() <= unet_tol(ref, STEPS)
     score = {mode: psnr(r0[mode], ref) for mode in MODES}
     assert score["displaced"] > score["stale-gn"] + 0.5, score
     assert score["displaced"] > score["separate-gn"] + 0.5, score
@@ -275,7 +281,7 @@ def test_uneven_bands_are_exact_in_sync_and_displaced_beats_naive_by_3db(nproc, 
     for mode in ("sync", "displaced", "naive"):
         assert all(torch.equal(r[mode], ranks[0][mode]) for r in ranks), f"{mode}: ranks disagree"
         assert_image_like(ranks[0][mode], ref, mode)
-    assert (ranks[0]["sync"] - ref).abs().max() <= 1e-5
+    assert (ranks[0]["sync"] - ref).abs().max() <= unet_tol(ref, STEPS)
     scores = {mode: round(psnr(ranks[0][mode], ref), 1) for mode in ("displaced", "naive")}
     print(f"U-Net N={nproc} {size} rows: PSNR vs one device {scores}")
     assert scores["displaced"] >= scores["naive"] + 3, scores
@@ -333,7 +339,7 @@ def test_controlnet_residuals_are_split_per_band(nproc, size):
     plain = flow_loop(unet, x, text, steps=4)
     assert (ref - plain).abs().max() > 0.05  # the residuals change the result
     ranks = run_local(_controlnet, nproc, (size,), **FORK)
-    assert (ranks[0]["sync"] - ref).abs().max() <= 1e-5
+    assert (ranks[0]["sync"] - ref).abs().max() <= unet_tol(ref, STEPS)
     assert all(torch.equal(r["displaced"], ranks[0]["displaced"]) for r in ranks)
     assert_image_like(ranks[0]["displaced"], ref, "displaced with ControlNet")
 
@@ -365,7 +371,7 @@ def test_exchange_batches_leave_during_the_forward_for_a_small_unet():
         assert sorted(steps) == [2, 3], steps  # steps 0-1 are warm-up (sync: nothing asynchronous)
         for early, late in steps.values():
             assert early >= 0.75 * (early + late), steps
-        assert torch.allclose(auto[mode], fixed[mode], atol=1e-5)
+        assert torch.equal(auto[mode], fixed[mode])  # batching the sends changes no arithmetic
         print(mode, "bytes during / after the forward per step:", steps)
 
 
@@ -380,7 +386,7 @@ def test_small_latents_stay_exact_in_sync_and_never_black(nproc):
     for mode in modes:
         assert all(torch.equal(r[mode], ranks[0][mode]) for r in ranks), f"{mode}: ranks disagree"
         assert_image_like(ranks[0][mode], ref, f"{mode} on {nproc} ranks")
-    assert (ranks[0]["sync"] - ref).abs().max() <= 1e-5
+    assert (ranks[0]["sync"] - ref).abs().max() <= unet_tol(ref, STEPS)
     assert psnr(ranks[0]["displaced"], ref) > psnr(ranks[0]["naive"], ref)
 
 
@@ -426,8 +432,8 @@ def test_cfg_split_is_exact_in_sync_and_halves_each_ranks_rows(nproc):
     for key in ("sync/split", "displaced/split", "naive/split", "sync/whole"):
         assert all(torch.equal(r[key], r0[key]) for r in ranks), f"{key}: ranks disagree"
         assert_image_like(r0[key], ref, key)
-    assert (r0["sync/split"] - ref).abs().max() <= 1e-5
-    assert (r0["sync/whole"] - ref).abs().max() <= 1e-5
+    assert (r0["sync/split"] - ref).abs().max() <= unet_tol(ref, STEPS)
+    assert (r0["sync/whole"] - ref).abs().max() <= unet_tol(ref, STEPS)
     assert r0["sync/split/bands"] == nproc // 2 and r0["sync/whole/bands"] == nproc
     out_band = 4 * x.numel() * 2 // nproc  # float32: a 1/N share of the guided [2B, C, H, W] output
     assert r0["naive/split/bytes"] == [(nproc - 1) * out_band] * STEPS
@@ -459,7 +465,8 @@ def test_cfg_split_runs_an_unguided_batch_whole_and_refuses_odd_rank_counts():
     unet = tiny_unet()
     x, text = banded_latent(16)
     r0, r1 = run_local(_cfg_split_odd, 2, (), **FORK)
-    assert (r0["unguided"] - flow_loop(unet, x, text, steps=2)).abs().max() <= 1e-5
+    ref = flow_loop(unet, x, text, steps=2)
+    assert (r0["unguided"] - ref).abs().max() <= unet_tol(ref, 2)
     assert torch.equal(r0["unguided"], r1["unguided"]) and r0["bands"] == 1
     assert "3 rows per rank group exceed the 1 its buffers hold" in r0["error"]
     with pytest.raises(FlowfleetError, match="cfg_split: needs an even number of ranks, got 3"):

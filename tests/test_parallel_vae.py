@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import AutoencoderKL
+from fixtures.tolerances import net_tol
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
@@ -64,7 +65,9 @@ def test_parallel_decode_equals_the_single_device_decode(nproc):
     assert r0["kind"] == "ParallelVAEDecoder" and r0["modes"] == ["sync", "sync"]
     for r in ranks:
         assert r["image"].shape == ref.shape
-        assert (r["image"] - ref).abs().max() <= 1e-4, (r["image"] - ref).abs().max()
+        # sync bands vs one device, summation order alone: the longest reduction is a GroupNorm group of the
+        # 64-channel level (8 channels x 24 x 24); ~14 layers (convolutions, norms, the mid attention)
+        assert (r["image"] - ref).abs().max() <= net_tol(ref, 8 * 24 * 24, 14), (r["image"] - ref).abs().max()
         assert torch.equal(r["again"], r["image"])
     assert r0["bytes"][0] > 0  # halos, GN statistics and keys/values really travelled
     assert "forward" not in vae.decoder.__dict__  # (this process's copy was never patched)
