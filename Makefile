@@ -28,6 +28,14 @@ demo: $(STAMP)
 demo-quick: $(STAMP)
 	$(BIN)/flowfleet demo --out runs/demo-quick --quick
 
+# The suite runs in a random order (pytest-randomly) from a fixed seed, so that a failure reproduces:
+# `make test TEST_SEED=N` tries another order. Then the numerics tests (marker `numerics`) run again on
+# torch's portable kernels, as on a CPU without AVX2 or with another MKL code path, at 1 and at 2 threads:
+# their tolerances must follow from the computation, not from this machine (tests/fixtures/tolerances.py).
+TEST_SEED ?= 20261124
+PYTEST := $(BIN)/python -m pytest -q -x --timeout=900 -p randomly --randomly-seed=$(TEST_SEED)
+PORTABLE := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
+
 test: $(STAMP)
 	.ci/install-chromium
 	.ci/install-clusters
@@ -35,10 +43,12 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -x --timeout=900 -n auto --maxprocesses=4 --dist loadfile
+	$(PYTEST) -n auto --maxprocesses=4 --dist loadfile
+	$(PORTABLE) FLOWFLEET_TEST_THREADS=1 $(PYTEST) -m "numerics and not slow" -n auto --maxprocesses=4 --dist loadfile
+	$(PORTABLE) FLOWFLEET_TEST_THREADS=2 $(PYTEST) -m "numerics and not slow" -p no:xdist
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow --timeout=3600
+	$(BIN)/python -m pytest -q -m slow --timeout=3600 -p randomly --randomly-seed=$(TEST_SEED)
 
 clean:
 	rm -rf runs .pytest_cache

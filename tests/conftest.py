@@ -11,21 +11,48 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# `make test` runs the suite on pytest-xdist workers (`--dist loadfile`: a module's tests share its
-# module-scoped fixtures on one worker), one per core: each worker's torch gets its share of the cores,
-# so that two workers on two cores do not fight over four threads.
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+# FLOWFLEET_TEST_THREADS fixes torch's thread count for the whole run, the `one_thread` tests included
+# (`make test`'s portability pass runs the numerics tests at 1 and at 2 threads: a reduction split over
+# threads is summed in another order). Without it, `make test` runs the suite on pytest-xdist workers
+# (`--dist loadfile`: a module's tests share its module-scoped fixtures on one worker), one per core:
+# each worker's torch gets its share of the cores, so that two workers on two cores do not fight over four.
+FORCED_THREADS = int(os.environ.get("FLOWFLEET_TEST_THREADS", "0"))
+if FORCED_THREADS:
+    torch.set_num_threads(FORCED_THREADS)
+elif os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+# The numerics-sensitive tests: two computations equal in exact arithmetic compared within a derived
+# tolerance (tests/fixtures/tolerances.py), or a promise of bit-identity. `make test` runs them a second
+# time with torch's portable kernels (ATEN_CPU_CAPABILITY=default, MKL_CBWR=COMPATIBLE) at 1 and 2 threads.
+NUMERICS = (
+    "test_fid.py",  # FID / Fréchet distance paths against torchmetrics
+    "test_flow.py",  # flow matching, ensemble decomposition, routing weights
+    "test_pipeline.py",  # the fleet against the closed-form oracle and the dense ensemble
+    "test_diagnostics.py",
+    "test_mixed_experts.py",
+    "test_parallel_dit.py",  # sync patch parallelism equals one process
+    "test_parallel_unet.py",
+    "test_parallel_transformers.py",
+    "test_parallel_vae.py",
+    "test_export.py",  # diffusers parity
+    "test_distill.py",  # distill / reflow parity
+    "test_train_loop.py",  # resume is bit-identical (one machine)
+    "test_train_parts.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the fault-injection suite (tests/fault_cases.py) with `faults`."""
+    """Mark the fault-injection suite (tests/fault_cases.py) with `faults`, the files in NUMERICS with
+    `numerics`."""
     from fault_cases import FAULT_CASES
 
     ids = {node for _, node, _ in FAULT_CASES}
     for item in items:  # a case without [params] covers every parametrization of its test
         if item.nodeid in ids or item.nodeid.split("[")[0] in ids:
             item.add_marker(pytest.mark.faults)
+        if item.nodeid.split("::")[0].rsplit("/", 1)[-1] in NUMERICS:
+            item.add_marker(pytest.mark.numerics)
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +66,7 @@ def one_thread():
     """Tiny models run fastest on one thread, and a 2-core box shared with other processes contends badly
     with two; use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(FORCED_THREADS or 1)
     yield
     torch.set_num_threads(before)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -34,9 +35,9 @@ def files(folder) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def base(tmp_path_factory):
     """mnist-tiny on the digits 0-7 (of the first 160 source items), clustered in 2, with a random
-    finished fleet; then the digits 8 and 9 added."""
+    finished fleet; `added` is the data of the digits 8 and 9. Built once; each test gets a copy (`run`)."""
     raw = preset("mnist-tiny").to_dict()
     raw["data"].update(limit=160, labels=list(range(8)))
     raw["cluster"].update(k=2, fine_k=8)
@@ -54,7 +55,16 @@ def run(tmp_path_factory):
     write_random_fleet(root.url, cfg)
     before = {k: files(path / "experts" / str(k)) for k in (0, 1)}
     added = DataConfig(**{**cfg.data.model_dump(), "labels": [8, 9], "limit": 200})
-    return root, path, added, before
+    return path, added, before
+
+
+@pytest.fixture
+def run(base, tmp_path):
+    """This test's own copy of the base run (tests change it, and may run in any order)."""
+    src, added, before = base
+    path = tmp_path / "run"
+    shutil.copytree(src, path)
+    return RunRoot(str(path)), path, added, before
 
 
 def test_add_expert_trains_an_expert_on_the_new_data_and_grows_the_router(run, caplog):
@@ -99,12 +109,13 @@ def test_add_expert_trains_an_expert_on_the_new_data_and_grows_the_router(run, c
 
 
 def test_an_interrupted_second_addition_of_two_experts_resumes_where_it_stopped(run, monkeypatch, caplog):
-    """(After the first test.) A second addition split into two experts (--k 2: its 8s and 9s), interrupted
-    before its router: the same command resumes it (the experts already trained are not trained again) and
-    warm-starts from router-k3."""
+    """After a first addition (expert 2, router-k3), a second one split into two experts (--k 2: its 8s and
+    9s), interrupted before its router: the same command resumes it (the experts already trained are not
+    trained again) and warm-starts from router-k3."""
     import flowfleet.stages.add_expert as stage
 
     root, path, added, _ = run
+    assert add_expert(root.url, added, progress=False).experts == [2]  # the first addition
     caplog.set_level(logging.INFO, logger="flowfleet")
     second = DataConfig(**{**added.model_dump(), "limit": 120})
 
