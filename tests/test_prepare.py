@@ -273,3 +273,61 @@ def test_parts_with_bad_images_merge_to_the_same_records(tmp_path):
     for key in ("skipped", "skipped_count", "missing_captions"):
         assert merged.extra[key] == whole.extra[key], key
     assert shard_bytes(tmp_path / "parts") == shard_bytes(tmp_path / "whole")
+
+
+def test_holdout_items_go_to_eval_and_never_into_a_training_shard(tmp_path):
+    """data.holdout: the last items of the source are prepared into eval/ (resumable, with the recipe),
+    and none of their images is in any shard of data/ — nor in a part that --merge joins."""
+    run = make_run(tmp_path / "r", limit=60, holdout=20, shard_size=16, batch_size=8)
+    train = prepare(run, progress=False)
+    held = ShardSet(run, "eval").manifest()
+    assert train.count == 40 and held.count == 20 and held.complete
+    assert held.extra["recipe"] == {**train.extra["recipe"], "split": "eval"} and train.extra["recipe"]["holdout"] == 20
+
+    def images(folder: str) -> set[bytes]:
+        sset = ShardSet(run, folder)
+        return {
+            row.numpy().tobytes() for s in sset.manifest().shards for row in sset.read_shard(s["name"])[0]["latents"]
+        }
+
+    source = MnistSource()
+    expected = {to_tensor(open_image(source.images[i]), 16, 1).numpy().tobytes() for i in range(40, 60)}
+    assert images("eval") == expected  # exactly the last 20 items of the 60
+    assert not images("eval") & images("data")  # (MNIST-5k has no duplicate digits among these)
+    assert prepare(run, progress=False).shards == train.shards  # complete: nothing is encoded again
+
+    parts = make_run(tmp_path / "p", limit=60, holdout=20, shard_size=16, batch_size=8)
+    for i in range(2):
+        prepare(parts, progress=False, part=(i, 2))
+    assert main(["prepare", str(tmp_path / "p"), "--merge", "2", "--quiet"]) == 0
+    assert images_of(tmp_path / "p", "data") == images_of(tmp_path / "r", "data")
+    assert images_of(tmp_path / "p", "eval") == images_of(tmp_path / "r", "eval")
+
+
+def images_of(root, folder: str) -> list[bytes]:
+    sset = ShardSet(RunRoot(str(root)), folder)
+    return [sset.read_shard(s["name"])[0]["latents"].numpy().tobytes() for s in sset.manifest().shards]
+
+
+def test_holdout_that_leaves_nothing_or_has_no_known_length_is_one_line(tmp_path, monkeypatch):
+    with pytest.raises(FlowfleetError, match="data.holdout: 40 held-out items leave none of the 40 to train on"):
+        prepare(make_run(tmp_path / "a", limit=40, holdout=40), progress=False)
+    monkeypatch.setattr(MnistSource, "length", lambda self: None)  # as a tar stream: no length without reading it
+    with pytest.raises(FlowfleetError, match="data.holdout: data.source mnist has no known length; give data.limit"):
+        prepare(make_run(tmp_path / "b", limit=None, holdout=10), progress=False)
+    assert prepare(make_run(tmp_path / "c", limit=30, holdout=10), progress=False).count == 20  # limit: known
+
+
+def test_a_webdataset_source_of_unknown_length_prepares(tmp_path):
+    """A tar stream has no length (Source.length() is None): prepare streams it to the end. (Before, prepare
+    asked Python's len() of it and crashed with "__len__() should return >= 0".)"""
+    import tarfile
+
+    with tarfile.open(tmp_path / "a.tar", "w") as tar:
+        for i in range(3):
+            for name, data in ((f"s{i}.png", png((80 * i, 0, 0))), (f"s{i}.txt", f"red {i}".encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    run = make_run(tmp_path / "r", source="webdataset", path=str(tmp_path / "a.tar"), limit=None)
+    assert prepare(run, progress=False).count == 3

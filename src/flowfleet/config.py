@@ -36,6 +36,9 @@ class DataConfig(_Strict):
     image_size: int = Field(32, ge=8, le=4096)
     channels: Literal[1, 3] = 1  # image channels fed to the latent encoder
     limit: int | None = Field(None, ge=1)  # use only the first `limit` items
+    # The last `holdout` items (of those within `limit`) are prepared into eval/ instead of data/: the
+    # evaluation's reference and real-vs-real floor, which no expert, router or monolith trains on.
+    holdout: int = Field(0, ge=0)
     labels: list[int] | None = None  # keep only the items with these class labels (sources that have labels)
     count: int = Field(4000, ge=1)  # shapes: how many images to draw
     seed: int = 0  # shapes: drawing seed

@@ -3,6 +3,7 @@
     RUN_ROOT/
       run.yaml                          init          the run's configuration (flowfleet.config)
       data/                             prepare       shards + manifest.json (flowfleet.data.shards)
+      eval/                             prepare       the held-out items (data.holdout): evaluate's reference
       data-parts/<i>-of-<N>/            prepare --part  one slice of the source each, joined into data/ by --merge
       clusters/                         cluster       assignments.safetensors, centroids.safetensors,
                                                       report.json, preview-<k>.png
@@ -30,6 +31,7 @@ RUN_FILE = "run.yaml"
 
 # prepare and cluster
 DATA = "data"
+EVAL_DATA = "eval"  # data.holdout's items: no training job reads them; evaluate's reference and floor
 MANIFEST = "manifest.json"  # in every shard folder (data/, partitions/<k>/): what is written, and whether all
 DATA_PARTS = "data-parts"  # prepare --part i/N: data-parts/<i>-of-<N>/, joined into data/ by prepare --merge
 CLUSTERS = "clusters"

@@ -70,9 +70,10 @@ class Source(ABC):
     def items(self, start: int = 0) -> Iterator[RawItem]:
         """Items from position `start` on (positions count every item, readable or not)."""
 
-    def __len__(self) -> int:
-        """Number of items; -1 when unknown without reading everything (tar streams)."""
-        return -1
+    def length(self) -> int | None:
+        """Number of items (the source's __len__); None when unknown without reading everything (tar streams,
+        which define no __len__: Python's len() cannot say "unknown")."""
+        return len(self) if hasattr(self, "__len__") else None
 
 
 def _digest(parts: list[str]) -> str:

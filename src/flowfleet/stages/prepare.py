@@ -1,4 +1,5 @@
-"""Stage `prepare`: stream the source through the three encoders into RUN_ROOT/data/ (a ShardSet).
+"""Stage `prepare`: stream the source through the three encoders into RUN_ROOT/data/ (a ShardSet), and
+its last `data.holdout` items into RUN_ROOT/eval/: the held-out evaluation set no training job reads.
 
 paris §2.1 steps (i)-(ii): latents for the denoisers, semantic features for clustering, text
 embeddings for conditioning, all computed once. Items are read in order, decoded, encoded in batches
@@ -35,7 +36,7 @@ from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.data.sources import RawItem, Source, build_source
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import DATA, data_part
+from flowfleet.layout import DATA, EVAL_DATA, data_part
 from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.storage import RunRoot
 
@@ -127,6 +128,7 @@ def _recipe(cfg: RunConfig, source: Source) -> dict[str, Any]:
         "image_size": d.image_size,
         "channels": d.channels,
         "limit": d.limit,
+        **({"holdout": d.holdout} if d.holdout else {}),  # (absent: runs prepared before it existed)
         **({"labels": d.labels} if d.labels is not None else {}),  # (absent: runs prepared before it existed)
         "encoders": cfg.encoders.model_dump(mode="json"),
     }
@@ -220,34 +222,95 @@ def prepare(
     progress: bool = True,
     part: tuple[int, int] | None = None,
 ) -> ShardSetManifest:
-    """Encode the run's source into RUN_ROOT/data/; resumes an interrupted run. Returns the manifest.
+    """Encode the run's source into RUN_ROOT/data/ (and its held-out items into eval/ when data.holdout is
+    set); resumes an interrupted run. Returns data/'s manifest.
 
-    part=(i, N): encode only slice i of N of the source into data-parts/<i>-of-<N>/ (resumable the same
-    way), for N machines or jobs; `merge_parts(run_root, N)` then writes data/ from the N parts."""
+    part=(i, N): encode only slice i of N of the training items into data-parts/<i>-of-<N>/ (resumable the
+    same way), for N machines or jobs; `merge_parts(run_root, N)` then writes data/ (and eval/) from them."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     cfg = load_run_config(root)
-    d = cfg.data
-    source = build_source(d, cfg.storage.options)
+    source = build_source(cfg.data, cfg.storage.options)
     recipe = _recipe(cfg, source)
-    folder = DATA if part is None else data_part(*part)
+    split = _Split.of(cfg, source)
+    encoders = _LazyEncoders(cfg, device)
+    if part is None:
+        manifest = _encode(root, DATA, cfg, source, recipe, encoders, 0, split.train_stop, None, restart, progress)
+        split.encode_eval(root, cfg, source, recipe, encoders, restart, progress)
+        return manifest
+    if split.size is None:
+        raise FlowfleetError(
+            f"--part: data.source {cfg.data.source} has no known length to split; prepare it on one machine"
+        )
+    part_start, stop = part_range(split.train_stop or split.size, part[0], part[1], cfg.data.batch_size)
+    recipe = {**recipe, "part": [part[0], part[1], part_start, stop]}
+    return _encode(root, data_part(*part), cfg, source, recipe, encoders, part_start, stop, part, restart, progress)
+
+
+@dataclass(frozen=True)
+class _Split:
+    """Source positions: training items [0, train_stop), held-out evaluation items [train_stop, size)."""
+
+    size: int | None  # items within data.limit; None: unknown (tar streams)
+    train_stop: int | None  # None: to the end of the source
+
+    @classmethod
+    def of(cls, cfg: RunConfig, source: Source) -> "_Split":
+        d = cfg.data
+        size = source.length()
+        if d.limit is not None:
+            size = min(size, d.limit) if size is not None else d.limit
+        if not d.holdout:
+            return cls(size, size)
+        if size is None:
+            raise FlowfleetError(
+                f"data.holdout: data.source {d.source} has no known length; give data.limit to hold out its last items"
+            )
+        if d.holdout >= size:
+            raise FlowfleetError(f"data.holdout: {d.holdout} held-out items leave none of the {size} to train on")
+        return cls(size, size - d.holdout)
+
+    def encode_eval(self, root, cfg, source, recipe, encoders, restart: bool, progress: bool) -> None:
+        """eval/: the held-out items, prepared like data/ (no training job reads them)."""
+        if cfg.data.holdout and self.size is not None and self.train_stop is not None:
+            recipe = {**recipe, "split": "eval"}
+            _encode(root, EVAL_DATA, cfg, source, recipe, encoders, self.train_stop, self.size, None, restart, progress)
+
+
+class _LazyEncoders:
+    """The run's encoders, built on first use (a complete data/ and eval/ need none)."""
+
+    def __init__(self, cfg: RunConfig, device: str | None):
+        self.cfg, self.device = cfg, device
+        self._built: Encoders | None = None
+
+    def get(self) -> Encoders:
+        if self._built is None:
+            self._built = build_encoders(self.cfg, resolve_device(self.device))
+        return self._built
+
+
+def _encode(
+    root: RunRoot,
+    folder: str,
+    cfg: RunConfig,
+    source: Source,
+    recipe: dict[str, Any],
+    encoders: _LazyEncoders,
+    first: int,
+    stop: int | None,
+    part: tuple[int, int] | None,
+    restart: bool,
+    progress: bool,
+) -> ShardSetManifest:
+    """Source positions [first, stop) into the shard set `folder`, resuming after its last shard."""
+    d = cfg.data
     shards = ShardSet(root, folder)
     where = root.url_of(folder, "manifest.json")
-    stop: int | None = None
-    if part is not None:
-        size = len(source)
-        if size < 0:
-            raise FlowfleetError(
-                f"--part: data.source {d.source} has no known length to split; prepare it on one machine"
-            )
-        size = min(size, d.limit) if d.limit is not None else size
-        part_start, stop = part_range(size, part[0], part[1], d.batch_size)
-        recipe = {**recipe, "part": [part[0], part[1], part_start, stop]}
-
     manifest = ShardSetManifest()
     if shards.exists():
         old = shards.manifest()
         if restart:
-            root.remove(DATA, recursive=True)
+            root.remove(folder, recursive=True)
         elif old.extra.get("recipe") != recipe:
             diff = _first_difference(old.extra.get("recipe") or {}, recipe) or "recipe"
             raise FlowfleetError(
@@ -257,9 +320,7 @@ def prepare(
             return old
         else:
             manifest = old
-    start = manifest.shards[-1]["source_end"] if manifest.shards else 0
-    if part is not None and not manifest.shards:
-        start = recipe["part"][2]
+    start = manifest.shards[-1]["source_end"] if manifest.shards else first
     bad = _BadInput(
         [s for s in manifest.extra.get("skipped", []) if s["pos"] < start],
         int(manifest.extra.get("skipped_count", 0)),
@@ -270,8 +331,7 @@ def prepare(
         bad.skipped_pos = [p for p in manifest.extra.get("skipped_pos", []) if p < start]
         bad.missing_pos = [p for p in manifest.extra.get("missing_pos", []) if p < start]
 
-    dev = resolve_device(device)
-    enc = build_encoders(cfg, dev)
+    enc = encoders.get()
     manifest.extra.update(
         recipe=recipe,
         source=recipe["source"],
@@ -281,15 +341,9 @@ def prepare(
         channels=d.channels,
     )
 
-    total = len(source) if len(source) >= 0 else None  # None: unknown (tar streams)
-    if d.limit is not None:
-        total = min(total, d.limit) if total is not None else d.limit
-    if stop is not None:
-        total = stop
     items = source.items(start)
-    end_at = stop if stop is not None else d.limit
-    if end_at is not None:
-        items = itertools.islice(items, max(end_at - start, 0))
+    if stop is not None:
+        items = itertools.islice(items, max(stop - start, 0))
 
     def write(rows: _Rows, n: int) -> None:
         tensors, captions, ends = rows.take(n)
@@ -304,7 +358,8 @@ def prepare(
     rows = _Rows()
     batch: list[tuple[int, torch.Tensor, str, int]] = []
     t0 = time.perf_counter()
-    bar = tqdm(total=total, initial=start, unit="img", desc="prepare", disable=not progress, dynamic_ncols=True)
+    desc = "prepare" if folder == DATA else f"prepare {folder}"
+    bar = tqdm(total=stop, initial=start, unit="img", desc=desc, disable=not progress, dynamic_ncols=True)
     last_pos = start
     checked_shape = False
     for entry in _decoded(items, start, d.image_size, d.channels, bad, d.labels):
@@ -331,10 +386,11 @@ def prepare(
     record = bad.record()
     if manifest.count == 0:
         listed = record["skipped"]
-        first = f" (first: {listed[0]['key']}: {listed[0]['reason']})" if listed else ""
+        first_bad = f" (first: {listed[0]['key']}: {listed[0]['reason']})" if listed else ""
+        which = "" if folder == DATA else f" (for {folder}/, the held-out items)"
         raise FlowfleetError(
-            f"data.source: {d.source} {d.path or ''} gave no usable item; "
-            f"{record['skipped_count']} skipped{first}".replace("  ", " ")
+            f"data.source: {d.source} {d.path or ''} gave no usable item{which}; "
+            f"{record['skipped_count']} skipped{first_bad}".replace("  ", " ")
         )
     manifest.extra.update(record, seconds=round(time.perf_counter() - t0, 2))
     manifest.complete = True
@@ -352,7 +408,8 @@ def merge_parts(run_root: str | RunRoot, n: int, *, progress: bool = True) -> Sh
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     cfg = load_run_config(root)
     d = cfg.data
-    recipe = _recipe(cfg, build_source(d, cfg.storage.options))
+    source = build_source(d, cfg.storage.options)
+    recipe = _recipe(cfg, source)
     parts = []
     for i in range(n):
         sset = ShardSet(root, data_part(i, n))
@@ -406,6 +463,7 @@ def merge_parts(run_root: str | RunRoot, n: int, *, progress: bool = True) -> Sh
     manifest.complete = True
     shards.write_manifest(manifest)
     write_preview(shards, build_latent_encoder(cfg.encoders.latent, d.channels, "cpu"))
+    _Split.of(cfg, source).encode_eval(root, cfg, source, recipe, _LazyEncoders(cfg, None), False, progress)
     return manifest
 
 
