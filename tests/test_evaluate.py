@@ -346,3 +346,128 @@ def test_user_judge_scores_prompt_accuracy(fleet, tmp_path):
     ):
         with pytest.raises(FlowfleetError, match=message):
             load_judge(bad, fleet)
+
+
+# ------------------------------------------------------------------------------------------------
+#                       Held-out reference, real floor, guidance sweep
+# ------------------------------------------------------------------------------------------------
+
+
+def test_choose_scale_takes_the_best_distance_among_accurate_scales():
+    from flowfleet.stages.evaluate import choose_scale
+
+    sweep = [
+        {"cfg": 1.0, "classifier_fd": 40.0, "fid": 9.0, "prompt_accuracy": 0.80},
+        {"cfg": 2.0, "classifier_fd": 55.0, "fid": 8.0, "prompt_accuracy": 0.96},
+        {"cfg": 4.0, "classifier_fd": 70.0, "fid": 7.0, "prompt_accuracy": 0.99},
+    ]
+    assert choose_scale(sweep, 0.95) == 1  # 40 is lower but only 0.80 accurate
+    assert choose_scale(sweep, 0.5) == 0
+    assert choose_scale(sweep, 0.995) == 2  # none reaches it: the most accurate
+    assert choose_scale([{"cfg": c, "fid": f} for c, f in ((1.0, 5.0), (3.0, 4.0))], 0.95) == 1  # no judge: FID
+
+
+def test_reference_and_real_floor_are_disjoint_sets_drawn_from_the_reference_split():
+    from flowfleet.stages.evaluate import ReferenceSplit
+
+    split = ReferenceSplit.draw(1000, 300, None, seed=0, held_out=True)
+    floor, ref = set(split.floor.tolist()), set(split.reference.tolist())
+    assert len(floor) == 300 and len(ref) == 700 and not floor & ref and floor | ref == set(range(1000))
+    assert ReferenceSplit.draw(100, 300, None, 0, False).floor.numel() == 50  # at most half of a small set
+    asked = ReferenceSplit.draw(100, 30, 80, 0, True)
+    assert (
+        asked.reference.numel() == 80
+        and asked.floor.numel() == 20
+        and not set(asked.floor.tolist()) & set(asked.reference.tolist())
+    )
+    assert ReferenceSplit.draw(100, 30, 99, 0, True).floor.numel() == 0  # one item left: no floor
+    with pytest.raises(FlowfleetError, match=r"--ref-n: 101 reference images requested, eval/ \(the held-out"):
+        ReferenceSplit.draw(100, 30, 101, 0, True)
+
+
+def test_precision_and_recall_of_same_and_of_disjoint_sets():
+    from flowfleet.evaluate.precision_recall import precision_recall
+
+    gen = torch.Generator().manual_seed(0)
+    real = torch.randn(200, 8, generator=gen)
+    same = precision_recall(real, real.clone())
+    assert same["precision"] == 1.0 and same["recall"] == 1.0 and same["k"] == 3
+    far = precision_recall(real, torch.randn(150, 8, generator=gen) + 100.0)  # nowhere near the real manifold
+    assert far["precision"] == 0.0 and far["recall"] == 0.0
+    collapsed = precision_recall(real, real[:5].repeat(30, 1))  # every sample a copy of 5 real ones
+    assert collapsed["precision"] == 1.0 and collapsed["recall"] < 0.2
+    with pytest.raises(FlowfleetError, match="expected features"):
+        precision_recall(real, torch.randn(10, 4))
+
+
+def test_evaluate_against_held_out_items_sweeps_guidance_and_saves_each_folders_choice(tmp_path):
+    """With data.holdout the reference and the real floor come from eval/, disjoint; every model is sampled
+    at each swept scale, its row is the chosen scale's, and --save-cfg writes it to the model folders."""
+    from fixtures.random_fleet import randomize_, write_random_fleet
+    from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+
+    from flowfleet.evaluate.fid import FID, frechet_distance
+    from flowfleet.models.dit import DiTExpert
+    from flowfleet.models.files import save_model
+    from flowfleet.sampling.index import read_model_index
+    from flowfleet.stages.assemble import assemble
+    from flowfleet.stages.evaluate import ReferenceSplit, evaluate, reference_images
+
+    raw = synthetic_config(k=2, size=8, monolith=True).to_dict()
+    raw["data"]["holdout"] = 30
+    cfg = RunConfig.from_dict(raw)
+    root = RunRoot(str(tmp_path / "run"))
+    write_synthetic_run(root, cfg, per_cluster=8)
+    write_random_fleet(root.url, cfg)
+    save_model(randomize_(DiTExpert.from_dit_config(cfg.expert), seed=7), root, "monolith", "final")
+    root.write_json({"job": "monolith", "state": "done", "step": 1, "total_steps": 1}, "monolith", "status.json")
+    assemble(root.url)
+    opts = options(strategies=("top1", "top2"), ref_n=None, cfg_sweep=(1.0, 4.0), save_cfg=True, diagnostics=False)
+    result = evaluate(root.url_of("model"), root.url, opts, extractor=SmallFeatures())
+
+    split = result["reference_split"]
+    assert (
+        split["held_out"] and split["set"] == "eval" and split["reference_images"] == 18 and split["floor"]["n"] == 12
+    )
+    # the floor is exactly FID(12 held-out items, the other 18): recomputed here from eval/ itself
+    from flowfleet.data.shards import ShardSetUnion, open_complete
+
+    held = ShardSetUnion([open_complete(root, "eval", "")]).load(["latents"])["latents"]
+    drawn = ReferenceSplit.draw(30, 12, None, seed=0, held_out=True)
+    fid = FID(FIDSettings(batch_size=7), "cpu", extractor=SmallFeatures())
+
+    def stats(items):
+        return fid.statistics(reference_images(cfg, held, items, items.numel(), 7, torch.device("cpu"))())
+
+    assert split["floor"]["fid"] == frechet_distance(stats(drawn.reference), stats(drawn.floor))
+    for name in ("monolith", "top1", "top2"):
+        run = result["runs"][name]
+        assert [r["cfg"] for r in run["sweep"]] == [1.0, 4.0], name
+        best = min(run["sweep"], key=lambda r: r["fid"])  # no judge on this data: the lowest FID
+        assert run["cfg"] == best["cfg"] and run["fid"] == best["fid"], name
+    assert read_model_index(root.url_of("model")).scheduler.cfg == result["runs"]["top2"]["cfg"]  # the default top2
+    assert read_model_index(root.url_of("model-monolith")).scheduler.cfg == result["runs"]["monolith"]["cfg"]
+    assert "guidance.png" not in root.ls("reports")  # (the plot is the report's)
+    write_report(root)
+    assert root.exists("reports", "plots", "guidance.png")
+
+
+def test_a_relative_run_root_writes_the_runs_own_evaluation(fleet, monkeypatch):
+    """`make demo` passes a relative --out while assemble returns the model folder's absolute path: the
+    evaluation of RUN_ROOT/model still goes to reports/evaluation.json, where `report` reads it."""
+    import os
+
+    from flowfleet.stages.evaluate import evaluate
+
+    here = os.path.dirname(fleet.url_of())
+    monkeypatch.chdir(here)
+    before = fleet.read_bytes("reports", "evaluation.json") if fleet.exists("reports", "evaluation.json") else b""
+    result = evaluate(
+        fleet.url_of("model"),
+        os.path.basename(fleet.url_of()),
+        options(strategies=("top1",), monolith=False, diagnostics=False, seed=5),
+        extractor=SmallFeatures(),
+    )
+    assert fleet.read_json("reports", "evaluation.json") == result and result["seed"] == 5
+    assert fleet.read_bytes("reports", "evaluation.json") != before
+    assert not fleet.exists("reports", "model", "evaluation.json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from flowfleet.commands import add_run_root
+from flowfleet.errors import FlowfleetError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,10 +39,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sampler", choices=("euler", "heun"), default=None)
     p.add_argument("--cfg", type=float, default=None, metavar="SCALE")
     p.add_argument("--shift", type=float, default=None)
+    p.add_argument(
+        "--cfg-sweep",
+        default="",
+        metavar="LIST",
+        help="guidance scales to sample every model at, e.g. 1,2,3,4.5,6,8; each model's row is its scale with "
+        "the lowest classifier FD (FID without a judge) among those reaching --min-accuracy",
+    )
+    p.add_argument(
+        "--min-accuracy",
+        type=float,
+        default=0.95,
+        metavar="A",
+        help="prompt accuracy a swept scale must reach to be chosen (default 0.95)",
+    )
+    p.add_argument(
+        "--save-cfg",
+        action="store_true",
+        help="write the sweep's choice into model_index.json of DIR (its default strategy) and the monolith's folder",
+    )
     p.add_argument("--route-every", type=int, default=None, metavar="N")
     p.add_argument("--batch-size", type=int, default=250, metavar="B", help="samples per sampling batch")
     p.add_argument(
-        "--ref-n", type=int, default=None, metavar="N", help="reference images from data/ (default: all, up to 10,000)"
+        "--ref-n",
+        type=int,
+        default=None,
+        metavar="N",
+        help="reference images from eval/ (the held-out items, data.holdout) or else data/ (default: all but the "
+        "real floor set of --n items, up to 10,000)",
     )
     p.add_argument(
         "--fid-extractor",
@@ -99,6 +124,13 @@ def _strategies(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
+def _scales(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise FlowfleetError(f"--cfg-sweep: expected comma-separated numbers, got {text!r}") from None
+
+
 def run_evaluate(args: argparse.Namespace) -> int:
     from flowfleet.evaluate.fid import FIDSettings
     from flowfleet.stages.evaluate import EvaluateOptions, evaluate, print_table
@@ -115,6 +147,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
         shift=args.shift,
         route_every=args.route_every,
         ref_n=args.ref_n,
+        cfg_sweep=_scales(args.cfg_sweep),
+        min_accuracy=args.min_accuracy,
+        save_cfg=args.save_cfg,
         diagnostics=not args.no_diagnostics,
         device=args.device,
         judge=args.judge,

@@ -403,19 +403,34 @@ class ReportBuilder:
             clf = digits.get("classifier") or {}
             s.tables.append(
                 {
-                    "caption": "per model: prompt accuracy (share of samples the judge reads as the prompted class; "
-                    "higher is better), the judge's mean probability of that class, the Fréchet "
-                    "distance in the classifier's features (lower is better), and Inception FID",
-                    "header": ["model", "prompt accuracy", "confidence", "classifier FD", "FID"],
+                    "caption": "per model at its guidance scale (cfg): prompt accuracy (share of samples the judge "
+                    "reads as the prompted class; higher is better), the judge's mean probability of that class, "
+                    "the Fréchet distance in the classifier's features (lower is better), precision and recall in "
+                    "those features (Kynkäänniemi et al., k = 3: fidelity and diversity), and Inception FID. The "
+                    "last row scores real images that no model saw, exactly like a model: the floor of each "
+                    "distance at this sample count",
+                    "header": [
+                        "model",
+                        "cfg",
+                        "prompt accuracy",
+                        "confidence",
+                        "classifier FD",
+                        "precision",
+                        "recall",
+                        "FID",
+                    ],
                     "rows": [
                         [
                             name,
+                            _fmt(r.get("cfg")),
                             _fmt(r.get("prompt_accuracy")),
                             _fmt(r.get("confidence")),
                             _fmt(r.get("classifier_fd")),
+                            _fmt(r.get("precision")),
+                            _fmt(r.get("recall")),
                             _fmt(r.get("fid")),
                         ]
-                        for name, r in runs.items()
+                        for name, r in [*runs.items(), *self._floor_row()]
                     ],
                 }
             )
@@ -454,11 +469,33 @@ class ReportBuilder:
                     f"{name} selects the same experts with the same weights as {r['same_as']} "
                     f"(k is at least the number of experts): its samples are {r['same_as']}'s."
                 )
+        split = self.evaluation.get("reference_split") or {}
+        held_out = split.get("held_out")
         s.notes.append(
             f"Feature network {fid.get('extractor', '?')} at {fid.get('resize', '?')} px input; "
             f"{fid.get('generated_images', '?')} generated images against {fid.get('reference_images', '?')} "
-            "reference images of data/."
+            + (
+                "reference images held out of training (eval/, data.holdout)."
+                if held_out
+                else "reference images of data/ (the training items: the run holds none out, data.holdout)."
+            )
         )
+        guidance = self.evaluation.get("guidance") or {}
+        sweeps = {
+            name: [{**rec, "chosen": rec["cfg"] == r.get("cfg")} for rec in r["sweep"]]
+            for name, r in runs.items()
+            if r.get("sweep") and not r.get("same_as")
+        }
+        if sweeps:
+            s.notes.append(
+                f"Guidance sweep: every model sampled at scales {guidance.get('sweep')}; its row above is the scale "
+                f"with the lowest classifier FD among those with prompt accuracy >= {guidance.get('min_accuracy')} "
+                "(the most accurate when none reaches it), the large dot in the plot."
+            )
+            floor = split.get("floor") or {}
+            s.images.append(
+                self._plot("guidance.png", views.guidance_sweep_png(sweeps, floor), "guidance sweep per model")
+            )
         if fid.get("standard_input") is False:
             s.notes.append(
                 "Non-standard Inception input size: compare these numbers only with FIDs computed "
@@ -466,6 +503,10 @@ class ReportBuilder:
             )
         s.images.append(self._plot("fid.png", views.fid_png(scores), "FID"))
         return s
+
+    def _floor_row(self) -> list[tuple[str, dict[str, Any]]]:
+        floor = (self.evaluation.get("reference_split") or {}).get("floor") or {}
+        return [(f"real images (n {floor['n']})", floor)] if floor.get("n") else []
 
     def section_adherence(self) -> Section:
         s = Section("adherence", TITLES["adherence"])

@@ -183,3 +183,36 @@ def fid_png(scores: Mapping[str, float], title: str = "FID (lower is better)") -
     ax.set(title=title, ylabel="FID")
     fig.tight_layout()
     return _png(fig)
+
+
+SWEEP_PANELS = (
+    ("classifier_fd", "classifier FD (lower is better)"),
+    ("precision", "precision (fidelity)"),
+    ("recall", "recall (diversity)"),
+    ("prompt_accuracy", "prompt accuracy"),
+    ("fid", "FID (lower is better)"),
+)
+
+
+def guidance_sweep_png(sweeps: Mapping[str, Sequence[Mapping[str, float]]], floor: Mapping[str, float]) -> bytes:
+    """One panel per metric against the guidance scale, one line per model (`sweeps`: model -> records with
+    cfg and the metrics), the real floor's value as a dashed line; a model's chosen scale is a filled dot
+    when the records carry `chosen`."""
+    panels = [(key, title) for key, title in SWEEP_PANELS if any(key in r for rs in sweeps.values() for r in rs)]
+    fig = _figure(3.4 * len(panels), 3.2)
+    for i, (key, title) in enumerate(panels, 1):
+        ax = fig.add_subplot(1, len(panels), i)
+        for name, records in sweeps.items():
+            pts = [(r["cfg"], r[key]) for r in records if r.get(key) is not None]
+            (line,) = ax.plot(*zip(*pts), marker="o", markersize=3, label=name, linewidth=1.2)
+            chosen = [(r["cfg"], r[key]) for r in records if r.get("chosen") and r.get(key) is not None]
+            if chosen:
+                ax.plot(*zip(*chosen), marker="o", markersize=8, color=line.get_color(), linestyle="none")
+        if floor.get(key) is not None:
+            ax.axhline(floor[key], color="black", linestyle="--", linewidth=1, label="real floor")
+        ax.set(title=title, xlabel="guidance scale")
+        ax.grid(alpha=0.3)
+        if i == 1:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _png(fig)

@@ -125,3 +125,11 @@ def read_model_index(folder: RunRoot | str) -> ModelIndex:
         return ModelIndex.model_validate(raw)
     except ValidationError as err:
         raise FlowfleetError(f"{where}: {validation_message(err)}") from None
+
+
+def set_default_cfg(folder: RunRoot | str, cfg: float) -> None:
+    """Make `cfg` the folder's default guidance scale (model_index.json scheduler.cfg; atomic rewrite)."""
+    root = folder if isinstance(folder, RunRoot) else RunRoot(folder)
+    index = read_model_index(root)
+    index.scheduler = index.scheduler.model_copy(update={"cfg": float(cfg)})
+    root.write_json(index.to_json_dict(), INDEX_FILE)

@@ -57,6 +57,7 @@ from flowfleet.evaluate.diagnostics import (
 from flowfleet.evaluate.digits import DigitJudge, prompted_digit
 from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
 from flowfleet.evaluate.judge import load_judge
+from flowfleet.evaluate.precision_recall import precision_recall
 from flowfleet.evaluate.report import EVALUATION_FILE
 from flowfleet.evaluate.views import captioned_grid_png
 from flowfleet.flow import parse_strategy, same_as_earlier
@@ -64,6 +65,7 @@ from flowfleet.layout import (
     ASSIGNMENTS,
     CENTROIDS,
     DATA,
+    EVAL_DATA,
     MONOLITH,
     MONOLITH_MODEL,
     REPORTS,
@@ -71,7 +73,7 @@ from flowfleet.layout import (
     addition,
     evaluation_folder,
 )
-from flowfleet.sampling.index import read_model_index
+from flowfleet.sampling.index import read_model_index, set_default_cfg
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.sampling.views import routing_heatmap
@@ -87,6 +89,8 @@ if TYPE_CHECKING:  # the encoders module loads transformers; only its type is ne
 
 log = logging.getLogger(__name__)
 
+PR_REFERENCE = 2000  # reference rows for precision/recall (prdc holds the [N, N] distances in memory)
+
 
 @dataclass(frozen=True)
 class EvaluateOptions:
@@ -100,7 +104,12 @@ class EvaluateOptions:
     cfg: float | None = None
     shift: float | None = None
     route_every: int | None = None
-    ref_n: int | None = None  # reference images; None: all of data/ up to 10,000
+    ref_n: int | None = None  # reference images; None: all of the reference set up to 10,000 (floor set apart)
+    # Guidance sweep: each model is sampled at every scale; its row is the scale with the best classifier
+    # FD (FID without a judge) among those with prompt accuracy >= min_accuracy (the most accurate if none).
+    cfg_sweep: tuple[float, ...] = ()
+    min_accuracy: float = 0.95
+    save_cfg: bool = False  # write each model folder's chosen scale into its model_index.json (the default)
     fid: FIDSettings = FIDSettings()
     grid: int = 32  # samples shown per model in the report
     diagnostics: bool = True
@@ -124,6 +133,12 @@ class EvaluateOptions:
                 raise FlowfleetError(f"--strategies: {err}") from None
         if len(set(self.strategies)) != len(self.strategies):
             raise FlowfleetError(f"--strategies: repeated names in {','.join(self.strategies)}")
+        if self.cfg_sweep and self.cfg is not None:
+            raise FlowfleetError("--cfg-sweep: give either a sweep or one --cfg, not both")
+        if any(c < 0 for c in self.cfg_sweep) or len(set(self.cfg_sweep)) != len(self.cfg_sweep):
+            raise FlowfleetError(f"--cfg-sweep: scales must be distinct and >= 0, got {list(self.cfg_sweep)}")
+        if self.save_cfg and not self.cfg_sweep:
+            raise FlowfleetError("--save-cfg: needs --cfg-sweep (the scale it saves is the sweep's choice)")
 
 
 @dataclass
@@ -144,6 +159,10 @@ class ModelRun:
     classifier_fd: float | None = None  # MNIST: Fréchet distance in the digit classifier's features
     samples: str = ""  # reports/<samples>: every scored sample (npz)
     same_as: str | None = None  # the same model as this earlier run (top-k with k >= K is the full ensemble)
+    cfg: float | None = None  # the guidance scale of this row (the sweep's choice when there is a sweep)
+    precision: float | None = None  # in the judge's feature space (Kynkäänniemi et al.), vs the reference
+    recall: float | None = None
+    sweep: list[dict[str, Any]] = field(default_factory=list)  # one score record per guidance scale
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,6 +180,44 @@ def _open_reference(reference: str) -> tuple[RunRoot, RunConfig, ShardSetUnion]:
     sets = [open_complete(root, DATA, f"flowfleet prepare {root.url}")]
     sets += [open_complete(root, f"{addition(n)}/{DATA}", "flowfleet add-expert") for n in range(1, len(cfg.added) + 1)]
     return root, cfg, ShardSetUnion(sets)
+
+
+def _held_out(root: RunRoot, cfg: RunConfig) -> ShardSetUnion | None:
+    """eval/: the items prepare held out of training (data.holdout), or None when the run has none."""
+    if not cfg.data.holdout:
+        return None
+    return ShardSetUnion([open_complete(root, EVAL_DATA, f"flowfleet prepare {root.url}")])
+
+
+@dataclass(frozen=True)
+class ReferenceSplit:
+    """Which real items a generated set of n is compared with: `reference` (FID, classifier FD, precision
+    and recall) and, disjoint from it, `floor` — n real items scored exactly like a model, the distance a
+    perfect model would still show at this n. Both are drawn (seeded) from eval/ when the run holds items
+    out of training, else from data/ (then the reference includes training items: `held_out` False)."""
+
+    held_out: bool
+    floor: torch.Tensor  # [floor_n] item indices of the reference set
+    reference: torch.Tensor  # [ref_n]
+
+    @classmethod
+    def draw(cls, count: int, n: int, ref_n: int | None, seed: int, held_out: bool) -> "ReferenceSplit":
+        where = "eval/ (the held-out items)" if held_out else "data/"
+        if ref_n is None:  # the floor set first (n items, at most half), the rest is the reference
+            floor_n = min(n, count // 2)
+            ref_n = min(count - floor_n, 10_000)
+        elif ref_n > count:
+            raise FlowfleetError(f"--ref-n: {ref_n} reference images requested, {where} holds {count}")
+        else:  # a reference size asked for: the floor gets what is left (none under 2 items)
+            floor_n = min(n, count - ref_n)
+            floor_n = floor_n if floor_n >= 2 else 0
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+        return cls(held_out, order[:floor_n], order[floor_n : floor_n + ref_n])
+
+    def key(self, data_key: str) -> str:
+        """Names this choice of reference items in cache files."""
+        picked = hashlib.sha256(self.reference.numpy().tobytes()).hexdigest()[:8]
+        return f"{data_key}-{picked}"
 
 
 def data_fingerprint(data: ShardSetUnion) -> str:
@@ -232,6 +289,13 @@ def evaluate(
         t0 = time.perf_counter()
         ev.diagnostics["router_accuracy"] = _router_accuracy(ev, pipe)
         ev.timings["router_accuracy_s"] = time.perf_counter() - t0
+    if options.save_cfg:  # the sweep's choice becomes each folder's default scale
+        default = pipe.scheduler.strategy
+        for name, folder in ((default, model_dir), (MONOLITH, ev.root.url_of(MONOLITH_MODEL))):
+            chosen = ev.runs[name].cfg if name in ev.runs else None
+            if chosen is not None:
+                set_default_cfg(folder, chosen)
+                log.info(f"evaluate: {folder}: default guidance scale now {chosen} ({name})")
     ev.timings["total_s"] = time.perf_counter() - t_start
     result = ev.result()
     ev.root.write_json(result, REPORTS, ev.out, EVALUATION_FILE)  # (an empty ev.out joins to nothing)
@@ -258,16 +322,23 @@ class _Evaluation:
         self.model_url, self.root, self.cfg, self.data, self.options = model_url, root, cfg, data, options
         self.device = device
         # reports/ for the run's model/, reports/<folder>/ for another model folder of the run
-        self.out = evaluation_folder(model_url, root.url)
+        # (both as url_of() spells them: a relative run root, as `make demo` gives, and the absolute model
+        # folder that assemble returns name the same place)
+        self.out = evaluation_folder(RunRoot(model_url).url_of(), root.url_of())
         fields, captions = data.load(["latents", "labels"], with_captions=True)
         self.latents = fields["latents"]
         count = self.latents.shape[0]
-        self.ref_n = min(count, 10_000) if options.ref_n is None else options.ref_n
-        if self.ref_n > count:
-            raise FlowfleetError(f"--ref-n: {self.ref_n} reference images requested, data/ holds {count}")
         gen = torch.Generator().manual_seed(options.seed)
-        self.order = torch.randperm(count, generator=gen)  # the reference items come first
+        self.order = torch.randperm(count, generator=gen)  # data/'s items in a seeded order (router accuracy)
         picks = torch.randint(0, count, (options.n,), generator=gen)  # the prompts' items (with replacement)
+        # The reference and the real floor: the held-out items when prepare kept some out of training.
+        self.ref_data = _held_out(root, cfg) or data
+        self.ref_latents = self.latents if self.ref_data is data else self.ref_data.load(["latents"])["latents"]
+        self.split = ReferenceSplit.draw(
+            self.ref_latents.shape[0], options.n, options.ref_n, options.seed, self.ref_data is not data
+        )
+        self.ref_n = int(self.split.reference.numel())
+        self.floor: dict[str, Any] = {"n": int(self.split.floor.numel())}  # the real floor's scores
         text = conditioning in ("pooled", "cross_attn")
         self.prompts = [captions[i] for i in picks.tolist()] if text and captions else None
         self.labels = fields["labels"][picks].tolist() if conditioning == "class" else None
@@ -275,7 +346,8 @@ class _Evaluation:
         self.ref: FeatureStats | None = None
         self.semantic: _SemanticFeatures | None = None
         self.judge: Any = None  # prompt accuracy: --judge, or the digit classifier on the MNIST source
-        self.judge_fd: tuple[FID, FeatureStats] | None = None  # the classifier's feature space, reference
+        # the judge's feature space: its FD, and the reference's features (precision and recall)
+        self.judge_fd: tuple[FID, FeatureStats, torch.Tensor] | None = None
         self.prompt_accuracy: dict[str, Any] = {}
         self.runs: dict[str, ModelRun] = {}
         self.settings: Any = None
@@ -317,26 +389,35 @@ class _Evaluation:
         return ev
 
     def _open_fid(self, extractor: torch.nn.Module | None) -> None:
-        """The feature network and the (cached) reference statistics of data/."""
+        """The feature network and the (cached) reference statistics; the real floor's FID."""
         fid = self.fid = FID(self.options.fid, self.device, extractor=extractor)
         t0 = time.perf_counter()
-        fingerprint, ref_n, order = data_fingerprint(self.data), self.ref_n, self.order
+        name = EVAL_DATA if self.split.held_out else DATA
+        fingerprint = self.split.key(data_fingerprint(self.ref_data))
+        ref_n, picked = self.ref_n, self.split.reference
         if features_are_fid_features(self.cfg, fid.key):
             # prepare stored exactly these Inception features for clustering: no second pass over the data.
-            feats = self.data.load(["features"])["features"]
+            feats = self.ref_data.load(["features"])["features"]
             self.ref = fid.reference_from_features(
-                self.root, DATA, lambda: [feats[order[:ref_n]]], n=ref_n, fingerprint=fingerprint
+                self.root, name, lambda: [feats[picked]], n=ref_n, fingerprint=fingerprint
             )
         else:
-            images = reference_images(self.cfg, self.latents, order, ref_n, self.options.fid.batch_size, self.device)
-            self.ref = fid.reference(self.root, DATA, images, n=ref_n, fingerprint=fingerprint)
+            images = self._real_images(picked, self.options.fid.batch_size)
+            self.ref = fid.reference(self.root, name, images, n=ref_n, fingerprint=fingerprint)
+        if self.floor["n"]:
+            floor = self._real_images(self.split.floor, self.options.fid.batch_size)
+            self.floor["fid"] = fid.score(fid.statistics(floor(), desc="fid features (real floor)"), self.ref)
         self.timings["reference_s"] = time.perf_counter() - t0
         if self.options.judge or (
             self.prompts and self.data_is_mnist() and any(prompted_digit(p) is not None for p in self.prompts)
         ):
-            self._open_judge(fingerprint)
+            self._open_judge()
         if self.options.diagnostics:
             self.semantic = _SemanticFeatures(self.root, self.cfg, fid.key, self.device)
+
+    def _real_images(self, items: torch.Tensor, batch: int) -> Callable[[], Any]:
+        """A generator factory of the reference set's `items`, decoded, batch by batch."""
+        return reference_images(self.cfg, self.ref_latents, items, int(items.numel()), batch, self.device)
 
     def _report_path(self, file: str) -> str:
         """A sample file's path relative to reports/, as evaluation.json records it."""
@@ -352,7 +433,7 @@ class _Evaluation:
         source = self.data.manifest().extra.get("source") or {}
         return isinstance(source, dict) and source.get("kind") == "mnist"
 
-    def _open_judge(self, fingerprint: str) -> None:
+    def _open_judge(self) -> None:
         """The prompt-accuracy judge (--judge, or the MNIST digit classifier, trained once and cached in
         reports/) and, when it has features, their reference statistics for the classifier FD."""
         if not self.prompts:
@@ -371,51 +452,46 @@ class _Evaluation:
             log.info(f"evaluate: digit classifier (validation accuracy {self.judge.val_accuracy:.3f})")
         extractor = self.judge.extractor() if callable(getattr(self.judge, "extractor", None)) else None
         if extractor is not None:
+            # The judge's features of the reference (kept: precision and recall need the rows) and the floor.
             judge_fd = FID(FIDSettings(batch_size=500), self.device, extractor=extractor)
-            images = reference_images(self.cfg, self.latents, self.order, self.ref_n, 500, self.device)
-            judge_ref = judge_fd.reference(self.root, DATA, images, n=self.ref_n, fingerprint=fingerprint)
-            self.judge_fd = judge_fd, judge_ref
+            ref_feats = torch.cat([judge_fd.features(b) for b in self._real_images(self.split.reference, 500)()])
+            self.judge_fd = judge_fd, _stats_of(ref_feats, judge_fd.key), ref_feats
+            if self.floor["n"]:
+                floor_feats = torch.cat([judge_fd.features(b) for b in self._real_images(self.split.floor, 500)()])
+                self.floor.update(self._judge_scores(floor_feats))
         self.timings["judge_s"] = time.perf_counter() - t0
 
     def run_model(self, name: str, kind: str, pipe) -> ModelRun:
-        """Sample options.n images from one model (a strategy of the fleet, or the monolith); FID, the
+        """Sample options.n images from one model (a strategy of the fleet, or the monolith) at each scale of
+        the guidance sweep (or the one scale asked for); score each; keep the chosen scale's samples for the
         grid, routing heatmap, usage, adherence and diagnostics."""
-        o, (fid, ref) = self.options, self._fid_reference()
+        o = self.options
         strategy = "top1" if kind == "monolith" else name
-        settings = self.settings = pipe.settings(strategy, o.steps, o.sampler, o.cfg, o.shift, o.route_every, o.seed)
-        log.info(
-            f"evaluate: {name}: sampling {o.n} images ({settings.steps} {settings.sampler} steps, cfg {settings.cfg})"
-        )
         run = ModelRun(name, kind)
-        t0 = time.perf_counter()
-        out = pipe(
-            self.prompts,
-            o.n,
-            labels=self.labels,
-            settings=settings,
-            batch_size=o.batch_size,
-            progress=name,
-        )
-        run.sampling_s = time.perf_counter() - t0
-        images = out.images.float().cpu()  # [n, C, H, W] in [-1, 1]
-
-        t0 = time.perf_counter()
-        stats, feats = _features(fid, images, name)
-        run.fid = fid.score(stats, ref)
-        run.fid_s = time.perf_counter() - t0
-        log.info(f"evaluate: {name}: FID {run.fid:.2f}")
-
-        if self.judge is not None:
-            acc = self.prompt_accuracy[name] = self.judge.prompt_accuracy(images, out.prompts)
+        drawn = []  # (settings, pipeline output, images, scores) per scale
+        for scale in o.cfg_sweep or (o.cfg,):
+            settings = pipe.settings(strategy, o.steps, o.sampler, scale, o.shift, o.route_every, o.seed)
+            how = f"{settings.steps} {settings.sampler} steps, cfg {settings.cfg}"
+            log.info(f"evaluate: {name}: sampling {o.n} images ({how})")
+            t0 = time.perf_counter()
+            out = pipe(self.prompts, o.n, labels=self.labels, settings=settings, batch_size=o.batch_size, progress=name)
+            run.sampling_s += time.perf_counter() - t0
+            images = out.images.float().cpu()  # [n, C, H, W] in [-1, 1]
+            t0 = time.perf_counter()
+            scores = self._score(images, out.prompts, name)
+            run.fid_s += time.perf_counter() - t0
+            run.sweep.append({"cfg": settings.cfg, **{k: v for k, v in scores.items() if not k.startswith("_")}})
+            log.info(f"evaluate: {name}: cfg {settings.cfg}: " + _describe(scores))
+            drawn.append((settings, out, images, scores))
+        settings, out, images, scores = drawn[choose_scale(run.sweep, o.min_accuracy)]
+        self.settings = settings
+        if len(drawn) == 1:
+            run.sweep = []  # one scale: nothing was swept
+        run.cfg, run.fid, feats = settings.cfg, scores["fid"], scores["_fid_features"]
+        run.classifier_fd, run.precision, run.recall = (scores.get(k) for k in ("classifier_fd", "precision", "recall"))
+        if "_accuracy" in scores:
+            acc = self.prompt_accuracy[name] = scores["_accuracy"]
             run.prompt_accuracy, run.confidence = acc["accuracy"], acc.get("confidence")
-            if self.judge_fd is not None:
-                judge_fd, judge_ref = self.judge_fd
-                fake = judge_fd.statistics([images], desc="classifier features")
-                run.classifier_fd = judge_fd.score(fake, judge_ref)
-            log.info(
-                f"evaluate: {name}: prompt accuracy {run.prompt_accuracy:.3f}"
-                + (f", classifier FD {run.classifier_fd:.2f}" if run.classifier_fd is not None else "")
-            )
         run.samples = self._report_path(f"{name}.npz")
         self.root.write_bytes(samples_npz(images, out.prompts, o.seed), REPORTS, run.samples)
 
@@ -444,6 +520,28 @@ class _Evaluation:
         self.timings[f"{name}_fid_s"] = run.fid_s
         self.runs[name] = run
         return run
+
+    def _score(self, images: torch.Tensor, prompts: Sequence[str], name: str) -> dict[str, Any]:
+        """FID against the reference; with a judge: prompt accuracy, and with its features the classifier FD,
+        precision and recall. Keys starting with _ are kept out of the sweep's records."""
+        fid, ref = self._fid_reference()
+        stats, feats = _features(fid, images, name)
+        scores: dict[str, Any] = {"fid": fid.score(stats, ref), "_fid_features": feats}
+        if self.judge is not None:
+            acc = scores["_accuracy"] = self.judge.prompt_accuracy(images, prompts)
+            scores["prompt_accuracy"] = acc["accuracy"]
+            if self.judge_fd is not None:
+                scores.update(self._judge_scores(self.judge_fd[0].features(images)))
+        return scores
+
+    def _judge_scores(self, features: torch.Tensor) -> dict[str, float]:
+        """Classifier FD, precision and recall of a set's judge features [n, D] against the reference's."""
+        if self.judge_fd is None:
+            raise RuntimeError("the judge's reference features are not open")
+        judge_fd, judge_ref, ref_feats = self.judge_fd
+        pr = precision_recall(ref_feats[:PR_REFERENCE], features)
+        fd = judge_fd.score(_stats_of(features, judge_fd.key), judge_ref)
+        return {"classifier_fd": fd, "precision": pr["precision"], "recall": pr["recall"]}
 
     def same_model(self, name: str, earlier: str) -> ModelRun:
         """Record strategy `name` as the model already evaluated as `earlier` (its samples would be
@@ -476,6 +574,14 @@ class _Evaluation:
                 **fid_metadata(o.fid, self._fid_reference()[0].key, self.ref_n, o.n),
                 "scores": {name: r.fid for name, r in self.runs.items()},
             },
+            # What a perfect model would score at this n: real items, disjoint from the reference.
+            "reference_split": {
+                "set": EVAL_DATA if self.split.held_out else DATA,
+                "held_out": self.split.held_out,
+                "reference_images": self.ref_n,
+                "floor": self.floor,
+            },
+            "guidance": {"sweep": list(o.cfg_sweep), "min_accuracy": o.min_accuracy} if o.cfg_sweep else None,
             "runs": {name: r.to_json() for name, r in self.runs.items()},
             "adherence": self.adherence or None,
             "prompt_accuracy": (
@@ -506,6 +612,36 @@ def samples_npz(images: torch.Tensor, prompts: Sequence[str], seed: int) -> byte
         seed=np.array(seed),
     )
     return buf.getvalue()
+
+
+def choose_scale(records: Sequence[dict[str, Any]], min_accuracy: float) -> int:
+    """The index of the guidance scale a model is compared at: the lowest classifier FD (FID when there is
+    none) among the scales whose prompt accuracy reaches min_accuracy; when none does, the most accurate
+    (ties: the lower distance). Without prompt accuracy (no judge), the lowest distance."""
+
+    def distance(r: dict[str, Any]) -> float:
+        return r["classifier_fd"] if r.get("classifier_fd") is not None else r["fid"]
+
+    accurate = [i for i, r in enumerate(records) if r.get("prompt_accuracy", 1.0) >= min_accuracy]
+    if accurate:
+        return min(accurate, key=lambda i: distance(records[i]))
+    return min(range(len(records)), key=lambda i: (-records[i]["prompt_accuracy"], distance(records[i])))
+
+
+def _describe(scores: dict[str, Any]) -> str:
+    parts = [f"FID {scores['fid']:.2f}"]
+    if "prompt_accuracy" in scores:
+        parts.append(f"prompt accuracy {scores['prompt_accuracy']:.3f}")
+    if "classifier_fd" in scores:
+        parts.append(f"classifier FD {scores['classifier_fd']:.2f}")
+        parts.append(f"precision {scores['precision']:.3f} recall {scores['recall']:.3f}")
+    return ", ".join(parts)
+
+
+def _stats_of(features: torch.Tensor, key: str) -> FeatureStats:
+    stats = FeatureStats.empty(features.shape[1], {"extractor": key})
+    stats.update(features)
+    return stats
 
 
 def _features(fid: FID, images: torch.Tensor, name: str) -> tuple[FeatureStats, torch.Tensor]:
@@ -603,19 +739,24 @@ def _router_accuracy(ev: _Evaluation, pipe) -> dict[str, Any]:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    """One row per model: prompt accuracy and classifier FD (MNIST), FID, adherence, alignment when present."""
+    """One row per model (at its chosen guidance scale), then the real floor: prompt accuracy, classifier FD,
+    precision and recall (with a judge), FID, adherence, alignment when present."""
     fid = result["fid"]
     digits = result.get("prompt_accuracy") or None
-    title = (
-        f"{fid['generated_images']} samples per model; FID: {fid['extractor']} vs {fid['reference_images']} "
-        "reference images (lower is better)"
-    )
+    split = result.get("reference_split") or {}
+    against = f"{fid['reference_images']} {'held-out' if split.get('held_out') else 'training'} reference images"
+    title = f"{fid['generated_images']} samples per model vs {against}; FID: {fid['extractor']} (lower is better)"
     table = Table(title=title, title_justify="left")
     table.add_column("model")
+    table.add_column("cfg", justify="right")
+    with_pr = any(run.get("precision") is not None for run in result["runs"].values())
     if digits:
         table.add_column("prompt accuracy", justify="right")
         table.add_column("confidence", justify="right")
         table.add_column("classifier FD", justify="right")
+    if with_pr:
+        table.add_column("precision", justify="right")
+        table.add_column("recall", justify="right")
     table.add_column("FID", justify="right")
     adherence = result.get("adherence") or {}
     align = (result.get("diagnostics") or {}).get("alignment") or {}
@@ -624,24 +765,36 @@ def print_table(result: dict[str, Any]) -> None:
     if align:
         table.add_column("in dominant expert's cluster", justify="right")
     table.add_column("sampling s", justify="right")
-    for name, run in result["runs"].items():
-        row = [name]
+    floor = split.get("floor") or {}
+    rows = [(name, run) for name, run in result["runs"].items()]
+    if floor.get("n"):  # real items scored like a model: the distances a perfect model would show at this n
+        rows.append((f"real floor (n {floor['n']})", {**floor, "real": True}))
+    for name, run in rows:
+        row = [name, _num(run.get("cfg"), 1)]
         if digits:
             row += [
                 _num(run.get("prompt_accuracy"), 3),
                 _num(run.get("confidence"), 3),
                 _num(run.get("classifier_fd"), 2),
             ]
-        row.append(f"{run['fid']:.2f}")
+        if with_pr:
+            row += [_num(run.get("precision"), 3), _num(run.get("recall"), 3)]
+        row.append(_num(run.get("fid"), 2))
         if adherence:
             a = adherence.get(name) or {}
             row.append(f"{a['both']:.3f}" if a.get("both") is not None else "")
         if align:
             a = align.get(name) or {}
             row.append(f"{a['assigned_is_dominant']:.3f}" if a else "")
-        row.append(f"{run['sampling_s']:.1f}")
+        row.append("" if run.get("real") else f"{run['sampling_s']:.1f}")
         table.add_row(*row)
     Console().print(table)
+    guidance = result.get("guidance")
+    if guidance:
+        Console().print(
+            f"cfg: each model's scale among {guidance['sweep']} with the lowest classifier FD (FID without a judge) "
+            f"of those with prompt accuracy >= {guidance['min_accuracy']}"
+        )
     if digits:
         clf = digits.get("classifier") or {}
         val = f" (validation accuracy {clf['val_accuracy']:.3f})" if "val_accuracy" in clf else ""
