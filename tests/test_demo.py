@@ -40,9 +40,18 @@ def check_run(path, *, strategies=("top1", "top2", "full")) -> dict:
         with np.load(path / "reports" / run["samples"]) as npz:
             assert npz["images"].shape[0] == evaluation["n"] == len(npz["prompts"])
             assert all("handwritten digit" in p for p in npz["prompts"])
-    assert "prompt accuracy" in html and "classifier FD" in html
-    # both routers' accuracy per t-bucket, from their training reports
-    assert "router-paris" in html and "p(k | x_t, t, prompt)" in html
+    assert "prompt accuracy" in html and "classifier FD" in html and "precision" in html
+    # Paris' router: accuracy per t-bucket from its training report; it sees (x_t, t) and nothing else
+    assert "p(k | x_t, t) (Paris)" in html and "p(k | x_t, t, prompt)" not in html
+    router = json.loads((path / "model" / "router" / "config.json").read_text())
+    assert router["conditioning"] == "none" and router["text_dim"] == 0
+    # judged against held-out digits, beside real ones scored like a model, at each model's swept scale
+    split = evaluation["reference_split"]
+    assert split["held_out"] and split["floor"]["n"] == evaluation["n"] and split["floor"]["classifier_fd"] > 0
+    assert evaluation["guidance"]["sweep"] == list(demo_plan("smoke").evaluation.cfg_sweep)
+    for run in evaluation["runs"].values():
+        assert run["same_as"] or run["cfg"] in evaluation["guidance"]["sweep"] and len(run["sweep"]) == 2
+    assert page.images.get("fid") and "guidance sweep" in html
     timings = json.loads((path / "reports" / "timings.json").read_text())
     assert {"prepare", "cluster", "train-all", "assemble", "generate", "evaluate", "total"} <= set(timings)
     for s in ("monolith", *strategies):
@@ -76,8 +85,14 @@ def test_demo_refuses_an_out_folder_of_another_run(tmp_path):
 
 def test_demo_plans_validate_and_quick_is_smaller():
     full, quick = demo_plan("full"), demo_plan("quick")
-    assert full.config.cluster.k == quick.config.cluster.k == 2
+    # Paris at small scale: K >= 4 clusters of image features, a router blind to the prompt, top-2
+    for plan in (full, quick):
+        c = plan.config
+        assert c.cluster.k >= 4 and c.cluster.features == "semantic" and c.encoders.semantic.name == "pixels"
+        assert not c.router.uses_text and c.sampling.strategy == "top2"
+        assert len(plan.evaluation.cfg_sweep) >= 5 and plan.evaluation.save_cfg
     assert full.config.data.source == "mnist" and full.config.data.limit is None  # all 5000 digits
+    assert full.config.data.holdout == 1000  # the digit judge's validation digits: no model trains on them
     assert quick.config.train.steps < full.config.train.steps
     assert full.evaluation.monolith and full.evaluation.strategies == ("top1", "top2", "full")
     with pytest.raises(ValueError, match="unknown demo size"):
