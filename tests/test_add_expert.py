@@ -40,8 +40,7 @@ def base(tmp_path_factory):
     finished fleet; `added` is the data of the digits 8 and 9. Built once; each test gets a copy (`run`)."""
     raw = preset("mnist-tiny").to_dict()
     raw["data"].update(limit=160, labels=list(range(8)))
-    raw["cluster"].update(k=2, fine_k=8)
-    raw["encoders"]["semantic"] = {"name": "pixels", "image_size": 16}  # clusters come from the captions
+    raw["cluster"].update(k=2, fine_k=8, features="text")  # clusters of captions: one digit each
     raw["router"]["num_outputs"] = 2
     raw["train"].update(FEW)
     raw["router_train"].update(FEW)
