@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--ema", type=float, default=0.999)
     p.add_argument("--digits", default="0,1,2,3,4,5,6,7,8,9", help="train on these digits only (an expert)")
+    p.add_argument("--autoencoder", default="", help="a diffusers AutoencoderKL folder: the DiT learns its latents")
+    p.add_argument("--items", type=int, default=0, help="train on a random N of the training items (an expert's share)")
     p.add_argument("--steps", default="500,1000,2000", help="checkpoints (optimiser steps)")
     p.add_argument("--n", type=int, default=300)
     p.add_argument("--sample-steps", type=int, default=20)
@@ -97,6 +99,9 @@ def main() -> None:
     x_train, y_train = x_all[:TRAIN_ITEMS], y_all[:TRAIN_ITEMS]
     keep = torch.isin(y_train, torch.tensor(digits))
     x0_all, labels = x_train[keep], y_train[keep]
+    if a.items:
+        pick = torch.randperm(x0_all.shape[0], generator=torch.Generator().manual_seed(a.seed))[: a.items]
+        x0_all, labels = x0_all[pick], labels[pick]
     text_len = 16
     enc = build_text_encoder(TextEncoderConfig(name="minilm", max_length=text_len))
     emb = enc.encode([f"a handwritten digit {w}" for w in DIGIT_WORDS])  # per digit
@@ -107,9 +112,31 @@ def main() -> None:
             kw.update(text_tokens=emb.tokens[lab].float(), text_mask=emb.mask[lab])
         return kw
 
+    shape = (1, 28, 28)
+    decode = lambda z: z  # noqa: E731
+    if a.autoencoder:
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.from_pretrained(a.autoencoder).eval()
+        pad = (32 - 28) // 2
+        with torch.no_grad():
+            z = torch.cat(
+                [
+                    vae.encode(torch.nn.functional.pad(x, (pad,) * 4, value=-1.0)).latent_dist.mean
+                    for x in x0_all.split(500)
+                ]
+            )
+        scale = 1.0 / float(z.std())
+        x0_all = z * scale
+        shape = tuple(x0_all.shape[1:])
+
+        @torch.no_grad()
+        def decode(z: torch.Tensor) -> torch.Tensor:
+            return vae.decode(z / scale).sample[:, :, pad:-pad, pad:-pad]
+
     model = DiTExpert(
-        input_size=(28, 28),
-        in_channels=1,
+        input_size=shape[1:],
+        in_channels=shape[0],
         patch_size=a.patch,
         hidden_size=a.hidden,
         depth=a.depth,
@@ -125,7 +152,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(a.seed)
     n = a.n
     eval_labels = torch.arange(n) % 10
-    eval_noise = torch.randn(n, 1, 28, 28, generator=torch.Generator().manual_seed(1234))
+    eval_noise = torch.randn(n, *shape, generator=torch.Generator().manual_seed(1234))
     prompts = [f"a handwritten digit {DIGIT_WORDS[d]}" for d in eval_labels.tolist()]
 
     @torch.no_grad()
@@ -139,7 +166,7 @@ def main() -> None:
             vc, vu = m(torch.cat([x, x]), torch.cat([t, t]), drop=drop, **both).chunk(2)
             return cfg_combine(vc, vu, scale)
 
-        return integrate(vel, eval_noise, time_grid(a.sample_steps), sampler=a.sampler).clamp(-1, 1)
+        return decode(integrate(vel, eval_noise, time_grid(a.sample_steps), sampler=a.sampler)).clamp(-1, 1)
 
     trained, step = 0.0, 0
     for target in [int(s) for s in a.steps.split(",")]:

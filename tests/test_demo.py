@@ -91,6 +91,9 @@ def test_demo_plans_validate_and_quick_is_smaller():
         assert c.cluster.k >= 4 and c.cluster.features == "semantic" and c.encoders.semantic.name == "pixels"
         assert not c.router.uses_text and c.sampling.strategy == "top2"
         assert len(plan.evaluation.cfg_sweep) >= 5 and plan.evaluation.save_cfg
+        # Paris' experts work in a VAE latent: here an autoencoder prepare trains, 8 x 8 x 4, 2 x 2 patches
+        assert c.encoders.latent.name == "autoencoder" and c.latent_shape == (4, 8, 8) and c.expert.patch_size == 2
+    assert quick.config.encoders.latent.autoencoder.steps < full.config.encoders.latent.autoencoder.steps
     assert full.config.data.source == "mnist" and full.config.data.limit is None  # all 5000 digits
     assert full.config.data.holdout == 1000  # the digit judge's validation digits: no model trains on them
     assert quick.config.train.steps < full.config.train.steps

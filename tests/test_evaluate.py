@@ -437,7 +437,7 @@ def test_evaluate_against_held_out_items_sweeps_guidance_and_saves_each_folders_
     fid = FID(FIDSettings(batch_size=7), "cpu", extractor=SmallFeatures())
 
     def stats(items):
-        return fid.statistics(reference_images(cfg, held, items, items.numel(), 7, torch.device("cpu"))())
+        return fid.statistics(reference_images(root, cfg, held, items, items.numel(), 7, torch.device("cpu"))())
 
     assert split["floor"]["fid"] == frechet_distance(stats(drawn.reference), stats(drawn.floor))
     for name in ("monolith", "top1", "top2"):

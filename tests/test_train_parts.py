@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from fixtures.tolerances import gamma
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.storage import RunRoot
@@ -26,7 +27,8 @@ def test_ema_follows_the_warmed_up_decay_exactly():
         ema.update(model)
         d = 0.0 if n == 0 else ema_decay_at(0.5, n, True)  # the first update copies
         expected = d * expected + (1 - d) * model.weight.detach()
-        torch.testing.assert_close(ema.module.weight, expected, rtol=0, atol=1e-6)
+        # the same update d e + (1 - d) w in another op order: 3 roundings per update of values <= 7
+        torch.testing.assert_close(ema.module.weight, expected, rtol=0, atol=gamma(3 * (n + 1), torch.float32) * 7)
     assert [ema_decay_at(0.9999, n, True) for n in (1, 10, 90)] == [2 / 11, 0.55, 91 / 100]
     assert ema_decay_at(0.9, 10_000, True) == 0.9 == ema_decay_at(0.9, 1, False)
     state = ema.state_dict()

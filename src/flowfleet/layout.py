@@ -5,6 +5,7 @@
       data/                             prepare       shards + manifest.json (flowfleet.data.shards)
       eval/                             prepare       the held-out items (data.holdout): evaluate's reference
       data-parts/<i>-of-<N>/            prepare --part  one slice of the source each, joined into data/ by --merge
+      autoencoder/                      prepare       the latent space it trained (encoders.latent autoencoder)
       clusters/                         cluster       assignments.safetensors, centroids.safetensors,
                                                       report.json, preview-<k>.png
       partitions/<k>/                   cluster       expert k's items (shards)
@@ -32,6 +33,8 @@ RUN_FILE = "run.yaml"
 # prepare and cluster
 DATA = "data"
 EVAL_DATA = "eval"  # data.holdout's items: no training job reads them; evaluate's reference and floor
+AUTOENCODER = "autoencoder"  # encoders.latent autoencoder: the AutoencoderKL prepare trained (a model folder)
+AUTOENCODER_RECIPE = "recipe.json"  # in autoencoder/: the data and settings it was trained with
 MANIFEST = "manifest.json"  # in every shard folder (data/, partitions/<k>/): what is written, and whether all
 DATA_PARTS = "data-parts"  # prepare --part i/N: data-parts/<i>-of-<N>/, joined into data/ by prepare --merge
 CLUSTERS = "clusters"
@@ -65,6 +68,7 @@ SUBMISSIONS = (BACKENDS, "submissions.json")
 
 # assembled models and reports
 MODEL = "model"
+MODEL_VAE = "vae"  # in a model folder: the latent decoder's reference, or (autoencoder) its weights
 INDEX_FILE = "model_index.json"  # the model folder's index (flowfleet.sampling.index)
 MONOLITH_MODEL = "model-monolith"  # `assemble --monolith`: the monolith as a one-expert model
 STUDENT_MODEL = "model-student"  # `distill`: the student as a one-expert model (sampled without guidance)

@@ -1,7 +1,8 @@
 """Named starting points for run.yaml (`flowfleet init RUN_ROOT --preset NAME`).
 
-mnist / mnist-tiny    built-in MNIST-5k at 28 px, pixel space, K = 4 clusters of image features, Paris' prompt-blind
-                      router, top-2; the last 1000 digits held out for evaluation
+mnist / mnist-tiny    built-in MNIST-5k at 28 px in the 8 x 8 x 4 latent of an autoencoder prepare trains (tiny:
+                      16 px pixels), K = 4 clusters of image features, Paris' prompt-blind router, top-2; the
+                      last 1000 digits held out for evaluation
 shapes / shapes-tiny  built-in procedural shapes (RGB), captions describing shape and colour
 paris-b2 / paris-xl2  the Paris paper's §3.1 recipes: 32x32x4 sd-vae-ft-mse latents, CLIP ViT-L/14
                       text, DiT-B/2 experts + DiT-S router, or DiT-XL/2 experts + DiT-B router
@@ -24,19 +25,28 @@ def _builtin(
     router_steps: int,
     batch: int,
     text_len: int,
+    autoencoder: dict[str, Any] | None = None,
     **data: Any,
 ) -> dict[str, Any]:
     """The built-in sources' recipe, chosen by measurement on MNIST-5k (benchmarks/mnist_recipe.py and
-    benchmarks/expert_space.py, BENCHMARKS.md): a pixel-space DiT with 7 x 7 patches (16 tokens at 28 px;
-    4 x 4 patches cost 3.7x more per step and draw worse at equal steps), hidden 128, depth 4, conditioned
-    on the caption's pooled MiniLM vector; AdamW 2e-3 with 100 warm-up steps, batch 64, logit-normal t, an
+    benchmarks/expert_space.py, BENCHMARKS.md): a DiT of hidden 128, depth 4 on 16 tokens, conditioned on
+    the caption's pooled MiniLM vector; AdamW 2e-3 with 100 warm-up steps, batch 64, logit-normal t, an
     EMA that warms up; 20 Euler steps at CFG 3 (the evaluation's guidance sweep picks each model's scale).
+    Its space: with `autoencoder`, the 8 x 8 x 4 latent of a small AutoencoderKL that prepare trains on the
+    training digits (padded 28 -> 32), 2 x 2 patches: a classifier FD 1.5x the real floor after 1000 steps,
+    where 7 x 7 pixel patches need ~2000 and leave tile edges; else pixels in 7 x 7 patches.
 
     mnist follows Paris: K clusters of the images' features (downsampled pixels: on MNIST-5k more semantic
     than Inception, BENCHMARKS.md "Which image features are semantic"), a router that sees only (x_t, t),
     top-2 sampling, and the last 1000 digits held out of training as the evaluation's reference."""
     latent = (channels, size, size)
     patch = 7 if size % 7 == 0 else 4
+    latent_encoder: dict[str, Any] = dict(name="pixels")
+    if autoencoder is not None:
+        side = autoencoder.get("pad_to") or size
+        factor = 2 ** (len(autoencoder["block_out_channels"]) - 1)
+        latent, patch = (autoencoder["latent_channels"], side // factor, side // factor), 2
+        latent_encoder = dict(name="autoencoder", autoencoder=autoencoder)
     expert = dict(
         size=None,
         hidden_size=128,
@@ -44,7 +54,7 @@ def _builtin(
         num_heads=4,
         patch_size=patch,
         input_size=latent[1:],
-        in_channels=channels,
+        in_channels=latent[0],
         conditioning="pooled",
         text_dim=384,
         cond_dropout=0.1,
@@ -56,7 +66,7 @@ def _builtin(
         num_heads=2,
         patch_size=patch,
         input_size=latent[1:],
-        in_channels=channels,
+        in_channels=latent[0],
         num_outputs=k,
         conditioning="none",  # Paris §2.5: p(k | x_t, t), blind to the prompt
     )
@@ -65,7 +75,7 @@ def _builtin(
     semantic = dict(name="pixels", image_size=16) if source == "mnist" else dict(name="inception")
     return dict(
         data=dict(source=source, image_size=size, channels=channels, **data),
-        encoders=dict(latent=dict(name="pixels"), semantic=semantic, text=dict(name="minilm", max_length=text_len)),
+        encoders=dict(latent=latent_encoder, semantic=semantic, text=dict(name="minilm", max_length=text_len)),
         cluster=cluster,
         expert=expert,
         router=router,
@@ -164,7 +174,16 @@ def _paris(expert_size: str, router_size: str) -> dict[str, Any]:
 
 PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
     "mnist": lambda: _builtin(
-        "mnist", size=28, channels=1, k=4, steps=500, router_steps=300, batch=64, text_len=16, holdout=1000
+        "mnist",
+        size=28,
+        channels=1,
+        k=4,
+        steps=500,
+        router_steps=300,
+        batch=64,
+        text_len=16,
+        holdout=1000,
+        autoencoder=dict(block_out_channels=[16, 32, 32], latent_channels=4, pad_to=32, steps=400, batch_size=64),
     ),
     "mnist-tiny": lambda: _tiny(
         _builtin(

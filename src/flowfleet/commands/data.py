@@ -56,6 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="join the N parts into data/ (the same shards as one prepare)",
     )
+    split.add_argument(
+        "--autoencoder-only",
+        action="store_true",
+        help="only train the run's autoencoder (encoders.latent autoencoder) into RUN_ROOT/autoencoder/: "
+        "once, before --part i/N on N machines, which all encode with it",
+    )
     p.set_defaults(func=run_prepare)
 
     p = sub.add_parser(
@@ -78,8 +84,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_prepare(args: argparse.Namespace) -> int:
     from flowfleet.errors import FlowfleetError
-    from flowfleet.stages.prepare import merge_parts, parse_part, prepare
+    from flowfleet.stages.prepare import merge_parts, parse_part, prepare, prepare_autoencoder
 
+    if args.autoencoder_only:
+        print(f"autoencoder: {prepare_autoencoder(args.run_root, restart=args.restart, progress=not args.quiet)}")
+        return 0
     if args.merge is not None:
         if args.merge < 1:
             raise FlowfleetError(f"--merge: must be >= 1, got {args.merge}")

@@ -16,13 +16,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flowfleet.config import LatentEncoderConfig, SemanticEncoderConfig, TextEncoderConfig
 from flowfleet.data.images import resize_batch, to_rgb, to_uint8
 from flowfleet.errors import FlowfleetError
+from flowfleet.layout import AUTOENCODER
+from flowfleet.storage import RunRoot
+
+if TYPE_CHECKING:
+    from flowfleet.config import RunConfig
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -128,12 +133,75 @@ class VaeLatents(LatentEncoder):
         }
 
 
-def build_latent_encoder(cfg: LatentEncoderConfig, channels: int, device: torch.device | str = "cpu") -> LatentEncoder:
+class TrainedLatents(LatentEncoder):
+    """The run's own AutoencoderKL (flowfleet.data.autoencoder): images padded to `pad_to`, latents =
+    posterior mean x its scaling_factor; decoding crops back to the images' side."""
+
+    name = "autoencoder"
+
+    def __init__(self, cfg: LatentEncoderConfig, channels: int, device: torch.device, weights: RunRoot):
+        from flowfleet.data.autoencoder import load_autoencoder
+
+        self.cfg, self.channels, self.device = cfg, channels, torch.device(device)
+        self.weights = weights.url
+        self.vae = load_autoencoder(weights).to(self.device)
+        self.scaling_factor = float(self.vae.config.scaling_factor)
+
+    @torch.inference_mode()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        from flowfleet.data.autoencoder import pad
+
+        _check_images(images, self.channels)
+        x = pad(images.to(self.device, torch.float32), self.cfg.autoencoder.side(images.shape[-1]))
+        return self.vae.encode(x).latent_dist.mean * self.scaling_factor  # [B, c, side/f, side/f]
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        from flowfleet.data.autoencoder import crop
+
+        z = latents.to(self.device, torch.float32) / self.scaling_factor
+        x = self.vae.decode(z).sample.clamp(-1, 1)  # [B, C, side, side]
+        return crop(x, self.image_size)  # [B, C, S, S]
+
+    @property
+    def image_size(self) -> int:
+        """The images' side before padding, as training recorded it."""
+        return int(self.vae.config.get("_image_size") or self.vae.config.sample_size)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "weights": self.weights,
+            "scaling_factor": self.scaling_factor,
+            "channels": self.channels,
+            "latent_channels": self.cfg.autoencoder.latent_channels,
+            "downsample": self.cfg.autoencoder.factor,
+        }
+
+
+def build_latent_encoder(
+    cfg: LatentEncoderConfig,
+    channels: int,
+    device: torch.device | str = "cpu",
+    weights: RunRoot | str | None = None,
+) -> LatentEncoder:
+    """The latent encoder of `cfg`; `weights`: the folder of a run-trained autoencoder (RUN_ROOT/autoencoder,
+    or a model folder's vae/), which that name needs."""
     if cfg.name == "pixels":
         return PixelLatents(cfg, channels, torch.device(device))
     if cfg.name == "sd-vae-ft-mse":
         return VaeLatents(cfg, channels, torch.device(device))
+    if cfg.name == "autoencoder":
+        if weights is None:
+            raise EncoderError("encoders.latent: an autoencoder needs its weights folder (RUN_ROOT/autoencoder)")
+        folder = weights if isinstance(weights, RunRoot) else RunRoot(weights)
+        return TrainedLatents(cfg, channels, torch.device(device), folder)
     raise EncoderError(f"encoders.latent.name: unknown {cfg.name!r}")
+
+
+def run_latent_encoder(root: RunRoot, cfg: "RunConfig", device: torch.device | str = "cpu") -> LatentEncoder:
+    """The latent encoder of a run (its autoencoder/ when it trained one)."""
+    return build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device, root.url_of(AUTOENCODER))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import safetensors.torch
+from diffusers.models.modeling_utils import ModelMixin
 from pydantic import ValidationError
 
 from flowfleet.errors import FlowfleetError
@@ -55,7 +56,7 @@ def read_dit_config(folder: RunRoot | str | Path, *parts: str) -> DiTConfig:
         raise ModelFileError(f"{where}: {validation_message(err)}") from None
 
 
-def save_model(model: DiTModel, folder: RunRoot | str | Path, *parts: str) -> None:
+def save_model(model: ModelMixin, folder: RunRoot | str | Path, *parts: str) -> None:
     """Write config.json + safetensors weights; weights land before the config that names them."""
     root = folder if isinstance(folder, RunRoot) else RunRoot(folder)
     with tempfile.TemporaryDirectory() as tmp:

@@ -30,7 +30,7 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.flow import integrate, parse_strategy, time_grid
 from flowfleet.flow.ensemble import Strategy
 from flowfleet.flow.sampler import SamplerName, VelocityFn
-from flowfleet.layout import INDEX_FILE
+from flowfleet.layout import INDEX_FILE, MODEL_VAE
 from flowfleet.models.files import load_model, read_dit_config
 from flowfleet.sampling.index import ModelIndex, SchedulerConfig, expert_folder, read_model_index
 from flowfleet.sampling.routing import Condition, Selection, present_probs, run_selected, select_experts
@@ -162,6 +162,7 @@ class FleetPipeline:
         self.num_classes = num_classes
         self.text_encoder = text_encoder
         self.latent_decoder = latent_decoder
+        self.folder: str | None = None  # the model folder it was opened from (from_pretrained)
         self.scheduler = scheduler or SchedulerConfig()
         self.device = torch.device(device)
         self.dtype = dtype
@@ -240,6 +241,7 @@ class FleetPipeline:
             device=device,
             index=index,
         )
+        pipe.folder = root.url
         if load_encoders:
             pipe.load_encoders()
         return pipe
@@ -251,7 +253,7 @@ class FleetPipeline:
         if self.text_encoder is None and self.conditioning in TEXT_CONDITIONING:
             self.text_encoder = build_text_encoder_from(self.index, self.device)
         if self.latent_decoder is None:
-            self.latent_decoder = build_latent_decoder_from(self.index, self.device)
+            self.latent_decoder = build_latent_decoder_from(self.index, self.device, self.folder)
 
     # -- routing and guidance ---------------------------------------------------------------------------
 
@@ -486,9 +488,11 @@ def build_text_encoder_from(index: ModelIndex, device: torch.device | str) -> An
     return _encoders_module().build_text_encoder(cfg, device)
 
 
-def build_latent_decoder_from(index: ModelIndex, device: torch.device | str) -> Any:
-    """The latent encoder (for .decode). Pixel-space fleets need none: their 'latents' are images."""
+def build_latent_decoder_from(index: ModelIndex, device: torch.device | str, folder: str | None = None) -> Any:
+    """The latent encoder (for .decode). Pixel-space fleets need none: their 'latents' are images. A
+    run-trained autoencoder's weights are in the model folder's vae/."""
     cfg = index.latent_config()
     if cfg.name == "pixels":
         return None
-    return _encoders_module().build_latent_encoder(cfg, index.image_channels, device)
+    weights = RunRoot(folder).url_of(MODEL_VAE) if folder is not None else None
+    return _encoders_module().build_latent_encoder(cfg, index.image_channels, device, weights)

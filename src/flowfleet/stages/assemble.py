@@ -18,12 +18,15 @@ from tqdm.auto import tqdm
 
 from flowfleet import __version__
 from flowfleet.config import RunConfig, load_run_config
+from flowfleet.data.autoencoder import load_autoencoder
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.layout import (
+    AUTOENCODER,
     EXPERTS,
     FINAL,
     MODEL,
+    MODEL_VAE,
     MONOLITH,
     MONOLITH_MODEL,
     ROUTERS,
@@ -34,7 +37,7 @@ from flowfleet.layout import (
 )
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
-from flowfleet.models.files import ModelFileError, load_model, read_dit_config
+from flowfleet.models.files import WEIGHTS_NAME, ModelFileError, load_model, read_dit_config
 from flowfleet.sampling.card import (
     CARD_FOLDER,
     ExpertCard,
@@ -358,13 +361,18 @@ def _write_model(
             b"so there is no vae/ folder and generate does not decode.\n",
             PIXEL_NOTE,
         )
+    elif latent_cfg.name == "autoencoder":
+        # the run's own latent space travels with the model: vae/ is its diffusers AutoencoderKL folder
+        load_autoencoder(root, AUTOENCODER)  # strict: refuse a corrupted file now
+        for name in (WEIGHTS_NAME, "config.json"):  # weights first: config.json names a finished folder
+            out_root.write_bytes(root.read_bytes(AUTOENCODER, name), MODEL_VAE, name)
     else:
         out_root.write_json(
             {
                 **latent_cfg.model_dump(mode="json"),
                 "_note": "a reference: flowfleet.data.encoders.build_latent_encoder loads it",
             },
-            "vae",
+            MODEL_VAE,
             "config.json",
         )
 

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from flowfleet.cluster.assignments import write_assignments
 from flowfleet.cluster.kmeans import l2_normalize_, random_partition, two_stage_kmeans
 from flowfleet.config import RunConfig, load_run_config
-from flowfleet.data.encoders import build_latent_encoder
+from flowfleet.data.encoders import run_latent_encoder
 from flowfleet.data.shards import ShardSet, ShardSetManifest, open_complete
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
@@ -266,7 +266,7 @@ def write_previews(
     root: RunRoot, cfg: RunConfig, examples: dict[int, tuple[torch.Tensor, list[str]]], device: torch.device
 ) -> None:
     """clusters/preview-k.png: a grid of partition k's sampled members, decoded to images."""
-    latent = build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device)
+    latent = run_latent_encoder(root, cfg, device)
     for k, (latents, _) in examples.items():
         images = latent.decode(latents).cpu()  # [<=64, C, H, W]
         root.write_bytes(png_bytes(image_grid(images)), CLUSTERS, preview_name(k))

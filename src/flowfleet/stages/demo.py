@@ -4,16 +4,18 @@
     -> train-all (4 experts, Paris' prompt-blind router, a compute-matched monolith) -> assemble (fleet and
     monolith) -> evaluate (a guidance sweep per model) -> generate per strategy -> report
 
-The configuration is the `mnist` preset: Paris' method at small scale. Pixel space 28 x 28, captions "a
-handwritten digit seven"; the clusters are made from the images (downsampled pixels, unsupervised: each
-expert holds a mixture of digits in one style), the router decides p(k | x_t, t) from the noisy image
-alone, and top-2 is the default strategy. Step counts are sized for a 2-core CPU:
+The configuration is the `mnist` preset: Paris' method at small scale. Like Paris' experts, which work in
+a VAE's latent space, they denoise the 8 x 8 x 4 latent of a small AutoencoderKL that prepare first trains
+on the training digits (28 px padded to 32); captions "a handwritten digit seven"; the clusters are made
+from the images (downsampled pixels, unsupervised: each expert holds a mixture of digits in one style),
+the router decides p(k | x_t, t) from the noisy latent alone, and top-2 is the default strategy. Step
+counts are sized for a 2-core CPU:
 
-    default   4000 training digits, 500 steps per expert (the monolith 2000: the same training FLOPs as
-              the four experts together), 300 router steps; 300 samples per model at each guidance
-              scale of the sweep, against the 1000 held-out digits (target: the demo <= 10 min)
-    --quick   1000 digits (800 to train), 150 steps per expert (monolith 600) at learning rate 4e-3
-              after 30 warm-up steps, 100 router steps, 100 samples per model (target: <= 5 min)
+    default   4000 training digits (400 autoencoder steps), 500 steps per expert (the monolith 2000: the
+              same training FLOPs as the four experts together), 300 router steps; 300 samples per model
+              at each guidance scale of the sweep, against the 1000 held-out digits (target: <= 10 min)
+    --quick   1000 digits (800 to train; 200 autoencoder steps), 150 steps per expert (monolith 600) at
+              learning rate 4e-3 after 30 warm-up steps, 100 router steps, 100 samples per model
 
 Every model is judged against digits no model trained on, by a digit classifier trained on the first
 4000 of MNIST-5k (prompt accuracy; Fréchet distance, precision and recall in its features; flowfleet.
@@ -93,6 +95,7 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
         evaluation = EvaluateOptions(n=12, batch_size=12, fid=fid, grid=12, diagnostic_n=4)
     elif size == "quick":
         raw["data"].update(limit=1000, holdout=200, shard_size=400)
+        raw["encoders"]["latent"]["autoencoder"]["steps"] = 200
         _steps(raw, "train", 150)
         # A short run gains from a short warm-up and a higher rate (BENCHMARKS.md, "demo --quick")
         raw["train"].update(lr=4e-3, warmup_steps=30)

@@ -244,13 +244,25 @@ def features_are_fid_features(cfg: RunConfig, fid_key: str) -> bool:
 
 
 def reference_images(
-    cfg: RunConfig, latents: torch.Tensor, order: torch.Tensor, n: int, batch: int, device: torch.device
+    root: RunRoot,
+    cfg: RunConfig,
+    latents: torch.Tensor,
+    order: torch.Tensor,
+    n: int,
+    batch: int,
+    device: torch.device,
+    images: torch.Tensor | None = None,
 ) -> Callable[[], Any]:
-    """A generator factory of n decoded data images (in `order`), batch by batch."""
-    from flowfleet.data.encoders import build_latent_encoder
+    """A generator factory of n data images (in `order`), batch by batch: `images` (uint8, what prepare kept
+    of eval/ in a latent space) as they are, else the latents decoded (pixel space: the images themselves)."""
+    from flowfleet.data.encoders import run_latent_encoder
 
     def batches():
-        decoder = build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device)
+        if images is not None:
+            for i in range(0, n, batch):
+                yield images[order[i : min(i + batch, n)]].float() / 127.5 - 1.0
+            return
+        decoder = run_latent_encoder(root, cfg, device)
         for i in range(0, n, batch):
             yield decoder.decode(latents[order[i : min(i + batch, n)]]).cpu()
 
@@ -334,6 +346,8 @@ class _Evaluation:
         # The reference and the real floor: the held-out items when prepare kept some out of training.
         self.ref_data = _held_out(root, cfg) or data
         self.ref_latents = self.latents if self.ref_data is data else self.ref_data.load(["latents"])["latents"]
+        # a latent-space run's eval/ keeps the real images: the reference is never the decoder's reconstruction
+        self.ref_images = self.ref_data.load(["images"]).get("images") if self.ref_data is not data else None
         self.split = ReferenceSplit.draw(
             self.ref_latents.shape[0], options.n, options.ref_n, options.seed, self.ref_data is not data
         )
@@ -417,7 +431,8 @@ class _Evaluation:
 
     def _real_images(self, items: torch.Tensor, batch: int) -> Callable[[], Any]:
         """A generator factory of the reference set's `items`, decoded, batch by batch."""
-        return reference_images(self.cfg, self.ref_latents, items, int(items.numel()), batch, self.device)
+        n = int(items.numel())
+        return reference_images(self.root, self.cfg, self.ref_latents, items, n, batch, self.device, self.ref_images)
 
     def _report_path(self, file: str) -> str:
         """A sample file's path relative to reports/, as evaluation.json records it."""

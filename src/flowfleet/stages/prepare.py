@@ -15,6 +15,8 @@ manifest, a missing caption becomes "" and is counted. A missing or empty source
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -23,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowfleet.config import RunConfig, load_run_config
+from flowfleet.data.autoencoder import save_autoencoder, train_autoencoder
 from flowfleet.data.encoders import (
     LatentEncoder,
     SemanticEncoder,
@@ -30,15 +33,18 @@ from flowfleet.data.encoders import (
     build_latent_encoder,
     build_semantic_encoder,
     build_text_encoder,
+    run_latent_encoder,
 )
-from flowfleet.data.images import ImageDecodeError, open_image, to_tensor
+from flowfleet.data.images import ImageDecodeError, open_image, to_tensor, to_uint8
 from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.data.sources import RawItem, Source, build_source
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import DATA, EVAL_DATA, data_part
+from flowfleet.layout import AUTOENCODER, AUTOENCODER_RECIPE, DATA, EVAL_DATA, data_part
 from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.storage import RunRoot
+
+log = logging.getLogger(__name__)
 
 PREVIEW = "preview.png"  # data/preview.png
 MAX_LISTED = 1000  # skipped items listed by key in the manifest (all are counted)
@@ -58,10 +64,12 @@ class Encoders:
         }
 
 
-def build_encoders(cfg: RunConfig, device: torch.device | str = "cpu") -> Encoders:
-    """The run's encoders, checked against what run.yaml promises the models (text width)."""
+def build_encoders(cfg: RunConfig, device: torch.device | str = "cpu", root: RunRoot | None = None) -> Encoders:
+    """The run's encoders, checked against what run.yaml promises the models (text width). `root`: the run,
+    whose autoencoder/ a run-trained latent space loads from."""
+    weights = root.url_of(AUTOENCODER) if root is not None else None
     enc = Encoders(
-        build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device),
+        build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device, weights),
         build_semantic_encoder(cfg.encoders.semantic, device),
         build_text_encoder(cfg.encoders.text, device),
     )
@@ -101,14 +109,18 @@ class _Rows:
 
 
 def encode_batch(
-    enc: Encoders, images: torch.Tensor, captions: list[str], labels: list[int]
+    enc: Encoders, images: torch.Tensor, captions: list[str], labels: list[int], keep_images: bool = False
 ) -> dict[str, torch.Tensor]:
-    """One batch through the encoders, as the shard fields (CPU tensors in the shard dtypes)."""
+    """One batch through the encoders, as the shard fields (CPU tensors in the shard dtypes). keep_images:
+    also the images themselves as uint8 (eval/ of a latent-space run: the reference stays real images, not
+    the latent decoder's reconstructions)."""
     out = {
         "latents": enc.latent.encode(images).float().cpu(),  # [b, c, h, w]
         "features": enc.semantic.encode(images).float().cpu(),  # [b, F]
         "labels": torch.tensor(labels, dtype=torch.int64),  # [b]
     }
+    if keep_images:
+        out["images"] = to_uint8(images).cpu()  # [b, C, S, S]
     if enc.text is not None:
         # Captions repeat a lot (MNIST has ten): encode each distinct one once.
         unique = list(dict.fromkeys(captions))
@@ -232,7 +244,7 @@ def prepare(
     source = build_source(cfg.data, cfg.storage.options)
     recipe = _recipe(cfg, source)
     split = _Split.of(cfg, source)
-    encoders = _LazyEncoders(cfg, device)
+    encoders = _LazyEncoders(root, cfg, source, split, device, restart=restart, progress=progress, part=part)
     if part is None:
         manifest = _encode(root, DATA, cfg, source, recipe, encoders, 0, split.train_stop, None, restart, progress)
         split.encode_eval(root, cfg, source, recipe, encoders, restart, progress)
@@ -277,16 +289,88 @@ class _Split:
 
 
 class _LazyEncoders:
-    """The run's encoders, built on first use (a complete data/ and eval/ need none)."""
+    """The run's encoders, built on first use (a complete data/ and eval/ need none); a run-trained
+    latent space is trained first when RUN_ROOT/autoencoder/ does not hold it yet."""
 
-    def __init__(self, cfg: RunConfig, device: str | None):
-        self.cfg, self.device = cfg, device
+    def __init__(self, root: RunRoot, cfg: RunConfig, source: Source, split: "_Split", device: str | None, **kw):
+        self.root, self.cfg, self.source, self.split, self.device = root, cfg, source, split, device
+        self.train_kw = kw  # restart, progress, part
         self._built: Encoders | None = None
 
     def get(self) -> Encoders:
         if self._built is None:
-            self._built = build_encoders(self.cfg, resolve_device(self.device))
+            if self.cfg.encoders.latent.name == "autoencoder":
+                ensure_autoencoder(self.root, self.cfg, self.source, self.split, **self.train_kw)
+            self._built = build_encoders(self.cfg, resolve_device(self.device), self.root)
         return self._built
+
+
+def _autoencoder_recipe(cfg: RunConfig, source: Source, split: "_Split") -> dict[str, Any]:
+    return {
+        "source": source.fingerprint(),
+        "image_size": cfg.data.image_size,
+        "channels": cfg.data.channels,
+        "labels": cfg.data.labels,
+        "train_stop": split.train_stop,
+        "autoencoder": cfg.encoders.latent.autoencoder.model_dump(mode="json"),
+    }
+
+
+def ensure_autoencoder(
+    root: RunRoot,
+    cfg: RunConfig,
+    source: Source,
+    split: "_Split",
+    *,
+    restart: bool = False,
+    progress: bool = True,
+    part: tuple[int, int] | None = None,
+) -> None:
+    """RUN_ROOT/autoencoder/: the run's latent space, trained on the first `train_items` training images
+    (never eval/'s) unless it is there with this recipe. Written atomically (weights, then config, then
+    recipe.json): an interrupted training starts over (it takes minutes, not hours)."""
+    ae = cfg.encoders.latent.autoencoder
+    recipe = _autoencoder_recipe(cfg, source, split)
+    where = root.url_of(AUTOENCODER)
+    if root.exists(AUTOENCODER, AUTOENCODER_RECIPE):
+        if restart:
+            root.remove(AUTOENCODER, recursive=True)
+        else:
+            old = json.loads(root.read_bytes(AUTOENCODER, AUTOENCODER_RECIPE))
+            if old != recipe:
+                diff = _first_difference(old, recipe) or "recipe"
+                raise FlowfleetError(
+                    f"{where}: trained with a different {diff}; `flowfleet prepare {root.url} --restart` retrains it"
+                )
+            return
+    if part is not None:  # N machines must share one latent space: train it once, before the parts
+        raise FlowfleetError(
+            f"{where}: missing; train the run's autoencoder once first (`flowfleet prepare {root.url} "
+            "--autoencoder-only`), then run the parts"
+        )
+    d = cfg.data
+    stop = min(split.train_stop, ae.train_items) if split.train_stop is not None else ae.train_items
+    bad = _BadInput([], 0, 0)
+    items = itertools.islice(source.items(0), stop)
+    images = [image for _, image, _, _ in _decoded(items, 0, d.image_size, d.channels, bad, d.labels)]
+    if not images:
+        raise FlowfleetError(f"data.source: {d.source} {d.path or ''} gave no usable image to train the autoencoder")
+    log.info("autoencoder: training on %d images (%d skipped)", len(images), len(bad.skipped_pos))
+    vae = train_autoencoder(torch.stack(images), ae, progress=progress)
+    save_autoencoder(vae, root, AUTOENCODER)
+    root.write_json(recipe, AUTOENCODER, AUTOENCODER_RECIPE)
+
+
+def prepare_autoencoder(run_root: str | RunRoot, *, restart: bool = False, progress: bool = True) -> str:
+    """Only train (or check) the run's autoencoder: the step before `prepare --part i/N` on N machines."""
+    root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
+    cfg = load_run_config(root)
+    if cfg.encoders.latent.name != "autoencoder":
+        name = cfg.encoders.latent.name
+        raise FlowfleetError(f"--autoencoder-only: encoders.latent.name is {name!r}, not 'autoencoder'")
+    source = build_source(cfg.data, cfg.storage.options)
+    ensure_autoencoder(root, cfg, source, _Split.of(cfg, source), restart=restart, progress=progress)
+    return root.url_of(AUTOENCODER)
 
 
 def _encode(
@@ -332,6 +416,7 @@ def _encode(
         bad.missing_pos = [p for p in manifest.extra.get("missing_pos", []) if p < start]
 
     enc = encoders.get()
+    keep_images = folder == EVAL_DATA and cfg.encoders.latent.name != "pixels"
     manifest.extra.update(
         recipe=recipe,
         source=recipe["source"],
@@ -365,7 +450,7 @@ def _encode(
     for entry in _decoded(items, start, d.image_size, d.channels, bad, d.labels):
         batch.append(entry)
         if len(batch) == d.batch_size:
-            checked_shape = _encode_into(rows, enc, batch, cfg, checked_shape)
+            checked_shape = _encode_into(rows, enc, batch, cfg, checked_shape, keep_images)
             batch = []
             while len(rows) >= d.shard_size:
                 write(rows, d.shard_size)
@@ -373,7 +458,7 @@ def _encode(
         last_pos = entry[0]
         bar.set_postfix(skipped=bad.skipped_before + len(bad.skipped_pos), refresh=False)
     if batch:
-        _encode_into(rows, enc, batch, cfg, checked_shape)
+        _encode_into(rows, enc, batch, cfg, checked_shape, keep_images)
     while len(rows):
         write(rows, min(d.shard_size, len(rows)))
     bar.close()
@@ -462,14 +547,17 @@ def merge_parts(run_root: str | RunRoot, n: int, *, progress: bool = True) -> Sh
     manifest.extra.update(bad.record(), seconds=round(time.perf_counter() - t0, 2), merged_parts=n)
     manifest.complete = True
     shards.write_manifest(manifest)
-    write_preview(shards, build_latent_encoder(cfg.encoders.latent, d.channels, "cpu"))
-    _Split.of(cfg, source).encode_eval(root, cfg, source, recipe, _LazyEncoders(cfg, None), False, progress)
+    write_preview(shards, run_latent_encoder(root, cfg))
+    split = _Split.of(cfg, source)
+    split.encode_eval(root, cfg, source, recipe, _LazyEncoders(root, cfg, source, split, None), False, progress)
     return manifest
 
 
-def _encode_into(rows: _Rows, enc: Encoders, batch: list, cfg: RunConfig, checked_shape: bool) -> bool:
+def _encode_into(
+    rows: _Rows, enc: Encoders, batch: list, cfg: RunConfig, checked_shape: bool, keep_images: bool = False
+) -> bool:
     ends, images, captions, labels = zip(*batch)
-    tensors = encode_batch(enc, torch.stack(images), list(captions), list(labels))
+    tensors = encode_batch(enc, torch.stack(images), list(captions), list(labels), keep_images)
     if not checked_shape and tuple(tensors["latents"].shape[1:]) != cfg.latent_shape:
         raise FlowfleetError(
             f"encoders.latent: {cfg.encoders.latent.name} gives latents of shape "

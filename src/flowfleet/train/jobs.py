@@ -30,6 +30,7 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.flow import flow_matching_loss, interpolate, sample_t
 from flowfleet.layout import (
     ASSIGNMENTS,
+    AUTOENCODER,
     DATA,
     FINAL,
     INDEX_FILE,
@@ -158,6 +159,7 @@ class TrainTask:
     """A job ready to train. Subclasses define the loss, the preview and the final report."""
 
     model_cls: type[DiTModel] = DiTModel
+    latent_weights: str | None = None  # the run's autoencoder/ (a run-trained latent space), for previews
 
     def __init__(
         self,
@@ -238,7 +240,8 @@ class FlowTask(TrainTask):
             try:
                 from flowfleet.data.encoders import build_latent_encoder
 
-                encoder = build_latent_encoder(self.run.encoders.latent, self.run.data.channels, device)
+                latent, channels = self.run.encoders.latent, self.run.data.channels
+                encoder = build_latent_encoder(latent, channels, device, self.latent_weights)
                 self._decoder = encoder.decode
             except Exception as err:  # any loader failure (hub offline, missing files) -> latent previews
                 why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
@@ -434,6 +437,13 @@ def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str]) -> InMemory
 
 
 def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: bool | None = None) -> TrainTask:
+    """The job `spec` of the run, its data loaded."""
+    task = _build_task(root, cfg, spec, match_compute=match_compute)
+    task.latent_weights = root.url_of(AUTOENCODER)
+    return task
+
+
+def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: bool | None = None) -> TrainTask:
     """Load and check a job's data; an expert reads its partition and nothing else."""
     if spec.kind == "expert":
         k = spec.expert
