@@ -204,6 +204,8 @@ def guidance_sweep_png(sweeps: Mapping[str, Sequence[Mapping[str, float]]], floo
         ax = fig.add_subplot(1, len(panels), i)
         for name, records in sweeps.items():
             pts = [(r["cfg"], r[key]) for r in records if r.get(key) is not None]
+            if not pts:
+                continue
             (line,) = ax.plot(*zip(*pts), marker="o", markersize=3, label=name, linewidth=1.2)
             chosen = [(r["cfg"], r[key]) for r in records if r.get("chosen") and r.get(key) is not None]
             if chosen:

@@ -484,7 +484,11 @@ class _Evaluation:
         strategy = "top1" if kind == "monolith" else name
         run = ModelRun(name, kind)
         drawn = []  # (settings, pipeline output, images, scores) per scale
-        for scale in o.cfg_sweep or (o.cfg,):
+        scales = o.cfg_sweep or (o.cfg,)
+        # With a judge the sweep chooses by its classifier FD: Inception FID (the costlier network) only for the
+        # chosen scale. Without one, FID is what chooses, at every scale.
+        fid_each = self.judge_fd is None or len(scales) == 1
+        for scale in scales:
             settings = pipe.settings(strategy, o.steps, o.sampler, scale, o.shift, o.route_every, o.seed)
             how = f"{settings.steps} {settings.sampler} steps, cfg {settings.cfg}"
             log.info(f"evaluate: {name}: sampling {o.n} images ({how})")
@@ -493,12 +497,19 @@ class _Evaluation:
             run.sampling_s += time.perf_counter() - t0
             images = out.images.float().cpu()  # [n, C, H, W] in [-1, 1]
             t0 = time.perf_counter()
-            scores = self._score(images, out.prompts, name)
+            scores = self._score(images, out.prompts, name, with_fid=fid_each)
             run.fid_s += time.perf_counter() - t0
             run.sweep.append({"cfg": settings.cfg, **{k: v for k, v in scores.items() if not k.startswith("_")}})
             log.info(f"evaluate: {name}: cfg {settings.cfg}: " + _describe(scores))
             drawn.append((settings, out, images, scores))
-        settings, out, images, scores = drawn[choose_scale(run.sweep, o.min_accuracy)]
+        chosen = choose_scale(run.sweep, o.min_accuracy)
+        settings, out, images, scores = drawn[chosen]
+        if not fid_each:
+            t0 = time.perf_counter()
+            fid, ref = self._fid_reference()
+            stats, scores["_fid_features"] = _features(fid, images, name)
+            scores["fid"] = run.sweep[chosen]["fid"] = fid.score(stats, ref)
+            run.fid_s += time.perf_counter() - t0
         self.settings = settings
         if len(drawn) == 1:
             run.sweep = []  # one scale: nothing was swept
@@ -536,12 +547,14 @@ class _Evaluation:
         self.runs[name] = run
         return run
 
-    def _score(self, images: torch.Tensor, prompts: Sequence[str], name: str) -> dict[str, Any]:
-        """FID against the reference; with a judge: prompt accuracy, and with its features the classifier FD,
-        precision and recall. Keys starting with _ are kept out of the sweep's records."""
-        fid, ref = self._fid_reference()
-        stats, feats = _features(fid, images, name)
-        scores: dict[str, Any] = {"fid": fid.score(stats, ref), "_fid_features": feats}
+    def _score(self, images: torch.Tensor, prompts: Sequence[str], name: str, with_fid: bool = True) -> dict[str, Any]:
+        """FID against the reference (with_fid); with a judge: prompt accuracy, and with its features the
+        classifier FD, precision and recall. Keys starting with _ are kept out of the sweep's records."""
+        scores: dict[str, Any] = {}
+        if with_fid:
+            fid, ref = self._fid_reference()
+            stats, feats = _features(fid, images, name)
+            scores.update(fid=fid.score(stats, ref), _fid_features=feats)
         if self.judge is not None:
             acc = scores["_accuracy"] = self.judge.prompt_accuracy(images, prompts)
             scores["prompt_accuracy"] = acc["accuracy"]
@@ -644,7 +657,7 @@ def choose_scale(records: Sequence[dict[str, Any]], min_accuracy: float) -> int:
 
 
 def _describe(scores: dict[str, Any]) -> str:
-    parts = [f"FID {scores['fid']:.2f}"]
+    parts = [f"FID {scores['fid']:.2f}"] if "fid" in scores else []
     if "prompt_accuracy" in scores:
         parts.append(f"prompt accuracy {scores['prompt_accuracy']:.3f}")
     if "classifier_fd" in scores:
