@@ -91,7 +91,7 @@ def test_demo_plans_validate_and_quick_is_smaller():
     # Paris at small scale: K >= 4 clusters of image features, a router blind to the prompt, top-2
     for plan in (full, quick):
         c = plan.config
-        assert c.cluster.k >= 4 and c.cluster.features == "semantic" and c.encoders.semantic.name == "pixels"
+        assert c.cluster.k >= 4 and c.cluster.features == "semantic" and c.encoders.semantic.name == "inception"
         assert not c.router.uses_text and c.sampling.strategy == "top2"
         assert len(plan.evaluation.cfg_sweep) >= 5 and plan.evaluation.save_cfg
         # Paris' experts work in a VAE latent: here an autoencoder prepare trains, 8 x 8 x 4, 2 x 2 patches
