@@ -7,8 +7,8 @@
 The configuration is the `mnist` preset: Paris' method at small scale. Like Paris' experts, which work in
 a VAE's latent space, they denoise the 8 x 8 x 4 latent of a small AutoencoderKL that prepare first trains
 on the training digits (28 px padded to 32); captions "a handwritten digit seven"; the clusters are made
-from the images (downsampled pixels, unsupervised: each expert holds a mixture of digits in one style),
-the router decides p(k | x_t, t) from the noisy latent alone, and top-2 is the default strategy. Step
+from the images (Inception features at 75 px, unsupervised: each expert holds a mixture of digits and
+styles), the router decides p(k | x_t, t) from the noisy latent alone, and top-2 is the default. Step
 counts are sized for a 2-core CPU:
 
     default   4000 training digits (400 autoencoder steps), 500 steps per expert (the monolith 2000: the
