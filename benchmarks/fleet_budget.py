@@ -9,6 +9,7 @@ monolith with `flowfleet evaluate` over a guidance sweep (each at its best FD wi
 feature clusters, a prompt-blind router): nothing here is a stand-in.
 
     python benchmarks/fleet_budget.py --run runs/demo --budgets 250,1000 --out runs/bench/budget
+    python benchmarks/fleet_budget.py --run runs/demo --budgets 500 --seeds 1,2 --out runs/bench/budget
 
 Appends one JSON line per budget to OUT/budget.jsonl and prints it.
 """
@@ -26,8 +27,9 @@ import yaml
 PARTS = ("data", "eval", "autoencoder", "clusters", "partitions", "reports/digit_classifier")
 
 
-def copy_prepared(src: Path, out: Path, steps: int) -> None:
-    """The run's prepared parts into `out`, with train.steps = steps (once: an existing copy is kept)."""
+def copy_prepared(src: Path, out: Path, steps: int, seed: int) -> None:
+    """The run's prepared parts into `out`, with train.steps = steps and the training seed of every job
+    (experts, monolith, router) = seed (once: an existing copy is kept)."""
     if (out / "run.yaml").exists():
         return
     for name in PARTS:
@@ -36,6 +38,7 @@ def copy_prepared(src: Path, out: Path, steps: int) -> None:
     raw = yaml.safe_load((src / "run.yaml").read_text())
     raw["train"].update(steps=steps, ckpt_every=max(steps // 2, 1), sample_every=steps, log_every=max(steps // 40, 1))
     raw["train"]["warmup_steps"] = min(raw["train"].get("warmup_steps", 0), steps // 3)
+    raw["train"]["seed"] = raw["router_train"]["seed"] = seed
     (out / "run.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
@@ -43,6 +46,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", default="runs/demo", help="a prepared and clustered run (the demo's)")
     p.add_argument("--budgets", default="250,1000", help="steps per expert")
+    p.add_argument("--seeds", default="0", help="training seeds (every job's), one run per budget and seed")
     p.add_argument("--n", type=int, default=300)
     p.add_argument("--cfg", default="1.5,2,3,4.5,6")
     p.add_argument("--parallel", type=int, default=2)
@@ -56,9 +60,10 @@ def main() -> None:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    for budget in [int(b) for b in a.budgets.split(",")]:
-        run = out / str(budget)
-        copy_prepared(Path(a.run), run, budget)
+    runs = [(int(b), int(s)) for b in a.budgets.split(",") for s in a.seeds.split(",")]
+    for budget, seed in runs:
+        run = out / (str(budget) if seed == 0 else f"{budget}-seed{seed}")
+        copy_prepared(Path(a.run), run, budget, seed)
         t0 = time.perf_counter()
         train_all(str(run), parallel=a.parallel, progress=False)
         train_s = time.perf_counter() - t0
@@ -74,7 +79,8 @@ def main() -> None:
             device="cpu",
         )
         result = evaluate(str(run / "model"), str(run), options)
-        rec = {"budget_per_expert": budget, "train_all_s": round(train_s, 1), "floor": result["reference_split"]}
+        rec = {"budget_per_expert": budget, "seed": seed, "train_all_s": round(train_s, 1)}
+        rec["floor"] = result["reference_split"]
         for name in ("top2", "monolith"):
             r = result["runs"][name]
             rec[name] = {k: r.get(k) for k in ("cfg", "classifier_fd", "precision", "recall", "fid")}
