@@ -184,7 +184,7 @@ PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
         batch=64,
         text_len=16,
         holdout=1000,
-        autoencoder=dict(block_out_channels=[16, 32, 32], latent_channels=4, pad_to=32, steps=400, batch_size=64),
+        autoencoder=dict(block_out_channels=[16, 32, 32], latent_channels=4, pad_to=32, steps=400, batch_size=32),
         # Inception at 75 px. Downsampled pixels cluster closer to the digits (NMI 0.49 vs 0.27), but then a
         # cluster nearly fixes the prompted digit, and Paris' prompt-blind router, which cannot know it at high
         # t, sends a "zero" to experts that hold none: top-2 classifier FD 171 vs 72 (BENCHMARKS.md, "Which

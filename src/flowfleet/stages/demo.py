@@ -11,7 +11,7 @@ from the images (Inception features at 75 px, unsupervised: each expert holds a 
 styles), the router decides p(k | x_t, t) from the noisy latent alone, and top-2 is the default. Step
 counts are sized for a 2-core CPU:
 
-    default   4000 training digits (400 autoencoder steps), 500 steps per expert (the monolith 2000: the
+    default   4000 training digits (400 autoencoder steps of 32), 500 steps per expert (the monolith 2000: the
               same training FLOPs as the four experts together), 300 router steps; 300 samples per model
               at each guidance scale of the sweep, against the 1000 held-out digits (target: <= 10 min)
     --quick   1000 digits (800 to train; 200 autoencoder steps), 150 steps per expert (monolith 600) at
