@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures.tolerances import net_tol
 
 from flowfleet.data.sources import DIGIT_WORDS
 from flowfleet.evaluate.digits import FOLDER, DigitJudge, accuracy, mnist_tensors, prompted_digit
@@ -37,7 +38,13 @@ def test_prompted_digit_reads_words_and_numerals():
 def test_classifier_reads_held_out_digits(judge, held_out):
     x, y = held_out
     assert judge.val_accuracy >= 0.97
-    assert accuracy(judge.net, x, y) == pytest.approx(judge.val_accuracy)
+    # The recorded accuracy came from the same network on the same images, maybe in another process: a
+    # prediction can flip only where the two best logits are within rounding of each other (the longest
+    # reduction is the 3136-input linear layer; 6 layers), so that many hits may differ, and no more.
+    with torch.no_grad():
+        top2 = judge.net.eval()(x).topk(2, dim=1).values  # [N, 2]
+    ties = int((top2[:, 0] - top2[:, 1] <= 2 * net_tol(top2, 64 * 7 * 7, 6)).sum())
+    assert abs(accuracy(judge.net, x, y) - judge.val_accuracy) <= ties / len(y)
     result = judge.prompt_accuracy(x, _prompts(y))
     assert result["accuracy"] >= 0.95
     assert result["n"] == 1000 and result["skipped"] == 0

@@ -7,7 +7,7 @@ import string
 
 import pytest
 import torch
-from fixtures.tolerances import net_tol
+from fixtures.tolerances import gamma, net_tol
 
 from flowfleet.config import LatentEncoderConfig, SemanticEncoderConfig, TextEncoderConfig
 from flowfleet.data.encoders import (
@@ -67,11 +67,14 @@ def test_vae_latents_scaled_mean_and_decode(tiny_vae):
     assert z.shape == (2, 4, 2, 2)
     with torch.no_grad():
         ref = vae.encode(x).latent_dist.mean * 0.18215
-    torch.testing.assert_close(z, ref)
+    # the tiny VAE's longest reduction is a GroupNorm over 2 channels x 16 x 16 = 512 values; its encoder
+    # passes ~30 layers (4 blocks x 2 convs and 2 norms, downsamplers, mid block), its decoder ~45
+    torch.testing.assert_close(z, ref, rtol=0, atol=net_tol(ref, 512, 30))
     y = enc.decode(z)
     assert y.shape == (2, 3, 16, 16) and y.min() >= -1 and y.max() <= 1
     with torch.no_grad():
-        torch.testing.assert_close(y, vae.decode(ref / 0.18215).sample.clamp(-1, 1))
+        want = vae.decode(ref / 0.18215).sample.clamp(-1, 1)
+    torch.testing.assert_close(y, want, rtol=0, atol=net_tol(want, 512, 45))
     assert enc.describe()["downsample"] == 8 and enc.describe()["path"] == path
 
 
@@ -156,7 +159,9 @@ def test_pixel_features():
     assert f.shape == (2, 192) and enc.dim == 192
     assert torch.equal(f.view(2, 3, 8, 8)[:, 0], f.view(2, 3, 8, 8)[:, 2])  # gray repeated to RGB
     flat = enc.encode(torch.full((1, 3, 16, 16), 0.25))
-    torch.testing.assert_close(flat, torch.full((1, 192), 0.25))  # a resize, no other transform
+    # a resize, no other transform: an antialiased bilinear 16 -> 8 passes 4 taps per axis, and its weights
+    # sum to 1 up to their own rounding: fewer than 16 float32 roundings of 0.25
+    torch.testing.assert_close(flat, torch.full((1, 192), 0.25), rtol=0, atol=gamma(16, torch.float32) * 0.25)
 
 
 def test_inception_matches_the_torchscript_network():
@@ -262,7 +267,7 @@ def test_clip_fixed_length_tokens_and_eos_pooled(tiny_clip):
     # "a cat" -> <start> a c a t</w> <end> = 6 real tokens; the long caption is truncated to 12
     assert emb.mask.sum(1).tolist() == [6, 12]
     assert emb.tokens[0, 6:].abs().sum() == 0
-    torch.testing.assert_close(emb.pooled[0], emb.tokens[0, 5])  # pooled = the end-of-text state
+    assert torch.equal(emb.pooled[0], emb.tokens[0, 5])  # pooled = the end-of-text state, the same numbers
     with pytest.raises(EncoderError, match="max_length: 40 exceeds the CLIP model's 32 positions"):
         build_text_encoder(TextEncoderConfig(name="clip", path=tiny_clip, max_length=40))
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from fixtures.tolerances import gamma
 from torch import nn
 
 from flowfleet.cli import main
@@ -147,7 +148,8 @@ def test_evaluate_writes_fid_per_strategy_diagnostics_and_a_report(fleet, caplog
     usage = result["diagnostics"]["usage"]
     assert set(usage) == {"top1", "top2", "full"}
     for shares in usage.values():
-        assert sum(shares) == pytest.approx(1.0) and len(shares) == 2
+        # w / w.sum() over 2 experts in float32: one rounding in the sum, one in each division
+        assert sum(shares) == pytest.approx(1.0, rel=0, abs=gamma(4, torch.float32)) and len(shares) == 2
     align = result["diagnostics"]["alignment"]["top1"]
     assert align["n"] == 12 and 0.0 <= align["assigned_is_dominant"] <= 1.0
     dis = result["diagnostics"]["disagreement"]["full"]
@@ -327,7 +329,9 @@ def test_user_judge_scores_prompt_accuracy(fleet, tmp_path):
     assert isinstance(judge, ClassifierJudge)
     images = torch.cat([torch.full((3, 1, 8, 8), -0.5), torch.full((2, 1, 8, 8), 0.5)])
     res = judge.prompt_accuracy(images, ["a dark one"] * 3 + ["a LIGHT one", "a dark one"])
-    assert res["accuracy"] == pytest.approx(4 / 5) and res["per_class"] == {"dark": 0.75, "bright": 1.0}
+    # 4 hits of 5 averaged in float32 (the per-class shares are rounded to 4 decimals): <= 2 roundings
+    assert res["accuracy"] == pytest.approx(4 / 5, rel=gamma(2, torch.float32))
+    assert res["per_class"] == {"dark": 0.75, "bright": 1.0}
     assert judge.prompt_accuracy(images[:2], ["dark", "a cat"])["skipped"] == 1
 
     # the synthetic captions ("item 3 of cluster 0") name no class: refused before any sampling

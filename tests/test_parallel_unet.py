@@ -18,7 +18,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.models.attention_processor import AttnProcessor
-from fixtures.tolerances import max_abs, reorder
+from fixtures.tolerances import gamma, max_abs, network_terms, reorder
 from fixtures.unets import banded_latent, tiny_unet, unet_tol
 
 from flowfleet.distributed import Group
@@ -107,19 +107,22 @@ def test_corrected_statistics_follow_paper_equation_2():
     e_mean = g_mean + (fresh[..., 0] - stale[me, ..., 0])  # Eq. 2, mean
     e_second = (g_var + g_mean**2) + (second(fresh) - second(stale[me]))  # Eq. 2, second moment
     e_var = e_second - e_mean**2
-    torch.testing.assert_close(mean, e_mean)
-    torch.testing.assert_close(var, torch.where(e_var < 0, fresh[..., 1], e_var))
-    # A band that did not change leaves the previous step's global statistics as they were.
+    assert torch.equal(mean, e_mean)  # the same two float64 operations
+    # the variance is computed rearranged (norm.corrected's docstring): both sides take ~16 float64 roundings
+    # of terms no larger than (1 + max |stale|)^2, twice (the second moment and the squared mean)
+    tol = gamma(16) * 2 * (1 + max_abs(stale)) ** 2
+    torch.testing.assert_close(var, torch.where(e_var < 0, fresh[..., 1], e_var), rtol=0, atol=tol)
+    # A band that did not change leaves the previous step's global statistics as they were: d = 0 exactly,
+    # so mean = g_mean + 0 and var = g_var + 0 + 0, bit for bit.
     same_mean, same_var = corrected(stale, stale[me], me)
-    torch.testing.assert_close(same_mean, g_mean)
-    torch.testing.assert_close(same_var, g_var)
+    assert torch.equal(same_mean, g_mean) and torch.equal(same_var, g_var)
     # Where the estimate goes negative, the band's own fresh variance is used.
     quiet = stale.clone()
     quiet[..., 1] = 1e-3
     quiet[me, ..., 1] = 5.0  # this band was loud; now it is quiet, and the estimate drops below zero
     drop = torch.stack((quiet[me, ..., 0], torch.full_like(quiet[me, ..., 1], 1e-3)), dim=-1)
     _, v = corrected(quiet, drop, me)
-    torch.testing.assert_close(v, torch.full_like(v, 1e-3))
+    assert torch.equal(v, drop[..., 1])  # the fresh variance itself, selected
 
 
 @pytest.mark.parametrize("k, s, p, d", [(3, 1, 1, 1), (3, 2, 1, 1), (5, 1, 2, 1), (3, 1, 2, 2), (4, 2, 1, 1)])
@@ -502,4 +505,6 @@ def test_example_runs_a_diffusers_pipeline_split_over_ranks(tmp_path, capfd, pip
     assert grid.size == (64, 3 * 64)  # one 32 px image (upscaled to 64) per row: single | parallel | |diff|
     printed = capfd.readouterr().out
     diff = float(printed.split("max |parallel - single| = ")[1].split()[0])
-    assert diff <= 1e-4, printed
+    # images in [0, 1]; the longest reduction is the VAE decoder's GroupNorm at 32 px (4 channels x 32 x 32);
+    # ~50 layers (UNet or PixArt, then the decoder) x 3 steps, CFG halves alike
+    assert diff <= reorder(network_terms(4 * 32 * 32, 50, 3)), printed

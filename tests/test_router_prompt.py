@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+from fixtures.tolerances import net_tol
 
 from flowfleet.config import ConfigError, RunConfig, load_run_config
 from flowfleet.models.dit import DiTRouter
@@ -62,7 +63,10 @@ def test_prompt_aware_router_reads_the_prompt_where_x_t_says_nothing(tmp_path):
         blind_logits = blind(x, torch.ones(len(cluster)))
     assert (logits.argmax(1) == cluster).float().mean() >= 0.95
     assert not torch.allclose(logits[cluster == 0][0], logits[cluster == 1][0], atol=1e-3)
-    assert torch.allclose(blind_logits, blind_logits[:1].expand_as(blind_logits))  # same x_t: same answer
+    # same x_t: same answer, up to where a batched matmul puts each row (hidden 32, MLP 128, depth 1: ~8 layers)
+    torch.testing.assert_close(
+        blind_logits, blind_logits[:1].expand_as(blind_logits), rtol=0, atol=net_tol(blind_logits, 128, 8)
+    )
 
     # The training reports say the same per t-bucket: near noise only the prompt helps.
     aware_rep, blind_rep = root.read_json("router", "report.json"), root.read_json("router-paris", "report.json")

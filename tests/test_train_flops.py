@@ -84,7 +84,7 @@ def test_forward_flops_equal_flop_counter(kw):
 def test_dit_s2_matches_the_paper():
     # DiT paper Table 4: DiT-S/2 at 256x256 (32x32x4 latents) is 6.06 Gflops, counted as multiply-adds.
     cfg = DiTConfig(size="S/2", input_size=(32, 32), in_channels=4, out_channels=8)
-    assert forward_flops(cfg) / 2 / 1e9 == pytest.approx(6.06, abs=0.01)
+    assert forward_flops(cfg) / 2 / 1e9 == pytest.approx(6.06, abs=0.005)  # the paper's 2 decimals
 
 
 def test_training_flops_are_about_three_forwards():
@@ -95,6 +95,8 @@ def test_training_flops_are_about_three_forwards():
         out = model(torch.randn(2, 1, 16, 16), torch.rand(2), drop=torch.zeros(2, dtype=torch.bool))
         out.square().mean().backward()
     measured = counter.get_total_flops() / 2
+    # an estimate, not rounding: 3 forwards (backward ~ 2 forwards) vs torch's count, which skips the input
+    # gradient of the first layer (the noisy latent needs none); 2 % is that estimate's stated accuracy
     assert measured == pytest.approx(train_flops_per_sample(cfg), rel=0.02)
     assert train_flops(cfg, steps=10, batch_size=4) == 40 * train_flops_per_sample(cfg)
 
