@@ -13,19 +13,17 @@ from flowfleet.cli import build_parser
 RECORD = Path(__file__).parent / "fixtures" / "cli_options.json"
 
 
-def options_of(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
-    """{stage: its positional names and option strings, sorted}, plus "" for the top-level flags."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-
-    def flags(p: argparse.ArgumentParser) -> list[str]:
-        names = []
-        for action in p._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                continue
+def options_of(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, list[str]]:
+    """{stage: its positional names and option strings, sorted}, "" for the top-level flags; nested
+    sub-commands (export diffusers) as "export diffusers"."""
+    names, nested = [], {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in sorted(action.choices.items()):
+                nested |= options_of(sub, f"{prefix} {name}".strip())
+        else:
             names += action.option_strings or [action.dest]
-        return sorted(names)
-
-    return {"": flags(parser)} | {stage: flags(p) for stage, p in sorted(sub.choices.items())}
+    return {prefix: sorted(names)} | nested
 
 
 def test_every_stage_keeps_its_options():
