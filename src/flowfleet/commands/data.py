@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowfleet.commands import add_run_root
+from flowfleet.commands.options import add_device, add_progress, add_run_root
 
 PREPARE_HELP = """\
 Stream the source named in RUN_ROOT/run.yaml (data.source: mnist, shapes, folder, webdataset, parquet,
@@ -40,8 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_run_root(p)
     p.add_argument("--restart", action="store_true", help="discard an existing data/ folder and start over")
-    p.add_argument("--device", default=None, help="torch device for the encoders (default: cuda if available)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_device(p)
+    add_progress(p, "--quiet")
     split = p.add_mutually_exclusive_group()
     split.add_argument(
         "--part",
@@ -77,8 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "faiss", "torch"],
         help="k-means implementation (auto: faiss when installed, else torch)",
     )
-    p.add_argument("--device", default=None, help="torch device for the torch k-means and the previews")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_device(p)
+    add_progress(p, "--quiet")
     p.set_defaults(func=run_cluster)
 
 
@@ -87,15 +87,15 @@ def run_prepare(args: argparse.Namespace) -> int:
     from flowfleet.stages.prepare import merge_parts, parse_part, prepare, prepare_autoencoder
 
     if args.autoencoder_only:
-        print(f"autoencoder: {prepare_autoencoder(args.run_root, restart=args.restart, progress=not args.quiet)}")
+        print(f"autoencoder: {prepare_autoencoder(args.run_root, restart=args.restart, progress=args.progress)}")
         return 0
     if args.merge is not None:
         if args.merge < 1:
             raise FlowfleetError(f"--merge: must be >= 1, got {args.merge}")
-        m = merge_parts(args.run_root, args.merge, progress=not args.quiet)
+        m = merge_parts(args.run_root, args.merge, progress=args.progress)
     else:
         part = parse_part(args.part) if args.part is not None else None
-        m = prepare(args.run_root, device=args.device, restart=args.restart, progress=not args.quiet, part=part)
+        m = prepare(args.run_root, device=args.device, restart=args.restart, progress=args.progress, part=part)
         if part is not None:
             print(f"prepared part {part[0]}/{part[1]}: {m.count} items in {len(m.shards)} shards")
             return 0
@@ -110,7 +110,7 @@ def run_prepare(args: argparse.Namespace) -> int:
 def run_cluster(args: argparse.Namespace) -> int:
     from flowfleet.stages.cluster import cluster
 
-    report = cluster(args.run_root, backend=args.backend, device=args.device, progress=not args.quiet)
+    report = cluster(args.run_root, backend=args.backend, device=args.device, progress=args.progress)
     kind = (report.get("features") or {}).get("kind", "semantic")
     labels = ""
     if report.get("nmi") is not None:

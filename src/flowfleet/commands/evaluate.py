@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowfleet.commands import add_run_root
+from flowfleet.commands.options import add_device, add_model_dir, add_run_root, add_sampling
 from flowfleet.errors import FlowfleetError
 
 
@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "grids and routing heatmaps; the reference statistics are cached in RUN_ROOT/reports/.",
         epilog="example:  flowfleet evaluate runs/r/model --reference runs/r --n 1000 --monolith",
     )
-    p.add_argument("model_dir", metavar="DIR", help="assembled model folder (flowfleet assemble's output)")
+    add_model_dir(p)
     p.add_argument(
         "--reference",
         metavar="RUN_ROOT",
@@ -34,11 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated: top1, top2, topk:K, full (default top1,top2,full); '' for none",
     )
     p.add_argument("--monolith", action="store_true", help="also evaluate RUN_ROOT/monolith/final")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the fleet's)")
-    p.add_argument("--sampler", choices=("euler", "heun"), default=None)
-    p.add_argument("--cfg", type=float, default=None, metavar="SCALE")
-    p.add_argument("--shift", type=float, default=None)
+    add_sampling(p)
     p.add_argument(
         "--cfg-sweep",
         default="",
@@ -58,7 +54,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="write the sweep's choice into model_index.json of DIR (its default strategy) and the monolith's folder",
     )
-    p.add_argument("--route-every", type=int, default=None, metavar="N")
     p.add_argument("--batch-size", type=int, default=250, metavar="B", help="samples per sampling batch")
     p.add_argument(
         "--ref-n",
@@ -93,7 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "flowfleet.evaluate.judge.ClassifierJudge (MODULE importable or a .py file); on the built-in "
         "MNIST source a digit classifier is the default judge",
     )
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
+    add_device(p)
     p.set_defaults(func=run_evaluate)
 
     p = sub.add_parser(

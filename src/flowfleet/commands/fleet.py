@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowfleet.commands import add_run_root
+from flowfleet.commands.options import add_progress, add_run_root
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--labels", default=None, metavar="LIST", help="keep only these class labels, e.g. 8,9")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N items of the source")
     p.add_argument("--k", type=int, default=1, help="experts to split the new data into (default 1)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_progress(p)
     p.set_defaults(func=run_add_expert)
 
     p = sub.add_parser(
@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also delete experts/K/, partitions/K/ and the routers trained with its data from the run root",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_progress(p)
     p.set_defaults(func=run_remove_expert)
     _register_distill(sub)
 
@@ -81,7 +81,7 @@ def _register_distill(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cfg", type=float, default=None, metavar="SCALE", help="the teacher's guidance (default sampling.cfg)"
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_progress(p)
     p.set_defaults(func=run_distill)
 
 
@@ -97,7 +97,7 @@ def run_distill(args: argparse.Namespace) -> int:
         cfg_scale=args.cfg,
         method=args.method,
         pairs=args.pairs,
-        progress=not args.no_progress,
+        progress=args.progress,
     )
     print(f"wrote {result.model}: one student learned from the fleet's {result.distill.teacher} (sample it with cfg 1)")
     return 0
@@ -121,7 +121,7 @@ def run_add_expert(args: argparse.Namespace) -> int:
         data = DataConfig(**{name: getattr(run.data, name) for name in keep}, **fields)
     except ValidationError as err:
         raise ConfigError(f"--source {args.source}: {describe_validation_error(err)}") from None
-    result = add_expert(args.run_root, data, k=args.k, progress=not args.no_progress)
+    result = add_expert(args.run_root, data, k=args.k, progress=args.progress)
     print(
         f"wrote {result.model}: the fleet with experts {result.experts} on {result.items} added items "
         f"(added/{result.addition}/; router: {', '.join(result.routers)})"
@@ -132,7 +132,7 @@ def run_add_expert(args: argparse.Namespace) -> int:
 def run_remove_expert(args: argparse.Namespace) -> int:
     from flowfleet.stages.remove_expert import remove_expert
 
-    result = remove_expert(args.run_root, args.expert, purge=args.purge, progress=not args.no_progress)
+    result = remove_expert(args.run_root, args.expert, purge=args.purge, progress=args.progress)
     print(f"wrote {result.model}: the fleet without experts {result.removed} (router: {', '.join(result.routers)})")
     for k, lost in result.lost.items():
         labels = ", ".join(f"{label} ({n})" for label, n in lost["labels"].items()) or "no labels"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from flowfleet.commands import add_run_root
+from flowfleet.commands.options import add_run_root
+from flowfleet.layout import RUN_FILE
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_run_root(p)
     p.add_argument("--preset", default="mnist", choices=sorted(PRESETS), help="starting configuration")
-    p.add_argument("--force", action="store_true", help="overwrite an existing run.yaml")
+    p.add_argument("--force", action="store_true", help=f"overwrite an existing {RUN_FILE}")
     p.set_defaults(func=run)
 
 

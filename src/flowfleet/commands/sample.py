@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from flowfleet.commands import add_run_root
+from flowfleet.commands.options import (
+    add_device,
+    add_model_dir,
+    add_parallel,
+    add_run_root,
+    add_sampling,
+    relaunch_parallel,
+)
 from flowfleet.layout import ROUTER, ROUTERS
 
 log = logging.getLogger(__name__)
@@ -62,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "           flowfleet generate runs/r/model --prompt 'a digit 3' --offload 2 --route-every 5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model_dir", metavar="DIR", help="assembled model folder (flowfleet assemble's output)")
+    add_model_dir(p)
     p.add_argument(
         "--prompt",
         action="append",
@@ -82,22 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--strategy", default=None, metavar="S", help="top1 | top2 | topk:K | full (default: the fleet's, usually top2)"
     )
-    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the fleet's)")
-    p.add_argument("--sampler", choices=("euler", "heun"), default=None, help="ODE sampler (default: the fleet's)")
-    p.add_argument(
-        "--cfg",
-        type=float,
-        default=None,
-        metavar="SCALE",
-        help="classifier-free guidance scale on all channels; 1 = none (default: the fleet's)",
-    )
-    p.add_argument(
-        "--shift",
-        type=float,
-        default=None,
-        help="time-grid shift; > 1 spends more steps at high noise (default: the fleet's)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
+    add_sampling(p)
     p.add_argument(
         "--out",
         default=None,
@@ -111,37 +103,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="M",
         help="keep at most M experts loaded; others are released and reloaded when selected",
     )
-    p.add_argument(
-        "--route-every",
-        type=int,
-        default=None,
-        metavar="N",
-        help="run the router every N steps and reuse its choice in between (default: the fleet's)",
-    )
     p.add_argument("--batch-size", type=int, default=None, metavar="B", help="samples per batch (default: all)")
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split each image over N processes (DistriFusion patch parallelism: one GPU each, or "
-        "CPU processes); relaunches itself under torchrun unless already inside one (default 1)",
-    )
-    p.add_argument(
-        "--parallel",
-        choices=("sync", "displaced", "naive"),
-        default="displaced",
-        help="with --nproc: how image bands exchange attention keys/values: this step's (sync, "
-        "exact), the previous step's, overlapped with compute (displaced), or never (naive)",
-    )
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=1,
-        metavar="W",
-        help="with --parallel displaced: synchronous steps after the first one (default 1)",
-    )
+    add_device(p)
+    add_parallel(p)
     p.set_defaults(func=run_generate)
 
 
@@ -169,12 +133,9 @@ def run_assemble(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    if args.nproc > 1:
-        from flowfleet.distributed import in_torchrun
-        from flowfleet.parallel.launch import relaunch_torchrun
-
-        if not in_torchrun():  # every rank runs this same command under torchrun
-            return relaunch_torchrun(args.nproc, args.argv)
+    relaunched = relaunch_parallel(args)
+    if relaunched is not None:
+        return relaunched
     from flowfleet.stages.generate import generate
 
     result = generate(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from flowfleet.commands.options import add_device, add_parallel, relaunch_parallel
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -16,22 +18,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model_dir", metavar="MODEL_DIR", help="assembled model folder (model/, model-monolith/, ...)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860, help="port (default 7860, Gradio's)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    add_device(p)
     p.add_argument("--offload", type=int, default=None, metavar="M", help="keep at most M experts in memory")
     p.add_argument("--max-queue", type=int, default=8, help="requests that may wait behind the running one")
     p.add_argument("--max-steps", type=int, default=200, help="most sampling steps a request may ask for")
     p.add_argument("--max-images", type=int, default=8, help="most images per request")
     p.add_argument("--no-ui", action="store_true", help="the HTTP API only (no Gradio page)")
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split each image over N processes (DistriFusion, as `generate --nproc`); relaunches itself "
-        "under torchrun unless already inside one; rank 0 serves",
-    )
-    p.add_argument("--parallel", choices=("sync", "displaced", "naive"), default="displaced", help="with --nproc")
-    p.add_argument("--warmup", type=int, default=1, metavar="W", help="with --parallel displaced: synchronous steps")
+    add_parallel(p)
     p.set_defaults(func=run_serve)
 
 
@@ -49,12 +42,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise FlowfleetError(f"--{validation_message(err).replace('_', '-')}") from None
     if not 0 < args.port < 65536:
         raise FlowfleetError(f"--port: {args.port} outside 1..65535")
-    if args.nproc > 1:
-        from flowfleet.distributed import in_torchrun
-        from flowfleet.parallel.launch import relaunch_torchrun
-
-        if not in_torchrun():  # every rank runs this same command under torchrun; rank 0 serves
-            return relaunch_torchrun(args.nproc, args.argv)
+    relaunched = relaunch_parallel(args)  # every rank runs this same command under torchrun; rank 0 serves
+    if relaunched is not None:
+        return relaunched
     serve(
         args.model_dir,
         host=args.host,

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from flowfleet.commands import add_run_root
+from flowfleet.commands.options import add_device, add_progress, add_run_root
 
 _RESUME = (
     "Resumes from the job's newest checkpoint when there is one. SIGTERM or Ctrl-C: finish the step, "
@@ -16,8 +16,8 @@ _RESUME = (
 
 
 def _job_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: this rank's GPU, else CPU)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_device(p)
+    add_progress(p)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -89,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="jobs at a time (default: one per GPU, else one per CPU core; cores are shared out "
         "as each job's thread count)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress(p)
     p.add_argument(
         "--backend",
         default="local",
@@ -138,7 +138,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _options(args: argparse.Namespace):
     from flowfleet.train.loop import TrainOptions
 
-    return TrainOptions(progress=not args.no_progress, device=args.device)
+    return TrainOptions(progress=args.progress, device=args.device)
 
 
 def _report(status) -> int:
@@ -217,7 +217,7 @@ def run_all(args: argparse.Namespace) -> int:
     outcome = train_all(
         args.run_root,
         parallel=args.parallel,
-        progress=not args.no_progress,
+        progress=args.progress,
         backend=_backend(args),
         wait=not args.no_wait,
     )

@@ -21,7 +21,7 @@ from flowfleet.distributed import DistContext, in_torchrun, init_from_env, shutd
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.files import read_dit_config
-from flowfleet.parallel.mode import ParallelMode
+from flowfleet.parallel.mode import DISPLACED_WARMUP, ParallelMode
 from flowfleet.parallel.runner import ParallelPlan, ParallelVelocity, PatchParallelRunner
 from flowfleet.sampling.index import expert_folder, read_model_index
 from flowfleet.sampling.pipeline import RoutedVelocity
@@ -29,7 +29,13 @@ from flowfleet.storage import RunRoot
 
 
 def join_fleet(
-    model_dir: str, nproc: int, mode: str, warmup: int = 0, *, device: str = "auto", timeout_s: float = 120.0
+    model_dir: str,
+    nproc: int,
+    mode: str,
+    warmup: int = DISPLACED_WARMUP,
+    *,
+    device: str = "auto",
+    timeout_s: float = 120.0,
 ) -> "ParallelFleet":
     """Inside torchrun: validate the plan, read the experts' configs, join the process group.
 

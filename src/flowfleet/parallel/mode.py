@@ -8,11 +8,28 @@
     naive      bands never exchange activations (the paper's "naive patch" baseline; seams).
 
 Each wrapper in flowfleet.parallel.dit has exactly one code path per mode, chosen by this enum.
+
+UNetMode, below, names the patched diffusers models' modes (U-Net, VAE decoder, transformers):
+
+A U-Net has three kinds of layers that look across bands: convolutions (halo rows), self-attention
+(keys/values) and GroupNorm (statistics). `UNetMode` names one row of the paper's ablation and maps it
+onto two smaller enums, each driving one wrapper kind with one code path per member:
+
+    mode          conv halos / self-attention K,V      GroupNorm statistics
+    sync          fresh, blocking (ParallelMode.SYNC)   exact, blocking          = single-device model
+    displaced     previous step's (DISPLACED)           corrected asynchronous   (the paper's method)
+    sync-gn       previous step's (DISPLACED)           exact, blocking          (the paper's "Sync. GN")
+    stale-gn      previous step's (DISPLACED)           previous step's global   (the paper's "Stale GN")
+    separate-gn   previous step's (DISPLACED)           this band's own          (the paper's "Separate GN")
+    naive         none, zero padding (NAIVE)            this band's own, local   (the paper's "naive patch")
+
+Every mode except `naive` runs as `sync` on the first step and on `warmup` steps after it.
 """
 
 from __future__ import annotations
 
 from enum import Enum
+from types import MappingProxyType
 
 from flowfleet.errors import FlowfleetError
 
@@ -43,3 +60,80 @@ class ParallelMode(str, Enum):
     def exchanges(self) -> bool:
         """Whether layers exchange activations at all (False for the naive baseline)."""
         return self is not ParallelMode.NAIVE
+
+
+PARALLEL_MODES = tuple(m.value for m in ParallelMode)
+
+# The fleet's displaced warm-up: synchronous steps after the first one, wherever a fleet is sampled in
+# parallel (generate, serve, ParallelPlan). At the fleet's 20 steps, 2 of 20 synchronous is about the
+# paper's share (4 of 50). Diffusers pipelines patched by parallelize() keep the paper's 4 (their 50 steps).
+DISPLACED_WARMUP = 1
+
+
+class NormStats(str, Enum):
+    """Which statistics a band's GroupNorm normalises with."""
+
+    EXACT = "exact"  # all bands' fresh statistics, gathered now (blocking)
+    CORRECTED = "corrected"  # previous step's global statistics + this band's fresh-minus-previous change
+    STALE = "stale"  # previous step's global statistics
+    SEPARATE = "separate"  # this band's fresh statistics only (still sent along, never read: see norm.py)
+    LOCAL = "local"  # this band's fresh statistics only, no comm slot at all (naive)
+
+
+class UNetMode(str, Enum):
+    SYNC = "sync"
+    DISPLACED = "displaced"
+    SYNC_GN = "sync-gn"
+    STALE_GN = "stale-gn"
+    SEPARATE_GN = "separate-gn"
+    NAIVE = "naive"
+
+    @classmethod
+    def parse(cls, text: "str | UNetMode") -> "UNetMode":
+        """'sync' | 'displaced' | 'sync-gn' | 'stale-gn' | 'separate-gn' | 'naive' -> UNetMode."""
+        if isinstance(text, UNetMode):
+            return text
+        try:
+            return cls(str(text).strip().lower().replace("_", "-"))
+        except ValueError:
+            names = ", ".join(m.value for m in cls)
+            raise FlowfleetError(f"--mode: unknown U-Net parallel mode {text!r} (expected one of {names})") from None
+
+    @property
+    def exchange(self) -> ParallelMode:
+        """How convolution halos and self-attention keys/values cross bands."""
+        return _EXCHANGE[self]
+
+    @property
+    def norm(self) -> NormStats:
+        """Which statistics GroupNorm uses."""
+        return _NORM[self]
+
+    def at_step(self, step: int, warmup: int) -> "UNetMode":
+        """The mode sampler step `step` (0-based) runs in: every exchanging mode is `sync` on step 0 and the
+        `warmup` steps after it, so the previous-step buffers hold real activations before they are used."""
+        if self is not UNetMode.NAIVE and step < 1 + warmup:
+            return UNetMode.SYNC
+        return self
+
+
+_EXCHANGE = MappingProxyType(
+    {
+        UNetMode.SYNC: ParallelMode.SYNC,
+        UNetMode.DISPLACED: ParallelMode.DISPLACED,
+        UNetMode.SYNC_GN: ParallelMode.DISPLACED,
+        UNetMode.STALE_GN: ParallelMode.DISPLACED,
+        UNetMode.SEPARATE_GN: ParallelMode.DISPLACED,
+        UNetMode.NAIVE: ParallelMode.NAIVE,
+    }
+)
+_NORM = MappingProxyType(
+    {
+        UNetMode.SYNC: NormStats.EXACT,
+        UNetMode.DISPLACED: NormStats.CORRECTED,
+        UNetMode.SYNC_GN: NormStats.EXACT,
+        UNetMode.STALE_GN: NormStats.STALE,
+        UNetMode.SEPARATE_GN: NormStats.SEPARATE,
+        UNetMode.NAIVE: NormStats.LOCAL,
+    }
+)

@@ -38,7 +38,7 @@ from flowfleet.models.dit import DiTModel
 from flowfleet.parallel.bands import BandLayout
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.dit import PatchParallelDiT, register_dit
-from flowfleet.parallel.mode import ParallelMode
+from flowfleet.parallel.mode import DISPLACED_WARMUP, ParallelMode
 
 RouteFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 # (x_t [B, C, H, W], t [B], step) -> (global expert ids [B, k] int64, weights [B, k] summing to 1 per sample)
@@ -49,7 +49,7 @@ class ParallelPlan:
     """How one image is spread over the ranks."""
 
     mode: ParallelMode = ParallelMode.SYNC
-    warmup: int = 0  # synchronous steps after the first one (displaced only)
+    warmup: int = DISPLACED_WARMUP  # synchronous steps after the first one (displaced only)
     cfg_split: bool = True  # with guidance and an even rank count, split cond/uncond across rank groups
     # Asynchronous all-gathers are batched up to this many bytes. Small enough that the first layers'
     # keys/values leave early in a step and have long landed when the next step needs them.

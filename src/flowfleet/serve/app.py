@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from flowfleet import __version__
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.files import validation_message
+from flowfleet.parallel.mode import DISPLACED_WARMUP
 from flowfleet.serve.service import BadRequest, Busy, FleetService, GenerateRequest, Generation, ServeLimits
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def serve(
     ui: bool = True,
     nproc: int = 1,
     parallel: str = "displaced",
-    warmup: int = 1,
+    warmup: int = DISPLACED_WARMUP,
 ) -> None:
     """Open the model folder and serve it until interrupted (uvicorn).
 

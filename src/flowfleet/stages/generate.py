@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import SAMPLES
+from flowfleet.parallel.mode import DISPLACED_WARMUP
 from flowfleet.sampling.pipeline import FleetOutput, FleetPipeline
 from flowfleet.sampling.views import image_grid, png_bytes, routing_heatmap
 from flowfleet.storage import RunRoot
@@ -61,7 +62,7 @@ def generate(
     latent_decoder: Any = None,
     nproc: int = 1,
     parallel: str = "sync",
-    warmup: int = 0,
+    warmup: int = DISPLACED_WARMUP,
     progress: bool = False,
 ) -> GenerateResult:
     if offload is not None and offload < 1:

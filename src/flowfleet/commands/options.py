@@ -1,0 +1,94 @@
+"""The options several stages share, declared once each with one default and one help text."""
+
+from __future__ import annotations
+
+import argparse
+
+from flowfleet.parallel.mode import DISPLACED_WARMUP, PARALLEL_MODES
+
+
+def add_run_root(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_root", metavar="RUN_ROOT", help="run folder or fsspec URL (s3://bucket/run)")
+
+
+def add_model_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", metavar="DIR", help="assembled model folder (flowfleet assemble's output)")
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    """--device, as flowfleet.device.resolve_device reads it."""
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto | cpu | cuda | cuda:N (default auto: this process's GPU when there is one, else the CPU)",
+    )
+
+
+def add_progress(p: argparse.ArgumentParser, *aliases: str) -> None:
+    """--no-progress (args.progress False): no progress bars; messages still go to the log (-q for fewer)."""
+    p.add_argument("--no-progress", *aliases, dest="progress", action="store_false", help="no progress bars")
+
+
+def add_sampling(p: argparse.ArgumentParser) -> None:
+    """The sampling settings a request may override (flowfleet.sampling.pipeline.SamplingSettings); unset
+    ones come from the model folder's model_index.json."""
+    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the fleet's)")
+    p.add_argument("--sampler", choices=("euler", "heun"), default=None, help="ODE sampler (default: the fleet's)")
+    p.add_argument(
+        "--cfg",
+        type=float,
+        default=None,
+        metavar="SCALE",
+        help="classifier-free guidance scale on all channels; 1 = none (default: the fleet's)",
+    )
+    p.add_argument(
+        "--shift",
+        type=float,
+        default=None,
+        help="time-grid shift; > 1 spends more steps at high noise (default: the fleet's)",
+    )
+    p.add_argument(
+        "--route-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run the router every N steps and reuse its choice in between (default: the fleet's)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
+
+
+def add_parallel(p: argparse.ArgumentParser) -> None:
+    """--nproc/--parallel/--warmup: one image split over N processes (flowfleet.parallel)."""
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split each image over N processes (DistriFusion patch parallelism: one GPU each, or "
+        "CPU processes); relaunches itself under torchrun unless already inside one (default 1)",
+    )
+    p.add_argument(
+        "--parallel",
+        choices=PARALLEL_MODES,
+        default="displaced",
+        help="with --nproc: how image bands exchange attention keys/values: this step's (sync, "
+        "exact), the previous step's, overlapped with compute (displaced), or never (naive)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=DISPLACED_WARMUP,
+        metavar="W",
+        help=f"with --parallel displaced: synchronous steps after the first one (default {DISPLACED_WARMUP})",
+    )
+
+
+def relaunch_parallel(args: argparse.Namespace) -> int | None:
+    """With --nproc N > 1 outside torchrun: this same command relaunched on N ranks (its exit code);
+    else None, and the command runs here (every rank runs it under torchrun)."""
+    if args.nproc <= 1:
+        return None
+    from flowfleet.distributed import in_torchrun
+    from flowfleet.parallel.launch import relaunch_torchrun
+
+    return None if in_torchrun() else relaunch_torchrun(args.nproc, args.argv)
