@@ -43,6 +43,7 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(PYTEST) -n auto --maxprocesses=4 --dist loadfile
 	$(PORTABLE) FLOWFLEET_TEST_THREADS=1 $(PYTEST) -m "numerics and not slow" -n auto --maxprocesses=4 --dist loadfile
 	$(PORTABLE) FLOWFLEET_TEST_THREADS=2 $(PYTEST) -m "numerics and not slow" -p no:xdist

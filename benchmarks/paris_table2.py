@@ -48,7 +48,7 @@ def seed_config(seed: int):
 
 def flops_table(cfg) -> dict[str, float]:
     from flowfleet.models.flops import train_flops
-    from flowfleet.train.jobs import monolith_steps
+    from flowfleet.train.specs import monolith_steps
 
     experts = cfg.cluster.k * train_flops(cfg.expert, cfg.train.steps, cfg.train.batch_size)
     mono = train_flops(cfg.expert, monolith_steps(cfg), cfg.train.batch_size)

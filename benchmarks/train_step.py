@@ -44,8 +44,9 @@ from flowfleet.models.dit import DiTModel
 from flowfleet.models.flops import train_flops_per_sample
 from flowfleet.presets import PRESETS
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import JobSpec, build_task
 from flowfleet.train.loop import Trainer, TrainOptions
+from flowfleet.train.specs import JobSpec
+from flowfleet.train.tasks import build_task
 
 MODELS = {"tiny": "tiny/4", "S": "S/2"}
 

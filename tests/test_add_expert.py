@@ -23,7 +23,8 @@ from flowfleet.stages.add_expert import add_expert
 from flowfleet.stages.cluster import cluster
 from flowfleet.stages.prepare import prepare
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import build_task, router_spec
+from flowfleet.train.specs import router_spec
+from flowfleet.train.tasks import build_task
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -25,8 +25,9 @@ from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.distill import distill
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import DistillTask, JobSpec, build_task
 from flowfleet.train.preview import condition_kwargs
+from flowfleet.train.specs import JobSpec
+from flowfleet.train.tasks import DistillTask, build_task
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -168,7 +168,8 @@ def test_experts_start_from_a_pixart_folder_named_by_expert_init(run_root, tmp_p
     from fixtures.synthetic_run import write_synthetic_run
 
     from flowfleet.storage import RunRoot
-    from flowfleet.train.jobs import JobSpec, build_task
+    from flowfleet.train.specs import JobSpec
+    from flowfleet.train.tasks import build_task
 
     pixart = random_pixart(tmp_path / "pixart")
     raw = tiny_run_config(2, conditioning="cross_attn").model_dump()

@@ -17,7 +17,7 @@ from flowfleet.models.dit import DiTExpert
 from flowfleet.models.files import save_model
 from flowfleet.sampling import FleetPipeline
 from flowfleet.stages.assemble import assemble
-from flowfleet.train.jobs import JobSpec, job_cost, monolith_steps
+from flowfleet.train.specs import JobSpec, job_cost, monolith_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -25,10 +25,10 @@ from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.launch import run_local
 from flowfleet.parallel.mode import ParallelMode
+from flowfleet.parallel.step import BandStep
 from flowfleet.parallel.unet import NormStats, UNetMode, check_supported, parallelize
 from flowfleet.parallel.unet.conv import FirstConvBand, RowHalo
 from flowfleet.parallel.unet.norm import band_stats, corrected, normalize, pooled
-from flowfleet.parallel.unet.step import BandStep
 
 FORK = dict(start_method="fork", timeout_s=30.0)
 MODES = [m.value for m in UNetMode]

@@ -16,7 +16,8 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.sampling import FleetPipeline, read_model_index
 from flowfleet.stages.remove_expert import remove_expert
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import build_task, router_spec
+from flowfleet.train.specs import router_spec
+from flowfleet.train.tasks import build_task
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,8 +11,9 @@ from flowfleet.config import ConfigError, RunConfig, load_run_config
 from flowfleet.models.dit import DiTRouter
 from flowfleet.models.files import load_model
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import JobSpec, build_task, fleet_jobs
 from flowfleet.train.loop import Trainer, TrainOptions
+from flowfleet.train.specs import JobSpec, fleet_jobs
+from flowfleet.train.tasks import build_task
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 OPTIONS = TrainOptions(progress=False, heartbeat_every=0.2, tensorboard=False)

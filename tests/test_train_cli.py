@@ -18,8 +18,8 @@ from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 from flowfleet.cli import main
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import CheckpointStore
-from flowfleet.train.fanout import LocalFanout, ProcessJob, Slot, flowfleet_job, plan_slots
-from flowfleet.train.jobs import fleet_jobs
+from flowfleet.train.fanout import LocalFanout, ProcessJob, Slot, plan_slots
+from flowfleet.train.specs import fleet_jobs
 from flowfleet.train.status import read_status
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
@@ -257,9 +257,9 @@ def test_fanout_stop_forwards_sigterm_and_starts_nothing_new(tmp_path):
 def test_fanout_runs_flowfleet_commands_from_a_preloaded_forkserver(tmp_path):
     root = make_run(tmp_path / "run")
     jobs = [
-        flowfleet_job("version", ["--version"], tmp_path / "version.log"),
-        flowfleet_job("status", ["status", root.url], tmp_path / "status.log"),
-        flowfleet_job("bad", ["status", str(tmp_path / "missing")], tmp_path / "bad.log"),
+        ProcessJob("version", [*CLI, "--version"], tmp_path / "version.log", forkable=True),
+        ProcessJob("status", [*CLI, "status", root.url], tmp_path / "status.log", forkable=True),
+        ProcessJob("bad", [*CLI, "status", str(tmp_path / "missing")], tmp_path / "bad.log", forkable=True),
     ]
     pids = {}
     fanout = LocalFanout(

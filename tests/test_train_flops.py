@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
 from flowfleet.models.flops import forward_flops, train_flops, train_flops_per_sample
-from flowfleet.train.jobs import JobSpec, job_steps, monolith_steps
+from flowfleet.train.specs import JobSpec, job_steps, monolith_steps
 
 CONFIGS = [
     dict(size="tiny/4", input_size=(16, 16), in_channels=1),

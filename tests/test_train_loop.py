@@ -21,9 +21,10 @@ from flowfleet.models.dit import DiTExpert, DiTRouter
 from flowfleet.models.files import load_model
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import CheckpointStore
-from flowfleet.train.jobs import JobSpec, build_task
 from flowfleet.train.loop import Trainer, TrainingDiverged, TrainOptions, learning_rate
+from flowfleet.train.specs import JobSpec
 from flowfleet.train.status import JobBusyError, JobStatus, read_status
+from flowfleet.train.tasks import build_task
 
 EXPERT0 = JobSpec("expert", 0)
 OPTIONS = TrainOptions(progress=False, heartbeat_every=0.2, tensorboard=False)

@@ -21,6 +21,8 @@ from typing import Any, Callable, TypeVar
 import fsspec
 import yaml
 
+from flowfleet.layout import RUN_FILE
+
 T = TypeVar("T")
 
 # What never heals by waiting: a missing path, a refused permission, a path of the wrong kind. Every other
@@ -100,7 +102,7 @@ class RunRoot:
         which names the bad key when the stage reads its configuration.
         """
         for folder in (self.root, posixpath.dirname(self.root)):
-            candidate = posixpath.join(folder, "run.yaml")
+            candidate = posixpath.join(folder, RUN_FILE)
             if not with_retries(functools.partial(self.fs.exists, candidate), what=f"exists {candidate}"):
                 continue
             try:

@@ -17,7 +17,7 @@ from flowfleet.config import BACKEND_KINDS, BackendConfig, RunConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import SUBMISSIONS
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import JobSpec
+from flowfleet.train.specs import JobSpec
 
 
 class RemoteBackend(Protocol):

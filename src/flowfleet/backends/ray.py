@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import sys
 import uuid
 from typing import Any, Sequence
 
@@ -23,7 +22,7 @@ from flowfleet.config import BackendConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import JobSpec
+from flowfleet.train.specs import JobSpec, launcher
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +68,7 @@ class RayBackend:
 
     def entrypoint(self, root: RunRoot, spec: JobSpec) -> str:
         o = self.config
-        launcher = [o.python or sys.executable, "-m"]
-        if o.gpus_per_job > 1:
-            launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={o.gpus_per_job}", "-m"]
-        cmd = " ".join(shlex.quote(a) for a in [*launcher, "flowfleet.cli", *spec.cli_args(root.url)])
+        cmd = shlex.join(spec.command(root.url, launcher(o.python, o.gpus_per_job)))
         log = root.local_path(spec.dir, LOG_FILE)
         if log is None:
             return cmd

@@ -23,7 +23,7 @@ import yaml
 from flowfleet.config import load_run_config
 from flowfleet.errors import FlowfleetError
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import JobSpec, fleet_jobs
+from flowfleet.train.specs import JobSpec, fleet_jobs
 
 DEFAULT_SETUP = 'pip install "flowfleet[all]"'
 _ACCELERATORS = re.compile(r"^[A-Za-z0-9_-]+(:\d+)?$")  # SkyPilot's NAME[:COUNT]
@@ -55,8 +55,7 @@ def _run_command(spec: JobSpec, root_url: str) -> str:
         "--nproc_per_node=${SKYPILOT_NUM_GPUS_PER_NODE:-1} "
         '--master_addr=$(echo "$SKYPILOT_NODE_IPS" | head -n1) --master_port=29500'
     )
-    args = " ".join(shlex.quote(a) for a in spec.cli_args(root_url))
-    return f"{torchrun} -m flowfleet.cli {args}\n"
+    return f"{torchrun} {shlex.join(spec.command(root_url, []))}\n"
 
 
 def task(spec: JobSpec, root_url: str, run_name: str, options: SkyPilotOptions) -> dict:

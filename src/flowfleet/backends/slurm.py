@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -28,7 +27,7 @@ from flowfleet.config import BackendConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import JobSpec
+from flowfleet.train.specs import JobSpec, cli_command, launcher
 
 FOLDER = ("backends", "slurm")
 SQUEUE_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
@@ -76,28 +75,27 @@ class SlurmBackend:
         lines += ["set -euo pipefail", 'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"']
         return lines
 
-    def _command(self, args: list[str], tail: str = "") -> str:
+    def _command(self, argv: list[str], tail: str = "") -> str:
         """The job's command line; `tail` is appended unquoted (a shell variable such as the array index)."""
-        o = self.config
-        launcher = [o.python or sys.executable, "-m"]
-        if o.gpus_per_job > 1:  # one job, G GPUs: the trainer's DDP under torchrun
-            launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={o.gpus_per_job}", "-m"]
-        return "exec " + " ".join(shlex.quote(a) for a in [*launcher, "flowfleet.cli", *args]) + tail
+        return "exec " + shlex.join(argv) + tail
+
+    def _launcher(self) -> list[str]:
+        return launcher(self.config.python, self.config.gpus_per_job)  # G > 1 GPUs: the trainer's DDP under torchrun
 
     def expert_script(self, root: RunRoot, experts: list[int], run_name: str) -> str:
         """One array task per expert: the task index is the expert id."""
-        args = JobSpec("expert", 0).cli_args(root.url)[:-1]  # ... --expert
+        argv = JobSpec("expert", 0).command(root.url, self._launcher())[:-1]  # ... --expert
         lines = self._header(f"flowfleet-{run_name}-experts", self._log(root, "experts/%a"))
         lines.insert(2, f"#SBATCH --array={','.join(str(k) for k in experts)}")
-        return "\n".join([*lines, self._command(args, ' "$SLURM_ARRAY_TASK_ID"'), ""])
+        return "\n".join([*lines, self._command(argv, ' "$SLURM_ARRAY_TASK_ID"'), ""])
 
     def job_script(self, root: RunRoot, spec: JobSpec, run_name: str) -> str:
         lines = self._header(f"flowfleet-{run_name}-{spec.name}", self._log(root, spec.dir))
-        return "\n".join([*lines, self._command(spec.cli_args(root.url)), ""])
+        return "\n".join([*lines, self._command(spec.command(root.url, self._launcher())), ""])
 
     def assemble_script(self, root: RunRoot, run_name: str) -> str:
         lines = self._header(f"flowfleet-{run_name}-assemble", self._log(root, "/".join(FOLDER)))
-        return "\n".join([*lines, self._command(["assemble", root.url]), ""])
+        return "\n".join([*lines, self._command(cli_command(["assemble", root.url], launcher(self.config.python))), ""])
 
     @staticmethod
     def _log(root: RunRoot, folder: str) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from flowfleet.backends import RemoteBackend, record_submissions
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import JobSpec
+from flowfleet.train.specs import JobSpec
 from flowfleet.train.status import read_status
 
 log = logging.getLogger(__name__)

@@ -44,6 +44,7 @@ from flowfleet.layout import (
     MONOLITH,
     REPORTS,
     ROUTERS,
+    RUN_FILE,
     SAMPLES,
     SHOWCASE,
     STATUS_FILE,
@@ -219,11 +220,11 @@ class ReportBuilder:
 
     def section_config(self) -> Section:
         s = Section("config", TITLES["config"])
-        if not self.root.exists("run.yaml"):
+        if not self.root.exists(RUN_FILE):
             s.missing = "run.yaml is missing: `flowfleet init RUN_ROOT --preset mnist`"
             return s
         s.notes.append("run.yaml:")
-        s.pre = self.root.read_bytes("run.yaml").decode(errors="replace")
+        s.pre = self.root.read_bytes(RUN_FILE).decode(errors="replace")
         if self.evaluation:
             settings = {k: self.evaluation.get(k) for k in ("model", "reference", "n", "seed", "sampling")}
             s.pre += "\n# evaluation (reports/evaluation.json)\n" + json.dumps(settings, indent=2)
@@ -631,7 +632,7 @@ def router_accuracy_table(routers: dict[str, dict[str, Any]], kinds: dict[str, s
 
 def _json_yaml(root: RunRoot) -> dict[str, Any] | None:
     try:
-        raw = root.read_yaml("run.yaml") if root.exists("run.yaml") else None
+        raw = root.read_yaml(RUN_FILE) if root.exists(RUN_FILE) else None
     except ValueError:
         return None
     return raw if isinstance(raw, dict) else None

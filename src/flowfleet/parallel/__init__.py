@@ -7,8 +7,9 @@ dit.py        PatchParallelDiT: a DiT on one band, one wrapper per layer kind
 runner.py     PatchParallelRunner / ParallelVelocity: the per-step velocity of a routed fleet on N ranks
 fleet.py      ParallelFleet / join_fleet: FleetPipeline and `generate --nproc N` on top of the runner
 launch.py     torchrun (re)launch, local ranks for tests (the world they join: flowfleet.distributed)
-patched.py    PatchedModel / parallelize(): a diffusers model patched in place (per call: CFG split,
-              warm-up, output gather); unet/ for U-Nets, transformers.py for PixArt
+patched.py    PatchedModel: a diffusers model patched in place (per call: CFG split, warm-up, output
+              gather); unet/ for U-Nets, transformers.py for PixArt, SD3 and Flux, vae.py for a decoder
+registry.py   parallelize(): which wrapper patches which diffusers class
 unet/         the U-Net's band wrappers (halo convolutions, GroupNorm, attention processors)
 
 Names are imported lazily, so `flowfleet generate --nproc N` can relaunch itself under torchrun
@@ -42,7 +43,7 @@ _EXPORTS = {
     "PatchParallelRunner": "runner",
     "ParallelFleet": "fleet",
     "PatchedModel": "patched",
-    "parallelize": "patched",
+    "parallelize": "registry",
     "join_fleet": "fleet",
 }
 

@@ -1,4 +1,4 @@
-"""The state every layer wrapper of one patch-parallel U-Net reads: this rank's band and the current mode.
+"""What every layer wrapper of one patched model (U-Net, transformer, VAE decoder) reads: its band, its mode.
 
 diffusers' block forwards cannot carry extra arguments down to a convolution or a GroupNorm, so the
 wrappers share one `BandStep` owned by their ParallelUNet (one per model, never module-level), which
@@ -17,8 +17,7 @@ import torch
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.comm import CommManager
-from flowfleet.parallel.mode import ParallelMode
-from flowfleet.parallel.unet.mode import NormStats, UNetMode
+from flowfleet.parallel.mode import NormStats, ParallelMode, UNetMode
 
 
 @dataclass

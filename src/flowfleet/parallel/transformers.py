@@ -49,8 +49,8 @@ from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.bands import band_sizes
 from flowfleet.parallel.patched import PatchedModel
+from flowfleet.parallel.step import BandStep
 from flowfleet.parallel.unet.attention import CrossAttentionBand, SelfAttentionBand, _heads
-from flowfleet.parallel.unet.step import BandStep
 
 
 class PatchEmbedBand:

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 from flowfleet.config import Addition, DataConfig, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import CLUSTER_REPORT, addition
+from flowfleet.layout import CLUSTER_REPORT, RUN_FILE, addition
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.cluster import cluster
 from flowfleet.stages.prepare import prepare
 from flowfleet.stages.train import train_expert, train_router
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import router_spec
 from flowfleet.train.loop import TrainOptions
+from flowfleet.train.specs import router_spec
 from flowfleet.train.status import JobStatus
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def add_expert(
         raw = cfg.to_dict()
         raw["added"] = [*raw["added"], Addition(data=data, k=k).model_dump(mode="json")]
         raw["router"] = {**raw["router"], "num_outputs": cfg.num_experts + k}
-        cfg = RunConfig.from_dict(raw, root.url_of("run.yaml") + " (with the addition)")
+        cfg = RunConfig.from_dict(raw, root.url_of(RUN_FILE) + " (with the addition)")
         n = len(cfg.added)
         cfg.save(root)
         log.info(f"add-expert: run.yaml: addition {n}, experts {cfg.num_experts - k}..{cfg.num_experts - 1}")

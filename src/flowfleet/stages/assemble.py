@@ -57,7 +57,7 @@ from flowfleet.sampling.index import (
     expert_folder,
 )
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import JobKind, JobSpec, router_spec
+from flowfleet.train.specs import JobKind, JobSpec, router_spec
 from flowfleet.train.status import JobStatus, job_finished
 
 

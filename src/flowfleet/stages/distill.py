@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from flowfleet.config import DistillConfig, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import parse_strategy
-from flowfleet.layout import MODEL, REFLOW_PAIRS, STUDENT
+from flowfleet.layout import MODEL, REFLOW_PAIRS, RUN_FILE, STUDENT
 from flowfleet.sampling.index import read_model_index
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.sampling.routing import Condition
@@ -29,9 +29,10 @@ from flowfleet.stages.assemble import assemble
 from flowfleet.stages.train import train_job
 from flowfleet.storage import RunRoot
 from flowfleet.train.data import model_fields
-from flowfleet.train.jobs import JobSpec, clustered_data
 from flowfleet.train.loop import TrainOptions
 from flowfleet.train.preview import condition_kwargs
+from flowfleet.train.specs import JobSpec
+from flowfleet.train.tasks import clustered_data
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def distill(
                 f"{root.url_of(STUDENT)}: trained with run.yaml distill {before}; re-run with those options "
                 f"to resume, or delete the folder to distill anew"
             )
-        cfg = RunConfig.from_dict({**cfg.to_dict(), "distill": wanted.model_dump(mode="json")}, root.url_of("run.yaml"))
+        cfg = RunConfig.from_dict({**cfg.to_dict(), "distill": wanted.model_dump(mode="json")}, root.url_of(RUN_FILE))
         cfg.save(root)
         log.info(f"distill: run.yaml distill = {wanted.model_dump()}")
     if wanted.method == "reflow":

@@ -80,9 +80,9 @@ from flowfleet.sampling.views import routing_heatmap
 from flowfleet.stages.assemble import assemble
 from flowfleet.storage import RunRoot
 from flowfleet.train.data import InMemoryData, model_fields
-from flowfleet.train.jobs import clustered_data
 from flowfleet.train.preview import condition_kwargs
 from flowfleet.train.status import job_finished
+from flowfleet.train.tasks import clustered_data
 
 if TYPE_CHECKING:  # the encoders module loads transformers; only its type is needed here
     from flowfleet.data.encoders import SemanticEncoder

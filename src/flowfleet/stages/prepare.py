@@ -40,7 +40,7 @@ from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.data.sources import RawItem, Source, build_source
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import AUTOENCODER, AUTOENCODER_RECIPE, DATA, EVAL_DATA, data_part
+from flowfleet.layout import AUTOENCODER, AUTOENCODER_RECIPE, DATA, EVAL_DATA, MANIFEST, data_part
 from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.storage import RunRoot
 
@@ -389,7 +389,7 @@ def _encode(
     """Source positions [first, stop) into the shard set `folder`, resuming after its last shard."""
     d = cfg.data
     shards = ShardSet(root, folder)
-    where = root.url_of(folder, "manifest.json")
+    where = root.url_of(folder, MANIFEST)
     manifest = ShardSetManifest()
     if shards.exists():
         old = shards.manifest()
@@ -498,7 +498,7 @@ def merge_parts(run_root: str | RunRoot, n: int, *, progress: bool = True) -> Sh
     parts = []
     for i in range(n):
         sset = ShardSet(root, data_part(i, n))
-        where = root.url_of(data_part(i, n), "manifest.json")
+        where = root.url_of(data_part(i, n), MANIFEST)
         if not sset.exists() or not sset.manifest().complete:
             raise FlowfleetError(f"{where}: missing or incomplete; run `flowfleet prepare {root.url} --part {i}/{n}`")
         m = sset.manifest()

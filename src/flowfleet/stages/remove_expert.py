@@ -30,8 +30,8 @@ from flowfleet.layout import CLUSTER_REPORT, MONOLITH, ROUTER, addition, expert_
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.train import train_router
 from flowfleet.storage import RunRoot
-from flowfleet.train.jobs import router_spec
 from flowfleet.train.loop import TrainOptions
+from flowfleet.train.specs import router_spec
 
 log = logging.getLogger(__name__)
 

@@ -34,10 +34,11 @@ from flowfleet.config import BackendConfig, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
-from flowfleet.train.fanout import LocalFanout, ProcessJob, flowfleet_job, plan_slots
-from flowfleet.train.jobs import JobSpec, build_task, fleet_jobs, job_cost, job_steps, router_spec
+from flowfleet.train.fanout import LocalFanout, ProcessJob, plan_slots
 from flowfleet.train.loop import Trainer, TrainOptions
+from flowfleet.train.specs import JobSpec, fleet_jobs, job_cost, job_steps, launcher, router_spec
 from flowfleet.train.status import JobStatus, job_finished, read_status
+from flowfleet.train.tasks import build_task
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +319,7 @@ def _train_locally(
         assert logs_tmp is not None  # a remote run root's logs are written locally, then uploaded
         return Path(logs_tmp.name) / spec.dir / LOG_FILE
 
-    jobs = [flowfleet_job(s.name, s.cli_args(url), log_path(s)) for s in todo]
+    jobs = [ProcessJob(s.name, s.command(url, launcher()), log_path(s), forkable=True) for s in todo]
     specs = {s.name: s for s in todo}
 
     def started(job: ProcessJob, pid: int) -> None:

@@ -1,6 +1,7 @@
 """Training jobs: K isolated experts, the router and the monolith, through one loop.
 
-jobs.py        JobSpec (names, folders, commands) and the tasks: expert/monolith flow matching, router CE
+specs.py       JobSpec: a job's name, folder, command line (built once for every backend), steps and cost
+tasks.py       the tasks a JobSpec becomes: expert/monolith flow matching, router CE, distillation
 loop.py        Trainer: the one training loop (AdamW, EMA, accumulation, AMP, DDP, checkpoints, signals)
 data.py        shard sets in memory, seeded batches with a resumable position, shape checks
 checkpoint.py  safetensors + JSON checkpoints, written so that a crash leaves the previous one loadable

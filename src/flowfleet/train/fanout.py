@@ -1,21 +1,23 @@
 """`train-all`: every job of a run as a separate local OS process, N at a time.
 
-Each job is `python -m flowfleet.cli train-expert RUN --expert k` (or train-router / train-monolith):
-the same command a user would run on another machine, so nothing here is shared between jobs but
-the run root. Processes get their own session (a terminal Ctrl-C reaches only this parent, which
-forwards SIGTERM so each child checkpoints and stops), a thread budget (OMP_NUM_THREADS) and, on a
-GPU machine, one GPU each.
+Each job is a command line, `python -m flowfleet.cli train-expert RUN --expert k` (or train-router /
+train-monolith; flowfleet.train.specs builds it): the same command a user would run on another machine,
+so nothing here is shared between jobs but the run root. Processes get their own session (a terminal
+Ctrl-C reaches only this parent, which forwards SIGTERM so each child checkpoints and stops), a thread
+budget (OMP_NUM_THREADS) and, on a GPU machine, one GPU each.
 
-A job that is a flowfleet command (ProcessJob.cli) starts from Python's multiprocessing forkserver,
-which imports `preload` (torch, diffusers, flowfleet: ~5 s of every job's start) once: each job is a
-fresh fork of that interpreter that runs `flowfleet.cli.main(cli)` with its own environment, session
-and log, exactly as the command line would. Where there is no forkserver (Windows), or for any other
-command, the job is a plain subprocess. (torch and the CLI are imported inside `_run_cli`, the
-forkserver child: the server has preloaded them.)
+A job whose command is `python -m MODULE ARGS` (ProcessJob.forkable) starts from Python's
+multiprocessing forkserver, which imports `preload` (torch, diffusers, flowfleet: ~5 s of every job's
+start) once: each job is a fresh fork of that interpreter that runs `MODULE.main(ARGS)` with its own
+environment, session and log, exactly as the command line would. Where there is no forkserver
+(Windows), or for any other command, the job is a plain subprocess. (The module is named by the job's
+command line and imported in `_run_module`, the forkserver child, where the server has preloaded it:
+this file imports no command-line module, so the fan-out stays below the CLI that uses it.)
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import signal
@@ -34,7 +36,7 @@ class ProcessJob:
     name: str
     argv: list[str]  # full command line
     log: Path  # stdout + stderr go here (appended)
-    cli: list[str] | None = None  # when argv is `flowfleet ARGS`: ARGS (the job may then start from the forkserver)
+    forkable: bool = False  # argv is `PYTHON -m MODULE ARGS` and MODULE has main(ARGS): may start from the forkserver
 
 
 @dataclass
@@ -91,7 +93,7 @@ class _Forked:
     """A forkserver child running a flowfleet command (the _Running interface of subprocess.Popen)."""
 
     def __init__(self, ctx, job: ProcessJob, env: dict[str, str]):
-        self.process = ctx.Process(target=_run_cli, args=(job.cli, str(job.log), env), name=job.name)
+        self.process = ctx.Process(target=_run_module, args=(job.argv, str(job.log), env), name=job.name)
         self.process.start()
         self.pid = self.process.pid
 
@@ -103,9 +105,11 @@ class _Forked:
             os.kill(self.pid, sig)
 
 
-def _run_cli(args: list[str], log: str, env: dict[str, str]) -> None:
-    """In a forkserver child: what `python -m flowfleet.cli ARGS` with stdout and stderr appended to
+def _run_module(argv: list[str], log: str, env: dict[str, str]) -> None:
+    """In a forkserver child: what argv = `python -m MODULE ARGS` with stdout and stderr appended to
     `log`, environment `env` and a new session does."""
+    _python, dash_m, module, *args = argv
+    assert dash_m == "-m", argv
     os.setsid()
     os.environ.clear()
     os.environ.update(env)
@@ -117,9 +121,7 @@ def _run_cli(args: list[str], log: str, env: dict[str, str]) -> None:
 
     # OpenMP read the server's environment when torch loaded there: apply this job's thread budget
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    from flowfleet.cli import main
-
-    sys.exit(main(args))
+    sys.exit(importlib.import_module(module).main(args))
 
 
 def _forkserver(preload: tuple[str, ...]):
@@ -137,7 +139,7 @@ class LocalFanout:
 
     slots: list[Slot]
     poll_every: float = 0.5
-    preload: tuple[str, ...] = ()  # modules a forkserver imports once for every ProcessJob.cli job
+    preload: tuple[str, ...] = ()  # modules a forkserver imports once for every forkable job
     on_start: Callable[[ProcessJob, int], None] | None = None  # (job, pid)
     on_exit: Callable[[ProcessOutcome], None] | None = None
     on_poll: Callable[[], None] | None = None
@@ -160,7 +162,7 @@ class LocalFanout:
         pending = deque(jobs)
         free = list(range(len(self.slots)))
         running: dict[int, tuple[ProcessJob, _Running, float, IO[bytes] | None]] = {}
-        forkserver = _forkserver(self.preload) if any(job.cli is not None for job in jobs) else None
+        forkserver = _forkserver(self.preload) if any(job.forkable for job in jobs) else None
         outcomes: list[ProcessOutcome] = []
         forwarded = False
         while pending or running:
@@ -174,7 +176,7 @@ class LocalFanout:
                 job.log.parent.mkdir(parents=True, exist_ok=True)
                 log: IO[bytes] | None = None
                 started: _Running
-                if forkserver is not None and job.cli is not None:
+                if forkserver is not None and job.forkable:
                     started = _Forked(forkserver, job, self.slots[slot].env())
                 else:
                     log = open(job.log, "ab")
@@ -208,13 +210,3 @@ class LocalFanout:
                 break
             time.sleep(self.poll_every)
         return outcomes
-
-
-def flowfleet_argv(args: list[str]) -> list[str]:
-    """The command line of `flowfleet ARGS` run with this interpreter."""
-    return [sys.executable, "-m", "flowfleet.cli", *args]
-
-
-def flowfleet_job(name: str, args: list[str], log: Path) -> ProcessJob:
-    """`flowfleet ARGS` as a job (from the forkserver when the fan-out preloads)."""
-    return ProcessJob(name, flowfleet_argv(args), log, cli=list(args))

@@ -37,9 +37,9 @@ from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import Checkpoint, CheckpointStore, flatten_state, unflatten_state
 from flowfleet.train.data import ResumableSampler, derive_seed
 from flowfleet.train.ema import EMA
-from flowfleet.train.jobs import TrainTask
 from flowfleet.train.metrics import MetricsLog
 from flowfleet.train.status import HEARTBEAT_EVERY, HEARTBEAT_EVERY_LOCAL, JobLease, JobStatus, job_finished
+from flowfleet.train.tasks import TrainTask
 
 _DATA_STREAM = 1  # derive_seed tag of the data order (noise uses the step number instead)
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.mode import ParallelMode
-from flowfleet.parallel.unet.step import BandStep
+from flowfleet.parallel.step import BandStep
 
 # --------------------------------------------------------------------------------------------------
 #                        Shared pieces of diffusers' AttnProcessor2_0

@@ -25,9 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from flowfleet.parallel.mode import ParallelMode
-from flowfleet.parallel.unet.mode import NormStats
-from flowfleet.parallel.unet.step import BandStep
+from flowfleet.parallel.mode import NormStats, ParallelMode
+from flowfleet.parallel.step import BandStep
 
 # --------------------------------------------------------------------------------------------------
 #                                 Statistics (pure functions)

@@ -1,13 +1,6 @@
-"""The three kinds of training job, as inputs to the one training loop (flowfleet.train.loop).
-
-    expert k   DiTExpert on partitions/k only            flow matching (paris §2.3-2.4)
-    router     DiTRouter on data/ + cluster ids          cross-entropy on x_t, t ~ U[0, 1] (paris §2.5.3);
-                                                         prompt-aware: also sees the caption
-    router-paris  the same router blind to the prompt     (run.yaml router_baseline: the comparison)
-    monolith   DiTExpert architecture on all of data/    flow matching; the evaluation baseline
-
-A JobSpec names a job (folder, CLI command); a TrainTask is a job ready to train: its data loaded
-and checked against its model configuration, its loss, its preview and its final report.
+"""A TrainTask is a job (flowfleet.train.specs.JobSpec) ready to train in the one training loop
+(flowfleet.train.loop): its data loaded and checked against its model configuration, its loss, its
+preview and its final report.
 
 The latent decoder (diffusers VAE) is imported only when a preview decodes latents.
 """
@@ -15,8 +8,6 @@ The latent decoder (diffusers VAE) is imported only when a preview decodes laten
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import safetensors.torch
@@ -36,118 +27,24 @@ from flowfleet.layout import (
     INDEX_FILE,
     MODEL,
     REFLOW_PAIRS,
-    ROUTERS,
     RUN_FILE,
     addition,
-    expert_job,
     origin_partition,
-    router_job,
 )
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
 from flowfleet.models.files import load_model
-from flowfleet.models.flops import train_flops, train_flops_per_sample
 from flowfleet.models.pixart import load_pixart_into
 from flowfleet.storage import RunRoot
 from flowfleet.train import preview
 from flowfleet.train.data import InMemoryData, check_compatible, model_fields
+from flowfleet.train.specs import JobSpec, job_steps, paris_router_config
 from flowfleet.train.status import job_finished
 
-JobKind = Literal["expert", "router", "router-paris", "monolith", "student"]  # all but expert: also their folders
 PREVIEW_COUNT = 8  # samples in an expert's grid
 ROUTER_EVAL_ITEMS = 512  # items the router's accuracy is measured on
 
 log = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------------------------------
-#                                        Job names
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    kind: JobKind
-    expert: int | None = None
-    without: tuple[int, ...] = ()  # routers: the removed experts whose data they leave out
-    num_experts: int | None = None  # routers of a fleet grown by add-expert: their outputs
-
-    @property
-    def name(self) -> str:
-        if self.kind == "expert":
-            return f"expert-{self.expert}"
-        return router_job(self.kind, self.without, self.num_experts) if self.kind in ROUTERS else self.kind
-
-    @property
-    def dir(self) -> str:
-        """The job's folder in the run root (flowfleet.layout)."""
-        if self.kind == "expert" and self.expert is not None:
-            return expert_job(self.expert)
-        return self.name
-
-    def cli_args(self, run_root: str) -> list[str]:
-        """Arguments of `flowfleet ...` that run this job."""
-        if self.kind == "expert":
-            return ["train-expert", run_root, "--expert", str(self.expert)]
-        if self.kind == "router-paris":
-            return ["train-router", run_root, "--paris"]
-        return [f"train-{self.kind}", run_root]
-
-
-def router_spec(cfg: RunConfig, paris: bool = False) -> JobSpec:
-    """The run's router job (or Paris' comparison router), without the data of removed experts."""
-    grown = cfg.num_experts if cfg.added else None
-    return JobSpec("router-paris" if paris else "router", without=tuple(cfg.removed_experts), num_experts=grown)
-
-
-def fleet_jobs(cfg: RunConfig) -> list[JobSpec]:
-    """Every training job of a run: the fleet's experts, its router, and the monolith when enabled."""
-    jobs = [JobSpec("expert", k) for k in cfg.fleet_experts] + [router_spec(cfg)]
-    if cfg.router_baseline:
-        jobs.append(router_spec(cfg, paris=True))
-    if cfg.monolith.enabled:
-        jobs.append(JobSpec("monolith"))
-    return jobs
-
-
-def monolith_steps(cfg: RunConfig, match_compute: bool | None = None) -> int:
-    """The monolith's optimiser steps: cfg.train.steps, or (match_compute) as many as make its training
-    FLOPs equal the sum of the K experts' (flowfleet.models.flops; same architecture and batch as an
-    expert, so K x the expert steps)."""
-    match = cfg.monolith.match_compute if match_compute is None else match_compute
-    if not match:
-        return cfg.train.steps
-    experts = sum(
-        train_flops(cfg.expert_config(k), cfg.train.steps, cfg.train.batch_size) for k in range(cfg.cluster.k)
-    )
-    return math.ceil(experts / (train_flops_per_sample(cfg.expert) * cfg.train.batch_size))
-
-
-def paris_router_config(cfg: RunConfig) -> DiTConfig:
-    """The run's router blind to the prompt: p(k | x_t, t) as in Paris §2.5."""
-    return DiTConfig(
-        **{**cfg.router.model_dump(), "conditioning": "none", "text_dim": 0, "text_len": 0, "add_pooled": False}
-    )
-
-
-def job_steps(cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) -> int:
-    if spec.kind in ("router", "router-paris"):
-        return cfg.router_train.steps
-    if spec.kind == "monolith":
-        return monolith_steps(cfg, match_compute)
-    if spec.kind == "student":
-        return cfg.distill.steps if cfg.distill else cfg.train.steps
-    return cfg.train.steps
-
-
-def job_cost(cfg: RunConfig, spec: JobSpec) -> int:
-    """Training FLOPs of a job (to start the longest jobs first)."""
-    if spec.kind in ("router", "router-paris"):
-        return train_flops(cfg.router, cfg.router_train.steps, cfg.router_train.batch_size)
-    if spec.kind == "student":
-        return train_flops(cfg.student_config(), job_steps(cfg, spec), cfg.train.batch_size)
-    model = cfg.expert_config(spec.expert) if spec.kind == "expert" and spec.expert is not None else cfg.expert
-    return train_flops(model, job_steps(cfg, spec), cfg.train.batch_size)
 
 
 # ------------------------------------------------------------------------------------------------
