@@ -120,6 +120,9 @@ def test_an_expert_that_is_no_pixart_transformer_is_refused_naming_the_field(run
     cfg = DiTConfig(**{**tiny_run_config(2).expert.model_dump(), **PIXART_LIKE, "cross_norm": True})
     with pytest.raises(FlowfleetError, match="cross_norm is True; PixArtTransformer2DModel needs False"):
         pixart_config(cfg)
+    exact_gelu = DiTConfig(**{**tiny_run_config(2).expert.model_dump(), **PIXART_LIKE, "mlp_act": "gelu"})
+    with pytest.raises(FlowfleetError, match="mlp_act is 'gelu'; PixArtTransformer2DModel needs 'gelu_tanh'"):
+        pixart_config(exact_gelu)
 
 
 def random_pixart(folder) -> PixArtTransformer2DModel:

@@ -139,3 +139,23 @@ def test_truncated_weights_are_refused(tmp_path):
 def test_missing_folder_is_refused(tmp_path):
     with pytest.raises(ModelFileError, match="missing"):
         load_model(DiTExpert, tmp_path / "nowhere")
+
+
+def test_exact_gelu_is_saved_and_computed(tmp_path):
+    """mlp_act "gelu" builds exact-GELU MLPs and keeps it through a round trip (config.json); a folder
+    written before the field existed (no mlp_act key) loads as DiT's tanh approximation."""
+    tanh = _expert()
+    exact = DiTExpert.from_dit_config(tanh.cfg.model_copy(update={"mlp_act": "gelu"})).eval()
+    exact.load_state_dict(tanh.state_dict())
+    assert {block.mlp.act.approximate for block in exact.blocks} == {"none"}
+    assert {block.mlp.act.approximate for block in tanh.blocks} == {"tanh"}
+    args, kw = _inputs()
+    with torch.no_grad():
+        assert not torch.equal(exact(*args, **kw), tanh(*args, **kw))  # a different function, same weights
+        save_model(exact, tmp_path / "e")
+        assert json.loads((tmp_path / "e" / "config.json").read_text())["mlp_act"] == "gelu"
+        assert torch.equal(load_model(DiTExpert, tmp_path / "e")(*args, **kw), exact(*args, **kw))
+    raw = json.loads((tmp_path / "e" / "config.json").read_text())
+    del raw["mlp_act"]
+    (tmp_path / "e" / "config.json").write_text(json.dumps(raw))
+    assert load_model(DiTExpert, tmp_path / "e").cfg.mlp_act == "gelu_tanh"

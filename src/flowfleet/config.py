@@ -157,7 +157,7 @@ class TrainConfig(_Strict):
 
 class MonolithConfig(_Strict):
     enabled: bool = True
-    match_compute: bool = True  # steps so that training FLOPs equal the sum over experts
+    match_compute: bool = True  # steps so that training FLOPs equal the fleet's (experts + router)
 
 
 class SamplingConfig(_Strict):
@@ -171,7 +171,16 @@ class SamplingConfig(_Strict):
 
 # What an expert may change of `expert` in run.yaml expert_overrides: its width, depth and inner
 # architecture. Not the latent space, patch grid or text interface, which every expert of a fleet shares.
-EXPERT_OVERRIDABLE = ("size", "hidden_size", "depth", "num_heads", "mlp_ratio", "adaln", "cond_dropout")
+EXPERT_OVERRIDABLE = (
+    "size",
+    "hidden_size",
+    "depth",
+    "num_heads",
+    "mlp_ratio",
+    "mlp_act",
+    "adaln",
+    "cond_dropout",
+)
 _SHAPE_FIELDS = ("hidden_size", "depth", "num_heads")  # what a `size` preset fills
 
 

@@ -19,6 +19,10 @@ DIT_SIZES: dict[str, tuple[int, int, int]] = {
 
 Conditioning = Literal["none", "class", "pooled", "cross_attn"]
 AdaLN = Literal["zero", "single"]
+# The MLP's activation: DiT's and PixArt's tanh-approximated GELU, or the exact (erf) GELU, which is the
+# same curve to within 1e-3 and 2.8x faster on a CPU (AVX2: 0.52 vs 1.45 ms for [1024, 256]; a whole
+# training step of the demo's expert 8-20 % faster, BENCHMARKS.md).
+MlpAct = Literal["gelu_tanh", "gelu"]
 
 
 def parse_size(size: str) -> tuple[int, int, int, int | None]:
@@ -46,6 +50,7 @@ class DiTConfig(BaseModel):
     depth: int = Field(12, ge=1)
     num_heads: int = Field(6, ge=1)
     mlp_ratio: float = Field(4.0, gt=0)
+    mlp_act: MlpAct = "gelu_tanh"
     adaln: AdaLN = "zero"
     conditioning: Conditioning = "none"
     num_classes: int = Field(0, ge=0)  # for conditioning == "class"

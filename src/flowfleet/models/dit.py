@@ -56,6 +56,7 @@ class DiTModel(ModelMixin, ConfigMixin):
         depth: int | None = None,  # None: from `size`, else 12
         num_heads: int | None = None,  # None: from `size`, else 6
         mlp_ratio: float = 4.0,
+        mlp_act: str = "gelu_tanh",
         adaln: str = "zero",
         conditioning: str = "none",
         num_classes: int = 0,
@@ -77,6 +78,7 @@ class DiTModel(ModelMixin, ConfigMixin):
             out_channels=out_channels,
             **{name: v for name, v in shape.items() if v is not None},
             mlp_ratio=mlp_ratio,
+            mlp_act=mlp_act,
             adaln=adaln,
             conditioning=conditioning,
             num_classes=num_classes,
@@ -105,7 +107,10 @@ class DiTModel(ModelMixin, ConfigMixin):
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d)) if cfg.adaln == "single" else None
 
         self.blocks = nn.ModuleList(
-            [DiTBlock(d, cfg.num_heads, cfg.mlp_ratio, cfg.adaln, cross, cfg.cross_norm) for _ in range(cfg.depth)]
+            [
+                DiTBlock(d, cfg.num_heads, cfg.mlp_ratio, cfg.adaln, cross, cfg.cross_norm, cfg.mlp_act)
+                for _ in range(cfg.depth)
+            ]
         )
         self.head: ClassifierHead | None
         self.final_layer: FinalLayer | None

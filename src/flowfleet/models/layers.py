@@ -74,10 +74,10 @@ class CrossAttention(nn.Module):
 
 
 class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, act: str = "gelu_tanh"):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU(approximate="tanh")
+        self.act = nn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")
         self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,14 @@ class DiTBlock(nn.Module):
     """
 
     def __init__(
-        self, dim: int, num_heads: int, mlp_ratio: float, adaln: str, cross_attn: bool, cross_norm: bool = True
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float,
+        adaln: str,
+        cross_attn: bool,
+        cross_norm: bool = True,
+        mlp_act: str = "gelu_tanh",
     ):
         super().__init__()
         self.adaln = adaln
@@ -102,7 +109,7 @@ class DiTBlock(nn.Module):
         self.cross_attn = CrossAttention(dim, num_heads) if cross_attn else None
         self.norm_cross = nn.LayerNorm(dim, eps=1e-6) if cross_attn and cross_norm else None
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), mlp_act)
         if adaln == "zero":
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim, bias=True))
         else:

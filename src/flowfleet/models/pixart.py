@@ -34,6 +34,7 @@ def check_exportable(cfg: DiTConfig, who: str = "expert") -> None:
         ("cross_norm", False),
         ("add_pooled", False),
         ("mlp_ratio", 4.0),
+        ("mlp_act", "gelu_tanh"),
         ("num_outputs", 0),
     ]
     for name, value in wanted:
