@@ -10,6 +10,13 @@ feature clusters, a prompt-blind router): nothing here is a stand-in.
 
     python benchmarks/fleet_budget.py --run runs/demo --budgets 250,1000 --out runs/bench/budget
     python benchmarks/fleet_budget.py --run runs/demo --budgets 500 --seeds 1,2 --out runs/bench/budget
+    python benchmarks/fleet_budget.py --run runs/demo --budgets 1940 --tag w64 \
+        --set expert.hidden_size=64 --set expert.mlp_act=gelu
+
+--set KEY=VALUE (dotted key, YAML value; repeatable) changes run.yaml after the budget is applied: a lever
+(expert width, batch size, cluster settings). --monolith-from RUN copies RUN's trained monolith instead of
+training one, after checking that it has the same architecture, batch and step count as this run's
+compute-matched monolith would (a lever that changes neither reuses the one baseline).
 
 Appends one JSON line per budget to OUT/budget.jsonl and prints it.
 """
@@ -27,9 +34,18 @@ import yaml
 PARTS = ("data", "eval", "autoencoder", "clusters", "partitions", "reports/digit_classifier")
 
 
-def copy_prepared(src: Path, out: Path, steps: int, seed: int) -> None:
-    """The run's prepared parts into `out`, with train.steps = steps and the training seed of every job
-    (experts, monolith, router) = seed (once: an existing copy is kept)."""
+def set_dotted(raw: dict, assignment: str) -> None:
+    """raw[a][b] = yaml(value) for "a.b=value"."""
+    key, _, value = assignment.partition("=")
+    *parents, leaf = key.split(".")
+    for name in parents:
+        raw = raw.setdefault(name, {})
+    raw[leaf] = yaml.safe_load(value)
+
+
+def copy_prepared(src: Path, out: Path, steps: int, seed: int, sets: list[str] = ()) -> None:
+    """The run's prepared parts into `out`, with train.steps = steps, the training seed of every job
+    (experts, monolith, router) = seed, then each --set (once: an existing copy is kept)."""
     if (out / "run.yaml").exists():
         return
     for name in PARTS:
@@ -39,7 +55,31 @@ def copy_prepared(src: Path, out: Path, steps: int, seed: int) -> None:
     raw["train"].update(steps=steps, ckpt_every=max(steps // 2, 1), sample_every=steps, log_every=max(steps // 40, 1))
     raw["train"]["warmup_steps"] = min(raw["train"].get("warmup_steps", 0), steps // 3)
     raw["train"]["seed"] = raw["router_train"]["seed"] = seed
+    for assignment in sets:
+        set_dotted(raw, assignment)
     (out / "run.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def reuse_monolith(src: Path, run: Path) -> None:
+    """Copy src's finished monolith into run when it is the one run would train (same architecture,
+    batch and compute-matched steps); otherwise say why and train it."""
+    from flowfleet.config import load_run_config
+    from flowfleet.storage import RunRoot
+    from flowfleet.train.specs import monolith_steps
+
+    if (run / "monolith").exists():
+        return
+    mine, theirs = load_run_config(RunRoot(str(run))), load_run_config(RunRoot(str(src)))
+    same = (mine.expert, mine.train.batch_size, mine.train.seed, monolith_steps(mine)) == (
+        theirs.expert,
+        theirs.train.batch_size,
+        theirs.train.seed,
+        monolith_steps(theirs),
+    )
+    if not same:
+        print(f"--monolith-from {src}: not this run's monolith ({monolith_steps(mine)} steps here); training one")
+        return
+    shutil.copytree(src / "monolith", run / "monolith")
 
 
 def main() -> None:
@@ -51,6 +91,10 @@ def main() -> None:
     p.add_argument("--cfg", default="1.5,2,3,4.5,6")
     p.add_argument("--parallel", type=int, default=2)
     p.add_argument("--out", default="runs/bench/budget")
+    p.add_argument("--set", action="append", default=[], help="run.yaml KEY=VALUE after the budget (repeatable)")
+    p.add_argument("--tag", default="", help="suffix of each run's folder name (a lever's runs)")
+    p.add_argument("--monolith-from", default=None, help="a run whose trained monolith this one reuses")
+    p.add_argument("--strategies", default="top2")
     a = p.parse_args()
 
     from flowfleet.evaluate.fid import FIDSettings
@@ -62,8 +106,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs = [(int(b), int(s)) for b in a.budgets.split(",") for s in a.seeds.split(",")]
     for budget, seed in runs:
-        run = out / (str(budget) if seed == 0 else f"{budget}-seed{seed}")
-        copy_prepared(Path(a.run), run, budget, seed)
+        run = out / "-".join([str(budget)] + ([f"seed{seed}"] if seed else []) + ([a.tag] if a.tag else []))
+        copy_prepared(Path(a.run), run, budget, seed, a.set)
+        if a.monolith_from:
+            reuse_monolith(Path(a.monolith_from), run)
         t0 = time.perf_counter()
         train_all(str(run), parallel=a.parallel, progress=False)
         train_s = time.perf_counter() - t0
@@ -71,7 +117,7 @@ def main() -> None:
         options = EvaluateOptions(
             n=a.n,
             batch_size=a.n,
-            strategies=("top2",),
+            strategies=tuple(a.strategies.split(",")),
             monolith=True,
             diagnostics=False,
             cfg_sweep=tuple(float(c) for c in a.cfg.split(",")),
@@ -81,7 +127,8 @@ def main() -> None:
         result = evaluate(str(run / "model"), str(run), options)
         rec = {"budget_per_expert": budget, "seed": seed, "train_all_s": round(train_s, 1)}
         rec["floor"] = result["reference_split"]
-        for name in ("top2", "monolith"):
+        rec["sets"] = a.set
+        for name in (*a.strategies.split(","), "monolith"):
             r = result["runs"][name]
             rec[name] = {k: r.get(k) for k in ("cfg", "classifier_fd", "precision", "recall", "fid")}
             rec[name]["accuracy"] = result["prompt_accuracy"]["scores"][name]["accuracy"]

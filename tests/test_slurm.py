@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 from fixtures.slurm import missing_daemons, slurm_cluster
@@ -58,7 +59,8 @@ def test_train_all_on_slurm_gives_the_local_backends_weights(tmp_path, cluster, 
     assert submitted["expert-1"]["id"] == f"{array}_1" and submitted["router"]["backend"] == "slurm"
 
     # the assemble job ran after all of them
-    SlurmBackend().wait_for([submitted["assemble"]["id"]], poll_every=0.5)
+    while SlurmBackend().states([submitted["assemble"]["id"]]):  # until squeue no longer lists it
+        time.sleep(0.5)
     assert json.loads((slurm / "model" / "model_index.json").read_text())["present_experts"] == [0, 1]
 
     # status: the backend's word next to status.json

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from fixtures.synthetic_run import synthetic_config
@@ -101,11 +103,14 @@ def test_training_flops_are_about_three_forwards():
     assert train_flops(cfg, steps=10, batch_size=4) == 40 * train_flops_per_sample(cfg)
 
 
-def test_monolith_matches_the_experts_compute():
+def test_monolith_matches_the_fleets_compute_router_included():
     cfg = synthetic_config(k=3, steps=7, batch=8, monolith=True)
     steps = monolith_steps(cfg, match_compute=True)
     experts = cfg.cluster.k * train_flops(cfg.expert, cfg.train.steps, cfg.train.batch_size)
-    assert train_flops(cfg.expert, steps, cfg.train.batch_size) == experts
-    assert steps == 21
+    router = train_flops(cfg.router, cfg.router_train.steps, cfg.router_train.batch_size)
+    per_step = train_flops(cfg.expert, 1, cfg.train.batch_size)
+    # the fewest steps that reach the fleet's FLOPs: at least as many, and one step fewer would not
+    assert (steps - 1) * per_step < experts + router <= steps * per_step
+    assert steps == 21 + math.ceil(router / per_step) and router > 0
     assert monolith_steps(cfg, match_compute=False) == 7
     assert job_steps(cfg, JobSpec("monolith")) == steps  # run.yaml's monolith.match_compute defaults to true

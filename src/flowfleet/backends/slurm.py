@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -193,15 +192,6 @@ class SlurmBackend:
 
     def close(self) -> None:
         pass
-
-    def wait_for(self, ids: Sequence[str], poll_every: float = 2.0, on_poll=None) -> None:
-        """Until squeue lists none of ids (each finished, failed or was cancelled)."""
-        while True:
-            if on_poll is not None:
-                on_poll()
-            if not self.states(ids):
-                return
-            time.sleep(poll_every)
 
 
 def active(state: str | None) -> bool:

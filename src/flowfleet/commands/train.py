@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--match-compute",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="set the steps so its training FLOPs equal the sum of the K experts' "
+        help="set the steps so its training FLOPs equal the fleet's: the K experts' and the router's "
         "(default: run.yaml monolith.match_compute)",
     )
     _job_options(p)

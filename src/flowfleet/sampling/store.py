@@ -91,12 +91,6 @@ class ExpertStore:
         self._resident[k] = expert
         return expert
 
-    def release_all(self) -> None:
-        for k in list(self._resident):
-            self.releases[k] += 1
-        self._resident.clear()
-        return_freed_memory()
-
 
 def return_freed_memory() -> None:
     """Hand the memory of released experts back to the OS before the next one loads.

@@ -2,7 +2,7 @@
 
 train_expert(run_root, k)        expert k on partitions/k only (an isolated job; DDP under torchrun)
 train_router(run_root)           the router on data/ + clusters/assignments.safetensors
-train_monolith(run_root)         the baseline on data/ (match_compute: FLOPs = sum over the experts)
+train_monolith(run_root)         the baseline on data/ (match_compute: FLOPs = the experts' + the router's)
 train_all(run_root, parallel=N)  all of them where run.yaml places them or on `backend` (local processes,
                                  Slurm or Ray jobs), skipping finished jobs and jobs a backend still holds
 job_status(run_root)             every job's status.json (pending when never started)

@@ -99,17 +99,22 @@ def fleet_jobs(cfg: RunConfig) -> list[JobSpec]:
     return jobs
 
 
-def monolith_steps(cfg: RunConfig, match_compute: bool | None = None) -> int:
-    """The monolith's optimiser steps: cfg.train.steps, or (match_compute) as many as make its training
-    FLOPs equal the sum of the K experts' (flowfleet.models.flops; same architecture and batch as an
-    expert, so K x the expert steps)."""
-    match = cfg.monolith.match_compute if match_compute is None else match_compute
-    if not match:
-        return cfg.train.steps
+def fleet_flops(cfg: RunConfig) -> int:
+    """Training FLOPs of the fleet as sampled: its K experts and its router (flowfleet.models.flops)."""
     experts = sum(
         train_flops(cfg.expert_config(k), cfg.train.steps, cfg.train.batch_size) for k in range(cfg.cluster.k)
     )
-    return math.ceil(experts / (train_flops_per_sample(cfg.expert) * cfg.train.batch_size))
+    return experts + train_flops(cfg.router, cfg.router_train.steps, cfg.router_train.batch_size)
+
+
+def monolith_steps(cfg: RunConfig, match_compute: bool | None = None) -> int:
+    """The monolith's optimiser steps: cfg.train.steps, or (match_compute) as many as make its training
+    FLOPs equal the fleet's, the router's included as in DDM's comparisons (the same architecture and
+    batch as an expert: a little over K x the expert steps)."""
+    match = cfg.monolith.match_compute if match_compute is None else match_compute
+    if not match:
+        return cfg.train.steps
+    return math.ceil(fleet_flops(cfg) / (train_flops_per_sample(cfg.expert) * cfg.train.batch_size))
 
 
 def paris_router_config(cfg: RunConfig) -> DiTConfig:
