@@ -1,16 +1,18 @@
 """Training-step speed of the demo's expert (the `mnist` preset's DiT) and what changes it.
 
-For the model the demo trains (28 x 28 pixels, 7 x 7 patches, hidden 128, depth 4, pooled MiniLM-width
+For the model the demo trains (the `mnist` preset's expert: 8 x 8 x 4 latent, 2 x 2 patches, depth 4, pooled MiniLM
 text conditioning, batch 64), measured in one run, variant after variant, each on the same resident
 batch: samples/s and achieved GFLOP/s (flowfleet.models.flops; forward + backward = 3 forwards), as a
 share of a measured fp32 matmul of the model's own largest shape and of a 1024^3 sgemm.
 
     eager           the model as train-all runs it
+    gelu-tanh       the same with DiT's tanh-approximated GELU (the preset runs the exact one: mlp_act gelu)
     compile         torch.compile(model) (inductor; compile time reported apart)
     math-attention  scaled_dot_product_attention restricted to the math kernel
     threads         the same at 1 and 2 torch threads
 
     .venv/bin/python benchmarks/demo_model_speed.py --threads 1,2 --steps 40
+    .venv/bin/python benchmarks/demo_model_speed.py --threads 1 --no-compile --hidden 128   # another width
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--hidden", type=int, default=None, help="the expert's width (default: the preset's)")
     args = p.parse_args()
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -68,7 +71,11 @@ def main() -> None:
     from flowfleet.presets import preset
 
     cfg = preset("mnist").expert
+    if args.hidden:
+        cfg = cfg.model_copy(update={"hidden_size": args.hidden})
+    tanh = cfg.model_copy(update={"mlp_act": "gelu_tanh"})
     per_sample = train_flops_per_sample(cfg)
+    print(f"expert: hidden {cfg.hidden_size}, depth {cfg.depth}, mlp_act {cfg.mlp_act}, batch {args.batch}")
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -77,6 +84,7 @@ def main() -> None:
         peak = sgemm_gflops(1024, 1024, 1024, reps=20)
         variants = {
             "eager": (lambda: DiTExpert.from_dit_config(cfg), None),
+            "gelu-tanh": (lambda: DiTExpert.from_dit_config(tanh), None),
             "math-attention": (lambda: DiTExpert.from_dit_config(cfg), lambda: sdpa_kernel(SDPBackend.MATH)),
         }
         if not args.no_compile:

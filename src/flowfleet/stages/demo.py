@@ -11,10 +11,11 @@ from the images (Inception features at 75 px, unsupervised: each expert holds a 
 styles), the router decides p(k | x_t, t) from the noisy latent alone, and top-2 is the default. Step
 counts are sized for a 2-core CPU:
 
-    default   4000 training digits (400 autoencoder steps of 32), 500 steps per expert (the monolith 2000: the
-              same training FLOPs as the four experts together), 300 router steps; 300 samples per model
-              at each guidance scale of the sweep, against the 1000 held-out digits (target: <= 10 min)
-    --quick   1000 digits (800 to train; 200 autoencoder steps), 150 steps per expert (monolith 600) at
+    default   4000 training digits (400 autoencoder steps of 32), 1500 steps per expert of hidden 64 (the
+              monolith, the same architecture, 6151: the training FLOPs of the four experts and the router
+              together), 300 router steps; 300 samples per model at each guidance scale of the sweep,
+              against the 1000 held-out digits (target: <= 10 min)
+    --quick   1000 digits (800 to train; 200 autoencoder steps), 450 steps per expert (monolith ~1850) at
               learning rate 4e-3 after 30 warm-up steps, 100 router steps, 100 samples per model
 
 Every model is judged against digits no model trained on, by a digit classifier trained on the first
@@ -99,7 +100,7 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
     elif size == "quick":
         raw["data"].update(limit=1000, holdout=200, shard_size=400)
         raw["encoders"]["latent"]["autoencoder"]["steps"] = 200
-        _steps(raw, "train", 150)
+        _steps(raw, "train", 450)
         # A short run gains from a short warm-up and a higher rate (BENCHMARKS.md, "demo --quick")
         raw["train"].update(lr=4e-3, warmup_steps=30)
         _steps(raw, "router_train", 100)
