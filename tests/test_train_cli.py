@@ -16,10 +16,11 @@ import torch
 from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 
 from flowfleet.cli import main
+from flowfleet.config import load_run_config
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import CheckpointStore
 from flowfleet.train.fanout import LocalFanout, ProcessJob, Slot, plan_slots
-from flowfleet.train.specs import fleet_jobs
+from flowfleet.train.specs import fleet_jobs, monolith_steps
 from flowfleet.train.status import read_status
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
@@ -177,6 +178,8 @@ def test_train_all_runs_every_job_then_status_shows_them_done(tmp_path, capsys):
 
 def test_status_of_a_fresh_run_lists_pending_jobs(tmp_path, capsys):
     make_run(tmp_path / "r", k=3, steps=5, monolith=True)
+    mono = monolith_steps(load_run_config(RunRoot(tmp_path / "r")))
+    assert mono > 15  # 3 experts x 5 steps and the router's FLOPs
     assert main(["status", str(tmp_path / "r"), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["job"], r["state"], r["total_steps"]) for r in rows] == [
@@ -184,7 +187,7 @@ def test_status_of_a_fresh_run_lists_pending_jobs(tmp_path, capsys):
         ("expert-1", "pending", 5),
         ("expert-2", "pending", 5),
         ("router", "pending", 5),
-        ("monolith", "pending", 15),
+        ("monolith", "pending", mono),
     ]
     (tmp_path / "r/router").mkdir()
     (tmp_path / "r/router/status.json").write_text("{torn")

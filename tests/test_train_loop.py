@@ -19,6 +19,7 @@ from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.dit import DiTExpert, DiTRouter
 from flowfleet.models.files import load_model
+from flowfleet.models.flops import train_flops, train_flops_per_sample
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import CheckpointStore
 from flowfleet.train.loop import Trainer, TrainingDiverged, TrainOptions, learning_rate
@@ -275,7 +276,12 @@ def test_router_refuses_assignments_that_do_not_cover_the_data(tmp_path):
 def test_monolith_trains_on_all_data_for_matched_compute(tmp_path):
     root = make_run(tmp_path / "r", k=2, steps=2, monolith=True)
     status = run_job(root, JobSpec("monolith"))
-    assert (status.state, status.total_steps, status.step) == ("done", 4, 4)  # 2 experts x 2 steps
+    cfg = load_run_config(root)
+    # 2 experts x 2 steps, plus the steps that spend the router's training FLOPs (the same batch)
+    router = train_flops(cfg.router, cfg.router_train.steps, cfg.router_train.batch_size)
+    steps = 2 * 2 + math.ceil(router / (train_flops_per_sample(cfg.expert) * cfg.train.batch_size))
+    assert steps > 4
+    assert (status.state, status.total_steps, status.step) == ("done", steps, steps)
     assert load_model(DiTExpert, RunRoot(tmp_path / "r/monolith"), "final").cfg == load_run_config(root).expert
 
 
