@@ -32,7 +32,7 @@ def _builtin(
 ) -> dict[str, Any]:
     """The built-in sources' recipe, chosen by measurement on MNIST-5k (benchmarks/mnist_recipe.py and
     benchmarks/expert_space.py, BENCHMARKS.md): a DiT of depth 4 on 16 tokens (hidden 128, or `hidden`) with
-    the exact GELU (2.8x faster than the tanh one on a CPU), conditioned on the caption's pooled MiniLM
+    the exact GELU (DiT's tanh approximation is no closer to it than 1e-3, and slower as an op on a CPU), conditioned on the caption's pooled MiniLM
     vector; AdamW 2e-3 with 100 warm-up steps, batch 64, logit-normal t, an EMA that warms up; 20 Euler
     steps at CFG 3 (the evaluation's guidance sweep picks each model's scale).
     Its space: with `autoencoder`, the 8 x 8 x 4 latent of a small AutoencoderKL that prepare trains on the

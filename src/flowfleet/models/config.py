@@ -20,8 +20,8 @@ DIT_SIZES: dict[str, tuple[int, int, int]] = {
 Conditioning = Literal["none", "class", "pooled", "cross_attn"]
 AdaLN = Literal["zero", "single"]
 # The MLP's activation: DiT's and PixArt's tanh-approximated GELU, or the exact (erf) GELU, which is the
-# same curve to within 1e-3 and 2.8x faster on a CPU (AVX2: 0.52 vs 1.45 ms for [1024, 256]; a whole
-# training step of the demo's expert 8-20 % faster, BENCHMARKS.md).
+# same curve to within 1e-3 and about 3x faster as an op on a CPU (AVX2, [1024, 256]); a whole training
+# step of the demo's expert shows no consistent gain on a noisy 2-core box (BENCHMARKS.md, "The exact GELU").
 MlpAct = Literal["gelu_tanh", "gelu"]
 
 

@@ -1,0 +1,66 @@
+"""A probe of a sampler the product does not have yet: a stronger guidance scale HIGH while t > TAU (the
+early, noisy steps, where Paris' prompt-blind router can only follow the clusters' prior) and the swept
+scale below it. Evaluated with `flowfleet evaluate`'s own code (held-out reference, the digit judge,
+classifier FD, precision/recall), on an evaluated run's fleet and, with --monolith, its monolith.
+
+    python benchmarks/guidance_interval.py --run runs/demo --high 4.5 --tau 0.7 --cfg 1.5,2,3
+
+The run's reports/evaluation.json is overwritten: point --run at a copy. The routed velocity's guidance
+scale is replaced for this process only (a subclass of flowfleet.sampling.pipeline.RoutedVelocity);
+nothing of the product changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="a copy of an evaluated run (its model/ and reports/)")
+    p.add_argument("--high", type=float, required=True, help="guidance scale while t > --tau")
+    p.add_argument("--tau", type=float, required=True, help="t above which --high applies (t = 1: noise)")
+    p.add_argument("--cfg", default="1.5,2,3", help="the swept scale used for t <= --tau")
+    p.add_argument("--strategies", default="top2")
+    p.add_argument("--monolith", action="store_true")
+    p.add_argument("--n", type=int, default=300)
+    a = p.parse_args()
+
+    from flowfleet.evaluate.fid import FIDSettings
+    from flowfleet.sampling import pipeline
+    from flowfleet.sampling.routing import run_selected
+    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
+
+    class IntervalVelocity(pipeline.RoutedVelocity):
+        def __call__(self, x, t, step):
+            selection = self.select(x, t, step)
+            scale = max(self.cfg, a.high) if float(t[0]) > a.tau else self.cfg
+            guided = self.pipe.guidance_applies(scale)
+            return run_selected(self.pipe.experts, x, t, self.cond, selection, scale, guided, self.trace.stats)
+
+    pipeline.FleetPipeline.velocity_fn = lambda self, cond, k, cfg, route_every, trace: IntervalVelocity(
+        self, cond, k, cfg, route_every, trace
+    )
+    options = EvaluateOptions(
+        n=a.n,
+        batch_size=a.n,
+        strategies=tuple(a.strategies.split(",")),
+        monolith=a.monolith,
+        diagnostics=False,
+        cfg_sweep=tuple(float(c) for c in a.cfg.split(",")),
+        fid=FIDSettings(resize=75),
+        device="cpu",
+    )
+    result = evaluate(f"{a.run}/model", a.run, options)
+    print("\n| model | high | tau | cfg below tau | classifier FD | prompt accuracy | precision | recall |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in result["runs"].items():
+        for s in r["sweep"]:
+            print(
+                f"| {name} | {a.high} | {a.tau} | {s['cfg']} | {s['classifier_fd']:.1f} | {s['prompt_accuracy']:.3f} "
+                f"| {s['precision']:.3f} | {s['recall']:.3f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
