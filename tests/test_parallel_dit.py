@@ -34,6 +34,7 @@ from flowfleet.parallel import (
     run_local,
     single_process,
 )
+from flowfleet.parallel.step import BandStep
 
 FORK = dict(start_method="fork", timeout_s=20.0)
 K = 3  # experts in the routed fleet
@@ -183,6 +184,18 @@ def test_band_layout_tiles_the_latent():
     assert torch.equal(torch.cat([lay.split(x) for lay in uneven], dim=-2), x)
     with pytest.raises(FlowfleetError, match="8 token rows .* cannot be split into 9 bands; use at most 8"):
         BandLayout.for_latent((16, 6), 2, 9, 0)
+
+
+def test_band_step_cuts_every_level_where_the_band_layout_does():
+    # one geometry: a U-Net or transformer layer at any resolution cuts its rows at the DiT layout's rows
+    for bands, grid_h in ((3, 8), (4, 16), (5, 7)):
+        layouts = [BandLayout.for_latent((grid_h * 2, 6), 2, bands, r) for r in range(bands)]
+        for level in (1, 2, 4):  # rows of a level `level` times finer than the token rows
+            steps = [BandStep(None, r, bands, sizes=layouts[0].sizes) for r in range(bands)]
+            spans = [s.span(grid_h * level) for s in steps]
+            assert spans == [(lay.start * level, lay.rows * level) for lay in layouts]
+            assert steps[-1].counts(layouts[-1].rows * level) == [r * level for r in layouts[0].sizes]
+    assert BandStep(None, 1, 4).span(16) == (4, 4) and BandStep(None, 1, 4).counts(3) == [3, 3, 3, 3]
 
 
 def test_comm_manager_slots_batches_and_rows_on_one_rank():

@@ -1,7 +1,10 @@
 """Patch-parallel inference of DiT experts over torch.distributed (DistriFusion, Li et al. 2024).
 
 mode.py       ParallelMode: sync | displaced | naive, one code path each
-bands.py      BandLayout: N contiguous, patch-aligned bands of token rows
+bands.py      BandLayout: N contiguous, patch-aligned bands of token rows; band_span/band_counts: the cut
+              every layer of every band-parallel model makes
+attention.py  BandKV: every band's keys/values by ParallelMode (the DiT's and the diffusers processors'
+              self-attention); the diffusers attention processors
 comm.py       CommManager: registered slots in one flat buffer, batched async all-gathers, byte counts
 dit.py        PatchParallelDiT: a DiT on one band, one wrapper per layer kind
 runner.py     PatchParallelRunner / ParallelVelocity: the per-step velocity of a routed fleet on N ranks
@@ -10,7 +13,7 @@ launch.py     torchrun (re)launch, local ranks for tests (the world they join: f
 patched.py    PatchedModel: a diffusers model patched in place (per call: CFG split, warm-up, output
               gather); unet/ for U-Nets, transformers.py for PixArt, SD3 and Flux, vae.py for a decoder
 registry.py   parallelize(): which wrapper patches which diffusers class
-unet/         the U-Net's band wrappers (halo convolutions, GroupNorm, attention processors)
+unet/         the U-Net's band wrappers (halo convolutions, GroupNorm)
 
 Names are imported lazily, so `flowfleet generate --nproc N` can relaunch itself under torchrun
 without first importing the model code (diffusers) in the launcher process.

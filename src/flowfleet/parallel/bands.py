@@ -63,7 +63,7 @@ class BandLayout:
     @property
     def start(self) -> int:
         """This band's first token row."""
-        return sum(self.sizes[: self.index])
+        return band_span(self.sizes, self.index, self.grid_h)[0]
 
     @property
     def token_slice(self) -> slice:
@@ -86,3 +86,16 @@ def band_sizes(total: int, bands: int) -> tuple[int, ...]:
         raise FlowfleetError(f"cannot split {total} rows into {bands} bands (at most one band per row)")
     base, extra = divmod(total, bands)
     return tuple(base + (1 if i < extra else 0) for i in range(bands))
+
+
+def band_span(sizes: tuple[int, ...], index: int, total: int) -> tuple[int, int]:
+    """(first index, length) of band `index`'s share of `total` rows or tokens, where `sizes` are every band's
+    sizes in any unit proportional to its share (rows of a coarser level, tokens): the one rule every layer of
+    a band-parallel model cuts by, so that the cuts of all levels line up."""
+    cut = [s * total // sum(sizes) for s in sizes]  # multiply first: exact whatever the unit of sizes
+    return sum(cut[:index]), cut[index]
+
+
+def band_counts(sizes: tuple[int, ...], index: int, n: int) -> list[int]:
+    """Every band's item count in a layer where band `index` holds n, in band order (`sizes` as in band_span)."""
+    return [s * n // sizes[index] for s in sizes]

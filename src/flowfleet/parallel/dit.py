@@ -19,12 +19,12 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
 from flowfleet.models.layers import SelfAttention
+from flowfleet.parallel.attention import BandKV
 from flowfleet.parallel.bands import BandLayout
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import ParallelMode
@@ -59,50 +59,20 @@ class PatchEmbedBand:
 
 
 class SelfAttentionBand:
-    """Local queries, keys/values of every band. One method per ParallelMode."""
+    """Local queries against the keys/values of every band (BandKV: the exchange the diffusers processors use)."""
 
     def __init__(self, attn: SelfAttention, comm: CommManager, slot: str, counts: list[int]):
         self.attn = attn
-        self.comm = comm
-        self.slot = slot
-        self.me = comm.bands.rank
-        self.counts = counts  # every band's tokens (uneven bands travel padded to the largest)
-        self._paths = {
-            ParallelMode.SYNC: self._sync,
-            ParallelMode.DISPLACED: self._displaced,
-            ParallelMode.NAIVE: self._naive,
-        }
+        self.kv = BandKV(comm, slot, comm.bands.rank)
+        self.counts = counts  # every band's tokens
 
     def __call__(
         self, x: torch.Tensor, *, mode: ParallelMode, rows: torch.Tensor | None, prefetch: bool
     ) -> torch.Tensor:
         q, k, v = self.attn.forward_qkv(x)  # each [B, H, n, Dh]
         kv = torch.stack((k, v), dim=1)  # [B, 2, H, n, Dh]: this band's fresh keys and values
-        kv_all = self._paths[mode](kv, rows, prefetch)  # [B, 2, H, N (or n for naive), Dh]
+        kv_all = self.kv(kv, mode, self.counts, rows, prefetch)  # [B, 2, H, N (or n for naive), Dh]
         return self.attn.attend(q, kv_all[:, 0], kv_all[:, 1])  # [B, n, D]
-
-    def _merge(self, kv: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
-        """Own fresh band + the other ranks' bands ([size, B, 2, H, n, Dh]) -> [B, 2, H, all tokens, Dh]."""
-        parts = [kv if r == self.me else others[r, :, :, :, : self.counts[r]] for r in range(others.shape[0])]
-        return torch.cat(parts, dim=3)
-
-    def _padded(self, kv: torch.Tensor) -> torch.Tensor:
-        missing = max(self.counts) - kv.shape[3]
-        return F.pad(kv, (0, 0, 0, missing)) if missing else kv  # [B, 2, H, largest n, Dh]
-
-    def _sync(self, kv, rows, prefetch):
-        return self._merge(kv, self.comm.gather(self.slot, self._padded(kv), rows))  # blocks on this step's K/V
-
-    def _displaced(self, kv, rows, prefetch):
-        stale = self.comm.wait(self.slot)  # [size, B_slot, 2, H, n, Dh]: the previous step's K/V
-        stale = stale[:, : kv.shape[0]] if rows is None else stale[:, rows]  # copies (index) or view
-        full = self._merge(kv, stale)  # copies: the receive buffer may be refilled from here on
-        if prefetch:
-            self.comm.enqueue(self.slot, self._padded(kv), rows)  # gathered while later layers compute
-        return full
-
-    def _naive(self, kv, rows, prefetch):
-        return kv  # this band only: no interaction between bands
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from flowfleet.errors import FlowfleetError
+from flowfleet.parallel.bands import band_counts, band_span
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import NormStats, ParallelMode, UNetMode
 
@@ -37,15 +38,11 @@ class BandStep:
 
     def counts(self, n: int) -> list[int]:
         """Every band's item count in a layer where this band has n (uneven bands), in band order."""
-        if not self.sizes:
-            return [n] * self.bands
-        return [s * n // self.sizes[self.index] for s in self.sizes]
+        return band_counts(self.sizes or (1,) * self.bands, self.index, n)
 
     def span(self, total: int) -> tuple[int, int]:
         """(first index, length) of this band's share of `total` rows or tokens of the whole image."""
-        sizes = self.sizes or (1,) * self.bands
-        cut = [s * total // sum(sizes) for s in sizes]  # multiply first: exact whatever the unit of sizes
-        return sum(cut[: self.index]), cut[self.index]
+        return band_span(self.sizes or (1,) * self.bands, self.index, total)
 
     def cut(self, whole: torch.Tensor, dim: int = -2) -> torch.Tensor:
         """This band's share of a whole-image tensor along `dim` (rows at any level, or tokens): a view."""

@@ -47,10 +47,10 @@ from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
+from flowfleet.parallel.attention import CrossAttentionBand, SelfAttentionBand, _heads
 from flowfleet.parallel.bands import band_sizes
 from flowfleet.parallel.patched import PatchedModel
 from flowfleet.parallel.step import BandStep
-from flowfleet.parallel.unet.attention import CrossAttentionBand, SelfAttentionBand, _heads
 
 
 class PatchEmbedBand:

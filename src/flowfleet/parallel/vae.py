@@ -25,10 +25,10 @@ from diffusers.models.autoencoders.vae import Decoder
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
+from flowfleet.parallel.attention import SelfAttentionBand
 from flowfleet.parallel.bands import band_sizes
 from flowfleet.parallel.mode import UNetMode
 from flowfleet.parallel.patched import PatchedModel
-from flowfleet.parallel.unet.attention import SelfAttentionBand
 from flowfleet.parallel.unet.conv import FirstConvBand, HaloConvBand, RowHalo
 from flowfleet.parallel.unet.model import check_layers
 from flowfleet.parallel.unet.norm import GroupNormBand

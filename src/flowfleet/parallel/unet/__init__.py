@@ -1,13 +1,12 @@
 """DistriFusion patch parallelism for diffusers UNet2DConditionModel (DistriFusion, Li et al. 2024, §4).
 
 conv.py       FirstConvBand (exact from the full latent), HaloConvBand (halo rows from neighbouring bands)
-attention.py  SelfAttentionBand (whole-image keys/values), CrossAttentionBand (cached text keys/values)
 norm.py       GroupNormBand: exact / corrected asynchronous / stale / separate statistics (biased variance)
 model.py      ParallelUNet: a U-Net patched in place (flowfleet.parallel.registry picks it for a U-Net)
 
-The modes (UNetMode: sync | displaced | sync-gn | stale-gn | separate-gn | naive) live in
-flowfleet.parallel.mode and the per-evaluation BandStep in flowfleet.parallel.step: the transformers and
-the VAE decoder use them too. All communication goes through flowfleet.parallel.comm.CommManager (one
+Its attention processors (SelfAttentionBand, CrossAttentionBand) live in flowfleet.parallel.attention, the
+modes (UNetMode: sync | displaced | sync-gn | stale-gn | separate-gn | naive) in flowfleet.parallel.mode and
+the per-evaluation BandStep in flowfleet.parallel.step: the transformers and the VAE decoder use them too. All communication goes through flowfleet.parallel.comm.CommManager (one
 per parallel U-Net).
 """
 

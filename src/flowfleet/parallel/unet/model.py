@@ -23,9 +23,9 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel, UNet2
 
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
+from flowfleet.parallel.attention import CrossAttentionBand, SelfAttentionBand
 from flowfleet.parallel.bands import band_sizes
 from flowfleet.parallel.patched import PatchedModel
-from flowfleet.parallel.unet.attention import CrossAttentionBand, SelfAttentionBand
 from flowfleet.parallel.unet.conv import FirstConvBand, HaloConvBand, RowHalo
 from flowfleet.parallel.unet.norm import GroupNormBand
 

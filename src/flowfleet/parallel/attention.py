@@ -1,4 +1,6 @@
-"""Attention on one band of rows, as diffusers attention processors (DistriFusion, Li et al. 2024, §4).
+"""Attention on one band of rows (DistriFusion, Li et al. 2024, §4): the exchange of keys/values that every
+band-parallel self-attention shares (BandKV: the DiT experts' and the diffusers processors'), and the
+diffusers attention processors.
 
     self-attention   this band's queries against the keys/values of the whole image: this band's fresh
                      ones plus the other bands', which the ParallelMode supplies (this step's, blocking;
@@ -8,7 +10,7 @@
                      every rank and every step of a run, so they are computed once per prompt tensor and
                      reused (the cache is keyed on that tensor object and its in-place version counter).
 
-Both mirror diffusers' AttnProcessor2_0 step by step (token reshape, optional group norm, q/k/v
+The processors mirror diffusers' AttnProcessor2_0 step by step (token reshape, optional group norm, q/k/v
 projections, head split, q/k norms, scaled-dot-product attention with the default scale, output
 projection, residual, rescale) so that with every band's fresh keys/values the result equals the
 single-device layer up to float rounding.
@@ -20,8 +22,69 @@ import torch
 import torch.nn.functional as F
 
 from flowfleet.errors import FlowfleetError
+from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import ParallelMode
 from flowfleet.parallel.step import BandStep
+
+# --------------------------------------------------------------------------------------------------
+#                               Keys and values of every band
+# --------------------------------------------------------------------------------------------------
+
+
+class BandKV:
+    """One self-attention layer's comm slot: this band's fresh keys/values [B, 2, H, n, Dh] -> every band's,
+    [B, 2, H, sum of n, Dh] in row order, as the ParallelMode supplies them (this step's, blocking; the
+    previous step's, with this step's sent while later layers compute; this band's alone for naive).
+    Uneven bands travel padded to the largest band's n and are trimmed on arrival.
+
+    rows: which of the slot's batch rows these samples are (None: the leading ones), so that displaced
+    reuses each sample's own previous keys/values when routing changes the batch; prefetch=False skips
+    sending this step's (the last step: nobody will read them)."""
+
+    def __init__(self, comm: CommManager, slot: str, index: int):
+        self.comm = comm
+        self.slot = slot
+        self.index = index  # this band
+        self._paths = {
+            ParallelMode.SYNC: self._sync,
+            ParallelMode.DISPLACED: self._displaced,
+            ParallelMode.NAIVE: self._naive,
+        }
+
+    def __call__(
+        self,
+        kv: torch.Tensor,
+        mode: ParallelMode,
+        counts: list[int],
+        rows: torch.Tensor | None = None,
+        prefetch: bool = True,
+    ) -> torch.Tensor:
+        return self._paths[mode](kv, counts, rows, prefetch)
+
+    def _merge(self, kv: torch.Tensor, bands: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This band's fresh K/V + every band's [N, B, 2, H, n, Dh] -> [B, 2, H, sum of n, Dh] (copies)."""
+        parts = [kv if r == self.index else bands[r, :, :, :, : counts[r]] for r in range(bands.shape[0])]
+        return torch.cat([part.to(kv.dtype) for part in parts], dim=3)
+
+    @staticmethod
+    def _padded(kv: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        missing = max(counts) - kv.shape[3]
+        return F.pad(kv, (0, 0, 0, missing)) if missing else kv  # [B, 2, H, largest n, Dh]
+
+    def _sync(self, kv, counts, rows, prefetch):
+        return self._merge(kv, self.comm.gather(self.slot, self._padded(kv, counts), rows), counts)  # blocks
+
+    def _displaced(self, kv, counts, rows, prefetch):
+        stale = self.comm.wait(self.slot)  # [N, B_slot, 2, H, n, Dh]: the previous step's K/V
+        stale = stale[:, : kv.shape[0]] if rows is None else stale[:, rows]  # a view, or copies (index)
+        full = self._merge(kv, stale, counts)  # copies: the receive buffer may be refilled from here on
+        if prefetch:
+            self.comm.enqueue(self.slot, self._padded(kv, counts), rows)  # gathered while later layers compute
+        return full
+
+    def _naive(self, kv, counts, rows, prefetch):
+        return kv  # this band only: no interaction between bands
+
 
 # --------------------------------------------------------------------------------------------------
 #                        Shared pieces of diffusers' AttnProcessor2_0
@@ -62,27 +125,15 @@ def _finish(attn, out: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype)
 
 
 class SelfAttentionBand:
-    """Processor for a self-attention layer: local queries, every band's keys/values. One method per ParallelMode."""
+    """Processor for a self-attention layer: local queries, every band's keys/values (BandKV)."""
 
     def __init__(self, name: str, step: BandStep):
         self.name = name
         self.slot = f"{name}.kv"
         self.step = step
-        self._paths = {
-            ParallelMode.SYNC: self._sync,
-            ParallelMode.DISPLACED: self._displaced,
-            ParallelMode.NAIVE: self._naive,
-        }
+        self.kv = BandKV(step.comm, self.slot, step.index)
 
-    def __call__(
-        self,
-        attn,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        temb: torch.Tensor | None = None,
-        **kwargs,
-    ) -> torch.Tensor:
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
         if encoder_hidden_states is not None or attention_mask is not None:
             raise FlowfleetError(
                 f"layer {self.name}: patch-parallel self-attention takes no encoder states or attention mask"
@@ -101,32 +152,11 @@ class SelfAttentionBand:
         return _finish(attn, out, residual, q.dtype)
 
     def all_bands(self, kv: torch.Tensor) -> torch.Tensor:
-        """This band's fresh keys/values [B, 2, H, n, Dh] -> every band's, as the mode supplies them,
-        [B, 2, H, sum of n, Dh] in row order (this band's alone for naive). Uneven bands (step.sizes) travel
-        padded to the largest band's n and are trimmed on arrival."""
-        self.step.declare(self.slot, (kv.shape[1], kv.shape[2], max(self.step.counts(kv.shape[3])), kv.shape[4]))
-        return self._paths[self.step.exchange](kv)
-
-    def _padded(self, kv: torch.Tensor) -> torch.Tensor:
-        missing = max(self.step.counts(kv.shape[3])) - kv.shape[3]
-        return F.pad(kv, (0, 0, 0, missing)) if missing else kv  # [B, 2, H, largest n, Dh]
-
-    def _merge(self, kv: torch.Tensor, bands: torch.Tensor) -> torch.Tensor:
-        """This band's fresh K/V + every band's [N, B, 2, H, n, Dh] -> [B, 2, H, N*n, Dh] in row order (copies)."""
-        me, counts = self.step.index, self.step.counts(kv.shape[3])
-        parts = [kv if r == me else bands[r, :, :, :, : counts[r]] for r in range(bands.shape[0])]
-        return torch.cat([part.to(kv.dtype) for part in parts], dim=3)
-
-    def _sync(self, kv):
-        return self._merge(kv, self.step.comm.gather(self.slot, self._padded(kv)))  # blocks on this step's K/V
-
-    def _displaced(self, kv):
-        full = self._merge(kv, self.step.comm.wait(self.slot)[:, : kv.shape[0]])  # previous step's, copied
-        self.step.comm.enqueue(self.slot, self._padded(kv))  # gathered while later layers compute
-        return full
-
-    def _naive(self, kv):
-        return kv  # this band only
+        """This band's fresh keys/values [B, 2, H, n, Dh] -> every band's, [B, 2, H, sum of n, Dh]; the slot is
+        declared while the model records its slots."""
+        counts = self.step.counts(kv.shape[3])
+        self.step.declare(self.slot, (kv.shape[1], kv.shape[2], max(counts), kv.shape[4]))
+        return self.kv(kv, self.step.exchange, counts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -143,15 +173,7 @@ class CrossAttentionBand:
         self._key: tuple[int, ...] = ()
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(
-        self,
-        attn,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        temb: torch.Tensor | None = None,
-        **kwargs,
-    ) -> torch.Tensor:
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
         if encoder_hidden_states is None:
             raise FlowfleetError(f"layer {self.name}: cross-attention called without encoder hidden states")
         residual = hidden_states
