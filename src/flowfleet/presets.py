@@ -32,8 +32,8 @@ def _builtin(
 ) -> dict[str, Any]:
     """The built-in sources' recipe, chosen by measurement on MNIST-5k (benchmarks/mnist_recipe.py and
     benchmarks/expert_space.py, BENCHMARKS.md): a DiT of depth 4 on 16 tokens (hidden 128, or `hidden`) with
-    the exact GELU (DiT's tanh approximation is no closer to it than 1e-3, and slower as an op on a CPU), conditioned on the caption's pooled MiniLM
-    vector; AdamW 2e-3 with 100 warm-up steps, batch 64, logit-normal t, an EMA that warms up; 20 Euler
+    the exact GELU (DiT's tanh approximation of it is slower as an op on a CPU), conditioned on the caption's
+    pooled MiniLM vector; AdamW 2e-3 with 100 warm-up steps, batch 64, logit-normal t, an EMA that warms up; 20 Euler
     steps at CFG 3 (the evaluation's guidance sweep picks each model's scale).
     Its space: with `autoencoder`, the 8 x 8 x 4 latent of a small AutoencoderKL that prepare trains on the
     training digits (padded 28 -> 32), 2 x 2 patches: a classifier FD 1.5x the real floor after 1000 steps,

@@ -6,8 +6,8 @@ model.py      ParallelUNet: a U-Net patched in place (flowfleet.parallel.registr
 
 Its attention processors (SelfAttentionBand, CrossAttentionBand) live in flowfleet.parallel.attention, the
 modes (UNetMode: sync | displaced | sync-gn | stale-gn | separate-gn | naive) in flowfleet.parallel.mode and
-the per-evaluation BandStep in flowfleet.parallel.step: the transformers and the VAE decoder use them too. All communication goes through flowfleet.parallel.comm.CommManager (one
-per parallel U-Net).
+the per-evaluation BandStep in flowfleet.parallel.step: the transformers and the VAE decoder use them too.
+All communication goes through flowfleet.parallel.comm.CommManager (one per parallel U-Net).
 """
 
 from __future__ import annotations
