@@ -479,11 +479,6 @@ def describe_validation_error(err: ValidationError) -> str:
 
 def load_run_config(root: RunRoot) -> RunConfig:
     """Read and validate RUN_ROOT/run.yaml; one-line ConfigError otherwise."""
-    where = root.url_of(RUN_FILE)
-    if not root.exists(RUN_FILE):
-        raise ConfigError(f"{where}: missing; create it with `flowfleet init {root.url} --preset mnist`")
-    try:
-        raw = root.read_yaml(RUN_FILE)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    return RunConfig.from_dict(raw, where)
+    missing = f"missing; create it with `flowfleet init {root.url} --preset mnist`"
+    raw = root.read_document(RUN_FILE, missing=missing, error=ConfigError)
+    return RunConfig.from_dict(raw, root.url_of(RUN_FILE))

@@ -21,6 +21,7 @@ from typing import Any, Callable, TypeVar
 import fsspec
 import yaml
 
+from flowfleet.errors import FlowfleetError
 from flowfleet.layout import RUN_FILE
 
 T = TypeVar("T")
@@ -201,6 +202,21 @@ class RunRoot:
             return yaml.safe_load(io.BytesIO(self.read_bytes(*parts)))
         except yaml.YAMLError as err:
             raise ValueError(f"{self.url_of(*parts)}: not valid YAML ({str(err).splitlines()[0]})") from None
+
+    def read_document(
+        self, *parts: str, missing: str | None = None, error: type[FlowfleetError] = FlowfleetError
+    ) -> Any:
+        """A JSON or YAML file (by its suffix) -> its data; `error`, one line naming the file, when it does not
+        parse or, with `missing` (what to do about it), when it does not exist (without: None)."""
+        if not self.exists(*parts):
+            if missing is None:
+                return None
+            raise error(f"{self.url_of(*parts)}: {missing}")
+        read = self.read_yaml if parts[-1].endswith((".yaml", ".yml")) else self.read_json
+        try:
+            return read(*parts)
+        except ValueError as err:
+            raise error(str(err)) from None
 
     def write_yaml(self, obj: Any, *parts: str) -> None:
         self.write_bytes(yaml.safe_dump(obj, sort_keys=False).encode(), *parts)

@@ -113,12 +113,7 @@ def read_model_index(folder: RunRoot | str) -> ModelIndex:
     """Parse DIR/model_index.json; one-line FlowfleetError naming the file and field otherwise."""
     root = folder if isinstance(folder, RunRoot) else RunRoot(folder)
     where = root.url_of(INDEX_FILE)
-    if not root.exists(INDEX_FILE):
-        raise FlowfleetError(f"{where}: missing (not an assembled fleet; run `flowfleet assemble RUN_ROOT`)")
-    try:
-        raw = root.read_json(INDEX_FILE)
-    except ValueError as err:
-        raise FlowfleetError(str(err)) from None
+    raw = root.read_document(INDEX_FILE, missing="missing (not an assembled fleet; run `flowfleet assemble RUN_ROOT`)")
     if not isinstance(raw, dict):
         raise FlowfleetError(f"{where}: expected a JSON object")
     try:

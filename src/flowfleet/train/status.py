@@ -85,13 +85,8 @@ def _pid_alive(pid: int) -> bool:
 
 def read_status(root: RunRoot, job_dir: str) -> JobStatus | None:
     """The job's status, or None when it has never started."""
-    if not root.exists(job_dir, STATUS_FILE):
-        return None
-    try:
-        raw = root.read_json(job_dir, STATUS_FILE)
-    except ValueError as err:  # written atomically, so only a hand edit or a foreign writer gets here
-        raise FlowfleetError(str(err)) from None
-    return JobStatus.from_dict(raw, root.url_of(job_dir, STATUS_FILE))
+    raw = root.read_document(job_dir, STATUS_FILE)  # written atomically: only a hand edit fails to parse
+    return None if raw is None else JobStatus.from_dict(raw, root.url_of(job_dir, STATUS_FILE))
 
 
 def job_finished(root: RunRoot, job_dir: str, total_steps: int | None = None) -> tuple[bool, str, JobStatus | None]:
