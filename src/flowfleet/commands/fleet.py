@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from flowfleet.commands.options import add_progress, add_run_root
+from flowfleet.commands.options import add_command, add_progress, add_run_root
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "add-expert",
-        help="grow a trained fleet with new data: new experts, the router retrained, the rest untouched",
-        description="Prepare new data with the run's encoders and cluster it into K partitions in "
-        "RUN_ROOT/added/<n>/, train K new experts on them (isolated jobs, experts/<k>/), train the grown "
-        "fleet's router on all data warm-started from the previous one (router-k<K>/), and re-assemble "
-        "RUN_ROOT/model. The existing experts' files are not touched. Interrupted, the same command resumes.",
+        run_add_expert,
         epilog="example:  flowfleet add-expert runs/r --source folder --path /data/new-images --k 2",
     )
     add_run_root(p)
@@ -29,16 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N items of the source")
     p.add_argument("--k", type=int, default=1, help="experts to split the new data into (default 1)")
     add_progress(p)
-    p.set_defaults(func=run_add_expert)
 
-    p = sub.add_parser(
-        "remove-expert",
-        help="take an expert (and its data) out of a trained fleet",
-        description="Record the removal in run.yaml (removed_experts), train a new router from scratch on the "
-        "data that is left (router-without-K/; a warm start would carry the removed data), re-assemble "
-        "RUN_ROOT/model from the remaining experts and print what the fleet can no longer draw. No file of "
-        "the new model folder depends on the removed expert's data. Interrupted, the same command resumes.",
-        epilog="example:  flowfleet remove-expert runs/r --expert 1 --purge",
+    p = add_command(
+        sub, "remove-expert", run_remove_expert, epilog="example:  flowfleet remove-expert runs/r --expert 1 --purge"
     )
     add_run_root(p)
     p.add_argument("--expert", type=int, required=True, metavar="K", help="the expert to remove, 0..K-1")
@@ -48,18 +38,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also delete experts/K/, partitions/K/ and the routers trained with its data from the run root",
     )
     add_progress(p)
-    p.set_defaults(func=run_remove_expert)
     _register_distill(sub)
 
 
 def _register_distill(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "distill",
-        help="fold the fleet into one student model (trained on the fleet's guided velocity)",
-        description="Train one student DiT on the assembled fleet's velocity (routed with --teacher, guided with "
-        "the run's CFG) at x_t from the run's data, as an ordinary job in RUN_ROOT/student/, and assemble "
-        "RUN_ROOT/model-student: one model, sampled without guidance. Interrupted, the same command resumes.",
-        epilog="example:  flowfleet distill runs/r --teacher top2 --steps 1000",
+    p = add_command(
+        sub, "distill", run_distill, epilog="example:  flowfleet distill runs/r --teacher top2 --steps 1000"
     )
     add_run_root(p)
     p.add_argument("--teacher", default="top2", help="the fleet's routing strategy to learn (default top2)")
@@ -82,10 +66,16 @@ def _register_distill(sub: argparse._SubParsersAction) -> None:
         "--cfg", type=float, default=None, metavar="SCALE", help="the teacher's guidance (default sampling.cfg)"
     )
     add_progress(p)
-    p.set_defaults(func=run_distill)
 
 
 def run_distill(args: argparse.Namespace) -> int:
+    """fold the fleet into one student model (trained on the fleet's guided velocity)
+
+    Train one student DiT on the assembled fleet's velocity (routed with --teacher, guided with the run's CFG) at x_t
+    from the run's data, as an ordinary job in RUN_ROOT/student/, and assemble RUN_ROOT/model-student: one model,
+    sampled without guidance. Interrupted, the same command resumes.
+    """
+
     from flowfleet.stages.distill import distill
 
     student = {"size": args.student} if args.student else None
@@ -104,6 +94,14 @@ def run_distill(args: argparse.Namespace) -> int:
 
 
 def run_add_expert(args: argparse.Namespace) -> int:
+    """grow a trained fleet with new data: new experts, the router retrained, the rest untouched
+
+    Prepare new data with the run's encoders and cluster it into K partitions in RUN_ROOT/added/<n>/, train K new
+    experts on them (isolated jobs, experts/<k>/), train the grown fleet's router on all data warm-started from the
+    previous one (router-k<K>/), and re-assemble RUN_ROOT/model. The existing experts' files are not touched.
+    Interrupted, the same command resumes.
+    """
+
     from pydantic import ValidationError
 
     from flowfleet.config import ConfigError, DataConfig, describe_validation_error, load_run_config
@@ -130,6 +128,14 @@ def run_add_expert(args: argparse.Namespace) -> int:
 
 
 def run_remove_expert(args: argparse.Namespace) -> int:
+    """take an expert (and its data) out of a trained fleet
+
+    Record the removal in run.yaml (removed_experts), train a new router from scratch on the data that is left
+    (router-without-K/; a warm start would carry the removed data), re-assemble RUN_ROOT/model from the remaining
+    experts and print what the fleet can no longer draw. No file of the new model folder depends on the removed expert's
+    data. Interrupted, the same command resumes.
+    """
+
     from flowfleet.stages.remove_expert import remove_expert
 
     result = remove_expert(args.run_root, args.expert, purge=args.purge, progress=args.progress)

@@ -3,8 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import inspect
+from typing import Any, Callable
 
 from flowfleet.parallel.mode import DISPLACED_WARMUP, PARALLEL_MODES
+
+
+def add_command(
+    sub: argparse._SubParsersAction, name: str, run: Callable[[argparse.Namespace], int], **kwargs: Any
+) -> argparse.ArgumentParser:
+    """A stage's sub-command, documented where it runs: the first paragraph of `run`'s docstring is its line in
+    `flowfleet --help`, the rest its description in `flowfleet NAME --help` (as click and typer do); `run(args)`
+    returns the exit code. kwargs go to add_parser (epilog, formatter_class, a description of its own)."""
+    summary, _, description = (inspect.getdoc(run) or "").partition("\n\n")
+    kwargs.setdefault("description", description or summary)
+    p = sub.add_parser(name, help=" ".join(summary.split()), **kwargs)
+    p.set_defaults(func=run)
+    return p
 
 
 def add_run_root(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from flowfleet.commands.options import (
+    add_command,
     add_device,
     add_model_dir,
     add_parallel,
@@ -19,14 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "assemble",
-        help="collect experts + router into a diffusers-style model folder",
-        description="Collect the finished experts (EMA weights, experts/k/final), the router (router/final) and "
-        "references to the encoders into one model folder: model_index.json, expert_0..expert_{K-1}/, router/, "
-        "text_encoder/ (a reference), vae/ (a reference) or a pixel-space note. Every expert's config is checked "
-        "against run.yaml first; an incompatible one is refused naming the expert and the field.",
-    )
+    p = add_command(sub, "assemble", run_assemble)
     add_run_root(p)
     p.add_argument("--out", metavar="DIR", default=None, help="model folder to write (default: RUN_ROOT/model)")
     p.add_argument(
@@ -54,16 +48,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="assemble the distilled student (student/final, `flowfleet distill`) the same way "
         "(default --out RUN_ROOT/model-student), sampled without guidance",
     )
-    p.set_defaults(func=run_assemble)
 
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "generate",
-        help="sample images from an assembled fleet",
-        description="Sample images from an assembled fleet with per-sample top-k routing (paris §2.7): the router "
-        "picks the k most probable experts for each sample at each step, their velocities are combined with "
-        "renormalised weights, and only the selected experts run. Writes a PNG grid to --out, and beside it "
-        "<name>.routing.json (per-sample expert choices per step, usage counts) and <name>.routing.png (router "
-        "probabilities over the steps). Unset sampling options come from the fleet's model_index.json.",
+        run_generate,
         epilog="examples:  flowfleet generate runs/r/model --prompt 'a handwritten digit seven' --strategy top1\n"
         "           flowfleet generate runs/r/model --prompt 'a digit 3' --strategy full --sampler heun --steps 10\n"
         "           flowfleet generate runs/r/model --prompt 'a digit 3' --offload 2 --route-every 5",
@@ -106,10 +95,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=None, metavar="B", help="samples per batch (default: all)")
     add_device(p)
     add_parallel(p)
-    p.set_defaults(func=run_generate)
 
 
 def run_assemble(args: argparse.Namespace) -> int:
+    """collect experts + router into a diffusers-style model folder
+
+    Collect the finished experts (EMA weights, experts/k/final), the router (router/final) and references to the
+    encoders into one model folder: model_index.json, expert_0..expert_{K-1}/, router/, text_encoder/ (a reference),
+    vae/ (a reference) or a pixel-space note. Every expert's config is checked against run.yaml first; an incompatible
+    one is refused naming the expert and the field.
+    """
+
     from flowfleet.stages.assemble import assemble
 
     result = assemble(
@@ -133,6 +129,15 @@ def run_assemble(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    """sample images from an assembled fleet
+
+    Sample images from an assembled fleet with per-sample top-k routing (paris §2.7): the router picks the k most
+    probable experts for each sample at each step, their velocities are combined with renormalised weights, and only the
+    selected experts run. Writes a PNG grid to --out, and beside it <name>.routing.json (per-sample expert choices per
+    step, usage counts) and <name>.routing.png (router probabilities over the steps). Unset sampling options come from
+    the fleet's model_index.json.
+    """
+
     relaunched = relaunch_parallel(args)
     if relaunched is not None:
         return relaunched

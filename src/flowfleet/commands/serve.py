@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from flowfleet.commands.options import add_device, add_parallel, relaunch_parallel
+from flowfleet.commands.options import add_command, add_device, add_parallel, relaunch_parallel
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="a web page and HTTP API for a model folder (fleet, monolith or student)",
-        description="Serve an assembled model folder: a Gradio page at / (prompt, strategy, steps, CFG, seed; "
-        "the images with each image's routing; the fleet card) and a JSON API at /api/generate (docs at /docs). "
-        "Requests run one at a time; beyond --max-queue waiting ones they are refused as busy (HTTP 503).",
-    )
+    p = add_command(sub, "serve", run_serve)
     p.add_argument("model_dir", metavar="MODEL_DIR", help="assembled model folder (model/, model-monolith/, ...)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860, help="port (default 7860, Gradio's)")
@@ -25,10 +19,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-images", type=int, default=8, help="most images per request")
     p.add_argument("--no-ui", action="store_true", help="the HTTP API only (no Gradio page)")
     add_parallel(p)
-    p.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """a web page and HTTP API for a model folder (fleet, monolith or student)
+
+    Serve an assembled model folder: a Gradio page at / (prompt, strategy, steps, CFG, seed; the images with each
+    image's routing; the fleet card) and a JSON API at /api/generate (docs at /docs). Requests run one at a time; beyond
+    --max-queue waiting ones they are refused as busy (HTTP 503).
+    """
+
     from pydantic import ValidationError
 
     from flowfleet.errors import FlowfleetError

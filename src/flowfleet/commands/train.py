@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from flowfleet.commands.options import add_device, add_progress, add_run_root
+from flowfleet.commands.options import add_command, add_device, add_progress, add_run_root
 
 _RESUME = (
     "Resumes from the job's newest checkpoint when there is one. SIGTERM or Ctrl-C: finish the step, "
@@ -21,26 +21,12 @@ def _job_options(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train-expert",
-        help="train expert k on partition k only (an isolated job)",
-        description="Train expert K on RUN_ROOT/partitions/K with the run.yaml `expert` model and `train` "
-        "settings. Reads nothing but run.yaml and partitions/K; writes experts/K/ (status.json, metrics.jsonl, "
-        "tb/, checkpoints/, samples/, final/). Under `torchrun --nproc_per_node N flowfleet train-expert ...` "
-        "the job uses DDP over that node's devices (NCCL on GPUs, gloo on CPU). " + _RESUME,
-    )
+    p = add_command(sub, "train-expert", run_expert, epilog=_RESUME)
     add_run_root(p)
     p.add_argument("--expert", type=int, required=True, metavar="K", help="partition / expert number, 0..K-1")
     _job_options(p)
-    p.set_defaults(func=run_expert)
 
-    p = sub.add_parser(
-        "train-router",
-        help="train the router p(k | x_t, t) on all data",
-        description="Train the DiT router on RUN_ROOT/data with cross-entropy against the cluster ids in "
-        "clusters/assignments.safetensors, x_t at t ~ U[0,1] (run.yaml `router`, `router_train`). Writes "
-        "router/ and router/report.json (accuracy per t-bucket). " + _RESUME,
-    )
+    p = add_command(sub, "train-router", run_router, epilog=_RESUME)
     add_run_root(p)
     p.add_argument(
         "--paris",
@@ -49,14 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "for a prompt-aware run.yaml router; train-all does it when run.yaml router_baseline is true)",
     )
     _job_options(p)
-    p.set_defaults(func=run_router)
 
-    p = sub.add_parser(
-        "train-monolith",
-        help="train the single-model baseline on all data",
-        description="Train one model of the expert architecture on all of RUN_ROOT/data: the baseline for "
-        "evaluation. Writes monolith/. " + _RESUME,
-    )
+    p = add_command(sub, "train-monolith", run_monolith, epilog=_RESUME)
     add_run_root(p)
     p.add_argument(
         "--match-compute",
@@ -66,20 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default: run.yaml monolith.match_compute)",
     )
     _job_options(p)
-    p.set_defaults(func=run_monolith)
 
-    p = sub.add_parser(
-        "train-all",
-        help="run every expert job, the router and the monolith (local processes, Slurm or Ray jobs)",
-        description="Run the K expert jobs, the router and (if run.yaml monolith.enabled) the monolith: as "
-        "separate processes on this machine, N at a time, longest first (--backend local); as jobs of a "
-        "Slurm cluster (--backend slurm: an sbatch array for the experts, one job per other job, an assemble "
-        "job after all; the scripts are written to RUN_ROOT/backends/slurm/); or as Ray jobs (--backend ray "
-        "--address http://HEAD:8265). run.yaml `backends` and `placement` may spread the jobs over several "
-        "(mixed compute). Jobs on Slurm or Ray are watched: one whose node dies is resubmitted and resumes "
-        "from its checkpoint. Finished jobs are skipped, unfinished ones resume, a job still queued or "
-        "running is not submitted twice. Each job's output goes to its folder's train.log.",
-    )
+    p = add_command(sub, "train-all", run_all)
     add_run_root(p)
     p.add_argument(
         "--parallel",
@@ -122,17 +90,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the Ray cluster's dashboard URL, http://HEAD:8265 (default: RAY_ADDRESS; neither: a Ray cluster "
         "started on this machine for this train-all)",
     )
-    p.set_defaults(func=run_all)
 
-    p = sub.add_parser(
-        "status",
-        help="table of every job's state from its status file",
-        description="One table of all jobs of the run from their status.json: state, "
-        "step/total, progress, age of the heartbeat, last loss.",
-    )
+    p = add_command(sub, "status", run_status)
     add_run_root(p)
     p.add_argument("--json", action="store_true", help="print the status files as one JSON list instead")
-    p.set_defaults(func=run_status)
 
 
 def _options(args: argparse.Namespace):
@@ -157,18 +118,38 @@ def _report(status) -> int:
 
 
 def run_expert(args: argparse.Namespace) -> int:
+    """train expert k on partition k only (an isolated job)
+
+    Train expert K on RUN_ROOT/partitions/K with the run.yaml `expert` model and `train` settings. Reads nothing but
+    run.yaml and partitions/K; writes experts/K/ (status.json, metrics.jsonl, tb/, checkpoints/, samples/, final/).
+    Under `torchrun --nproc_per_node N flowfleet train-expert ...` the job uses DDP over that node's devices (NCCL on
+    GPUs, gloo on CPU).
+    """
+
     from flowfleet.stages.train import train_expert
 
     return _report(train_expert(args.run_root, args.expert, options=_options(args)))
 
 
 def run_router(args: argparse.Namespace) -> int:
+    """train the router p(k | x_t, t) on all data
+
+    Train the DiT router on RUN_ROOT/data with cross-entropy against the cluster ids in
+    clusters/assignments.safetensors, x_t at t ~ U[0,1] (run.yaml `router`, `router_train`). Writes router/ and
+    router/report.json (accuracy per t-bucket).
+    """
+
     from flowfleet.stages.train import train_router
 
     return _report(train_router(args.run_root, paris=args.paris, options=_options(args)))
 
 
 def run_monolith(args: argparse.Namespace) -> int:
+    """train the single-model baseline on all data
+
+    Train one model of the expert architecture on all of RUN_ROOT/data: the baseline for evaluation. Writes monolith/.
+    """
+
     from flowfleet.stages.train import train_monolith
 
     return _report(train_monolith(args.run_root, match_compute=args.match_compute, options=_options(args)))
@@ -209,6 +190,17 @@ def _backend(args: argparse.Namespace):
 
 
 def run_all(args: argparse.Namespace) -> int:
+    """run every expert job, the router and the monolith (local processes, Slurm or Ray jobs)
+
+    Run the K expert jobs, the router and (if run.yaml monolith.enabled) the monolith: as separate processes on this
+    machine, N at a time, longest first (--backend local); as jobs of a Slurm cluster (--backend slurm: an sbatch array
+    for the experts, one job per other job, an assemble job after all; the scripts are written to
+    RUN_ROOT/backends/slurm/); or as Ray jobs (--backend ray --address http://HEAD:8265). run.yaml `backends` and
+    `placement` may spread the jobs over several (mixed compute). Jobs on Slurm or Ray are watched: one whose node dies
+    is resubmitted and resumes from its checkpoint. Finished jobs are skipped, unfinished ones resume, a job still
+    queued or running is not submitted twice. Each job's output goes to its folder's train.log.
+    """
+
     from flowfleet.errors import FlowfleetError
     from flowfleet.stages.train import train_all
 
@@ -238,6 +230,12 @@ def _age(seconds: float | None) -> str:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    """table of every job's state from its status file
+
+    One table of all jobs of the run from their status.json: state, step/total, progress, age of the heartbeat, last
+    loss.
+    """
+
     from rich.console import Console
     from rich.table import Table
 
