@@ -10,6 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from fixtures.processes import free_port  # noqa: E402
 
 # FLOWFLEET_TEST_THREADS fixes torch's thread count for the whole run, the `one_thread` tests included
 # (`make test`'s portability pass runs the numerics tests at 1 and at 2 threads: a reduction split over
@@ -79,20 +80,12 @@ def run_root(tmp_path):
     return path
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server on 127.0.0.1 for the session; yields its endpoint URL."""
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")

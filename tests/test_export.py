@@ -14,6 +14,7 @@ from diffusers.models.transformers.pixart_transformer_2d import PixArtTransforme
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from fixtures.random_fleet import tiny_run_config, write_random_fleet
 from fixtures.tolerances import net_tol
+from fixtures.transformers import tiny_pixart
 
 from flowfleet.cli import main
 from flowfleet.config import RunConfig
@@ -47,6 +48,17 @@ def inputs(b: int = 3, channels: int = 1, length: int = 4, width: int = 384):
     return x, t, tokens, mask
 
 
+def assert_same_outputs(expert, pixart) -> None:
+    """Our expert and a diffusers PixArt transformer give the same velocity on the same inputs (parity_tol)."""
+    x, t, tokens, mask = inputs()
+    with torch.no_grad():
+        ours = expert(x, t, text_tokens=tokens, text_mask=mask)
+        theirs = pixart(
+            x, encoder_hidden_states=tokens, encoder_attention_mask=mask.float(), timestep=1000 * t, return_dict=False
+        )[0]
+    assert (ours - theirs).abs().max().item() <= parity_tol(theirs)
+
+
 @pytest.fixture
 def fleet(run_root):
     raw = tiny_run_config(2, conditioning="cross_attn").model_dump()
@@ -61,15 +73,10 @@ def test_an_exported_expert_is_a_pixart_transformer_with_the_same_outputs(fleet,
     assert main(["export", "diffusers", str(fleet / "model"), str(out), "--expert", "1"]) == 0
     expert = load_model(DiTExpert, str(fleet / "model"), "expert_1")
     transformer = PixArtTransformer2DModel.from_pretrained(str(out / "transformer")).eval()
-    x, t, tokens, mask = inputs()
-    with torch.no_grad():
-        ours = expert(x, t, text_tokens=tokens, text_mask=mask)
-        theirs = transformer(
-            x, encoder_hidden_states=tokens, encoder_attention_mask=mask.float(), timestep=1000 * t, return_dict=False
-        )[0]
-    assert (ours - theirs).abs().max().item() <= parity_tol(theirs)
+    assert_same_outputs(expert, transformer)
     # the expert's null text is diffusers' negative prompt: the unconditional branch of CFG
     null = safetensors.torch.load_file(str(out / "negative_prompt_embeds.safetensors"))
+    x, t, tokens, mask = inputs()
     with torch.no_grad():
         ours_null = expert(x, t, text_tokens=tokens, text_mask=mask, drop=torch.ones(3, dtype=torch.bool))
         theirs_null = transformer(
@@ -127,20 +134,7 @@ def test_an_expert_that_is_no_pixart_transformer_is_refused_naming_the_field(run
 
 def random_pixart(folder) -> PixArtTransformer2DModel:
     """A tiny PixArt transformer with every tensor random, saved in `folder`."""
-    torch.manual_seed(0)
-    pixart = PixArtTransformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=1,
-        out_channels=1,
-        num_layers=2,
-        num_attention_heads=2,
-        attention_head_dim=16,
-        cross_attention_dim=32,
-        caption_channels=384,
-        use_additional_conditions=False,
-        interpolation_scale=1,
-    ).eval()
+    pixart = tiny_pixart(size=8, channels=1, caption_channels=384)
     with torch.no_grad():
         for p in pixart.parameters():
             p.normal_(0, 0.2)  # (PixArt zero-initialises some tensors: make every one matter)
@@ -157,13 +151,7 @@ def test_a_pixart_transformer_imports_as_an_expert_with_the_same_outputs(tmp_pat
     expert = DiTExpert.from_dit_config(DiTConfig(**fields)).eval()
     missing, unexpected = expert.load_state_dict(state, strict=False)
     assert missing == ["text_projector.null"] and unexpected == []  # PixArt has no learned null text
-    x, t, tokens, mask = inputs()
-    with torch.no_grad():
-        ours = expert(x, t, text_tokens=tokens, text_mask=mask)
-        theirs = pixart(
-            x, encoder_hidden_states=tokens, encoder_attention_mask=mask.float(), timestep=1000 * t, return_dict=False
-        )[0]
-    assert (ours - theirs).abs().max().item() <= parity_tol(theirs)
+    assert_same_outputs(expert, pixart)
 
 
 def test_experts_start_from_a_pixart_folder_named_by_expert_init(run_root, tmp_path):
@@ -182,13 +170,7 @@ def test_experts_start_from_a_pixart_folder_named_by_expert_init(run_root, tmp_p
     root = RunRoot(str(run_root))
     write_synthetic_run(root, cfg)
     model = build_task(root, cfg, JobSpec("expert", 1)).build_model().eval()
-    x, t, tokens, mask = inputs()
-    with torch.no_grad():
-        ours = model(x, t, text_tokens=tokens, text_mask=mask)
-        theirs = pixart(
-            x, encoder_hidden_states=tokens, encoder_attention_mask=mask.float(), timestep=1000 * t, return_dict=False
-        )[0]
-    assert (ours - theirs).abs().max().item() <= parity_tol(theirs)
+    assert_same_outputs(model, pixart)
     wrong = RunConfig(**{**raw, "expert": {**raw["expert"], "depth": 1}})
     with pytest.raises(FlowfleetError, match=r"expert_init .*pixart: depth is 2, run.yaml expert.depth is 1"):
         build_task(root, wrong, JobSpec("expert", 1)).build_model()

@@ -4,6 +4,7 @@ and bad input (skipped and listed, empty captions counted, missing sources named
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,6 +43,18 @@ def png(color=(200, 30, 30)) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (20, 20), color).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def images_with_three_bad(tmp_path) -> Path:
+    """A folder of 12 PNGs, im02, im05 and im09 corrupt; captions beside those not divisible by 4."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(12):
+        bad = i in (2, 5, 9)
+        (folder / f"im{i:02d}.png").write_bytes(b"corrupt" if bad else png((20 * i, 0, 0)))
+        if i % 4:
+            (folder / f"im{i:02d}.txt").write_text(f"image {i}")
+    return folder
 
 
 def test_mnist_shards_follow_the_contract(run_root):
@@ -171,14 +184,9 @@ def test_no_text_encoder_writes_no_text_fields(run_root):
 
 
 def test_resume_counts_bad_items_once(tmp_path, monkeypatch):
-    folder = tmp_path / "images"
-    folder.mkdir()
-    for i in range(12):
-        bad = i in (2, 5, 9)
-        (folder / f"im{i:02d}.png").write_bytes(b"corrupt" if bad else png((20 * i, 0, 0)))
-        if i % 4:
-            (folder / f"im{i:02d}.txt").write_text(f"image {i}")
-    kw = dict(base="shapes-tiny", source="folder", path=str(folder), shard_size=3, batch_size=2)
+    kw = dict(
+        base="shapes-tiny", source="folder", path=str(images_with_three_bad(tmp_path)), shard_size=3, batch_size=2
+    )
     whole = prepare(make_run(tmp_path / "whole", **kw), progress=False)
 
     run = make_run(tmp_path / "cut", **kw)
@@ -254,14 +262,9 @@ def test_prepare_in_three_parts_then_merge_gives_the_one_machine_shards(tmp_path
 
 
 def test_parts_with_bad_images_merge_to_the_same_records(tmp_path):
-    folder = tmp_path / "images"
-    folder.mkdir()
-    for i in range(12):
-        bad = i in (2, 5, 9)
-        (folder / f"im{i:02d}.png").write_bytes(b"corrupt" if bad else png((20 * i, 0, 0)))
-        if i % 4:
-            (folder / f"im{i:02d}.txt").write_text(f"image {i}")
-    kw = dict(base="shapes-tiny", source="folder", path=str(folder), shard_size=3, batch_size=2)
+    kw = dict(
+        base="shapes-tiny", source="folder", path=str(images_with_three_bad(tmp_path)), shard_size=3, batch_size=2
+    )
     whole = prepare(make_run(tmp_path / "whole", **kw), progress=False)
     run = make_run(tmp_path / "parts", **kw)
     for i in range(3):

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 from fixtures.ray_cluster import missing_tools, ray_cluster
-from fixtures.synthetic_run import fault_run_pair, synthetic_config, write_synthetic_run
+from fixtures.synthetic_run import fault_run_pair, synthetic_config, wait_past_second_checkpoint, write_synthetic_run
 
 from flowfleet.backends import read_submissions
 from flowfleet.config import RunConfig
 from flowfleet.models.files import WEIGHTS_NAME
 from flowfleet.stages.train import train_all, train_expert
 from flowfleet.storage import RunRoot
-from flowfleet.train.status import read_status
 
 pytestmark = pytest.mark.ray
 
@@ -85,14 +84,9 @@ def test_a_job_whose_ray_node_dies_is_resubmitted_and_resumes_to_the_uninterrupt
         stderr=out,
     )
     try:
-        deadline = time.monotonic() + 180
-        while True:  # until expert 0 has checkpointed and trained on
-            status = read_status(root, "experts/0")
-            if status is not None and status.last_checkpoint and status.step >= 400:
-                break
-            assert watcher.poll() is None, (tmp_path / "train-all.out").read_text()[-2000:]
-            assert time.monotonic() < deadline, "expert 0 never reached its second checkpoint"
-            time.sleep(0.1)
+        status = wait_past_second_checkpoint(
+            root, 180, lambda: None if watcher.poll() is None else (tmp_path / "train-all.out").read_text()[-2000:]
+        )
         first_id = read_submissions(root)["expert-0"]["id"]
         cluster.kill_worker()
         os.kill(status.pid, signal.SIGKILL)  # the node's job dies with it

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from fixtures.slurm import missing_daemons, slurm_cluster
-from fixtures.synthetic_run import fault_run_pair, synthetic_config, write_synthetic_run
+from fixtures.synthetic_run import fault_run_pair, synthetic_config, wait_past_second_checkpoint, write_synthetic_run
 
 from flowfleet.backends import read_submissions
 from flowfleet.backends.slurm import SlurmBackend
@@ -116,10 +116,8 @@ def test_a_job_whose_node_dies_is_resubmitted_and_resumes_to_the_uninterrupted_w
     the final weights equal an uninterrupted run's."""
     import signal
     import threading
-    import time
 
     from flowfleet.stages.train import train_expert
-    from flowfleet.train.status import read_status
 
     monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
     local, slurm = fault_run_pair(tmp_path, "slurm")
@@ -129,13 +127,7 @@ def test_a_job_whose_node_dies_is_resubmitted_and_resumes_to_the_uninterrupted_w
         target=lambda: outcome.update(result=train_all(str(slurm), progress=False, backend="slurm")), daemon=True
     )
     watcher.start()
-    deadline = time.monotonic() + 120
-    while True:  # until expert 0 has checkpointed and trained on
-        status = read_status(root, "experts/0")
-        if status is not None and status.last_checkpoint and status.step >= 400:
-            break
-        assert time.monotonic() < deadline, "expert 0 never reached its second checkpoint"
-        time.sleep(0.1)
+    status = wait_past_second_checkpoint(root, 120)
     first_id = read_submissions(root)["expert-0"]["id"]
     cluster.kill_slurmd()
     os.kill(status.pid, signal.SIGKILL)  # the node's job dies with it

@@ -15,43 +15,13 @@ from flowfleet.models.dit import DiTModel
 from flowfleet.models.flops import forward_flops, train_flops, train_flops_per_sample
 from flowfleet.train.specs import JobSpec, job_steps, monolith_steps
 
+SMALL = dict(hidden_size=64, depth=2, num_heads=2, patch_size=2, in_channels=1)  # overridden per entry
 CONFIGS = [
     dict(size="tiny/4", input_size=(16, 16), in_channels=1),
-    dict(
-        hidden_size=64,
-        depth=2,
-        num_heads=2,
-        patch_size=2,
-        input_size=(8, 8),
-        in_channels=1,
-        conditioning="cross_attn",
-        text_dim=24,
-        text_len=5,
-        add_pooled=True,
-    ),
-    dict(
-        hidden_size=64,
-        depth=2,
-        num_heads=2,
-        patch_size=2,
-        input_size=(8, 12),
-        in_channels=3,
-        adaln="single",
-        conditioning="pooled",
-        text_dim=24,
-    ),
-    dict(
-        hidden_size=32,
-        depth=1,
-        num_heads=2,
-        patch_size=2,
-        input_size=(8, 8),
-        in_channels=1,
-        conditioning="class",
-        num_classes=10,
-        out_channels=2,
-    ),
-    dict(hidden_size=32, depth=1, num_heads=2, patch_size=4, input_size=(8, 8), in_channels=1, num_outputs=3),
+    dict(SMALL, input_size=(8, 8), conditioning="cross_attn", text_dim=24, text_len=5, add_pooled=True),
+    dict(SMALL, input_size=(8, 12), in_channels=3, adaln="single", conditioning="pooled", text_dim=24),
+    dict(SMALL, hidden_size=32, depth=1, input_size=(8, 8), conditioning="class", num_classes=10, out_channels=2),
+    dict(SMALL, hidden_size=32, depth=1, patch_size=4, input_size=(8, 8), num_outputs=3),
 ]
 
 
