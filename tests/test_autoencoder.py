@@ -85,7 +85,7 @@ def test_prepare_trains_the_autoencoder_on_training_images_and_encodes_with_it(t
     assert held["images"].shape == (16, 1, 16, 16)
     assert "images" not in ShardSet(root, "data").manifest().fields
     # ... and evaluate's reference is those real images, not the decoder's reconstructions
-    from flowfleet.stages.evaluate import reference_images
+    from flowfleet.evaluate.reference import reference_images
 
     order = torch.arange(16)
     real = torch.cat(list(reference_images(root, cfg, held["latents"], order, 16, 5, "cpu", held["images"])()))

@@ -372,7 +372,7 @@ def test_choose_scale_takes_the_best_distance_among_accurate_scales():
 
 
 def test_reference_and_real_floor_are_disjoint_sets_drawn_from_the_reference_split():
-    from flowfleet.stages.evaluate import ReferenceSplit
+    from flowfleet.evaluate.reference import ReferenceSplit
 
     split = ReferenceSplit.draw(1000, 300, None, seed=0, held_out=True)
     floor, ref = set(split.floor.tolist()), set(split.reference.tolist())
@@ -411,11 +411,12 @@ def test_evaluate_against_held_out_items_sweeps_guidance_and_saves_each_folders_
     from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 
     from flowfleet.evaluate.fid import FID, frechet_distance
+    from flowfleet.evaluate.reference import ReferenceSplit, reference_images
     from flowfleet.models.dit import DiTExpert
     from flowfleet.models.files import save_model
     from flowfleet.sampling.index import read_model_index
     from flowfleet.stages.assemble import assemble
-    from flowfleet.stages.evaluate import ReferenceSplit, evaluate, reference_images
+    from flowfleet.stages.evaluate import evaluate
 
     raw = synthetic_config(k=2, size=8, monolith=True).to_dict()
     raw["data"]["holdout"] = 30

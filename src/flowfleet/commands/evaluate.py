@@ -116,7 +116,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
     """
 
     from flowfleet.evaluate.fid import FIDSettings
-    from flowfleet.stages.evaluate import EvaluateOptions, evaluate, print_table
+    from flowfleet.evaluate.table import print_table
+    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
 
     options = EvaluateOptions(
         n=args.n,

@@ -13,6 +13,9 @@ expert disagreement       the spread of the K experts' velocities at the states 
                           experts disagree, routing decides what is drawn; where they agree it does not.
 expert usage              the share of the ensemble weight each expert received, per strategy.
 
+SemanticFeatures holds the run's clustering encoder and centroids for centroid alignment; disagreement()
+samples trajectories with the probe.
+
 The dominant expert of a sample is the one with the largest ensemble weight summed over all steps.
 
 train.preview (matplotlib behind it) is imported only when router accuracy is measured.
@@ -20,14 +23,22 @@ train.preview (matplotlib behind it) is imported only when router accuracy is me
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import safetensors.torch
 import torch
 
+from flowfleet.config import RunConfig
+from flowfleet.evaluate.reference import semantic_is_fid_extractor
 from flowfleet.flow.ensemble import dense_weights
+from flowfleet.layout import CENTROIDS
 from flowfleet.sampling.routing import Condition, Selection, run_selected
 from flowfleet.sampling.store import ExpertStore
 from flowfleet.sampling.trace import RoutingTrace
+from flowfleet.storage import RunRoot
+
+if TYPE_CHECKING:  # the encoders module loads transformers; only its type is needed here
+    from flowfleet.data.encoders import SemanticEncoder
 
 # --------------------------------------------------------------------------------------------------
 #                                      Router accuracy
@@ -157,3 +168,46 @@ class DisagreementProbe:
 
     def to_json(self) -> dict[str, list[float]]:
         return {"t": [round(v, 6) for v in self.t], "spread": self.spread}
+
+
+# --------------------------------------------------------------------------------------------------
+#                         The evaluation's probes: clustering features, disagreement
+# --------------------------------------------------------------------------------------------------
+
+
+class SemanticFeatures:
+    """The run's clustering encoder and centroids, for the centroid-alignment diagnostic."""
+
+    def __init__(self, root: RunRoot, cfg: RunConfig, fid_key: str, device: torch.device):
+        # Images can be placed among the centroids only when the clusters were made from image features.
+        self.available = cfg.cluster.features == "semantic" and root.exists(*CENTROIDS)
+        # The clustering features of an image ARE its FID features when both are default_1 at one input size.
+        self.same_as_fid = semantic_is_fid_extractor(cfg, fid_key)
+        self.cfg, self.device = cfg, device
+        self._encoder: SemanticEncoder | None = None
+        if self.available:
+            c = safetensors.torch.load(root.read_bytes(*CENTROIDS))
+            self.coarse, self.fine, self.fine_to_coarse = c["coarse"], c["fine"], c["fine_to_coarse"]
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        from flowfleet.data.encoders import build_semantic_encoder
+
+        if self._encoder is None:
+            self._encoder = build_semantic_encoder(self.cfg.encoders.semantic, self.device)
+        return torch.cat([self._encoder.encode(images[i : i + 64]).cpu() for i in range(0, images.shape[0], 64)])
+
+    def alignment(self, features: torch.Tensor, dominant: torch.Tensor) -> dict[str, Any]:
+        return centroid_alignment(features, dominant, self.coarse, self.fine, self.fine_to_coarse)
+
+
+def disagreement(pipe, prompts, labels, settings, n: int, seed: int) -> dict[str, list[float]]:
+    """Sample n trajectories with the strategy of `settings`, probing all experts at every step."""
+    cond, _ = pipe.encode_condition(prompts[:n] if prompts else None, labels[:n] if labels else None, n)
+    noise = torch.randn(n, *pipe.latent_shape, generator=torch.Generator().manual_seed(seed), dtype=pipe.dtype).to(
+        pipe.device
+    )
+    trace = RoutingTrace(pipe.num_experts)
+    inner = pipe.velocity_fn(cond, settings.k, settings.cfg, settings.route_every, trace)
+    probe = DisagreementProbe(inner, pipe.experts, cond, settings.cfg, pipe.guidance_applies(settings.cfg))
+    pipe.sample(noise, cond, settings, velocity_fn=probe)
+    return probe.to_json()

@@ -42,13 +42,14 @@ from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.fid import FIDSettings
 from flowfleet.evaluate.report import TIMINGS_FILE, write_report
+from flowfleet.evaluate.table import print_table
 from flowfleet.evaluate.views import captioned_grid_png
 from flowfleet.flow import same_as_earlier
 from flowfleet.layout import CLUSTER_REPORT, REPORTS, RUN_FILE, SHOWCASE
 from flowfleet.presets import PRESETS
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.cluster import cluster
-from flowfleet.stages.evaluate import EvaluateOptions, evaluate, print_table
+from flowfleet.stages.evaluate import EvaluateOptions, evaluate
 from flowfleet.stages.generate import generate
 from flowfleet.stages.prepare import prepare
 from flowfleet.stages.train import train_all

@@ -19,37 +19,34 @@ RUN_ROOT/reports/. Writes, under the reference run root:
     reports/samples/<name>.routing.png  router probabilities over the sampling steps (fleet strategies)
     reports/fid_ref_*.safetensors       the cached reference statistics
 
-Options are validated (strategies parsed, the monolith finished, shapes matched) before anything heavy
-is loaded. The encoders (transformers, the diffusers VAE) are imported only where one is built.
+The stage's pieces live in flowfleet.evaluate: the reference items and the real floor (reference.py), FID
+(fid.py), precision/recall, the judges, the diagnostics' probes (diagnostics.py) and the terminal table
+(table.py). Options are validated (strategies parsed, the monolith finished, shapes matched) before anything
+heavy is loaded. The encoders (transformers, the diffusers VAE) are imported only where one is built.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import logging
 import posixpath
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
-import safetensors.torch
 import torch
-from rich.console import Console
-from rich.table import Table
 from tqdm.auto import tqdm
 
-from flowfleet.config import RunConfig, load_run_config
+from flowfleet.config import RunConfig
 from flowfleet.data.images import to_uint8
-from flowfleet.data.shards import ShardSetUnion, open_complete
+from flowfleet.data.shards import ShardSetUnion
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.adherence import prompt_adherence
 from flowfleet.evaluate.diagnostics import (
-    DisagreementProbe,
-    centroid_alignment,
+    SemanticFeatures,
+    disagreement,
     dominant_experts,
     router_accuracy,
     usage_shares,
@@ -58,24 +55,29 @@ from flowfleet.evaluate.digits import DigitJudge, prompted_digit
 from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
 from flowfleet.evaluate.judge import load_judge
 from flowfleet.evaluate.precision_recall import precision_recall
+from flowfleet.evaluate.reference import (
+    ReferenceSplit,
+    data_fingerprint,
+    features_are_fid_features,
+    held_out_data,
+    open_reference,
+    reference_images,
+)
 from flowfleet.evaluate.report import EVALUATION_FILE
 from flowfleet.evaluate.views import captioned_grid_png
 from flowfleet.flow import parse_strategy, same_as_earlier
 from flowfleet.layout import (
     ASSIGNMENTS,
-    CENTROIDS,
     DATA,
     EVAL_DATA,
     MONOLITH,
     MONOLITH_MODEL,
     REPORTS,
     SAMPLES,
-    addition,
     evaluation_folder,
 )
 from flowfleet.sampling.index import read_model_index, set_default_cfg
 from flowfleet.sampling.pipeline import FleetPipeline
-from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.sampling.views import routing_heatmap
 from flowfleet.stages.assemble import assemble
 from flowfleet.storage import RunRoot
@@ -83,9 +85,6 @@ from flowfleet.train.data import InMemoryData, model_fields
 from flowfleet.train.preview import condition_kwargs
 from flowfleet.train.status import job_finished
 from flowfleet.train.tasks import clustered_data
-
-if TYPE_CHECKING:  # the encoders module loads transformers; only its type is needed here
-    from flowfleet.data.encoders import SemanticEncoder
 
 log = logging.getLogger(__name__)
 
@@ -169,107 +168,6 @@ class ModelRun:
 
 
 # --------------------------------------------------------------------------------------------------
-#                                   Reference and prompts
-# --------------------------------------------------------------------------------------------------
-
-
-def _open_reference(reference: str) -> tuple[RunRoot, RunConfig, ShardSetUnion]:
-    """The run's prepared items: data/, then the data of each addition (add-expert), in expert order."""
-    root = RunRoot(reference)
-    cfg = load_run_config(root)
-    sets = [open_complete(root, DATA, f"flowfleet prepare {root.url}")]
-    sets += [open_complete(root, f"{addition(n)}/{DATA}", "flowfleet add-expert") for n in range(1, len(cfg.added) + 1)]
-    return root, cfg, ShardSetUnion(sets)
-
-
-def _held_out(root: RunRoot, cfg: RunConfig) -> ShardSetUnion | None:
-    """eval/: the items prepare held out of training (data.holdout), or None when the run has none."""
-    if not cfg.data.holdout:
-        return None
-    return ShardSetUnion([open_complete(root, EVAL_DATA, f"flowfleet prepare {root.url}")])
-
-
-@dataclass(frozen=True)
-class ReferenceSplit:
-    """Which real items a generated set of n is compared with: `reference` (FID, classifier FD, precision
-    and recall) and, disjoint from it, `floor` — n real items scored exactly like a model, the distance a
-    perfect model would still show at this n. Both are drawn (seeded) from eval/ when the run holds items
-    out of training, else from data/ (then the reference includes training items: `held_out` False)."""
-
-    held_out: bool
-    floor: torch.Tensor  # [floor_n] item indices of the reference set
-    reference: torch.Tensor  # [ref_n]
-
-    @classmethod
-    def draw(cls, count: int, n: int, ref_n: int | None, seed: int, held_out: bool) -> "ReferenceSplit":
-        where = "eval/ (the held-out items)" if held_out else "data/"
-        if ref_n is None:  # the floor set first (n items, at most half), the rest is the reference
-            floor_n = min(n, count // 2)
-            ref_n = min(count - floor_n, 10_000)
-        elif ref_n > count:
-            raise FlowfleetError(f"--ref-n: {ref_n} reference images requested, {where} holds {count}")
-        else:  # a reference size asked for: the floor gets what is left (none under 2 items)
-            floor_n = min(n, count - ref_n)
-            floor_n = floor_n if floor_n >= 2 else 0
-        order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
-        return cls(held_out, order[:floor_n], order[floor_n : floor_n + ref_n])
-
-    def key(self, data_key: str) -> str:
-        """Names this choice of reference items in cache files."""
-        picked = hashlib.sha256(self.reference.numpy().tobytes()).hexdigest()[:8]
-        return f"{data_key}-{picked}"
-
-
-def data_fingerprint(data: ShardSetUnion) -> str:
-    """What identifies the reference data: each part's source fingerprint recorded by prepare, and item count."""
-    records = [
-        {"count": m.count, "source": m.extra.get("source"), "encoders": m.extra.get("encoders")}
-        for m in data.manifests()
-    ]
-    record = records[0] if len(records) == 1 else records  # (the same key as before additions existed)
-    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def features_are_fid_features(cfg: RunConfig, fid_key: str) -> bool:
-    """True when data/'s clustering features are the FID features: prepare ran fid-helper's default_1
-    Inception at the FID's input size on the same uint8 images (pixel space; a VAE's decoded images
-    differ from the source images, so latent runs always re-extract)."""
-    sem = cfg.encoders.semantic
-    return (
-        cfg.encoders.latent.name == "pixels"
-        and sem.name == "inception"
-        and not sem.path
-        and fid_key == f"default_1-{sem.image_size or 299}"
-    )
-
-
-def reference_images(
-    root: RunRoot,
-    cfg: RunConfig,
-    latents: torch.Tensor,
-    order: torch.Tensor,
-    n: int,
-    batch: int,
-    device: torch.device,
-    images: torch.Tensor | None = None,
-) -> Callable[[], Any]:
-    """A generator factory of n data images (in `order`), batch by batch: `images` (uint8, what prepare kept
-    of eval/ in a latent space) as they are, else the latents decoded (pixel space: the images themselves)."""
-    from flowfleet.data.encoders import run_latent_encoder
-
-    def batches():
-        if images is not None:
-            for i in range(0, n, batch):
-                yield images[order[i : min(i + batch, n)]].float() / 127.5 - 1.0
-            return
-        decoder = run_latent_encoder(root, cfg, device)
-        for i in range(0, n, batch):
-            yield decoder.decode(latents[order[i : min(i + batch, n)]]).cpu()
-
-    return batches
-
-
-# --------------------------------------------------------------------------------------------------
 #                                        The stage
 # --------------------------------------------------------------------------------------------------
 
@@ -344,7 +242,7 @@ class _Evaluation:
         self.order = torch.randperm(count, generator=gen)  # data/'s items in a seeded order (router accuracy)
         picks = torch.randint(0, count, (options.n,), generator=gen)  # the prompts' items (with replacement)
         # The reference and the real floor: the held-out items when prepare kept some out of training.
-        self.ref_data = _held_out(root, cfg) or data
+        self.ref_data = held_out_data(root, cfg) or data
         self.ref_latents = self.latents if self.ref_data is data else self.ref_data.load(["latents"])["latents"]
         # a latent-space run's eval/ keeps the real images: the reference is never the decoder's reconstruction
         self.ref_images = self.ref_data.load(["images"]).get("images") if self.ref_data is not data else None
@@ -358,7 +256,7 @@ class _Evaluation:
         self.labels = fields["labels"][picks].tolist() if conditioning == "class" else None
         self.fid: FID | None = None
         self.ref: FeatureStats | None = None
-        self.semantic: _SemanticFeatures | None = None
+        self.semantic: SemanticFeatures | None = None
         self.judge: Any = None  # prompt accuracy: --judge, or the digit classifier on the MNIST source
         # the judge's feature space: its FD, and the reference's features (precision and recall)
         self.judge_fd: tuple[FID, FeatureStats, torch.Tensor] | None = None
@@ -383,7 +281,7 @@ class _Evaluation:
         if reference is None:
             url = model_root.url.rstrip("/")
             reference = url.rsplit("/", 1)[0] if "/" in url else "."
-        root, cfg, data = _open_reference(reference)
+        root, cfg, data = open_reference(reference)
         if tuple(index.latent_shape) != tuple(cfg.latent_shape):
             raise FlowfleetError(
                 f"{model_root.url}: latent shape {tuple(index.latent_shape)} differs from the "
@@ -427,7 +325,7 @@ class _Evaluation:
         ):
             self._open_judge()
         if self.options.diagnostics:
-            self.semantic = _SemanticFeatures(self.root, self.cfg, fid.key, self.device)
+            self.semantic = SemanticFeatures(self.root, self.cfg, fid.key, self.device)
 
     def _real_images(self, items: torch.Tensor, batch: int) -> Callable[[], Any]:
         """A generator factory of the reference set's `items`, decoded, batch by batch."""
@@ -540,7 +438,9 @@ class _Evaluation:
             sem = feats if self.semantic.same_as_fid else self.semantic.encode(images[: min(o.n, 256)])
             dominant = dominant_experts(out.trace)[: sem.shape[0]]
             self.diagnostics["alignment"][name] = self.semantic.alignment(sem, dominant)
-            self.diagnostics["disagreement"][name] = _disagreement(pipe, self.prompts, self.labels, settings, o)
+            self.diagnostics["disagreement"][name] = disagreement(
+                pipe, self.prompts, self.labels, settings, min(o.diagnostic_n, o.n), o.seed
+            )
             self.timings[f"{name}_diagnostics_s"] = time.perf_counter() - t0
         self.timings[f"{name}_sampling_s"] = run.sampling_s
         self.timings[f"{name}_fid_s"] = run.fid_s
@@ -709,47 +609,6 @@ def _monolith_pipeline(root: RunRoot, fleet: FleetPipeline, device: torch.device
     return pipe
 
 
-class _SemanticFeatures:
-    """The run's clustering encoder and centroids, for the centroid-alignment diagnostic."""
-
-    def __init__(self, root: RunRoot, cfg: RunConfig, fid_key: str, device: torch.device):
-        # Images can be placed among the centroids only when the clusters were made from image features.
-        self.available = cfg.cluster.features == "semantic" and root.exists(*CENTROIDS)
-        sem = cfg.encoders.semantic
-        size = sem.image_size or 299
-        # The clustering features ARE the FID features when both are default_1 at one input size.
-        self.same_as_fid = sem.name == "inception" and not sem.path and fid_key == f"default_1-{size}"
-        self.cfg, self.device = cfg, device
-        self._encoder: SemanticEncoder | None = None
-        if self.available:
-            c = safetensors.torch.load(root.read_bytes(*CENTROIDS))
-            self.coarse, self.fine, self.fine_to_coarse = c["coarse"], c["fine"], c["fine_to_coarse"]
-
-    def encode(self, images: torch.Tensor) -> torch.Tensor:
-        from flowfleet.data.encoders import build_semantic_encoder
-
-        if self._encoder is None:
-            self._encoder = build_semantic_encoder(self.cfg.encoders.semantic, self.device)
-        return torch.cat([self._encoder.encode(images[i : i + 64]).cpu() for i in range(0, images.shape[0], 64)])
-
-    def alignment(self, features: torch.Tensor, dominant: torch.Tensor) -> dict[str, Any]:
-        return centroid_alignment(features, dominant, self.coarse, self.fine, self.fine_to_coarse)
-
-
-def _disagreement(pipe, prompts, labels, settings, options: EvaluateOptions) -> dict[str, list[float]]:
-    """Sample options.diagnostic_n trajectories with the strategy, probing all experts at every step."""
-    n = min(options.diagnostic_n, options.n)
-    cond, _ = pipe.encode_condition(prompts[:n] if prompts else None, labels[:n] if labels else None, n)
-    noise = torch.randn(
-        n, *pipe.latent_shape, generator=torch.Generator().manual_seed(options.seed), dtype=pipe.dtype
-    ).to(pipe.device)
-    trace = RoutingTrace(pipe.num_experts)
-    inner = pipe.velocity_fn(cond, settings.k, settings.cfg, settings.route_every, trace)
-    probe = DisagreementProbe(inner, pipe.experts, cond, settings.cfg, pipe.guidance_applies(settings.cfg))
-    pipe.sample(noise, cond, settings, velocity_fn=probe)
-    return probe.to_json()
-
-
 def _router_accuracy(ev: _Evaluation, pipe) -> dict[str, Any]:
     """The fleet's router against the clusters of (up to 512 of) the data items."""
     pick = ev.order[: min(512, ev.order.numel())]
@@ -764,77 +623,3 @@ def _router_accuracy(ev: _Evaluation, pipe) -> dict[str, Any]:
     )
     rep["note"] = "the assembled router on a seeded random subset of data/, fresh noise, t uniform per bucket"
     return rep
-
-
-def print_table(result: dict[str, Any]) -> None:
-    """One row per model (at its chosen guidance scale), then the real floor: prompt accuracy, classifier FD,
-    precision and recall (with a judge), FID, adherence, alignment when present."""
-    fid = result["fid"]
-    digits = result.get("prompt_accuracy") or None
-    split = result.get("reference_split") or {}
-    against = f"{fid['reference_images']} {'held-out' if split.get('held_out') else 'training'} reference images"
-    title = f"{fid['generated_images']} samples per model vs {against}; FID: {fid['extractor']} (lower is better)"
-    table = Table(title=title, title_justify="left")
-    table.add_column("model")
-    table.add_column("cfg", justify="right")
-    with_pr = any(run.get("precision") is not None for run in result["runs"].values())
-    if digits:
-        table.add_column("prompt accuracy", justify="right")
-        table.add_column("confidence", justify="right")
-        table.add_column("classifier FD", justify="right")
-    if with_pr:
-        table.add_column("precision", justify="right")
-        table.add_column("recall", justify="right")
-    table.add_column("FID", justify="right")
-    adherence = result.get("adherence") or {}
-    align = (result.get("diagnostics") or {}).get("alignment") or {}
-    if adherence:
-        table.add_column("adherence", justify="right")
-    if align:
-        table.add_column("in dominant expert's cluster", justify="right")
-    table.add_column("sampling s", justify="right")
-    floor = split.get("floor") or {}
-    rows = [(name, run) for name, run in result["runs"].items()]
-    if floor.get("n"):  # real items scored like a model: the distances a perfect model would show at this n
-        rows.append((f"real floor (n {floor['n']})", {**floor, "real": True}))
-    for name, run in rows:
-        row = [name, _num(run.get("cfg"), 1)]
-        if digits:
-            row += [
-                _num(run.get("prompt_accuracy"), 3),
-                _num(run.get("confidence"), 3),
-                _num(run.get("classifier_fd"), 2),
-            ]
-        if with_pr:
-            row += [_num(run.get("precision"), 3), _num(run.get("recall"), 3)]
-        row.append(_num(run.get("fid"), 2))
-        if adherence:
-            a = adherence.get(name) or {}
-            row.append(f"{a['both']:.3f}" if a.get("both") is not None else "")
-        if align:
-            a = align.get(name) or {}
-            row.append(f"{a['assigned_is_dominant']:.3f}" if a else "")
-        row.append("" if run.get("real") else f"{run['sampling_s']:.1f}")
-        table.add_row(*row)
-    Console().print(table)
-    guidance = result.get("guidance")
-    if guidance:
-        Console().print(
-            f"cfg: each model's scale among {guidance['sweep']} with the lowest classifier FD (FID without a judge) "
-            f"of those with prompt accuracy >= {guidance['min_accuracy']}"
-        )
-    if digits:
-        clf = digits.get("classifier") or {}
-        val = f" (validation accuracy {clf['val_accuracy']:.3f})" if "val_accuracy" in clf else ""
-        Console().print(
-            f"prompt accuracy: share of samples the {clf.get('judge', 'classifier')}{val} reads as the prompted class"
-        )
-    if not fid.get("standard_input", True):
-        Console().print(
-            f"note: Inception input {fid['resize']} px (non-standard): compare only with FIDs at the same "
-            "size and sample counts"
-        )
-
-
-def _num(value: Any, digits: int) -> str:
-    return "" if value is None else f"{value:.{digits}f}"
