@@ -22,7 +22,7 @@ import fsspec
 import yaml
 
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import RUN_FILE
+from flowfleet.layout import RUN_FILE, addition
 
 T = TypeVar("T")
 
@@ -136,6 +136,11 @@ class RunRoot:
         if self.is_local:
             return self.path(*parts)
         return self.fs.unstrip_protocol(self.path(*parts))
+
+    def origin(self, n: int) -> "RunRoot":
+        """The run root that holds the data of origin n: this run's (n = 0), or addition n's (`add-expert`:
+        a run root of its own, with run.yaml, data/, clusters/, partitions/, inside this one)."""
+        return self if n == 0 else RunRoot(self.url_of(addition(n)))
 
     def local_path(self, *parts: str) -> Path | None:
         return Path(self.path(*parts)) if self.is_local else None

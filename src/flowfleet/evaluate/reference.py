@@ -14,7 +14,7 @@ import torch
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.shards import ShardSetUnion, open_complete
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import DATA, EVAL_DATA, addition
+from flowfleet.layout import DATA, EVAL_DATA
 from flowfleet.storage import RunRoot
 
 
@@ -23,7 +23,7 @@ def open_reference(reference: str) -> tuple[RunRoot, RunConfig, ShardSetUnion]:
     root = RunRoot(reference)
     cfg = load_run_config(root)
     sets = [open_complete(root, DATA, f"flowfleet prepare {root.url}")]
-    sets += [open_complete(root, f"{addition(n)}/{DATA}", "flowfleet add-expert") for n in range(1, len(cfg.added) + 1)]
+    sets += [open_complete(root.origin(n), DATA, "flowfleet add-expert") for n in range(1, len(cfg.added) + 1)]
     return root, cfg, ShardSetUnion(sets)
 
 

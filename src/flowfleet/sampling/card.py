@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from flowfleet.layout import CLUSTER_REPORT, CLUSTERS, JOB_REPORT, addition
+from flowfleet.layout import CLUSTER_REPORT, CLUSTERS, JOB_REPORT
 from flowfleet.models.files import read_dit_config
 from flowfleet.sampling.index import expert_folder, read_model_index
 from flowfleet.storage import RunRoot
@@ -80,14 +80,13 @@ class FleetCard:
 
 def cluster_facts(root: RunRoot, n: int) -> dict[str, Any]:
     """clusters/report.json of the run (n = 0) or of addition n; {} when absent."""
-    path = CLUSTER_REPORT if n == 0 else (addition(n), *CLUSTER_REPORT)
-    return root.read_json(*path) if root.exists(*path) else {}
+    return root.origin(n).read_document(*CLUSTER_REPORT) or {}
 
 
 def cluster_preview(root: RunRoot, n: int, j: int) -> bytes | None:
     """The PNG `cluster` drew of partition j of the run's data (n = 0) or of addition n."""
-    path = (CLUSTERS, preview_name(j)) if n == 0 else (addition(n), CLUSTERS, preview_name(j))
-    return root.read_bytes(*path) if root.exists(*path) else None
+    origin = root.origin(n)
+    return origin.read_bytes(CLUSTERS, preview_name(j)) if origin.exists(CLUSTERS, preview_name(j)) else None
 
 
 def expert_card(folder: RunRoot, k: int, **facts: Any) -> ExpertCard:

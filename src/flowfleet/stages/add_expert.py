@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from flowfleet.config import Addition, DataConfig, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import CLUSTER_REPORT, RUN_FILE, addition
+from flowfleet.layout import CLUSTER_REPORT, RUN_FILE
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.cluster import cluster
 from flowfleet.stages.prepare import prepare
@@ -58,7 +58,7 @@ def add_expert(
     options = options or TrainOptions(progress=progress)
     if cfg.added and cfg.added[-1] == Addition(data=data, k=k):
         n = len(cfg.added)
-        log.info(f"add-expert: resuming addition {n} ({root.url_of(addition(n))})")
+        log.info(f"add-expert: resuming addition {n} ({root.origin(n).url})")
     else:
         raw = cfg.to_dict()
         raw["added"] = [*raw["added"], Addition(data=data, k=k).model_dump(mode="json")]
@@ -70,7 +70,7 @@ def add_expert(
     first = cfg.cluster.k + sum(a.k for a in cfg.added[: n - 1])
     new = list(range(first, first + k))
 
-    sub = RunRoot(root.url_of(addition(n)))
+    sub = root.origin(n)
     cfg.addition_config(n).save(sub)
     manifest = prepare(sub, progress=progress)
     if not sub.exists(*CLUSTER_REPORT):

@@ -26,7 +26,7 @@ from typing import Any
 
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import CLUSTER_REPORT, MONOLITH, ROUTER, addition, expert_job, origin_partition
+from flowfleet.layout import CLUSTER_REPORT, MONOLITH, ROUTER, expert_job, origin_partition
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.train import train_router
 from flowfleet.storage import RunRoot
@@ -96,7 +96,7 @@ def _lost(root: RunRoot, cfg: RunConfig, removed: list[int]) -> dict[str, Any]:
     lost = {}
     for k in removed:
         n, j = cfg.expert_origin(k)
-        sub = root if n == 0 else RunRoot(root.url_of(addition(n)))
+        sub = root.origin(n)
         report = sub.read_json(*CLUSTER_REPORT) if sub.exists(*CLUSTER_REPORT) else {}
         mix, examples = report.get("label_mix") or [], report.get("examples") or {}
         lost[str(k)] = {"labels": mix[j] if j < len(mix) else {}, "examples": examples.get(str(j), [])}

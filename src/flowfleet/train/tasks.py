@@ -28,7 +28,6 @@ from flowfleet.layout import (
     MODEL,
     REFLOW_PAIRS,
     RUN_FILE,
-    addition,
     origin_partition,
 )
 from flowfleet.models.config import DiTConfig
@@ -323,7 +322,7 @@ def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str]) -> InMemory
     parts = []
     first = 0
     for n, k in [(0, cfg.cluster.k)] + [(n, a.k) for n, a in enumerate(cfg.added, 1)]:
-        sub = root if n == 0 else RunRoot(root.url_of(addition(n)))
+        sub = root.origin(n)
         shards = open_complete(sub, DATA, f"flowfleet prepare {sub.url}" if n == 0 else "flowfleet add-expert")
         data = InMemoryData.load(shards, [*fields, "index"])
         data.tensors["cluster"] = load_assignments(sub, data, k) + first
