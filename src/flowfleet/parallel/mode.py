@@ -7,7 +7,8 @@
                The first step and `warmup` more steps run as `sync`.
     naive      bands never exchange activations (the paper's "naive patch" baseline; seams).
 
-Each wrapper in flowfleet.parallel.dit has exactly one code path per mode, chosen by this enum.
+The key/value exchange of every band-parallel self-attention (flowfleet.parallel.attention.BandKV) has
+exactly one code path per mode, chosen by this enum.
 
 UNetMode, below, names the patched diffusers models' modes (U-Net, VAE decoder, transformers):
 
