@@ -58,8 +58,9 @@ class PatchEmbedBand:
         return self.x_embedder(x) + self.pos.to(x.dtype)  # [B, n, D]
 
 
-class SelfAttentionBand:
-    """Local queries against the keys/values of every band (BandKV: the exchange the diffusers processors use)."""
+class DiTAttentionBand:
+    """A DiT block's self-attention on one band: its own projections, every band's keys/values through BandKV
+    (the exchange the diffusers attention processors use too)."""
 
     def __init__(self, attn: SelfAttention, comm: CommManager, slot: str, counts: list[int]):
         self.attn = attn
@@ -103,7 +104,7 @@ class PatchParallelDiT:
         self.comm = comm
         self.embed = PatchEmbedBand(model, layout)
         self.attn = [
-            SelfAttentionBand(b.attn, comm, f"{name}.blocks.{i}.attn", layout.token_counts)
+            DiTAttentionBand(b.attn, comm, f"{name}.blocks.{i}.attn", layout.token_counts)
             for i, b in enumerate(model.dit_blocks)
         ]
 

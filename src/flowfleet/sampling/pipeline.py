@@ -7,8 +7,9 @@
 The sampling loop is `flowfleet.flow.integrate` over a velocity function (x_t, t, step) -> v. The
 routed one (RoutedVelocity) runs the router on x_t (Paris' p(k | x_t, t); a prompt-aware router also
 reads the prompt) every `route_every` steps, keeps the top-k present experts per sample with renormalised
-weights, and runs each selected expert only on its own samples (flowfleet.sampling.routing). Anything with that signature can replace it
-(`sample(..., velocity_fn=...)`), e.g. a patch-parallel version of the same computation.
+weights, and runs each selected expert only on its own samples (flowfleet.sampling.routing). Anything with
+that signature can replace it (`sample(..., velocity_fn=...)`), e.g. a patch-parallel version of the same
+computation.
 
 Experts and the router are callables in the model-call convention of docs/contracts.md, so the same
 loop samples DiT modules, counting wrappers and closed-form flows (the tests' Gaussian-mixture toy).
