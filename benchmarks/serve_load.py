@@ -1,23 +1,28 @@
 """Load on `flowfleet serve`: C concurrent HTTP clients against one served model folder on 127.0.0.1.
 
-Starts the real CLI (`flowfleet serve MODEL --no-ui --max-queue Q`) in its own process, then C client
-threads post R requests each to /api/generate at the same moment. Two client behaviours:
+Starts the real CLI (`flowfleet serve MODEL --no-ui --max-queue Q --max-batch B --batch-window-ms W`) in
+its own process, then sends the same C x R requests (seed = request number) three ways:
 
-  once   each request is sent once: every answer must be 200 or 503 (busy), none lost — the served
-         count in /api/health equals the 200s
-  retry  a refused request waits Retry-After and is sent again, until served: every request ends served
+  sequential  one client, one request after another: the baseline without concurrency
+  once        C client threads at the same moment, each request sent once: every answer must be 200 or
+              503 (busy), none lost - the served count in /api/health equals the 200s
+  retry       C client threads; a refused request waits Retry-After and is sent again, until served
 
-Reports per behaviour: answers by status, latency p50 / p95 / max of the served requests (client side,
-queue wait included), served images per second, and the server's health afterwards. Without MODEL, a
-random tiny fleet (tests/fixtures/random_fleet.py: K = 3, hidden 32, 8 x 8) is assembled in a temp dir.
+Reports per behaviour: answers by status, latency p50 / p95 / p99 / max of the served requests (client
+side, queue wait included), served images per second; the speed-up of `retry` over `sequential`; the
+largest pixel difference between a seed's image served alone (sequential) and batched (retry); the
+server's health afterwards (batches run). Without MODEL, a random tiny fleet (tests/fixtures/random_fleet.py:
+K = 3, hidden 32, 8 x 8) is assembled in a temp dir.
 
     .venv/bin/python benchmarks/serve_load.py --clients 32 --rounds 2
-    .venv/bin/python benchmarks/serve_load.py --model runs/bench/distill/model --clients 32 --steps 20
+    .venv/bin/python benchmarks/serve_load.py --model runs/demo/model --clients 32 --rounds 1 --steps 20
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
 import platform
 import sys
@@ -28,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
+from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fixtures.servers import serve_process  # noqa: E402
@@ -47,7 +54,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def load(url: str, clients: int, rounds: int, body: dict, retry: bool) -> dict:
+def first_image(resp: httpx.Response) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(resp.json()["images"][0]))), dtype=np.int16)
+
+
+def load(url: str, clients: int, rounds: int, body: dict, retry: bool, images: dict | None = None) -> dict:
+    """`clients` threads each sending `rounds` requests (seed = request number); images[seed]: the first
+    image of each served request, when given."""
     start = threading.Barrier(clients)
     latencies: list[float] = []
     codes: list[int] = []
@@ -58,8 +71,9 @@ def load(url: str, clients: int, rounds: int, body: dict, retry: bool) -> dict:
             start.wait()
             for r in range(rounds):
                 t0 = time.perf_counter()
+                seed = i * rounds + r
                 while True:
-                    resp = http.post(f"{url}/api/generate", json={**body, "seed": i * rounds + r})
+                    resp = http.post(f"{url}/api/generate", json={**body, "seed": seed})
                     with lock:
                         codes.append(resp.status_code)
                     if resp.status_code == 503 and retry:
@@ -69,6 +83,8 @@ def load(url: str, clients: int, rounds: int, body: dict, retry: bool) -> dict:
                 if resp.status_code == 200:
                     with lock:
                         latencies.append(time.perf_counter() - t0)
+                        if images is not None:
+                            images[seed] = first_image(resp)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -82,6 +98,7 @@ def load(url: str, clients: int, rounds: int, body: dict, retry: bool) -> dict:
         "latency_s": {
             "p50": round(percentile(latencies, 0.5), 3),
             "p95": round(percentile(latencies, 0.95), 3),
+            "p99": round(percentile(latencies, 0.99), 3),
             "max": round(max(latencies), 3),
         }
         if latencies
@@ -96,7 +113,9 @@ def main() -> None:
     p.add_argument("--model", help="an assembled model folder (default: a random tiny fleet)")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2, help="requests per client")
-    p.add_argument("--max-queue", type=int, default=8)
+    p.add_argument("--max-queue", type=int, default=64, help="images that may wait (serve --max-queue)")
+    p.add_argument("--max-batch", type=int, default=32, help="serve --max-batch")
+    p.add_argument("--batch-window-ms", type=float, default=20.0, help="serve --batch-window-ms")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--n", type=int, default=1, help="images per request")
     p.add_argument("--strategy", default="top2")
@@ -107,14 +126,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model or tiny_fleet(Path(tmp))
         body = {"prompt": a.prompt, "strategy": a.strategy, "steps": a.steps, "n": a.n}
-        args = ["--no-ui", "--max-queue", str(a.max_queue)]
+        args = ["--no-ui", "--max-queue", str(a.max_queue), "--max-batch", str(a.max_batch)]
+        args += ["--batch-window-ms", str(a.batch_window_ms)]
+        alone: dict[int, np.ndarray] = {}
+        batched: dict[int, np.ndarray] = {}
         with serve_process(model, args, log=str(Path(tmp) / "serve.log")) as url:
             httpx.post(f"{url}/api/generate", json=body, timeout=600).raise_for_status()  # warm: experts loaded
+            sequential = load(url, 1, a.clients * a.rounds, body, retry=False, images=alone)
             before = httpx.get(f"{url}/api/health").json()["served"]
             once = load(url, a.clients, a.rounds, body, retry=False)
             health_once = httpx.get(f"{url}/api/health").json()
-            retry = load(url, a.clients, a.rounds, body, retry=True)
+            retry = load(url, a.clients, a.rounds, body, retry=True, images=batched)
             health = httpx.get(f"{url}/api/health").json()
+    same_seeds = sorted(set(alone) & set(batched))
+    diff = max(int(np.abs(alone[s] - batched[s]).max()) for s in same_seeds) if same_seeds else None
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {platform.system()}",
@@ -124,10 +149,19 @@ def main() -> None:
         "max_queue": a.max_queue,
         "clients": a.clients,
         "rounds": a.rounds,
+        "max_batch": a.max_batch,
+        "batch_window_ms": a.batch_window_ms,
+        "sequential": sequential,
         "once": once,
         "retry": retry,
+        "speedup_retry_over_sequential": round(retry["images_per_s"] / sequential["images_per_s"], 2),
+        "max_pixel_diff_alone_vs_batched": diff,
+        "seeds_compared": len(same_seeds),
         "none_lost_once": health_once["served"] - before == once["served"],
-        "health_after": {k: health[k] for k in ("status", "served", "refused_busy", "bad_request", "failed")},
+        "health_after": {
+            k: health[k]
+            for k in ("status", "served", "refused_busy", "bad_request", "failed", "batches", "batched_images")
+        },
     }
     print(json.dumps(result, indent=1))
     if a.out:

@@ -96,6 +96,7 @@ BAD_REQUESTS = [
     ({"prompt": "a seven", "steps": "many"}, 422, "steps: "),
     ({"prompt": "a seven", "stepz": 3}, 422, "stepz: "),
     ({"prompt": "x" * 1001}, 422, "prompt: 1001 characters, at most 1000"),
+    ('{"prompt": "\\ud800"}', 422, "prompt: not valid Unicode text"),  # a lone surrogate: valid JSON
     ({"prompt": "x" * 10_000_000}, 413, "request body: "),
     ("{not json", 422, "request body: not valid JSON"),
 ]
@@ -120,11 +121,11 @@ def test_bad_requests_get_a_one_line_4xx_and_the_server_is_unaffected(fleet_mode
         ok = httpx.post(f"{url}/api/generate", json={"prompt": "a seven", "steps": 2}, timeout=60)
     assert ok.status_code == 200 and len(ok.json()["images"]) == 1
     # the checks that need the fleet ran in the service and were counted; nothing was generated
-    assert health["bad_request"] == 11 and health["served"] == 0 and health["failed"] == 0
+    assert health["bad_request"] == 12 and health["served"] == 0 and health["failed"] == 0
 
 
 def test_a_full_queue_refuses_at_once_as_busy_and_the_waiting_request_is_served(fleet_model):
-    svc = service(fleet_model, max_queue=1)
+    svc = service(fleet_model, max_queue=1, max_batch=1, max_images=1)  # one image sampled, one waiting
     started, release = threading.Event(), threading.Event()
 
     def hold(done: int, total: int) -> None:  # the running request stops at its first step until released
@@ -142,7 +143,7 @@ def test_a_full_queue_refuses_at_once_as_busy_and_the_waiting_request_is_served(
         t0 = time.perf_counter()
         refused = httpx.post(f"{url}/api/generate", json={"prompt": "a seven", "steps": 2}, timeout=60)
         refused_in = time.perf_counter() - t0
-        with pytest.raises(Busy, match="busy: 1 requests are already waiting"):
+        with pytest.raises(Busy, match=r"busy: 2 images are already being sampled or waiting \(at most 2\)"):
             svc.generate(req)
         release.set()
         assert len(running.result(timeout=60).images) == 1

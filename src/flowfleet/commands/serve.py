@@ -14,7 +14,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=7860, help="port (default 7860, Gradio's)")
     add_device(p)
     p.add_argument("--offload", type=int, default=None, metavar="M", help="keep at most M experts in memory")
-    p.add_argument("--max-queue", type=int, default=8, help="requests that may wait behind the running one")
+    p.add_argument(
+        "--max-queue", type=int, default=64, help="images that may wait beyond the batch being sampled (default 64)"
+    )
+    p.add_argument("--max-batch", type=int, default=32, help="images sampled together, across requests (default 32)")
+    p.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=20.0,
+        metavar="MS",
+        help="how long the first request of a batch waits for others with its settings (default 20)",
+    )
     p.add_argument("--max-steps", type=int, default=200, help="most sampling steps a request may ask for")
     p.add_argument("--max-images", type=int, default=8, help="most images per request")
     p.add_argument("--no-ui", action="store_true", help="the HTTP API only (no Gradio page)")
@@ -25,8 +35,10 @@ def run_serve(args: argparse.Namespace) -> int:
     """a web page and HTTP API for a model folder (fleet, monolith or student)
 
     Serve an assembled model folder: a Gradio page at / (prompt, strategy, steps, CFG, seed; the images with each
-    image's routing; the fleet card) and a JSON API at /api/generate (docs at /docs). Requests run one at a time; beyond
-    --max-queue waiting ones they are refused as busy (HTTP 503).
+    image's routing; the fleet card) and a JSON API at /api/generate (docs at /docs). Requests that arrive within
+    --batch-window-ms and share their settings but the seed are sampled as one batch of at most --max-batch images
+    (each keeps its prompt, seed and routing); beyond --max-queue waiting images they are refused as busy (HTTP
+    503, Retry-After).
     """
 
     from pydantic import ValidationError
@@ -37,7 +49,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from flowfleet.serve.service import ServeLimits
 
     try:
-        limits = ServeLimits(max_queue=args.max_queue, max_steps=args.max_steps, max_images=args.max_images)
+        limits = ServeLimits(
+            max_queue=args.max_queue,
+            max_steps=args.max_steps,
+            max_images=args.max_images,
+            max_batch=args.max_batch,
+            batch_window_ms=args.batch_window_ms,
+        )
     except ValidationError as err:
         raise FlowfleetError(f"--{validation_message(err).replace('_', '-')}") from None
     if not 0 < args.port < 65536:

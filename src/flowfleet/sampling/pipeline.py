@@ -406,6 +406,12 @@ class FleetPipeline:
                 bar.close()
         return x0, trace
 
+    def noise(self, n: int, seed: int) -> torch.Tensor:
+        """x_1 of n samples, [n, C, H, W] on the device: one seeded generator on the CPU, so a seed draws the
+        same images on any device, in any batch split, alone or batched with other requests."""
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(n, *self.latent_shape, generator=gen, dtype=self.dtype).to(self.device)
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents -> images in [-1, 1] (identity for pixel-space fleets)."""
         images = self.latent_decoder.decode(latents) if self.latent_decoder is not None else latents
@@ -439,8 +445,7 @@ class FleetPipeline:
         if settings is None:
             settings = self.settings(strategy, steps, sampler, cfg, shift, route_every, seed)
         cond, per_sample_prompts = self.encode_condition(prompts, labels, n)
-        gen = torch.Generator().manual_seed(settings.seed)
-        noise = torch.randn(n, *self.latent_shape, generator=gen, dtype=self.dtype).to(self.device)
+        noise = self.noise(n, settings.seed)
         bs = batch_size or n
         total = settings.steps * ((n + bs - 1) // bs)
         latents, traces = [], []

@@ -63,6 +63,19 @@ class RoutingTrace:
             counts.update(e.flatten().tolist())
         return counts
 
+    def select(self, rows: slice) -> "RoutingTrace":
+        """The trace of some samples (a batch shared by several requests, split back per request); the
+        execution counts stay with the whole batch."""
+        return RoutingTrace(
+            self.num_experts,
+            times=list(self.times),
+            probs=[p[rows] for p in self.probs],
+            experts=[e[rows] for e in self.experts],
+            weights=[w[rows] for w in self.weights],
+            routed=list(self.routed),
+            router_calls=self.router_calls,
+        )
+
     @staticmethod
     def concat(traces: Sequence["RoutingTrace"]) -> "RoutingTrace":
         """Join the traces of consecutive batches of one generate call (same steps) along the samples."""

@@ -7,6 +7,7 @@
                          422 {"error": "steps: expected 1..200, got 0"}        a request to fix
                          413 {"error": "request body: ..."}                    larger than any valid one
                          503 {"error": "busy: ..."} + Retry-After              the queue is full
+    (concurrent requests are sampled together: flowfleet.serve.batcher)
     GET  /api/card       the fleet card (flowfleet.sampling.card) as JSON
     GET  /api/health     {"status": "ok", served, refused_busy, bad_request, failed, limits}
     GET  /docs           the OpenAPI page FastAPI writes for the above
@@ -106,7 +107,8 @@ def create_app(service: FleetService, model_dir: str, ui: bool = True) -> FastAP
         from flowfleet.serve.ui import THEME, build_ui
 
         page = build_ui(service, model_dir)
-        page.queue(max_size=service.limits.max_queue, default_concurrency_limit=1)
+        # page requests run concurrently into the service, whose batcher groups them (and bounds the queue)
+        page.queue(max_size=service.limits.max_queue, default_concurrency_limit=service.limits.max_batch)
         app = gr.mount_gradio_app(app, page, path="/", ssr_mode=False, theme=THEME)
     return app
 
@@ -150,5 +152,6 @@ def serve(
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
+        service.close()
         if serving is not None:
             serving.stop()

@@ -1,13 +1,16 @@
 """One model folder behind a bounded queue: validated requests in, images and routing traces out.
 
-    service = FleetService.open("runs/r/model", limits=ServeLimits(max_queue=8))
+    service = FleetService.open("runs/r/model", limits=ServeLimits(max_queue=64))
     result = service.generate(GenerateRequest(prompt="a handwritten digit seven", strategy="top2", n=4))
     result.images  # PIL images;  result.routing[i]: which experts drew image i at each step, with what weight
 
 The web page and the HTTP API (flowfleet.serve.app) are two faces of this one call. A request is
-checked against the fleet before it waits (a bad one never takes a place in the queue); then it takes
-one of 1 + max_queue places or is refused as busy at once; generation itself runs one request at a
-time, because one device holds the model.
+checked against the fleet before it waits (a bad one never takes a place in the queue); then its images
+take places among max_batch + max_queue, or it is refused as busy at once. Requests that arrive within
+batch_window_ms of each other and share their settings but the seed are sampled as one batch
+(flowfleet.serve.batcher): each keeps its own prompt, noise (its seed) and per-sample routing, so its
+images are the ones it would get alone, up to float rounding. One worker thread owns the device. A model
+split over ranks (--nproc) samples one request at a time.
 """
 
 from __future__ import annotations
@@ -15,16 +18,18 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.sampling.card import FleetCard, read_card
 from flowfleet.sampling.pipeline import TEXT_CONDITIONING, FleetPipeline, SamplingSettings
 from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.sampling.views import to_pil
+from flowfleet.serve.batcher import Batcher, BatchJob
 
 if TYPE_CHECKING:  # torch.distributed only for --nproc
     from flowfleet.serve.parallel import ParallelServing
@@ -37,11 +42,19 @@ class ServeLimits(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_queue: int = Field(8, ge=0)  # requests waiting behind the one being generated
+    max_queue: int = Field(64, ge=0)  # images that may wait beyond the batch being sampled
     max_steps: int = Field(200, ge=1)
-    max_images: int = Field(8, ge=1)
+    max_images: int = Field(8, ge=1)  # per request
     max_cfg: float = Field(30.0, ge=0)
     max_prompt_chars: int = Field(1000, ge=1)
+    max_batch: int = Field(32, ge=1)  # images sampled together (requests batched across clients)
+    batch_window_ms: float = Field(20.0, ge=0, le=10_000)  # how long a batch waits for more requests
+
+    @model_validator(mode="after")
+    def _batch_holds_a_request(self) -> "ServeLimits":
+        if self.max_batch < self.max_images:
+            raise ValueError(f"max_batch: {self.max_batch} is below max_images {self.max_images} (one request)")
+        return self
 
 
 class GenerateRequest(BaseModel):
@@ -96,6 +109,25 @@ def per_image_routing(trace: RoutingTrace) -> list[list[dict[str, Any]]]:
     ]
 
 
+@dataclass
+class _Sample:
+    """What one request asks the batch for (the payload of its BatchJob)."""
+
+    prompts: list[str] | None
+    labels: list[int] | None
+    n: int
+    settings: SamplingSettings
+    on_step: Callable[[int, int], None] | None
+
+
+@dataclass
+class _Drawn:
+    images: Any  # [n, C, H, W] in [-1, 1]
+    prompts: list[str]
+    trace: RoutingTrace
+    seconds: float  # the batch's sampling time
+
+
 class FleetService:
     def __init__(
         self,
@@ -105,14 +137,16 @@ class FleetService:
         parallel: "ParallelServing | None" = None,
     ):
         """parallel: rank 0 of a model split over N ranks (flowfleet.serve.parallel); each call is
-        announced to the other ranks and sampled patch-parallel."""
+        announced to the other ranks and sampled patch-parallel, one at a time."""
         limits = limits or ServeLimits()
         self.pipe, self.card, self.limits, self.parallel = pipe, card, limits, parallel
-        self._generating = threading.Lock()  # one generation at a time: one device holds the model
-        self._places = threading.BoundedSemaphore(1 + limits.max_queue)
+        self._generating = threading.Lock()  # --nproc: one patch-parallel call at a time
         self._counts_lock = threading.Lock()
         self.counts = {"served": 0, "refused_busy": 0, "bad_request": 0, "failed": 0}
-        self.admitted = 0  # requests holding a place now (the running one and those waiting)
+        self.admitted = 0  # images of the requests holding a place now (sampling and waiting)
+        self.batcher = (
+            Batcher(self._sample_batch, limits.batch_window_ms / 1000, limits.max_batch) if parallel is None else None
+        )
 
     @classmethod
     def open(
@@ -147,6 +181,10 @@ class FleetService:
         if self.needs_prompt:
             if req.prompt is None or not req.prompt.strip():
                 raise BadRequest("prompt: empty (this fleet draws what a prompt asks for)")
+            try:
+                req.prompt.encode("utf-8")
+            except UnicodeEncodeError as err:  # a lone surrogate ("\ud800") is valid JSON, not text
+                raise BadRequest(f"prompt: not valid Unicode text ({err.reason} at position {err.start})") from None
             if len(req.prompt) > lim.max_prompt_chars:
                 raise BadRequest(f"prompt: {len(req.prompt)} characters, at most {lim.max_prompt_chars}")
         elif req.prompt:
@@ -183,44 +221,95 @@ class FleetService:
         except BadRequest:
             self._count("bad_request")
             raise
-        if not self._places.acquire(blocking=False):
+        if not self._admit(req.n):
             self._count("refused_busy")
-            raise Busy(f"busy: {self.limits.max_queue} requests are already waiting; try again shortly")
-        self._admit(+1)
+            raise Busy(
+                f"busy: {self.admitted} images are already being sampled or waiting "
+                f"(at most {self.limits.max_batch + self.limits.max_queue}); try again shortly"
+            )
+        prompts = [req.prompt] if self.needs_prompt and req.prompt else None
+        labels = [req.label] if self.needs_label and req.label is not None else None
+        sample = _Sample(prompts, labels, req.n, settings, on_step)
         try:
-            t0 = time.perf_counter()
-            with self._generating:
-                t1 = time.perf_counter()
-                prompts = [req.prompt] if self.needs_prompt and req.prompt else None
-                labels = [req.label] if self.needs_label and req.label is not None else None
-                try:
-                    if self.parallel is not None:
-                        from flowfleet.serve.parallel import Call
-
-                        call = Call(prompts, req.n, labels, settings)
-                        self.parallel.announce(call)
-                        out = self.parallel.run(self.pipe, call, on_step)
-                    else:
-                        out = self.pipe(prompts, req.n, labels=labels, settings=settings, on_step=on_step)
-                except Exception:
-                    self._count("failed")
-                    raise
-                seconds = time.perf_counter() - t1
+            if self.batcher is not None:
+                job = BatchJob(replace(settings, seed=0), req.n, sample)
+                drawn = self.batcher.submit(job).result()
+                waited = (job.started or job.arrived) - job.arrived
+            else:
+                t0 = time.perf_counter()
+                with self._generating:
+                    waited = time.perf_counter() - t0
+                    drawn = self._sample_parallel(sample)
+        except Exception:
+            self._count("failed")
+            raise
         finally:
-            self._admit(-1)
-            self._places.release()
+            self._admit(-req.n)
         self._count("served")
         return Generation(
-            to_pil(out.images), out.prompts, per_image_routing(out.trace), out.trace, settings, seconds, t1 - t0
+            to_pil(drawn.images),
+            drawn.prompts,
+            per_image_routing(drawn.trace),
+            drawn.trace,
+            settings,
+            drawn.seconds,
+            waited,
         )
+
+    def _sample_batch(self, jobs: Sequence[BatchJob]) -> list[_Drawn]:
+        """The batcher's call: every job's samples in one batch (one settings but the seed), each job's own
+        noise and conditioning, split back per job."""
+        samples: list[_Sample] = [job.payload for job in jobs]
+        settings = samples[0].settings
+        total = sum(s.n for s in samples)
+        cycled = lambda items, n: [items[i % len(items)] for i in range(n)]  # noqa: E731 - as encode_condition
+        prompts = [p for s in samples for p in cycled(s.prompts, s.n)] if samples[0].prompts else None
+        labels = [y for s in samples for y in cycled(s.labels, s.n)] if samples[0].labels else None
+        t0 = time.perf_counter()
+        cond, per_sample = self.pipe.encode_condition(prompts, labels, total)
+        noise = torch.cat([self.pipe.noise(s.n, s.settings.seed) for s in samples])
+
+        def step_done(i: int) -> None:
+            for s in samples:
+                if s.on_step is not None:
+                    s.on_step(i + 1, settings.steps)
+
+        x0, trace = self.pipe.sample(noise, cond, settings, on_step=step_done)
+        with torch.inference_mode():
+            images = self.pipe.decode(x0)
+        seconds = time.perf_counter() - t0
+        drawn, start = [], 0
+        for s in samples:
+            rows = slice(start, start + s.n)
+            drawn.append(_Drawn(images[rows], per_sample[rows], trace.select(rows), seconds))
+            start += s.n
+        return drawn
+
+    def _sample_parallel(self, sample: _Sample) -> _Drawn:
+        from flowfleet.serve.parallel import Call
+
+        assert self.parallel is not None
+        t0 = time.perf_counter()
+        call = Call(sample.prompts, sample.n, sample.labels, sample.settings)
+        self.parallel.announce(call)
+        out = self.parallel.run(self.pipe, call, sample.on_step)
+        return _Drawn(out.images, out.prompts, out.trace, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
 
     def _count(self, what: str) -> None:
         with self._counts_lock:
             self.counts[what] += 1
 
-    def _admit(self, by: int) -> None:
+    def _admit(self, images: int) -> bool:
+        """Take places for `images` (False: the queue is full), or give them back (negative)."""
         with self._counts_lock:
-            self.admitted += by
+            if images > 0 and self.admitted + images > self.limits.max_batch + self.limits.max_queue:
+                return False
+            self.admitted += images
+            return True
 
     def health(self) -> dict[str, Any]:
         with self._counts_lock:
@@ -231,5 +320,7 @@ class FleetService:
             "limits": self.limits.model_dump(),
             "parallel": self.parallel.describe() if self.parallel is not None else None,
             "admitted": admitted,
+            "batches": self.batcher.batches if self.batcher is not None else None,
+            "batched_images": self.batcher.batched_images if self.batcher is not None else None,
             **counts,
         }

@@ -1,0 +1,122 @@
+"""Dynamic batching across requests: those that arrive within a short window and share their sampling
+settings (everything but the seed) are sampled as one batch by one worker thread, which owns the device.
+
+    batcher = Batcher(run_batch, window_s=0.02, max_images=32)
+    future = batcher.submit(BatchJob(key, n=1, payload=...))   # run_batch([job, ...]) -> one result per job
+    result = future.result()
+
+Policy, as Ray Serve's `@serve.batch` and Triton's dynamic batcher have it: the oldest waiting job opens a
+batch; for up to `window_s` after it arrived, jobs with the same key join it (in arrival order) until
+`max_images` images are reached; jobs with another key wait for a batch of their own, in order. A batch that
+raises is run again job by job, so one bad request fails alone, never its batch-mates.
+
+Written by hand because `flowfleet serve` runs in one process without Ray (Ray Serve's batcher needs a
+Ray deployment) and the batching rule is the only logic: a condition variable and a list.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class BatchJob:
+    key: Hashable  # jobs with equal keys may share a batch
+    n: int  # images this job adds to a batch
+    payload: Any = None  # what run_batch needs of it
+    future: Future = field(default_factory=Future)
+    arrived: float = field(default_factory=time.monotonic)
+    started: float | None = None  # when its batch began sampling (monotonic)
+
+
+class Batcher:
+    def __init__(
+        self, run_batch: Callable[[Sequence[BatchJob]], Sequence[Any]], window_s: float, max_images: int
+    ) -> None:
+        if window_s < 0 or max_images < 1:
+            raise ValueError(f"batcher: window {window_s} s and max_images {max_images} must be >= 0 and >= 1")
+        self.run_batch = run_batch
+        self.window_s = window_s
+        self.max_images = max_images
+        self.batches = 0  # batches run, for /api/health
+        self.batched_images = 0
+        self._waiting: list[BatchJob] = []  # arrival order; guarded by _changed
+        self._changed = threading.Condition()
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="flowfleet-batcher", daemon=True)
+        self._worker.start()
+
+    def submit(self, job: BatchJob) -> Future:
+        with self._changed:
+            if self._closed:
+                raise RuntimeError("batcher: closed")
+            self._waiting.append(job)
+            self._changed.notify()
+        return job.future
+
+    def close(self) -> None:
+        """Stop after the batch being sampled; jobs still waiting get an error."""
+        with self._changed:
+            self._closed = True
+            left, self._waiting = self._waiting, []
+            self._changed.notify()
+        for job in left:
+            job.future.set_exception(RuntimeError("batcher: closed before this request ran"))
+        self._worker.join(timeout=60)
+
+    # -- the worker ---------------------------------------------------------------------------------
+
+    def _members(self, first: BatchJob) -> list[BatchJob]:
+        """The waiting jobs that join `first`'s batch, in arrival order, within max_images."""
+        batch, images = [], 0
+        for job in self._waiting:
+            if job.key == first.key and images + job.n <= self.max_images:
+                batch.append(job)
+                images += job.n
+        return batch
+
+    def _next_batch(self) -> list[BatchJob] | None:
+        with self._changed:
+            while not self._waiting and not self._closed:
+                self._changed.wait()
+            if self._closed:
+                return None
+            first = self._waiting[0]
+            while True:
+                batch = self._members(first)
+                left = first.arrived + self.window_s - time.monotonic()
+                if left <= 0 or sum(j.n for j in batch) >= self.max_images or self._closed:
+                    break
+                self._changed.wait(left)
+            self._waiting = [j for j in self._waiting if j not in batch]
+            return batch
+
+    def _run(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            started = time.monotonic()
+            for job in batch:
+                job.started = started
+            self.batches += 1
+            self.batched_images += sum(j.n for j in batch)
+            self._settle(batch)
+
+    def _settle(self, batch: list[BatchJob]) -> None:
+        try:
+            results = self.run_batch(batch)
+        except Exception as err:  # noqa: BLE001 - handed to the requests' futures
+            if len(batch) == 1:
+                batch[0].future.set_exception(err)
+                return
+            log.warning("a batch of %d requests failed (%s); running them one by one", len(batch), err)
+            for job in batch:
+                self._settle([job])
+            return
+        for job, result in zip(batch, results):
+            job.future.set_result(result)
