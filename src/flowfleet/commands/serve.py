@@ -21,9 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--batch-window-ms",
         type=float,
-        default=20.0,
+        default=50.0,
         metavar="MS",
-        help="how long the first request of a batch waits for others with its settings (default 20)",
+        help="how long the first request of a batch waits for others with its settings (default 50; a lone "
+        "request pays it once)",
     )
     p.add_argument("--max-steps", type=int, default=200, help="most sampling steps a request may ask for")
     p.add_argument("--max-images", type=int, default=8, help="most images per request")

@@ -48,7 +48,7 @@ class ServeLimits(BaseModel):
     max_cfg: float = Field(30.0, ge=0)
     max_prompt_chars: int = Field(1000, ge=1)
     max_batch: int = Field(32, ge=1)  # images sampled together (requests batched across clients)
-    batch_window_ms: float = Field(20.0, ge=0, le=10_000)  # how long a batch waits for more requests
+    batch_window_ms: float = Field(50.0, ge=0, le=10_000)  # how long a batch waits for more requests
 
     @model_validator(mode="after")
     def _batch_holds_a_request(self) -> "ServeLimits":
