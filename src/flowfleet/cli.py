@@ -36,6 +36,7 @@ STAGES = (
     "train-all",
     "status",
     "assemble",
+    "verify",
     "generate",
     "evaluate",
     "report",

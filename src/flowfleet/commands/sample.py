@@ -49,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default --out RUN_ROOT/model-student), sampled without guidance",
     )
 
+    p = add_command(sub, "verify", run_verify)
+    add_model_dir(p)
+
     p = add_command(
         sub,
         "generate",
@@ -126,6 +129,22 @@ def run_assemble(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {result.out}: experts {result.present} of K = {result.num_experts} + router")
     return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """check a model folder's weights against its SHA256SUMS
+
+    Hash every weight file that the folder's SHA256SUMS lists (written by assemble) and compare: a file that differs
+    or is missing is a one-line error naming it and whose weights it holds (exit 1). Opening a folder (generate,
+    evaluate, serve) runs the same check, remembering matches by size and modification time; verify always reads
+    everything.
+    """
+    from flowfleet.sampling.checksums import verify_weights
+    from flowfleet.storage import RunRoot
+
+    count = verify_weights(RunRoot(args.model_dir), use_cache=False)
+    print(f"{args.model_dir}: {count} weight files match SHA256SUMS" if count else f"{args.model_dir}: no SHA256SUMS")
+    return 0 if count else 1
 
 
 def run_generate(args: argparse.Namespace) -> int:

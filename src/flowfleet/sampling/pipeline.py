@@ -33,6 +33,7 @@ from flowfleet.flow.ensemble import Strategy
 from flowfleet.flow.sampler import SamplerName, VelocityFn
 from flowfleet.layout import INDEX_FILE, MODEL_VAE
 from flowfleet.models.files import load_model, read_dit_config
+from flowfleet.sampling.checksums import verify_weights
 from flowfleet.sampling.index import ModelIndex, SchedulerConfig, expert_folder, read_model_index
 from flowfleet.sampling.routing import Condition, Selection, present_probs, run_selected, select_experts
 from flowfleet.sampling.store import ExpertStore
@@ -200,6 +201,7 @@ class FleetPipeline:
 
         root = RunRoot(model_dir)
         index = read_model_index(root)
+        verify_weights(root)  # SHA256SUMS: a corrupted expert is an error now, not different images later
         c, h, w = index.latent_shape
         for k in index.present_experts:  # fail now, not when the router first selects a broken expert
             folder = expert_folder(k)

@@ -49,6 +49,7 @@ from flowfleet.sampling.card import (
     router_card,
     write_card,
 )
+from flowfleet.sampling.checksums import write_checksums
 from flowfleet.sampling.index import (
     INDEX_FILE,
     PIXEL_NOTE,
@@ -407,4 +408,5 @@ def _write_model(
         },
         **{expert_folder(k): ["flowfleet", "DiTExpert"] for k in present},
     )
+    write_checksums(out_root)  # every weight file's sha256, checked whenever the folder is opened
     out_root.write_json(index.to_json_dict(), INDEX_FILE)
