@@ -212,3 +212,39 @@ def test_serve_nproc_2_splits_each_image_over_two_ranks_and_equals_one_process(f
     ref = pipe(["a handwritten digit seven"], 2, strategy="top2", steps=4, seed=5)
     assert [decode_png(im).tobytes() for im in first.json()["images"]] == [im.tobytes() for im in to_pil(ref.images)]
     assert first.json()["routing"][0][0]["experts"] == ref.trace.experts[0][0].tolist()
+
+
+def test_with_an_api_key_every_api_call_needs_it(fleet_model):
+    svc = service(fleet_model)
+    body = {"prompt": "a seven", "steps": 2}
+    with app_in_thread(create_app(svc, fleet_model, ui=False, api_key="s3cret")) as url:
+        answers = {
+            "none": httpx.post(f"{url}/api/generate", json=body, timeout=60),
+            "wrong": httpx.post(f"{url}/api/generate", json=body, headers={"Authorization": "Bearer nope"}),
+            "not bearer": httpx.get(f"{url}/api/health", headers={"Authorization": "Basic s3cret"}),
+            "health": httpx.get(f"{url}/api/health"),
+        }
+        ok = httpx.post(f"{url}/api/generate", json=body, headers={"Authorization": "Bearer s3cret"}, timeout=60)
+        health = httpx.get(f"{url}/api/health", headers={"authorization": "bearer s3cret"}).json()
+    for what, r in answers.items():
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", what
+        assert r.json()["error"].startswith("authorization: ") and "\n" not in r.json()["error"], what
+    assert "missing" in answers["none"].json()["error"] and "wrong key" in answers["wrong"].json()["error"]
+    assert ok.status_code == 200 and len(ok.json()["images"]) == 1
+    assert health["served"] == 1  # the refused calls never reached the service
+
+
+def test_serving_beyond_this_machine_without_a_key_warns(fleet_model, monkeypatch, caplog):
+    import uvicorn
+
+    from flowfleet.serve import app as serve_app
+
+    ran = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
+    monkeypatch.setattr(serve_app.FleetService, "open", classmethod(lambda cls, model_dir, **kw: service(model_dir)))
+    serve_app.serve(fleet_model, host="0.0.0.0", ui=False)
+    assert "serving on 0.0.0.0 without an API key" in caplog.text
+    caplog.clear()
+    serve_app.serve(fleet_model, host="0.0.0.0", ui=False, api_key="k")
+    serve_app.serve(fleet_model, host="127.0.0.1", ui=False)
+    assert "without an API key" not in caplog.text and [kw["host"] for kw in ran] == ["0.0.0.0"] * 2 + ["127.0.0.1"]

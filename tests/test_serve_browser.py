@@ -1,6 +1,7 @@
 """`flowfleet serve` in a real browser: headless Chromium (Debian's, installed by `make test` through
 .ci/install-chromium) driven by Playwright opens the page of a tiny fleet served by the CLI, types a
-prompt, generates, waits for the images and the routing views, and saves a screenshot."""
+prompt, generates, waits for the images and the routing views, and saves a screenshot; the server has an API
+key, which the page asks for at login."""
 
 from __future__ import annotations
 
@@ -32,9 +33,15 @@ def test_the_page_generates_and_shows_images_routing_and_the_fleet_card(tmp_path
     run = tmp_path / "run"
     write_random_fleet(str(run), tiny_run_config(3))
     model = assemble(str(run)).out
-    with serve_process(model, ["--max-images", "4"], log=str(tmp_path / "serve.log")) as url:
+    key = "page-key"
+    with serve_process(model, ["--max-images", "4", "--api-key", key], log=str(tmp_path / "serve.log")) as url:
         page = browser.new_page(viewport={"width": 1280, "height": 1000})
         page.goto(url, wait_until="domcontentloaded")
+        # the page asks for the server's API key first (Gradio's login: any user name, the key as password)
+        page.locator("input[type=password]").wait_for(timeout=30_000)
+        page.locator("input[type=text]").first.fill("someone")
+        page.locator("input[type=password]").fill(key)
+        page.get_by_role("button", name="Login").click()
         card = page.locator("#fleet-card")
         card.wait_for(timeout=30_000)
         assert "a fleet of 3 experts" in card.inner_text()
@@ -53,6 +60,8 @@ def test_the_page_generates_and_shows_images_routing_and_the_fleet_card(tmp_path
         assert "4 image(s)" in summary and "Selections: expert" in summary
         shot = tmp_path / "serve.png"
         page.screenshot(path=str(shot), full_page=True)
-        health = json.loads(page.evaluate(f"fetch('{url}/api/health').then(r => r.text())"))
+        fetch = f"fetch('{url}/api/health', {{headers: {{Authorization: 'Bearer {key}'}}}}).then(r => r.text())"
+        health = json.loads(page.evaluate(fetch))
+        refused = page.evaluate(f"fetch('{url}/api/health').then(r => r.status)")  # the API wants the key too
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
-    assert health["served"] == 1 and health["bad_request"] == 1 and health["failed"] == 0
+    assert health["served"] == 1 and health["bad_request"] == 1 and health["failed"] == 0 and refused == 401

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from flowfleet.commands.options import add_command, add_device, add_parallel, relaunch_parallel
 
@@ -29,6 +30,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, default=200, help="most sampling steps a request may ask for")
     p.add_argument("--max-images", type=int, default=8, help="most images per request")
     p.add_argument("--no-ui", action="store_true", help="the HTTP API only (no Gradio page)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /api/* and KEY as the page's password (default: "
+        "$FLOWFLEET_API_KEY; prefer it, a command line is visible to other users)",
+    )
     add_parallel(p)
 
 
@@ -75,5 +83,6 @@ def run_serve(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         parallel=args.parallel,
         warmup=args.warmup,
+        api_key=args.api_key or os.environ.get("FLOWFLEET_API_KEY") or None,
     )
     return 0

@@ -7,6 +7,7 @@
                          422 {"error": "steps: expected 1..200, got 0"}        a request to fix
                          413 {"error": "request body: ..."}                    larger than any valid one
                          503 {"error": "busy: ..."} + Retry-After              the queue is full
+                         401 {"error": "authorization: ..."}                   with an API key: none or wrong
     (concurrent requests are sampled together: flowfleet.serve.batcher)
     GET  /api/card       the fleet card (flowfleet.sampling.card) as JSON
     GET  /api/health     {"status": "ok", served, refused_busy, bad_request, failed, limits}
@@ -20,6 +21,7 @@ so they share one queue.
 from __future__ import annotations
 
 import base64
+import hmac
 import io
 import logging
 from typing import Any
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024  # far above any valid request (a prompt is at most ServeLimits.max_prompt_chars)
 RETRY_AFTER_S = 2
+BEARER = {"WWW-Authenticate": "Bearer"}
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def png_base64(image: Any) -> str:
@@ -62,8 +66,10 @@ def _error(status: int, message: str, **headers: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
 
-def create_app(service: FleetService, model_dir: str, ui: bool = True) -> FastAPI:
-    """The API routes, and the Gradio page mounted at / when ui (tests of the API alone pass False)."""
+def create_app(service: FleetService, model_dir: str, ui: bool = True, api_key: str | None = None) -> FastAPI:
+    """The API routes, and the Gradio page mounted at / when ui (tests of the API alone pass False).
+    api_key: every /api/* call must carry `Authorization: Bearer KEY` (401 otherwise) and the page asks for
+    it at login."""
     app = FastAPI(title="flowfleet", version=__version__, summary=f"serving {model_dir}")
 
     @app.middleware("http")
@@ -73,6 +79,17 @@ def create_app(service: FleetService, model_dir: str, ui: bool = True) -> FastAP
             if int(size) > MAX_BODY_BYTES:
                 return _error(413, f"request body: {int(size)} bytes, at most {MAX_BODY_BYTES}")
         return await call_next(request)
+
+    if api_key:
+
+        @app.middleware("http")  # added last, so it runs first: no body is read before the key is checked
+        async def require_key(request: Request, call_next):
+            if request.url.path.startswith("/api/"):
+                scheme, _, given = request.headers.get("authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+                    why = "missing" if not given else "wrong key"
+                    return _error(401, f"authorization: {why} (send 'Authorization: Bearer KEY')", **BEARER)
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, err: RequestValidationError) -> JSONResponse:
@@ -109,7 +126,13 @@ def create_app(service: FleetService, model_dir: str, ui: bool = True) -> FastAP
         page = build_ui(service, model_dir)
         # page requests run concurrently into the service, whose batcher groups them (and bounds the queue)
         page.queue(max_size=service.limits.max_queue, default_concurrency_limit=service.limits.max_batch)
-        app = gr.mount_gradio_app(app, page, path="/", ssr_mode=False, theme=THEME)
+        login = {}
+        if api_key:  # the page asks for the same key (Gradio's login form; any user name)
+            login = dict(
+                auth=lambda _user, password: hmac.compare_digest(password.encode(), api_key.encode()),
+                auth_message="This server needs its API key: any user name, the key as the password.",
+            )
+        app = gr.mount_gradio_app(app, page, path="/", ssr_mode=False, theme=THEME, **login)
     return app
 
 
@@ -125,6 +148,7 @@ def serve(
     nproc: int = 1,
     parallel: str = "displaced",
     warmup: int = DISPLACED_WARMUP,
+    api_key: str | None = None,
 ) -> None:
     """Open the model folder and serve it until interrupted (uvicorn).
 
@@ -146,7 +170,13 @@ def serve(
         serving.stop()
         log.info("rank %d: left after %d requests", serving.fleet.ctx.rank, served)
         return
-    app = create_app(service, model_dir, ui=ui)
+    if not api_key and host not in LOOPBACK:
+        log.warning(
+            "serving on %s without an API key: anyone who reaches this port can generate "
+            "(set FLOWFLEET_API_KEY or --api-key)",
+            host,
+        )
+    app = create_app(service, model_dir, ui=ui, api_key=api_key)
     split = f", each image over {nproc} ranks ({parallel})" if serving is not None else ""
     print(f"serving {model_dir} on http://{host}:{port}{split}  (page /, API /api/generate, docs /docs)", flush=True)
     try:
