@@ -80,6 +80,23 @@ def run_root(tmp_path):
     return path
 
 
+@pytest.fixture
+def model_dir(run_root, monkeypatch):
+    """An assembled random 3-expert fleet in run_root/model; opening it builds the hash text encoder
+    (fixtures.random_fleet) instead of MiniLM."""
+    from fixtures.random_fleet import HashTextEncoder, tiny_run_config, write_random_fleet
+
+    from flowfleet.cli import main
+
+    monkeypatch.setattr(
+        "flowfleet.sampling.pipeline.build_text_encoder_from",
+        lambda index, device: HashTextEncoder(index.text_width, index.text_len),
+    )
+    write_random_fleet(str(run_root), tiny_run_config(3))
+    assert main(["assemble", str(run_root)]) == 0
+    return run_root / "model"
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server on 127.0.0.1 for the session; yields its endpoint URL."""

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-from fixtures.random_fleet import HashTextEncoder, tiny_run_config, write_random_fleet
 
 from flowfleet.cli import main
 from flowfleet.sampling import checksums
@@ -20,17 +19,6 @@ from flowfleet.storage import RunRoot
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 EXPERT_1 = "expert_1/diffusion_pytorch_model.safetensors"
-
-
-@pytest.fixture
-def model_dir(run_root, monkeypatch):
-    monkeypatch.setattr(
-        "flowfleet.sampling.pipeline.build_text_encoder_from",
-        lambda index, device: HashTextEncoder(index.text_width, index.text_len),
-    )
-    write_random_fleet(str(run_root), tiny_run_config(3))
-    assert main(["assemble", str(run_root)]) == 0
-    return run_root / "model"
 
 
 def flip_a_byte(path, offset: int = -100) -> None:

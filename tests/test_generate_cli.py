@@ -7,25 +7,13 @@ import json
 
 import pytest
 import torch
-from fixtures.random_fleet import HashTextEncoder, tiny_run_config, write_random_fleet
+from fixtures.random_fleet import tiny_run_config, write_random_fleet
 from fixtures.tolerances import gamma
 from PIL import Image
 
 from flowfleet.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture
-def model_dir(run_root, monkeypatch):
-    """An assembled 3-expert fleet; generate builds the hash text encoder instead of MiniLM."""
-    monkeypatch.setattr(
-        "flowfleet.sampling.pipeline.build_text_encoder_from",
-        lambda index, device: HashTextEncoder(index.text_width, index.text_len),
-    )
-    write_random_fleet(str(run_root), tiny_run_config(3))
-    assert main(["assemble", str(run_root)]) == 0
-    return run_root / "model"
 
 
 def generate(model_dir, *args):

@@ -7,6 +7,11 @@ import os
 
 from flowfleet.commands.options import add_command, add_device, add_parallel, relaunch_parallel
 
+API_KEY_HELP = (
+    "require 'Authorization: Bearer KEY' on /api/* and KEY as the page's password (default: $FLOWFLEET_API_KEY; "
+    "prefer it, a command line is visible to other users)"
+)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "serve", run_serve)
@@ -30,13 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, default=200, help="most sampling steps a request may ask for")
     p.add_argument("--max-images", type=int, default=8, help="most images per request")
     p.add_argument("--no-ui", action="store_true", help="the HTTP API only (no Gradio page)")
-    p.add_argument(
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /api/* and KEY as the page's password (default: "
-        "$FLOWFLEET_API_KEY; prefer it, a command line is visible to other users)",
-    )
+    p.add_argument("--api-key", default=None, metavar="KEY", help=API_KEY_HELP)
     add_parallel(p)
 
 

@@ -201,7 +201,6 @@ class FleetPipeline:
 
         root = RunRoot(model_dir)
         index = read_model_index(root)
-        verify_weights(root)  # SHA256SUMS: a corrupted expert is an error now, not different images later
         c, h, w = index.latent_shape
         for k in index.present_experts:  # fail now, not when the router first selects a broken expert
             folder = expert_folder(k)
@@ -214,6 +213,7 @@ class FleetPipeline:
                     f"{root.url_of(folder)}: expert {k} denoises {shape}, "
                     f"model_index.json says latent_shape {(c, h, w)}"
                 )
+        verify_weights(root)  # SHA256SUMS: a corrupted expert is an error now, not different images later
         router = None
         if tuple(index.router) == (None, None):  # a one-expert model (the monolith): nothing to route
             if index.num_experts != 1:
