@@ -36,6 +36,13 @@ TEST_SEED ?= 20261124
 PYTEST := $(BIN)/python -m pytest -q -x --timeout=900 -p randomly --randomly-seed=$(TEST_SEED)
 PORTABLE := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
 
+# The parallel wrappers and the PixArt parity run again against the oldest diffusers release that
+# flowfleet.parallel.registry.SUPPORTED_DIFFUSERS (and pyproject.toml) declare; the suite above runs the newest.
+DIFFUSERS_OLDEST := 0.35.2
+OLDEST_DIFFUSERS := $(VENV)/diffusers-$(DIFFUSERS_OLDEST)
+DIFFUSERS_TESTS := tests/test_parallel_unet.py tests/test_parallel_transformers.py tests/test_parallel_vae.py \
+	tests/test_export.py
+
 test: $(STAMP)
 	.ci/install-chromium
 	.ci/install-clusters
@@ -47,6 +54,9 @@ test: $(STAMP)
 	$(PYTEST) -n auto --maxprocesses=4 --dist loadfile
 	$(PORTABLE) FLOWFLEET_TEST_THREADS=1 $(PYTEST) -m "numerics and not slow" -n auto --maxprocesses=4 --dist loadfile
 	$(PORTABLE) FLOWFLEET_TEST_THREADS=2 $(PYTEST) -m "numerics and not slow" -p no:xdist
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(OLDEST_DIFFUSERS) diffusers==$(DIFFUSERS_OLDEST)
+	PYTHONPATH=$(OLDEST_DIFFUSERS) FLOWFLEET_EXPECT_DIFFUSERS=$(DIFFUSERS_OLDEST) $(PYTEST) $(DIFFUSERS_TESTS) \
+		-n auto --maxprocesses=4 --dist loadfile
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow --timeout=3600 -p randomly --randomly-seed=$(TEST_SEED)

@@ -72,6 +72,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def pytest_sessionstart(session):
+    """FLOWFLEET_EXPECT_DIFFUSERS (make test's run against the oldest supported diffusers): make sure that
+    release, not the venv's, is the one imported."""
+    expected = os.environ.get("FLOWFLEET_EXPECT_DIFFUSERS")
+    if expected:
+        import diffusers
+
+        assert diffusers.__version__ == expected, f"diffusers {diffusers.__version__} imported, {expected} expected"
+
+
 @pytest.fixture
 def run_root(tmp_path):
     """An empty local run-root folder."""

@@ -508,3 +508,25 @@ def test_example_runs_a_diffusers_pipeline_split_over_ranks(tmp_path, capfd, pip
     # images in [0, 1]; the longest reduction is the VAE decoder's GroupNorm at 32 px (4 channels x 32 x 32);
     # ~50 layers (UNet or PixArt, then the decoder) x 3 steps, CFG halves alike
     assert diff <= reorder(network_terms(4 * 32 * 32, 50, 3)), printed
+
+
+def test_an_untested_diffusers_release_is_refused_by_name_unless_asked_for(monkeypatch):
+    import diffusers
+
+    from flowfleet.parallel.registry import ALLOW_UNTESTED_ENV, SUPPORTED_DIFFUSERS, check_diffusers
+
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    assert diffusers.__version__ in SUPPORTED_DIFFUSERS  # the suite runs on a tested release
+    check_diffusers()
+    for tested in ("0.35.2", "0.42.1"):  # the two ends make test runs
+        check_diffusers(tested)
+    for untested in ("0.30.3", "0.43.0", "1.0.0"):
+        with pytest.raises(FlowfleetError, match=rf"diffusers {untested} is untested \(tested: diffusers"):
+            check_diffusers(untested)
+    check_diffusers("0.43.0", allow_untested=True)
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    check_diffusers("0.43.0")
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV)
+    monkeypatch.setattr(diffusers, "__version__", "0.43.0")  # what parallelize() sees
+    with pytest.raises(FlowfleetError, match="diffusers 0.43.0 is untested"):
+        parallelize(tiny_unet(), Group.solo())
