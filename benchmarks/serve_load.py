@@ -16,6 +16,10 @@ K = 3, hidden 32, 8 x 8) is assembled in a temp dir.
 
     .venv/bin/python benchmarks/serve_load.py --clients 32 --rounds 2
     .venv/bin/python benchmarks/serve_load.py --model runs/demo/model --clients 32 --rounds 1 --steps 20
+    .venv/bin/python benchmarks/serve_load.py --model runs/demo/model --clients 32 --rounds 1 --steps 20 \
+        --ray-replicas 1 --ray-cpus 2     # the same through `serve --ray` (Ray Serve, a local Ray)
+
+With --ray-replicas N > 1 the health counts are one replica's (the one that answered /api/health).
 """
 
 from __future__ import annotations
@@ -120,6 +124,15 @@ def main() -> None:
     p.add_argument("--n", type=int, default=1, help="images per request")
     p.add_argument("--strategy", default="top2")
     p.add_argument("--prompt", default="a handwritten digit seven")
+    p.add_argument(
+        "--ray-replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve through Ray Serve instead (`serve --ray`, a Ray started for it): N sampling replicas of "
+        "--ray-cpus CPUs each (default 0: the plain server)",
+    )
+    p.add_argument("--ray-cpus", type=float, default=2.0, help="CPUs per Ray Serve replica (default 2)")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args()
 
@@ -128,9 +141,11 @@ def main() -> None:
         body = {"prompt": a.prompt, "strategy": a.strategy, "steps": a.steps, "n": a.n}
         args = ["--no-ui", "--max-queue", str(a.max_queue), "--max-batch", str(a.max_batch)]
         args += ["--batch-window-ms", str(a.batch_window_ms)]
+        if a.ray_replicas:
+            args += ["--ray", "--replicas", str(a.ray_replicas), "--replica-cpus", str(a.ray_cpus)]
         alone: dict[int, np.ndarray] = {}
         batched: dict[int, np.ndarray] = {}
-        with serve_process(model, args, log=str(Path(tmp) / "serve.log")) as url:
+        with serve_process(model, args, timeout=600, log=str(Path(tmp) / "serve.log")) as url:
             httpx.post(f"{url}/api/generate", json=body, timeout=600).raise_for_status()  # warm: experts loaded
             sequential = load(url, 1, a.clients * a.rounds, body, retry=False, images=alone)
             before = httpx.get(f"{url}/api/health").json()["served"]
@@ -151,6 +166,7 @@ def main() -> None:
         "rounds": a.rounds,
         "max_batch": a.max_batch,
         "batch_window_ms": a.batch_window_ms,
+        "server": f"Ray Serve, {a.ray_replicas} replica(s) of {a.ray_cpus} CPUs" if a.ray_replicas else "one process",
         "sequential": sequential,
         "once": once,
         "retry": retry,

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.mode import DISPLACED_WARMUP, PARALLEL_MODES
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 def add_command(
@@ -107,3 +111,11 @@ def relaunch_parallel(args: argparse.Namespace) -> int | None:
     from flowfleet.parallel.launch import relaunch_torchrun
 
     return None if in_torchrun() else relaunch_torchrun(args.nproc, args.argv)
+
+
+def option_error(err: "ValidationError") -> FlowfleetError:
+    """A settings model's first validation error as the option at fault: '--max-batch: ...'. A check across
+    fields (pydantic's "(root)") names its first field itself."""
+    from flowfleet.models.files import validation_message
+
+    return FlowfleetError("--" + validation_message(err).removeprefix("(root): ").replace("_", "-"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from flowfleet.commands.options import add_command, add_device, add_parallel, relaunch_parallel
+from flowfleet.commands.options import add_command, add_device, add_parallel, option_error, relaunch_parallel
 
 API_KEY_HELP = (
     "require 'Authorization: Bearer KEY' on /api/* and KEY as the page's password (default: $FLOWFLEET_API_KEY; "
@@ -37,6 +37,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-ui", action="store_true", help="the HTTP API only (no Gradio page)")
     p.add_argument("--api-key", default=None, metavar="KEY", help=API_KEY_HELP)
     add_parallel(p)
+    ray = p.add_argument_group("--ray: replicas of a Ray Serve deployment (the API; no page)")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve the API as Ray Serve replicas on a Ray cluster; --host/--port are Serve's HTTP proxy's",
+    )
+    ray.add_argument(
+        "--address",
+        default=None,
+        help="the Ray cluster to join, as ray.init takes it: HEAD:6379, ray://HEAD:10001 or auto (default: "
+        "RAY_ADDRESS; neither: a Ray started on this machine for this command)",
+    )
+    ray.add_argument("--replicas", type=int, default=1, metavar="N", help="replicas (default 1)")
+    ray.add_argument(
+        "--max-replicas",
+        type=int,
+        default=None,
+        metavar="M",
+        help="autoscale between --replicas and M on ongoing requests (default: a fixed --replicas)",
+    )
+    ray.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs per replica (default 1)")
+    ray.add_argument("--replica-gpus", type=float, default=0.0, metavar="G", help="GPUs per replica (default 0)")
+    ray.add_argument(
+        "--proxy-location",
+        choices=("EveryNode", "HeadOnly"),
+        default="EveryNode",
+        help="where Ray Serve runs its HTTP proxies, when this command starts Serve (default EveryNode)",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -46,13 +74,13 @@ def run_serve(args: argparse.Namespace) -> int:
     image's routing; the fleet card) and a JSON API at /api/generate (docs at /docs). Requests that arrive within
     --batch-window-ms and share their settings but the seed are sampled as one batch of at most --max-batch images
     (each keeps its prompt, seed and routing); beyond --max-queue waiting images they are refused as busy (HTTP
-    503, Retry-After).
+    503, Retry-After). With --ray, the same API runs as replicas of a Ray Serve deployment on a Ray cluster
+    (flowfleet.serve.ray_serve); the model folder must be readable from every node.
     """
 
     from pydantic import ValidationError
 
     from flowfleet.errors import FlowfleetError
-    from flowfleet.models.files import validation_message
     from flowfleet.serve.app import serve
     from flowfleet.serve.service import ServeLimits
 
@@ -65,9 +93,12 @@ def run_serve(args: argparse.Namespace) -> int:
             batch_window_ms=args.batch_window_ms,
         )
     except ValidationError as err:
-        raise FlowfleetError(f"--{validation_message(err).replace('_', '-')}") from None
+        raise option_error(err) from None
     if not 0 < args.port < 65536:
         raise FlowfleetError(f"--port: {args.port} outside 1..65535")
+    api_key = args.api_key or os.environ.get("FLOWFLEET_API_KEY") or None
+    if args.ray:
+        return _serve_on_ray(args, limits, api_key)
     relaunched = relaunch_parallel(args)  # every rank runs this same command under torchrun; rank 0 serves
     if relaunched is not None:
         return relaunched
@@ -82,6 +113,38 @@ def run_serve(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         parallel=args.parallel,
         warmup=args.warmup,
-        api_key=args.api_key or os.environ.get("FLOWFLEET_API_KEY") or None,
+        api_key=api_key,
+    )
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, limits, api_key: str | None) -> int:
+    from pydantic import ValidationError
+
+    from flowfleet.errors import FlowfleetError
+    from flowfleet.serve.ray_serve import RayServeOptions, serve_on_ray
+
+    if args.nproc != 1:
+        raise FlowfleetError("--ray: each replica samples on its own device; --nproc is not supported with it")
+    try:
+        options = RayServeOptions(
+            address=args.address,
+            replicas=args.replicas,
+            max_replicas=args.max_replicas,
+            replica_cpus=args.replica_cpus,
+            replica_gpus=args.replica_gpus,
+            proxy_location=args.proxy_location,
+        )
+    except ValidationError as err:
+        raise option_error(err) from None
+    serve_on_ray(
+        args.model_dir,
+        options,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        offload=args.offload,
+        limits=limits,
+        api_key=api_key,
     )
     return 0

@@ -24,7 +24,7 @@ import base64
 import hmac
 import io
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +35,7 @@ from flowfleet import __version__
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.files import validation_message
 from flowfleet.parallel.mode import DISPLACED_WARMUP
+from flowfleet.sampling.card import FleetCard
 from flowfleet.serve.service import BadRequest, Busy, FleetService, GenerateRequest, Generation, ServeLimits
 
 log = logging.getLogger(__name__)
@@ -66,10 +67,22 @@ def _error(status: int, message: str, **headers: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
 
-def create_app(service: FleetService, model_dir: str, ui: bool = True, api_key: str | None = None) -> FastAPI:
-    """The API routes, and the Gradio page mounted at / when ui (tests of the API alone pass False).
-    api_key: every /api/* call must carry `Authorization: Bearer KEY` (401 otherwise) and the page asks for
-    it at login."""
+class Service(Protocol):
+    """What the routes need of a service: a FleetService, or under Ray Serve its replicas' front
+    (flowfleet.serve.ray_serve.ReplicaFront)."""
+
+    @property
+    def card(self) -> FleetCard: ...
+
+    def generate(self, req: GenerateRequest) -> Generation: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+
+def create_app(service: Service, model_dir: str, ui: bool = True, api_key: str | None = None) -> FastAPI:
+    """The API routes, and the Gradio page mounted at / when ui (a FleetService only; tests of the API alone
+    pass False). api_key: every /api/* call must carry `Authorization: Bearer KEY` (401 otherwise) and the
+    page asks for it at login."""
     app = FastAPI(title="flowfleet", version=__version__, summary=f"serving {model_dir}")
 
     @app.middleware("http")
@@ -110,7 +123,10 @@ def create_app(service: FleetService, model_dir: str, ui: bool = True, api_key: 
     @app.post("/api/generate")
     def generate(req: GenerateRequest) -> Any:  # a plain def: FastAPI runs it in its thread pool
         try:
-            return response_json(service.generate(req))
+            g = service.generate(req)
+            # under Ray Serve: which replica drew it, after how many tries
+            ray = {"X-Flowfleet-Replica": g.replica, "X-Flowfleet-Attempts": str(g.attempts)} if g.replica else None
+            return JSONResponse(response_json(g), headers=ray)
         except ValidationError as err:
             return _error(422, validation_message(err))
         except BadRequest as err:
@@ -123,6 +139,8 @@ def create_app(service: FleetService, model_dir: str, ui: bool = True, api_key: 
 
         from flowfleet.serve.ui import THEME, build_ui
 
+        if not isinstance(service, FleetService):
+            raise TypeError("create_app: the page needs a FleetService in this process")
         page = build_ui(service, model_dir)
         # page requests run concurrently into the service, whose batcher groups them (and bounds the queue)
         page.queue(max_size=service.limits.max_queue, default_concurrency_limit=service.limits.max_batch)

@@ -53,6 +53,11 @@ class Batcher:
         self._worker = threading.Thread(target=self._run, name="flowfleet-batcher", daemon=True)
         self._worker.start()
 
+    @property
+    def alive(self) -> bool:
+        """The worker thread runs (False after close, or if it died)."""
+        return self._worker.is_alive()
+
     def submit(self, job: BatchJob) -> Future:
         with self._changed:
             if self._closed:

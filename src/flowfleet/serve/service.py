@@ -89,6 +89,8 @@ class Generation:
     settings: SamplingSettings
     seconds: float  # generation only, without the wait in the queue
     waited: float  # seconds in the queue
+    replica: str | None = None  # under Ray Serve: the replica that drew it
+    attempts: int = 1  # under Ray Serve: replicas asked (more than 1: one went away with the request)
 
 
 def per_image_routing(trace: RoutingTrace) -> list[list[dict[str, Any]]]:
@@ -144,6 +146,7 @@ class FleetService:
         self._counts_lock = threading.Lock()
         self.counts = {"served": 0, "refused_busy": 0, "bad_request": 0, "failed": 0}
         self.admitted = 0  # images of the requests holding a place now (sampling and waiting)
+        self.replica: str | None = None  # under Ray Serve (flowfleet.serve.ray_serve): this replica's id
         self.batcher = (
             Batcher(self._sample_batch, limits.batch_window_ms / 1000, limits.max_batch) if parallel is None else None
         )
@@ -254,6 +257,7 @@ class FleetService:
             settings,
             drawn.seconds,
             waited,
+            self.replica,
         )
 
     def _sample_batch(self, jobs: Sequence[BatchJob]) -> list[_Drawn]:
@@ -319,6 +323,7 @@ class FleetService:
             "experts": list(self.pipe.present),
             "limits": self.limits.model_dump(),
             "parallel": self.parallel.describe() if self.parallel is not None else None,
+            "replica": self.replica,
             "admitted": admitted,
             "batches": self.batcher.batches if self.batcher is not None else None,
             "batched_images": self.batcher.batched_images if self.batcher is not None else None,
