@@ -7,9 +7,10 @@ Part 1 (latency). A DiT-S/2-sized expert (depth 12, hidden 384, 6 heads, 4 laten
 weights, unconditional, one image) at 256 tokens (32x32 latent) and 1024 tokens (64x64). Every
 configuration is a fresh set of spawned processes with one thread each: "1 rank" samples with the plain
 model (the single-device reference), "2 ranks" with flowfleet.parallel in sync / displaced / naive
-mode (displaced: step 0 + --warmup synchronous steps). The wall time of the sampling loop is measured
-after one untimed warm-up forward; the 2-rank time is the slower rank's (its process CPU time, which
-includes gloo's threads, is recorded too: the work one rank does). Configurations run
+mode, or with the exact sequence parallelism of ulysses / ring (displaced: step 0 + --warmup synchronous
+steps); --ranks 2 3 4 for more ranks (Ulysses only where the 6 heads divide). The wall time of the
+sampling loop is measured after one untimed warm-up forward; the N-rank time is the slowest rank's
+(its process CPU time, which includes gloo's threads, is recorded too: the work one rank does). Configurations run
 --repeats times, interleaved, and the minimum is reported (the machine is shared: the minimum is
 the run least disturbed by other jobs). Ratios are against the 1-rank minimum of the same run.
 
@@ -18,9 +19,9 @@ session an equal CPU share, so while other sessions keep the cores busy, 2 ranks
 total than 1 rank and wall-time ratios say nothing about the method. Latency is only meaningful on an
 otherwise idle machine: results.json records the load average before and after, and the script warns.
 
-Part 2 (bytes per step). What the CommManager counted for one rank in a steady sync step (keys and
-values of every self-attention layer + the step output), against the analytic figures:
-    patch parallelism (ours)   depth * (n-1) * B * 2 * (N/n) * D * 4  +  (n-1) * B * C * H/n * W * 4
+Part 2 (bytes per step). What the CommManager counted for rank 0 in a steady step, per mode, against the
+analytic figures of analytic_bytes() (per layer, X = B * N/n * D * 4: sync / displaced 2 (n-1) X, ulysses
+4 (n-1)/n X, ring 2 (n-1) X; plus the step output's gather), and tensor parallelism for scale:
     tensor parallelism         depth * 2 all-reduces of [B, N, D] fp32, ring: 2 (n-1)/n of the tensor each
 (Megatron-style TP of a DiT block: the attention output projection and the MLP's second linear end in
 an all-reduce; adaLN, the q/k/v and first MLP projections are column-parallel and need none.)
@@ -56,7 +57,8 @@ from flowfleet.parallel import ParallelPlan, PatchParallelRunner, run_local
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test fixtures
 
-MODES = ("sync", "displaced", "naive")
+MODES = ("sync", "displaced", "naive")  # the quality part's rows
+LATENCY_MODES = ("sync", "displaced", "naive", "ulysses", "ring")
 
 
 def latency_config(tokens: int) -> DiTConfig:
@@ -125,56 +127,71 @@ def load(cfg: DiTConfig, state: dict) -> DiTModel:
 
 
 def analytic_bytes(cfg: DiTConfig, n: int, batch: int = 1) -> dict[str, int]:
+    """Bytes one rank sends per step (float32), attention exchange per mode + the step output gather.
+    X = batch * (tokens / n) * hidden * 4 per layer:
+        sync / displaced   all-gather of this band's K, V to n-1 ranks     2 (n-1) X
+        ulysses            all-to-all of q, k, v and of the output          4 (n-1)/n X
+        ring               this band's K, V passed on n-1 times             2 (n-1) X
+        tensor parallel    2 ring all-reduces of [B, N, D]                  2 * 2 (n-1)/n * n X"""
     gh, gw = cfg.grid_size
     tokens, d, f = gh * gw, cfg.hidden_size, 4
-    pp = cfg.depth * (n - 1) * batch * 2 * (tokens // n) * d * f
+    x = batch * (tokens / n) * d * f
     out = (n - 1) * batch * cfg.in_channels * (cfg.input_size[0] // n) * cfg.input_size[1] * f
+    kv = {
+        "sync": 2 * (n - 1) * x,
+        "displaced": 2 * (n - 1) * x,
+        "naive": 0,
+        "ulysses": 4 * (n - 1) / n * x,
+        "ring": 2 * (n - 1) * x,
+    }
     tp = cfg.depth * 2 * int(2 * (n - 1) / n * batch * tokens * d * f)
-    return {"pp": pp + out, "pp_kv": pp, "tp": tp}
+    return {**{m: int(cfg.depth * v + out) for m, v in kv.items()}, "tp": tp}
 
 
-def latency(tokens_list: list[int], steps: int, warmup: int, repeats: int) -> list[dict]:
+def latency(tokens_list: list[int], ranks_list: list[int], modes: list[str], steps: int, warmup: int, repeats: int):
     rows = []
     for tokens in tokens_list:
         cfg = latency_config(tokens)
-        times: dict[str, list[float]] = {"1 rank": [], **{m: [] for m in MODES}}
-        cpus: dict[str, list[float]] = {"1 rank": [], **{m: [] for m in MODES}}
-        outs, bytes_ = {}, {}
-        for rep in range(repeats):
-            r = run_local(single_worker, 1, (cfg, steps), timeout_s=600, start_method="spawn")[0]
-            times["1 rank"].append(r["s"])
-            cpus["1 rank"].append(r["cpu"])
-            outs["1 rank"] = r["out"]
-            for mode in MODES:
-                ranks = run_local(parallel_worker, 2, (cfg, steps, mode, warmup), timeout_s=600, start_method="spawn")
-                times[mode].append(max(x["s"] for x in ranks))
-                cpus[mode].append(max(x["cpu"] for x in ranks))
-                outs[mode] = ranks[0]["out"]
-                bytes_[mode] = ranks[0]["bytes"]
-            print(
-                f"  {tokens} tokens, repeat {rep + 1}/{repeats}: "
-                + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()),
-                flush=True,
+        for nproc in ranks_list:
+            usable = [m for m in modes if m != "ulysses" or cfg.num_heads % nproc == 0]  # Ulysses splits heads
+            times: dict[str, list[float]] = {"1 rank": [], **{m: [] for m in usable}}
+            cpus: dict[str, list[float]] = {"1 rank": [], **{m: [] for m in usable}}
+            outs, bytes_ = {}, {}
+            for rep in range(repeats):
+                r = run_local(single_worker, 1, (cfg, steps), timeout_s=600, start_method="spawn")[0]
+                times["1 rank"].append(r["s"])
+                cpus["1 rank"].append(r["cpu"])
+                outs["1 rank"] = r["out"]
+                for mode in usable:
+                    args = (cfg, steps, mode, warmup)
+                    ranks = run_local(parallel_worker, nproc, args, timeout_s=600, start_method="spawn")
+                    times[mode].append(max(x["s"] for x in ranks))
+                    cpus[mode].append(max(x["cpu"] for x in ranks))
+                    outs[mode] = ranks[0]["out"]
+                    bytes_[mode] = ranks[0]["bytes"]
+                print(
+                    f"  {tokens} tokens, {nproc} ranks, repeat {rep + 1}/{repeats}: "
+                    + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()),
+                    flush=True,
+                )
+            base = min(times["1 rank"])
+            rows.append(
+                {
+                    "tokens": tokens,
+                    "ranks": nproc,
+                    "latent": list(cfg.input_size),
+                    "steps": steps,
+                    "warmup": warmup,
+                    "seconds": {k: min(v) for k, v in times.items()},
+                    "speedup": {k: base / min(v) for k, v in times.items()},
+                    "cpu_seconds": {k: min(v) for k, v in cpus.items()},  # busiest rank's process CPU time
+                    "all_seconds": times,
+                    "bytes_per_step": {m: bytes_[m] for m in usable},
+                    "steady_bytes": {m: bytes_[m][steps - 2] for m in usable},  # rank 0, a step after warm-up
+                    "analytic": analytic_bytes(cfg, nproc),
+                    "max_abs_diff_vs_1rank": {m: (outs[m] - outs["1 rank"]).abs().max().item() for m in usable},
+                }
             )
-        base = min(times["1 rank"])
-        ana = analytic_bytes(cfg, 2)
-        steady = bytes_["sync"][1]
-        rows.append(
-            {
-                "tokens": tokens,
-                "latent": list(cfg.input_size),
-                "steps": steps,
-                "warmup": warmup,
-                "seconds": {k: min(v) for k, v in times.items()},
-                "speedup": {k: base / min(v) for k, v in times.items()},
-                "cpu_seconds": {k: min(v) for k, v in cpus.items()},  # busiest rank's process CPU time
-                "all_seconds": times,
-                "bytes_per_step": {m: bytes_[m] for m in MODES},
-                "sync_steady_bytes": steady,
-                "analytic": ana,
-                "max_abs_diff_vs_1rank": {m: (outs[m] - outs["1 rank"]).abs().max().item() for m in MODES},
-            }
-        )
     return rows
 
 
@@ -280,6 +297,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=("all", "latency", "quality"), default="all")
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2], help="rank counts to time (default 2)")
+    ap.add_argument("--modes", nargs="+", default=list(LATENCY_MODES), choices=LATENCY_MODES)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
@@ -296,24 +315,27 @@ def main() -> None:
             flush=True,
         )
     if args.part in ("all", "latency"):
-        print("latency (2 ranks x 1 thread vs 1 rank x 1 thread):", flush=True)
-        result["latency"] = latency(args.tokens, args.steps, args.warmup, args.repeats)
-        for row in result["latency"]:
-            s, x, ana = row["seconds"], row["speedup"], row["analytic"]
-            c = row["cpu_seconds"]
+        print("latency (N ranks x 1 thread vs 1 rank x 1 thread):", flush=True)
+        rows = latency(args.tokens, args.ranks, args.modes, args.steps, args.warmup, args.repeats)
+        result["latency"] = rows
+        for row in rows:
+            s, x, c, ana = row["seconds"], row["speedup"], row["cpu_seconds"], row["analytic"]
+            modes = [m for m in s if m != "1 rank"]
             print(
-                f"{row['tokens']:5d} tokens: 1 rank {s['1 rank']:.2f} s | "
-                + " | ".join(f"{m} {s[m]:.2f} s ({x[m]:.2f}x)" for m in MODES)
+                f"{row['tokens']:5d} tokens, {row['ranks']} ranks: 1 rank {s['1 rank']:.2f} s | "
+                + " | ".join(f"{m} {s[m]:.2f} s ({x[m]:.2f}x)" for m in modes)
             )
             print(
-                f"       CPU s of the busiest rank: 1 rank {c['1 rank']:.2f} | "
-                + " | ".join(f"{m} {c[m]:.2f} ({c['1 rank'] / c[m]:.2f}x less)" for m in MODES)
+                "       CPU s of the busiest rank: "
+                + " | ".join(f"{m} {c[m]:.2f} ({c['1 rank'] / c[m]:.2f}x less)" for m in modes)
             )
             print(
-                f"       bytes/step/rank: sync {row['sync_steady_bytes'] / 2**20:.2f} MiB "
-                f"(analytic PP {ana['pp'] / 2**20:.2f} MiB, sync TP {ana['tp'] / 2**20:.2f} MiB); "
-                "max |diff| vs 1 rank: " + ", ".join(f"{m} {v:.1e}" for m, v in row["max_abs_diff_vs_1rank"].items())
+                "       bytes/step/rank measured (analytic): "
+                + ", ".join(f"{m} {row['steady_bytes'][m] / 2**20:.2f} MiB ({ana[m] / 2**20:.2f})" for m in modes)
+                + f"; TP {ana['tp'] / 2**20:.2f} MiB"
             )
+            diffs = row["max_abs_diff_vs_1rank"].items()
+            print("       max |diff| vs 1 rank: " + ", ".join(f"{m} {v:.1e}" for m, v in diffs))
     if args.part in ("all", "quality"):
         print("quality (trained stripes DiT, 2 ranks vs 1 rank):", flush=True)
         result["quality"] = quality(args.quality_iters, 16, args.quality_steps, args.warmup, out)

@@ -91,7 +91,9 @@ def add_parallel(p: argparse.ArgumentParser) -> None:
         choices=PARALLEL_MODES,
         default="displaced",
         help="with --nproc: how image bands exchange attention keys/values: this step's (sync, "
-        "exact), the previous step's, overlapped with compute (displaced), or never (naive)",
+        "exact), the previous step's, overlapped with compute (displaced), or never (naive); or exact "
+        "sequence parallelism: an all-to-all over heads (ulysses, heads must divide by the bands) or keys/values "
+        "around a ring (ring)",
     )
     p.add_argument(
         "--warmup",

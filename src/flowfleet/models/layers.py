@@ -45,9 +45,12 @@ class SelfAttention(nn.Module):
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q, k, v)  # [B, H, Nq, Dh]
+        return self.project(F.scaled_dot_product_attention(q, k, v))  # [B, Nq, D]
+
+    def project(self, out: torch.Tensor) -> torch.Tensor:
+        """Every head's attention output [B, H, Nq, Dh] -> [B, Nq, D]."""
         b, h, n, dh = out.shape
-        return self.proj(out.transpose(1, 2).reshape(b, n, h * dh))  # [B, Nq, D]
+        return self.proj(out.transpose(1, 2).reshape(b, n, h * dh))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.attend(*self.forward_qkv(x))

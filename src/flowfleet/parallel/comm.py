@@ -33,6 +33,7 @@ waiting for an asynchronous one to land); the step output's gather, which every 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -261,6 +262,43 @@ class CommManager:
         return tensor
 
     # ----------------------------------------------------------------------------------------------
+    #                     Sequence parallelism (flowfleet.parallel.sequence)
+    # ----------------------------------------------------------------------------------------------
+
+    def all_to_all_bands(
+        self, chunks: list[torch.Tensor], out_shapes: list[tuple[int, ...]], what: str
+    ) -> list[torch.Tensor]:
+        """Blocking all-to-all within the band group: chunks[j] goes to band j; out[j] (of out_shapes[j])
+        comes from band j. Chunks may differ in size (uneven bands)."""
+        # one flat all_to_all_single with split sizes: gloo's list all_to_all wants equal tensors
+        sizes_in = [c.numel() for c in chunks]
+        sizes_out = [math.prod(shape) for shape in out_shapes]
+        flat = torch.cat([c.reshape(-1) for c in chunks])
+        got = torch.empty(sum(sizes_out), device=self.device, dtype=flat.dtype)
+        t0 = time.perf_counter()
+        with self._guard("all-to-all", what):
+            dist.all_to_all_single(got, flat, sizes_out, sizes_in, group=self.bands.pg)
+        self._blocked[self._bytes.step] += time.perf_counter() - t0
+        mine = self.bands.rank
+        self._bytes.add(sum(n for j, n in enumerate(sizes_in) if j != mine) * flat.element_size())
+        return [part.reshape(shape) for part, shape in zip(got.split(sizes_out), out_shapes)]
+
+    def ring_shift(self, tensor: torch.Tensor, recv_shape: tuple[int, ...], what: str) -> "RingShift":
+        """Send `tensor` to the next band and receive the previous band's (of recv_shape), asynchronously:
+        compute, then .wait() for what arrived."""
+        tensor = tensor.contiguous()
+        out = torch.empty(recv_shape, device=self.device, dtype=tensor.dtype)
+        size, rank, pg = self.bands.size, self.bands.rank, self.bands.pg
+        nxt, prev = (rank + 1) % size, (rank - 1) % size
+        if pg is not None:  # point-to-point ops name peers by their rank in the default group
+            nxt, prev = dist.get_global_rank(pg, nxt), dist.get_global_rank(pg, prev)
+        with self._guard("ring send/receive", what):
+            ops = [dist.P2POp(dist.isend, tensor, nxt, group=pg), dist.P2POp(dist.irecv, out, prev, group=pg)]
+            handles = dist.batch_isend_irecv(ops)
+        self._bytes.add(tensor.numel() * tensor.element_size())
+        return RingShift(self, handles, out, what)
+
+    # ----------------------------------------------------------------------------------------------
     #                                 Byte counter
     # ----------------------------------------------------------------------------------------------
 
@@ -359,3 +397,21 @@ class CommManager:
                 f"{time.monotonic() - t0:.1f} s (timeout {self.timeout_s:g} s): another rank died or stalled "
                 f"({reason[:160]})"
             ) from err
+
+
+@dataclass
+class RingShift:
+    """A ring send/receive in flight (CommManager.ring_shift)."""
+
+    comm: CommManager
+    handles: list[Any]
+    out: torch.Tensor
+    what: str
+
+    def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        with self.comm._guard("ring send/receive", self.what):
+            for handle in self.handles:
+                handle.wait()
+        self.comm._blocked[self.comm._bytes.step] += time.perf_counter() - t0
+        return self.out

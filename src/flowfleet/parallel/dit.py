@@ -2,7 +2,8 @@
 
     patch embedding   local: the band's patches + its slice of the fixed position embedding
     self-attention    local queries against the keys/values of the whole image; the other bands'
-                      keys/values come from the ParallelMode's exchange (sync / displaced / naive)
+                      keys/values come from the ParallelMode's exchange (sync / displaced / naive),
+                      or the exact sequence-parallel attention (ulysses / ring: parallel/sequence.py)
     cross-attention   local (text keys/values are the same on every rank)
     MLP, adaLN        local (token-wise; the conditioning vector is computed on every rank)
     final layer       local: the band's velocity, [B, C, R*p, W]
@@ -28,6 +29,7 @@ from flowfleet.parallel.attention import BandKV
 from flowfleet.parallel.bands import BandLayout
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import ParallelMode
+from flowfleet.parallel.sequence import SequenceAttention
 
 
 def attention_slot_shape(cfg: DiTConfig, layout: BandLayout, batch: int) -> tuple[int, ...]:
@@ -65,12 +67,15 @@ class DiTAttentionBand:
     def __init__(self, attn: SelfAttention, comm: CommManager, slot: str, counts: list[int]):
         self.attn = attn
         self.kv = BandKV(comm, slot, comm.bands.rank)
+        self.sequence = SequenceAttention(comm, counts, slot)  # ulysses / ring
         self.counts = counts  # every band's tokens
 
     def __call__(
         self, x: torch.Tensor, *, mode: ParallelMode, rows: torch.Tensor | None, prefetch: bool
     ) -> torch.Tensor:
         q, k, v = self.attn.forward_qkv(x)  # each [B, H, n, Dh]
+        if mode.sequence:  # exact: every token's keys/values of this step, no slot
+            return self.attn.project(self.sequence(q, k, v, mode))  # [B, n, D]
         kv = torch.stack((k, v), dim=1)  # [B, 2, H, n, Dh]: this band's fresh keys and values
         kv_all = self.kv(kv, mode, self.counts, rows, prefetch)  # [B, 2, H, N (or n for naive), Dh]
         return self.attn.attend(q, kv_all[:, 0], kv_all[:, 1])  # [B, n, D]

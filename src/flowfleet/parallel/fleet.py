@@ -12,6 +12,7 @@ that fit its batch size; a larger batch or a change of guidance builds a new one
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Mapping
 
@@ -26,6 +27,8 @@ from flowfleet.parallel.runner import ParallelPlan, ParallelVelocity, PatchParal
 from flowfleet.sampling.index import expert_folder, read_model_index
 from flowfleet.sampling.pipeline import RoutedVelocity
 from flowfleet.storage import RunRoot
+
+log = logging.getLogger(__name__)
 
 
 def join_fleet(
@@ -83,6 +86,8 @@ class ParallelFleet:
         self.runner = PatchParallelRunner(
             self.ctx, configs, pipe.experts.get, self.plan, batch=batch, guided=guided, dtype=pipe.dtype
         )
+        if self.ctx.is_main and (r is None or r.split_text != self.runner.split_text):
+            log.info("parallel: %s", self.runner.split_text)
         return self.runner
 
     def velocity_fn(self, pipe: Any, cond: Any, settings: Any, trace: Any):

@@ -6,6 +6,11 @@
                asynchronously while later layers compute (the paper's displaced patch parallelism).
                The first step and `warmup` more steps run as `sync`.
     naive      bands never exchange activations (the paper's "naive patch" baseline; seams).
+    ulysses    exact sequence parallelism (DeepSpeed-Ulysses): an all-to-all turns every band's tokens of
+               all heads into every token of heads/N heads, attention runs on the whole sequence, and an
+               all-to-all turns it back (flowfleet.parallel.sequence). Heads must divide by N.
+    ring       exact sequence parallelism (Ring attention): queries stay, keys/values travel around the
+               ring of bands, each block's attention merged by its log-sum-exp. Any split.
 
 The key/value exchange of every band-parallel self-attention (flowfleet.parallel.attention.BandKV) has
 exactly one code path per mode, chosen by this enum.
@@ -50,10 +55,12 @@ class ParallelMode(str, Enum):
     SYNC = "sync"
     DISPLACED = "displaced"
     NAIVE = "naive"
+    ULYSSES = "ulysses"
+    RING = "ring"
 
     @classmethod
     def parse(cls, text: "str | ParallelMode") -> "ParallelMode":
-        """'sync' | 'displaced' | 'naive' -> ParallelMode; anything else is a one-line FlowfleetError."""
+        """'sync' | 'displaced' | 'naive' | 'ulysses' | 'ring' -> ParallelMode; else a one-line FlowfleetError."""
         return _parse(cls, text, "--parallel: unknown mode")
 
     def at_step(self, step: int, warmup: int) -> "ParallelMode":
@@ -66,6 +73,11 @@ class ParallelMode(str, Enum):
     def exchanges(self) -> bool:
         """Whether layers exchange activations at all (False for the naive baseline)."""
         return self is not ParallelMode.NAIVE
+
+    @property
+    def sequence(self) -> bool:
+        """Exact sequence parallelism (ulysses, ring): collectives inside attention, no comm slots."""
+        return self in (ParallelMode.ULYSSES, ParallelMode.RING)
 
 
 PARALLEL_MODES = tuple(m.value for m in ParallelMode)

@@ -39,6 +39,7 @@ from flowfleet.parallel.bands import BandLayout
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.dit import PatchParallelDiT, register_dit
 from flowfleet.parallel.mode import DISPLACED_WARMUP, ParallelMode
+from flowfleet.parallel.sequence import check_heads
 
 RouteFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 # (x_t [B, C, H, W], t [B], step) -> (global expert ids [B, k] int64, weights [B, k] summing to 1 per sample)
@@ -106,10 +107,13 @@ class PatchParallelRunner:
         )
         # A band group of one rank owns the whole image: nothing to exchange, every mode is the plain model.
         self.mode = plan.mode if bands.size > 1 else ParallelMode.NAIVE
+        self.split_text = describe_split(ctx.world_size, self.groups, bands.size, plan.mode)
         self.slot_rows = batch * (2 if guided and not self.split else 1)
         self.expert_ids = ids
         self.num_experts = ids[-1] + 1
-        if self.mode.exchanges:
+        for k in ids:
+            check_heads(self.mode, configs[k].num_heads, bands.size, f"expert {k}")
+        if self.mode.exchanges and not self.mode.sequence:  # sync / displaced: one key/value slot per layer
             for k in ids:
                 register_dit(self.comm, expert_name(k), configs[k], self.layout, self.slot_rows)
         self.comm.allocate()
@@ -147,6 +151,15 @@ class PatchParallelRunner:
 
     def close(self) -> None:
         self.comm.drain()
+
+
+def describe_split(ranks: int, groups: int, bands: int, requested: ParallelMode) -> str:
+    """How an image is spread, in one line for the user: CFG groups x bands, and the mode that runs."""
+    halves = "the 2 CFG halves on 2 rank groups" if groups == 2 else "both CFG halves (or none) on every rank"
+    text = f"{ranks} ranks: {halves}, each image in {bands} band(s)"
+    if bands == 1:
+        return f"{text}; no {requested.value} split (one band holds every token: --cfg 1 or twice the ranks splits it)"
+    return f"{text} ({requested.value})"
 
 
 def expert_name(k: int) -> str:
