@@ -130,6 +130,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         cfg=args.cfg,
         shift=args.shift,
         route_every=args.route_every,
+        cache=args.cache,
         ref_n=args.ref_n,
         cfg_sweep=_scales(args.cfg_sweep),
         min_accuracy=args.min_accuracy,

@@ -67,6 +67,14 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
         help="time-grid shift; > 1 spends more steps at high noise (default: the fleet's)",
     )
     p.add_argument(
+        "--cache",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="first-block cache: per expert and sample, skip the blocks after the first while the first block's "
+        "residual changed by less than T (relative) since they last ran (default 0: every block runs)",
+    )
+    p.add_argument(
         "--route-every",
         type=int,
         default=None,

@@ -176,6 +176,7 @@ def run_generate(args: argparse.Namespace) -> int:
         out=args.out,
         offload=args.offload,
         route_every=args.route_every,
+        cache=args.cache,
         batch_size=args.batch_size,
         device=args.device,
         nproc=args.nproc,

@@ -33,6 +33,7 @@ from flowfleet.flow.ensemble import Strategy
 from flowfleet.flow.sampler import SamplerName, VelocityFn
 from flowfleet.layout import INDEX_FILE, MODEL_VAE
 from flowfleet.models.files import load_model, read_dit_config
+from flowfleet.sampling.cache import BlockCache
 from flowfleet.sampling.checksums import verify_weights
 from flowfleet.sampling.index import ModelIndex, SchedulerConfig, expert_folder, read_model_index
 from flowfleet.sampling.routing import Condition, Selection, present_probs, run_selected, select_experts
@@ -62,6 +63,7 @@ class SamplingSettings:
     shift: float
     route_every: int
     seed: int
+    cache: float = 0.0  # first-block cache threshold (flowfleet.sampling.cache); 0: every block runs
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,6 +75,7 @@ class SamplingSettings:
             "shift": self.shift,
             "route_every": self.route_every,
             "seed": self.seed,
+            "cache": self.cache,
         }
 
 
@@ -100,18 +103,32 @@ class RoutedVelocity:
     """
 
     def __init__(
-        self, pipe: "FleetPipeline", cond: Condition, k: int, cfg: float, route_every: int, trace: RoutingTrace
+        self,
+        pipe: "FleetPipeline",
+        cond: Condition,
+        k: int,
+        cfg: float,
+        route_every: int,
+        trace: RoutingTrace,
+        cache: float = 0.0,
     ):
         self.pipe, self.cond, self.k, self.cfg = pipe, cond, k, cfg
         self.route_every = route_every
         self.guided = pipe.guidance_applies(cfg)
         self.trace = trace
+        self.cache_threshold = cache
+        self._cache: BlockCache | None = None  # built at the first call, when the batch is known
         self._selection: Selection | None = None
         self._last_step = -1
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor, step: int) -> torch.Tensor:
         selection = self.select(x, t, step)
-        return run_selected(self.pipe.experts, x, t, self.cond, selection, self.cfg, self.guided, self.trace.stats)
+        if self.cache_threshold > 0 and self._cache is None:
+            rows = x.shape[0] * (2 if self.guided else 1)
+            self._cache = BlockCache(self.cache_threshold, rows, self.trace.stats.cache)
+        return run_selected(
+            self.pipe.experts, x, t, self.cond, selection, self.cfg, self.guided, self.trace.stats, self._cache
+        )
 
     def select(self, x: torch.Tensor, t: torch.Tensor, step: int) -> Selection:
         """This evaluation's per-sample experts and weights (routing + trace, no expert runs); the
@@ -277,9 +294,11 @@ class FleetPipeline:
         """CFG needs a condition to drop; scale 1 is no guidance (and saves the unconditional pass)."""
         return self.conditioning != "none" and cfg != 1.0
 
-    def velocity_fn(self, cond: Condition, k: int, cfg: float, route_every: int, trace: RoutingTrace) -> VelocityFn:
+    def velocity_fn(
+        self, cond: Condition, k: int, cfg: float, route_every: int, trace: RoutingTrace, cache: float = 0.0
+    ) -> VelocityFn:
         """The per-step velocity (x_t, t, step) -> v of this fleet; see RoutedVelocity."""
-        return RoutedVelocity(self, cond, k, cfg, route_every, trace)
+        return RoutedVelocity(self, cond, k, cfg, route_every, trace, cache)
 
     # -- settings -----------------------------------------------------------------------------------------
 
@@ -292,6 +311,7 @@ class FleetPipeline:
         shift: float | None = None,
         route_every: int | None = None,
         seed: int = 0,
+        cache: float = 0.0,
     ) -> SamplingSettings:
         """Fill unset choices from the fleet's scheduler config and validate them (one-line errors)."""
         sch = self.scheduler
@@ -316,8 +336,10 @@ class FleetPipeline:
             raise FlowfleetError(f"--shift: must be > 0, got {shift}")
         if route_every < 1:
             raise FlowfleetError(f"--route-every: must be >= 1, got {route_every}")
+        if not 0 <= cache < 10:
+            raise FlowfleetError(f"--cache: a relative change threshold >= 0 (0: off), got {cache}")
         checked = cast(SamplerName, sampler)  # one of SamplerName's values, checked above
-        return SamplingSettings(strat, k, steps, checked, float(cfg), float(shift), route_every, seed)
+        return SamplingSettings(strat, k, steps, checked, float(cfg), float(shift), route_every, seed, float(cache))
 
     # -- conditioning ------------------------------------------------------------------------------------
 
@@ -384,8 +406,12 @@ class FleetPipeline:
         over its ranks (`generate --nproc N`)."""
         trace = RoutingTrace(self.num_experts)
         if velocity_fn is None and parallel is not None:
+            if settings.cache:
+                raise FlowfleetError("--cache: not with --nproc (the patch-parallel experts run every block)")
             velocity_fn = parallel.velocity_fn(self, cond, settings, trace)
-        vf = velocity_fn or self.velocity_fn(cond, settings.k, settings.cfg, settings.route_every, trace)
+        vf = velocity_fn or self.velocity_fn(
+            cond, settings.k, settings.cfg, settings.route_every, trace, settings.cache
+        )
         grid = time_grid(settings.steps, settings.shift, device=noise.device)
         bar = None
         if progress:

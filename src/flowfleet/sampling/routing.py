@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from flowfleet.flow import guided_velocity, routing_weights
+from flowfleet.sampling.cache import BlockCache, CacheStats
 from flowfleet.sampling.store import ExpertStore
 
 # --------------------------------------------------------------------------------------------------
@@ -89,6 +90,7 @@ class ExecutionStats:
     calls: Counter[int] = field(default_factory=Counter)
     rows: Counter[int] = field(default_factory=Counter)
     batch_sizes: dict[int, list[int]] = field(default_factory=dict)
+    cache: CacheStats = field(default_factory=CacheStats)  # block evaluations run / skipped (--cache)
 
     def record(self, k: int, rows: int) -> None:
         self.calls[k] += 1
@@ -105,6 +107,7 @@ def run_selected(
     cfg_scale: float,
     guided: bool,
     stats: ExecutionStats | None = None,
+    cache: BlockCache | None = None,
 ) -> torch.Tensor:
     """sum_j w[b, j] * v_{e[b, j]}(x_b, t_b) for every sample b, running each expert only on its samples.
 
@@ -125,6 +128,8 @@ def run_selected(
         n = rows.numel()
         xk, tk, ck = x[rows], t[rows], cond.select(rows)
         expert = store.get(k)
+        if cache is not None:  # the first-block rule per sample row ([cond rows; uncond rows] when guided)
+            expert = cache.bind(k, expert, torch.cat([rows, rows + b]) if guided else rows)
         if guided:
             vk = guided_velocity(expert, xk, tk, ck.kwargs(), cfg_scale)  # [n_k, C, H, W]
         else:

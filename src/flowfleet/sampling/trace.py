@@ -89,6 +89,8 @@ class RoutingTrace:
             out.router_calls += tr.router_calls
             out.stats.calls.update(tr.stats.calls)
             out.stats.rows.update(tr.stats.rows)
+            out.stats.cache.blocks_run += tr.stats.cache.blocks_run
+            out.stats.cache.blocks_skipped += tr.stats.cache.blocks_skipped
             for k, sizes in tr.stats.batch_sizes.items():
                 out.stats.batch_sizes.setdefault(k, []).extend(sizes)
         return out
@@ -123,6 +125,7 @@ class RoutingTrace:
             "num_samples": self.num_samples,
             "num_steps": self.num_steps,
             "router_calls": self.router_calls,
+            "cache": self.stats.cache.to_json(),
             "usage": usage,
             "steps": steps,
         }

@@ -70,6 +70,7 @@ class GenerateRequest(BaseModel):
     cfg: float | None = None
     seed: int = Field(0, ge=0, le=2**63 - 1)
     n: int = 1  # images
+    cache: float = 0.0  # first-block cache threshold (flowfleet.sampling.cache); 0: every block runs
 
 
 class BadRequest(FlowfleetError):
@@ -210,7 +211,7 @@ class FleetService:
         elif req.k is not None:
             raise BadRequest(f"k: only for strategy topk (got strategy {req.strategy!r})")
         try:
-            settings = self.pipe.settings(strategy, req.steps, None, req.cfg, None, None, req.seed)
+            settings = self.pipe.settings(strategy, req.steps, None, req.cfg, None, None, req.seed, req.cache)
         except FlowfleetError as err:
             raise BadRequest(str(err).removeprefix("--")) from None
         return settings

@@ -103,6 +103,7 @@ class EvaluateOptions:
     cfg: float | None = None
     shift: float | None = None
     route_every: int | None = None
+    cache: float = 0.0  # first-block cache threshold (flowfleet.sampling.cache)
     ref_n: int | None = None  # reference images; None: all of the reference set up to 10,000 (floor set apart)
     # Guidance sweep: each model is sampled at every scale; its row is the scale with the best classifier
     # FD (FID without a judge) among those with prompt accuracy >= min_accuracy (the most accurate if none).
@@ -162,6 +163,7 @@ class ModelRun:
     precision: float | None = None  # in the judge's feature space (Kynkäänniemi et al.), vs the reference
     recall: float | None = None
     sweep: list[dict[str, Any]] = field(default_factory=list)  # one score record per guidance scale
+    cache_saved: float = 0.0  # share of block evaluations the first-block cache skipped (--cache)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -387,7 +389,7 @@ class _Evaluation:
         # chosen scale. Without one, FID is what chooses, at every scale.
         fid_each = self.judge_fd is None or len(scales) == 1
         for scale in scales:
-            settings = pipe.settings(strategy, o.steps, o.sampler, scale, o.shift, o.route_every, o.seed)
+            settings = pipe.settings(strategy, o.steps, o.sampler, scale, o.shift, o.route_every, o.seed, o.cache)
             how = f"{settings.steps} {settings.sampler} steps, cfg {settings.cfg}"
             log.info(f"evaluate: {name}: sampling {o.n} images ({how})")
             t0 = time.perf_counter()
@@ -397,6 +399,8 @@ class _Evaluation:
             t0 = time.perf_counter()
             scores = self._score(images, out.prompts, name, with_fid=fid_each)
             run.fid_s += time.perf_counter() - t0
+            cache = out.trace.stats.cache  # blocks skipped by --cache (0 without it)
+            scores["cache_saved"] = cache.saved
             run.sweep.append({"cfg": settings.cfg, **{k: v for k, v in scores.items() if not k.startswith("_")}})
             log.info(f"evaluate: {name}: cfg {settings.cfg}: " + _describe(scores))
             drawn.append((settings, out, images, scores))
@@ -412,6 +416,7 @@ class _Evaluation:
         if len(drawn) == 1:
             run.sweep = []  # one scale: nothing was swept
         run.cfg, run.fid, feats = settings.cfg, scores["fid"], scores["_fid_features"]
+        run.cache_saved = scores["cache_saved"]
         run.classifier_fd, run.precision, run.recall = (scores.get(k) for k in ("classifier_fd", "precision", "recall"))
         if "_accuracy" in scores:
             acc = self.prompt_accuracy[name] = scores["_accuracy"]

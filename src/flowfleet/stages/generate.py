@@ -56,6 +56,7 @@ def generate(
     out: str | None = None,
     offload: int | None = None,
     route_every: int | None = None,
+    cache: float = 0.0,
     batch_size: int | None = None,
     device: str = "auto",
     text_encoder: Any = None,
@@ -87,7 +88,7 @@ def generate(
         latent_decoder=latent_decoder,
         load_encoders=False,
     )
-    settings = pipe.settings(strategy, steps, sampler, cfg, shift, route_every, seed)  # one-line errors
+    settings = pipe.settings(strategy, steps, sampler, cfg, shift, route_every, seed, cache)  # one-line errors
     pipe.check_condition(prompts, labels)
     if out is None:
         out = RunRoot(model_dir).url_of(SAMPLES, f"{settings.strategy.name.replace(':', '')}-seed{seed}.png")
