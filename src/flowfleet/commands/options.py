@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.mode import DISPLACED_WARMUP, PARALLEL_MODES
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
+
+T = TypeVar("T")
 
 
 def add_command(
@@ -121,6 +123,17 @@ def relaunch_parallel(args: argparse.Namespace) -> int | None:
     from flowfleet.parallel.launch import relaunch_torchrun
 
     return None if in_torchrun() else relaunch_torchrun(args.nproc, args.argv)
+
+
+def settings_from(cls: type[T], args: argparse.Namespace, fields: Sequence[str], **more: Any) -> T:
+    """A validated settings model from the options of the same names (and `more`); a one-line error
+    naming the option at fault."""
+    from pydantic import ValidationError
+
+    try:
+        return cls(**{f: getattr(args, f) for f in fields}, **more)
+    except ValidationError as err:
+        raise option_error(err) from None
 
 
 def option_error(err: "ValidationError") -> FlowfleetError:

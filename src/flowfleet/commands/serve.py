@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from flowfleet.commands.options import add_command, add_device, add_parallel, option_error, relaunch_parallel
+from flowfleet.commands.options import add_command, add_device, add_parallel, relaunch_parallel, settings_from
 
 API_KEY_HELP = (
     "require 'Authorization: Bearer KEY' on /api/* and KEY as the page's password (default: $FLOWFLEET_API_KEY; "
@@ -78,22 +78,11 @@ def run_serve(args: argparse.Namespace) -> int:
     (flowfleet.serve.ray_serve); the model folder must be readable from every node.
     """
 
-    from pydantic import ValidationError
-
     from flowfleet.errors import FlowfleetError
     from flowfleet.serve.app import serve
     from flowfleet.serve.service import ServeLimits
 
-    try:
-        limits = ServeLimits(
-            max_queue=args.max_queue,
-            max_steps=args.max_steps,
-            max_images=args.max_images,
-            max_batch=args.max_batch,
-            batch_window_ms=args.batch_window_ms,
-        )
-    except ValidationError as err:
-        raise option_error(err) from None
+    limits = settings_from(ServeLimits, args, ("max_queue", "max_steps", "max_images", "max_batch", "batch_window_ms"))
     if not 0 < args.port < 65536:
         raise FlowfleetError(f"--port: {args.port} outside 1..65535")
     api_key = args.api_key or os.environ.get("FLOWFLEET_API_KEY") or None
@@ -119,24 +108,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_on_ray(args: argparse.Namespace, limits, api_key: str | None) -> int:
-    from pydantic import ValidationError
-
     from flowfleet.errors import FlowfleetError
     from flowfleet.serve.ray_serve import RayServeOptions, serve_on_ray
 
     if args.nproc != 1:
         raise FlowfleetError("--ray: each replica samples on its own device; --nproc is not supported with it")
-    try:
-        options = RayServeOptions(
-            address=args.address,
-            replicas=args.replicas,
-            max_replicas=args.max_replicas,
-            replica_cpus=args.replica_cpus,
-            replica_gpus=args.replica_gpus,
-            proxy_location=args.proxy_location,
-        )
-    except ValidationError as err:
-        raise option_error(err) from None
+    fields = ("address", "replicas", "max_replicas", "replica_cpus", "replica_gpus", "proxy_location")
+    options = settings_from(RayServeOptions, args, fields)
     serve_on_ray(
         args.model_dir,
         options,
