@@ -51,6 +51,7 @@ def test_generate_writes_grid_routing_json_and_heatmap(model_dir, tmp_path, caps
         "shift": 1.0,
         "route_every": 1,
         "seed": 0,
+        "cache": 0.0,  # the first-block cache is off unless --cache
     }
     assert routing["num_steps"] == 3 and routing["num_samples"] == 6
     assert routing["prompts"] == ["a handwritten seven", "a zero"] * 3
