@@ -43,13 +43,14 @@ from diffusers import FlowMatchEulerDiscreteScheduler, UNet2DConditionModel
 from flowfleet.flow import flow_matching_loss, sample_t
 from flowfleet.flow.path import embedder_timestep
 from flowfleet.parallel import run_local
-from flowfleet.parallel.unet import UNetMode, parallelize
+from flowfleet.parallel.mode import UNET_MODES
+from flowfleet.parallel.unet import parallelize
 from flowfleet.storage import RunRoot
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test fixtures
 from fixtures.unets import banded_latent, tiny_unet  # noqa: E402
 
-MODES = [m.value for m in UNetMode]
+MODES = list(UNET_MODES)  # a U-Net's modes (not the transformers' ulysses / ring)
 
 
 def latency_unet(seed: int = 0) -> UNet2DConditionModel:

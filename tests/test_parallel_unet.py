@@ -24,14 +24,14 @@ from fixtures.unets import banded_latent, tiny_unet, unet_tol
 from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.launch import run_local
-from flowfleet.parallel.mode import ParallelMode
+from flowfleet.parallel.mode import UNET_MODES, ParallelMode
 from flowfleet.parallel.step import BandStep
 from flowfleet.parallel.unet import NormStats, UNetMode, check_supported, parallelize
 from flowfleet.parallel.unet.conv import FirstConvBand, RowHalo
 from flowfleet.parallel.unet.norm import band_stats, corrected, normalize, pooled
 
 FORK = dict(start_method="fork", timeout_s=30.0)
-MODES = [m.value for m in UNetMode]
+MODES = list(UNET_MODES)  # a U-Net's modes (not the transformers' ulysses / ring)
 STEPS = 6
 
 
@@ -73,6 +73,8 @@ def test_modes_map_onto_exchange_and_statistics():
     assert (UNetMode.NAIVE.exchange, UNetMode.NAIVE.norm) == (ParallelMode.NAIVE, NormStats.LOCAL)
     assert [UNetMode.STALE_GN.at_step(s, warmup=2) for s in range(4)] == [UNetMode.SYNC] * 3 + [UNetMode.STALE_GN]
     assert UNetMode.NAIVE.at_step(0, warmup=3) is UNetMode.NAIVE
+    assert (UNetMode.RING.exchange, UNetMode.ULYSSES.exchange) == (ParallelMode.RING, ParallelMode.ULYSSES)
+    assert UNetMode.RING.at_step(0, warmup=3) is UNetMode.RING  # exact: no warm-up, nothing stale
     with pytest.raises(FlowfleetError, match="unknown U-Net parallel mode"):
         UNetMode.parse("patchy")
 
@@ -474,6 +476,15 @@ def test_cfg_split_runs_an_unguided_batch_whole_and_refuses_odd_rank_counts():
     assert "3 rows per rank group exceed the 1 its buffers hold" in r0["error"]
     with pytest.raises(FlowfleetError, match="cfg_split: needs an even number of ranks, got 3"):
         parallelize(unet, Group(None, 0, 3), cfg_split=True)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_sequence_parallel_modes_are_for_transformers_only(mode):
+    """A U-Net's convolutions need halo rows, which sequence parallelism does not exchange: one line."""
+    unet = tiny_unet()
+    with pytest.raises(FlowfleetError, match=f"U-Net: mode={mode} is exact sequence parallelism for transformers"):
+        parallelize(unet, Group(None, 0, 2), mode=mode)
+    assert "forward" not in unet.__dict__
 
 
 # --------------------------------------------------------------------------------------------------

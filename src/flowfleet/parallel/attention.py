@@ -5,7 +5,9 @@ diffusers attention processors.
     self-attention   this band's queries against the keys/values of the whole image: this band's fresh
                      ones plus the other bands', which the ParallelMode supplies (this step's, blocking;
                      the previous step's, gathered asynchronously; or none for the naive baseline).
-                     One comm slot of [B, 2, heads, band tokens, head dim] per layer.
+                     One comm slot of [B, 2, heads, band tokens, head dim] per layer. In the exact
+                     sequence-parallel modes (ulysses, ring) flowfleet.parallel.sequence computes it
+                     instead, with collectives of its own and no slot.
     cross-attention  local: this band's queries against the text. The text keys/values are the same on
                      every rank and every step of a run, so they are computed once per prompt tensor and
                      reused (the cache is keyed on that tensor object and its in-place version counter).
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import ParallelMode
+from flowfleet.parallel.sequence import SequenceAttention
 from flowfleet.parallel.step import BandStep
 
 # --------------------------------------------------------------------------------------------------
@@ -147,9 +150,18 @@ class SelfAttentionBand:
             q = attn.norm_q(q)
         if attn.norm_k is not None:
             k = attn.norm_k(k)
+        if self.step.exchange.sequence:  # ulysses, ring (transformers): exact, no slot
+            return _finish(attn, self.sequence(q, k, v), residual, q.dtype)
         kv_all = self.all_bands(torch.stack((k, v), dim=1))  # [B, 2, H, N*n (n for naive), Dh]
         out = F.scaled_dot_product_attention(q, kv_all[:, 0], kv_all[:, 1])  # [B, H, n, Dh]
         return _finish(attn, out, residual, q.dtype)
+
+    def sequence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text=None) -> torch.Tensor:
+        """Exact sequence-parallel attention (the step's mode: ulysses or ring) of this band's q, k, v
+        [B, H, n, Dh], with a joint attention's text q, k, v [B, H, L, Dh] (held by every rank) ->
+        [B, H, n (+ L), Dh], the text's rows last (flowfleet.parallel.sequence)."""
+        core = SequenceAttention(self.step.comm, self.step.counts(q.shape[2]), self.name)
+        return core(q, k, v, self.step.exchange, text)
 
     def all_bands(self, kv: torch.Tensor) -> torch.Tensor:
         """This band's fresh keys/values [B, 2, H, n, Dh] -> every band's, [B, 2, H, sum of n, Dh]; the slot is

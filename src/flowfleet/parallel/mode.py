@@ -15,7 +15,9 @@
 The key/value exchange of every band-parallel self-attention (flowfleet.parallel.attention.BandKV) has
 exactly one code path per mode, chosen by this enum.
 
-UNetMode, below, names the patched diffusers models' modes (U-Net, VAE decoder, transformers):
+UNetMode, below, names the patched diffusers models' modes (U-Net, VAE decoder, transformers). The
+transformers (PixArt, SD3, Flux) also take `ulysses` and `ring`: exact, with no warm-up and no stale
+buffers. A U-Net's convolutions need halo rows, so it takes the six modes of the paper's ablation:
 
 A U-Net has three kinds of layers that look across bands: convolutions (halo rows), self-attention
 (keys/values) and GroupNorm (statistics). `UNetMode` names one row of the paper's ablation and maps it
@@ -28,8 +30,11 @@ onto two smaller enums, each driving one wrapper kind with one code path per mem
     stale-gn      previous step's (DISPLACED)           previous step's global   (the paper's "Stale GN")
     separate-gn   previous step's (DISPLACED)           this band's own          (the paper's "Separate GN")
     naive         none, zero padding (NAIVE)            this band's own, local   (the paper's "naive patch")
+    ulysses       transformers only: ULYSSES            (no GroupNorm)           exact sequence parallelism
+    ring          transformers only: RING               (no GroupNorm)           exact sequence parallelism
 
-Every mode except `naive` runs as `sync` on the first step and on `warmup` steps after it.
+Every stale-activation mode (all but `naive`, `ulysses` and `ring`) runs as `sync` on the first step and
+on `warmup` steps after it.
 """
 
 from __future__ import annotations
@@ -105,10 +110,12 @@ class UNetMode(str, Enum):
     STALE_GN = "stale-gn"
     SEPARATE_GN = "separate-gn"
     NAIVE = "naive"
+    ULYSSES = "ulysses"
+    RING = "ring"
 
     @classmethod
     def parse(cls, text: "str | UNetMode") -> "UNetMode":
-        """'sync' | 'displaced' | 'sync-gn' | 'stale-gn' | 'separate-gn' | 'naive' -> UNetMode."""
+        """'sync' | 'displaced' | 'sync-gn' | 'stale-gn' | 'separate-gn' | 'naive' | 'ulysses' | 'ring' -> UNetMode."""
         return _parse(cls, text, "--mode: unknown U-Net parallel mode")
 
     @property
@@ -123,8 +130,9 @@ class UNetMode(str, Enum):
 
     def at_step(self, step: int, warmup: int) -> "UNetMode":
         """The mode sampler step `step` (0-based) runs in: every exchanging mode is `sync` on step 0 and the
-        `warmup` steps after it, so the previous-step buffers hold real activations before they are used."""
-        if self is not UNetMode.NAIVE and step < 1 + warmup:
+        `warmup` steps after it, so the previous-step buffers hold real activations before they are used
+        (the exact sequence-parallel modes have no such buffers)."""
+        if self.exchange.exchanges and not self.exchange.sequence and step < 1 + warmup:
             return UNetMode.SYNC
         return self
 
@@ -137,8 +145,13 @@ _EXCHANGE = MappingProxyType(
         UNetMode.STALE_GN: ParallelMode.DISPLACED,
         UNetMode.SEPARATE_GN: ParallelMode.DISPLACED,
         UNetMode.NAIVE: ParallelMode.NAIVE,
+        UNetMode.ULYSSES: ParallelMode.ULYSSES,
+        UNetMode.RING: ParallelMode.RING,
     }
 )
+# The six rows of the paper's ablation: what a U-Net (and any model with convolutions) takes.
+UNET_MODES = tuple(m.value for m in UNetMode if not _EXCHANGE[m].sequence)
+
 _NORM = MappingProxyType(
     {
         UNetMode.SYNC: NormStats.EXACT,
@@ -147,5 +160,7 @@ _NORM = MappingProxyType(
         UNetMode.STALE_GN: NormStats.STALE,
         UNetMode.SEPARATE_GN: NormStats.SEPARATE,
         UNetMode.NAIVE: NormStats.LOCAL,
+        UNetMode.ULYSSES: NormStats.EXACT,  # never read: only transformers (no GroupNorm) take these modes
+        UNetMode.RING: NormStats.EXACT,
     }
 )

@@ -72,6 +72,7 @@ class PatchedModel:
             raise FlowfleetError(f"max_batch: must be >= 1, got {max_batch}")
         if cfg_split and group.size % 2:
             raise FlowfleetError(f"cfg_split: needs an even number of ranks, got {group.size}")
+        self._check_mode(model, UNetMode.parse(mode), group.size // 2 if cfg_split else group.size)
         self.model = model
         self._class_forward = type(model).forward  # the model's own forward
         self._signature = inspect.signature(self._class_forward)
@@ -110,6 +111,15 @@ class PatchedModel:
 
     def _install(self) -> None:
         raise NotImplementedError
+
+    def _check_mode(self, model: Any, mode: UNetMode, bands: int) -> None:
+        """A one-line error for a mode this model cannot run on `bands` bands. Here: the exact sequence-
+        parallel modes, which only the transformers (no convolutions) take."""
+        if mode.exchange.sequence:
+            raise FlowfleetError(
+                f"patch-parallel {self.what}: mode={mode.value} is exact sequence parallelism for transformers "
+                f"(PixArt, SD3, Flux); a {self.what}'s convolutions need halo rows (use mode=sync or displaced)"
+            )
 
     def _patch(self, module: nn.Module, wrapper) -> None:
         module.forward = wrapper
@@ -261,7 +271,7 @@ class PatchedModel:
     def _register(self, call: dict[str, Any]) -> None:
         """Run once without communication, collect every layer's slot, register them in forward order."""
         self._rows = self._group_rows(self.max_batch) if self.max_batch is not None else call[self.SAMPLE].shape[0]
-        if self.mode.exchange is not ParallelMode.NAIVE:
+        if self.mode.exchange is not ParallelMode.NAIVE and not self.mode.exchange.sequence:
             self.step.mode, self.step.batch, self.step.recording = UNetMode.NAIVE, call[self.SAMPLE].shape[0], {}
             try:
                 with torch.no_grad():

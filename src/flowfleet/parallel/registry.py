@@ -72,7 +72,8 @@ def parallelize(
 ) -> PatchedModel:
     """Patch a diffusers model in place to run on this rank's band of `group` (default: every rank of the
     default process group): a UNet2DConditionModel, a PixArt, SD3 or Flux transformer, or a VAE
-    (AutoencoderKL: its decoder; sync only).
+    (AutoencoderKL: its decoder; sync only). `mode`: flowfleet.parallel.mode.UNetMode (the transformers also
+    take "ulysses" and "ring", exact sequence parallelism).
     `cfg_split`: the two halves of a guided batch on two halves of the ranks; `batch_bytes`: bytes per
     asynchronous all-gather (None: from the model's bytes, see parallel.comm). A diffusers release outside
     SUPPORTED_DIFFUSERS is refused unless `allow_untested_diffusers`. Returns the handle (reset(), restore(),

@@ -30,6 +30,11 @@ Flux takes the latent already packed into tokens [B, (H/2)(W/2), 4C] with their 
 the model itself), and FluxJointBand exchanges the rotated image keys/values of every block, double- and
 single-stream (where the sequence is [text; this band's image tokens]).
 A transformer has no GroupNorm: the U-Net's GN variants (sync-gn, stale-gn, separate-gn) are displaced.
+
+mode="ulysses" | "ring" replace the key/value exchange of every self- and joint attention with exact
+sequence parallelism (flowfleet.parallel.sequence): no slots, no warm-up. The joint attentions' text
+tokens, held by every rank, are passed as `text` and join locally; Ulysses needs every attention layer's
+heads divisible by the bands (checked up front, one line naming the layer).
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ from flowfleet.distributed import Group
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.attention import CrossAttentionBand, SelfAttentionBand, _heads
 from flowfleet.parallel.bands import band_sizes
+from flowfleet.parallel.mode import UNetMode
 from flowfleet.parallel.patched import PatchedModel
+from flowfleet.parallel.sequence import check_heads
 from flowfleet.parallel.step import BandStep
 
 
@@ -82,8 +89,7 @@ class JointAttentionBand(SelfAttentionBand):
             q = attn.norm_q(q)
         if attn.norm_k is not None:
             k = attn.norm_k(k)
-        kv = self.all_bands(torch.stack((k, v), dim=1))  # [B, 2, H, N*n, Dh]: the whole image
-        k, v = kv[:, 0], kv[:, 1]
+        text = None
         if encoder_hidden_states is not None:
             cq, ck, cv = (
                 _heads(attn, proj(encoder_hidden_states))
@@ -93,14 +99,29 @@ class JointAttentionBand(SelfAttentionBand):
                 cq = attn.norm_added_q(cq)
             if attn.norm_added_k is not None:
                 ck = attn.norm_added_k(ck)
-            q, k, v = torch.cat([q, cq], dim=2), torch.cat([k, ck], dim=2), torch.cat([v, cv], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v)  # [B, H, n + L, Dh]
+            text = (cq, ck, cv)  # [B, H, L, Dh] each
+        if self.step.exchange.sequence:  # ulysses, ring: exact, the text's rows last
+            out = self.sequence(q, k, v, text)  # [B, H, n + L, Dh]
+        else:
+            kv = self.all_bands(torch.stack((k, v), dim=1))  # [B, 2, H, N*n, Dh]: the whole image
+            k, v = kv[:, 0], kv[:, 1]
+            if text is not None:
+                q, k, v = (torch.cat([image, words], dim=2) for image, words in zip((q, k, v), text))
+            out = F.scaled_dot_product_attention(q, k, v)  # [B, H, n + L, Dh]
         out = out.transpose(1, 2).reshape(b, -1, attn.heads * q.shape[-1]).to(q.dtype)  # [B, n + L, D]
         image, text = out[:, :n], out[:, n:]
         image = attn.to_out[1](attn.to_out[0](image))
         if encoder_hidden_states is None:
             return image
         return image, (text if attn.context_pre_only else attn.to_add_out(text))
+
+
+def _check_attention_heads(model: Any, kind: type, mode: UNetMode, bands: int, what: str) -> None:
+    """mode=ulysses splits every attention layer's heads over the bands: a one-line error naming the first
+    layer whose head count the band count does not divide (ring and the other modes take any)."""
+    for name, m in model.named_modules():
+        if isinstance(m, kind):
+            check_heads(mode.exchange, m.heads, bands, f"{what} layer {name}", option="mode=")
 
 
 class ParallelTransformer(PatchedModel):
@@ -132,6 +153,9 @@ class ParallelTransformer(PatchedModel):
                     f"{self.what} layer {name}: attention processor {type(m.processor).__name__} is not supported "
                     f"by patch parallelism (use diffusers' default processor)"
                 )
+
+    def _check_mode(self, model: Any, mode: UNetMode, bands: int) -> None:
+        _check_attention_heads(model, Attention, mode, bands, self.what)
 
     def _install(self) -> None:
         self._patch(self.model.pos_embed, PatchEmbedBand(self.model.pos_embed, self.step))
@@ -209,11 +233,16 @@ class FluxJointBand(SelfAttentionBand):
         if image_rotary_emb is not None:
             q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
             k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        image_kv = torch.stack((k[:, text:], v[:, text:]), dim=1).transpose(2, 3)  # [B, 2, H, n, Dh]
-        kv = self.all_bands(image_kv)  # [B, 2, H, N*n, Dh]
-        keys = torch.cat([k[:, :text].transpose(1, 2), kv[:, 0]], dim=2)  # [B, H, L + N*n, Dh]
-        values = torch.cat([v[:, :text].transpose(1, 2), kv[:, 1]], dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values)  # [B, H, L + n, Dh]
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, L + n, Dh]: the text first
+        if self.step.exchange.sequence:  # ulysses, ring: exact; they return the text's rows last
+            words = tuple(x[:, :, :text] for x in (q, k, v)) if text else None
+            out = self.sequence(q[:, :, text:], k[:, :, text:], v[:, :, text:], words)  # [B, H, n + L, Dh]
+            out = torch.cat([out[:, :, out.shape[2] - text :], out[:, :, : out.shape[2] - text]], dim=2)
+        else:
+            kv = self.all_bands(torch.stack((k[:, :, text:], v[:, :, text:]), dim=1))  # [B, 2, H, N*n, Dh]
+            keys = torch.cat([k[:, :, :text], kv[:, 0]], dim=2)  # [B, H, L + N*n, Dh]
+            values = torch.cat([v[:, :, :text], kv[:, 1]], dim=2)
+            out = F.scaled_dot_product_attention(q, keys, values)  # [B, H, L + n, Dh]
         out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)  # [B, L + n, D]
         if encoder_hidden_states is None:
             return out
@@ -241,6 +270,9 @@ class ParallelFlux(PatchedModel):
                     f"by patch parallelism (use diffusers' default FluxAttnProcessor)"
                 )
         super().__init__(model, group, **options)
+
+    def _check_mode(self, model: Any, mode: UNetMode, bands: int) -> None:
+        _check_attention_heads(model, FluxAttention, mode, bands, self.what)
 
     def _install(self) -> None:
         for name, m in self.model.named_modules():
