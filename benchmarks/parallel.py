@@ -7,8 +7,9 @@ Part 1 (latency). A DiT-S/2-sized expert (depth 12, hidden 384, 6 heads, 4 laten
 weights, unconditional, one image) at 256 tokens (32x32 latent) and 1024 tokens (64x64). Every
 configuration is a fresh set of spawned processes with one thread each: "1 rank" samples with the plain
 model (the single-device reference), "2 ranks" with flowfleet.parallel in sync / displaced / naive
-mode, or with the exact sequence parallelism of ulysses / ring (displaced: step 0 + --warmup synchronous
-steps); --ranks 2 3 4 for more ranks (Ulysses only where the 6 heads divide). The wall time of the
+mode, or with the exact sequence parallelism of ulysses / ring / usp (displaced: step 0 + --warmup
+synchronous steps); --ranks 2 3 4 for more ranks (Ulysses only where the 6 heads divide; usp with its
+default degree U = gcd(ranks, 6): at 4 ranks 2 x 2). The wall time of the
 sampling loop is measured after one untimed warm-up forward; the N-rank time is the slowest rank's
 (its process CPU time, which includes gloo's threads, is recorded too: the work one rank does). Configurations run
 --repeats times, interleaved, and the minimum is reported (the machine is shared: the minimum is
@@ -21,7 +22,8 @@ otherwise idle machine: results.json records the load average before and after, 
 
 Part 2 (bytes per step). What the CommManager counted for rank 0 in a steady step, per mode, against the
 analytic figures of analytic_bytes() (per layer, X = B * N/n * D * 4: sync / displaced 2 (n-1) X, ulysses
-4 (n-1)/n X, ring 2 (n-1) X; plus the step output's gather), and tensor parallelism for scale:
+4 (n-1)/n X, ring 2 (n-1) X, usp 4 (U-1)/U X + 2 (n/U - 1) X; plus the step output's gather), and
+tensor parallelism for scale:
     tensor parallelism         depth * 2 all-reduces of [B, N, D] fp32, ring: 2 (n-1)/n of the tensor each
 (Megatron-style TP of a DiT block: the attention output projection and the MLP's second linear end in
 an all-reduce; adaLN, the q/k/v and first MLP projections are column-parallel and need none.)
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -58,7 +61,7 @@ from flowfleet.parallel import ParallelPlan, PatchParallelRunner, run_local
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test fixtures
 
 MODES = ("sync", "displaced", "naive")  # the quality part's rows
-LATENCY_MODES = ("sync", "displaced", "naive", "ulysses", "ring")
+LATENCY_MODES = ("sync", "displaced", "naive", "ulysses", "ring", "usp")
 
 
 def latency_config(tokens: int) -> DiTConfig:
@@ -132,10 +135,13 @@ def analytic_bytes(cfg: DiTConfig, n: int, batch: int = 1) -> dict[str, int]:
         sync / displaced   all-gather of this band's K, V to n-1 ranks     2 (n-1) X
         ulysses            all-to-all of q, k, v and of the output          4 (n-1)/n X
         ring               this band's K, V passed on n-1 times             2 (n-1) X
+        usp                Ulysses in groups of U = gcd(n, heads), then     4 (U-1)/U X + 2 (R-1) X
+                           ring across the R = n / U groups (a group's chunk of H/U heads is U X / U per hop)
         tensor parallel    2 ring all-reduces of [B, N, D]                  2 * 2 (n-1)/n * n X"""
     gh, gw = cfg.grid_size
     tokens, d, f = gh * gw, cfg.hidden_size, 4
     x = batch * (tokens / n) * d * f
+    u = math.gcd(n, cfg.num_heads)  # usp's default Ulysses degree
     out = (n - 1) * batch * cfg.in_channels * (cfg.input_size[0] // n) * cfg.input_size[1] * f
     kv = {
         "sync": 2 * (n - 1) * x,
@@ -143,6 +149,7 @@ def analytic_bytes(cfg: DiTConfig, n: int, batch: int = 1) -> dict[str, int]:
         "naive": 0,
         "ulysses": 4 * (n - 1) / n * x,
         "ring": 2 * (n - 1) * x,
+        "usp": 4 * (u - 1) / u * x + 2 * (n // u - 1) * x,
     }
     tp = cfg.depth * 2 * int(2 * (n - 1) / n * batch * tokens * d * f)
     return {**{m: int(cfg.depth * v + out) for m, v in kv.items()}, "tp": tp}

@@ -158,6 +158,7 @@ def parallel_run(
         bytes=runner.comm.bytes_by_step,
         batches=runner.comm.num_batches,
         modes=[sorted({m.value for m in ran.values()}) for ran in vf.modes],
+        split=runner.split_text,
     )
 
 
@@ -292,11 +293,13 @@ def test_cfg_batch_split_equals_single_process(nproc):
         ("ring", 3, False),
         ("ulysses", 4, True),
         ("ring", 4, True),
+        ("usp", 4, False),
     ],
 )
 def test_sequence_parallel_equals_single_process(mode, nproc, cfg_split):
     """Exact sequence parallelism: routed top-2 of 3 six-head experts, CFG 2.5, Heun. 3 ranks split the 4
-    token rows unevenly (8/4/4 tokens); 4 ranks with the CFG split: 2 halves x 2 bands."""
+    token rows unevenly (8/4/4 tokens); 4 ranks with the CFG split: 2 halves x 2 bands; usp on 4 bands:
+    Ulysses over pairs of bands (the gcd of 4 bands and 6 heads) and ring across the two pairs."""
     want = single_process_run(top_k=2, cfg_scale=2.5, sampler="heun", variant="heads6")
     args = (mode, 0, 2, 2.5, cfg_split, "heun", 8 << 20, "heads6")
     ranks = run_local(parallel_run, nproc, args, **FORK)
@@ -305,6 +308,8 @@ def test_sequence_parallel_equals_single_process(mode, nproc, cfg_split):
     assert diff <= dit_tol(want, "heun", reduction=4 * 48)
     assert all(torch.equal(r["out"], ranks[0]["out"]) for r in ranks)
     assert all(m == [mode] for m in ranks[0]["modes"])
+    if mode == "usp":
+        assert ranks[0]["split"].endswith("each image in 4 band(s) (usp: ulysses degree 2 x ring degree 2)")
 
 
 def test_ulysses_refuses_heads_that_do_not_divide_in_one_line():
@@ -562,11 +567,13 @@ def test_cli_generate_nproc_errors_are_one_line(run_root, capsys):
     os.environ.update(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     try:  # "inside torchrun" with a world size that differs from --nproc: refused before joining
         assert main(["generate", model, "--label", "1", "--nproc", "2"]) == 1
+        assert main(["generate", model, "--label", "1", "--nproc", "2", "--parallel", "ring", "--ulysses-degree", "2"])
     finally:
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key)
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == "flowfleet generate: error: --nproc 2: torchrun started 3 ranks"
+    assert err[-2] == "flowfleet generate: error: --nproc 2: torchrun started 3 ranks"
+    assert err[-1] == "flowfleet generate: error: --ulysses-degree: only with --parallel usp (got ring)"
 
 
 @pytest.mark.slow

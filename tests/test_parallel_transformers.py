@@ -117,40 +117,51 @@ def test_sync_equals_one_device_and_displaced_beats_naive_by_3db(model, nproc, s
             assert scores["naive"] > 100 and scores["displaced"] > 100, scores
 
 
-def _sequence_ranks(ctx, kind: str, state: dict, captions: torch.Tensor, size: int, split: bool) -> dict:
+def _sequence_ranks(ctx, kind: str, state: dict, captions: torch.Tensor, size: int, split: bool, modes) -> dict:
     model = TINY[kind](heads=6)
     model.load_state_dict(state)
     out = {}
-    for mode in ("ulysses", "ring"):
+    for mode in modes:
         with parallelize(model, ctx.world, mode=mode, cfg_split=split) as handle:
             out[mode] = guided_loop(model, start(size), captions[1:2])
             out[f"{mode}/bytes"] = handle.comm.bytes_by_step
             out[f"{mode}/modes"] = {m.value for m in handle.modes}
+            out[f"{mode}/mesh"] = handle.step.mesh.describe()
     return out
 
 
 @pytest.mark.parametrize("kind", ["pixart", "sd3", "flux"])
 @pytest.mark.parametrize(
-    "nproc, size, split",
-    [(2, 12, False), (3, 14, False), (4, 12, True)],
-    ids=["2", "3-uneven", "4-cfg-split"],
+    "nproc, size, split, modes",
+    [
+        (2, 12, False, ("ulysses", "ring")),
+        (3, 14, False, ("ulysses", "ring")),
+        (4, 12, True, ("ulysses", "ring")),
+        (4, 14, False, ("usp",)),
+    ],
+    ids=["2", "3-uneven", "4-cfg-split", "usp-2x2-uneven"],
 )
-def test_ulysses_and_ring_equal_one_device(kind, nproc, size, split):
+def test_sequence_parallel_equals_one_device(kind, nproc, size, split, modes):
     """Exact sequence parallelism on a random 6-head model (Ulysses splits heads over 2 or 3 ranks): a whole
     guided loop equals the plain model's up to float reordering from the first step (no warm-up, nothing
     stale), every rank ends with the same latent, and SD3's and Flux's text stream, which every rank holds,
     stays the same on every rank. 14 x 14 on 3 ranks: bands of 3/2/2 token rows (Flux: 17/16/16 tokens);
-    4 ranks with CFG split: two bands per guidance half."""
+    4 ranks with CFG split: two bands per guidance half; usp on 4 ranks: Ulysses over pairs of bands
+    (gcd of 4 bands and 6 heads), ring across the two pairs, on bands of 2/2/2/1 rows."""
     net = TINY[kind](heads=6)
     captions = torch.cat([caption(seed=10 + i) for i in range(2)])
     ref = guided_loop(net, start(size), captions[1:2])
-    ranks = run_local(_sequence_ranks, nproc, (kind, net.state_dict(), captions, size, split), **FORK)
-    for mode in ("ulysses", "ring"):
+    ranks = run_local(_sequence_ranks, nproc, (kind, net.state_dict(), captions, size, split, modes), **FORK)
+    for mode in modes:
         assert all(torch.equal(r[mode], ranks[0][mode]) for r in ranks), mode
         assert ranks[0][f"{mode}/modes"] == {mode}  # every evaluation, the first included
         diff = (ranks[0][mode] - ref).abs().max()
         assert diff <= transformer_tol(ref, STEPS, heads=6), (mode, diff)
         assert all(b > 0 for b in ranks[0][f"{mode}/bytes"].values())  # the bands really exchanged tokens
+    bands = nproc // (2 if split else 1)
+    expected = {"ulysses": f"ulysses degree {bands} x ring degree 1", "ring": f"ulysses degree 1 x ring degree {bands}"}
+    expected["usp"] = "ulysses degree 2 x ring degree 2"
+    assert all(ranks[0][f"{mode}/mesh"] == expected[mode] for mode in modes)
 
 
 @pytest.mark.parametrize("kind", ["pixart", "sd3", "flux"])
@@ -164,6 +175,75 @@ def test_ulysses_refuses_heads_the_bands_do_not_divide(kind):
     assert "forward" not in model.__dict__
     with pytest.raises(FlowfleetError, match="mode=ulysses: .* not divisible by the 4 ranks"):
         parallelize(model, Group(None, 0, 4), mode="ulysses")
+    with pytest.raises(FlowfleetError, match=r"ulysses_degree 4: must divide every attention layer's heads"):
+        parallelize(model, Group(None, 0, 4), mode="usp", ulysses_degree=4)
+    with pytest.raises(FlowfleetError, match=r"ulysses_degree 3: must divide the 4 bands of an image"):
+        parallelize(model, Group(None, 0, 4), mode="usp", ulysses_degree=3)
+    with pytest.raises(FlowfleetError, match=r"ulysses_degree: only with usp \(got ring\)"):
+        parallelize(model, Group(None, 0, 4), mode="ring", ulysses_degree=2)
+
+
+CACHE_STEPS = 20
+
+
+def cached_loop(model, x: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    """FluxPipeline's loop (no CFG batch: Flux is guidance-distilled), every call in the model's cache
+    context as the pipeline opens it -> (latent, per call: did the last block run)."""
+    scheduler = FlowMatchEulerDiscreteScheduler()
+    scheduler.set_timesteps(CACHE_STEPS)
+    ran: list[bool] = []
+    tail = model.single_transformer_blocks[-1].attn  # runs only when the cache does not skip the call
+    hook = tail.register_forward_pre_hook(lambda module, args: ran.__setitem__(-1, True))
+    try:
+        with torch.no_grad():
+            for t in scheduler.timesteps:
+                ran.append(False)
+                with model.cache_context("cond"):
+                    v = predict(model, x, text, t.expand(x.shape[0]))
+                x = scheduler.step(v, t, x).prev_sample
+    finally:
+        hook.remove()
+    return x, ran
+
+
+def _cache_ranks(ctx, state: dict, captions: torch.Tensor, threshold: float) -> dict:
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    model = TINY["flux"]()
+    model.load_state_dict(state)
+    out = {}
+    for mode in ("sync", "ring", "displaced"):
+        model.enable_cache(FirstBlockCacheConfig(threshold=threshold))  # before parallelize() or after: both work
+        with parallelize(model, ctx.world, mode=mode, warmup=1) as handle:
+            out[mode], out[f"{mode}/ran"] = cached_loop(model, start(12), captions[1:2])
+            out[f"{mode}/decided"] = list(handle.cache.decisions)
+        model.disable_cache()
+    return out
+
+
+def test_diffusers_first_block_cache_takes_one_decision_on_every_rank():
+    """diffusers' own First Block Cache (Flux's enable_cache) on 2 ranks: each rank sees half of the tokens,
+    yet every rank skips exactly the calls that one device skips (the decision's sums are all-reduced), so
+    sync and ring equal the cached single-device loop; displaced (stale keys/values, its own decisions)
+    runs to the end on both ranks alike. At threshold 0.1 the trained tiny Flux computes 12 of 20 calls
+    whole (its first-block change ratios nearest the threshold are 0.105 and 0.094: no float-rounding
+    tie)."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    net, captions = trained("flux", steps=300)
+    plain, ran_plain = cached_loop(net, start(12), captions[1:2])
+    net.enable_cache(FirstBlockCacheConfig(threshold=0.1))
+    ref, ran = cached_loop(net, start(12), captions[1:2])
+    net.disable_cache()
+    assert all(ran_plain) and 0 < sum(ran) < CACHE_STEPS, ran  # the cache really skips calls
+    assert (ref - plain).abs().max() > 10 * transformer_tol(ref, CACHE_STEPS)  # ... which changes the latent
+    ranks = run_local(_cache_ranks, 2, (net.state_dict(), captions, 0.1), **FORK)
+    for mode in ("sync", "ring"):
+        assert ranks[0][f"{mode}/ran"] == ranks[1][f"{mode}/ran"] == ran, mode
+        assert ranks[0][f"{mode}/decided"][1:] == ran[1:]  # the first call has nothing cached: no decision made
+        assert (ranks[0][mode] - ref).abs().max() <= transformer_tol(ref, CACHE_STEPS), mode
+    assert ranks[0]["displaced/ran"] == ranks[1]["displaced/ran"]
+    assert torch.equal(ranks[0]["displaced"], ranks[1]["displaced"])
 
 
 def controlnet_call(model, kind: str, x: torch.Tensor, text: torch.Tensor, residuals: list) -> torch.Tensor:

@@ -207,7 +207,8 @@ def test_serve_nproc_2_splits_each_image_over_two_ranks_and_equals_one_process(f
         second = httpx.post(f"{url}/api/generate", json={**body, "seed": 6}, timeout=120)
         health = httpx.get(f"{url}/api/health").json()
     assert first.status_code == 200 and second.status_code == 200, (first.text[:300], second.text[:300])
-    assert health["parallel"] == {"nproc": 2, "mode": "displaced", "warmup": 8} and health["served"] == 2
+    assert health["parallel"] == {"nproc": 2, "mode": "displaced", "warmup": 8, "ulysses_degree": None}
+    assert health["served"] == 2
     pipe = FleetPipeline.from_pretrained(fleet_model)  # the folder's own text encoder, as the server's
     ref = pipe(["a handwritten digit seven"], 2, strategy="top2", steps=4, seed=5)
     assert [decode_png(im).tobytes() for im in first.json()["images"]] == [im.tobytes() for im in to_pil(ref.images)]

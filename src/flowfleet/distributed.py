@@ -43,8 +43,10 @@ class Group:
         return Group(None, 0, 1)
 
 
-def split_group(group: Group, size: int, timeout_s: float = 60.0) -> Group:
-    """Split `group`'s ranks into consecutive groups of `size`; -> the one holding this process.
+def split_group(group: Group, size: int, timeout_s: float = 60.0, strided: bool = False) -> Group:
+    """Split `group`'s ranks into groups of `size`; -> the one holding this process. Consecutive ranks by
+    default ([0, size), [size, 2 size), ...); `strided`: every (group.size / size)-th rank ({0, G, 2G, ...},
+    {1, G + 1, ...}, G = group.size / size), the ranks at the same place in each consecutive group.
 
     Every rank of `group` creates every subgroup (torch.distributed requires it), in the same order."""
     if size < 1 or group.size % size:
@@ -53,12 +55,13 @@ def split_group(group: Group, size: int, timeout_s: float = 60.0) -> Group:
         return group
     # torch.distributed names subgroup members by their rank in the default group
     ranks = dist.get_process_group_ranks(group.pg) if group.pg is not None else list(range(group.size))
+    count = group.size // size  # groups
     mine = Group.solo()
-    for first in range(0, group.size, size):
-        members = ranks[first : first + size]
+    for g in range(count):
+        members = ranks[g::count] if strided else ranks[g * size : (g + 1) * size]
         pg = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s)) if size > 1 else None
-        if first <= group.rank < first + size:
-            mine = Group(pg, group.rank - first, size)
+        if ranks[group.rank] in members:
+            mine = Group(pg, members.index(ranks[group.rank]), size)
     return mine
 
 

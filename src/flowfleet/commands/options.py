@@ -87,7 +87,7 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def add_parallel(p: argparse.ArgumentParser) -> None:
-    """--nproc/--parallel/--warmup: one image split over N processes (flowfleet.parallel)."""
+    """--nproc/--parallel/--warmup/--ulysses-degree: one image split over N processes (flowfleet.parallel)."""
     p.add_argument(
         "--nproc",
         type=int,
@@ -102,8 +102,8 @@ def add_parallel(p: argparse.ArgumentParser) -> None:
         default="displaced",
         help="with --nproc: how image bands exchange attention keys/values: this step's (sync, "
         "exact), the previous step's, overlapped with compute (displaced), or never (naive); or exact "
-        "sequence parallelism: an all-to-all over heads (ulysses, heads must divide by the bands) or keys/values "
-        "around a ring (ring)",
+        "sequence parallelism: an all-to-all over heads (ulysses, heads must divide by the bands), keys/values "
+        "around a ring (ring), or both (usp: Ulysses inside groups of bands, ring across them)",
     )
     p.add_argument(
         "--warmup",
@@ -111,6 +111,14 @@ def add_parallel(p: argparse.ArgumentParser) -> None:
         default=DISPLACED_WARMUP,
         metavar="W",
         help=f"with --parallel displaced: synchronous steps after the first one (default {DISPLACED_WARMUP})",
+    )
+    p.add_argument(
+        "--ulysses-degree",
+        type=int,
+        default=None,
+        metavar="U",
+        help="with --parallel usp: Ulysses inside groups of U bands, ring across the groups (default: the "
+        "largest U dividing the bands and every expert's heads)",
     )
 
 

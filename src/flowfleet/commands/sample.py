@@ -182,6 +182,7 @@ def run_generate(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         parallel=args.parallel,
         warmup=args.warmup,
+        ulysses_degree=args.ulysses_degree,
         progress=True,
     )
     if not result.png:  # a patch-parallel rank other than 0: rank 0 reports

@@ -102,6 +102,7 @@ def run_serve(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         parallel=args.parallel,
         warmup=args.warmup,
+        ulysses_degree=args.ulysses_degree,
         api_key=api_key,
     )
     return 0

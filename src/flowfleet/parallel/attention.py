@@ -157,11 +157,11 @@ class SelfAttentionBand:
         return _finish(attn, out, residual, q.dtype)
 
     def sequence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text=None) -> torch.Tensor:
-        """Exact sequence-parallel attention (the step's mode: ulysses or ring) of this band's q, k, v
+        """Exact sequence-parallel attention (the step's mode: ulysses, ring or usp) of this band's q, k, v
         [B, H, n, Dh], with a joint attention's text q, k, v [B, H, L, Dh] (held by every rank) ->
         [B, H, n (+ L), Dh], the text's rows last (flowfleet.parallel.sequence)."""
-        core = SequenceAttention(self.step.comm, self.step.counts(q.shape[2]), self.name)
-        return core(q, k, v, self.step.exchange, text)
+        assert self.step.mesh is not None, "a sequence-parallel mode needs the model's SequenceMesh"
+        return SequenceAttention(self.step.comm, self.step.counts(q.shape[2]), self.name, self.step.mesh)(q, k, v, text)
 
     def all_bands(self, kv: torch.Tensor) -> torch.Tensor:
         """This band's fresh keys/values [B, 2, H, n, Dh] -> every band's, [B, 2, H, sum of n, Dh]; the slot is

@@ -261,15 +261,26 @@ class CommManager:
             self._bytes.add((self.world.size - 1) * tensor.numel() * tensor.element_size())
         return tensor
 
+    def sum_world(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """The elementwise sum of every rank's tensor (same shape and dtype on every rank), on every rank."""
+        if self.world.size == 1:
+            return tensor
+        tensor = tensor.contiguous().clone()
+        with self._guard("all-reduce", what, world=True):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.world.pg)
+        self._bytes.add(2 * (self.world.size - 1) * tensor.numel() * tensor.element_size() // self.world.size)
+        return tensor
+
     # ----------------------------------------------------------------------------------------------
     #                     Sequence parallelism (flowfleet.parallel.sequence)
     # ----------------------------------------------------------------------------------------------
 
     def all_to_all_bands(
-        self, chunks: list[torch.Tensor], out_shapes: list[tuple[int, ...]], what: str
+        self, chunks: list[torch.Tensor], out_shapes: list[tuple[int, ...]], what: str, group: Group | None = None
     ) -> list[torch.Tensor]:
-        """Blocking all-to-all within the band group: chunks[j] goes to band j; out[j] (of out_shapes[j])
-        comes from band j. Chunks may differ in size (uneven bands)."""
+        """Blocking all-to-all within the band group (or `group`, a subgroup of it): chunks[j] goes to member
+        j; out[j] (of out_shapes[j]) comes from member j. Chunks may differ in size (uneven bands)."""
+        group = group or self.bands
         # one flat all_to_all_single with split sizes: gloo's list all_to_all wants equal tensors
         sizes_in = [c.numel() for c in chunks]
         sizes_out = [math.prod(shape) for shape in out_shapes]
@@ -277,18 +288,21 @@ class CommManager:
         got = torch.empty(sum(sizes_out), device=self.device, dtype=flat.dtype)
         t0 = time.perf_counter()
         with self._guard("all-to-all", what):
-            dist.all_to_all_single(got, flat, sizes_out, sizes_in, group=self.bands.pg)
+            dist.all_to_all_single(got, flat, sizes_out, sizes_in, group=group.pg)
         self._blocked[self._bytes.step] += time.perf_counter() - t0
-        mine = self.bands.rank
+        mine = group.rank
         self._bytes.add(sum(n for j, n in enumerate(sizes_in) if j != mine) * flat.element_size())
         return [part.reshape(shape) for part, shape in zip(got.split(sizes_out), out_shapes)]
 
-    def ring_shift(self, tensor: torch.Tensor, recv_shape: tuple[int, ...], what: str) -> "RingShift":
-        """Send `tensor` to the next band and receive the previous band's (of recv_shape), asynchronously:
-        compute, then .wait() for what arrived."""
+    def ring_shift(
+        self, tensor: torch.Tensor, recv_shape: tuple[int, ...], what: str, group: Group | None = None
+    ) -> "RingShift":
+        """Send `tensor` to the next member of the band group (or of `group`, a subgroup of it) and receive
+        the previous one's (of recv_shape), asynchronously: compute, then .wait() for what arrived."""
+        group = group or self.bands
         tensor = tensor.contiguous()
         out = torch.empty(recv_shape, device=self.device, dtype=tensor.dtype)
-        size, rank, pg = self.bands.size, self.bands.rank, self.bands.pg
+        size, rank, pg = group.size, group.rank, group.pg
         nxt, prev = (rank + 1) % size, (rank - 1) % size
         if pg is not None:  # point-to-point ops name peers by their rank in the default group
             nxt, prev = dist.get_global_rank(pg, nxt), dist.get_global_rank(pg, prev)

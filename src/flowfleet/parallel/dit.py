@@ -29,7 +29,7 @@ from flowfleet.parallel.attention import BandKV
 from flowfleet.parallel.bands import BandLayout
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import ParallelMode
-from flowfleet.parallel.sequence import SequenceAttention
+from flowfleet.parallel.sequence import SequenceAttention, SequenceMesh
 
 
 def attention_slot_shape(cfg: DiTConfig, layout: BandLayout, batch: int) -> tuple[int, ...]:
@@ -64,10 +64,11 @@ class DiTAttentionBand:
     """A DiT block's self-attention on one band: its own projections, every band's keys/values through BandKV
     (the exchange the diffusers attention processors use too)."""
 
-    def __init__(self, attn: SelfAttention, comm: CommManager, slot: str, counts: list[int]):
+    def __init__(self, attn: SelfAttention, comm: CommManager, slot: str, counts: list[int], mesh: SequenceMesh | None):
         self.attn = attn
         self.kv = BandKV(comm, slot, comm.bands.rank)
-        self.sequence = SequenceAttention(comm, counts, slot)  # ulysses / ring
+        self.comm, self.slot, self.mesh = comm, slot, mesh  # mesh None: SequenceMesh.plain for ulysses / ring
+        self._sequence: dict[ParallelMode, SequenceAttention] = {}  # ulysses / ring / usp, built at first use
         self.counts = counts  # every band's tokens
 
     def __call__(
@@ -75,7 +76,11 @@ class DiTAttentionBand:
     ) -> torch.Tensor:
         q, k, v = self.attn.forward_qkv(x)  # each [B, H, n, Dh]
         if mode.sequence:  # exact: every token's keys/values of this step, no slot
-            return self.attn.project(self.sequence(q, k, v, mode))  # [B, n, D]
+            core = self._sequence.get(mode)
+            if core is None:
+                mesh = self.mesh or SequenceMesh.plain(self.comm.bands, mode)
+                core = self._sequence[mode] = SequenceAttention(self.comm, self.counts, self.slot, mesh)
+            return self.attn.project(core(q, k, v))  # [B, n, D]
         kv = torch.stack((k, v), dim=1)  # [B, 2, H, n, Dh]: this band's fresh keys and values
         kv_all = self.kv(kv, mode, self.counts, rows, prefetch)  # [B, 2, H, N (or n for naive), Dh]
         return self.attn.attend(q, kv_all[:, 0], kv_all[:, 1])  # [B, n, D]
@@ -91,10 +96,13 @@ class PatchParallelDiT:
 
     `name` must match the one passed to register_dit for this model; `rows` maps the batch onto the
     slots' batch rows (which samples these are), so `displaced` reuses each sample's own previous keys
-    and values even when routing changes the batch.
+    and values even when routing changes the batch; `mesh`: the bands' Ulysses x ring split, for the
+    sequence-parallel modes.
     """
 
-    def __init__(self, model: DiTModel, comm: CommManager, name: str, layout: BandLayout):
+    def __init__(
+        self, model: DiTModel, comm: CommManager, name: str, layout: BandLayout, mesh: SequenceMesh | None = None
+    ):
         if model.head is not None:
             raise FlowfleetError(f"{name}: a router (classification head) cannot run patch-parallel")
         gh, gw = model.cfg.grid_size
@@ -109,7 +117,7 @@ class PatchParallelDiT:
         self.comm = comm
         self.embed = PatchEmbedBand(model, layout)
         self.attn = [
-            DiTAttentionBand(b.attn, comm, f"{name}.blocks.{i}.attn", layout.token_counts)
+            DiTAttentionBand(b.attn, comm, f"{name}.blocks.{i}.attn", layout.token_counts, mesh)
             for i, b in enumerate(model.dit_blocks)
         ]
 

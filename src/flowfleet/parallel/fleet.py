@@ -1,4 +1,4 @@
-"""FleetPipeline on N ranks: `flowfleet generate DIR --nproc N --parallel MODE [--warmup W]`.
+"""FleetPipeline on N ranks: `flowfleet generate DIR --nproc N --parallel MODE [--warmup W] [--ulysses-degree U]`.
 
     pipe = FleetPipeline.from_pretrained(model_dir)          # on every rank
     fleet = ParallelFleet(ctx, plan, configs)
@@ -39,11 +39,12 @@ def join_fleet(
     *,
     device: str = "auto",
     timeout_s: float = 120.0,
+    ulysses_degree: int | None = None,
 ) -> "ParallelFleet":
     """Inside torchrun: validate the plan, read the experts' configs, join the process group.
 
     device: "auto" / "cuda" -> this rank's GPU (LOCAL_RANK) when CUDA is available, else CPU; "cpu" -> CPU."""
-    plan = ParallelPlan(ParallelMode.parse(mode), warmup)  # one-line errors for --parallel / --warmup before any work
+    plan = ParallelPlan(ParallelMode.parse(mode), warmup, ulysses_degree=ulysses_degree)  # one-line errors first
     if not in_torchrun():
         raise FlowfleetError(
             f"--nproc {nproc}: not running under torchrun (`flowfleet generate` relaunches "

@@ -11,12 +11,14 @@
                all-to-all turns it back (flowfleet.parallel.sequence). Heads must divide by N.
     ring       exact sequence parallelism (Ring attention): queries stay, keys/values travel around the
                ring of bands, each block's attention merged by its log-sum-exp. Any split.
+    usp        both (xDiT's Unified Sequence Parallelism): Ulysses inside groups of U consecutive bands,
+               ring across the N / U groups. U (the Ulysses degree) must divide N and the heads.
 
 The key/value exchange of every band-parallel self-attention (flowfleet.parallel.attention.BandKV) has
 exactly one code path per mode, chosen by this enum.
 
 UNetMode, below, names the patched diffusers models' modes (U-Net, VAE decoder, transformers). The
-transformers (PixArt, SD3, Flux) also take `ulysses` and `ring`: exact, with no warm-up and no stale
+transformers (PixArt, SD3, Flux) also take `ulysses`, `ring` and `usp`: exact, with no warm-up and no stale
 buffers. A U-Net's convolutions need halo rows, so it takes the six modes of the paper's ablation:
 
 A U-Net has three kinds of layers that look across bands: convolutions (halo rows), self-attention
@@ -32,8 +34,9 @@ onto two smaller enums, each driving one wrapper kind with one code path per mem
     naive         none, zero padding (NAIVE)            this band's own, local   (the paper's "naive patch")
     ulysses       transformers only: ULYSSES            (no GroupNorm)           exact sequence parallelism
     ring          transformers only: RING               (no GroupNorm)           exact sequence parallelism
+    usp           transformers only: USP                (no GroupNorm)           exact sequence parallelism
 
-Every stale-activation mode (all but `naive`, `ulysses` and `ring`) runs as `sync` on the first step and
+Every stale-activation mode (all but `naive` and the sequence-parallel three) runs as `sync` on the first step and
 on `warmup` steps after it.
 """
 
@@ -62,10 +65,12 @@ class ParallelMode(str, Enum):
     NAIVE = "naive"
     ULYSSES = "ulysses"
     RING = "ring"
+    USP = "usp"
 
     @classmethod
     def parse(cls, text: "str | ParallelMode") -> "ParallelMode":
-        """'sync' | 'displaced' | 'naive' | 'ulysses' | 'ring' -> ParallelMode; else a one-line FlowfleetError."""
+        """'sync' | 'displaced' | 'naive' | 'ulysses' | 'ring' | 'usp' -> ParallelMode; else a one-line
+        FlowfleetError."""
         return _parse(cls, text, "--parallel: unknown mode")
 
     def at_step(self, step: int, warmup: int) -> "ParallelMode":
@@ -81,8 +86,8 @@ class ParallelMode(str, Enum):
 
     @property
     def sequence(self) -> bool:
-        """Exact sequence parallelism (ulysses, ring): collectives inside attention, no comm slots."""
-        return self in (ParallelMode.ULYSSES, ParallelMode.RING)
+        """Exact sequence parallelism (ulysses, ring, usp): collectives inside attention, no comm slots."""
+        return self in (ParallelMode.ULYSSES, ParallelMode.RING, ParallelMode.USP)
 
 
 PARALLEL_MODES = tuple(m.value for m in ParallelMode)
@@ -112,10 +117,12 @@ class UNetMode(str, Enum):
     NAIVE = "naive"
     ULYSSES = "ulysses"
     RING = "ring"
+    USP = "usp"
 
     @classmethod
     def parse(cls, text: "str | UNetMode") -> "UNetMode":
-        """'sync' | 'displaced' | 'sync-gn' | 'stale-gn' | 'separate-gn' | 'naive' | 'ulysses' | 'ring' -> UNetMode."""
+        """'sync' | 'displaced' | 'sync-gn' | 'stale-gn' | 'separate-gn' | 'naive' | 'ulysses' | 'ring' | 'usp'
+        -> UNetMode."""
         return _parse(cls, text, "--mode: unknown U-Net parallel mode")
 
     @property
@@ -147,6 +154,7 @@ _EXCHANGE = MappingProxyType(
         UNetMode.NAIVE: ParallelMode.NAIVE,
         UNetMode.ULYSSES: ParallelMode.ULYSSES,
         UNetMode.RING: ParallelMode.RING,
+        UNetMode.USP: ParallelMode.USP,
     }
 )
 # The six rows of the paper's ablation: what a U-Net (and any model with convolutions) takes.
@@ -162,5 +170,6 @@ _NORM = MappingProxyType(
         UNetMode.NAIVE: NormStats.LOCAL,
         UNetMode.ULYSSES: NormStats.EXACT,  # never read: only transformers (no GroupNorm) take these modes
         UNetMode.RING: NormStats.EXACT,
+        UNetMode.USP: NormStats.EXACT,
     }
 )

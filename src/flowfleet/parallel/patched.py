@@ -25,6 +25,9 @@ does any evaluation whose batch size differs from the previous one's (the previo
 belong to other samples). The first call of the object also runs the model once without communication
 to discover every layer's comm slot (BandStep.declare) and registers them, in forward order, with one
 CommManager.
+
+diffusers' first-block cache (`transformer.enable_cache(FirstBlockCacheConfig(...))`, where diffusers has it:
+Flux) works on a patched model: every rank takes the whole image's skip decision (parallel.cache).
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ import torch.nn as nn
 
 from flowfleet.distributed import Group, split_group
 from flowfleet.errors import FlowfleetError
+from flowfleet.parallel.cache import FBCacheSync
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import ParallelMode, UNetMode
+from flowfleet.parallel.sequence import SequenceMesh
+from flowfleet.parallel.sequence import ulysses_degree as sequence_degree
 from flowfleet.parallel.step import BandStep
 
 
@@ -65,6 +71,7 @@ class PatchedModel:
         max_batch: int | None = None,
         batch_bytes: int | None = None,
         timeout_s: float = 60.0,
+        ulysses_degree: int | None = None,
     ):
         if warmup < 0:
             raise FlowfleetError(f"--warmup: must be >= 0, got {warmup}")
@@ -72,7 +79,12 @@ class PatchedModel:
             raise FlowfleetError(f"max_batch: must be >= 1, got {max_batch}")
         if cfg_split and group.size % 2:
             raise FlowfleetError(f"cfg_split: needs an even number of ranks, got {group.size}")
-        self._check_mode(model, UNetMode.parse(mode), group.size // 2 if cfg_split else group.size)
+        band_count = group.size // 2 if cfg_split else group.size
+        self._check_mode(model, UNetMode.parse(mode), band_count)
+        degree = 1
+        if band_count > 1 or ulysses_degree is not None:  # one band: every mode is the plain model
+            heads = self._attention_heads(model)
+            degree = sequence_degree(UNetMode.parse(mode).exchange, band_count, heads, ulysses_degree, "ulysses_degree")
         self.model = model
         self._class_forward = type(model).forward  # the model's own forward
         self._signature = inspect.signature(self._class_forward)
@@ -90,6 +102,9 @@ class PatchedModel:
             bands, group, device=weights.device, dtype=weights.dtype, batch_bytes=batch_bytes, timeout_s=timeout_s
         )
         self.step = BandStep(self.comm, bands.rank, bands.size)
+        self.cache = FBCacheSync(self.comm)  # diffusers' first-block cache, decided on every rank's statistics
+        if self.mode.exchange.sequence:
+            self.step.mesh = SequenceMesh.build(bands, degree, timeout_s)  # collective: every rank, same order
         self.modes: list[UNetMode] = []  # the mode each evaluation ran in (since construction)
         self._evals = 0  # evaluations since the run started
         self._steps = 0  # sampler steps since the run started (the step of the current evaluation)
@@ -112,6 +127,10 @@ class PatchedModel:
     def _install(self) -> None:
         raise NotImplementedError
 
+    def _attention_heads(self, model: Any) -> list[int]:
+        """Every attention layer's head count (the transformers: for the Ulysses degree)."""
+        return []
+
     def _check_mode(self, model: Any, mode: UNetMode, bands: int) -> None:
         """A one-line error for a mode this model cannot run on `bands` bands. Here: the exact sequence-
         parallel modes, which only the transformers (no convolutions) take."""
@@ -132,6 +151,7 @@ class PatchedModel:
     def restore(self) -> None:
         """Undo parallelize(): the model is the plain single-device model again."""
         self.comm.drain()
+        self.cache.detach()
         for m in self._patched:
             if "forward" in m.__dict__:
                 del m.forward
@@ -174,6 +194,7 @@ class PatchedModel:
         elif self._last_t is not None and t_now != self._last_t:
             self._steps += 1  # a new sampler step
         self._last_t = t_now
+        self.cache.attach(self.model)  # a cache enabled after parallelize() too
         if not self._registered:
             self._register(call)
         mode = self.mode.at_step(self._steps, self.warmup)
@@ -274,7 +295,7 @@ class PatchedModel:
         if self.mode.exchange is not ParallelMode.NAIVE and not self.mode.exchange.sequence:
             self.step.mode, self.step.batch, self.step.recording = UNetMode.NAIVE, call[self.SAMPLE].shape[0], {}
             try:
-                with torch.no_grad():
+                with torch.no_grad(), self.cache.bypass():
                     self._run(call)
                 slots = self.step.recording
             finally:

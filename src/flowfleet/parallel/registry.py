@@ -69,11 +69,13 @@ def parallelize(
     batch_bytes: int | None = None,
     timeout_s: float = 60.0,
     allow_untested_diffusers: bool = False,
+    ulysses_degree: int | None = None,
 ) -> PatchedModel:
     """Patch a diffusers model in place to run on this rank's band of `group` (default: every rank of the
     default process group): a UNet2DConditionModel, a PixArt, SD3 or Flux transformer, or a VAE
     (AutoencoderKL: its decoder; sync only). `mode`: flowfleet.parallel.mode.UNetMode (the transformers also
-    take "ulysses" and "ring", exact sequence parallelism).
+    take "ulysses", "ring" and "usp", exact sequence parallelism; `ulysses_degree`: usp's Ulysses group size,
+    None: the largest that divides the bands and every layer's heads).
     `cfg_split`: the two halves of a guided batch on two halves of the ranks; `batch_bytes`: bytes per
     asynchronous all-gather (None: from the model's bytes, see parallel.comm). A diffusers release outside
     SUPPORTED_DIFFUSERS is refused unless `allow_untested_diffusers`. Returns the handle (reset(), restore(),
@@ -95,4 +97,5 @@ def parallelize(
         max_batch=max_batch,
         batch_bytes=batch_bytes,
         timeout_s=timeout_s,
+        ulysses_degree=ulysses_degree,
     )

@@ -39,7 +39,7 @@ from flowfleet.parallel.bands import BandLayout
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.dit import PatchParallelDiT, register_dit
 from flowfleet.parallel.mode import DISPLACED_WARMUP, ParallelMode
-from flowfleet.parallel.sequence import check_heads
+from flowfleet.parallel.sequence import SequenceMesh, check_heads, ulysses_degree
 
 RouteFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 # (x_t [B, C, H, W], t [B], step) -> (global expert ids [B, k] int64, weights [B, k] summing to 1 per sample)
@@ -55,6 +55,7 @@ class ParallelPlan:
     # Asynchronous all-gathers are batched up to this many bytes. Small enough that the first layers'
     # keys/values leave early in a step and have long landed when the next step needs them.
     batch_bytes: int = 1 << 20
+    ulysses_degree: int | None = None  # usp: Ulysses inside groups of this many bands (None: as many as divide)
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ParallelMode.parse(self.mode))
@@ -62,6 +63,8 @@ class ParallelPlan:
             raise FlowfleetError(f"--warmup: must be >= 0, got {self.warmup}")
         if self.batch_bytes < 1:
             raise FlowfleetError(f"batch_bytes: must be >= 1, got {self.batch_bytes}")
+        if self.ulysses_degree is not None and self.mode is not ParallelMode.USP:
+            raise FlowfleetError(f"--ulysses-degree: only with --parallel usp (got {self.mode.value})")
 
 
 class PatchParallelRunner:
@@ -107,12 +110,17 @@ class PatchParallelRunner:
         )
         # A band group of one rank owns the whole image: nothing to exchange, every mode is the plain model.
         self.mode = plan.mode if bands.size > 1 else ParallelMode.NAIVE
-        self.split_text = describe_split(ctx.world_size, self.groups, bands.size, plan.mode)
+        for k in ids:
+            check_heads(self.mode, configs[k].num_heads, bands.size, f"expert {k}")
+        self.mesh = None  # the sequence-parallel modes' Ulysses x ring split of the bands
+        if self.mode.sequence:
+            heads = [configs[k].num_heads for k in ids]
+            degree = ulysses_degree(self.mode, bands.size, heads, plan.ulysses_degree, "--ulysses-degree")
+            self.mesh = SequenceMesh.build(bands, degree, ctx.timeout_s)  # collective: every rank, same order
+        self.split_text = describe_split(ctx.world_size, self.groups, bands.size, plan.mode, self.mesh)
         self.slot_rows = batch * (2 if guided and not self.split else 1)
         self.expert_ids = ids
         self.num_experts = ids[-1] + 1
-        for k in ids:
-            check_heads(self.mode, configs[k].num_heads, bands.size, f"expert {k}")
         if self.mode.exchanges and not self.mode.sequence:  # sync / displaced: one key/value slot per layer
             for k in ids:
                 register_dit(self.comm, expert_name(k), configs[k], self.layout, self.slot_rows)
@@ -123,7 +131,7 @@ class PatchParallelRunner:
         model = self.get_expert(k)
         cached = self._wrapped.get(k)
         if cached is None or cached[0] is not model:  # (re)loaded by a lazy store
-            cached = (model, PatchParallelDiT(model, self.comm, expert_name(k), self.layout))
+            cached = (model, PatchParallelDiT(model, self.comm, expert_name(k), self.layout, self.mesh))
             self._wrapped[k] = cached
         return cached[1]
 
@@ -153,12 +161,16 @@ class PatchParallelRunner:
         self.comm.drain()
 
 
-def describe_split(ranks: int, groups: int, bands: int, requested: ParallelMode) -> str:
+def describe_split(
+    ranks: int, groups: int, bands: int, requested: ParallelMode, mesh: SequenceMesh | None = None
+) -> str:
     """How an image is spread, in one line for the user: CFG groups x bands, and the mode that runs."""
     halves = "the 2 CFG halves on 2 rank groups" if groups == 2 else "both CFG halves (or none) on every rank"
     text = f"{ranks} ranks: {halves}, each image in {bands} band(s)"
     if bands == 1:
         return f"{text}; no {requested.value} split (one band holds every token: --cfg 1 or twice the ranks splits it)"
+    if requested is ParallelMode.USP and mesh is not None:
+        return f"{text} (usp: {mesh.describe()})"
     return f"{text} ({requested.value})"
 
 

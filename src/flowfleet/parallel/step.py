@@ -19,6 +19,7 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.bands import band_counts, band_span
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import NormStats, ParallelMode, UNetMode
+from flowfleet.parallel.sequence import SequenceMesh
 
 
 @dataclass
@@ -31,6 +32,7 @@ class BandStep:
     recording: "dict[str, tuple[int, ...]] | None" = None  # slot name -> per-sample shape, during recording
     full: "torch.Tensor | None" = None  # the whole latent of this evaluation (layers that embed it: transformers)
     text_tokens: int = 0  # Flux: text tokens ahead of the image tokens in a single-stream block's sequence
+    mesh: "SequenceMesh | None" = None  # ulysses / ring / usp: the bands' Ulysses x ring split
     # Uneven bands: every band's size in some unit (tokens, rows, groups of rows) proportional to its size
     # in every layer, so a layer holding n of this band's items finds band r's as sizes[r] * n // sizes[index].
     # () = equal bands.

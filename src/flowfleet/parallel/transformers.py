@@ -116,12 +116,17 @@ class JointAttentionBand(SelfAttentionBand):
         return image, (text if attn.context_pre_only else attn.to_add_out(text))
 
 
-def _check_attention_heads(model: Any, kind: type, mode: UNetMode, bands: int, what: str) -> None:
+def _check_attention_heads(model: Any, kind: type[Any], mode: UNetMode, bands: int, what: str) -> None:
     """mode=ulysses splits every attention layer's heads over the bands: a one-line error naming the first
-    layer whose head count the band count does not divide (ring and the other modes take any)."""
+    layer whose head count the band count does not divide (ring and the other modes take any; usp's degree
+    is checked against every layer's heads by parallel.sequence.ulysses_degree)."""
     for name, m in model.named_modules():
         if isinstance(m, kind):
             check_heads(mode.exchange, m.heads, bands, f"{what} layer {name}", option="mode=")
+
+
+def _heads_of(model: Any, kind: type[Any]) -> list[int]:
+    return [m.heads for m in model.modules() if isinstance(m, kind)]
 
 
 class ParallelTransformer(PatchedModel):
@@ -156,6 +161,9 @@ class ParallelTransformer(PatchedModel):
 
     def _check_mode(self, model: Any, mode: UNetMode, bands: int) -> None:
         _check_attention_heads(model, Attention, mode, bands, self.what)
+
+    def _attention_heads(self, model: Any) -> list[int]:
+        return _heads_of(model, Attention)
 
     def _install(self) -> None:
         self._patch(self.model.pos_embed, PatchEmbedBand(self.model.pos_embed, self.step))
@@ -273,6 +281,9 @@ class ParallelFlux(PatchedModel):
 
     def _check_mode(self, model: Any, mode: UNetMode, bands: int) -> None:
         _check_attention_heads(model, FluxAttention, mode, bands, self.what)
+
+    def _attention_heads(self, model: Any) -> list[int]:
+        return _heads_of(model, FluxAttention)
 
     def _install(self) -> None:
         for name, m in self.model.named_modules():

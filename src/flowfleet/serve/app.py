@@ -166,6 +166,7 @@ def serve(
     nproc: int = 1,
     parallel: str = "displaced",
     warmup: int = DISPLACED_WARMUP,
+    ulysses_degree: int | None = None,
     api_key: str | None = None,
 ) -> None:
     """Open the model folder and serve it until interrupted (uvicorn).
@@ -181,7 +182,8 @@ def serve(
 
         if nproc < 1:
             raise FlowfleetError(f"--nproc: must be >= 1, got {nproc}")
-        serving = ParallelServing(join_fleet(model_dir, nproc, parallel, warmup, device=device))
+        fleet = join_fleet(model_dir, nproc, parallel, warmup, device=device, ulysses_degree=ulysses_degree)
+        serving = ParallelServing(fleet)
     service = FleetService.open(model_dir, device=device, offload=offload, limits=limits, parallel=serving)
     if serving is not None and not serving.is_main:
         served = serving.follow(service.pipe)

@@ -44,7 +44,12 @@ class ParallelServing:
 
     def describe(self) -> dict[str, Any]:
         plan = self.fleet.plan
-        return {"nproc": self.fleet.ctx.world_size, "mode": plan.mode.value, "warmup": plan.warmup}
+        return {
+            "nproc": self.fleet.ctx.world_size,
+            "mode": plan.mode.value,
+            "warmup": plan.warmup,
+            "ulysses_degree": plan.ulysses_degree,
+        }
 
     def announce(self, call: Call | None) -> Call | None:
         """Rank 0: send the next call (None: stop). Other ranks: receive it."""

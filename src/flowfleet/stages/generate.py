@@ -64,6 +64,7 @@ def generate(
     nproc: int = 1,
     parallel: str = "sync",
     warmup: int = DISPLACED_WARMUP,
+    ulysses_degree: int | None = None,
     progress: bool = False,
 ) -> GenerateResult:
     if offload is not None and offload < 1:
@@ -78,7 +79,7 @@ def generate(
 
         if nproc < 1:
             raise FlowfleetError(f"--nproc: must be >= 1, got {nproc}")
-        fleet = join_fleet(model_dir, nproc, parallel, warmup, device=device)
+        fleet = join_fleet(model_dir, nproc, parallel, warmup, device=device, ulysses_degree=ulysses_degree)
     dev = fleet.ctx.device if fleet is not None else resolve_device(device)
     pipe = FleetPipeline.from_pretrained(
         model_dir,
