@@ -1,0 +1,63 @@
+"""A probe of a routing setting the product does not have: the router's distribution sharpened or flattened
+by a temperature, p_k^(1/T) / sum_j p_j^(1/T) (T < 1 moves top-2's weights toward its first expert, T > 1
+toward equal weights; which two experts top-2 picks does not change). Evaluated with `flowfleet
+evaluate`'s own code (held-out reference, the digit judge, classifier FD, precision/recall), on an
+evaluated run's fleet.
+
+    python benchmarks/routing_temperature.py --run runs/cache15 --temperature 0.5 --cfg 1.5,2,3,4.5,6
+
+The run's reports/evaluation.json is overwritten: point --run at a copy. FleetPipeline.router_probs is
+replaced for this process only; nothing of the product changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="a copy of an evaluated run (its model/ and reports/)")
+    p.add_argument("--temperature", type=float, required=True, help="T > 0; 1 is the router as trained")
+    p.add_argument("--cfg", default="1.5,2,3,4.5,6", help="the guidance sweep")
+    p.add_argument("--strategies", default="top2")
+    p.add_argument("--n", type=int, default=300)
+    a = p.parse_args()
+    if a.temperature <= 0:
+        p.error("--temperature: must be > 0")
+
+    import torch
+
+    from flowfleet.evaluate.fid import FIDSettings
+    from flowfleet.sampling import pipeline
+    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
+
+    trained = pipeline.FleetPipeline.router_probs
+
+    def tempered(self, x, t, cond=None):
+        probs = trained(self, x, t, cond).double().clamp_min(1e-30)  # [B, P]
+        return torch.softmax(probs.log() / a.temperature, dim=1).to(x.dtype)
+
+    pipeline.FleetPipeline.router_probs = tempered
+    options = EvaluateOptions(
+        n=a.n,
+        batch_size=a.n,
+        strategies=tuple(a.strategies.split(",")),
+        diagnostics=False,
+        cfg_sweep=tuple(float(c) for c in a.cfg.split(",")),
+        fid=FIDSettings(resize=75),
+        device="cpu",
+    )
+    result = evaluate(f"{a.run}/model", a.run, options)
+    print("\n| model | temperature | cfg | classifier FD | prompt accuracy | precision | recall |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in result["runs"].items():
+        for s in r["sweep"]:
+            print(
+                f"| {name} | {a.temperature} | {s['cfg']} | {s['classifier_fd']:.1f} | {s['prompt_accuracy']:.3f} "
+                f"| {s['precision']:.3f} | {s['recall']:.3f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
