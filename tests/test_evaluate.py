@@ -357,6 +357,27 @@ def test_user_judge_scores_prompt_accuracy(fleet, tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
+def test_accuracy_of_285_in_300_meets_a_095_bar():
+    """The share is the ratio of counts: 285 hits of 300 is 0.95 and is chosen at min_accuracy 0.95 (a
+    float32 mean made it 0.949999988 and the scale was passed over)."""
+    from flowfleet.evaluate.judge import ClassifierJudge
+    from flowfleet.stages.evaluate import choose_scale
+
+    def classify(images: torch.Tensor) -> torch.Tensor:
+        return torch.stack([-images.mean((1, 2, 3)), images.mean((1, 2, 3))], dim=1)  # [B, 2]: dark, bright
+
+    judge = ClassifierJudge(classify, [["dark"], ["bright"]])
+    images = torch.ones(300, 1, 4, 4)  # every image bright
+    prompts = ["bright"] * 285 + ["dark"] * 15
+    result = judge.prompt_accuracy(images, prompts)
+    assert result["accuracy"] == 0.95 and result["per_class"] == {"dark": 0.0, "bright": 1.0}
+    sweep = [
+        {"cfg": 3.5, "classifier_fd": 53.0, "prompt_accuracy": result["accuracy"]},
+        {"cfg": 4.5, "classifier_fd": 63.7, "prompt_accuracy": 0.957},
+    ]
+    assert choose_scale(sweep, 0.95) == 0
+
+
 def test_choose_scale_takes_the_best_distance_among_accurate_scales():
     from flowfleet.stages.evaluate import choose_scale
 

@@ -91,13 +91,14 @@ class ClassifierJudge:
         probs = self.probabilities(images[keep])  # [n, K]
         want = torch.tensor([targets[i] for i in keep])
         hit = probs.argmax(1) == want
+        # Shares as exact ratios of counts: a float32 mean reads 285 of 300 as 0.94999999, below a 0.95 bar
         per_class = {
-            self.labels[c]: round(float(hit[want == c].float().mean()), 4)
+            self.labels[c]: round(int(hit[want == c].sum()) / int((want == c).sum()), 4)
             for c in range(len(self.labels))
             if bool((want == c).any())
         }
         return {
-            "accuracy": float(hit.float().mean()),
+            "accuracy": int(hit.sum()) / len(keep),
             "confidence": float(probs.gather(1, want[:, None]).mean()),
             "n": len(keep),
             "skipped": len(prompts) - len(keep),
