@@ -159,3 +159,36 @@ def test_exact_gelu_is_saved_and_computed(tmp_path):
     del raw["mlp_act"]
     (tmp_path / "e" / "config.json").write_text(json.dumps(raw))
     assert load_model(DiTExpert, tmp_path / "e").cfg.mlp_act == "gelu_tanh"
+
+
+def test_experts_start_from_a_flowfleet_dit_folder_named_by_expert_init(run_root, tmp_path):
+    """run.yaml expert_init may name a flowfleet DiT of the expert's architecture (a seed model trained on all
+    data): the expert's job starts from exactly its weights; another architecture is one line naming the field."""
+    from fixtures.random_fleet import tiny_run_config
+    from fixtures.synthetic_run import write_synthetic_run
+
+    from flowfleet.config import RunConfig
+    from flowfleet.errors import FlowfleetError
+    from flowfleet.storage import RunRoot
+    from flowfleet.train.specs import JobSpec
+    from flowfleet.train.tasks import build_task
+
+    raw = tiny_run_config(2, conditioning="pooled").model_dump()
+    seed = DiTExpert.from_dit_config(DiTConfig(**{**raw["expert"], "cond_dropout": 0.2}))
+    with torch.no_grad():
+        for p in seed.parameters():
+            p.normal_(0, 0.2)  # (adaLN-zero starts some tensors at 0: make every one differ from a fresh expert)
+    save_model(seed, tmp_path / "seed")
+    raw["expert_init"] = str(tmp_path / "seed")
+    cfg = RunConfig(**raw)
+    root = RunRoot(str(run_root))
+    write_synthetic_run(root, cfg)
+    model = build_task(root, cfg, JobSpec("expert", 1)).build_model()
+    theirs = seed.state_dict()
+    assert model.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(v, theirs[name]) for name, v in model.state_dict().items())
+    fresh = build_task(root, RunConfig(**{**raw, "expert_init": None}), JobSpec("expert", 1)).build_model()
+    assert not all(torch.equal(v, theirs[name]) for name, v in fresh.state_dict().items())
+    wrong = RunConfig(**{**raw, "expert": {**raw["expert"], "depth": 2}})
+    with pytest.raises(FlowfleetError, match=r"^expert_init .*seed: depth is 1, run.yaml expert.depth is 2$"):
+        build_task(root, wrong, JobSpec("expert", 1)).build_model()

@@ -33,7 +33,7 @@ from flowfleet.layout import (
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
 from flowfleet.models.files import load_model
-from flowfleet.models.pixart import load_pixart_into
+from flowfleet.models.init import load_expert_init
 from flowfleet.storage import RunRoot
 from flowfleet.train import preview
 from flowfleet.train.data import InMemoryData, check_compatible, model_fields
@@ -106,10 +106,10 @@ class FlowTask(TrainTask):
         return self.run.sampling.cfg
 
     def build_model(self) -> DiTModel:
-        """A fresh expert, or one started from run.yaml expert_init (a diffusers PixArt transformer)."""
+        """A fresh expert, or one started from run.yaml expert_init (a PixArt transformer or a flowfleet DiT)."""
         model = super().build_model()
         if self.spec.kind == "expert" and self.run.expert_init:
-            load_pixart_into(model, self.model_cfg, self.run.expert_init)
+            load_expert_init(model, self.model_cfg, self.run.expert_init)
             log.info("%s: starts from %s", self.name, self.run.expert_init)
         return model
 
