@@ -204,6 +204,7 @@ def write_run(
     labels: torch.Tensor,
     shard_size: int = 64,
     text: torch.Tensor | None = None,
+    latents: torch.Tensor | None = None,
     **cluster_cfg,
 ) -> RunRoot:
     """A run.yaml (mnist-tiny with the given cluster section) and a complete data/ of synthetic items."""
@@ -220,7 +221,7 @@ def write_run(
         hi = min(lo + shard_size, n)
         m = hi - lo
         tensors = {
-            "latents": torch.rand(m, 1, 16, 16, generator=g) * 2 - 1,
+            "latents": latents[lo:hi] if latents is not None else torch.rand(m, 1, 16, 16, generator=g) * 2 - 1,
             "features": image_features[lo:hi] * 3.0,
             "text_tokens": torch.randn(m, 8, 384, generator=g).half(),
             "text_mask": torch.ones(m, 8, dtype=torch.uint8),
@@ -314,6 +315,23 @@ def test_cluster_features_choose_what_is_clustered(run_root, features):
         assert all(len(torch.unique(assign[groups == j])) == 1 for j in range(4))
     else:
         assert report["label_coherence"] == 1.0 and report["nmi"] > 0.99
+
+
+def test_cluster_features_latent_clusters_the_latents_the_router_reads(run_root):
+    """cluster.features latent: the images' latents (the run's own image encoder), flattened, not the semantic
+    features: here the latents separate E|F while the semantic features and captions say otherwise."""
+    n = 120
+    g = torch.Generator().manual_seed(4)
+    image_group, latent_group = torch.arange(n) % 2, (torch.arange(n) // 4) % 2
+    image = torch.nn.functional.one_hot(image_group, 16).float() * 10 + 0.01 * torch.randn(n, 16, generator=g)
+    latents = torch.rand(n, 1, 16, 16, generator=g) * 0.2 - 0.1
+    latents[:, :, :8] += (latent_group * 2 - 1).float().view(n, 1, 1, 1)  # top half bright or dark
+    run = write_run(run_root, image, latent_group, latents=latents, k=2, fine_k=4, features="latent")
+    report = cluster(run, progress=False)
+    assert report["features"] == {"kind": "latent", "latent": {"name": "pixels"}}
+    assert report["label_coherence"] == 1.0 and report["nmi"] > 0.99
+    assign = read_assignments(run, num_clusters=2)
+    assert len(torch.unique(assign[image_group == 0])) == 2  # the semantic features' split is not it
 
 
 def test_rerun_replaces_partitions_and_random_mode(run_root):

@@ -116,9 +116,10 @@ class EncodersConfig(_Strict):
 class ClusterConfig(_Strict):
     k: int = Field(4, ge=1, le=1024)
     mode: Literal["kmeans", "random"] = "kmeans"
-    # What is clustered: the images' semantic features (paris §2.6: DINOv2), the captions' pooled text
-    # embeddings (items whose captions mean the same thing land together), or both (each half L2-normalised).
-    features: Literal["semantic", "text", "both"] = "semantic"
+    # What is clustered: the images' semantic features (paris §2.6: DINOv2), the images' latents (the run's own
+    # image encoder: what the experts denoise and the router reads), the captions' pooled text embeddings (items
+    # whose captions mean the same thing land together), or semantic and text both (each half L2-normalised).
+    features: Literal["semantic", "latent", "text", "both"] = "semantic"
     fine_k: int = Field(64, ge=1)  # stage-1 clusters (capped at the sample count)
     sample_size: int = Field(100_000, ge=1)  # stage-1 fitted on this many samples
     iters: int = Field(25, ge=1)
@@ -369,7 +370,7 @@ class RunConfig(_Strict):
                     f"added.{n - 1}.data: image_size/channels {addition.data.image_size}/{addition.data.channels} "
                     f"differ from the run's {self.data.image_size}/{self.data.channels}"
                 )
-        if self.cluster.features != "semantic" and self.encoders.text.name == "none":
+        if self.cluster.features in ("text", "both") and self.encoders.text.name == "none":
             raise ValueError(
                 f"cluster.features: {self.cluster.features!r} clusters captions, but encoders.text.name is 'none'"
             )

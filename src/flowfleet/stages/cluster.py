@@ -62,13 +62,18 @@ def label_coherence(labels: torch.Tensor, assign: torch.Tensor) -> float | None:
     return sum(shares) / len(shares) if shares else None
 
 
-FEATURE_FIELDS = {"semantic": ("features",), "text": ("text_pooled",), "both": ("features", "text_pooled")}
+FEATURE_FIELDS = {
+    "semantic": ("features",),
+    "latent": ("latents",),
+    "text": ("text_pooled",),
+    "both": ("features", "text_pooled"),
+}
 
 
 def clustering_features(fields: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
     """[N, D] L2-normalised rows of what cluster.features names; `both` joins the two normalised halves
     (each weighted 1/sqrt(2), so neither dominates by its width)."""
-    parts = [l2_normalize_(fields[name].float()) for name in FEATURE_FIELDS[kind]]
+    parts = [l2_normalize_(fields[name].float().flatten(1)) for name in FEATURE_FIELDS[kind]]  # latents: [N, C*H*W]
     return l2_normalize_(torch.cat(parts, dim=1)) if len(parts) > 1 else parts[0]
 
 
@@ -86,6 +91,8 @@ def one_point_per_caption(x: torch.Tensor, captions: list[str]) -> tuple[torch.T
 
 def _feature_description(kind: str, manifest: ShardSetManifest) -> dict[str, Any]:
     encoders = manifest.extra.get("encoders") or {}
+    if kind == "latent":
+        return {"kind": kind, "latent": encoders.get("latent")}
     return {
         "kind": kind,
         "semantic": encoders.get("semantic") if kind != "text" else None,
