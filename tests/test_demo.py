@@ -31,7 +31,8 @@ def check_run(path, *, strategies=("top2",)) -> dict:
     for section in ("clusters", "training", "samples", "routing", "fid", "diagnostics"):
         assert page.images.get(section), f"section {section} has no image"
     evaluation = json.loads((path / "reports" / "evaluation.json").read_text())
-    assert list(evaluation["runs"]) == ["monolith", *strategies]
+    # Paris' claim (top-2 against the monolith), then "beyond Paris": the same experts routed with the prompt
+    assert list(evaluation["runs"]) == ["monolith", *strategies, *(f"{s}+router-prompt" for s in strategies)]
     assert all(v > 0 for v in evaluation["fid"]["scores"].values())
     # MNIST: every model judged by the digit classifier, every scored sample kept with its prompt
     digits = evaluation["prompt_accuracy"]
@@ -42,8 +43,9 @@ def check_run(path, *, strategies=("top2",)) -> dict:
             assert npz["images"].shape[0] == evaluation["n"] == len(npz["prompts"])
             assert all("handwritten digit" in p for p in npz["prompts"])
     assert "prompt accuracy" in html and "classifier FD" in html and "precision" in html
-    # Paris' router: accuracy per t-bucket from its training report; it sees (x_t, t) and nothing else
-    assert "p(k | x_t, t) (Paris)" in html and "p(k | x_t, t, prompt)" not in html
+    # The fleet's router is Paris': it sees (x_t, t) and nothing else. Both routers' accuracy per t-bucket (from
+    # their training reports) is in the report: Paris' and the prompt-aware comparison router's.
+    assert "p(k | x_t, t) (Paris)" in html and "p(k | x_t, t, prompt)" in html
     router = json.loads((path / "model" / "router" / "config.json").read_text())
     assert router["conditioning"] == "none" and router["text_dim"] == 0
     # judged against held-out digits, beside real ones scored like a model, at each model's swept scale
@@ -96,6 +98,7 @@ def test_demo_plans_validate_and_quick_is_smaller():
         c = plan.config
         assert c.cluster.k >= 4 and c.cluster.features == "semantic" and c.encoders.semantic.name == "inception"
         assert not c.router.uses_text and c.sampling.strategy == "top2"
+        assert c.router_prompt and plan.evaluation.routers == ("router-prompt",)  # the "beyond Paris" row
         assert len(plan.evaluation.cfg_sweep) >= 5 and plan.evaluation.save_cfg
         # Paris' experts work in a VAE latent: here an autoencoder prepare trains, 8 x 8 x 4, 2 x 2 patches
         assert c.encoders.latent.name == "autoencoder" and c.latent_shape == (4, 8, 8) and c.expert.patch_size == 2

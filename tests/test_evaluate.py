@@ -497,3 +497,46 @@ def test_a_relative_run_root_writes_the_runs_own_evaluation(fleet, monkeypatch):
     assert fleet.read_json("reports", "evaluation.json") == result and result["seed"] == 5
     assert fleet.read_bytes("reports", "evaluation.json") != before
     assert not fleet.exists("reports", "model", "evaluation.json")
+
+
+def test_a_comparison_router_is_evaluated_as_one_more_row_of_the_same_experts(fleet, tmp_path):
+    """evaluate routers=("router-prompt",): each strategy again, the same experts routed by the run's prompt-aware
+    comparison router (the demo's "beyond Paris" row); refused in one line when unknown or not trained."""
+    import shutil
+
+    from fixtures.random_fleet import randomize_
+
+    from flowfleet.config import load_run_config
+    from flowfleet.models.dit import DiTRouter
+    from flowfleet.models.files import save_model
+    from flowfleet.stages.evaluate import evaluate
+    from flowfleet.train.specs import JobSpec, router_config
+
+    run = RunRoot(str(shutil.copytree(fleet.url, tmp_path / "run")))
+    model = run.url_of("model")
+    with pytest.raises(FlowfleetError, match=r"^--routers: 'router' is not a comparison router \(one of router-"):
+        evaluate(model, run.url, options(routers=("router",)), extractor=SmallFeatures())
+    with pytest.raises(FlowfleetError, match=r"^--routers: .*router-prompt: missing \(never started\)$"):
+        evaluate(model, run.url, options(routers=("router-prompt",)), extractor=SmallFeatures())
+
+    cfg = load_run_config(run)
+    aware = router_config(cfg, JobSpec("router-prompt"))
+    assert aware.conditioning == "pooled" and not cfg.router.uses_text
+    save_model(randomize_(DiTRouter.from_dit_config(aware), seed=11), run, "router-prompt", "final")
+    run.write_json(
+        {"job": "router-prompt", "state": "done", "step": 1, "total_steps": 1}, "router-prompt", "status.json"
+    )
+    result = evaluate(
+        model,
+        run.url,
+        options(strategies=("top1",), monolith=False, routers=("router-prompt",)),
+        extractor=SmallFeatures(),
+    )
+    assert list(result["runs"]) == ["top1", "top1+router-prompt"]
+    runs = result["runs"]
+    assert runs["top1+router-prompt"]["kind"] == "fleet" and runs["top1+router-prompt"]["same_as"] is None
+    with np.load(run.url_of("reports", runs["top1"]["samples"])) as a:
+        with np.load(run.url_of("reports", runs["top1+router-prompt"]["samples"])) as b:
+            assert (a["prompts"] == b["prompts"]).all()  # the same prompts and noise ...
+            assert not np.array_equal(a["images"], b["images"])  # ... routed otherwise: other images
+    assert runs["top1+router-prompt"]["usage"] != runs["top1"]["usage"]

@@ -73,3 +73,26 @@ def test_prompt_aware_router_reads_the_prompt_where_x_t_says_nothing(tmp_path):
     aware_rep, blind_rep = root.read_json("router", "report.json"), root.read_json("router-paris", "report.json")
     assert aware_rep["accuracy"][-1] >= 0.95
     assert blind_rep["accuracy"][-1] <= 0.75
+
+
+def test_router_prompt_trains_a_prompt_aware_router_beside_paris_one():
+    """run.yaml router_prompt: a run whose router is Paris' also trains router-prompt/ (the "beyond Paris"
+    comparison), the same router reading the caption's pooled text vector; a prompt-aware run router refuses it."""
+    from flowfleet.train.specs import router_config, run_routers
+
+    raw = synthetic_config(k=2).to_dict()
+    raw["router"].update(conditioning="none", text_dim=0)
+    raw["router_prompt"] = True
+    cfg = RunConfig.from_dict(raw)
+    assert [j.name for j in fleet_jobs(cfg)] == ["expert-0", "expert-1", "router", "router-prompt"]
+    assert [j.dir for j in run_routers(cfg)] == ["router", "router-prompt"]
+    spec = JobSpec("router-prompt")
+    assert spec.cli_args("R") == ["train-router", "R", "--prompt-aware"]
+    aware = router_config(cfg, spec)
+    assert (aware.conditioning, aware.text_dim) == ("pooled", 384)
+    assert aware.model_dump(exclude={"conditioning", "text_dim"}) == cfg.router.model_dump(
+        exclude={"conditioning", "text_dim"}
+    )
+    assert not router_config(cfg, JobSpec("router")).uses_text
+    with pytest.raises(ConfigError, match="router_prompt: the run's router already reads the prompt"):
+        RunConfig.from_dict({**prompt_aware_config().to_dict(), "router_prompt": True})

@@ -271,6 +271,9 @@ class RunConfig(_Strict):
     # Also train Paris' prompt-blind router p(k | x_t, t) in router-paris/, beside a prompt-aware
     # `router`, so that evaluate and report compare the two.
     router_baseline: bool = False
+    # Also train a prompt-aware router p(k | x_t, t, prompt) in router-prompt/, beside Paris' prompt-blind
+    # `router`: the comparison "beyond Paris" that the demo evaluates and reports as extra rows.
+    router_prompt: bool = False
     sampling: SamplingConfig = SamplingConfig()
     storage: StorageConfig = StorageConfig()
     # Mixed compute: named backends, and job name or pattern ("expert-[0-3]", fnmatch) -> a name of
@@ -414,6 +417,15 @@ class RunConfig(_Strict):
             raise ValueError(
                 "router_baseline: the run's router is already prompt-blind (router.conditioning "
                 "'none'); the baseline compares it with a prompt-aware one"
+            )
+        if self.router_prompt and self.router.uses_text:
+            raise ValueError(
+                "router_prompt: the run's router already reads the prompt (router.conditioning "
+                f"{self.router.conditioning!r}); the comparison is a prompt-aware router beside a prompt-blind one"
+            )
+        if self.router_prompt and self.encoders.text.name == "none":
+            raise ValueError(
+                "router_prompt: the prompt-aware router reads the caption's text vector: needs a text encoder"
             )
         if self.router.conditioning == "class":
             raise ValueError(

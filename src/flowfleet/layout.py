@@ -47,8 +47,9 @@ ADDED = "added"  # added/<n>/: the data `add-expert` brought, prepared and clust
 # training jobs
 EXPERTS = "experts"
 ROUTER: Final = "router"  # the run's router (prompt-aware or Paris', per run.yaml router)
-PARIS_ROUTER: Final = "router-paris"  # Paris' prompt-blind router, trained beside it for comparison
-ROUTERS = (ROUTER, PARIS_ROUTER)
+PARIS_ROUTER: Final = "router-paris"  # Paris' prompt-blind router, trained beside a prompt-aware one for comparison
+PROMPT_ROUTER: Final = "router-prompt"  # a prompt-aware router, trained beside Paris' for comparison ("beyond Paris")
+ROUTERS = (ROUTER, PARIS_ROUTER, PROMPT_ROUTER)
 MONOLITH: Final = "monolith"  # the compute-matched single-model baseline
 STUDENT: Final = "student"  # `distill`: one DiT trained on the fleet's guided velocity
 REFLOW_PAIRS = (STUDENT, "reflow-pairs.safetensors")  # distill method reflow: the teacher's (noise, sample) pairs

@@ -30,6 +30,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated: top1, top2, topk:K, full (default top1,top2,full); '' for none",
     )
     p.add_argument("--monolith", action="store_true", help="also evaluate RUN_ROOT/monolith/final")
+    p.add_argument(
+        "--routers",
+        default="",
+        metavar="LIST",
+        help="comparison routers of RUN_ROOT (router-prompt, router-paris): each strategy again with the same experts "
+        "routed by that router, as the row STRATEGY+ROUTER",
+    )
     add_sampling(p)
     p.add_argument(
         "--cfg-sweep",
@@ -123,6 +130,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         n=args.n,
         strategies=_strategies(args.strategies),
         monolith=args.monolith,
+        routers=_strategies(args.routers),
         seed=args.seed,
         batch_size=args.batch_size,
         steps=args.steps,

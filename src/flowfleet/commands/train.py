@@ -28,11 +28,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = add_command(sub, "train-router", run_router, epilog=_RESUME)
     add_run_root(p)
-    p.add_argument(
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
         "--paris",
         action="store_true",
         help="train the prompt-blind router p(k | x_t, t) of Paris into router-paris/ (a comparison "
         "for a prompt-aware run.yaml router; train-all does it when run.yaml router_baseline is true)",
+    )
+    which.add_argument(
+        "--prompt-aware",
+        action="store_true",
+        help="train a router that also reads the prompt, p(k | x_t, t, prompt), into router-prompt/ (a "
+        "comparison for Paris' prompt-blind run.yaml router; train-all does it when run.yaml router_prompt is true)",
     )
     _job_options(p)
 
@@ -141,7 +148,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     from flowfleet.stages.train import train_router
 
-    return _report(train_router(args.run_root, paris=args.paris, options=_options(args)))
+    return _report(train_router(args.run_root, paris=args.paris, prompt=args.prompt_aware, options=_options(args)))
 
 
 def run_monolith(args: argparse.Namespace) -> int:

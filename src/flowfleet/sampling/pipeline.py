@@ -21,6 +21,7 @@ Model classes, tqdm and the encoders are imported where used, so importing the p
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, cast
@@ -190,6 +191,16 @@ class FleetPipeline:
     @property
     def num_experts(self) -> int:
         return self.experts.num_experts
+
+    def with_router(self, router: RouterFn) -> "FleetPipeline":
+        """The same experts, encoders and settings routed by another router over the same K experts (a
+        comparison router: Paris' prompt-blind one, or a prompt-aware one); the experts are shared, not copied."""
+        outputs = getattr(getattr(router, "cfg", None), "num_outputs", self.num_experts)
+        if outputs != self.num_experts:
+            raise FlowfleetError(f"router: {outputs} outputs, the fleet has {self.num_experts} experts")
+        other = copy.copy(self)
+        other.router = router
+        return other
 
     @property
     def present(self) -> tuple[int, ...]:

@@ -25,10 +25,10 @@ from flowfleet.layout import CLUSTER_REPORT, RUN_FILE
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.cluster import cluster
 from flowfleet.stages.prepare import prepare
-from flowfleet.stages.train import train_expert, train_router
+from flowfleet.stages.train import train_expert, train_job
 from flowfleet.storage import RunRoot
 from flowfleet.train.loop import TrainOptions
-from flowfleet.train.specs import router_spec
+from flowfleet.train.specs import run_routers
 from flowfleet.train.status import JobStatus
 
 log = logging.getLogger(__name__)
@@ -79,9 +79,9 @@ def add_expert(
     for e in new:
         _done(train_expert(root, e, options=options))
     routers = []
-    for paris in [False, True] if cfg.router_baseline else [False]:
-        _done(train_router(root, paris=paris, options=options))
-        routers.append(router_spec(cfg, paris).dir)
+    for spec in run_routers(cfg):
+        _done(train_job(root, spec, options=options))
+        routers.append(spec.dir)
     result = assemble(root.url, progress=progress)
     return AddResult(n, new, manifest.count, routers, result.out)
 

@@ -58,7 +58,7 @@ from flowfleet.sampling.index import (
     expert_folder,
 )
 from flowfleet.storage import RunRoot
-from flowfleet.train.specs import JobKind, JobSpec, router_spec
+from flowfleet.train.specs import JobKind, JobSpec, router_of_folder
 from flowfleet.train.status import JobStatus, job_finished
 
 
@@ -165,7 +165,8 @@ def assemble(
     progress: bool = False,
 ) -> AssembleResult:
     """Check, then copy experts + router into a model folder; model_index.json is written last.
-    router: the router job folder ("router", or "router-paris" for the prompt-blind baseline).
+    router: the router job folder ("router", or a comparison router: "router-paris", Paris' prompt-blind one,
+    or "router-prompt", a prompt-aware one).
     monolith=True: the monolith alone as a one-expert model with no router (default out RUN_ROOT/model-monolith),
     which generate and evaluate open like a fleet; student=True: the distilled student the same way
     (default out RUN_ROOT/model-student)."""
@@ -178,7 +179,7 @@ def assemble(
     # 1. Everything is checked before anything is written.
     if router not in ROUTERS:
         raise FlowfleetError(f"--router: {router!r} is not a router job (expected one of {', '.join(ROUTERS)})")
-    router_dir = router_spec(run, paris=router != ROUTERS[0]).dir  # after add/remove-expert: that fleet's router
+    router_dir = router_of_folder(run, router).dir  # after add/remove-expert: that fleet's router
     ok, why, router_status = job_finished(root, router_dir)
     if not ok or router_status is None:
         raise FlowfleetError(f"{router_dir}: not finished ({why}); train it with `{_command(router, root)}`")

@@ -45,7 +45,7 @@ from flowfleet.evaluate.report import TIMINGS_FILE, write_report
 from flowfleet.evaluate.table import print_table
 from flowfleet.evaluate.views import captioned_grid_png
 from flowfleet.flow import same_as_earlier
-from flowfleet.layout import CLUSTER_REPORT, REPORTS, RUN_FILE, SHOWCASE
+from flowfleet.layout import CLUSTER_REPORT, PROMPT_ROUTER, REPORTS, RUN_FILE, SHOWCASE
 from flowfleet.presets import PRESETS
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.cluster import cluster
@@ -65,6 +65,9 @@ STRATEGIES = ("top1", "top2", "full")  # the showcase draws each
 # The evaluation sweeps guidance for Paris' claim, top-2 against the monolith (top-1 and the full ensemble
 # cost 1 and 4 expert passes a step more: `flowfleet evaluate --strategies top1,top2,full` scores them too)
 EVALUATED = ("top2",)
+# "Beyond Paris": the same experts routed by a router that also reads the prompt (router-prompt/, trained
+# beside Paris' router: run.yaml router_prompt), one more row of the evaluation and the report.
+COMPARED_ROUTERS = (PROMPT_ROUTER,)
 
 log = logging.getLogger(__name__)
 SHOWCASE_PROMPTS = tuple(
@@ -90,6 +93,7 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
         raise ValueError(f"unknown demo size {size!r}")
     raw = PRESETS["mnist-tiny" if size == "smoke" else "mnist"]()
     raw["name"] = {"full": "demo", "quick": "demo-quick", "smoke": "demo-smoke"}[size]
+    raw["router_prompt"] = True
     fid = FIDSettings(resize=DEMO_INCEPTION_SIZE, batch_size=100)
     sweep: tuple[float, ...] = GUIDANCE_SWEEP
     if size == "smoke":  # 16 x 16 digits, hidden-64 experts: the whole path in about a minute
@@ -111,7 +115,9 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
         evaluation = EvaluateOptions(n=100, batch_size=100, fid=fid, grid=20, diagnostic_n=8)
     else:
         evaluation = EvaluateOptions(n=300, batch_size=300, fid=fid, grid=40, diagnostic_n=16)
-    evaluation = replace(evaluation, strategies=EVALUATED, monolith=True, cfg_sweep=sweep, save_cfg=True)
+    evaluation = replace(
+        evaluation, strategies=EVALUATED, monolith=True, routers=COMPARED_ROUTERS, cfg_sweep=sweep, save_cfg=True
+    )
     return DemoPlan(
         RunConfig.from_dict(raw, where="demo configuration"), evaluation, showcase_n=10 if size == "smoke" else 20
     )

@@ -70,12 +70,16 @@ from flowfleet.layout import (
     ASSIGNMENTS,
     DATA,
     EVAL_DATA,
+    FINAL,
     MONOLITH,
     MONOLITH_MODEL,
     REPORTS,
+    ROUTERS,
     SAMPLES,
     evaluation_folder,
 )
+from flowfleet.models.dit import DiTRouter
+from flowfleet.models.files import load_model
 from flowfleet.sampling.index import read_model_index, set_default_cfg
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.sampling.views import routing_heatmap
@@ -83,6 +87,7 @@ from flowfleet.stages.assemble import assemble
 from flowfleet.storage import RunRoot
 from flowfleet.train.data import InMemoryData, model_fields
 from flowfleet.train.preview import condition_kwargs
+from flowfleet.train.specs import router_of_folder
 from flowfleet.train.status import job_finished
 from flowfleet.train.tasks import clustered_data
 
@@ -96,6 +101,9 @@ class EvaluateOptions:
     n: int = 1000  # generated images per model
     strategies: tuple[str, ...] = ("top1", "top2", "full")
     monolith: bool = False  # also evaluate RUN_ROOT/monolith/final (same sampler, no routing)
+    # Comparison routers of the reference run (router-prompt, router-paris): each strategy again with the same
+    # experts routed by that router instead, as the row "<strategy>+<router>" (the demo's "beyond Paris" row).
+    routers: tuple[str, ...] = ()
     seed: int = 0
     batch_size: int = 250  # samples per sampling batch
     steps: int | None = None  # None: the fleet's model_index.json
@@ -131,6 +139,12 @@ class EvaluateOptions:
                 parse_strategy(s)
             except ValueError as err:
                 raise FlowfleetError(f"--strategies: {err}") from None
+        if self.routers and not self.strategies:
+            raise FlowfleetError("--routers: a comparison router needs --strategies to route")
+        for name in self.routers:
+            if name not in ROUTERS[1:]:
+                known = ", ".join(ROUTERS[1:])
+                raise FlowfleetError(f"--routers: {name!r} is not a comparison router (one of {known})")
         if len(set(self.strategies)) != len(self.strategies):
             raise FlowfleetError(f"--strategies: repeated names in {','.join(self.strategies)}")
         if self.cfg_sweep and self.cfg is not None:
@@ -188,15 +202,18 @@ def evaluate(
     t_start = time.perf_counter()
     ev = _Evaluation.open(model_dir, reference, options, extractor)  # every check before heavy work
     pipe = FleetPipeline.from_pretrained(model_dir, device=ev.device)
-    models = [(s, "fleet", pipe) for s in options.strategies]
+    models = [(s, "fleet", pipe, s) for s in options.strategies]
     if options.monolith:
-        models.insert(0, (MONOLITH, "monolith", _monolith_pipeline(ev.root, pipe, ev.device)))
+        models.insert(0, (MONOLITH, "monolith", _monolith_pipeline(ev.root, pipe, ev.device), "top1"))
+    for router in options.routers:  # the same experts, another of the run's routers
+        routed = pipe.with_router(_comparison_router(ev.root, ev.cfg, router, ev.device))
+        models += [(f"{s}+{router}", "fleet", routed, s) for s in options.strategies]
     same = same_as_earlier(options.strategies, len(pipe.present))  # e.g. top2 of 2 experts IS full
-    for name, kind, p in models:
+    for name, kind, p, strategy in models:
         if kind == "fleet" and name in same:  # same weights, same prompts and noise: same samples
             ev.same_model(name, same[name])
         else:
-            ev.run_model(name, kind, p)
+            ev.run_model(name, kind, p, strategy)
     if options.diagnostics and root_has_clusters(ev.root):
         t0 = time.perf_counter()
         ev.diagnostics["router_accuracy"] = _router_accuracy(ev, pipe)
@@ -298,6 +315,10 @@ class _Evaluation:
             done, why, _ = job_finished(root, MONOLITH)
             if not done:
                 raise FlowfleetError(f"--monolith: {why}")
+        for router in options.routers:
+            done, why, _ = job_finished(root, router_of_folder(cfg, router).dir)
+            if not done:
+                raise FlowfleetError(f"--routers: {why}")
         ev = cls(model_root.url, root, cfg, data, options, resolve_device(options.device), index.conditioning)
         ev._open_fid(extractor)
         return ev
@@ -376,12 +397,11 @@ class _Evaluation:
                 self.floor.update(self._judge_scores(floor_feats))
         self.timings["judge_s"] = time.perf_counter() - t0
 
-    def run_model(self, name: str, kind: str, pipe) -> ModelRun:
+    def run_model(self, name: str, kind: str, pipe, strategy: str) -> ModelRun:
         """Sample options.n images from one model (a strategy of the fleet, or the monolith) at each scale of
         the guidance sweep (or the one scale asked for); score each; keep the chosen scale's samples for the
         grid, routing heatmap, usage, adherence and diagnostics."""
         o = self.options
-        strategy = "top1" if kind == "monolith" else name
         run = ModelRun(name, kind)
         drawn = []  # (settings, pipeline output, images, scores) per scale
         scales = o.cfg_sweep or (o.cfg,)
@@ -587,6 +607,11 @@ def _features(fid: FID, images: torch.Tensor, name: str) -> tuple[FeatureStats, 
         stats.update(f)
         parts.append(f)
     return stats, torch.cat(parts)
+
+
+def _comparison_router(root: RunRoot, cfg: RunConfig, router: str, device: torch.device) -> DiTRouter:
+    """A comparison router of the run (its job's final weights), for the fleet's experts."""
+    return load_model(DiTRouter, root, router_of_folder(cfg, router).dir, FINAL).to(device)
 
 
 def _monolith_pipeline(root: RunRoot, fleet: FleetPipeline, device: torch.device) -> FleetPipeline:

@@ -26,12 +26,12 @@ from typing import Any
 
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import CLUSTER_REPORT, MONOLITH, ROUTER, expert_job, origin_partition
+from flowfleet.layout import CLUSTER_REPORT, MONOLITH, ROUTER, ROUTERS, expert_job, origin_partition
 from flowfleet.stages.assemble import assemble
-from flowfleet.stages.train import train_router
+from flowfleet.stages.train import train_job
 from flowfleet.storage import RunRoot
 from flowfleet.train.loop import TrainOptions
-from flowfleet.train.specs import router_spec
+from flowfleet.train.specs import router_of_folder, run_routers
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +70,15 @@ def remove_expert(
         cfg.save(root)
         log.info(f"remove-expert: run.yaml removed_experts = {cfg.removed_experts}")
 
-    routers = [False, True] if cfg.router_baseline else [False]
     folders = []
-    for paris in routers:
-        status = train_router(root, paris=paris, options=options or TrainOptions(progress=progress))
+    for spec in run_routers(cfg):
+        status = train_job(root, spec, options=options or TrainOptions(progress=progress))
         if status.state != "done":
             raise FlowfleetError(
                 f"{status.job}: {status.state} at step {status.step}/{status.total_steps}; "
                 f"re-run `flowfleet remove-expert {root.url} --expert {expert}` to resume"
             )
-        folders.append(router_spec(cfg, paris).dir)
+        folders.append(spec.dir)
     result = assemble(root.url, progress=progress)
     lost = _lost(root, cfg, cfg.removed_experts)
     purged = _purge(root, cfg) if purge else []
@@ -106,7 +105,7 @@ def _lost(root: RunRoot, cfg: RunConfig, removed: list[int]) -> dict[str, Any]:
 def _purge(root: RunRoot, cfg: RunConfig) -> list[str]:
     """Delete what still holds the removed experts' data: their job folders and partitions, and every
     router folder trained with it (those of an earlier fleet)."""
-    keep = {router_spec(cfg, paris).dir for paris in (False, True)}
+    keep = {router_of_folder(cfg, name).dir for name in ROUTERS}
     gone = [expert_job(k) for k in cfg.removed_experts]
     for k in cfg.removed_experts:
         gone.append(origin_partition(*cfg.expert_origin(k)))

@@ -61,11 +61,14 @@ def train_expert(run_root: str | RunRoot, k: int, *, options: TrainOptions | Non
     return train_job(run_root, JobSpec("expert", k), options=options)
 
 
-def train_router(run_root: str | RunRoot, *, paris: bool = False, options: TrainOptions | None = None) -> JobStatus:
-    """The run's router; paris=True: the prompt-blind comparison router in router-paris/. After
-    `remove-expert`, a new router without the removed experts' data (flowfleet.layout.router_job)."""
+def train_router(
+    run_root: str | RunRoot, *, paris: bool = False, prompt: bool = False, options: TrainOptions | None = None
+) -> JobStatus:
+    """The run's router; paris=True: the prompt-blind comparison router in router-paris/; prompt=True: the
+    prompt-aware comparison router in router-prompt/. After `remove-expert`, a new router without the
+    removed experts' data (flowfleet.layout.router_job)."""
     root, cfg = _open(run_root)
-    return train_job(root, router_spec(cfg, paris), options=options)
+    return train_job(root, router_spec(cfg, paris, prompt=prompt), options=options)
 
 
 def train_monolith(

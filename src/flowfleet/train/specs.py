@@ -5,6 +5,8 @@ its steps and cost); flowfleet.train.tasks turns one into a TrainTask ready to t
     router        DiTRouter on data/ + cluster ids           cross-entropy on x_t, t ~ U[0, 1] (paris §2.5.3);
                                                              prompt-aware: also sees the caption
     router-paris  the same router blind to the prompt        (run.yaml router_baseline: the comparison)
+    router-prompt the same router told the prompt too         (run.yaml router_prompt: the comparison "beyond
+                                                             Paris" for a run whose router is Paris')
     monolith      DiTExpert architecture on all of data/     flow matching; the evaluation baseline
     student       one DiT on the fleet's guided velocity     `flowfleet distill` (not a fleet job)
 
@@ -22,6 +24,8 @@ from typing import Literal
 from flowfleet.config import RunConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import (
+    PARIS_ROUTER,
+    PROMPT_ROUTER,
     ROUTERS,
     expert_job,
     router_job,
@@ -29,7 +33,8 @@ from flowfleet.layout import (
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.flops import train_flops, train_flops_per_sample
 
-JobKind = Literal["expert", "router", "router-paris", "monolith", "student"]  # all but expert: also their folders
+# all but expert: also their folders
+JobKind = Literal["expert", "router", "router-paris", "router-prompt", "monolith", "student"]
 CLI_MODULE = "flowfleet.cli"  # every job runs `python -m flowfleet.cli ARGS`
 
 
@@ -76,6 +81,8 @@ class JobSpec:
             return ["train-expert", run_root, "--expert", str(self.expert)]
         if self.kind == "router-paris":
             return ["train-router", run_root, "--paris"]
+        if self.kind == "router-prompt":
+            return ["train-router", run_root, "--prompt-aware"]
         return [f"train-{self.kind}", run_root]
 
     def command(self, run_root: str, launch: list[str]) -> list[str]:
@@ -83,17 +90,32 @@ class JobSpec:
         return cli_command(self.cli_args(run_root), launch)
 
 
-def router_spec(cfg: RunConfig, paris: bool = False) -> JobSpec:
-    """The run's router job (or Paris' comparison router), without the data of removed experts."""
+def router_spec(cfg: RunConfig, paris: bool = False, *, prompt: bool = False) -> JobSpec:
+    """The run's router job (or a comparison router: Paris' prompt-blind one, or the prompt-aware one), without
+    the data of removed experts."""
     grown = cfg.num_experts if cfg.added else None
-    return JobSpec("router-paris" if paris else "router", without=tuple(cfg.removed_experts), num_experts=grown)
+    kind: JobKind = "router-paris" if paris else "router-prompt" if prompt else "router"
+    return JobSpec(kind, without=tuple(cfg.removed_experts), num_experts=grown)
+
+
+def run_routers(cfg: RunConfig) -> list[JobSpec]:
+    """The run's router, then the comparison routers run.yaml asks for (router_baseline, router_prompt)."""
+    specs = [router_spec(cfg)]
+    if cfg.router_baseline:
+        specs.append(router_spec(cfg, paris=True))
+    if cfg.router_prompt:
+        specs.append(router_spec(cfg, prompt=True))
+    return specs
+
+
+def router_of_folder(cfg: RunConfig, router: str) -> JobSpec:
+    """The job of a router folder name as assemble's --router gives it (router, router-paris, router-prompt)."""
+    return router_spec(cfg, paris=router == PARIS_ROUTER, prompt=router == PROMPT_ROUTER)
 
 
 def fleet_jobs(cfg: RunConfig) -> list[JobSpec]:
-    """Every training job of a run: the fleet's experts, its router, and the monolith when enabled."""
-    jobs = [JobSpec("expert", k) for k in cfg.fleet_experts] + [router_spec(cfg)]
-    if cfg.router_baseline:
-        jobs.append(router_spec(cfg, paris=True))
+    """Every training job of a run: the fleet's experts, its routers, and the monolith when enabled."""
+    jobs = [JobSpec("expert", k) for k in cfg.fleet_experts] + run_routers(cfg)
     if cfg.monolith.enabled:
         jobs.append(JobSpec("monolith"))
     return jobs
@@ -124,8 +146,22 @@ def paris_router_config(cfg: RunConfig) -> DiTConfig:
     )
 
 
+def prompt_router_config(cfg: RunConfig) -> DiTConfig:
+    """The run's router told the prompt too: p(k | x_t, t, prompt) from the caption's pooled text vector."""
+    return DiTConfig(**{**cfg.router.model_dump(), "conditioning": "pooled", "text_dim": cfg.encoders.text.width})
+
+
+def router_config(cfg: RunConfig, spec: JobSpec) -> DiTConfig:
+    """The architecture of one of the run's router jobs."""
+    if spec.kind == "router-paris":
+        return paris_router_config(cfg)
+    if spec.kind == "router-prompt":
+        return prompt_router_config(cfg)
+    return cfg.router
+
+
 def job_steps(cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) -> int:
-    if spec.kind in ("router", "router-paris"):
+    if spec.kind in ROUTERS:
         return cfg.router_train.steps
     if spec.kind == "monolith":
         return monolith_steps(cfg, match_compute)
@@ -136,7 +172,7 @@ def job_steps(cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) 
 
 def job_cost(cfg: RunConfig, spec: JobSpec) -> int:
     """Training FLOPs of a job (to start the longest jobs first)."""
-    if spec.kind in ("router", "router-paris"):
+    if spec.kind in ROUTERS:
         return train_flops(cfg.router, cfg.router_train.steps, cfg.router_train.batch_size)
     if spec.kind == "student":
         return train_flops(cfg.student_config(), job_steps(cfg, spec), cfg.train.batch_size)

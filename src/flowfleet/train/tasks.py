@@ -37,7 +37,7 @@ from flowfleet.models.init import load_expert_init
 from flowfleet.storage import RunRoot
 from flowfleet.train import preview
 from flowfleet.train.data import InMemoryData, check_compatible, model_fields
-from flowfleet.train.specs import JobSpec, job_steps, paris_router_config
+from flowfleet.train.specs import JobSpec, job_steps, router_config
 from flowfleet.train.status import job_finished
 
 PREVIEW_COUNT = 8  # samples in an expert's grid
@@ -385,7 +385,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
         data = InMemoryData.load(shards, model_fields(cfg.expert))
         return FlowTask(spec, cfg, cfg.expert, cfg.train, job_steps(cfg, spec, match_compute), data)
 
-    router = paris_router_config(cfg) if spec.kind == "router-paris" else cfg.router
+    router = router_config(cfg, spec)
     check_compatible(shards.manifest(), router, data_where=shards.url, model_where="run.yaml router")
     data = clustered_data(root, cfg, model_fields(router))
     if spec.without:  # removed experts: their data is in no weight of the new router
