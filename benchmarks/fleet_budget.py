@@ -82,6 +82,31 @@ def reuse_monolith(src: Path, run: Path) -> None:
     shutil.copytree(src / "monolith", run / "monolith")
 
 
+def score_fleet(run: Path, strategies: tuple[str, ...], cfg: str, n: int, monolith: bool = True) -> dict:
+    """`flowfleet evaluate` of run/model against run (held-out reference, the digit judge) over the guidance
+    sweep `cfg` ("1.5,2,..."), each model at its chosen scale: {"floor": ..., model: its scores}."""
+    from flowfleet.evaluate.fid import FIDSettings
+    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
+
+    options = EvaluateOptions(
+        n=n,
+        batch_size=n,
+        strategies=strategies,
+        monolith=monolith,
+        diagnostics=False,
+        cfg_sweep=tuple(float(c) for c in cfg.split(",")),
+        fid=FIDSettings(resize=75),
+        device="cpu",
+    )
+    result = evaluate(str(run / "model"), str(run), options)
+    rec: dict = {"floor": result["reference_split"]}
+    for name in (*strategies, *(["monolith"] if monolith else [])):
+        r = result["runs"][name]
+        rec[name] = {k: r.get(k) for k in ("cfg", "classifier_fd", "precision", "recall", "fid", "sweep")}
+        rec[name]["accuracy"] = result["prompt_accuracy"]["scores"][name]["accuracy"]
+    return rec
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", default="runs/demo", help="a prepared and clustered run (the demo's)")
@@ -97,9 +122,7 @@ def main() -> None:
     p.add_argument("--strategies", default="top2")
     a = p.parse_args()
 
-    from flowfleet.evaluate.fid import FIDSettings
     from flowfleet.stages.assemble import assemble
-    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
     from flowfleet.stages.train import train_all
 
     out = Path(a.out)
@@ -114,24 +137,8 @@ def main() -> None:
         train_all(str(run), parallel=a.parallel, progress=False)
         train_s = time.perf_counter() - t0
         assemble(str(run), progress=False)
-        options = EvaluateOptions(
-            n=a.n,
-            batch_size=a.n,
-            strategies=tuple(a.strategies.split(",")),
-            monolith=True,
-            diagnostics=False,
-            cfg_sweep=tuple(float(c) for c in a.cfg.split(",")),
-            fid=FIDSettings(resize=75),
-            device="cpu",
-        )
-        result = evaluate(str(run / "model"), str(run), options)
-        rec = {"budget_per_expert": budget, "seed": seed, "train_all_s": round(train_s, 1)}
-        rec["floor"] = result["reference_split"]
-        rec["sets"] = a.set
-        for name in (*a.strategies.split(","), "monolith"):
-            r = result["runs"][name]
-            rec[name] = {k: r.get(k) for k in ("cfg", "classifier_fd", "precision", "recall", "fid")}
-            rec[name]["accuracy"] = result["prompt_accuracy"]["scores"][name]["accuracy"]
+        rec = {"budget_per_expert": budget, "seed": seed, "train_all_s": round(train_s, 1), "sets": a.set}
+        rec.update(score_fleet(run, tuple(a.strategies.split(",")), a.cfg, a.n))
         print(json.dumps(rec), flush=True)
         with open(out / "budget.jsonl", "a") as fh:
             fh.write(json.dumps(rec) + "\n")

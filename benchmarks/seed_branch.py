@@ -26,7 +26,7 @@ import shutil
 import time
 from pathlib import Path
 
-from fleet_budget import copy_prepared  # benchmarks/ is the script's folder
+from fleet_budget import copy_prepared, score_fleet  # benchmarks/ is the script's folder
 
 
 def main() -> None:
@@ -45,11 +45,9 @@ def main() -> None:
     a = p.parse_args()
 
     from flowfleet.config import load_run_config
-    from flowfleet.evaluate.fid import FIDSettings
     from flowfleet.layout import FINAL, MONOLITH
     from flowfleet.stages.assemble import assemble
     from flowfleet.stages.cluster import cluster
-    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
     from flowfleet.stages.train import train_all, train_monolith
     from flowfleet.storage import RunRoot
     from flowfleet.train.loop import TrainOptions
@@ -83,23 +81,9 @@ def main() -> None:
         train_all(str(fleet), parallel=a.parallel, progress=False)
         fleet_s = time.perf_counter() - t0
         assemble(str(fleet), progress=False)
-        options = EvaluateOptions(
-            n=a.n,
-            batch_size=a.n,
-            strategies=tuple(a.strategies.split(",")),
-            monolith=True,
-            diagnostics=False,
-            cfg_sweep=tuple(float(c) for c in a.cfg.split(",")),
-            fid=FIDSettings(resize=75),
-            device="cpu",
-        )
-        result = evaluate(str(fleet / "model"), str(fleet), options)
         rec = {"seed_steps": seed_steps, "expert_steps": expert_steps, "seed_s": round(seed_s, 1)}
-        rec.update(fleet_s=round(fleet_s, 1), sets=a.set, floor=result["reference_split"])
-        for name in (*a.strategies.split(","), "monolith"):
-            r = result["runs"][name]
-            rec[name] = {key: r.get(key) for key in ("cfg", "classifier_fd", "precision", "recall", "sweep")}
-            rec[name]["accuracy"] = result["prompt_accuracy"]["scores"][name]["accuracy"]
+        rec.update(fleet_s=round(fleet_s, 1), sets=a.set)
+        rec.update(score_fleet(fleet, tuple(a.strategies.split(",")), a.cfg, a.n))
         print(json.dumps(rec), flush=True)
         with open(out / "seed.jsonl", "a") as fh:
             fh.write(json.dumps(rec) + "\n")
