@@ -409,7 +409,13 @@ class ReportBuilder:
                     "the Fréchet distance in the classifier's features (lower is better), precision and recall in "
                     "those features (Kynkäänniemi et al., k = 3: fidelity and diversity), and Inception FID. The "
                     "last row scores real images that no model saw, exactly like a model: the floor of each "
-                    "distance at this sample count",
+                    "distance at this sample count"
+                    + (
+                        ". A row STRATEGY+ROUTER is the same experts routed by another of the run's routers "
+                        "(router-prompt: p(k | x_t, t, prompt), a comparison beyond Paris' prompt-blind router)"
+                        if any("+" in name for name in runs)
+                        else ""
+                    ),
                     "header": [
                         "model",
                         "cfg",

@@ -1,8 +1,9 @@
 """Stage `demo`: the whole system on the built-in MNIST-5k digits, ending in report.html.
 
     init -> prepare (the last 1000 digits held out) -> cluster (K = 4 clusters of the images' features)
-    -> train-all (4 experts, Paris' prompt-blind router, a compute-matched monolith) -> assemble (fleet and
-    monolith) -> evaluate (a guidance sweep per model) -> generate per strategy -> report
+    -> train-all (4 experts, Paris' prompt-blind router, a prompt-aware comparison router, a compute-matched
+    monolith) -> assemble (fleet and monolith) -> evaluate (a guidance sweep per model) -> generate per
+    strategy -> report
 
 The configuration is the `mnist` preset: Paris' method at small scale. Like Paris' experts, which work in
 a VAE's latent space, they denoise the 8 x 8 x 4 latent of a small AutoencoderKL that prepare first trains
@@ -17,6 +18,10 @@ counts are sized for a 2-core CPU:
               against the 1000 held-out digits (target: <= 10 min)
     --quick   1000 digits (800 to train; 200 autoencoder steps), 450 steps per expert (monolith ~1850) at
               learning rate 4e-3 after 30 warm-up steps, 100 router steps, 100 samples per model
+
+Beside Paris' claim (top-2 against the monolith), the evaluation and the report carry one row "beyond Paris":
+top-2 of the same experts routed by a router that also reads the prompt (router-prompt/, run.yaml
+router_prompt); the fleet's own router, and its model folder, stay Paris'.
 
 Every model is judged against digits no model trained on, by a digit classifier trained on the first
 4000 of MNIST-5k (prompt accuracy; Fréchet distance, precision and recall in its features; flowfleet.
