@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument("--parallel", type=int, default=2)
     a = p.parse_args()
 
-    from fleet_budget import score_fleet  # benchmarks/ is the script's folder
+    from fleet_runs import score_fleet  # benchmarks/ is the script's folder
 
     from flowfleet.stages.assemble import assemble
     from flowfleet.stages.train import train_all

@@ -24,12 +24,12 @@ Appends one JSON line per budget to OUT/budget.jsonl and prints it.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import time
 from pathlib import Path
 
 import yaml
+from fleet_runs import keep_record, score_fleet  # benchmarks/ is the script's folder
 
 PARTS = ("data", "eval", "autoencoder", "clusters", "partitions", "reports/digit_classifier")
 
@@ -82,31 +82,6 @@ def reuse_monolith(src: Path, run: Path) -> None:
     shutil.copytree(src / "monolith", run / "monolith")
 
 
-def score_fleet(run: Path, strategies: tuple[str, ...], cfg: str, n: int, monolith: bool = True) -> dict:
-    """`flowfleet evaluate` of run/model against run (held-out reference, the digit judge) over the guidance
-    sweep `cfg` ("1.5,2,..."), each model at its chosen scale: {"floor": ..., model: its scores}."""
-    from flowfleet.evaluate.fid import FIDSettings
-    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
-
-    options = EvaluateOptions(
-        n=n,
-        batch_size=n,
-        strategies=strategies,
-        monolith=monolith,
-        diagnostics=False,
-        cfg_sweep=tuple(float(c) for c in cfg.split(",")),
-        fid=FIDSettings(resize=75),
-        device="cpu",
-    )
-    result = evaluate(str(run / "model"), str(run), options)
-    rec: dict = {"floor": result["reference_split"]}
-    for name in (*strategies, *(["monolith"] if monolith else [])):
-        r = result["runs"][name]
-        rec[name] = {k: r.get(k) for k in ("cfg", "classifier_fd", "precision", "recall", "fid", "sweep")}
-        rec[name]["accuracy"] = result["prompt_accuracy"]["scores"][name]["accuracy"]
-    return rec
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", default="runs/demo", help="a prepared and clustered run (the demo's)")
@@ -139,9 +114,7 @@ def main() -> None:
         assemble(str(run), progress=False)
         rec = {"budget_per_expert": budget, "seed": seed, "train_all_s": round(train_s, 1), "sets": a.set}
         rec.update(score_fleet(run, tuple(a.strategies.split(",")), a.cfg, a.n))
-        print(json.dumps(rec), flush=True)
-        with open(out / "budget.jsonl", "a") as fh:
-            fh.write(json.dumps(rec) + "\n")
+        keep_record(rec, out / "budget.jsonl")
 
 
 if __name__ == "__main__":

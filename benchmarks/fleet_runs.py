@@ -1,8 +1,10 @@
-"""Helpers of the fleet-change benchmarks (remove_expert.py, add_expert.py, distill.py): copy a finished
-run, evaluate one model folder of it by the MNIST digit judge."""
+"""Helpers of the fleet benchmarks (remove_expert.py, add_expert.py, distill.py, fleet_budget.py,
+seed_branch.py, cluster_overlap.py): copy a finished run, evaluate a model folder of it by the MNIST digit
+judge, keep a result line."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,22 +25,22 @@ def copy_run(src: Path, out: Path) -> None:
             shutil.copy2(src / name, out / name)
 
 
+def judge_options(n: int, strategies: tuple[str, ...], **options: Any) -> Any:
+    """The benchmarks' `flowfleet evaluate` options: n samples per model, FID at 75 px, no diagnostics, CPU."""
+    from flowfleet.evaluate.fid import FIDSettings
+    from flowfleet.stages.evaluate import EvaluateOptions
+
+    return EvaluateOptions(
+        n=n, strategies=strategies, diagnostics=False, fid=FIDSettings(resize=75), device="cpu", **options
+    )
+
+
 def evaluate_model(model: Path, run: Path, n: int, strategies: tuple[str, ...], steps: int | None = None) -> dict:
     """`flowfleet evaluate` of one model folder (FID at 75 px, no diagnostics): per strategy, the judge's
     scores (accuracy, per_class, ...) with the run's classifier FD, FID, sampling seconds and settings."""
-    from flowfleet.evaluate.fid import FIDSettings
-    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
+    from flowfleet.stages.evaluate import evaluate
 
-    options = EvaluateOptions(
-        n=n,
-        strategies=strategies,
-        monolith=False,
-        diagnostics=False,
-        steps=steps,
-        fid=FIDSettings(resize=75),
-        device="cpu",
-    )
-    result = evaluate(str(model), str(run), options)
+    result = evaluate(str(model), str(run), judge_options(n, strategies, monolith=False, steps=steps))
     out: dict[str, Any] = {}
     for name in strategies:
         r = result["runs"][name]
@@ -51,3 +53,26 @@ def evaluate_model(model: Path, run: Path, n: int, strategies: tuple[str, ...], 
             "steps": result["sampling"]["steps"],
         }
     return out
+
+
+def score_fleet(run: Path, strategies: tuple[str, ...], cfg: str, n: int, monolith: bool = True) -> dict:
+    """`flowfleet evaluate` of run/model against run (held-out reference, the digit judge) over the guidance
+    sweep `cfg` ("1.5,2,..."), each model at its chosen scale: {"floor": ..., model: its scores}."""
+    from flowfleet.stages.evaluate import evaluate
+
+    sweep = tuple(float(c) for c in cfg.split(","))
+    options = judge_options(n, strategies, batch_size=n, monolith=monolith, cfg_sweep=sweep)
+    result = evaluate(str(run / "model"), str(run), options)
+    rec: dict = {"floor": result["reference_split"]}
+    for name in (*strategies, *(["monolith"] if monolith else [])):
+        r = result["runs"][name]
+        rec[name] = {k: r.get(k) for k in ("cfg", "classifier_fd", "precision", "recall", "fid", "sweep")}
+        rec[name]["accuracy"] = result["prompt_accuracy"]["scores"][name]["accuracy"]
+    return rec
+
+
+def keep_record(rec: dict, path: Path) -> None:
+    """Print one result as a JSON line and append it to path."""
+    print(json.dumps(rec), flush=True)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")

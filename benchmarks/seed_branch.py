@@ -21,12 +21,12 @@ Prints and appends one JSON line per S to OUT/seed.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import time
 from pathlib import Path
 
-from fleet_budget import copy_prepared, score_fleet  # benchmarks/ is the script's folder
+from fleet_budget import copy_prepared  # benchmarks/ is the script's folder
+from fleet_runs import keep_record, score_fleet
 
 
 def main() -> None:
@@ -84,9 +84,7 @@ def main() -> None:
         rec = {"seed_steps": seed_steps, "expert_steps": expert_steps, "seed_s": round(seed_s, 1)}
         rec.update(fleet_s=round(fleet_s, 1), sets=a.set)
         rec.update(score_fleet(fleet, tuple(a.strategies.split(",")), a.cfg, a.n))
-        print(json.dumps(rec), flush=True)
-        with open(out / "seed.jsonl", "a") as fh:
-            fh.write(json.dumps(rec) + "\n")
+        keep_record(rec, out / "seed.jsonl")
 
 
 if __name__ == "__main__":
