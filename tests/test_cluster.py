@@ -334,6 +334,50 @@ def test_cluster_features_latent_clusters_the_latents_the_router_reads(run_root)
     assert len(torch.unique(assign[image_group == 0])) == 2  # the semantic features' split is not it
 
 
+def test_caption_residual_removes_each_captions_mean():
+    from flowfleet.stages.cluster import caption_residual
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.nn.functional.normalize(torch.randn(40, 8, generator=g), dim=1)
+    caption = torch.arange(40) % 3  # three captions, one embedding each (a text encoder's 384-d vector)
+    text = torch.randn(3, 384, generator=g)[caption]
+    x64 = x.double()
+    means = torch.stack([x64[caption == c].mean(0) for c in range(3)])
+    expected = torch.nn.functional.normalize(x64 - means[caption], dim=1)
+    got = caption_residual(x.clone(), text)
+    # solved in float64, then rounded to float32 and normalised there (an 8-term norm, a division): gamma_16 of
+    # float32 on unit rows bounds it; float64's own error is ~1e-13, far below
+    assert torch.allclose(got.double(), expected, atol=gamma(16, torch.float32), rtol=0)
+
+
+def test_cluster_caption_residual_clusters_what_the_caption_does_not_tell(run_root):
+    """cluster.caption_residual: the features' strongest direction is the caption's (two captions), a weaker one
+    is the style; plain k-means cuts the captions apart, the residual cuts the styles and every cluster holds
+    both captions in equal shares."""
+    n = 160
+    g = torch.Generator().manual_seed(7)
+    caption, style = torch.arange(n) % 2, (torch.arange(n) // 2) % 2
+    dirs = torch.nn.functional.normalize(torch.randn(4, 16, generator=g), dim=1)
+    image = dirs[caption] * 10 + dirs[2 + style] * 2 + 0.05 * torch.randn(n, 16, generator=g)
+    text = torch.randn(2, 384, generator=g)[caption]
+    plain = write_run(run_root / "plain", image, caption, text=text, k=2, fine_k=4)
+    assert cluster(plain, progress=False)["nmi"] > 0.99  # the captions' split
+    run = write_run(run_root / "residual", image, style, text=text, k=2, fine_k=4, caption_residual=True)
+    report = cluster(run, progress=False)
+    assert report["config"]["caption_residual"] is True and report["nmi"] > 0.99  # the styles' split
+    assign = read_assignments(run, num_clusters=2)
+    for k in range(2):
+        assert torch.bincount(caption[assign == k], minlength=2).tolist() == [40, 40]
+
+
+def test_caption_residual_needs_image_features():
+    from flowfleet.config import ClusterConfig
+
+    with pytest.raises(ValueError, match="caption_residual: the captions' own embedding"):
+        ClusterConfig(features="text", caption_residual=True)
+    assert ClusterConfig(features="latent", caption_residual=True).caption_residual
+
+
 def test_rerun_replaces_partitions_and_random_mode(run_root):
     x, labels = blobs([30] * 4, seed=5)
     run = write_run(run_root, x, labels, k=4, fine_k=16)

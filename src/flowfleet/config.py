@@ -120,11 +120,23 @@ class ClusterConfig(_Strict):
     # image encoder: what the experts denoise and the router reads), the captions' pooled text embeddings (items
     # whose captions mean the same thing land together), or semantic and text both (each half L2-normalised).
     features: Literal["semantic", "latent", "text", "both"] = "semantic"
+    # Cluster what the caption does not tell: each item's features minus their least-squares prediction from its
+    # caption's pooled text embedding (with captions that repeat, minus their caption's mean). Every cluster then
+    # holds every caption in its share, so a prompt-blind router's prior at high t is every prompt's prior too.
+    caption_residual: bool = False
     fine_k: int = Field(64, ge=1)  # stage-1 clusters (capped at the sample count)
     sample_size: int = Field(100_000, ge=1)  # stage-1 fitted on this many samples
     iters: int = Field(25, ge=1)
     balance: bool = False
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterConfig":
+        if self.caption_residual and self.features in ("text", "both"):
+            raise ValueError(
+                f"caption_residual: the captions' own embedding (features: {self.features}) has no residual"
+            )
+        return self
 
 
 class TrainConfig(_Strict):
