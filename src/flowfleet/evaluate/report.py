@@ -55,6 +55,7 @@ from flowfleet.storage import RunRoot
 REPORT_FILE = "report.html"
 EVALUATION_FILE = "evaluation.json"
 TIMINGS_FILE = "timings.json"
+MIX_LABELS = 10  # labels listed per cluster in the report: all ten digits of the built-in data
 SECTIONS = (
     "overview",
     "config",
@@ -243,6 +244,10 @@ class ReportBuilder:
         features = rep.get("features") or {}
         kind = features.get("kind", "semantic") if isinstance(features, dict) else "semantic"
         note = f"{len(sizes)} clusters of the {kind} features"
+        if (rep.get("config") or {}).get("caption_residual"):
+            note += (
+                " less what the caption predicts of them (cluster.caption_residual: every cluster holds every caption)"
+            )
         if isinstance(nmi, (int, float)):
             note += f"; NMI against the source labels {nmi:.3f}"
         coherence = rep.get("label_coherence")
@@ -256,11 +261,15 @@ class ReportBuilder:
         rows = []
         for k, size in enumerate(sizes):
             mix = mixes[k] if k < len(mixes) and isinstance(mixes[k], dict) else {}
-            top = ", ".join(f"{lab}: {cnt}" for lab, cnt in sorted(mix.items(), key=lambda kv: -kv[1])[:4])
-            rows.append([k, size, top])
+            shown = sorted(mix.items(), key=lambda kv: -kv[1])[:MIX_LABELS]
+            rows.append([k, size, ", ".join(f"{lab}: {cnt}" for lab, cnt in shown)])
         if rows:
             s.tables.append(
-                {"caption": "cluster sizes", "header": ["cluster", "items", "most frequent labels"], "rows": rows}
+                {
+                    "caption": f"cluster sizes and make-up (items per source label, the {MIX_LABELS} most frequent)",
+                    "header": ["cluster", "items", "labels"],
+                    "rows": rows,
+                }
             )
         for name in self.root.ls(CLUSTERS):
             if name.startswith("preview-") and name.endswith(".png"):
