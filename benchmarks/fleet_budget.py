@@ -14,9 +14,10 @@ feature clusters, a prompt-blind router): nothing here is a stand-in.
         --set expert.hidden_size=64 --set expert.mlp_act=gelu
 
 --set KEY=VALUE (dotted key, YAML value; repeatable) changes run.yaml after the budget is applied: a lever
-(expert width, batch size, cluster settings). --monolith-from RUN copies RUN's trained monolith instead of
-training one, after checking that it has the same architecture, batch and step count as this run's
-compute-matched monolith would (a lever that changes neither reuses the one baseline).
+(expert width, batch size, cluster settings: a cluster.* setting clusters the copy afresh). --monolith-from
+RUN copies RUN's trained monolith instead of training one, after checking that it has the same architecture,
+training settings and step count as this run's compute-matched monolith would (a lever that changes neither reuses the
+one baseline).
 
 Appends one JSON line per budget to OUT/budget.jsonl and prints it.
 """
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 import yaml
-from fleet_runs import keep_record, score_fleet  # benchmarks/ is the script's folder
+from fleet_runs import keep_record, recluster, score_fleet  # benchmarks/ is the script's folder
 
 PARTS = ("data", "eval", "autoencoder", "clusters", "partitions", "reports/digit_classifier")
 
@@ -70,12 +71,12 @@ def reuse_monolith(src: Path, run: Path) -> None:
     if (run / "monolith").exists():
         return
     mine, theirs = load_run_config(RunRoot(str(run))), load_run_config(RunRoot(str(src)))
-    same = (mine.expert, mine.train.batch_size, mine.train.seed, monolith_steps(mine)) == (
-        theirs.expert,
-        theirs.train.batch_size,
-        theirs.train.seed,
-        monolith_steps(theirs),
-    )
+
+    def recipe(cfg):  # what the monolith's weights depend on: the training settings but the fleet's own steps
+        logging = {"steps", "ckpt_every", "sample_every", "log_every", "keep_checkpoints"}
+        return cfg.expert, cfg.train.model_dump(exclude=logging), monolith_steps(cfg)
+
+    same = recipe(mine) == recipe(theirs)
     if not same:
         print(f"--monolith-from {src}: not this run's monolith ({monolith_steps(mine)} steps here); training one")
         return
@@ -105,7 +106,10 @@ def main() -> None:
     runs = [(int(b), int(s)) for b in a.budgets.split(",") for s in a.seeds.split(",")]
     for budget, seed in runs:
         run = out / "-".join([str(budget)] + ([f"seed{seed}"] if seed else []) + ([a.tag] if a.tag else []))
+        fresh = not (run / "run.yaml").exists()
         copy_prepared(Path(a.run), run, budget, seed, a.set)
+        if fresh:  # a --set cluster.* clusters the copy afresh
+            recluster(run, a.set)
         if a.monolith_from:
             reuse_monolith(Path(a.monolith_from), run)
         t0 = time.perf_counter()

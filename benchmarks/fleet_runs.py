@@ -25,6 +25,17 @@ def copy_run(src: Path, out: Path) -> None:
             shutil.copy2(src / name, out / name)
 
 
+def recluster(run: Path, sets: list[str]) -> None:
+    """Cluster a fresh copy of a run again when a --set changed a cluster.* setting (its copied clusters/ and
+    partitions/ are the source run's)."""
+    from flowfleet.stages.cluster import cluster
+
+    if any(s.startswith("cluster.") for s in sets):
+        shutil.rmtree(run / "clusters")
+        shutil.rmtree(run / "partitions")
+        cluster(str(run), progress=False)
+
+
 def judge_options(n: int, strategies: tuple[str, ...], **options: Any) -> Any:
     """The benchmarks' `flowfleet evaluate` options: n samples per model, FID at 75 px, no diagnostics, CPU."""
     from flowfleet.evaluate.fid import FIDSettings

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from fleet_budget import copy_prepared  # benchmarks/ is the script's folder
-from fleet_runs import keep_record, score_fleet
+from fleet_runs import keep_record, recluster, score_fleet
 
 
 def main() -> None:
@@ -47,7 +47,6 @@ def main() -> None:
     from flowfleet.config import load_run_config
     from flowfleet.layout import FINAL, MONOLITH
     from flowfleet.stages.assemble import assemble
-    from flowfleet.stages.cluster import cluster
     from flowfleet.stages.train import train_all, train_monolith
     from flowfleet.storage import RunRoot
     from flowfleet.train.loop import TrainOptions
@@ -71,10 +70,8 @@ def main() -> None:
         init = (seed_run / MONOLITH / FINAL).resolve()
         fresh = not (fleet / "run.yaml").exists()
         copy_prepared(src, fleet, expert_steps, 0, [f"expert_init={init}", *a.set])
-        if fresh and any(s.startswith("cluster.") for s in a.set):  # the experts' clusters made afresh
-            shutil.rmtree(fleet / "clusters")
-            shutil.rmtree(fleet / "partitions")
-            cluster(str(fleet), progress=False)
+        if fresh:  # the experts' clusters made afresh when a --set changes them
+            recluster(fleet, a.set)
         if not (fleet / MONOLITH).exists():
             shutil.copytree(src / MONOLITH, fleet / MONOLITH)
         t0 = time.perf_counter()
