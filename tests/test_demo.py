@@ -97,6 +97,8 @@ def test_demo_plans_validate_and_quick_is_smaller():
     for plan in (full, quick):
         c = plan.config
         assert c.cluster.k >= 4 and c.cluster.features == "semantic" and c.encoders.semantic.name == "inception"
+        # ... less what the caption predicts of them: every expert holds every digit (docs/training.md)
+        assert c.cluster.caption_residual
         assert not c.router.uses_text and c.sampling.strategy == "top2"
         assert c.router_prompt and plan.evaluation.routers == ("router-prompt",)  # the "beyond Paris" row
         assert len(plan.evaluation.cfg_sweep) >= 5 and plan.evaluation.save_cfg

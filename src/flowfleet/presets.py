@@ -28,20 +28,24 @@ def _builtin(
     autoencoder: dict[str, Any] | None = None,
     semantic: dict[str, Any] | None = None,
     hidden: int = 128,
+    lr: float = 2e-3,
+    grad_clip: float | None = None,
+    caption_residual: bool = False,
     **data: Any,
 ) -> dict[str, Any]:
     """The built-in sources' recipe, chosen by measurement on MNIST-5k (benchmarks/mnist_recipe.py and
     benchmarks/expert_space.py, BENCHMARKS.md): a DiT of depth 4 on 16 tokens (hidden 128, or `hidden`) with
     the exact GELU (DiT's tanh approximation of it is slower as an op on a CPU), conditioned on the caption's
-    pooled MiniLM vector; AdamW 2e-3 with 100 warm-up steps, batch 64, logit-normal t, an EMA that warms up; 20 Euler
-    steps at CFG 3 (the evaluation's guidance sweep picks each model's scale).
+    pooled MiniLM vector; AdamW (2e-3, or `lr`) with 100 warm-up steps, batch 64 (or `batch`), logit-normal t, an
+    EMA that warms up; 20 Euler steps at CFG 3 (the evaluation's guidance sweep picks each model's scale).
     Its space: with `autoencoder`, the 8 x 8 x 4 latent of a small AutoencoderKL that prepare trains on the
     training digits (padded 28 -> 32), 2 x 2 patches: a classifier FD 1.5x the real floor after 1000 steps,
     where 7 x 7 pixel patches need ~2000 and leave tile edges; else pixels in 7 x 7 patches.
 
     mnist follows Paris: K clusters of the images' features (a pretrained image network's, Inception at
-    75 px, as Paris uses DINOv2's), a router that sees only (x_t, t), top-2 sampling, and the last 1000
-    digits held out of training as the evaluation's reference."""
+    75 px, as Paris uses DINOv2's; less their caption-predictable part, so that every cluster holds every
+    digit), a router that sees only (x_t, t), top-2 sampling, and the last 1000 digits held out of training
+    as the evaluation's reference."""
     latent = (channels, size, size)
     patch = 7 if size % 7 == 0 else 4
     latent_encoder: dict[str, Any] = dict(name="pixels")
@@ -76,7 +80,7 @@ def _builtin(
         conditioning="none",  # Paris §2.5: p(k | x_t, t), blind to the prompt
     )
     fine_k = min(64, 8 * k)
-    cluster: dict[str, Any] = dict(k=k, fine_k=fine_k, iters=25, features="semantic")
+    cluster: dict[str, Any] = dict(k=k, fine_k=fine_k, iters=25, features="semantic", caption_residual=caption_residual)
     semantic = semantic or dict(name="inception")
     return dict(
         data=dict(source=source, image_size=size, channels=channels, **data),
@@ -87,7 +91,8 @@ def _builtin(
         train=dict(
             steps=steps,
             batch_size=batch,
-            lr=2e-3,
+            lr=lr,
+            grad_clip=grad_clip,
             warmup_steps=min(100, steps // 3),
             time_sampling="logit_normal",
             ema_decay=0.999,
@@ -183,20 +188,32 @@ PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
         size=28,
         channels=1,
         k=4,
-        # Experts of hidden 64 for 1500 steps rather than hidden 128 for 500 (the same FLOPs): top-2 reaches
+        # Experts of hidden 64 rather than hidden 128 for a third of the steps (the same FLOPs): top-2 reaches
         # prompt accuracy 0.967 (0.903 at best before), the same-architecture monolith gets sharper (classifier
         # FD 43.8 vs 46.5) and both sample 4x cheaper (BENCHMARKS.md, "Expert width at equal FLOPs").
         hidden=64,
-        steps=1500,
+        # Batches of 32 at 4e-3 for twice the steps of batches of 64 at 2e-3: the same samples and wall time;
+        # top-2 classifier FD 51.7 -> 41.7, the monolith 37.7 -> 34.7 (BENCHMARKS.md, "The demo's recipe").
+        steps=3000,
+        batch=32,
+        lr=4e-3,
+        # At 4e-3 one of three 12151-step monoliths spiked (loss 0.37 -> 0.54 at step 10875; classifier FD 165);
+        # gradients are ~0.25 in norm late in training, so a clip at 1 only cuts such spikes (its FD: 37.2)
+        grad_clip=1.0,
         router_steps=300,
-        batch=64,
         text_len=16,
         holdout=1000,
-        autoencoder=dict(block_out_channels=[16, 32, 32], latent_channels=4, pad_to=32, steps=400, batch_size=32),
-        # Inception at 75 px. Downsampled pixels cluster closer to the digits (NMI 0.49 vs 0.27), but then a
-        # cluster nearly fixes the prompted digit, and Paris' prompt-blind router, which cannot know it at high
-        # t, sends a "zero" to experts that hold none: top-2 classifier FD 171 vs 72 (BENCHMARKS.md, "Which
-        # clusters a prompt-blind router can serve").
+        # 800 steps: its reconstructions of held-out digits score classifier FD 25.3 against a real floor of
+        # 23.6, where 400 steps left 39.2, a ceiling just under the monolith's 44.1 (BENCHMARKS.md)
+        autoencoder=dict(block_out_channels=[16, 32, 32], latent_channels=4, pad_to=32, steps=800, batch_size=32),
+        # Inception at 75 px, less what the caption predicts of it. Downsampled pixels cluster closer to the
+        # digits (NMI 0.49 vs 0.27), but then a cluster nearly fixes the prompted digit, and Paris' prompt-blind
+        # router, which cannot know it at high t, sends a "zero" to experts that hold none: top-2 classifier FD
+        # 171 vs 72 (BENCHMARKS.md, "Which clusters a prompt-blind router can serve"). Inception's own clusters
+        # still hold 390 of the 400 "one"s in one cluster; without the caption's part every cluster holds every
+        # digit, and top-2 reaches prompt accuracy 0.95 at guidance 1.5 instead of 4.5 (classifier FD 51.7 vs
+        # 69.8; BENCHMARKS.md, "Clusters of what the caption does not tell").
+        caption_residual=True,
         semantic=dict(name="inception", image_size=75),
     ),
     "mnist-tiny": lambda: _tiny(
