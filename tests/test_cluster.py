@@ -334,6 +334,7 @@ def test_cluster_features_latent_clusters_the_latents_the_router_reads(run_root)
     assert len(torch.unique(assign[image_group == 0])) == 2  # the semantic features' split is not it
 
 
+@pytest.mark.numerics  # a float64 solve against plain means, within a derived tolerance
 def test_caption_residual_removes_each_captions_mean():
     from flowfleet.stages.cluster import caption_residual
 
