@@ -96,6 +96,7 @@ def main() -> None:
     p.add_argument("--tag", default="", help="suffix of each run's folder name (a lever's runs)")
     p.add_argument("--monolith-from", default=None, help="a run whose trained monolith this one reuses")
     p.add_argument("--strategies", default="top2")
+    p.add_argument("--routers", default="", help="comparison routers of the run (router-prompt): extra rows")
     a = p.parse_args()
 
     from flowfleet.stages.assemble import assemble
@@ -117,7 +118,8 @@ def main() -> None:
         train_s = time.perf_counter() - t0
         assemble(str(run), progress=False)
         rec = {"budget_per_expert": budget, "seed": seed, "train_all_s": round(train_s, 1), "sets": a.set}
-        rec.update(score_fleet(run, tuple(a.strategies.split(",")), a.cfg, a.n))
+        routers = tuple(r for r in a.routers.split(",") if r)
+        rec.update(score_fleet(run, tuple(a.strategies.split(",")), a.cfg, a.n, routers=routers))
         keep_record(rec, out / "budget.jsonl")
 
 

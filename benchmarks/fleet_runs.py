@@ -66,16 +66,20 @@ def evaluate_model(model: Path, run: Path, n: int, strategies: tuple[str, ...], 
     return out
 
 
-def score_fleet(run: Path, strategies: tuple[str, ...], cfg: str, n: int, monolith: bool = True) -> dict:
+def score_fleet(
+    run: Path, strategies: tuple[str, ...], cfg: str, n: int, monolith: bool = True, routers: tuple[str, ...] = ()
+) -> dict:
     """`flowfleet evaluate` of run/model against run (held-out reference, the digit judge) over the guidance
-    sweep `cfg` ("1.5,2,..."), each model at its chosen scale: {"floor": ..., model: its scores}."""
+    sweep `cfg` ("1.5,2,..."), each model at its chosen scale: {"floor": ..., model: its scores}. `routers`:
+    the run's comparison routers (router-prompt), each strategy again as "<strategy>+<router>"."""
     from flowfleet.stages.evaluate import evaluate
 
     sweep = tuple(float(c) for c in cfg.split(","))
-    options = judge_options(n, strategies, batch_size=n, monolith=monolith, cfg_sweep=sweep)
+    options = judge_options(n, strategies, batch_size=n, monolith=monolith, cfg_sweep=sweep, routers=routers)
     result = evaluate(str(run / "model"), str(run), options)
     rec: dict = {"floor": result["reference_split"]}
-    for name in (*strategies, *(["monolith"] if monolith else [])):
+    rows = (*strategies, *(f"{s}+{r}" for r in routers for s in strategies), *(["monolith"] if monolith else []))
+    for name in rows:
         r = result["runs"][name]
         rec[name] = {k: r.get(k) for k in ("cfg", "classifier_fd", "precision", "recall", "fid", "sweep")}
         rec[name]["accuracy"] = result["prompt_accuracy"]["scores"][name]["accuracy"]
