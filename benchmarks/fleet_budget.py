@@ -12,6 +12,7 @@ feature clusters, a prompt-blind router): nothing here is a stand-in.
     python benchmarks/fleet_budget.py --run runs/demo --budgets 500 --seeds 1,2 --out runs/bench/budget
     python benchmarks/fleet_budget.py --run runs/demo --budgets 1940 --tag w64 \
         --set expert.hidden_size=64 --set expert.mlp_act=gelu
+    python benchmarks/fleet_budget.py --out runs/bench/budget --plot-only --records runs/bench/seeds/budget.jsonl
 
 --set KEY=VALUE (dotted key, YAML value; repeatable) changes run.yaml after the budget is applied: a lever
 (expert width, batch size, cluster settings: a cluster.* setting clusters the copy afresh). --monolith-from
@@ -19,13 +20,18 @@ RUN copies RUN's trained monolith instead of training one, after checking that i
 training settings and step count as this run's compute-matched monolith would (a lever that changes neither reuses the
 one baseline).
 
-Appends one JSON line per budget to OUT/budget.jsonl and prints it.
+Appends one JSON line per budget to OUT/budget.jsonl and prints it, then draws OUT/budget.png from every line
+of the same --set levers: each model's chosen FD against the budget (mean and sd over seeds), with the real floor,
+and top-2's ratio to the monolith.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -83,6 +89,47 @@ def reuse_monolith(src: Path, run: Path) -> None:
     shutil.copytree(src / "monolith", run / "monolith")
 
 
+def plot_budget(records: list[Path], sets: list[str], out: Path) -> None:
+    """FD at each model's chosen scale against the steps per expert, over the lines of every file of `records`
+    made with the same --set levers: mean and sd over seeds, the real floor dotted; below it top-2 / monolith."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    lines = [json.loads(line) for path in records for line in path.read_text().splitlines() if line.strip()]
+    lines = [r for r in lines if r.get("sets", []) == sets and "top2" in r and "monolith" in r]
+    budgets = sorted({r["budget_per_expert"] for r in lines})
+    if not budgets:
+        return
+
+    def spread(values: list[float]) -> tuple[float, float]:
+        return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+    fig = Figure(figsize=(7, 6))
+    FigureCanvasAgg(fig)
+    fd = fig.add_subplot(2, 1, 1)
+    ratio = fig.add_subplot(2, 1, 2, sharex=fd)
+    for model, style in (("monolith", "--o"), ("top2", "-o")):
+        stats = [spread([r[model]["classifier_fd"] for r in lines if r["budget_per_expert"] == b]) for b in budgets]
+        fd.errorbar(budgets, [m for m, _ in stats], yerr=[s for _, s in stats], fmt=style, capsize=3, label=model)
+    fd.axhline(lines[0]["floor"]["floor"]["classifier_fd"], color="grey", linestyle=":", label="real floor")
+    fd.set(ylabel="classifier FD at the chosen scale", title="top-2 against the compute-matched monolith")
+    fd.legend(fontsize=8)
+    stats = [
+        spread([r["top2"]["classifier_fd"] / r["monolith"]["classifier_fd"] for r in group])
+        for group in ([r for r in lines if r["budget_per_expert"] == b] for b in budgets)
+    ]
+    ratio.errorbar(budgets, [m for m, _ in stats], yerr=[s for _, s in stats], fmt="-o", capsize=3)
+    ratio.axhline(1.0, color="grey", linestyle=":")
+    ratio.set(xscale="log", xlabel="steps per expert (the monolith: K times as many)", ylabel="top-2 / monolith")
+    ratio.set_xticks(budgets, [str(b) for b in budgets])
+    for ax in (fd, ratio):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = out.with_suffix(".png.tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", default="runs/demo", help="a prepared and clustered run (the demo's)")
@@ -96,6 +143,8 @@ def main() -> None:
     p.add_argument("--tag", default="", help="suffix of each run's folder name (a lever's runs)")
     p.add_argument("--monolith-from", default=None, help="a run whose trained monolith this one reuses")
     p.add_argument("--strategies", default="top2")
+    p.add_argument("--records", default="", help="more budget.jsonl files (comma-separated) for budget.png")
+    p.add_argument("--plot-only", action="store_true", help="redraw OUT/budget.png, train nothing")
     p.add_argument("--routers", default="", help="comparison routers of the run (router-prompt): extra rows")
     a = p.parse_args()
 
@@ -104,6 +153,10 @@ def main() -> None:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    records = [out / "budget.jsonl", *(Path(f) for f in a.records.split(",") if f)]
+    if a.plot_only:
+        plot_budget(records, a.set, out / "budget.png")
+        return
     runs = [(int(b), int(s)) for b in a.budgets.split(",") for s in a.seeds.split(",")]
     for budget, seed in runs:
         run = out / "-".join([str(budget)] + ([f"seed{seed}"] if seed else []) + ([a.tag] if a.tag else []))
@@ -121,6 +174,7 @@ def main() -> None:
         routers = tuple(r for r in a.routers.split(",") if r)
         rec.update(score_fleet(run, tuple(a.strategies.split(",")), a.cfg, a.n, routers=routers))
         keep_record(rec, out / "budget.jsonl")
+        plot_budget(records, a.set, out / "budget.png")
 
 
 if __name__ == "__main__":
