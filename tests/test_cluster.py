@@ -262,6 +262,7 @@ def test_cluster_stage_writes_aligned_files_and_complete_partitions(run_root):
         m = part.manifest()
         assert m.complete and m.count == report["sizes"][k] and m.extra["partition"] == k
         assert m.extra["num_partitions"] == 4 and m.extra["data_count"] == n
+        assert m.extra["partition_counts"] == report["sizes"]  # what a by-size expert job reads
         assert all(s["count"] <= 128 for s in m.shards)  # data.shard_size of mnist-tiny
         got, caps = part.load(FIELDS, with_captions=True)
         rows = (assign == k).nonzero().flatten()

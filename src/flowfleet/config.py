@@ -141,6 +141,10 @@ class ClusterConfig(_Strict):
 
 class TrainConfig(_Strict):
     steps: int = Field(1000, ge=1)
+    # Experts only: how the fleet's K x steps are split. "equal": `steps` each. "by_size": in proportion to
+    # each partition's items, so that every expert passes over its data as often as the monolith passes over
+    # all of it (decentralized flow matching weights each cluster's loss by its share of the data).
+    expert_steps: Literal["equal", "by_size"] = "equal"
     batch_size: int = Field(64, ge=1)  # per optimiser step, across accumulation and DDP ranks
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(1e-4, gt=0)
@@ -425,6 +429,11 @@ class RunConfig(_Strict):
                 self.expert_config(k)
             except ValidationError as err:
                 raise ValueError(f"expert_overrides.{k}.{describe_validation_error(err)}") from None
+        if self.train.expert_steps == "by_size" and self.expert_overrides:
+            raise ValueError(
+                "train.expert_steps: by_size splits the steps of experts of one architecture; with "
+                "expert_overrides the monolith's matched compute would depend on which expert gets which share"
+            )
         if self.router_baseline and not self.router.uses_text:
             raise ValueError(
                 "router_baseline: the run's router is already prompt-blind (router.conditioning "

@@ -249,6 +249,9 @@ def write_partitions(
         "encoders": manifest.extra.get("encoders"),
         "cluster": cfg.cluster.model_dump(mode="json"),
         "data_count": manifest.count,
+        # every partition's items, so that an expert's job can take its share of the fleet's steps
+        # (train.expert_steps: by_size) from its own manifest
+        "partition_counts": torch.bincount(assign, minlength=k_total).tolist(),
     }
     outs = [ShardSetManifest(extra={**extra, "partition": k}) for k in range(k_total)]
     pending: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(k_total)]

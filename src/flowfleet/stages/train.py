@@ -10,6 +10,7 @@ job_status(run_root)             every job's status.json (pending when never sta
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -36,9 +37,9 @@ from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
 from flowfleet.train.fanout import LocalFanout, ProcessJob, plan_slots
 from flowfleet.train.loop import Trainer, TrainOptions
-from flowfleet.train.specs import JobSpec, fleet_jobs, job_cost, job_steps, launcher, router_spec
+from flowfleet.train.specs import JobSpec, fleet_jobs, job_cost, launcher, router_spec
 from flowfleet.train.status import JobStatus, job_finished, read_status
-from flowfleet.train.tasks import build_task
+from flowfleet.train.tasks import build_task, planned_steps
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,9 @@ def job_status(run_root: str | RunRoot) -> list[JobStatus]:
             status = read_status(root, spec.dir) or JobStatus(spec.name)
         except FlowfleetError as err:  # one unreadable file must not hide the other jobs
             status = JobStatus(spec.name, state="failed", message=str(err))
-        status.total_steps = status.total_steps or job_steps(cfg, spec)
+        if not status.total_steps:
+            with contextlib.suppress(FlowfleetError):  # a by-size expert before `cluster`: not known yet
+                status.total_steps = planned_steps(root, cfg, spec)
         rows.append(status)
     return rows
 
@@ -120,7 +123,7 @@ class _StepProgress:
 
     def __init__(self, root: RunRoot, cfg: RunConfig, specs: list[JobSpec], progress: bool):
         self.root, self.specs = root, {s.name: s for s in specs}
-        self.totals = {s.name: job_steps(cfg, s) for s in specs}
+        self.totals = {s.name: planned_steps(root, cfg, s) for s in specs}
         self.seen = dict.fromkeys(self.totals, 0)
         self.bar = tqdm(
             total=sum(self.totals.values()),
@@ -178,7 +181,8 @@ def train_all(
                 remotes[name] = make_backend(config, start_local=wait)
         results, messages, todo = _todo(root, cfg)
         if todo:
-            todo.sort(key=lambda s: job_cost(cfg, s), reverse=True)  # longest first: shortest makespan
+            # longest first: shortest makespan
+            todo.sort(key=lambda s: job_cost(cfg, s, planned_steps(root, cfg, s)), reverse=True)
             _run_placed(root, cfg, todo, placed, places, remotes, results, messages, parallel, progress, wait)
     finally:
         for remote in remotes.values():
@@ -195,7 +199,7 @@ def _todo(root: RunRoot, cfg: RunConfig) -> tuple[dict[str, str], dict[str, str]
     submitted = read_submissions(root)
     held = _held(submitted, [s.name for s in fleet_jobs(cfg)])
     for spec in fleet_jobs(cfg):
-        done, _, status = job_finished(root, spec.dir, job_steps(cfg, spec))
+        done, _, status = job_finished(root, spec.dir, planned_steps(root, cfg, spec))
         if done:
             results[spec.name] = "skipped"
             messages[spec.name] = "already done"

@@ -160,7 +160,30 @@ def router_config(cfg: RunConfig, spec: JobSpec) -> DiTConfig:
     return cfg.router
 
 
-def job_steps(cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) -> int:
+def split_steps(total: int, counts: list[int], j: int) -> int:
+    """Partition j's share of `total` steps split in proportion to the partitions' item counts: cumulative
+    floors, so that the shares add up to `total` exactly (the monolith's compute-matched steps stay exact)."""
+    n = sum(counts)
+    if not 0 <= j < len(counts) or counts[j] <= 0 or n <= 0:
+        raise FlowfleetError(f"partition {j}: no items among the partitions' counts {counts}")
+    before = sum(counts[:j])
+    return total * (before + counts[j]) // n - total * before // n
+
+
+def job_steps(
+    cfg: RunConfig,
+    spec: JobSpec,
+    match_compute: bool | None = None,
+    partition_counts: list[int] | None = None,
+) -> int:
+    """A job's optimiser steps. An expert's, when train.expert_steps is by_size, are its partition's share of
+    K x train.steps (`partition_counts`: the item counts of its clustering's partitions, from its manifest;
+    flowfleet.train.tasks.planned_steps reads them)."""
+    if spec.kind == "expert" and cfg.train.expert_steps == "by_size":
+        if partition_counts is None:
+            raise FlowfleetError(f"{spec.name}: train.expert_steps by_size needs its partitions' item counts")
+        _, j = cfg.expert_origin(spec.expert)
+        return split_steps(len(partition_counts) * cfg.train.steps, partition_counts, j)
     if spec.kind in ROUTERS:
         return cfg.router_train.steps
     if spec.kind == "monolith":
@@ -170,11 +193,15 @@ def job_steps(cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) 
     return cfg.train.steps
 
 
-def job_cost(cfg: RunConfig, spec: JobSpec) -> int:
-    """Training FLOPs of a job (to start the longest jobs first)."""
+def job_cost(cfg: RunConfig, spec: JobSpec, steps: int | None = None) -> int:
+    """Training FLOPs of a job (to start the longest jobs first); `steps`: its planned steps where
+    job_steps alone cannot tell them (an expert of a by-size split: flowfleet.train.tasks.planned_steps)."""
     if spec.kind in ROUTERS:
         return train_flops(cfg.router, cfg.router_train.steps, cfg.router_train.batch_size)
     if spec.kind == "student":
-        return train_flops(cfg.student_config(), job_steps(cfg, spec), cfg.train.batch_size)
-    model = cfg.expert_config(spec.expert) if spec.kind == "expert" and spec.expert is not None else cfg.expert
-    return train_flops(model, job_steps(cfg, spec), cfg.train.batch_size)
+        model = cfg.student_config()
+    elif spec.kind == "expert" and spec.expert is not None:
+        model = cfg.expert_config(spec.expert)
+    else:
+        model = cfg.expert
+    return train_flops(model, job_steps(cfg, spec) if steps is None else steps, cfg.train.batch_size)

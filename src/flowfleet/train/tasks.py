@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from flowfleet.cluster.assignments import read_assignments
 from flowfleet.config import RunConfig, TrainConfig
-from flowfleet.data.shards import open_complete
+from flowfleet.data.shards import ShardSet, open_complete
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import flow_matching_loss, interpolate, sample_t
 from flowfleet.layout import (
@@ -25,6 +25,7 @@ from flowfleet.layout import (
     DATA,
     FINAL,
     INDEX_FILE,
+    MANIFEST,
     MODEL,
     REFLOW_PAIRS,
     RUN_FILE,
@@ -332,6 +333,26 @@ def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str]) -> InMemory
     return InMemoryData.concat(parts)
 
 
+def planned_steps(root: RunRoot, cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) -> int:
+    """job_steps of the run's job; an expert's share of a by-size split (train.expert_steps) is read from
+    its own partition's manifest (the counts `flowfleet cluster` writes there), nothing else."""
+    if spec.kind != "expert" or cfg.train.expert_steps != "by_size":
+        return job_steps(cfg, spec, match_compute)
+    n, j = cfg.expert_origin(spec.expert)
+    folder = origin_partition(n, j)
+    shards = ShardSet(root, folder)
+    where = root.url_of(folder, MANIFEST)
+    if not shards.exists():
+        raise FlowfleetError(f"{where}: missing; train.expert_steps by_size needs `flowfleet cluster` first")
+    counts = shards.manifest().extra.get("partition_counts")
+    if not counts:
+        raise FlowfleetError(
+            f"{where}: no partition_counts (clustered by an older flowfleet); run `flowfleet cluster` again "
+            "for train.expert_steps by_size"
+        )
+    return job_steps(cfg, spec, partition_counts=counts)
+
+
 def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: bool | None = None) -> TrainTask:
     """The job `spec` of the run, its data loaded."""
     task = _build_task(root, cfg, spec, match_compute=match_compute)
@@ -351,7 +372,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
         model = cfg.expert_config(k)
         check_compatible(shards.manifest(), model, data_where=shards.url, model_where="run.yaml expert")
         data = InMemoryData.load(shards, model_fields(model))
-        return FlowTask(spec, cfg, model, cfg.train, job_steps(cfg, spec), data)
+        return FlowTask(spec, cfg, model, cfg.train, planned_steps(root, cfg, spec), data)
 
     shards = open_complete(root, DATA, f"flowfleet prepare {root.url}")
     if spec.kind == "student":
