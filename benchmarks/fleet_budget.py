@@ -13,6 +13,8 @@ feature clusters, a prompt-blind router): nothing here is a stand-in.
     python benchmarks/fleet_budget.py --run runs/demo --budgets 1940 --tag w64 \
         --set expert.hidden_size=64 --set expert.mlp_act=gelu
     python benchmarks/fleet_budget.py --out runs/bench/budget --plot-only --records runs/bench/seeds/budget.jsonl
+    python benchmarks/fleet_budget.py --out runs/bench/bysize --plot-only --records runs/bench/budget/budget.jsonl \
+        --compare '' --compare train.expert_steps=by_size
 
 --set KEY=VALUE (dotted key, YAML value; repeatable) changes run.yaml after the budget is applied: a lever
 (expert width, batch size, cluster settings: a cluster.* setting clusters the copy afresh). --monolith-from
@@ -22,7 +24,7 @@ one baseline).
 
 Appends one JSON line per budget to OUT/budget.jsonl and prints it, then draws OUT/budget.png from every line
 of the same --set levers: each model's chosen FD against the budget (mean and sd over seeds), with the real floor,
-and top-2's ratio to the monolith.
+and top-2's ratio to the monolith. --plot-only --compare draws one top-2 curve per lever set instead.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def reuse_monolith(src: Path, run: Path) -> None:
     mine, theirs = load_run_config(RunRoot(str(run))), load_run_config(RunRoot(str(src)))
 
     def recipe(cfg):  # what the monolith's weights depend on: the training settings but the fleet's own steps
-        logging = {"steps", "ckpt_every", "sample_every", "log_every", "keep_checkpoints"}
-        return cfg.expert, cfg.train.model_dump(exclude=logging), monolith_steps(cfg)
+        fleet_only = {"steps", "expert_steps", "ckpt_every", "sample_every", "log_every", "keep_checkpoints"}
+        return cfg.expert, cfg.train.model_dump(exclude=fleet_only), monolith_steps(cfg)
 
     same = recipe(mine) == recipe(theirs)
     if not same:
@@ -89,37 +91,43 @@ def reuse_monolith(src: Path, run: Path) -> None:
     shutil.copytree(src / "monolith", run / "monolith")
 
 
-def plot_budget(records: list[Path], sets: list[str], out: Path) -> None:
-    """FD at each model's chosen scale against the steps per expert, over the lines of every file of `records`
-    made with the same --set levers: mean and sd over seeds, the real floor dotted; below it top-2 / monolith."""
+def plot_budget(records: list[Path], levers: list[list[str]], out: Path) -> None:
+    """FD at each model's chosen scale against the steps per expert, over the lines of every file of `records`:
+    one top-2 curve per entry of `levers` (the --set assignments its lines were made with), the monolith of the
+    first; mean and sd over seeds, the real floor dotted; below it top-2 / monolith per lever set."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     lines = [json.loads(line) for path in records for line in path.read_text().splitlines() if line.strip()]
-    lines = [r for r in lines if r.get("sets", []) == sets and "top2" in r and "monolith" in r]
-    budgets = sorted({r["budget_per_expert"] for r in lines})
-    if not budgets:
+    groups = [[r for r in lines if r.get("sets", []) == sets and "top2" in r and "monolith" in r] for sets in levers]
+    if not groups or not groups[0]:
         return
 
     def spread(values: list[float]) -> tuple[float, float]:
         return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
+    def curve(ax, group: list[dict], value, style: str, label: str, color: str) -> None:
+        budgets = sorted({r["budget_per_expert"] for r in group})
+        stats = [spread([value(r) for r in group if r["budget_per_expert"] == b]) for b in budgets]
+        means, sds = [m for m, _ in stats], [s for _, s in stats]
+        ax.errorbar(budgets, means, yerr=sds, fmt=style, capsize=3, label=label, color=color)
+
     fig = Figure(figsize=(7, 6))
     FigureCanvasAgg(fig)
     fd = fig.add_subplot(2, 1, 1)
     ratio = fig.add_subplot(2, 1, 2, sharex=fd)
-    for model, style in (("monolith", "--o"), ("top2", "-o")):
-        stats = [spread([r[model]["classifier_fd"] for r in lines if r["budget_per_expert"] == b]) for b in budgets]
-        fd.errorbar(budgets, [m for m, _ in stats], yerr=[s for _, s in stats], fmt=style, capsize=3, label=model)
-    fd.axhline(lines[0]["floor"]["floor"]["classifier_fd"], color="grey", linestyle=":", label="real floor")
+    curve(fd, groups[0], lambda r: r["monolith"]["classifier_fd"], "--o", "monolith", "C0")
+    for n, (sets, group) in enumerate(zip(levers, groups), 1):
+        label = "top2" + (f" ({', '.join(sets)})" if sets else "")
+        curve(fd, group, lambda r: r["top2"]["classifier_fd"], "-o", label, f"C{n}")
+        curve(ratio, group, lambda r: r["top2"]["classifier_fd"] / r["monolith"]["classifier_fd"], "-o", label, f"C{n}")
+    fd.axhline(groups[0][0]["floor"]["floor"]["classifier_fd"], color="grey", linestyle=":", label="real floor")
     fd.set(ylabel="classifier FD at the chosen scale", title="top-2 against the compute-matched monolith")
     fd.legend(fontsize=8)
-    stats = [
-        spread([r["top2"]["classifier_fd"] / r["monolith"]["classifier_fd"] for r in group])
-        for group in ([r for r in lines if r["budget_per_expert"] == b] for b in budgets)
-    ]
-    ratio.errorbar(budgets, [m for m, _ in stats], yerr=[s for _, s in stats], fmt="-o", capsize=3)
     ratio.axhline(1.0, color="grey", linestyle=":")
+    if len(levers) > 1:
+        ratio.legend(fontsize=8)
+    budgets = sorted({r["budget_per_expert"] for group in groups for r in group})
     ratio.set(xscale="log", xlabel="steps per expert (the monolith: K times as many)", ylabel="top-2 / monolith")
     ratio.set_xticks(budgets, [str(b) for b in budgets])
     for ax in (fd, ratio):
@@ -145,6 +153,13 @@ def main() -> None:
     p.add_argument("--strategies", default="top2")
     p.add_argument("--records", default="", help="more budget.jsonl files (comma-separated) for budget.png")
     p.add_argument("--plot-only", action="store_true", help="redraw OUT/budget.png, train nothing")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        help="with --plot-only: a top-2 curve of the lines made with these --set levers ('' none, ';' between "
+        "several; repeatable; default: --set's)",
+    )
     p.add_argument("--routers", default="", help="comparison routers of the run (router-prompt): extra rows")
     a = p.parse_args()
 
@@ -153,16 +168,20 @@ def main() -> None:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    records = [out / "budget.jsonl", *(Path(f) for f in a.records.split(",") if f)]
+
+    def records() -> list[Path]:  # this OUT's lines (once written) and --records'
+        return [p for p in (out / "budget.jsonl", *(Path(f) for f in a.records.split(",") if f)) if p.exists()]
+
     if a.plot_only:
-        plot_budget(records, a.set, out / "budget.png")
+        levers = [[x for x in c.split(";") if x] for c in a.compare] or [a.set]
+        plot_budget(records(), levers, out / "budget.png")
         return
     runs = [(int(b), int(s)) for b in a.budgets.split(",") for s in a.seeds.split(",")]
     for budget, seed in runs:
         run = out / "-".join([str(budget)] + ([f"seed{seed}"] if seed else []) + ([a.tag] if a.tag else []))
         fresh = not (run / "run.yaml").exists()
         copy_prepared(Path(a.run), run, budget, seed, a.set)
-        if fresh:  # a --set cluster.* clusters the copy afresh
+        if fresh:  # a --set cluster.* (or partitions older than their counts) clusters the copy afresh
             recluster(run, a.set)
         if a.monolith_from:
             reuse_monolith(Path(a.monolith_from), run)
@@ -174,7 +193,7 @@ def main() -> None:
         routers = tuple(r for r in a.routers.split(",") if r)
         rec.update(score_fleet(run, tuple(a.strategies.split(",")), a.cfg, a.n, routers=routers))
         keep_record(rec, out / "budget.jsonl")
-        plot_budget(records, a.set, out / "budget.png")
+        plot_budget(records(), [a.set], out / "budget.png")
 
 
 if __name__ == "__main__":

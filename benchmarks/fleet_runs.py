@@ -27,10 +27,12 @@ def copy_run(src: Path, out: Path) -> None:
 
 def recluster(run: Path, sets: list[str]) -> None:
     """Cluster a fresh copy of a run again when a --set changed a cluster.* setting (its copied clusters/ and
-    partitions/ are the source run's)."""
+    partitions/ are the source run's), or when its partitions predate the counts train.expert_steps by_size
+    reads (the same seed clusters them identically)."""
     from flowfleet.stages.cluster import cluster
 
-    if any(s.startswith("cluster.") for s in sets):
+    manifest = json.loads((run / "partitions" / "0" / "manifest.json").read_text())
+    if any(s.startswith("cluster.") for s in sets) or "partition_counts" not in manifest:
         shutil.rmtree(run / "clusters")
         shutil.rmtree(run / "partitions")
         cluster(str(run), progress=False)

@@ -81,6 +81,11 @@ def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
     assert sorted(p.name for p in (out / "model").iterdir() if p.name.startswith("expert_")) == [
         f"expert_{i}" for i in range(k)
     ]
+    # the experts share K x train.steps by their clusters' sizes, as the full demo's do
+    sizes = json.loads((out / "clusters" / "report.json").read_text())["sizes"]
+    steps = [json.loads((out / "experts" / str(j) / "status.json").read_text())["total_steps"] for j in range(k)]
+    assert sum(steps) == k * plan.config.train.steps
+    assert all(abs(s - k * plan.config.train.steps * n / sum(sizes)) < 1 for s, n in zip(steps, sizes))
 
 
 def test_demo_refuses_an_out_folder_of_another_run(tmp_path):
@@ -101,6 +106,7 @@ def test_demo_plans_validate_and_quick_is_smaller():
         assert c.cluster.caption_residual
         assert not c.router.uses_text and c.sampling.strategy == "top2"
         assert c.router_prompt and plan.evaluation.routers == ("router-prompt",)  # the "beyond Paris" row
+        assert c.train.expert_steps == "by_size"  # each expert passes over its digits as often as the monolith
         assert len(plan.evaluation.cfg_sweep) >= 5 and plan.evaluation.save_cfg
         # Paris' experts work in a VAE latent: here an autoencoder prepare trains, 8 x 8 x 4, 2 x 2 patches
         assert c.encoders.latent.name == "autoencoder" and c.latent_shape == (4, 8, 8) and c.expert.patch_size == 2
