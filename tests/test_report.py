@@ -10,6 +10,7 @@ from html.parser import HTMLParser
 import torch
 from PIL import Image
 
+from flowfleet.config import RunConfig
 from flowfleet.evaluate.report import SECTIONS, write_report
 from flowfleet.evaluate.views import captioned_grid_png
 from flowfleet.presets import preset
@@ -237,3 +238,15 @@ def test_sample_grid_moves_the_shared_prompt_words_to_the_title():
     assert strip_common_prefix(["only one caption"]) == (["only one caption"], "")
     png = captioned_grid_png(torch.zeros(3, 3, 8, 8), ["a digit one", "a digit two", "a digit three"], cols=3)
     assert Image.open(io.BytesIO(png)).size[0] == 3 * (64 + 4) + 4  # 8-px cells upscaled to 64
+
+
+def test_report_says_when_the_experts_split_the_steps_by_size(tmp_path):
+    root = synthetic_run(tmp_path / "run")
+    write_report(root.url)
+    note = "in proportion to their clusters"  # (the page escapes the apostrophe that follows)
+    assert note not in (tmp_path / "run" / "reports" / "report.html").read_text()  # mnist-tiny: equal steps
+    raw = preset("mnist-tiny", name="synthetic").to_dict()
+    raw["train"]["expert_steps"] = "by_size"
+    RunConfig.from_dict(raw).save(root)
+    write_report(root.url)
+    assert f"K x {raw['train']['steps']} steps {note}" in (tmp_path / "run" / "reports" / "report.html").read_text()

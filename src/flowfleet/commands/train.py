@@ -127,7 +127,8 @@ def _report(status) -> int:
 def run_expert(args: argparse.Namespace) -> int:
     """train expert k on partition k only (an isolated job)
 
-    Train expert K on RUN_ROOT/partitions/K with the run.yaml `expert` model and `train` settings. Reads nothing but
+    Train expert K on RUN_ROOT/partitions/K with the run.yaml `expert` model and `train` settings: train.steps
+    steps, or with train.expert_steps by_size its partition's share of K x train.steps. Reads nothing but
     run.yaml and partitions/K; writes experts/K/ (status.json, metrics.jsonl, tb/, checkpoints/, samples/, final/).
     Under `torchrun --nproc_per_node N flowfleet train-expert ...` the job uses DDP over that node's devices (NCCL on
     GPUs, gloo on CPU).

@@ -305,6 +305,12 @@ class ReportBuilder:
                     _fmt(_wall_time(records)),
                 ]
             )
+        train = (_json_yaml(self.root) or {}).get("train") or {}
+        if train.get("expert_steps") == "by_size":
+            s.notes.append(
+                f"The experts share K x {train.get('steps', '?')} steps in proportion to their clusters' sizes "
+                "(train.expert_steps by_size): each passes over its data as often as the monolith over all of it."
+            )
         s.images.append(
             self._plot("loss_curves.png", views.loss_curves_png(curves), "loss of every job (metrics.jsonl)")
         )

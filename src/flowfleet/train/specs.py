@@ -179,7 +179,7 @@ def job_steps(
     """A job's optimiser steps. An expert's, when train.expert_steps is by_size, are its partition's share of
     K x train.steps (`partition_counts`: the item counts of its clustering's partitions, from its manifest;
     flowfleet.train.tasks.planned_steps reads them)."""
-    if spec.kind == "expert" and cfg.train.expert_steps == "by_size":
+    if spec.kind == "expert" and spec.expert is not None and cfg.train.expert_steps == "by_size":
         if partition_counts is None:
             raise FlowfleetError(f"{spec.name}: train.expert_steps by_size needs its partitions' item counts")
         _, j = cfg.expert_origin(spec.expert)

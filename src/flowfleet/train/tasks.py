@@ -336,7 +336,7 @@ def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str]) -> InMemory
 def planned_steps(root: RunRoot, cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) -> int:
     """job_steps of the run's job; an expert's share of a by-size split (train.expert_steps) is read from
     its own partition's manifest (the counts `flowfleet cluster` writes there), nothing else."""
-    if spec.kind != "expert" or cfg.train.expert_steps != "by_size":
+    if spec.kind != "expert" or spec.expert is None or cfg.train.expert_steps != "by_size":
         return job_steps(cfg, spec, match_compute)
     n, j = cfg.expert_origin(spec.expert)
     folder = origin_partition(n, j)
