@@ -31,11 +31,12 @@ KEPT = ("eval", "autoencoder", "clusters", "reports/digit_classifier", "monolith
 FIELDS = ("latents", "features", "labels", "index", "text_pooled", "text_tokens", "text_mask")
 
 
-def memberships(features: torch.Tensor, coarse: torch.Tensor, assign: torch.Tensor, m: int) -> torch.Tensor:
-    """[N, m]: each item's own cluster, then the m - 1 other clusters nearest its (normalised) features."""
+def memberships(x: torch.Tensor, coarse: torch.Tensor, assign: torch.Tensor, m: int) -> torch.Tensor:
+    """[N, m]: each item's own cluster, then the m - 1 other clusters nearest its clustering features x
+    (normalised rows, the space the run's k-means worked in)."""
     from flowfleet.cluster.kmeans import l2_normalize_
 
-    d = torch.cdist(l2_normalize_(features.float()), l2_normalize_(coarse.float()))  # [N, K]
+    d = torch.cdist(x.float(), l2_normalize_(coarse.float()))  # [N, K]
     d[torch.arange(len(d)), assign] = -1.0  # its own cluster first
     return d.argsort(dim=1)[:, :m]
 
@@ -45,6 +46,7 @@ def build(src: Path, out: Path, m: int) -> dict:
     from flowfleet.config import load_run_config
     from flowfleet.data.shards import ShardSet, ShardSetManifest, open_complete
     from flowfleet.layout import DATA, partition
+    from flowfleet.stages.cluster import FEATURE_FIELDS, caption_residual, clustering_features
     from flowfleet.storage import RunRoot
 
     out.mkdir(parents=True, exist_ok=True)
@@ -60,7 +62,15 @@ def build(src: Path, out: Path, m: int) -> dict:
     n, k_total, size = len(captions), cfg.cluster.k, cfg.data.shard_size
     assign = safetensors.torch.load_file(src / "clusters/assignments.safetensors")["assign"]
     coarse = safetensors.torch.load_file(src / "clusters/centroids.safetensors")["coarse"]
-    member = memberships(fields["features"], coarse, assign, m)  # [N, m]
+
+    x = clustering_features(fields, cfg.cluster.features)  # what `cluster` clustered, caption residual included
+    if cfg.cluster.caption_residual:
+        x = caption_residual(x, fields["text_pooled"])
+    assert set(FEATURE_FIELDS[cfg.cluster.features]) <= set(FIELDS)
+    member = memberships(x, coarse, assign, m)  # [N, m]
+    counts = [int((member == k).any(dim=1).sum()) for k in range(k_total)]  # train.expert_steps: by_size reads them
+    own = json.loads((src / partition(0) / "manifest.json").read_text())  # the extras sit beside the shard list
+    base = {key: v for key, v in own.items() if key not in ("count", "complete", "shards", "fields")}
 
     def write(folder: str, rows: torch.Tensor, extra: dict, index: torch.Tensor | None = None) -> None:
         shards, manifest = ShardSet(root, folder), ShardSetManifest(extra=extra)
@@ -76,7 +86,8 @@ def build(src: Path, out: Path, m: int) -> dict:
     mix = {}
     for k in range(k_total):
         rows = (member == k).any(dim=1).nonzero().flatten()
-        write(partition(k), rows, {"partition": k, "num_partitions": k_total, "overlap": m})
+        extra = {**base, "partition": k, "num_partitions": k_total, "overlap": m, "partition_counts": counts}
+        write(partition(k), rows, extra)
         mix[k] = torch.bincount(fields["labels"][rows], minlength=10).tolist()
     copies = torch.arange(m * n)  # copy c of item i is row c * n + i, labelled with its c-th cluster
     write(DATA, copies, data.manifest().extra, index=copies)
