@@ -540,3 +540,53 @@ def test_a_comparison_router_is_evaluated_as_one_more_row_of_the_same_experts(fl
             assert (a["prompts"] == b["prompts"]).all()  # the same prompts and noise ...
             assert not np.array_equal(a["images"], b["images"])  # ... routed otherwise: other images
     assert runs["top1+router-prompt"]["usage"] != runs["top1"]["usage"]
+
+
+def test_another_fleet_in_the_same_latent_space_is_one_more_row_with_the_same_prompts_and_noise(
+    fleet, tmp_path, capsys
+):
+    """evaluate fleets=(("other", FOLDER),): each strategy again sampled by another assembled fleet (e.g. one of
+    caption clusters), as the row "top1@other"; its samples are exactly what that fleet draws when evaluated on
+    its own against the same reference. A fleet in another latent space or text encoder is refused in one line."""
+    import json
+    import shutil
+
+    from fixtures.random_fleet import write_random_fleet
+
+    from flowfleet.config import load_run_config
+    from flowfleet.stages.assemble import assemble
+    from flowfleet.stages.evaluate import evaluate
+
+    other = RunRoot(str(shutil.copytree(fleet.url, tmp_path / "other")))
+    write_random_fleet(other.url, load_run_config(other), seed=3)  # other experts and router, the same space
+    other_model = assemble(other.url).out
+    ref = RunRoot(str(shutil.copytree(fleet.url, tmp_path / "ref")))
+    result = evaluate(
+        ref.url_of("model"),
+        ref.url,
+        options(strategies=("top1",), monolith=False, fleets=(("other", other_model),)),
+        extractor=SmallFeatures(),
+    )
+    runs = result["runs"]
+    assert list(runs) == ["top1", "top1@other"] and result["fleets"] == {"other": RunRoot(other_model).url}
+    alone = evaluate(other_model, ref.url, options(strategies=("top1",), monolith=False), extractor=SmallFeatures())
+    with np.load(ref.url_of("reports", runs["top1@other"]["samples"])) as row:
+        with np.load(ref.url_of("reports", alone["runs"]["top1"]["samples"])) as direct:
+            assert (row["prompts"] == direct["prompts"]).all()
+            np.testing.assert_array_equal(row["images"], direct["images"])  # the same fleet, prompts and noise
+        with np.load(ref.url_of("reports", runs["top1"]["samples"])) as own:
+            assert (own["prompts"] == row["prompts"]).all() and not np.array_equal(own["images"], row["images"])
+    write_report(ref)
+    html = ref.read_bytes("reports", "report.html").decode()
+    assert "A row STRATEGY@NAME is another fleet" in html and "top1@other" in html
+
+    index = json.loads(other.read_bytes("model", "model_index.json"))
+    index["text_width"] += 1
+    other.write_json(index, "model", "model_index.json")
+    with pytest.raises(FlowfleetError, match=r"^--fleet .*other/model: text_width \d+ differs from .*'s \d+: "):
+        evaluate(ref.url_of("model"), ref.url, options(fleets=(("other", other_model),)), extractor=SmallFeatures())
+    with pytest.raises(FlowfleetError, match=r"^--fleet: name 'a b' must be letters"):
+        evaluate(ref.url_of("model"), ref.url, options(fleets=(("a b", other_model),)), extractor=SmallFeatures())
+    capsys.readouterr()
+    assert main(["evaluate", ref.url_of("model"), "--fleet", "nofolder"]) == 1
+    assert capsys.readouterr().err.strip() == "flowfleet evaluate: error: --fleet: expected NAME=FOLDER, got 'nofolder'"

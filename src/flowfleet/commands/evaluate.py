@@ -37,6 +37,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comparison routers of RUN_ROOT (router-prompt, router-paris): each strategy again with the same experts "
         "routed by that router, as the row STRATEGY+ROUTER",
     )
+    p.add_argument(
+        "--fleet",
+        action="append",
+        default=[],
+        metavar="NAME=FOLDER",
+        help="another assembled fleet in the same latent space and text encoder (e.g. one of caption clusters): each "
+        "strategy again sampled by it, as the row STRATEGY@NAME, with the same prompts and noise (repeatable)",
+    )
     add_sampling(p)
     p.add_argument(
         "--cfg-sweep",
@@ -112,6 +120,16 @@ def _scales(text: str) -> tuple[float, ...]:
         raise FlowfleetError(f"--cfg-sweep: expected comma-separated numbers, got {text!r}") from None
 
 
+def _fleets(items: list[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in items:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or not folder:
+            raise FlowfleetError(f"--fleet: expected NAME=FOLDER, got {item!r}")
+        out.append((name, folder))
+    return tuple(out)
+
+
 def run_evaluate(args: argparse.Namespace) -> int:
     """FID per routing strategy and for the monolith; adherence and diagnostics
 
@@ -131,6 +149,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         strategies=_strategies(args.strategies),
         monolith=args.monolith,
         routers=_strategies(args.routers),
+        fleets=_fleets(args.fleet),
         seed=args.seed,
         batch_size=args.batch_size,
         steps=args.steps,

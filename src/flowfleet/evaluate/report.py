@@ -485,6 +485,12 @@ class ReportBuilder:
                     "rows": [[name, f"{v:.2f}"] for name, v in scores.items()],
                 }
             )
+        fleets = self.evaluation.get("fleets") or {}
+        if fleets:
+            s.notes.append(
+                "A row STRATEGY@NAME is another fleet in the same latent space, sampled with the same prompts and "
+                "noise (evaluate --fleet NAME=FOLDER): " + "; ".join(f"{k}: {v}" for k, v in fleets.items()) + "."
+            )
         for name, r in runs.items():
             if r.get("same_as"):
                 s.notes.append(

@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import logging
 import posixpath
+import re
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -72,6 +73,7 @@ from flowfleet.layout import (
     EVAL_DATA,
     FINAL,
     MONOLITH,
+    MODEL_VAE,
     MONOLITH_MODEL,
     REPORTS,
     ROUTERS,
@@ -80,7 +82,8 @@ from flowfleet.layout import (
 )
 from flowfleet.models.dit import DiTRouter
 from flowfleet.models.files import load_model
-from flowfleet.sampling.index import read_model_index, set_default_cfg
+from flowfleet.sampling.checksums import read_checksums
+from flowfleet.sampling.index import ModelIndex, read_model_index, set_default_cfg
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.sampling.views import routing_heatmap
 from flowfleet.stages.assemble import assemble
@@ -93,6 +96,7 @@ from flowfleet.train.tasks import clustered_data
 
 log = logging.getLogger(__name__)
 
+FLEET_NAME = re.compile(r"[A-Za-z0-9_-]+")
 PR_REFERENCE = 2000  # reference rows for precision/recall (prdc holds the [N, N] distances in memory)
 
 
@@ -104,6 +108,9 @@ class EvaluateOptions:
     # Comparison routers of the reference run (router-prompt, router-paris): each strategy again with the same
     # experts routed by that router instead, as the row "<strategy>+<router>" (the demo's "beyond Paris" row).
     routers: tuple[str, ...] = ()
+    # Other fleets that share the run's latent space and text encoder, as (NAME, model folder): each strategy
+    # again sampled by that fleet, as the row "<strategy>@<NAME>" (e.g. a fleet of caption clusters).
+    fleets: tuple[tuple[str, str], ...] = ()
     seed: int = 0
     batch_size: int = 250  # samples per sampling batch
     steps: int | None = None  # None: the fleet's model_index.json
@@ -145,6 +152,14 @@ class EvaluateOptions:
             if name not in ROUTERS[1:]:
                 known = ", ".join(ROUTERS[1:])
                 raise FlowfleetError(f"--routers: {name!r} is not a comparison router (one of {known})")
+        if self.fleets and not self.strategies:
+            raise FlowfleetError("--fleet: another fleet needs --strategies to sample it by")
+        names = [name for name, _ in self.fleets]
+        for name in names:
+            if not FLEET_NAME.fullmatch(name):
+                raise FlowfleetError(f"--fleet: name {name!r} must be letters, digits, '-' or '_' (NAME=FOLDER)")
+        if len(set(names)) != len(names):
+            raise FlowfleetError(f"--fleet: repeated names in {','.join(names)}")
         if len(set(self.strategies)) != len(self.strategies):
             raise FlowfleetError(f"--strategies: repeated names in {','.join(self.strategies)}")
         if self.cfg_sweep and self.cfg is not None:
@@ -208,6 +223,11 @@ def evaluate(
     for router in options.routers:  # the same experts, another of the run's routers
         routed = pipe.with_router(_comparison_router(ev.root, ev.cfg, router, ev.device))
         models += [(f"{s}+{router}", "fleet", routed, s) for s in options.strategies]
+    for name, folder in options.fleets:  # another fleet in the same latent space, the same encoders shared
+        other = FleetPipeline.from_pretrained(
+            folder, device=ev.device, text_encoder=pipe.text_encoder, latent_decoder=pipe.latent_decoder
+        )
+        models += [(f"{s}@{name}", "fleet", other, s) for s in options.strategies]
     same = same_as_earlier(options.strategies, len(pipe.present))  # e.g. top2 of 2 experts IS full
     for name, kind, p, strategy in models:
         if kind == "fleet" and name in same:  # same weights, same prompts and noise: same samples
@@ -319,6 +339,8 @@ class _Evaluation:
             done, why, _ = job_finished(root, router_of_folder(cfg, router).dir)
             if not done:
                 raise FlowfleetError(f"--routers: {why}")
+        for _, folder in options.fleets:
+            _check_other_fleet(model_root, index, RunRoot(folder), options.strategies)
         ev = cls(model_root.url, root, cfg, data, options, resolve_device(options.device), index.conditioning)
         ev._open_fid(extractor)
         return ev
@@ -536,6 +558,7 @@ class _Evaluation:
             },
             "guidance": {"sweep": list(o.cfg_sweep), "min_accuracy": o.min_accuracy} if o.cfg_sweep else None,
             "runs": {name: r.to_json() for name, r in self.runs.items()},
+            "fleets": {name: RunRoot(folder).url for name, folder in o.fleets} or None,
             "adherence": self.adherence or None,
             "prompt_accuracy": (
                 {
@@ -607,6 +630,32 @@ def _features(fid: FID, images: torch.Tensor, name: str) -> tuple[FeatureStats, 
         stats.update(f)
         parts.append(f)
     return stats, torch.cat(parts)
+
+
+def _check_other_fleet(model: RunRoot, index: ModelIndex, other: RunRoot, strategies: Sequence[str]) -> None:
+    """--fleet: `other` must be an assembled fleet that decodes and reads prompts exactly as `model` does (the
+    same latent space and encoder settings, the same decoder weights by checksum), and have the experts each
+    strategy needs; otherwise a one-line error naming the folder and what differs."""
+    theirs = read_model_index(other)  # one-line error when FOLDER is not an assembled fleet
+    for field_name in ("latent_shape", "latent_encoder", "text_encoder_config", "conditioning", "text_width"):
+        mine, its = getattr(index, field_name), getattr(theirs, field_name)
+        if mine != its:
+            raise FlowfleetError(
+                f"--fleet {other.url}: {field_name} {its!r} differs from {model.url}'s {mine!r}: "
+                "another fleet must share the model's latent space and text encoder"
+            )
+    mine_sums, its_sums = read_checksums(model) or {}, read_checksums(other) or {}
+    for rel in sorted(r for r in mine_sums if r.startswith(MODEL_VAE + "/")):
+        if its_sums.get(rel) != mine_sums[rel]:
+            raise FlowfleetError(
+                f"--fleet {other.url}: {rel} is not {model.url}'s (checksum): another fleet must decode "
+                "with the same autoencoder"
+            )
+    for s in strategies:
+        try:
+            parse_strategy(s).resolve_k(len(theirs.present_experts))
+        except ValueError as err:
+            raise FlowfleetError(f"--fleet {other.url}: {err}") from None
 
 
 def _comparison_router(root: RunRoot, cfg: RunConfig, router: str, device: torch.device) -> DiTRouter:
