@@ -19,7 +19,7 @@ from flowfleet.train.specs import monolith_steps
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small models on a shared 2-core box
 
 
-def check_run(path, *, strategies=("top2",)) -> dict:
+def check_run(path, *, strategies=("top2",), fleets=()) -> dict:
     """The demo's outputs: a report with every section filled, an evaluation of every model."""
     from test_report import parse  # the report test's headless HTML check
 
@@ -32,7 +32,12 @@ def check_run(path, *, strategies=("top2",)) -> dict:
         assert page.images.get(section), f"section {section} has no image"
     evaluation = json.loads((path / "reports" / "evaluation.json").read_text())
     # Paris' claim (top-2 against the monolith), then "beyond Paris": the same experts routed with the prompt
-    assert list(evaluation["runs"]) == ["monolith", *strategies, *(f"{s}+router-prompt" for s in strategies)]
+    assert list(evaluation["runs"]) == [
+        "monolith",
+        *strategies,
+        *(f"{s}+router-prompt" for s in strategies),
+        *(f"{s}@{f}" for f in fleets for s in strategies),  # --caption-fleet: another fleet, its own rows
+    ]
     assert all(v > 0 for v in evaluation["fid"]["scores"].values())
     # MNIST: every model judged by the digit classifier, every scored sample kept with its prompt
     digits = evaluation["prompt_accuracy"]
@@ -86,6 +91,23 @@ def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
     steps = [json.loads((out / "experts" / str(j) / "status.json").read_text())["total_steps"] for j in range(k)]
     assert sum(steps) == k * plan.config.train.steps
     assert all(abs(s - k * plan.config.train.steps * n / sum(sizes)) < 1 for s, n in zip(steps, sizes))
+
+    # Again with --caption-fleet: the finished stages are skipped, the fleet of caption clusters is trained on a
+    # copy of the prepared data (no monolith) and evaluated beside Paris' fleet with the same prompts and noise.
+    trained = (out / "experts" / "0" / "status.json").read_bytes()
+    demo(str(out), size="smoke", with_caption_fleet=True, progress=False)
+    evaluation = check_run(out, fleets=("caption",))
+    assert (out / "experts" / "0" / "status.json").read_bytes() == trained  # resumed, not retrained
+    sub = out / "caption-fleet"
+    assert evaluation["fleets"] == {"caption": str(sub / "model")}
+    assert (sub / "data" / "manifest.json").read_bytes() == (out / "data" / "manifest.json").read_bytes()
+    assert json.loads((sub / "clusters" / "report.json").read_text())["features"]["kind"] == "text"
+    assert not (sub / "monolith").exists()
+    router = json.loads((sub / "model" / "router" / "config.json").read_text())
+    assert router["conditioning"] == "pooled"  # the caption fleet is routed by the prompt
+    with np.load(out / "reports" / evaluation["runs"]["top2@caption"]["samples"]) as a:
+        with np.load(out / "reports" / evaluation["runs"]["top2"]["samples"]) as b:
+            assert (a["prompts"] == b["prompts"]).all() and not np.array_equal(a["images"], b["images"])
 
 
 def test_demo_refuses_an_out_folder_of_another_run(tmp_path):

@@ -25,6 +25,21 @@ def test_json_yaml_and_listing(tmp_path):
         root.read_json("x", "bad.json")
 
 
+def test_copy_folder_copies_every_file_and_the_manifests_last(tmp_path, monkeypatch):
+    src, dst = RunRoot(tmp_path / "a"), RunRoot(tmp_path / "b")
+    files = {("d", "manifest.json"): b"m", ("d", "s-0.safetensors"): b"0", ("d", "sub", "manifest.json"): b"n",
+             ("d", "sub", "z.bin"): b"z", ("other", "x"): b"x"}  # fmt: skip
+    for rel, data in files.items():
+        src.write_bytes(data, *rel)
+    written = []
+    write = RunRoot.write_bytes
+    monkeypatch.setattr(RunRoot, "write_bytes", lambda self, data, *rel: (written.append(rel), write(self, data, *rel)))
+    dst.copy_folder(src, "d")
+    assert {rel: dst.read_bytes(*rel) for rel in written} == {r: v for r, v in files.items() if r[0] == "d"}
+    assert [r[-1] for r in written[-2:]] == ["manifest.json", "manifest.json"]  # a complete set only at the end
+    assert not dst.exists("other")
+
+
 def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
     root = RunRoot(tmp_path)
     root.write_bytes(b"old", "f.bin")

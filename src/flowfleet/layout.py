@@ -43,6 +43,9 @@ CENTROIDS = (CLUSTERS, "centroids.safetensors")
 CLUSTER_REPORT = (CLUSTERS, "report.json")
 PARTITIONS = "partitions"
 ADDED = "added"  # added/<n>/: the data `add-expert` brought, prepared and clustered like the run's
+# `demo --caption-fleet`: a run root of its own inside the demo's (its data/ and autoencoder/ copied), a fleet of
+# caption clusters routed by the prompt, evaluated beside Paris' fleet as the rows STRATEGY@caption
+CAPTION_FLEET = "caption-fleet"
 
 # training jobs
 EXPERTS = "experts"

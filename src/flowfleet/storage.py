@@ -22,7 +22,7 @@ import fsspec
 import yaml
 
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import RUN_FILE, addition
+from flowfleet.layout import MANIFEST, RUN_FILE, addition
 
 T = TypeVar("T")
 
@@ -238,6 +238,23 @@ class RunRoot:
         self.write_bytes(old + line.rstrip("\n").encode() + b"\n", *parts)
 
     # -- folders -------------------------------------------------------------------------------------
+
+    def copy_folder(self, source: "RunRoot", *parts: str) -> None:
+        """Copy source's folder `parts` to the same place here, file by file (each written atomically), every
+        shard set's manifest.json last: an interrupted copy is an incomplete shard set, never a complete one
+        that lacks shards."""
+        files: list[tuple[str, ...]] = []
+
+        def walk(rel: tuple[str, ...]) -> None:
+            for name in source.ls(*rel):
+                if source.fs.isdir(source.path(*rel, name)):
+                    walk((*rel, name))
+                else:
+                    files.append((*rel, name))
+
+        walk(parts)
+        for rel in sorted(files, key=lambda r: (r[-1] == MANIFEST, r)):
+            self.write_bytes(source.read_bytes(*rel), *rel)
 
     def put_dir(self, local_dir: str | os.PathLike, *parts: str) -> None:
         """Copy a local folder's files into the run root (each file written atomically)."""

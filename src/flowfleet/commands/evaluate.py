@@ -107,6 +107,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "demo", run_demo)
     p.add_argument("--out", default="runs/demo", metavar="DIR", help="run root to create (default runs/demo)")
     p.add_argument("--quick", action="store_true", help="a smaller, faster run (about 5 minutes on 2 CPU cores)")
+    p.add_argument(
+        "--caption-fleet",
+        action="store_true",
+        help="also train a fleet of caption clusters routed by the prompt (OUT/caption-fleet/) and evaluate it beside "
+        "Paris' fleet as the rows STRATEGY@caption (about 2.5 minutes more)",
+    )
 
 
 def _strategies(text: str) -> tuple[str, ...]:
@@ -197,6 +203,6 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from flowfleet.stages.demo import demo
 
-    result = demo(args.out, quick=args.quick)
+    result = demo(args.out, quick=args.quick, with_caption_fleet=args.caption_fleet)
     print(f"demo finished in {result.seconds:.0f} s; open {result.report}")
     return 0

@@ -25,6 +25,12 @@ Beside Paris' claim (top-2 against the monolith), the evaluation and the report 
 top-2 of the same experts routed by a router that also reads the prompt (router-prompt/, run.yaml
 router_prompt); the fleet's own router, and its model folder, stay Paris'.
 
+`--caption-fleet` adds the regime the demo used to run, a second comparison beyond Paris: a fleet whose clusters
+are the captions' (cluster.features: text), routed by the prompt, trained in OUT/caption-fleet/ (a run root of its
+own: the demo's data/ and autoencoder/ copied, no monolith) at the same expert steps, and evaluated with the
+same prompts and noise as the rows "<strategy>@caption". It adds about 2.5 minutes (BENCHMARKS.md), which would
+take the default demo past ten, so it is an option.
+
 Every model is judged against digits no model trained on, by a digit classifier trained on the first
 4000 of MNIST-5k (prompt accuracy; Fréchet distance, precision and recall in its features; flowfleet.
 evaluate.digits) and by Inception FID (75 x 75 inputs: MNIST's 28-pixel digits gain nothing at 299). Real
@@ -52,7 +58,17 @@ from flowfleet.evaluate.report import TIMINGS_FILE, write_report
 from flowfleet.evaluate.table import print_table
 from flowfleet.evaluate.views import captioned_grid_png
 from flowfleet.flow import same_as_earlier
-from flowfleet.layout import CLUSTER_REPORT, PROMPT_ROUTER, REPORTS, RUN_FILE, SHOWCASE
+from flowfleet.layout import (
+    AUTOENCODER,
+    CAPTION_FLEET,
+    CLUSTER_REPORT,
+    DATA,
+    MODEL,
+    PROMPT_ROUTER,
+    REPORTS,
+    RUN_FILE,
+    SHOWCASE,
+)
 from flowfleet.presets import PRESETS
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.cluster import cluster
@@ -149,19 +165,54 @@ class DemoResult:
     evaluation: dict[str, Any] = field(default_factory=dict)
 
 
-def _open(out: str, plan: DemoPlan) -> RunRoot:
+def _open(out: str, config: RunConfig) -> RunRoot:
     """Create the run root, or reopen one made by the same demo configuration."""
     root = RunRoot(out)
     if root.exists(RUN_FILE):
         existing = load_run_config(root)
-        if existing.to_dict() != plan.config.to_dict():
+        if existing.to_dict() != config.to_dict():
             raise FlowfleetError(
                 f"{root.url_of(RUN_FILE)}: exists with another configuration (not this demo's); "
                 "choose another --out or delete the folder"
             )
     else:
-        plan.config.save(root)
+        config.save(root)
     return root
+
+
+def caption_fleet_config(config: RunConfig) -> RunConfig:
+    """The demo's run with clusters of the captions (no residual), a router that reads the prompt (router-prompt,
+    which the fleet is assembled with) and no monolith: the same data, latent space, experts and steps."""
+    raw = config.to_dict()
+    raw["name"] = f"{config.name}-caption"
+    raw["cluster"].update(features="text", caption_residual=False)
+    raw["monolith"]["enabled"] = False
+    raw["router_prompt"] = True
+    return RunConfig.from_dict(raw, where="demo caption-fleet configuration")
+
+
+def caption_fleet(root: RunRoot, plan: DemoPlan, progress: bool) -> str:
+    """Train (or resume) OUT/caption-fleet/ on a copy of the demo's prepared data; returns its model folder."""
+    sub = _open(root.url_of(CAPTION_FLEET), caption_fleet_config(plan.config))
+    for folder in (DATA, AUTOENCODER):
+        if not sub.exists(folder):
+            sub.copy_folder(root, folder)
+    if not sub.exists(*CLUSTER_REPORT):
+        cluster(sub, progress=progress)
+    outcome = train_all(sub.url, progress=progress)
+    _check_trained(outcome, sub.url)
+    return assemble(sub.url, sub.url_of(MODEL), router=PROMPT_ROUTER).out
+
+
+def _check_trained(outcome: Any, url: str) -> None:
+    if not outcome.ok:
+        failed = {k: v for k, v in outcome.results.items() if v not in ("done", "skipped")}
+        first = next(iter(failed))
+        raise FlowfleetError(
+            f"demo: training job {first} {failed[first]}"
+            f"{': ' + outcome.messages[first] if first in outcome.messages else ''} "
+            f"(logs in {url}/<job>/train.log; run the demo again to resume)"
+        )
 
 
 def demo(
@@ -169,15 +220,17 @@ def demo(
     *,
     quick: bool = False,
     size: DemoSize | None = None,
+    with_caption_fleet: bool = False,
     progress: bool = True,
 ) -> DemoResult:
-    """Run (or resume) the demo in `out`; returns where the report is. `size` overrides `quick`."""
-    return _demo(out, size or ("quick" if quick else "full"), progress)
+    """Run (or resume) the demo in `out`; returns where the report is. `size` overrides `quick`;
+    with_caption_fleet: also train and evaluate the caption-cluster fleet (`--caption-fleet`)."""
+    return _demo(out, size or ("quick" if quick else "full"), with_caption_fleet, progress)
 
 
-def _demo(out: str, size: DemoSize, progress: bool) -> DemoResult:
+def _demo(out: str, size: DemoSize, with_caption_fleet: bool, progress: bool) -> DemoResult:
     plan = demo_plan(size)
-    root = _open(out, plan)
+    root = _open(out, plan.config)
     url = root.url
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
@@ -192,18 +245,14 @@ def _demo(out: str, size: DemoSize, progress: bool) -> DemoResult:
         return result
 
     stage("prepare", lambda: prepare(root, progress=progress))
-    if not root.exists(*CLUSTER_REPORT):
-        stage("cluster", lambda: cluster(root, progress=progress))
-    outcome = stage("train-all", lambda: train_all(url, progress=progress))
-    if not outcome.ok:
-        failed = {k: v for k, v in outcome.results.items() if v not in ("done", "skipped")}
-        first = next(iter(failed))
-        raise FlowfleetError(
-            f"demo: training job {first} {failed[first]}"
-            f"{': ' + outcome.messages[first] if first in outcome.messages else ''} "
-            f"(logs in {url}/<job>/train.log; run the demo again to resume)"
-        )
+    # (like prepare and train-all, a stage finished earlier takes no time: every stage is in timings.json)
+    stage("cluster", lambda: None if root.exists(*CLUSTER_REPORT) else cluster(root, progress=progress))
+    _check_trained(stage("train-all", lambda: train_all(url, progress=progress)), url)
     model, monolith = stage("assemble", lambda: (assemble(url).out, assemble(url, monolith=True).out))
+    evaluation_options = plan.evaluation
+    if with_caption_fleet:
+        caption_model = stage("caption-fleet", lambda: caption_fleet(root, plan, progress))
+        evaluation_options = replace(evaluation_options, fleets=(("caption", caption_model),))
 
     def showcase() -> None:
         from flowfleet.data.encoders import build_text_encoder
@@ -236,7 +285,7 @@ def _demo(out: str, size: DemoSize, progress: bool) -> DemoResult:
                 f"{name}.png",
             )
 
-    evaluation = stage("evaluate", lambda: evaluate(model, url, plan.evaluation))
+    evaluation = stage("evaluate", lambda: evaluate(model, url, evaluation_options))
     print_table(evaluation)
     stage("generate", showcase)  # at each folder's default scale: the one the evaluation chose
     timings["total"] = round(time.perf_counter() - t_all, 2)
