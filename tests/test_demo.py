@@ -108,6 +108,12 @@ def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
     with np.load(out / "reports" / evaluation["runs"]["top2@caption"]["samples"]) as a:
         with np.load(out / "reports" / evaluation["runs"]["top2"]["samples"]) as b:
             assert (a["prompts"] == b["prompts"]).all() and not np.array_equal(a["images"], b["images"])
+    # a copy cut short (its manifest is written last) is copied again; the caption fleet's jobs are not retrained
+    (sub / "data" / "manifest.json").unlink()
+    caption_trained = (sub / "experts" / "0" / "status.json").read_bytes()
+    demo(str(out), size="smoke", with_caption_fleet=True, progress=False)
+    assert (sub / "data" / "manifest.json").read_bytes() == (out / "data" / "manifest.json").read_bytes()
+    assert (sub / "experts" / "0" / "status.json").read_bytes() == caption_trained
 
 
 def test_demo_refuses_an_out_folder_of_another_run(tmp_path):

@@ -195,7 +195,7 @@ def caption_fleet(root: RunRoot, plan: DemoPlan, progress: bool) -> str:
     """Train (or resume) OUT/caption-fleet/ on a copy of the demo's prepared data; returns its model folder."""
     sub = _open(root.url_of(CAPTION_FLEET), caption_fleet_config(plan.config))
     for folder in (DATA, AUTOENCODER):
-        if not sub.exists(folder):
+        if sub.ls(folder) != root.ls(folder):  # not copied yet, or a copy that was cut short (manifests go last)
             sub.copy_folder(root, folder)
     if not sub.exists(*CLUSTER_REPORT):
         cluster(sub, progress=progress)
