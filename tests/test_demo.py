@@ -102,6 +102,7 @@ def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
     assert evaluation["fleets"] == {"caption": str(sub / "model")}
     assert (sub / "data" / "manifest.json").read_bytes() == (out / "data" / "manifest.json").read_bytes()
     assert json.loads((sub / "clusters" / "report.json").read_text())["features"]["kind"] == "text"
+    assert "the fleet of the rows STRATEGY@caption: text clusters" in (out / "reports" / "report.html").read_text()
     assert not (sub / "monolith").exists()
     router = json.loads((sub / "model" / "router" / "config.json").read_text())
     assert router["conditioning"] == "pooled"  # the caption fleet is routed by the prompt

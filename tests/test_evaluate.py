@@ -576,9 +576,15 @@ def test_another_fleet_in_the_same_latent_space_is_one_more_row_with_the_same_pr
             np.testing.assert_array_equal(row["images"], direct["images"])  # the same fleet, prompts and noise
         with np.load(ref.url_of("reports", runs["top1"]["samples"])) as own:
             assert (own["prompts"] == row["prompts"]).all() and not np.array_equal(own["images"], row["images"])
+    for root, mix in ((ref, [{"1": 9, "2": 7}, {"2": 16}]), (other, [{"1": 16}, {"2": 13, "1": 3}])):
+        root.write_json(
+            {"sizes": [16, 16], "features": {"kind": "semantic"}, "label_mix": mix}, "clusters", "report.json"
+        )
     write_report(ref)
     html = ref.read_bytes("reports", "report.html").decode()
     assert "A row STRATEGY@NAME is another fleet" in html and "top1@other" in html
+    # the clusters section shows the other fleet's clusters too, from its own run root
+    assert "the fleet of the rows STRATEGY@other: semantic clusters" in html and "2: 13, 1: 3" in html
 
     index = json.loads(other.read_bytes("model", "model_index.json"))
     index["text_width"] += 1

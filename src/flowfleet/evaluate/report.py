@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import json
+import posixpath
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -257,20 +258,17 @@ class ReportBuilder:
                 "majority cluster; 1 = every label whole in one cluster)"
             )
         s.notes.append(note)
-        mixes = rep.get("label_mix") or []
-        rows = []
-        for k, size in enumerate(sizes):
-            mix = mixes[k] if k < len(mixes) and isinstance(mixes[k], dict) else {}
-            shown = sorted(mix.items(), key=lambda kv: -kv[1])[:MIX_LABELS]
-            rows.append([k, size, ", ".join(f"{lab}: {cnt}" for lab, cnt in shown)])
+        make_up = f"cluster sizes and make-up (items per source label, the {MIX_LABELS} most frequent)"
+        rows = _cluster_rows(rep)
         if rows:
-            s.tables.append(
-                {
-                    "caption": f"cluster sizes and make-up (items per source label, the {MIX_LABELS} most frequent)",
-                    "header": ["cluster", "items", "labels"],
-                    "rows": rows,
-                }
-            )
+            s.tables.append({"caption": make_up, "header": ["cluster", "items", "labels"], "rows": rows})
+        # another fleet evaluated beside this one (evaluate --fleet): its own run root's clusters, when it has one
+        for name, folder in ((self.evaluation or {}).get("fleets") or {}).items():
+            other = _json(RunRoot(posixpath.dirname(folder.rstrip("/"))), *CLUSTER_REPORT)
+            if other and (rows := _cluster_rows(other)):
+                kind = (other.get("features") or {}).get("kind", "?")
+                caption = f"the fleet of the rows STRATEGY@{name}: {kind} clusters' {make_up}"
+                s.tables.append({"caption": caption, "header": ["cluster", "items", "labels"], "rows": rows})
         for name in self.root.ls(CLUSTERS):
             if name.startswith("preview-") and name.endswith(".png"):
                 img = self._file_image(f"cluster {name[8:-4]}", CLUSTERS, name)
@@ -635,6 +633,17 @@ class ReportBuilder:
         if not s.tables:
             s.missing = "no timings recorded yet"
         return s
+
+
+def _cluster_rows(rep: dict[str, Any]) -> list[list[Any]]:
+    """[cluster, items, "label: count, ..."] per cluster of a clusters/report.json (the most frequent labels)."""
+    mixes = rep.get("label_mix") or []
+    rows = []
+    for k, size in enumerate(rep.get("sizes") or []):
+        mix = mixes[k] if k < len(mixes) and isinstance(mixes[k], dict) else {}
+        shown = sorted(mix.items(), key=lambda kv: -kv[1])[:MIX_LABELS]
+        rows.append([k, size, ", ".join(f"{lab}: {cnt}" for lab, cnt in shown)])
+    return rows
 
 
 def router_accuracy_table(routers: dict[str, dict[str, Any]], kinds: dict[str, str]) -> dict[str, Any]:
