@@ -1,0 +1,162 @@
+"""Does the fleet close in on the monolith as the data grows? Top-2 and the compute-matched monolith trained on the
+first N of a prepared run's training items, each at the same passes over its data as the run's own budget.
+
+For each N, builds OUT/<N>[-seedS]/ from the run (the demo's: `flowfleet demo --out RUN`): data/ holds the run's
+first N items (index 0..N-1, the same latents, features and captions); eval/, autoencoder/ and the digit judge are
+copied; run.yaml is the run's with train.steps = round(steps * N / N_run), so that every expert (split by size, as
+the demo's) and the monolith pass over their data as often as at the run's own size. The copy is clustered afresh
+(the run's cluster settings), trained with `train-all`, assembled, and top-2 and the monolith are scored by
+`flowfleet evaluate` over a guidance sweep, each at its best classifier FD with prompt accuracy >= 0.95, against the
+run's held-out digits. Paris' regime throughout: image-feature clusters, the prompt-blind router, top-2.
+
+The autoencoder stays the run's (trained on all of its training items), so the smaller runs share its latent
+space; both models gain from it alike.
+
+    python benchmarks/data_scaling.py --run runs/demo --sizes 1000,2000 --seeds 0,1,2 --out runs/bench/scaling
+    python benchmarks/data_scaling.py --run runs/demo --out runs/bench/scaling --plot-only \
+        --full-size runs/bench/budget/budget.jsonl      # fleet_budget.py's lines at the run's own budget: N = all
+
+--full-size FILE adds the run's own size to the plot from `fleet_budget.py` result lines (its --budgets at the
+run's train.steps, one line per seed), which are those runs exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import yaml
+from fleet_runs import keep_record, score_fleet  # benchmarks/ is the script's folder
+
+KEPT = ("eval", "autoencoder", "reports/digit_classifier")
+FIELDS = ("latents", "features", "labels", "index", "text_pooled", "text_tokens", "text_mask")
+
+
+def build(src: Path, out: Path, n: int, seed: int) -> int:
+    """OUT with the run's first n training items and the run's budget scaled by n / N; returns the steps."""
+    from flowfleet.data.shards import ShardSet, ShardSetManifest, open_complete
+    from flowfleet.layout import DATA
+    from flowfleet.storage import RunRoot
+
+    raw = yaml.safe_load((src / "run.yaml").read_text())
+    data = open_complete(RunRoot(str(src)), DATA, "flowfleet prepare")
+    total = data.manifest().count
+    if not 0 < n <= total:
+        raise SystemExit(f"--sizes: {n} outside 1..{total} (the run's training items)")
+    steps = round(raw["train"]["steps"] * n / total)
+    if (out / "run.yaml").exists():
+        return steps
+    out.mkdir(parents=True, exist_ok=True)
+    for name in KEPT:
+        if (src / name).is_dir():
+            shutil.copytree(src / name, out / name)
+    fields, captions = data.load(FIELDS, with_captions=True)
+    keep = fields["index"] < n  # [N] the first n items
+    shards, manifest = ShardSet(RunRoot(str(out)), DATA), ShardSetManifest(extra=data.manifest().extra)
+    rows = keep.nonzero().flatten()
+    size = raw["data"]["shard_size"]
+    for i in range(0, len(rows), size):
+        r = rows[i : i + size]
+        shards.append(manifest, {f: v[r] for f, v in fields.items()}, [captions[j] for j in r.tolist()])
+    manifest.complete = True
+    shards.write_manifest(manifest)
+    raw["train"].update(steps=steps, ckpt_every=max(steps // 2, 1), sample_every=steps, log_every=max(steps // 40, 1))
+    raw["train"]["warmup_steps"] = min(raw["train"].get("warmup_steps", 0), steps // 3)
+    raw["train"]["seed"] = raw["router_train"]["seed"] = seed
+    raw["router_prompt"] = False  # Paris' claim only: top-2 of the prompt-blind router against the monolith
+    (out / "run.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    return steps
+
+
+def plot(records: list[dict], out: Path) -> None:
+    """Each model's chosen classifier FD (mean and sd over seeds, the real floor dotted) and top-2 / monolith
+    against the training items."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    sizes = sorted({r["items"] for r in records})
+
+    def curve(ax, value, label: str, style: str) -> None:
+        groups = [[value(r) for r in records if r["items"] == n] for n in sizes]
+        sds = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in groups]
+        ax.errorbar(sizes, [statistics.fmean(v) for v in groups], yerr=sds, fmt=style, capsize=3, label=label)
+
+    fig = Figure(figsize=(6, 6))
+    FigureCanvasAgg(fig)
+    fd, ratio = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
+    curve(fd, lambda r: r["monolith"]["classifier_fd"], "monolith", "--o")
+    curve(fd, lambda r: r["top2"]["classifier_fd"], "top-2 (Paris)", "-o")
+    fd.axhline(records[0]["floor"]["floor"]["classifier_fd"], color="grey", linestyle=":", label="real floor")
+    fd.set(ylabel="classifier FD at the chosen scale", title="the fleet and the compute-matched monolith by data")
+    curve(ratio, lambda r: r["top2"]["classifier_fd"] / r["monolith"]["classifier_fd"], "top-2 / monolith", "-o")
+    ratio.axhline(1.0, color="grey", linestyle=":")
+    ratio.set(xlabel="training items (steps in proportion)", ylabel="top-2 / monolith")
+    for ax in (fd, ratio):
+        ax.set_xscale("log")
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, format="png", dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", default="runs/demo", help="a prepared run (the demo's)")
+    p.add_argument("--sizes", default="1000,2000", help="training items per run (the first N of the run's)")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--n", type=int, default=300)
+    p.add_argument("--cfg", default="1.25,1.5,2,3")
+    p.add_argument("--parallel", type=int, default=2)
+    p.add_argument("--out", default="runs/bench/scaling")
+    p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--full-size", default="", help="fleet_budget.py's budget.jsonl: its lines at the run's steps")
+    a = p.parse_args()
+
+    from flowfleet.stages.assemble import assemble
+    from flowfleet.stages.cluster import cluster
+    from flowfleet.stages.train import train_all
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = out / "scaling.jsonl"
+    if not a.plot_only:
+        for n in (int(x) for x in a.sizes.split(",")):
+            for seed in (int(x) for x in a.seeds.split(",")):
+                run = out / "-".join([str(n)] + ([f"seed{seed}"] if seed else []))
+                steps = build(Path(a.run), run, n, seed)
+                if not (run / "clusters").exists():
+                    cluster(str(run), progress=False)
+                t0 = time.perf_counter()
+                train_all(str(run), parallel=a.parallel, progress=False)
+                rec = {
+                    "items": n,
+                    "seed": seed,
+                    "steps_per_expert": steps,
+                    "train_all_s": round(time.perf_counter() - t0, 1),
+                }
+                assemble(str(run), progress=False)
+                rec["cluster_sizes"] = json.loads((run / "clusters" / "report.json").read_text())["sizes"]
+                rec.update(score_fleet(run, ("top2",), a.cfg, a.n))
+                keep_record(rec, lines)
+    records = [json.loads(x) for x in lines.read_text().splitlines() if x.strip()] if lines.exists() else []
+    if a.full_size:
+        from flowfleet.data.shards import open_complete
+        from flowfleet.layout import DATA
+        from flowfleet.storage import RunRoot
+
+        steps = yaml.safe_load((Path(a.run) / "run.yaml").read_text())["train"]["steps"]
+        total = open_complete(RunRoot(a.run), DATA, "flowfleet prepare").manifest().count
+        full = [json.loads(x) for x in Path(a.full_size).read_text().splitlines() if x.strip()]
+        records += [{**r, "items": total} for r in full if r["budget_per_expert"] == steps]
+    if records:
+        plot(records, out / "scaling.png")
+
+
+if __name__ == "__main__":
+    main()
