@@ -169,6 +169,26 @@ def test_dropped_condition_ignores_the_condition(conditioning):
     assert torch.allclose(mixed[0], ref, atol=_tol(model, ref), rtol=0)
 
 
+def test_dropout_acts_in_training_only():
+    plain, dropped = _model(), _model(dropout=0.5)
+    _randomize(plain)
+    dropped.load_state_dict(plain.state_dict())  # dropout adds no parameters
+    x, t = torch.randn(2, 3, 8, 8), torch.rand(2)
+    with torch.no_grad():
+        # eval(): nn.Dropout is the identity, so the same weights give the same bits
+        assert torch.equal(dropped.eval()(x, t), plain.eval()(x, t))
+        dropped.train()
+        torch.manual_seed(0)
+        a = dropped(x, t)
+        torch.manual_seed(0)
+        assert torch.equal(a, dropped(x, t))  # the masks come from torch's generator (checkpointed on resume)
+        assert not torch.allclose(a, dropped(x, t))  # another mask
+        assert not torch.allclose(a, plain.eval()(x, t))
+    assert DiTConfig(size="tiny", dropout=0.1).dropout == 0.1
+    with pytest.raises(ValueError, match="dropout"):
+        DiTConfig(size="tiny", dropout=1.0)
+
+
 def test_cross_attention_respects_text_mask():
     model = _model(conditioning="cross_attn", text_dim=12, text_len=4)
     _randomize(model)

@@ -14,7 +14,7 @@ import torch
 from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 from fixtures.tolerances import gamma
 
-from flowfleet.config import load_run_config
+from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.dit import DiTExpert, DiTRouter
@@ -283,6 +283,41 @@ def test_monolith_trains_on_all_data_for_matched_compute(tmp_path):
     assert steps > 4
     assert (status.state, status.total_steps, status.step) == ("done", steps, steps)
     assert load_model(DiTExpert, RunRoot(tmp_path / "r/monolith"), "final").cfg == load_run_config(root).expert
+
+
+def test_expert_conditioned_on_augmentation_needs_and_reads_the_augment_field(tmp_path):
+    raw = synthetic_config(k=2, steps=3).to_dict()
+    raw["expert"]["augment_dim"] = 4
+    root = RunRoot(tmp_path / "r")
+    write_synthetic_run(root, RunConfig.from_dict(raw))
+    missing = r"partitions/0.*has no 'augment' field, which run.yaml expert \(augment_dim=4\)"
+    with pytest.raises(FlowfleetError, match=missing):
+        run_job(root)
+    part = ShardSet(root, "partitions/0")
+    fields, captions = part.load(with_captions=True)
+    fields["augment"] = torch.rand(len(captions), 4) * 2 - 1  # [N, 4]
+    manifest = ShardSetManifest(extra=part.manifest().extra)
+    root.remove("partitions/0", recursive=True)
+    part.append(manifest, fields, captions)
+    manifest.complete = True
+    part.write_manifest(manifest)
+
+    task = build_task(root, load_run_config(root), EXPERT0)
+    batch = task.data.gather(torch.arange(8), torch.device("cpu"))
+    model = DiTExpert.from_dit_config(task.model_cfg)
+    for p in model.parameters():  # adaLN-Zero starts at the identity: wake every path
+        torch.nn.init.normal_(p, std=0.1)
+
+    def loss(augment):
+        return task.loss(model, {**batch, "augment": augment}, torch.Generator().manual_seed(0))[0]
+
+    assert loss(batch["augment"]) != loss(torch.zeros_like(batch["augment"]))  # the loss sees the parameters
+    x, t, text = batch["latents"], torch.full((8,), 0.5), batch["text_pooled"]
+    with torch.no_grad():  # zeros add nothing: the unaugmented items train the model sampling then runs
+        ref, zero = model(x, t, text_pooled=text), model(x, t, text_pooled=text, augment=torch.zeros(8, 4))
+    assert torch.equal(ref, zero)
+    assert run_job(root).state == "done"
+    assert load_model(DiTExpert, RunRoot(tmp_path / "r/experts/0"), "final").cfg.augment_dim == 4
 
 
 def test_learning_rate_schedules():

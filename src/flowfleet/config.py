@@ -197,6 +197,7 @@ EXPERT_OVERRIDABLE = (
     "mlp_act",
     "adaln",
     "cond_dropout",
+    "dropout",
 )
 _SHAPE_FIELDS = ("hidden_size", "depth", "num_heads")  # what a `size` preset fills
 

@@ -61,6 +61,13 @@ class DiTConfig(BaseModel):
     # it exports to diffusers' PixArtTransformer2DModel exactly (flowfleet.models.pixart).
     cross_norm: bool = True
     cond_dropout: float = Field(0.1, ge=0.0, lt=1.0)  # null-condition probability for CFG training
+    # Dropout on each block's attention and MLP outputs while training (ADM's and EDM's regulariser for
+    # small datasets; diffusers' transformer blocks call it `dropout`). Off at inference.
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # Non-leaking augmentation (EDM, Karras et al. 2022, appendix C): the width of the augmentation parameters
+    # the model is conditioned on while training on augmented items (their `augment` field). Sampling passes
+    # none, which is the unaugmented data's distribution. 0: no augmentation input.
+    augment_dim: int = Field(0, ge=0)
     num_outputs: int = Field(0, ge=0)  # > 0: classification head over this many classes (router)
     time_convention: str = TIME_CONVENTION
 

@@ -38,7 +38,8 @@ class DiTModel(ModelMixin, ConfigMixin):
 
     Condition keywords: `labels` [B] (class), `text_pooled` [B, T] (pooled), `text_tokens` [B, L, T] and
     `text_mask` [B, L] (cross_attn). `drop` [B] bool replaces the condition by the null condition
-    (classifier-free guidance).
+    (classifier-free guidance). `augment` [B, augment_dim]: the augmentation of each training item (models
+    with augment_dim > 0; none at sampling).
     """
 
     config_name = "config.json"  # type: ignore[assignment]  # diffusers declares it None, subclasses set it
@@ -65,6 +66,8 @@ class DiTModel(ModelMixin, ConfigMixin):
         add_pooled: bool = False,
         cross_norm: bool = True,
         cond_dropout: float = 0.1,
+        dropout: float = 0.0,
+        augment_dim: int = 0,
         num_outputs: int = 0,
         time_convention: str = TIME_CONVENTION,
     ):
@@ -87,6 +90,8 @@ class DiTModel(ModelMixin, ConfigMixin):
             add_pooled=add_pooled,
             cross_norm=cross_norm,
             cond_dropout=cond_dropout,
+            dropout=dropout,
+            augment_dim=augment_dim,
             num_outputs=num_outputs,
             time_convention=time_convention,
         )
@@ -103,12 +108,14 @@ class DiTModel(ModelMixin, ConfigMixin):
         self.pooled_embedder = PooledTextEmbedder(cfg.text_dim, d) if use_pooled else None
         cross = cfg.conditioning == "cross_attn"
         self.text_projector = TextTokenProjector(cfg.text_dim, cfg.text_len, d) if cross else None
+        # EDM's augmentation mapping: no bias, so parameters of zero (or none given) add nothing
+        self.augment_embedder = nn.Linear(cfg.augment_dim, d, bias=False) if cfg.augment_dim else None
         # adaLN-single: one global MLP from c to all six modulation chunks.
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d)) if cfg.adaln == "single" else None
 
         self.blocks = nn.ModuleList(
             [
-                DiTBlock(d, cfg.num_heads, cfg.mlp_ratio, cfg.adaln, cross, cfg.cross_norm, cfg.mlp_act)
+                DiTBlock(d, cfg.num_heads, cfg.mlp_ratio, cfg.adaln, cross, cfg.cross_norm, cfg.mlp_act, cfg.dropout)
                 for _ in range(cfg.depth)
             ]
         )
@@ -173,9 +180,13 @@ class DiTModel(ModelMixin, ConfigMixin):
     #                                        Forward
     # ----------------------------------------------------------------------------------------------
 
-    def conditioning(self, t: torch.Tensor, labels=None, text_pooled=None, text_tokens=None, text_mask=None, drop=None):
+    def conditioning(
+        self, t: torch.Tensor, labels=None, text_pooled=None, text_tokens=None, text_mask=None, drop=None, augment=None
+    ):
         """-> c [B, D] (timestep + global condition), block modulation input, cross-attn context and mask."""
         c = self.t_embedder(embedder_timestep(t))  # [B, D]
+        if self.augment_embedder is not None and augment is not None:
+            c = c + self.augment_embedder(augment.to(c.dtype))  # [B, D]; not dropped with the condition
         if self.y_embedder is not None:
             c = c + self.y_embedder(labels, drop)  # [B, D]
         if self.pooled_embedder is not None:
@@ -204,6 +215,7 @@ class DiTModel(ModelMixin, ConfigMixin):
         text_tokens=None,
         text_mask=None,
         drop=None,
+        augment=None,
     ) -> torch.Tensor:
         if x.shape[-2:] != tuple(self.cfg.input_size) or x.shape[1] != self.cfg.in_channels:
             raise ValueError(
@@ -212,7 +224,7 @@ class DiTModel(ModelMixin, ConfigMixin):
             )
         t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
         h = self.x_embedder(x) + self.pos_embed.to(x.dtype)  # [B, N, D]
-        c, block_c, ctx, ctx_mask = self.conditioning(t, labels, text_pooled, text_tokens, text_mask, drop)
+        c, block_c, ctx, ctx_mask = self.conditioning(t, labels, text_pooled, text_tokens, text_mask, drop, augment)
         for block in self.blocks:
             h = block(h, block_c, ctx, ctx_mask)  # [B, N, D]
         if self.head is not None:

@@ -17,7 +17,7 @@ from flowfleet.models.pixart import PIXART_CLASS, load_pixart_into
 from flowfleet.storage import RunRoot
 
 # What a starting point may differ in from the expert: training settings, not the network.
-TRAINING_ONLY = ("size", "cond_dropout")
+TRAINING_ONLY = ("size", "cond_dropout", "dropout")
 
 
 def init_class(folder: str) -> str:

@@ -88,7 +88,8 @@ class Mlp(nn.Module):
 
 
 class DiTBlock(nn.Module):
-    """adaLN-Zero block: x + g1 * MSA(mod(LN x)) [+ CrossAttn(LN x, text)] + g2 * MLP(mod(LN x)).
+    """adaLN-Zero block: x + g1 * MSA(mod(LN x)) [+ CrossAttn(LN x, text)] + g2 * MLP(mod(LN x)), with
+    dropout on the MSA and MLP outputs while training (`dropout`, 0 by default as in DiT).
 
     adaln="zero": a per-block SiLU+Linear maps the conditioning vector c [B, D] to 6 chunks.
     adaln="single" (PixArt-alpha): the caller passes one global modulation [B, 6D] and the block adds
@@ -104,9 +105,11 @@ class DiTBlock(nn.Module):
         cross_attn: bool,
         cross_norm: bool = True,
         mlp_act: str = "gelu_tanh",
+        dropout: float = 0.0,
     ):
         super().__init__()
         self.adaln = adaln
+        self.drop = nn.Dropout(dropout)  # on the attention and MLP outputs; identity in eval()
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.attn = SelfAttention(dim, num_heads)
         self.cross_attn = CrossAttention(dim, num_heads) if cross_attn else None
@@ -130,11 +133,11 @@ class DiTBlock(nn.Module):
         wrappers (flowfleet.parallel.dit) pass one whose keys/values also cover the other image bands."""
         attn = self.attn if attn is None else attn
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.modulation(c)
-        x = x + gate_msa.unsqueeze(1) * attn(modulate(self.norm1(x), shift_msa, scale_msa))  # [B, N, D]
+        x = x + gate_msa.unsqueeze(1) * self.drop(attn(modulate(self.norm1(x), shift_msa, scale_msa)))  # [B, N, D]
         if self.cross_attn is not None:
             queries = self.norm_cross(x) if self.norm_cross is not None else x  # [B, N, D]
             x = x + self.cross_attn(queries, ctx, ctx_mask)  # [B, N, D]
-        x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))  # [B, N, D]
+        x = x + gate_mlp.unsqueeze(1) * self.drop(self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp)))  # [B, N, D]
         return x
 
 

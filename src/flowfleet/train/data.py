@@ -41,14 +41,23 @@ def model_fields(cfg: DiTConfig) -> list[str]:
     return fields
 
 
+def training_fields(cfg: DiTConfig) -> list[str]:
+    """Shard fields a model's training reads: its condition, and each item's augmentation when it has one."""
+    return [*model_fields(cfg), *(["augment"] if cfg.augment_dim else [])]
+
+
 def check_compatible(manifest: ShardSetManifest, cfg: DiTConfig, *, data_where: str, model_where: str) -> None:
     """One-line DataMismatchError naming both sides when the shards cannot feed this model."""
     fields = manifest.fields
-    for name in model_fields(cfg):
+    for name in training_fields(cfg):
         if name not in fields:
-            raise DataMismatchError(
-                f"{data_where}: has no {name!r} field, which {model_where} (conditioning={cfg.conditioning}) needs"
-            )
+            why = f"augment_dim={cfg.augment_dim}" if name == "augment" else f"conditioning={cfg.conditioning}"
+            raise DataMismatchError(f"{data_where}: has no {name!r} field, which {model_where} ({why}) needs")
+    if cfg.augment_dim and tuple(fields["augment"]["shape"]) != (cfg.augment_dim,):
+        raise DataMismatchError(
+            f"{data_where}: augment has shape {tuple(fields['augment']['shape'])} but {model_where} "
+            f"expects ({cfg.augment_dim},) (augment_dim)"
+        )
     want = (cfg.in_channels, *cfg.input_size)
     have = tuple(fields["latents"]["shape"])
     if have != want:

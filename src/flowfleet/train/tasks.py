@@ -37,7 +37,7 @@ from flowfleet.models.files import load_model
 from flowfleet.models.init import load_expert_init
 from flowfleet.storage import RunRoot
 from flowfleet.train import preview
-from flowfleet.train.data import InMemoryData, check_compatible, model_fields
+from flowfleet.train.data import InMemoryData, check_compatible, model_fields, training_fields
 from flowfleet.train.specs import JobSpec, job_steps, router_config
 from flowfleet.train.status import job_finished
 
@@ -125,6 +125,8 @@ class FlowTask(TrainTask):
         eps = torch.randn(x0.shape, generator=gen, device=dev)  # [B, C, H, W]
         drop = torch.rand(b, generator=gen, device=dev) < self.model_cfg.cond_dropout  # [B] null condition
         cond = preview.condition_kwargs(batch, self.model_cfg)
+        if self.model_cfg.augment_dim:
+            cond["augment"] = batch["augment"]  # [B, A] how each item was augmented (zeros: as prepared)
         loss = flow_matching_loss(lambda x_t, tt: model(x_t, tt, drop=drop, **cond), x0, t, eps)
         return loss, {}
 
@@ -371,7 +373,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
         shards = open_complete(root, folder, f"flowfleet cluster {root.url}" if n == 0 else "flowfleet add-expert")
         model = cfg.expert_config(k)
         check_compatible(shards.manifest(), model, data_where=shards.url, model_where="run.yaml expert")
-        data = InMemoryData.load(shards, model_fields(model))
+        data = InMemoryData.load(shards, training_fields(model))
         return FlowTask(spec, cfg, model, cfg.train, planned_steps(root, cfg, spec), data)
 
     shards = open_complete(root, DATA, f"flowfleet prepare {root.url}")
@@ -403,7 +405,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
         )
     if spec.kind == "monolith":
         check_compatible(shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert")
-        data = InMemoryData.load(shards, model_fields(cfg.expert))
+        data = InMemoryData.load(shards, training_fields(cfg.expert))
         return FlowTask(spec, cfg, cfg.expert, cfg.train, job_steps(cfg, spec, match_compute), data)
 
     router = router_config(cfg, spec)
