@@ -41,8 +41,9 @@ def main() -> None:
     a = p.parse_args()
 
     from flowfleet.cluster import two_stage_kmeans
+    from flowfleet.cluster.features import clustering_features
     from flowfleet.layout import DATA
-    from flowfleet.stages.cluster import clustering_features, nmi
+    from flowfleet.stages.cluster import nmi
 
     shards = [load_file(f) for f in sorted((Path(a.run) / DATA).glob("shard-*.safetensors"))]
     fields = {name: torch.cat([s[name] for s in shards]) for name in ("features", "labels", "latents")}

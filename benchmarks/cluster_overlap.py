@@ -43,10 +43,10 @@ def memberships(x: torch.Tensor, coarse: torch.Tensor, assign: torch.Tensor, m: 
 
 def build(src: Path, out: Path, m: int) -> dict:
     from flowfleet.cluster.assignments import write_assignments
+    from flowfleet.cluster.features import FEATURE_FIELDS, caption_residual, clustering_features
     from flowfleet.config import load_run_config
     from flowfleet.data.shards import ShardSet, ShardSetManifest, open_complete
     from flowfleet.layout import DATA, partition
-    from flowfleet.stages.cluster import FEATURE_FIELDS, caption_residual, clustering_features
     from flowfleet.storage import RunRoot
 
     out.mkdir(parents=True, exist_ok=True)

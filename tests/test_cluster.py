@@ -337,7 +337,7 @@ def test_cluster_features_latent_clusters_the_latents_the_router_reads(run_root)
 
 @pytest.mark.numerics  # a float64 solve against plain means, within a derived tolerance
 def test_caption_residual_removes_each_captions_mean():
-    from flowfleet.stages.cluster import caption_residual
+    from flowfleet.cluster.features import caption_residual
 
     g = torch.Generator().manual_seed(6)
     x = torch.nn.functional.normalize(torch.randn(40, 8, generator=g), dim=1)

@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowfleet.cluster.assignments import write_assignments
+from flowfleet.cluster.features import FEATURE_FIELDS, caption_residual, clustering_features
 from flowfleet.cluster.kmeans import l2_normalize_, random_partition, two_stage_kmeans
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.encoders import run_latent_encoder
@@ -60,34 +61,6 @@ def label_coherence(labels: torch.Tensor, assign: torch.Tensor) -> float | None:
         members = assign[labels == lab]
         shares.append(float(torch.bincount(members).max()) / members.numel())
     return sum(shares) / len(shares) if shares else None
-
-
-FEATURE_FIELDS = {
-    "semantic": ("features",),
-    "latent": ("latents",),
-    "text": ("text_pooled",),
-    "both": ("features", "text_pooled"),
-}
-
-
-def clustering_features(fields: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
-    """[N, D] L2-normalised rows of what cluster.features names; `both` joins the two normalised halves
-    (each weighted 1/sqrt(2), so neither dominates by its width)."""
-    parts = [l2_normalize_(fields[name].float().flatten(1)) for name in FEATURE_FIELDS[kind]]  # latents: [N, C*H*W]
-    return l2_normalize_(torch.cat(parts, dim=1)) if len(parts) > 1 else parts[0]
-
-
-def caption_residual(x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-    """[N, D] rows of x minus their least-squares prediction from the caption embeddings text [N, E] (with an
-    intercept), re-normalised: what the caption does not tell of an item. Items that share a caption (one
-    embedding) lose exactly their caption's mean. The normal equations over the E + 1 columns, in float64
-    (N x (E + 1)^2 products: a minute at Paris' million items), solved by a pseudo-inverse because a few
-    distinct captions span far fewer than E + 1 dimensions; its cut, 1e-10 of the largest eigenvalue, keeps
-    captions that differ and merges one caption encoded in two batches (embeddings a float32 bit apart give
-    eigenvalues ~1e-14 of it)."""
-    design = torch.cat([text.double().flatten(1), torch.ones(text.shape[0], 1, dtype=torch.float64)], dim=1)
-    coef = torch.linalg.pinv(design.T @ design, rtol=1e-10, hermitian=True) @ (design.T @ x.double())  # [E + 1, D]
-    return l2_normalize_((x.double() - design @ coef).to(x.dtype))
 
 
 def one_point_per_caption(x: torch.Tensor, captions: list[str]) -> tuple[torch.Tensor, int]:
