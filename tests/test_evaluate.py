@@ -596,3 +596,74 @@ def test_another_fleet_in_the_same_latent_space_is_one_more_row_with_the_same_pr
     capsys.readouterr()
     assert main(["evaluate", ref.url_of("model"), "--fleet", "nofolder"]) == 1
     assert capsys.readouterr().err.strip() == "flowfleet evaluate: error: --fleet: expected NAME=FOLDER, got 'nofolder'"
+
+
+def test_held_out_items_join_clusters_by_the_training_items_rule_and_caption_fit():
+    from fixtures.synthetic_run import synthetic_config
+
+    from flowfleet.evaluate.generalization import held_out_clusters
+
+    raw = synthetic_config(k=2).to_dict()
+    raw["cluster"].update(features="semantic", caption_residual=True)
+    cfg = RunConfig.from_dict(raw)
+    gen = torch.Generator().manual_seed(0)
+    captions = torch.randn(3, 6, generator=gen)[torch.arange(40) % 3]  # [40, 6] three distinct captions
+    train = {"features": torch.randn(40, 16, generator=gen), "text_pooled": captions}
+    centroids = {"fine": torch.randn(5, 16, generator=gen), "fine_to_coarse": torch.tensor([0, 1, 1, 0, 1])}
+    assigned = held_out_clusters(cfg, centroids, train, train)  # [40] the rule on the training items
+    assert set(assigned.tolist()) == {0, 1}
+    rows = torch.tensor([3, 8, 17, 30])
+    held = {name: v[rows] for name, v in train.items()}  # held-out copies of four training items
+    # the caption fit is the training items' (fitted on these four alone it would leave other residuals)
+    assert torch.equal(held_out_clusters(cfg, centroids, train, held), assigned[rows])
+
+
+def test_evaluate_reports_each_experts_loss_on_training_and_held_out_items_of_its_cluster(tmp_path):
+    from fixtures.random_fleet import randomize_, write_random_fleet
+    from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+
+    from flowfleet.data.shards import open_complete
+    from flowfleet.evaluate.generalization import held_out_clusters, velocity_loss
+    from flowfleet.models.dit import DiTExpert
+    from flowfleet.models.files import load_model, save_model
+    from flowfleet.stages.assemble import assemble
+    from flowfleet.stages.evaluate import evaluate
+
+    raw = synthetic_config(k=2, size=8, monolith=True).to_dict()
+    raw["data"]["holdout"] = 20
+    raw["cluster"]["features"] = "latent"  # 64-d clustering features: the latents themselves
+    cfg = RunConfig.from_dict(raw)
+    root = RunRoot(str(tmp_path / "run"))
+    write_synthetic_run(root, cfg, per_cluster=10)
+    train = open_complete(root, "data", "").load(["latents", "text_pooled"])
+    held = open_complete(root, "eval", "").load(["latents", "text_pooled"])
+    assign = safetensors.torch.load(root.read_bytes("clusters", "assignments.safetensors"))["assign"]
+    fine = torch.stack([train["latents"][assign == k].flatten(1).mean(0) for k in (0, 1)])  # [2, 64]
+    centroids = {"fine": fine, "coarse": fine.clone(), "fine_to_coarse": torch.tensor([0, 1])}
+    root.write_bytes(safetensors.torch.save(centroids), "clusters", "centroids.safetensors")
+    write_random_fleet(root.url, cfg)
+    save_model(randomize_(DiTExpert.from_dit_config(cfg.expert), seed=7), root, "monolith", "final")
+    root.write_json({"job": "monolith", "state": "done", "step": 1, "total_steps": 1}, "monolith", "status.json")
+    assemble(root.url)
+    result = evaluate(root.url_of("model"), root.url, options(strategies=("top2",)), extractor=SmallFeatures())
+
+    gen = result["diagnostics"]["generalization"]
+    held_assign = held_out_clusters(cfg, centroids, train, held)
+    # the synthetic clusters differ in brightness: the centroid rule recovers every held-out item's cluster
+    assert torch.equal(held_assign, torch.arange(20) % 2)
+    monolith = load_model(DiTExpert, root, "monolith", "final")
+    for row in gen["clusters"]:
+        k = row["expert"]
+        assert row["items"] == {"train": 10, "heldout": 10}
+        expert = load_model(DiTExpert, root, "model", f"expert_{k}")
+        for split, fields, members in (("train", train, assign == k), ("heldout", held, held_assign == k)):
+            part = {name: v[members] for name, v in fields.items()}
+            for name, model in (("expert", expert), ("monolith", monolith)):
+                by_t = velocity_loss(model, part, t_bins=10, draws=2, seed=0, device=torch.device("cpu"))
+                assert row[f"{name}_{split}_by_t"] == by_t, (k, name, split)  # the same items and noise
+    weights = [r["items"]["heldout"] for r in gen["clusters"]]
+    mean = sum(r["expert_heldout"] * w for r, w in zip(gen["clusters"], weights)) / sum(weights)
+    assert gen["summary"]["expert"]["heldout"] == pytest.approx(mean, rel=gamma(4))
+    write_report(root)
+    page = (tmp_path / "run/reports/report.html").read_text()
+    assert "do the experts generalise?" in page and "expert held-out" in page

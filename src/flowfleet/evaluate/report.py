@@ -589,6 +589,9 @@ class ReportBuilder:
                     ],
                 }
             )
+        gen = diag.get("generalization")
+        if gen:
+            s.tables.append(generalization_table(gen))
         dis = diag.get("disagreement") or {}
         if dis:
             s.images.append(
@@ -644,6 +647,47 @@ def _cluster_rows(rep: dict[str, Any]) -> list[list[Any]]:
         shown = sorted(mix.items(), key=lambda kv: -kv[1])[:MIX_LABELS]
         rows.append([k, size, ", ".join(f"{lab}: {cnt}" for lab, cnt in shown)])
     return rows
+
+
+def generalization_table(gen: dict[str, Any]) -> dict[str, Any]:
+    """Each expert's and the monolith's loss on training and held-out items of the expert's cluster."""
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        out = []
+        for name in ("expert", "monolith"):
+            train, held = r.get(f"{name}_train"), r.get(f"{name}_heldout")
+            gap = held - train if train is not None and held is not None else None
+            out += [_fmt(train), _fmt(held), "" if gap is None else f"{gap:+.4f}"]
+        return out
+
+    rows = [[f"expert {r['expert']}", r["items"]["train"], r["items"]["heldout"], *cells(r)] for r in gen["clusters"]]
+    rows.append(
+        [
+            "all (item-weighted)",
+            "",
+            "",
+            *cells({f"{m}_{s}": v for m, d in gen["summary"].items() for s, v in d.items()}),
+        ]
+    )
+    return {
+        "caption": "do the experts generalise? flow-matching loss (velocity MSE, condition on, mean over "
+        f"{len(gen['t'])} t bins) of each expert and of the monolith on training items and on held-out items of "
+        "the expert's cluster, the same items and noise for both. An expert whose held-out loss is well above "
+        "its training loss and above the monolith's is short of data: the regime in which a fleet trails a "
+        "monolith of the same FLOPs",
+        "header": [
+            "cluster",
+            "train items",
+            "held-out items",
+            "expert train",
+            "expert held-out",
+            "expert gap",
+            "monolith train",
+            "monolith held-out",
+            "monolith gap",
+        ],
+        "rows": rows,
+    }
 
 
 def router_accuracy_table(routers: dict[str, dict[str, Any]], kinds: dict[str, str]) -> dict[str, Any]:

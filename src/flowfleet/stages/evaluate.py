@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import safetensors.torch
 import torch
 from tqdm.auto import tqdm
 
@@ -54,6 +55,7 @@ from flowfleet.evaluate.diagnostics import (
 )
 from flowfleet.evaluate.digits import DigitJudge, prompted_digit
 from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
+from flowfleet.evaluate.generalization import fields_for, generalization, held_out_clusters
 from flowfleet.evaluate.judge import load_judge
 from flowfleet.evaluate.precision_recall import precision_recall
 from flowfleet.evaluate.reference import (
@@ -69,6 +71,7 @@ from flowfleet.evaluate.views import captioned_grid_png
 from flowfleet.flow import parse_strategy, same_as_earlier
 from flowfleet.layout import (
     ASSIGNMENTS,
+    CENTROIDS,
     DATA,
     EVAL_DATA,
     FINAL,
@@ -80,7 +83,7 @@ from flowfleet.layout import (
     SAMPLES,
     evaluation_folder,
 )
-from flowfleet.models.dit import DiTRouter
+from flowfleet.models.dit import DiTModel, DiTRouter
 from flowfleet.models.files import load_model
 from flowfleet.sampling.checksums import read_checksums
 from flowfleet.sampling.index import ModelIndex, read_model_index, set_default_cfg
@@ -218,8 +221,9 @@ def evaluate(
     ev = _Evaluation.open(model_dir, reference, options, extractor)  # every check before heavy work
     pipe = FleetPipeline.from_pretrained(model_dir, device=ev.device)
     models = [(s, "fleet", pipe, s) for s in options.strategies]
-    if options.monolith:
-        models.insert(0, (MONOLITH, "monolith", _monolith_pipeline(ev.root, pipe, ev.device), "top1"))
+    monolith = _monolith_pipeline(ev.root, pipe, ev.device) if options.monolith else None
+    if monolith is not None:
+        models.insert(0, (MONOLITH, "monolith", monolith, "top1"))
     for router in options.routers:  # the same experts, another of the run's routers
         routed = pipe.with_router(_comparison_router(ev.root, ev.cfg, router, ev.device))
         models += [(f"{s}+{router}", "fleet", routed, s) for s in options.strategies]
@@ -238,6 +242,15 @@ def evaluate(
         t0 = time.perf_counter()
         ev.diagnostics["router_accuracy"] = _router_accuracy(ev, pipe)
         ev.timings["router_accuracy_s"] = time.perf_counter() - t0
+        if (
+            monolith is not None
+            and ev.split.held_out
+            and ev.cfg.cluster.mode != "random"  # random shards: no rule assigns a held-out item
+            and ev.root.exists(*CENTROIDS)
+        ):
+            t0 = time.perf_counter()
+            ev.diagnostics["generalization"] = _generalization(ev, pipe, monolith)
+            ev.timings["generalization_s"] = time.perf_counter() - t0
     if options.save_cfg:  # the sweep's choice becomes each folder's default scale
         default = pipe.scheduler.strategy
         for name, folder in ((default, model_dir), (MONOLITH, ev.root.url_of(MONOLITH_MODEL))):
@@ -686,6 +699,33 @@ def _monolith_pipeline(root: RunRoot, fleet: FleetPipeline, device: torch.device
             f"{tuple(fleet.latent_shape)}"
         )
     return pipe
+
+
+def _generalization(ev: _Evaluation, pipe: FleetPipeline, monolith: FleetPipeline) -> dict[str, Any]:
+    """Each expert of the run's own clusters (not an addition's) and the monolith on training and held-out items
+    of its cluster (flowfleet.evaluate.generalization)."""
+    experts = {k: _dit(pipe.experts.get(k)) for k in pipe.present if k < ev.cfg.cluster.k}
+    fields = fields_for(ev.cfg, [m.cfg for m in experts.values()])
+    train = ev.data.sets[0].load(fields)  # data/ (additions' items belong to their own experts)
+    held = ev.ref_data.load(fields)
+    centroids = safetensors.torch.load(ev.root.read_bytes(*CENTROIDS))
+    return generalization(
+        experts,
+        _dit(monolith.experts.get(monolith.present[0])),
+        train,
+        clustered_data(ev.root, ev.cfg, []).tensors["cluster"][: train["latents"].shape[0]],
+        held,
+        held_out_clusters(ev.cfg, centroids, train, held),
+        seed=ev.options.seed,
+        device=ev.device,
+    )
+
+
+def _dit(expert: Any) -> DiTModel:
+    """An expert of an opened model folder: a DiT (a store of other callables has no loss to measure)."""
+    if not isinstance(expert, DiTModel):
+        raise TypeError(f"expected a DiT expert, got {type(expert).__name__}")
+    return expert
 
 
 def _router_accuracy(ev: _Evaluation, pipe) -> dict[str, Any]:
