@@ -63,11 +63,24 @@ def check_run(path, *, strategies=("top2",), fleets=()) -> dict:
         assert [r["cfg"] for r in run["sweep"] if "fid" in r] == [run["cfg"]]
         assert [r["fid"] for r in run["sweep"] if "fid" in r] == [run["fid"]]
     assert page.images.get("fid") and "guidance sweep" in html
+    # each expert's and the monolith's loss on training and held-out items of the expert's cluster
+    gen = evaluation["diagnostics"]["generalization"]
+    assert [r["expert"] for r in gen["clusters"]] == list(range(len(sizes_of(path))))
+    assert (
+        sum(r["items"]["heldout"] for r in gen["clusters"])
+        == json.loads((path / "eval/manifest.json").read_text())["count"]
+    )
+    assert all(r["expert_heldout"] > 0 and r["monolith_heldout"] > 0 for r in gen["clusters"])
+    assert "do the experts generalise?" in html
     timings = json.loads((path / "reports" / "timings.json").read_text())
     assert {"prepare", "cluster", "train-all", "assemble", "generate", "evaluate", "total"} <= set(timings)
     for s in ("monolith", "top1", "top2", "full"):  # the showcase draws every strategy
         assert (path / "reports" / "showcase" / f"{s}.png").exists()
     return evaluation
+
+
+def sizes_of(path) -> list[int]:
+    return json.loads((path / "clusters" / "report.json").read_text())["sizes"]
 
 
 def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
