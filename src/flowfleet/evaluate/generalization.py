@@ -94,9 +94,9 @@ def generalization(
     held: Fields,
     held_clusters: torch.Tensor,
     *,
-    max_items: int = 512,
+    max_items: int = 256,
     t_bins: int = 10,
-    draws: int = 2,
+    draws: int = 1,
     seed: int = 0,
     device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
