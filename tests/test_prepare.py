@@ -5,38 +5,18 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from fixtures.prepared_runs import images_of, make_run
 from PIL import Image
 
 from flowfleet.cli import main
-from flowfleet.config import RunConfig
 from flowfleet.data.images import open_image, to_tensor
 from flowfleet.data.shards import FIELDS, ShardSet
 from flowfleet.data.sources import MnistSource, ShapesSource
 from flowfleet.errors import FlowfleetError
-from flowfleet.presets import preset
 from flowfleet.stages.prepare import prepare
-from flowfleet.storage import RunRoot
-
-
-def make_run(
-    root, base: str = "mnist-tiny", *, text: str = "none", semantic: dict[str, Any] | None = None, **data: Any
-) -> RunRoot:
-    """A run.yaml from a tiny preset with cheap encoders (pixel features, optionally no text)."""
-    cfg = preset(base).to_dict()
-    cfg["data"].update(data)
-    cfg["encoders"]["semantic"] = semantic or {"name": "pixels", "image_size": 8}
-    if text == "none":
-        cfg["encoders"]["text"]["name"] = "none"
-        cfg["expert"].update(conditioning="none", text_dim=0, text_len=0, add_pooled=False)
-        cfg["router"].update(conditioning="none", text_dim=0)  # no captions: a prompt-blind router
-        cfg["cluster"]["features"] = "semantic"
-    run = RunRoot(root)
-    RunConfig.from_dict(cfg).save(run)
-    return run
 
 
 def png(color=(200, 30, 30)) -> bytes:
@@ -305,11 +285,6 @@ def test_holdout_items_go_to_eval_and_never_into_a_training_shard(tmp_path):
     assert main(["prepare", str(tmp_path / "p"), "--merge", "2", "--quiet"]) == 0
     assert images_of(tmp_path / "p", "data") == images_of(tmp_path / "r", "data")
     assert images_of(tmp_path / "p", "eval") == images_of(tmp_path / "r", "eval")
-
-
-def images_of(root, folder: str) -> list[bytes]:
-    sset = ShardSet(RunRoot(str(root)), folder)
-    return [sset.read_shard(s["name"])[0]["latents"].numpy().tobytes() for s in sset.manifest().shards]
 
 
 def test_holdout_that_leaves_nothing_or_has_no_known_length_is_one_line(tmp_path, monkeypatch):

@@ -285,17 +285,21 @@ def test_monolith_trains_on_all_data_for_matched_compute(tmp_path):
     assert load_model(DiTExpert, RunRoot(tmp_path / "r/monolith"), "final").cfg == load_run_config(root).expert
 
 
-def test_expert_conditioned_on_augmentation_needs_and_reads_the_augment_field(tmp_path):
+def test_expert_trained_on_augmented_copies_needs_and_reads_them(tmp_path):
     raw = synthetic_config(k=2, steps=3).to_dict()
     raw["expert"]["augment_dim"] = 4
+    raw["data"]["augment"] = {"copies": 2}
+    raw["train"]["augment_p"] = 0.5
     root = RunRoot(tmp_path / "r")
     write_synthetic_run(root, RunConfig.from_dict(raw))
-    missing = r"partitions/0.*has no 'augment' field, which run.yaml expert \(augment_dim=4\)"
+    missing = r"partitions/0.*has no 'aug_latents' field, which run.yaml expert \(train.augment_p=0.5; prepare"
     with pytest.raises(FlowfleetError, match=missing):
         run_job(root)
     part = ShardSet(root, "partitions/0")
     fields, captions = part.load(with_captions=True)
-    fields["augment"] = torch.rand(len(captions), 4) * 2 - 1  # [N, 4]
+    n = len(captions)
+    fields["aug_latents"] = torch.randn(n, 2, *fields["latents"].shape[1:])  # [N, 2, C, H, W]
+    fields["aug_params"] = torch.rand(n, 2, 4) * 2 - 1  # [N, 2, 4]
     manifest = ShardSetManifest(extra=part.manifest().extra)
     root.remove("partitions/0", recursive=True)
     part.append(manifest, fields, captions)
@@ -304,20 +308,38 @@ def test_expert_conditioned_on_augmentation_needs_and_reads_the_augment_field(tm
 
     task = build_task(root, load_run_config(root), EXPERT0)
     batch = task.data.gather(torch.arange(8), torch.device("cpu"))
+    assert batch["aug_latents"].shape == (8, 2, *batch["latents"].shape[1:])
     model = DiTExpert.from_dit_config(task.model_cfg)
     for p in model.parameters():  # adaLN-Zero starts at the identity: wake every path
         torch.nn.init.normal_(p, std=0.1)
 
-    def loss(augment):
-        return task.loss(model, {**batch, "augment": augment}, torch.Generator().manual_seed(0))[0]
+    def loss(**change):
+        return task.loss(model, {**batch, **change}, torch.Generator().manual_seed(0))[0]
 
-    assert loss(batch["augment"]) != loss(torch.zeros_like(batch["augment"]))  # the loss sees the parameters
+    # the loss reads the copies and their parameters (the same draw of which items are replaced each time)
+    assert loss() != loss(aug_params=torch.zeros_like(batch["aug_params"]))
+    assert loss() != loss(aug_latents=torch.zeros_like(batch["aug_latents"]))
     x, t, text = batch["latents"], torch.full((8,), 0.5), batch["text_pooled"]
     with torch.no_grad():  # zeros add nothing: the unaugmented items train the model sampling then runs
         ref, zero = model(x, t, text_pooled=text), model(x, t, text_pooled=text, augment=torch.zeros(8, 4))
     assert torch.equal(ref, zero)
     assert run_job(root).state == "done"
     assert load_model(DiTExpert, RunRoot(tmp_path / "r/experts/0"), "final").cfg.augment_dim == 4
+
+
+def test_augment_p_needs_copies_and_the_experts_augmentation_input():
+    raw = synthetic_config(k=2, steps=3).to_dict()
+    raw["train"]["augment_p"] = 0.2
+    with pytest.raises(FlowfleetError, match="train.augment_p: 0.2 draws augmented copies, but data.augment.copies"):
+        RunConfig.from_dict(raw)
+    raw["data"]["augment"] = {"copies": 1}
+    with pytest.raises(FlowfleetError, match="expert.augment_dim: 0, but train.augment_p conditions the experts on 4"):
+        RunConfig.from_dict(raw)
+    raw["expert"]["augment_dim"] = 4
+    assert RunConfig.from_dict(raw).train.augment_p == 0.2
+    raw["router_train"]["augment_p"] = 0.2
+    with pytest.raises(FlowfleetError, match="router_train.augment_p: the router trains on the prepared items only"):
+        RunConfig.from_dict(raw)
 
 
 def test_learning_rate_schedules():

@@ -30,6 +30,22 @@ class _Strict(BaseModel):
 # ------------------------------------------------------------------------------------------------
 
 
+AUGMENT_DIM = 4  # data.augment's parameters per copy: dx, dy, angle, scale (flowfleet.data.augment)
+
+
+class AugmentConfig(_Strict):
+    """data.augment: augmented copies of every training image that `prepare` encodes beside it, for EDM's
+    non-leaking augmentation (flowfleet.data.augment; the models train on them with train.augment_p). Each
+    copy is shifted by up to `shift` pixels on each axis, rotated by up to `rotate` degrees and scaled by up
+    to 1 +- `scale`, uniformly; held-out items (eval/) get none."""
+
+    copies: int = Field(0, ge=0)  # 0: no copies
+    shift: float = Field(2.0, ge=0)
+    rotate: float = Field(10.0, ge=0, le=180)
+    scale: float = Field(0.1, ge=0, lt=1)
+    seed: int = 0
+
+
 class DataConfig(_Strict):
     source: Literal["mnist", "shapes", "folder", "webdataset", "parquet", "hf_disk"] = "mnist"
     path: str | None = None  # folder / tar glob / parquet glob / save_to_disk folder
@@ -46,6 +62,7 @@ class DataConfig(_Strict):
     text_column: str = "text"
     shard_size: int = Field(1024, ge=1)  # items per shard
     batch_size: int = Field(64, ge=1)  # encoder batch
+    augment: AugmentConfig = AugmentConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
@@ -162,6 +179,9 @@ class TrainConfig(_Strict):
     seed: int = 0
     max_bad_steps: int = Field(3, ge=1)  # consecutive non-finite losses before stopping
     keep_checkpoints: int = Field(2, ge=1)  # newest complete checkpoints kept per job
+    # Experts and the monolith: the probability that a drawn item is replaced by one of its augmented copies
+    # (data.augment.copies; the model is conditioned on how, expert.augment_dim). 0: the prepared items only.
+    augment_p: float = Field(0.0, ge=0, le=1)
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -352,6 +372,19 @@ class RunConfig(_Strict):
         raw["router"] = {**raw["router"], "num_outputs": addition.k}
         return RunConfig.model_validate(raw)
 
+    def _check_augment(self) -> None:
+        if self.router_train.augment_p:
+            raise ValueError("router_train.augment_p: the router trains on the prepared items only; must be 0")
+        if self.train.augment_p and not self.data.augment.copies:
+            raise ValueError(
+                f"train.augment_p: {self.train.augment_p} draws augmented copies, but data.augment.copies is 0"
+            )
+        if self.train.augment_p and self.expert.augment_dim != AUGMENT_DIM:
+            raise ValueError(
+                f"expert.augment_dim: {self.expert.augment_dim}, but train.augment_p conditions the experts on "
+                f"{AUGMENT_DIM} augmentation parameters (dx, dy, angle, scale); set it to {AUGMENT_DIM}"
+            )
+
     def expert_config(self, k: int) -> DiTConfig:
         """Expert k's architecture: `expert` with its expert_overrides applied (a `size` there replaces
         the width, depth and heads of `expert`)."""
@@ -396,6 +429,7 @@ class RunConfig(_Strict):
             )
         if self.expert.num_outputs:
             raise ValueError("expert.num_outputs: experts predict velocities; must be 0")
+        self._check_augment()
         for pattern, where in self.placement.items():
             if where not in self.backends and where not in BACKEND_KINDS:
                 known = ", ".join([*self.backends, *BACKEND_KINDS])

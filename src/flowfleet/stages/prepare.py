@@ -24,7 +24,8 @@ from typing import Any, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from flowfleet.config import RunConfig, load_run_config
+from flowfleet.config import AugmentConfig, RunConfig, load_run_config
+from flowfleet.data.augment import draw_params, transform
 from flowfleet.data.autoencoder import save_autoencoder, train_autoencoder
 from flowfleet.data.encoders import (
     LatentEncoder,
@@ -132,6 +133,17 @@ def encode_batch(
     return out
 
 
+def encode_copies(enc: Encoders, images: torch.Tensor, positions: list[int], augment: AugmentConfig):
+    """data.augment's copies of one batch (images [b, C, S, S], the source position of each) as the shard
+    fields aug_latents [b, A, c, h, w] and aug_params [b, A, AUGMENT_DIM] (flowfleet.data.augment)."""
+    params = draw_params(positions, augment.copies, augment.seed)  # [b, A, P]
+    latents = [
+        enc.latent.encode(transform(images, params[:, a], augment.shift, augment.rotate, augment.scale)).float().cpu()
+        for a in range(augment.copies)
+    ]
+    return {"aug_latents": torch.stack(latents, 1), "aug_params": params}
+
+
 def _recipe(cfg: RunConfig, source: Source) -> dict[str, Any]:
     """Everything that decides the prepared bytes; a manifest with another recipe is not resumed."""
     d = cfg.data
@@ -143,6 +155,7 @@ def _recipe(cfg: RunConfig, source: Source) -> dict[str, Any]:
         **({"holdout": d.holdout} if d.holdout else {}),  # (absent: runs prepared before it existed)
         **({"labels": d.labels} if d.labels is not None else {}),  # (absent: runs prepared before it existed)
         "encoders": cfg.encoders.model_dump(mode="json"),
+        **({"augment": d.augment.model_dump(mode="json")} if d.augment.copies else {}),
     }
 
 
@@ -284,7 +297,7 @@ class _Split:
     def encode_eval(self, root, cfg, source, recipe, encoders, restart: bool, progress: bool) -> None:
         """eval/: the held-out items, prepared like data/ (no training job reads them)."""
         if cfg.data.holdout and self.size is not None and self.train_stop is not None:
-            recipe = {**recipe, "split": "eval"}
+            recipe = {**{k: v for k, v in recipe.items() if k != "augment"}, "split": "eval"}  # (no copies)
             _encode(root, EVAL_DATA, cfg, source, recipe, encoders, self.train_stop, self.size, None, restart, progress)
 
 
@@ -417,6 +430,7 @@ def _encode(
 
     enc = encoders.get()
     keep_images = folder == EVAL_DATA and cfg.encoders.latent.name != "pixels"
+    augment = d.augment if d.augment.copies and folder != EVAL_DATA else None  # training items only
     manifest.extra.update(
         recipe=recipe,
         source=recipe["source"],
@@ -450,7 +464,7 @@ def _encode(
     for entry in _decoded(items, start, d.image_size, d.channels, bad, d.labels):
         batch.append(entry)
         if len(batch) == d.batch_size:
-            checked_shape = _encode_into(rows, enc, batch, cfg, checked_shape, keep_images)
+            checked_shape = _encode_into(rows, enc, batch, cfg, checked_shape, keep_images, augment)
             batch = []
             while len(rows) >= d.shard_size:
                 write(rows, d.shard_size)
@@ -458,7 +472,7 @@ def _encode(
         last_pos = entry[0]
         bar.set_postfix(skipped=bad.skipped_before + len(bad.skipped_pos), refresh=False)
     if batch:
-        _encode_into(rows, enc, batch, cfg, checked_shape, keep_images)
+        _encode_into(rows, enc, batch, cfg, checked_shape, keep_images, augment)
     while len(rows):
         write(rows, min(d.shard_size, len(rows)))
     bar.close()
@@ -554,10 +568,18 @@ def merge_parts(run_root: str | RunRoot, n: int, *, progress: bool = True) -> Sh
 
 
 def _encode_into(
-    rows: _Rows, enc: Encoders, batch: list, cfg: RunConfig, checked_shape: bool, keep_images: bool = False
+    rows: _Rows,
+    enc: Encoders,
+    batch: list,
+    cfg: RunConfig,
+    checked_shape: bool,
+    keep_images: bool = False,
+    augment: AugmentConfig | None = None,
 ) -> bool:
     ends, images, captions, labels = zip(*batch)
     tensors = encode_batch(enc, torch.stack(images), list(captions), list(labels), keep_images)
+    if augment is not None:
+        tensors.update(encode_copies(enc, torch.stack(images), [end - 1 for end in ends], augment))
     if not checked_shape and tuple(tensors["latents"].shape[1:]) != cfg.latent_shape:
         raise FlowfleetError(
             f"encoders.latent: {cfg.encoders.latent.name} gives latents of shape "

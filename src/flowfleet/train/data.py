@@ -18,6 +18,8 @@ from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.config import DiTConfig
 
+AUGMENT_FIELDS = ["aug_latents", "aug_params"]  # data.augment's copies: [A, C, H, W] and [A, AUGMENT_DIM] per item
+
 
 class DataMismatchError(FlowfleetError):
     """Shards whose shapes do not fit the model configuration."""
@@ -41,22 +43,30 @@ def model_fields(cfg: DiTConfig) -> list[str]:
     return fields
 
 
-def training_fields(cfg: DiTConfig) -> list[str]:
-    """Shard fields a model's training reads: its condition, and each item's augmentation when it has one."""
-    return [*model_fields(cfg), *(["augment"] if cfg.augment_dim else [])]
+def training_fields(cfg: DiTConfig, augment_p: float = 0.0) -> list[str]:
+    """Shard fields a model's training reads: its condition, and with train.augment_p each item's augmented
+    copies and their parameters (flowfleet.data.augment)."""
+    return [*model_fields(cfg), *(AUGMENT_FIELDS if augment_p else [])]
 
 
-def check_compatible(manifest: ShardSetManifest, cfg: DiTConfig, *, data_where: str, model_where: str) -> None:
-    """One-line DataMismatchError naming both sides when the shards cannot feed this model."""
+def check_compatible(
+    manifest: ShardSetManifest, cfg: DiTConfig, *, data_where: str, model_where: str, augment_p: float = 0.0
+) -> None:
+    """One-line DataMismatchError naming both sides when the shards cannot feed this model (trained with
+    train.augment_p `augment_p`)."""
     fields = manifest.fields
-    for name in training_fields(cfg):
+    for name in training_fields(cfg, augment_p):
         if name not in fields:
-            why = f"augment_dim={cfg.augment_dim}" if name == "augment" else f"conditioning={cfg.conditioning}"
+            why = (
+                f"train.augment_p={augment_p}; prepare with data.augment.copies >= 1"
+                if name in AUGMENT_FIELDS
+                else f"conditioning={cfg.conditioning}"
+            )
             raise DataMismatchError(f"{data_where}: has no {name!r} field, which {model_where} ({why}) needs")
-    if cfg.augment_dim and tuple(fields["augment"]["shape"]) != (cfg.augment_dim,):
+    if augment_p and tuple(fields["aug_latents"]["shape"][1:]) != tuple(fields["latents"]["shape"]):
         raise DataMismatchError(
-            f"{data_where}: augment has shape {tuple(fields['augment']['shape'])} but {model_where} "
-            f"expects ({cfg.augment_dim},) (augment_dim)"
+            f"{data_where}: aug_latents are {'x'.join(map(str, fields['aug_latents']['shape'][1:]))} but latents "
+            f"{'x'.join(map(str, fields['latents']['shape']))}; prepare the run again"
         )
     want = (cfg.in_channels, *cfg.input_size)
     have = tuple(fields["latents"]["shape"])

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from flowfleet.cluster.assignments import read_assignments
 from flowfleet.config import RunConfig, TrainConfig
+from flowfleet.data.augment import choose
 from flowfleet.data.shards import ShardSet, open_complete
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import flow_matching_loss, interpolate, sample_t
@@ -119,14 +120,16 @@ class FlowTask(TrainTask):
         self._decoder: Callable[[torch.Tensor], torch.Tensor] | Literal[False] | None = None  # False: unavailable
 
     def loss(self, model, batch, gen):
-        x0 = batch["latents"]  # [B, C, H, W]
+        x0, augment = batch["latents"], None  # [B, C, H, W]
+        if self.train_cfg.augment_p:  # some items replaced by an augmented copy; augment [B, AUGMENT_DIM]
+            x0, augment = choose(x0, batch["aug_latents"], batch["aug_params"], self.train_cfg.augment_p, gen)
         b, dev = x0.shape[0], x0.device
         t = sample_t(b, mode=self.train_cfg.time_sampling, generator=gen, device=dev)  # [B]
         eps = torch.randn(x0.shape, generator=gen, device=dev)  # [B, C, H, W]
         drop = torch.rand(b, generator=gen, device=dev) < self.model_cfg.cond_dropout  # [B] null condition
         cond = preview.condition_kwargs(batch, self.model_cfg)
-        if self.model_cfg.augment_dim:
-            cond["augment"] = batch["augment"]  # [B, A] how each item was augmented (zeros: as prepared)
+        if augment is not None:
+            cond["augment"] = augment  # how each item was augmented (zeros: as prepared)
         loss = flow_matching_loss(lambda x_t, tt: model(x_t, tt, drop=drop, **cond), x0, t, eps)
         return loss, {}
 
@@ -217,7 +220,9 @@ class DistillTask(FlowTask):
         from flowfleet.sampling.routing import Condition
         from flowfleet.sampling.trace import RoutingTrace
 
-        x0 = batch["latents"]  # [B, C, H, W]
+        x0, augment = batch["latents"], None  # [B, C, H, W]
+        if self.train_cfg.augment_p:  # some items replaced by an augmented copy; augment [B, AUGMENT_DIM]
+            x0, augment = choose(x0, batch["aug_latents"], batch["aug_params"], self.train_cfg.augment_p, gen)
         b, dev = x0.shape[0], x0.device
         t = sample_t(b, mode=self.train_cfg.time_sampling, generator=gen, device=dev)  # [B]
         eps = torch.randn(x0.shape, generator=gen, device=dev)
@@ -372,8 +377,9 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
         folder = origin_partition(n, j)
         shards = open_complete(root, folder, f"flowfleet cluster {root.url}" if n == 0 else "flowfleet add-expert")
         model = cfg.expert_config(k)
-        check_compatible(shards.manifest(), model, data_where=shards.url, model_where="run.yaml expert")
-        data = InMemoryData.load(shards, training_fields(model))
+        p = cfg.train.augment_p
+        check_compatible(shards.manifest(), model, data_where=shards.url, model_where="run.yaml expert", augment_p=p)
+        data = InMemoryData.load(shards, training_fields(model, p))
         return FlowTask(spec, cfg, model, cfg.train, planned_steps(root, cfg, spec), data)
 
     shards = open_complete(root, DATA, f"flowfleet prepare {root.url}")
@@ -404,8 +410,11 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
             teacher_cfg=teacher_cfg,
         )
     if spec.kind == "monolith":
-        check_compatible(shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert")
-        data = InMemoryData.load(shards, training_fields(cfg.expert))
+        p = cfg.train.augment_p
+        check_compatible(
+            shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert", augment_p=p
+        )
+        data = InMemoryData.load(shards, training_fields(cfg.expert, p))
         return FlowTask(spec, cfg, cfg.expert, cfg.train, job_steps(cfg, spec, match_compute), data)
 
     router = router_config(cfg, spec)
