@@ -63,6 +63,13 @@ def check_run(path, *, strategies=("top2",), fleets=()) -> dict:
         assert [r["cfg"] for r in run["sweep"] if "fid" in r] == [run["cfg"]]
         assert [r["fid"] for r in run["sweep"] if "fid" in r] == [run["fid"]]
     assert page.images.get("fid") and "guidance sweep" in html
+    # every model drawn again at its chosen scale with the next seeds: the report gives mean ± sd over the draws
+    draws = evaluation["draws"]
+    assert len(draws["seeds"]) >= 2 and list(draws["runs"]) == list(evaluation["runs"])
+    for name, run in evaluation["runs"].items():
+        assert draws["runs"][name]["classifier_fd"][0] == run["classifier_fd"]
+        assert len(draws["runs"][name]["classifier_fd"]) == len(draws["seeds"])
+    assert len(draws["floor"]["classifier_fd"]) == len(draws["seeds"]) and "evaluation draws" in html
     # each expert's and the monolith's loss on training and held-out items of the expert's cluster
     gen = evaluation["diagnostics"]["generalization"]
     assert [r["expert"] for r in gen["clusters"]] == list(range(len(sizes_of(path))))
@@ -150,6 +157,7 @@ def test_demo_plans_validate_and_quick_is_smaller():
         assert c.router_prompt and plan.evaluation.routers == ("router-prompt",)  # the "beyond Paris" row
         assert c.train.expert_steps == "by_size"  # each expert passes over its digits as often as the monolith
         assert len(plan.evaluation.cfg_sweep) >= 5 and plan.evaluation.save_cfg
+        assert plan.evaluation.repeats >= 3  # figures with their spread over evaluation draws
         # Paris' experts work in a VAE latent: here an autoencoder prepare trains, 8 x 8 x 4, 2 x 2 patches
         assert c.encoders.latent.name == "autoencoder" and c.latent_shape == (4, 8, 8) and c.expert.patch_size == 2
     assert quick.config.encoders.latent.autoencoder.steps < full.config.encoders.latent.autoencoder.steps

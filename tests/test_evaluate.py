@@ -318,6 +318,44 @@ def make(root):
 """
 
 
+def test_repeats_draw_every_model_again_at_its_chosen_scale_as_an_evaluation_with_the_next_seeds(fleet):
+    """--repeats R: after the sweep, draws 1 .. R-1 sample each model at its chosen scale with seed + r (other
+    prompts, noise, reference and floor): each draw scores exactly what an evaluation with that seed at that
+    scale scores; the report gives mean ± sd over the draws and the ratios draw by draw."""
+    import statistics
+
+    from flowfleet.evaluate.report import draws_table
+    from flowfleet.stages.evaluate import evaluate
+
+    model = fleet.url_of("model")
+    opts = options(strategies=("top1", "top2", "full"), cfg_sweep=(1.0, 4.0), repeats=3, diagnostics=False)
+    result = evaluate(model, fleet.url, opts, extractor=SmallFeatures())
+    draws = result["draws"]
+    assert draws["seeds"] == [0, 1, 2] and set(draws["runs"]) == {"monolith", "top1", "top2", "full"}
+    assert draws["floor"]["fid"][0] == result["reference_split"]["floor"]["fid"]  # draw 0: the evaluation above
+    for name in ("monolith", "top1", "top2"):
+        fids = draws["runs"][name]["fid"]
+        assert len(fids) == 3 and fids[0] == result["runs"][name]["fid"] and len(set(fids)) == 3, name
+        cfg = result["runs"][name]["cfg"]
+        alone = dict(strategies=(), monolith=True) if name == "monolith" else dict(strategies=(name,), monolith=False)
+        again = evaluate(
+            model, fleet.url, options(**alone, seed=2, cfg=cfg, diagnostics=False), extractor=SmallFeatures()
+        )
+        assert draws["runs"][name]["fid"][2] == again["runs"][name]["fid"], name
+        assert draws["floor"]["fid"][2] == again["reference_split"]["floor"]["fid"]
+    assert draws["runs"]["full"] == draws["runs"]["top2"]  # 2 experts: the same model, not sampled twice
+
+    table = draws_table(draws)
+    rows = {row[0]: row for row in table["rows"]}
+    mono, floor = draws["runs"]["monolith"]["fid"], draws["floor"]["fid"]
+    assert rows["monolith"][1] == f"{statistics.mean(mono):.2f} ± {statistics.stdev(mono):.2f}"
+    over = [m / f for m, f in zip(mono, floor)]
+    assert rows["monolith"][2] == f"{statistics.mean(over):.2f} ± {statistics.stdev(over):.2f}"
+    paired = [t / m for t, m in zip(draws["runs"]["top1"]["fid"], mono)]
+    assert rows["top1"][3] == f"{statistics.mean(paired):.2f} ± {statistics.stdev(paired):.2f}"
+    assert rows["monolith"][3] == "" and "real images (the floor)" in rows
+
+
 def test_user_judge_scores_prompt_accuracy(fleet, tmp_path):
     """--judge MODULE:FACTORY: any classifier over named classes, imported from a .py file."""
     from flowfleet.evaluate.judge import ClassifierJudge, load_judge

@@ -61,6 +61,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="prompt accuracy a swept scale must reach to be chosen (default 0.95)",
     )
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="evaluation draws: every model again at its chosen scale with seeds --seed+1 .. --seed+R-1 (other "
+        "prompts and noise, another reference and floor split); the report gives each figure's mean and sd "
+        "(default 1)",
+    )
+    p.add_argument(
         "--save-cfg",
         action="store_true",
         help="write the sweep's choice into model_index.json of DIR (its default strategy) and the monolith's folder",
@@ -167,6 +176,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         ref_n=args.ref_n,
         cfg_sweep=_scales(args.cfg_sweep),
         min_accuracy=args.min_accuracy,
+        repeats=args.repeats,
         save_cfg=args.save_cfg,
         diagnostics=not args.no_diagnostics,
         device=args.device,

@@ -127,16 +127,18 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
         _steps(raw, "router_train", 8)
         raw["sampling"]["steps"] = 4
         sweep = (1.0, 4.0)
-        evaluation = EvaluateOptions(n=12, batch_size=12, fid=fid, grid=12, diagnostic_n=4)
+        evaluation = EvaluateOptions(n=12, batch_size=12, fid=fid, grid=12, diagnostic_n=4, repeats=2)
     elif size == "quick":
         raw["data"].update(limit=1000, holdout=200, shard_size=400)
         raw["encoders"]["latent"]["autoencoder"]["steps"] = 200
         _steps(raw, "train", 900)  # the samples of 450 steps of 64 (BENCHMARKS.md, "demo --quick")
         raw["train"].update(warmup_steps=30)  # a short run gains from a short warm-up
         _steps(raw, "router_train", 100)
-        evaluation = EvaluateOptions(n=100, batch_size=100, fid=fid, grid=20, diagnostic_n=8)
+        evaluation = EvaluateOptions(n=100, batch_size=100, fid=fid, grid=20, diagnostic_n=8, repeats=3)
     else:
-        evaluation = EvaluateOptions(n=300, batch_size=300, fid=fid, grid=40, diagnostic_n=16)
+        # 5 evaluation draws: at n = 300 the classifier FD of one draw moves by ~6 points with its prompts, noise
+        # and reference split (BENCHMARKS.md, "How much of an FD is the draw")
+        evaluation = EvaluateOptions(n=300, batch_size=300, fid=fid, grid=40, diagnostic_n=16, repeats=5)
     evaluation = replace(
         evaluation, strategies=EVALUATED, monolith=True, routers=COMPARED_ROUTERS, cfg_sweep=sweep, save_cfg=True
     )

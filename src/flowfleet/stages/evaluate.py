@@ -127,6 +127,11 @@ class EvaluateOptions:
     # FD (FID without a judge) among those with prompt accuracy >= min_accuracy (the most accurate if none).
     cfg_sweep: tuple[float, ...] = ()
     min_accuracy: float = 0.95
+    # Evaluation draws: after the sweep, every model is sampled again at its chosen scale repeats - 1 times,
+    # draw r with seed + r (other prompts and noise, and another split of the reference and the real floor).
+    # At a few hundred samples a Fréchet distance moves by several points from draw to draw; the report gives
+    # each figure's mean and sd over the draws, and the fleet's ratio to the monolith draw by draw.
+    repeats: int = 1
     save_cfg: bool = False  # write each model folder's chosen scale into its model_index.json (the default)
     fid: FIDSettings = FIDSettings()
     grid: int = 32  # samples shown per model in the report
@@ -140,6 +145,8 @@ class EvaluateOptions:
             raise FlowfleetError(f"--n: FID needs at least 2 samples, got {self.n}")
         if self.batch_size < 1:
             raise FlowfleetError(f"--batch-size: must be >= 1, got {self.batch_size}")
+        if self.repeats < 1:
+            raise FlowfleetError(f"--repeats: must be >= 1, got {self.repeats}")
         if self.ref_n is not None and self.ref_n < 2:
             raise FlowfleetError(f"--ref-n: must be >= 2, got {self.ref_n}")
         if not self.strategies and not self.monolith:
@@ -238,6 +245,10 @@ def evaluate(
             ev.same_model(name, same[name])
         else:
             ev.run_model(name, kind, p, strategy)
+    if options.repeats > 1:
+        t0 = time.perf_counter()
+        ev.draws = _redraw(ev, model_dir, reference, extractor, models, same)
+        ev.timings["repeats_s"] = time.perf_counter() - t0
     if options.diagnostics and root_has_clusters(ev.root):
         t0 = time.perf_counter()
         ev.diagnostics["router_accuracy"] = _router_accuracy(ev, pipe)
@@ -318,6 +329,7 @@ class _Evaluation:
         self.adherence: dict[str, Any] = {}
         self.diagnostics: dict[str, Any] = {"usage": {}, "alignment": {}, "disagreement": {}}
         self.timings: dict[str, float] = {}
+        self.draws: dict[str, Any] | None = None  # options.repeats > 1: every draw's scores (_redraw)
 
     @classmethod
     def open(
@@ -581,9 +593,65 @@ class _Evaluation:
                 if self.judge is not None
                 else None
             ),
+            "draws": self.draws,
             "diagnostics": self.diagnostics,
             "timings": self.timings,
         }
+
+
+JUDGED = ("classifier_fd", "precision", "recall", "prompt_accuracy")  # what a draw records with a judge (else FID)
+
+
+def _redraw(
+    ev: _Evaluation,
+    model_dir: str,
+    reference: str | None,
+    extractor: torch.nn.Module | None,
+    models: list[tuple[str, str, Any, str]],
+    same: dict[str, str],
+) -> dict[str, Any]:
+    """Every model again at its chosen scale in draws 1 .. repeats - 1 (seed + r: other prompts and noise,
+    another reference and floor), beside draw 0, the evaluation above. -> {"seeds": [...], "floor": {metric:
+    [per draw]}, "runs": {name: {metric: [per draw]}}}: plain lists, which the report summarises. With a judge
+    the metrics are its distance, precision, recall and prompt accuracy (Inception FID, the costlier network,
+    is not drawn again); without one, Inception FID."""
+    o = ev.options
+    metrics = JUDGED if ev.judge_fd is not None else ("fid",)
+
+    def values(scores: dict[str, Any]) -> dict[str, Any]:
+        return {k: scores.get(k) for k in metrics}
+
+    out: dict[str, Any] = {
+        "seeds": [o.seed + r for r in range(o.repeats)],
+        "floor": {k: [v] for k, v in values(ev.floor).items() if k != "prompt_accuracy"},
+        "runs": {name: {k: [v] for k, v in values(asdict(run)).items()} for name, run in ev.runs.items()},
+    }
+    for r in range(1, o.repeats):
+        drawn = replace(o, seed=o.seed + r, cfg_sweep=(), save_cfg=False, diagnostics=False, repeats=1)
+        again = _Evaluation.open(model_dir, reference, drawn, extractor)
+        for k in out["floor"]:
+            out["floor"][k].append(again.floor.get(k))
+        scored: dict[str, dict[str, Any]] = {}
+        for name, _, pipe, strategy in models:
+            if name in same:  # the same weights as an earlier row: the same samples
+                scored[name] = scored[same[name]]
+            else:
+                cfg = ev.runs[name].cfg
+                settings = pipe.settings(strategy, o.steps, o.sampler, cfg, o.shift, o.route_every, drawn.seed, o.cache)
+                log.info(f"evaluate: {name}: draw {r + 1} of {o.repeats} (seed {drawn.seed}, cfg {cfg})")
+                got = pipe(
+                    again.prompts,
+                    o.n,
+                    labels=again.labels,
+                    settings=settings,
+                    batch_size=o.batch_size,
+                    progress=f"{name} draw {r + 1}",
+                )
+                scores = again._score(got.images.float().cpu(), got.prompts, name, with_fid=again.judge_fd is None)
+                scored[name] = values(scores)
+            for k, v in scored[name].items():
+                out["runs"][name][k].append(v)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
