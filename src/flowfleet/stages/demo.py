@@ -152,7 +152,7 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
 
 def _autoencoder(root: RunRoot, progress: bool) -> None:
     """The run's autoencoder (`prepare --autoencoder-only`), trained in a process of its own whose idle
-    OpenMP threads spin. It is alone on the machine then, and its many small convolutions run 1.35x faster
+    OpenMP threads spin. It is alone on the machine then, and its many small convolutions run 1.6x faster
     than with the sleeping threads the demo's other stages keep (cli.py; BENCHMARKS.md, session 23). An
     autoencoder trained already is only checked against the run's recipe."""
     args = ["prepare", root.url, "--autoencoder-only", *([] if progress else ["--no-progress"])]
