@@ -65,8 +65,8 @@ class DiTConfig(BaseModel):
     # small datasets; diffusers' transformer blocks call it `dropout`). Off at inference.
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # Non-leaking augmentation (EDM, Karras et al. 2022, appendix C): the width of the augmentation parameters
-    # the model is conditioned on while training on augmented items (their `augment` field). Sampling passes
-    # none, which is the unaugmented data's distribution. 0: no augmentation input.
+    # the model is conditioned on while training on augmented copies (train.augment_p, flowfleet.data.augment).
+    # Sampling passes none, which is the unaugmented data's distribution. 0: no augmentation input.
     augment_dim: int = Field(0, ge=0)
     num_outputs: int = Field(0, ge=0)  # > 0: classification head over this many classes (router)
     time_convention: str = TIME_CONVENTION
