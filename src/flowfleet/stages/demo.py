@@ -6,11 +6,11 @@
     strategy -> report
 
 The configuration is the `mnist` preset: Paris' method at small scale. Like Paris' experts, which work in
-a VAE's latent space, they denoise the 8 x 8 x 4 latent of a small AutoencoderKL that prepare first trains
-on the training digits (28 px padded to 32; in a process of its own, `_autoencoder`); captions "a handwritten digit seven"; the clusters are made
-from the images (Inception features at 75 px less the part the caption predicts, unsupervised: each expert
-holds every digit in its own share of the styles), the router decides p(k | x_t, t) from the noisy latent
-alone, and top-2 is the default. Step counts are sized for a 2-core CPU:
+a VAE's latent space, they denoise the 8 x 8 x 4 latent of a small AutoencoderKL trained first on the
+training digits (28 px padded to 32; in a process of its own, `_autoencoder`); captions "a handwritten
+digit seven"; the clusters are made from the images (Inception features at 75 px less the part the caption
+predicts, unsupervised: each expert holds every digit in its own share of the styles), the router decides
+p(k | x_t, t) from the noisy latent alone, and top-2 is the default. Step counts are sized for a 2-core CPU:
 
     default   4000 training digits (800 autoencoder steps of 32), 4 x 3000 steps of 32 for experts of hidden 64
               at learning rate 4e-3, split by their clusters' sizes (each expert passes over its digits as often
