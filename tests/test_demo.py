@@ -79,6 +79,11 @@ def check_run(path, *, strategies=("top2",), fleets=()) -> dict:
     )
     assert all(r["expert_heldout"] > 0 and r["monolith_heldout"] > 0 for r in gen["clusters"])
     assert "do the experts generalise?" in html
+    # the router on the held-out digits too (it trained on data/'s): every one of them, each bucket in [0, 1]
+    held = evaluation["diagnostics"]["router_accuracy_heldout"]
+    assert held["items"] == min(512, json.loads((path / "eval/manifest.json").read_text())["count"])
+    assert len(held["accuracy"]) == 10 and all(0 <= a <= 1 for a in held["accuracy"])
+    assert "held-out items (each in the cluster of its nearest fine centroid)" in html
     timings = json.loads((path / "reports" / "timings.json").read_text())
     assert {"prepare", "cluster", "train-all", "assemble", "generate", "evaluate", "total"} <= set(timings)
     for s in ("monolith", "top1", "top2", "full"):  # the showcase draws every strategy

@@ -702,6 +702,17 @@ def test_evaluate_reports_each_experts_loss_on_training_and_held_out_items_of_it
     weights = [r["items"]["heldout"] for r in gen["clusters"]]
     mean = sum(r["expert_heldout"] * w for r, w in zip(gen["clusters"], weights)) / sum(weights)
     assert gen["summary"]["expert"]["heldout"] == pytest.approx(mean, rel=gamma(4))
+    # the router on the held-out items, each in its cluster by the same rule: the same items, noise and numbers
+    from flowfleet.evaluate.diagnostics import router_accuracy
+    from flowfleet.models.dit import DiTRouter
+
+    routed = result["diagnostics"]["router_accuracy_heldout"]
+    pick = torch.randperm(20, generator=torch.Generator().manual_seed(0))  # evaluate's seed: 0
+    router = load_model(DiTRouter, root, "model", "router")
+    expected = router_accuracy(router, held["latents"][pick], held_assign[pick], 2, seed=0)
+    assert routed["items"] == 20 and routed["accuracy"] == expected["accuracy"]
+    assert routed["confusion"] == expected["confusion"] and "held-out" in routed["note"]
     write_report(root)
     page = (tmp_path / "run/reports/report.html").read_text()
     assert "do the experts generalise?" in page and "expert held-out" in page
+    assert "and 20 held-out items" in page

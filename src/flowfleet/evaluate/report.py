@@ -565,11 +565,17 @@ class ReportBuilder:
         diag = self.evaluation.get("diagnostics") or {}
         acc = diag.get("router_accuracy")
         if acc:
+            held = diag.get("router_accuracy_heldout")
+            caption = f"router accuracy against the cluster of x0, {acc.get('items', '?')} training items"
+            if held:
+                caption += f" and {held['items']} held-out items (each in the cluster of its nearest fine centroid)"
             s.images.append(
                 self._plot(
                     "router_accuracy.png",
-                    views.router_accuracy_png(acc["t_buckets"], acc["accuracy"], acc.get("chance")),
-                    f"router accuracy against the cluster of x0, {acc.get('items', '?')} items",
+                    views.router_accuracy_png(
+                        acc["t_buckets"], acc["accuracy"], acc.get("chance"), heldout=held["accuracy"] if held else None
+                    ),
+                    caption,
                 )
             )
         align = diag.get("alignment") or {}

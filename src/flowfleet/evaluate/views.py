@@ -114,14 +114,19 @@ def router_accuracy_png(
     accuracy: Sequence[float],
     chance: float | None,
     title: str = "router accuracy per t-bucket",
+    heldout: Sequence[float] | None = None,
 ) -> bytes:
+    """Accuracy per t bucket on the data items (bars), and on held-out items (a line) when given."""
     fig = _figure(5.5, 3.4)
     ax = fig.add_subplot(1, 1, 1)
     centres = [(lo + hi) / 2 for lo, hi in buckets]
     widths = [0.9 * (hi - lo) for lo, hi in buckets]
-    ax.bar(centres, accuracy, width=widths, color="tab:blue")
+    ax.bar(centres, accuracy, width=widths, color="tab:blue", label="training items")
+    if heldout is not None:
+        ax.plot(centres, heldout, color="tab:orange", marker="o", markersize=4, label="held-out items")
     if chance is not None:
         ax.axhline(chance, color="gray", linestyle="--", linewidth=1, label="largest cluster share")
+    if chance is not None or heldout is not None:
         ax.legend(fontsize=7)
     ax.set(title=title, xlabel="t  (0 = data, 1 = noise)", ylabel="top-1 accuracy", xlim=(0, 1), ylim=(0, 1))
     fig.tight_layout()

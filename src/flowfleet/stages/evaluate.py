@@ -55,7 +55,7 @@ from flowfleet.evaluate.diagnostics import (
 )
 from flowfleet.evaluate.digits import DigitJudge, prompted_digit
 from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
-from flowfleet.evaluate.generalization import fields_for, generalization, held_out_clusters
+from flowfleet.evaluate.generalization import clustering_fields, fields_for, generalization, held_out_clusters
 from flowfleet.evaluate.judge import load_judge
 from flowfleet.evaluate.precision_recall import precision_recall
 from flowfleet.evaluate.reference import (
@@ -252,13 +252,15 @@ def evaluate(
     if options.diagnostics and root_has_clusters(ev.root):
         t0 = time.perf_counter()
         ev.diagnostics["router_accuracy"] = _router_accuracy(ev, pipe)
-        ev.timings["router_accuracy_s"] = time.perf_counter() - t0
-        if (
-            monolith is not None
-            and ev.split.held_out
+        held_out_rule = (
+            ev.split.held_out
             and ev.cfg.cluster.mode != "random"  # random shards: no rule assigns a held-out item
             and ev.root.exists(*CENTROIDS)
-        ):
+        )
+        if held_out_rule:
+            ev.diagnostics["router_accuracy_heldout"] = _router_accuracy_heldout(ev, pipe)
+        ev.timings["router_accuracy_s"] = time.perf_counter() - t0
+        if monolith is not None and held_out_rule:
             t0 = time.perf_counter()
             ev.diagnostics["generalization"] = _generalization(ev, pipe, monolith)
             ev.timings["generalization_s"] = time.perf_counter() - t0
@@ -796,17 +798,61 @@ def _dit(expert: Any) -> DiTModel:
     return expert
 
 
-def _router_accuracy(ev: _Evaluation, pipe) -> dict[str, Any]:
-    """The fleet's router against the clusters of (up to 512 of) the data items."""
-    pick = ev.order[: min(512, ev.order.numel())]
-    clusters = clustered_data(ev.root, ev.cfg, []).tensors["cluster"][pick]
-    cond = None
-    if pipe.router_sees_prompt:  # the items' own captions, as the router was trained
-        fields = [f for f in model_fields(pipe.router.cfg) if f != "latents"]
-        batch = InMemoryData(ev.data.load(fields), [], ev.data.url).gather(pick)
-        cond = condition_kwargs(batch, pipe.router.cfg)
-    rep = router_accuracy(
-        pipe.router, ev.latents[pick], clusters, pipe.num_experts, seed=ev.options.seed, device=ev.device, cond=cond
+ROUTER_ITEMS = 512  # items per router accuracy table: each of its 10 t buckets sees every one of them
+
+
+def _router(pipe: FleetPipeline) -> DiTRouter:
+    """The router of an opened model folder: a DiT (a callable of another kind has no accuracy table here)."""
+    if not isinstance(pipe.router, DiTRouter):
+        raise TypeError(f"expected a DiT router, got {type(pipe.router).__name__}")
+    return pipe.router
+
+
+def _router_fields(pipe: FleetPipeline) -> list[str]:
+    """The fields the router reads beside the latents: the prompt's, for a prompt-aware router."""
+    return [f for f in model_fields(_router(pipe).cfg) if f != "latents"] if pipe.router_sees_prompt else []
+
+
+def _prompt(data: Any, pipe: FleetPipeline, pick: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The picked items' prompt fields as a batch, for a router that reads them (else none)."""
+    if not pipe.router_sees_prompt:
+        return {}
+    return InMemoryData(data.load(_router_fields(pipe)), [], data.url).gather(pick)
+
+
+def _router_on(
+    ev: _Evaluation, pipe: FleetPipeline, latents: torch.Tensor, clusters: torch.Tensor, prompt: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """router_accuracy of the fleet's router on these items (their captions, as it was trained, when it reads them)."""
+    router = _router(pipe)
+    cond = condition_kwargs(prompt, router.cfg) if pipe.router_sees_prompt else None
+    return router_accuracy(
+        router, latents, clusters, pipe.num_experts, seed=ev.options.seed, device=ev.device, cond=cond
     )
+
+
+def _router_accuracy(ev: _Evaluation, pipe: FleetPipeline) -> dict[str, Any]:
+    """The fleet's router against the clusters of (up to 512 of) the data items."""
+    pick = ev.order[: min(ROUTER_ITEMS, ev.order.numel())]
+    clusters = clustered_data(ev.root, ev.cfg, []).tensors["cluster"][pick]
+    rep = _router_on(ev, pipe, ev.latents[pick], clusters, _prompt(ev.data, pipe, pick))
     rep["note"] = "the assembled router on a seeded random subset of data/, fresh noise, t uniform per bucket"
+    return rep
+
+
+def _router_accuracy_heldout(ev: _Evaluation, pipe: FleetPipeline) -> dict[str, Any]:
+    """The fleet's router on (up to 512 of) the held-out items, which no job trained on, each in the cluster of
+    its nearest fine centroid (the clustering's rule, flowfleet.evaluate.generalization): what it reads of new
+    images, where the table of data/ items also shows what it memorised of its training items."""
+    rule = clustering_fields(ev.cfg)
+    held = ev.ref_data.load(list(dict.fromkeys(["latents", *rule])))
+    centroids = safetensors.torch.load(ev.root.read_bytes(*CENTROIDS))
+    clusters = held_out_clusters(ev.cfg, centroids, ev.data.sets[0].load(rule), held)  # [M]
+    count = clusters.shape[0]
+    pick = torch.randperm(count, generator=torch.Generator().manual_seed(ev.options.seed))[:ROUTER_ITEMS]
+    rep = _router_on(ev, pipe, held["latents"][pick], clusters[pick], _prompt(ev.ref_data, pipe, pick))
+    rep["note"] = (
+        "the assembled router on a seeded random subset of the held-out items, each in the cluster of its nearest "
+        "fine centroid; fresh noise, t uniform per bucket"
+    )
     return rep
