@@ -69,7 +69,13 @@ def evaluate_model(model: Path, run: Path, n: int, strategies: tuple[str, ...], 
 
 
 def score_fleet(
-    run: Path, strategies: tuple[str, ...], cfg: str, n: int, monolith: bool = True, routers: tuple[str, ...] = ()
+    run: Path,
+    strategies: tuple[str, ...],
+    cfg: str,
+    n: int,
+    monolith: bool = True,
+    routers: tuple[str, ...] = (),
+    repeats: int = 1,
 ) -> dict:
     """`flowfleet evaluate` of run/model against run (held-out reference, the digit judge) over the guidance
     sweep `cfg` ("1.5,2,..."), each model at its chosen scale: {"floor": ..., model: its scores}. `routers`:
@@ -77,7 +83,9 @@ def score_fleet(
     from flowfleet.stages.evaluate import evaluate
 
     sweep = tuple(float(c) for c in cfg.split(","))
-    options = judge_options(n, strategies, batch_size=n, monolith=monolith, cfg_sweep=sweep, routers=routers)
+    options = judge_options(
+        n, strategies, batch_size=n, monolith=monolith, cfg_sweep=sweep, routers=routers, repeats=repeats
+    )
     result = evaluate(str(run / "model"), str(run), options)
     rec: dict = {"floor": result["reference_split"]}
     rows = (*strategies, *(f"{s}+{r}" for r in routers for s in strategies), *(["monolith"] if monolith else []))
@@ -85,6 +93,8 @@ def score_fleet(
         r = result["runs"][name]
         rec[name] = {k: r.get(k) for k in ("cfg", "classifier_fd", "precision", "recall", "fid", "sweep")}
         rec[name]["accuracy"] = result["prompt_accuracy"]["scores"][name]["accuracy"]
+    if result.get("draws"):  # repeats > 1: every draw's scores at the chosen scales
+        rec["draws"] = result["draws"]
     return rec
 
 

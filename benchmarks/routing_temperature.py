@@ -5,6 +5,7 @@ evaluate`'s own code (held-out reference, the digit judge, classifier FD, precis
 evaluated run's fleet.
 
     python benchmarks/routing_temperature.py --run runs/cache15 --temperature 0.5 --cfg 1.5,2,3,4.5,6
+    python benchmarks/routing_temperature.py --run COPY --temperature 0.5 --cfg 1.5 --repeats 5
 
 The run's reports/evaluation.json is overwritten: point --run at a copy. FleetPipeline.router_probs is
 replaced for this process only; nothing of the product changes.
@@ -22,6 +23,7 @@ def main() -> None:
     p.add_argument("--cfg", default="1.5,2,3,4.5,6", help="the guidance sweep")
     p.add_argument("--strategies", default="top2")
     p.add_argument("--n", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=1, help="evaluation draws at each model's chosen scale")
     a = p.parse_args()
     if a.temperature <= 0:
         p.error("--temperature: must be > 0")
@@ -47,6 +49,7 @@ def main() -> None:
         cfg_sweep=tuple(float(c) for c in a.cfg.split(",")),
         fid=FIDSettings(resize=75),
         device="cpu",
+        repeats=a.repeats,
     )
     result = evaluate(f"{a.run}/model", a.run, options)
     print("\n| model | temperature | cfg | classifier FD | prompt accuracy | precision | recall |")
@@ -57,6 +60,9 @@ def main() -> None:
                 f"| {name} | {a.temperature} | {s['cfg']} | {s['classifier_fd']:.1f} | {s['prompt_accuracy']:.3f} "
                 f"| {s['precision']:.3f} | {s['recall']:.3f} |"
             )
+    if result.get("draws"):
+        for name, scores in result["draws"]["runs"].items():
+            print(f"draws of {name} (seeds {result['draws']['seeds']}): classifier FD {scores['classifier_fd']}")
 
 
 if __name__ == "__main__":
