@@ -14,12 +14,13 @@ p(k | x_t, t) from the noisy latent alone, and top-2 is the default. Step counts
 
     default   4000 training digits (800 autoencoder steps of 32), 4 x 3000 steps of 32 for experts of hidden 64
               at learning rate 4e-3, split by their clusters' sizes (each expert passes over its digits as often
-              as the monolith over all of them); the monolith, the same architecture and recipe, 12151 steps:
-              the training FLOPs of the four experts and the router together; 300 router steps of 32; 300
+              as the monolith over all of them); the monolith, the same architecture and recipe, 12793 steps:
+              the training FLOPs of the four experts and the router together; 6000 router steps of 32 for a
+              router of hidden 32; 300
               samples per model at each guidance scale of the sweep, against the 1000 held-out digits, and 4
               more draws at each model's chosen scale (target: <= 10 min)
-    --quick   1000 digits (800 to train; 200 autoencoder steps), 4 x 900 expert steps (monolith ~3700)
-              after 30 warm-up steps, 100 router steps, 100 samples per model
+    --quick   1000 digits (800 to train; 200 autoencoder steps), 4 x 900 expert steps (monolith ~3800)
+              after 30 warm-up steps, 1800 router steps, 100 samples per model
 
 Beside Paris' claim (top-2 against the monolith), the evaluation and the report carry one row "beyond Paris":
 top-2 of the same experts routed by a router that also reads the prompt (router-prompt/, run.yaml
@@ -136,7 +137,7 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
         raw["encoders"]["latent"]["autoencoder"]["steps"] = 200
         _steps(raw, "train", 900)  # the samples of 450 steps of 64 (BENCHMARKS.md, "demo --quick")
         raw["train"].update(warmup_steps=30)  # a short run gains from a short warm-up
-        _steps(raw, "router_train", 100)
+        _steps(raw, "router_train", 1800)  # the full demo's 6000 in proportion to the experts' steps
         evaluation = EvaluateOptions(n=100, batch_size=100, fid=fid, grid=20, diagnostic_n=8, repeats=3)
     else:
         # 5 evaluation draws: at n = 300 the classifier FD of one draw moves by ~6 points with its prompts, noise
