@@ -19,8 +19,9 @@ from flowfleet.train.specs import monolith_steps
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small models on a shared 2-core box
 
 
-def check_run(path, *, strategies=("top2",), fleets=()) -> dict:
-    """The demo's outputs: a report with every section filled, an evaluation of every model."""
+def check_run(path, *, strategies=("top2",), fleets=(), prompt_router=True) -> dict:
+    """The demo's outputs: a report with every section filled, an evaluation of every model (prompt_router: the
+    run was made with --prompt-router)."""
     from test_report import parse  # the report test's headless HTML check
 
     html = (path / "reports" / "report.html").read_text()
@@ -35,7 +36,7 @@ def check_run(path, *, strategies=("top2",), fleets=()) -> dict:
     assert list(evaluation["runs"]) == [
         "monolith",
         *strategies,
-        *(f"{s}+router-prompt" for s in strategies),
+        *(f"{s}+router-prompt" for s in strategies if prompt_router),
         *(f"{s}@{f}" for f in fleets for s in strategies),  # --caption-fleet: another fleet, its own rows
     ]
     assert all(v > 0 for v in evaluation["fid"]["scores"].values())
@@ -50,7 +51,7 @@ def check_run(path, *, strategies=("top2",), fleets=()) -> dict:
     assert "prompt accuracy" in html and "classifier FD" in html and "precision" in html
     # The fleet's router is Paris': it sees (x_t, t) and nothing else. Both routers' accuracy per t-bucket (from
     # their training reports) is in the report: Paris' and the prompt-aware comparison router's.
-    assert "p(k | x_t, t) (Paris)" in html and "p(k | x_t, t, prompt)" in html
+    assert "p(k | x_t, t) (Paris)" in html and ("p(k | x_t, t, prompt)" in html) == prompt_router
     router = json.loads((path / "model" / "router" / "config.json").read_text())
     assert router["conditioning"] == "none" and router["text_dim"] == 0
     # judged against held-out digits, beside real ones scored like a model, at each model's swept scale
@@ -98,12 +99,12 @@ def sizes_of(path) -> list[int]:
 def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
     out = tmp_path / "demo"
     install_digit_classifier(digit_classifier, out)  # trained once per session
-    result = demo(str(out), size="smoke", progress=False)
+    result = demo(str(out), size="smoke", with_prompt_router=True, progress=False)
     assert result.report.endswith("reports/report.html")
     check_run(out)
     # Training jobs, assembled experts and the monolith are all there; the monolith trained the fleet's
     # FLOPs: K x the expert steps (the same architecture) and the router's share on top.
-    plan = demo_plan("smoke")
+    plan = demo_plan("smoke", prompt_router=True)
     k = plan.config.cluster.k
     status = json.loads((out / "monolith" / "status.json").read_text())
     assert status["state"] == "done" and status["total_steps"] == monolith_steps(plan.config)
@@ -120,7 +121,7 @@ def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
     # Again with --caption-fleet: the finished stages are skipped, the fleet of caption clusters is trained on a
     # copy of the prepared data (no monolith) and evaluated beside Paris' fleet with the same prompts and noise.
     trained = (out / "experts" / "0" / "status.json").read_bytes()
-    demo(str(out), size="smoke", with_caption_fleet=True, progress=False)
+    demo(str(out), size="smoke", with_caption_fleet=True, with_prompt_router=True, progress=False)
     evaluation = check_run(out, fleets=("caption",))
     assert (out / "experts" / "0" / "status.json").read_bytes() == trained  # resumed, not retrained
     sub = out / "caption-fleet"
@@ -137,7 +138,7 @@ def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
     # a copy cut short (its manifest is written last) is copied again; the caption fleet's jobs are not retrained
     (sub / "data" / "manifest.json").unlink()
     caption_trained = (sub / "experts" / "0" / "status.json").read_bytes()
-    demo(str(out), size="smoke", with_caption_fleet=True, progress=False)
+    demo(str(out), size="smoke", with_caption_fleet=True, with_prompt_router=True, progress=False)
     assert (sub / "data" / "manifest.json").read_bytes() == (out / "data" / "manifest.json").read_bytes()
     assert (sub / "experts" / "0" / "status.json").read_bytes() == caption_trained
 
@@ -159,12 +160,16 @@ def test_demo_plans_validate_and_quick_is_smaller():
         # ... less what the caption predicts of them: every expert holds every digit (docs/training.md)
         assert c.cluster.caption_residual
         assert not c.router.uses_text and c.sampling.strategy == "top2"
-        assert c.router_prompt and plan.evaluation.routers == ("router-prompt",)  # the "beyond Paris" row
+        # the "beyond Paris" row of a prompt-aware router is an option (--prompt-router), as the caption fleet is
+        assert not c.router_prompt and plan.evaluation.routers == ()
         assert c.train.expert_steps == "by_size"  # each expert passes over its digits as often as the monolith
         assert len(plan.evaluation.cfg_sweep) >= 5 and plan.evaluation.save_cfg
         assert plan.evaluation.repeats >= 3  # figures with their spread over evaluation draws
         # Paris' experts work in a VAE latent: here an autoencoder prepare trains, 8 x 8 x 4, 2 x 2 patches
         assert c.encoders.latent.name == "autoencoder" and c.latent_shape == (4, 8, 8) and c.expert.patch_size == 2
+    beyond = demo_plan("full", prompt_router=True)
+    assert beyond.config.router_prompt and beyond.evaluation.routers == ("router-prompt",)
+    assert beyond.config.router_train == full.config.router_train  # the same recipe as Paris' router
     assert quick.config.encoders.latent.autoencoder.steps < full.config.encoders.latent.autoencoder.steps
     assert full.config.data.source == "mnist" and full.config.data.limit is None  # all 5000 digits
     assert full.config.data.holdout == 1000  # the digit judge's validation digits: no model trains on them
@@ -180,4 +185,4 @@ def test_demo_quick_through_the_cli(tmp_path, capsys, digit_classifier):
     install_digit_classifier(digit_classifier, out)
     assert main(["demo", "--out", str(out), "--quick"]) == 0
     assert "open" in capsys.readouterr().out
-    check_run(out)
+    check_run(out, prompt_router=False)

@@ -122,6 +122,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also train a fleet of caption clusters routed by the prompt (OUT/caption-fleet/) and evaluate it beside "
         "Paris' fleet as the rows STRATEGY@caption (about 2.5 minutes more)",
     )
+    p.add_argument(
+        "--prompt-router",
+        action="store_true",
+        help="also train a router that reads the prompt (OUT/router-prompt/) and evaluate top-2 routed by it as the "
+        "row top2+router-prompt, beside Paris' prompt-blind router (about a minute more)",
+    )
 
 
 def _strategies(text: str) -> tuple[str, ...]:
@@ -213,6 +219,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from flowfleet.stages.demo import demo
 
-    result = demo(args.out, quick=args.quick, with_caption_fleet=args.caption_fleet)
+    result = demo(
+        args.out, quick=args.quick, with_caption_fleet=args.caption_fleet, with_prompt_router=args.prompt_router
+    )
     print(f"demo finished in {result.seconds:.0f} s; open {result.report}")
     return 0

@@ -22,9 +22,10 @@ p(k | x_t, t) from the noisy latent alone, and top-2 is the default. Step counts
     --quick   1000 digits (800 to train; 200 autoencoder steps), 4 x 900 expert steps (monolith ~3800)
               after 30 warm-up steps, 1800 router steps, 100 samples per model
 
-Beside Paris' claim (top-2 against the monolith), the evaluation and the report carry one row "beyond Paris":
-top-2 of the same experts routed by a router that also reads the prompt (router-prompt/, run.yaml
-router_prompt); the fleet's own router, and its model folder, stay Paris'.
+`--prompt-router` adds a row "beyond Paris" to the evaluation and the report: top-2 of the same experts routed by a
+router that also reads the prompt (router-prompt/, run.yaml router_prompt; the same recipe as Paris' router); the
+fleet's own router, and its model folder, stay Paris'. It adds about a minute (a second 6000-step router and its
+evaluation), which would take the default demo close to ten on a slow day, so it is an option.
 
 `--caption-fleet` adds the regime the demo used to run, a second comparison beyond Paris: a fleet whose clusters
 are the captions' (cluster.features: text), routed by the prompt, trained in OUT/caption-fleet/ (a run root of its
@@ -91,8 +92,8 @@ STRATEGIES = ("top1", "top2", "full")  # the showcase draws each
 # The evaluation sweeps guidance for Paris' claim, top-2 against the monolith (top-1 and the full ensemble
 # cost 1 and 4 expert passes a step more: `flowfleet evaluate --strategies top1,top2,full` scores them too)
 EVALUATED = ("top2",)
-# "Beyond Paris": the same experts routed by a router that also reads the prompt (router-prompt/, trained
-# beside Paris' router: run.yaml router_prompt), one more row of the evaluation and the report.
+# "Beyond Paris" (`--prompt-router`): the same experts routed by a router that also reads the prompt (router-prompt/,
+# trained beside Paris' router: run.yaml router_prompt), one more row of the evaluation and the report.
 COMPARED_ROUTERS = (PROMPT_ROUTER,)
 
 log = logging.getLogger(__name__)
@@ -113,13 +114,14 @@ class DemoPlan:
 DemoSize = Literal["full", "quick", "smoke"]
 
 
-def demo_plan(size: DemoSize = "full") -> DemoPlan:
-    """full: `flowfleet demo`; quick: `flowfleet demo --quick`; smoke: the test suite's (mnist-tiny sized)."""
+def demo_plan(size: DemoSize = "full", *, prompt_router: bool = False) -> DemoPlan:
+    """full: `flowfleet demo`; quick: `flowfleet demo --quick`; smoke: the test suite's (mnist-tiny sized).
+    prompt_router: also train the prompt-aware comparison router and evaluate top-2 with it (`--prompt-router`)."""
     if size not in ("full", "quick", "smoke"):
         raise ValueError(f"unknown demo size {size!r}")
     raw = PRESETS["mnist-tiny" if size == "smoke" else "mnist"]()
     raw["name"] = {"full": "demo", "quick": "demo-quick", "smoke": "demo-smoke"}[size]
-    raw["router_prompt"] = True
+    raw["router_prompt"] = prompt_router
     fid = FIDSettings(resize=DEMO_INCEPTION_SIZE, batch_size=100)
     sweep: tuple[float, ...] = GUIDANCE_SWEEP
     if size == "smoke":  # 16 x 16 digits, hidden-64 experts: the whole path in about a minute
@@ -144,7 +146,12 @@ def demo_plan(size: DemoSize = "full") -> DemoPlan:
         # and reference split (BENCHMARKS.md, "How much of an FD is the draw")
         evaluation = EvaluateOptions(n=300, batch_size=300, fid=fid, grid=40, diagnostic_n=16, repeats=5)
     evaluation = replace(
-        evaluation, strategies=EVALUATED, monolith=True, routers=COMPARED_ROUTERS, cfg_sweep=sweep, save_cfg=True
+        evaluation,
+        strategies=EVALUATED,
+        monolith=True,
+        routers=COMPARED_ROUTERS if prompt_router else (),
+        cfg_sweep=sweep,
+        save_cfg=True,
     )
     return DemoPlan(
         RunConfig.from_dict(raw, where="demo configuration"), evaluation, showcase_n=10 if size == "smoke" else 20
@@ -238,15 +245,17 @@ def demo(
     quick: bool = False,
     size: DemoSize | None = None,
     with_caption_fleet: bool = False,
+    with_prompt_router: bool = False,
     progress: bool = True,
 ) -> DemoResult:
     """Run (or resume) the demo in `out`; returns where the report is. `size` overrides `quick`;
-    with_caption_fleet: also train and evaluate the caption-cluster fleet (`--caption-fleet`)."""
-    return _demo(out, size or ("quick" if quick else "full"), with_caption_fleet, progress)
+    with_caption_fleet: also train and evaluate the caption-cluster fleet (`--caption-fleet`);
+    with_prompt_router: also the prompt-aware comparison router's row (`--prompt-router`)."""
+    plan = demo_plan(size or ("quick" if quick else "full"), prompt_router=with_prompt_router)
+    return _demo(out, plan, with_caption_fleet, progress)
 
 
-def _demo(out: str, size: DemoSize, with_caption_fleet: bool, progress: bool) -> DemoResult:
-    plan = demo_plan(size)
+def _demo(out: str, plan: DemoPlan, with_caption_fleet: bool, progress: bool) -> DemoResult:
     root = _open(out, plan.config)
     url = root.url
     timings: dict[str, float] = {}
