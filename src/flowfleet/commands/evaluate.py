@@ -126,7 +126,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--prompt-router",
         action="store_true",
         help="also train a router that reads the prompt (OUT/router-prompt/) and evaluate top-2 routed by it as the "
-        "row top2+router-prompt, beside Paris' prompt-blind router (about a minute more)",
+        "row top2+router-prompt, beside Paris' prompt-blind router (about 80 s more)",
     )
 
 

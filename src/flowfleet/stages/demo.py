@@ -24,8 +24,8 @@ p(k | x_t, t) from the noisy latent alone, and top-2 is the default. Step counts
 
 `--prompt-router` adds a row "beyond Paris" to the evaluation and the report: top-2 of the same experts routed by a
 router that also reads the prompt (router-prompt/, run.yaml router_prompt; the same recipe as Paris' router); the
-fleet's own router, and its model folder, stay Paris'. It adds about a minute (a second 6000-step router and its
-evaluation), which would take the default demo close to ten on a slow day, so it is an option.
+fleet's own router, and its model folder, stay Paris'. It adds 75–87 s (a second 6000-step router and its
+evaluation), which took the default demo past ten minutes on a slow day, so it is an option.
 
 `--caption-fleet` adds the regime the demo used to run, a second comparison beyond Paris: a fleet whose clusters
 are the captions' (cluster.features: text), routed by the prompt, trained in OUT/caption-fleet/ (a run root of its
