@@ -278,6 +278,26 @@ def test_fanout_runs_flowfleet_commands_from_a_preloaded_forkserver(tmp_path):
     assert len(set(pids.values())) == 3 and os.getpid() not in pids.values()
 
 
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_train_all_forks_cpu_jobs_and_starts_gpu_jobs_afresh_one_gpu_each(tmp_path, monkeypatch, gpus):
+    """A fork cannot use CUDA once the forkserver's imports have asked torch about GPUs (seen on an H100:
+    every job failed), so on a GPU machine the jobs are fresh processes, each with its own GPU."""
+    started = {}
+
+    class Recording(LocalFanout):
+        def run(self, jobs):
+            started.update(jobs={job.name: job.forkable for job in jobs}, gpus=[slot.gpu for slot in self.slots])
+            return []
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr("flowfleet.stages.train.LocalFanout", Recording)
+    root = make_run(tmp_path / "r", k=2)
+    main(["train-all", root.url, "--no-progress"])
+    assert started["jobs"] == {"expert-0": not gpus, "expert-1": not gpus, "router": not gpus}
+    assert started["gpus"] == ([0, 1] if gpus else [None] * len(started["gpus"]))
+
+
 def test_plan_slots_shares_cores_and_gpus():
     assert [(s.threads, s.gpu) for s in plan_slots(5, None, cpus=2, gpus=0)] == [(1, None), (1, None)]
     assert [(s.threads, s.gpu) for s in plan_slots(5, 1, cpus=8, gpus=0)] == [(8, None)]

@@ -313,9 +313,8 @@ def _train_locally(
     on_poll,
 ) -> None:
     """The jobs as processes on this machine, `parallel` at a time (flowfleet.train.fanout)."""
-    slots = plan_slots(
-        len(todo), parallel, os.cpu_count() or 1, torch.cuda.device_count() if torch.cuda.is_available() else 0
-    )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    slots = plan_slots(len(todo), parallel, os.cpu_count() or 1, gpus)
     logs_tmp = None if root.is_local else tempfile.TemporaryDirectory(prefix="flowfleet-logs-")
     url = root.url_of()
 
@@ -326,7 +325,10 @@ def _train_locally(
         assert logs_tmp is not None  # a remote run root's logs are written locally, then uploaded
         return Path(logs_tmp.name) / spec.dir / LOG_FILE
 
-    jobs = [ProcessJob(s.name, s.command(url, launcher()), log_path(s), forkable=True) for s in todo]
+    # A fork cannot use CUDA once its parent has asked torch about GPUs, which the forkserver's preloaded imports
+    # do: on a GPU machine every job starts as a fresh process (measured: "Cannot re-initialize CUDA in forked
+    # subprocess" in every job otherwise).
+    jobs = [ProcessJob(s.name, s.command(url, launcher()), log_path(s), forkable=not gpus) for s in todo]
     specs = {s.name: s for s in todo}
 
     def started(job: ProcessJob, pid: int) -> None:

@@ -10,7 +10,8 @@ A job whose command is `python -m MODULE ARGS` (ProcessJob.forkable) starts from
 multiprocessing forkserver, which imports `preload` (torch, diffusers, flowfleet: ~5 s of every job's
 start) once: each job is a fresh fork of that interpreter that runs `MODULE.main(ARGS)` with its own
 environment, session and log, exactly as the command line would. Where there is no forkserver
-(Windows), or for any other command, the job is a plain subprocess. (The module is named by the job's
+(Windows), for any other command, or for a job that uses a GPU (a fork cannot initialise CUDA once its parent
+has asked torch about GPUs), the job is a plain subprocess. (The module is named by the job's
 command line and imported in `_run_module`, the forkserver child, where the server has preloaded it:
 this file imports no command-line module, so the fan-out stays below the CLI that uses it.)
 """
