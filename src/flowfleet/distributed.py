@@ -141,6 +141,12 @@ def init_process_group(
     """Join the default process group (gloo on CPU, NCCL on CUDA) with a collective timeout."""
     dev = resolve_device(device, rank if local_rank is None else local_rank)
     if dev.type == "cuda":
+        node_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+        if node_ranks > gpus:  # NCCL refuses two ranks on one GPU, after a wait and with a long message
+            raise FlowfleetError(
+                f"rank {rank}: {node_ranks} ranks on this node share {gpus} GPU(s), and NCCL needs one GPU per "
+                f"rank: start at most {gpus} per node, or pass --device cpu"
+            )
         torch.cuda.set_device(dev)
     backend = default_backend(dev)
     kwargs: dict[str, Any] = {}

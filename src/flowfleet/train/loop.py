@@ -273,6 +273,9 @@ class Trainer:
         if island.is_main:
             st.metrics = MetricsLog(self.root, task.spec.dir, tensorboard=self.options.tensorboard)
             st.metrics.truncate_after(st.step)
+            ranks = f" x {island.world_size} ranks ({island.backend})" if island.distributed else ""
+            precision = f"{tc.precision} autocast" if amp else "fp32"
+            log.info("%s: %d steps on %s%s in %s", task.name, task.total_steps, dev, ranks, precision)
         if island.distributed:
             st.net = DistributedDataParallel(
                 model, device_ids=[dev.index] if dev.type == "cuda" else None, broadcast_buffers=False

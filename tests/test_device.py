@@ -1,0 +1,57 @@
+"""Device choice (flowfleet.device) and the one-GPU-per-rank rule of NCCL, on any machine: CUDA is faked
+where a test needs a GPU count. What a real GPU does is tests/test_gpu.py's (marker `gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowfleet.device import resolve_device
+from flowfleet.distributed import init_process_group
+from flowfleet.errors import FlowfleetError
+
+
+def fake_gpus(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_auto_is_the_ranks_gpu_round_robin_else_the_cpu(monkeypatch):
+    fake_gpus(monkeypatch, 0)
+    assert resolve_device("auto") == resolve_device(None) == torch.device("cpu")
+    fake_gpus(monkeypatch, 2)
+    assert [resolve_device("auto", rank) for rank in range(3)] == [
+        torch.device("cuda", 0),
+        torch.device("cuda", 1),
+        torch.device("cuda", 0),
+    ]
+    assert resolve_device("cpu") == torch.device("cpu") and resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize(
+    "gpus, name, message",
+    [
+        (0, "cuda", "--device: cuda requested but CUDA is not available"),
+        (0, "cuda:1", "--device: cuda:1 requested but CUDA is not available"),
+        (1, "gpu", "--device: unknown device 'gpu' (expected cpu, cuda, cuda:N or auto)"),
+    ],
+)
+def test_a_device_that_is_not_there_is_a_one_line_error(monkeypatch, gpus, name, message):
+    fake_gpus(monkeypatch, gpus)
+    with pytest.raises(FlowfleetError) as err:
+        resolve_device(name)
+    assert str(err.value) == message
+
+
+def test_more_ranks_on_a_node_than_gpus_is_a_one_line_error_before_nccl(monkeypatch):
+    """NCCL refuses two ranks on one GPU only after the group forms, in a multi-line error; the check comes
+    first and says what to do."""
+    fake_gpus(monkeypatch, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("joined a group"))
+    with pytest.raises(FlowfleetError) as err:
+        init_process_group(1, 2, device="auto", local_rank=1)
+    assert str(err.value) == (
+        "rank 1: 2 ranks on this node share 1 GPU(s), and NCCL needs one GPU per rank: start at most 1 per node, "
+        "or pass --device cpu"
+    )
