@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: demo demo-quick test test-slow install clean
+.PHONY: demo demo-quick test test-slow test-gpu install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -60,6 +60,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow --timeout=3600 -p randomly --randomly-seed=$(TEST_SEED)
+
+# The CUDA paths (tests/test_gpu.py) on a machine with a GPU; `make test` hides the GPUs (tests/conftest.py).
+test-gpu: $(STAMP)
+	FLOWFLEET_TEST_GPU=1 $(BIN)/python -m pytest -q -m gpu --timeout=900 -p randomly --randomly-seed=$(TEST_SEED)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -7,6 +7,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The default suite is the CPU suite, on any machine: with a GPU visible, every `--device auto` in it would move
+# its CPU references onto the GPU. `make test-gpu` (FLOWFLEET_TEST_GPU=1, marker `gpu`: tests/test_gpu.py) keeps
+# the GPUs. Set before anything initialises CUDA; the suite's child processes inherit it.
+if os.environ.get("FLOWFLEET_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
