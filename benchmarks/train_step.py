@@ -1,6 +1,7 @@
 """Training-step throughput of the DiT and the overhead of flowfleet's full trainer.
 
-For each model (tiny/4 and DiT-S/2 on 4x32x32 latents, unconditional) it measures, in one run:
+For each model (tiny/4 and DiT-S/2 on 4x32x32 latents, unconditional; `demo`: the mnist preset's expert as
+`make demo` trains it) it measures, in one run, on the CPU or a GPU (`--device`, `--precision`):
 
   bare     a bare loop: forward, flow-matching loss, backward, AdamW step on one resident batch
   trainer  flowfleet.train.loop.Trainer on a synthetic run root: data gather, per-step seeded noise,
@@ -17,11 +18,13 @@ alike. Reported: the ratio of median step times and the median of the paired per
 
     .venv/bin/python benchmarks/train_step.py                      # both models
     .venv/bin/python benchmarks/train_step.py --models tiny --steps-tiny 200 --threads 1
+    python benchmarks/train_step.py --device cuda --precision bf16 --batch-S 64   # on a GPU machine
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -38,44 +41,56 @@ from fixtures.synthetic_run import write_synthetic_run
 from tqdm import tqdm  # noqa: E402
 
 from flowfleet.config import RunConfig, load_run_config
+from flowfleet.device import resolve_device
 from flowfleet.distributed import join_from_env
 from flowfleet.flow import flow_matching_loss, sample_t
 from flowfleet.models.dit import DiTModel
 from flowfleet.models.flops import train_flops_per_sample
 from flowfleet.presets import PRESETS
 from flowfleet.storage import RunRoot
-from flowfleet.train.loop import Trainer, TrainOptions
+from flowfleet.train.loop import Trainer, TrainOptions, autocast_dtype
 from flowfleet.train.specs import JobSpec
 from flowfleet.train.tasks import build_task
 
-MODELS = {"tiny": "tiny/4", "S": "S/2"}
+MODELS = {"tiny": "tiny/4", "S": "S/2", "demo": "demo"}
 
 
-def sgemm_gflops(m: int = 1024, k: int | None = None, n: int | None = None, reps: int = 20) -> float:
-    """Measured fp32 matmul GFLOP/s of [m, k] x [k, n] (square m^3 by default)."""
-    k, n = k or m, n or m
-    a, b = torch.randn(m, k), torch.randn(k, n)
+def sgemm_gflops(
+    m: int = 1024, k: int | None = None, n: int | None = None, reps: int = 20, device: torch.device | None = None
+) -> float:
+    """Measured fp32 matmul GFLOP/s of [m, k] x [k, n] (square m^3 by default) on the device (the CPU by
+    default; TF32 as torch's defaults set it)."""
+    k, n, device = k or m, n or m, device or torch.device("cpu")
+    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
     for _ in range(3):
         a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9
 
 
-def bench_config(size: str, batch: int, steps: int, log_every: int) -> RunConfig:
-    raw = PRESETS["paris-b2"]()
-    raw["name"] = f"bench-{size}"
-    raw["encoders"]["text"] = {"name": "none"}
-    raw["cluster"]["k"] = 2
-    raw["expert"] = dict(size=size, input_size=(32, 32), in_channels=4, conditioning="none")
-    raw["router"] = dict(size="tiny/4", input_size=(32, 32), in_channels=4, num_outputs=2)
+def bench_config(size: str, batch: int, steps: int, log_every: int, precision: str = "fp32") -> RunConfig:
+    if size == "demo":  # the `mnist` preset as `make demo` trains it: its latent grid, expert and text input
+        raw = PRESETS["mnist"]()
+        raw["cluster"]["k"] = raw["router"]["num_outputs"] = 2
+    else:
+        raw = PRESETS["paris-b2"]()
+        raw["encoders"]["text"] = {"name": "none"}
+        raw["cluster"]["k"] = 2
+        raw["expert"] = dict(size=size, input_size=(32, 32), in_channels=4, conditioning="none")
+        raw["router"] = dict(size="tiny/4", input_size=(32, 32), in_channels=4, num_outputs=2)
+    raw["name"] = f"bench-{size.replace('/', '-')}"
     raw["train"] = dict(
         steps=steps,
         batch_size=batch,
         lr=1e-4,
         ema_decay=0.9999,
-        precision="fp32",
+        precision=precision,
         ckpt_every=10**6,
         sample_every=10**6,
         log_every=log_every,
@@ -87,18 +102,29 @@ def bench_config(size: str, batch: int, steps: int, log_every: int) -> RunConfig
 class BareStep:
     """A bare forward / flow-matching loss / backward / AdamW step on one resident batch."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, device: torch.device):
         torch.manual_seed(0)
-        self.model = DiTModel.from_dit_config(cfg.expert)
+        self.device, self.amp = device, autocast_dtype(cfg.train.precision, device)
+        self.model = DiTModel.from_dit_config(cfg.expert).to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
-        self.x0 = torch.randn(cfg.train.batch_size, *cfg.latent_shape)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == torch.float16)
+        self.x0 = torch.randn(cfg.train.batch_size, *cfg.latent_shape, device=device)
+        e, b = cfg.expert, cfg.train.batch_size
+        self.text = {}  # the caption inputs of a text-conditioned expert (the demo's), random
+        if e.conditioning in ("pooled", "cross_attn"):
+            self.text["text_pooled"] = torch.randn(b, e.text_dim, device=device)
+        if e.conditioning == "cross_attn":
+            self.text["text_tokens"] = torch.randn(b, e.text_len, e.text_dim, device=device)
+            self.text["text_mask"] = torch.ones(b, e.text_len, dtype=torch.bool, device=device)
 
     def __call__(self) -> None:
-        t = sample_t(self.x0.shape[0])
+        t = sample_t(self.x0.shape[0], device=self.device)
         eps = torch.randn_like(self.x0)
-        loss = flow_matching_loss(lambda x, tt: self.model(x, tt), self.x0, t, eps)
-        loss.backward()
-        self.opt.step()
+        with torch.autocast(self.device.type, dtype=self.amp) if self.amp else contextlib.nullcontext():
+            loss = flow_matching_loss(lambda x, tt: self.model(x, tt, **self.text), self.x0, t, eps)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
         loss.item()  # the trainer syncs on the loss every step too
 
@@ -107,14 +133,14 @@ class TrainerStep:
     """The trainer's own loop body (Trainer._step: data, seeded noise, forward/backward, AdamW, EMA, loss
     reduction, status lease, metrics.jsonl + TensorBoard every log_every steps) on a claimed job."""
 
-    def __init__(self, root: RunRoot):
+    def __init__(self, root: RunRoot, device: torch.device):
         root.remove("experts", recursive=True)
         self.trainer = Trainer(
             build_task(root, load_run_config(root), JobSpec("expert", 0)),
             root,
             TrainOptions(progress=False, tensorboard=True),
         )
-        self.state = self.trainer._setup(join_from_env("cpu"))
+        self.state = self.trainer._setup(join_from_env(str(device)))
         self.sampler = self.trainer.sampler()
         self.bar = tqdm(disable=True)
 
@@ -126,14 +152,16 @@ class TrainerStep:
         self.state.lease.release("stopped", "benchmark")
 
 
-def interleaved(a, b, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+def interleaved(a, b, steps: int, warmup: int, sync=lambda: None) -> tuple[list[float], list[float]]:
     """Wall seconds of each step of a and b, run alternately (a, b, a, b, ...) so that whatever else
-    the machine does falls on both alike."""
+    the machine does falls on both alike; sync() waits for the device's queued work."""
     ta, tb = [], []
     for i in range(warmup + steps):
         for fn, out in ((a, ta), (b, tb)):
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             if i >= warmup:
                 out.append(time.perf_counter() - t0)
     return ta, tb
@@ -151,31 +179,38 @@ def checkpoint_write_s(trainer_step: TrainerStep) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="tiny,S", help="comma list of tiny, S")
+    p.add_argument("--models", default="tiny,S", help="comma list of tiny, S, demo (the mnist preset's expert)")
+    p.add_argument("--batch-demo", type=int, default=32)
+    p.add_argument("--steps-demo", type=int, default=60, help="timed steps of each loop")
     p.add_argument("--batch-tiny", type=int, default=64)
     p.add_argument("--batch-S", type=int, default=4)
     p.add_argument("--steps-tiny", type=int, default=60, help="timed steps of each loop")
     p.add_argument("--steps-S", type=int, default=10, help="timed steps of each loop")
     p.add_argument("--log-every", type=int, default=10, help="the trainer's metrics interval")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="autocast on CUDA only")
     args = p.parse_args()
+    device = resolve_device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()}")
-    peak = sgemm_gflops()
+    gpu = f", {torch.cuda.get_device_name(device)}, {args.precision}" if device.type == "cuda" else ""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}, load average {os.getloadavg()}")
+    peak = sgemm_gflops(device=device)
     print(f"sgemm 1024^3 fp32: {peak:.1f} GFLOP/s")
     results = {}
     for name in args.models.split(","):
         size = MODELS[name]
         batch, steps = getattr(args, f"batch_{name}"), getattr(args, f"steps_{name}")
-        cfg = bench_config(size, batch, 10**6, log_every=args.log_every)
+        cfg = bench_config(size, batch, 10**6, log_every=args.log_every, precision=args.precision)
         flops = train_flops_per_sample(cfg.expert)
         with tempfile.TemporaryDirectory(prefix="flowfleet-bench-") as tmp:
             root = RunRoot(tmp)
             write_synthetic_run(root, cfg, per_cluster=max(batch, 16), shard_size=256)
-            bare, full = BareStep(cfg), TrainerStep(root)
+            bare, full = BareStep(cfg, device), TrainerStep(root, device)
             try:
-                tb, tt = interleaved(bare, full, steps, warmup=max(2, steps // 10))
+                tb, tt = interleaved(bare, full, steps, warmup=max(2, steps // 10), sync=sync)
                 ckpt_s = checkpoint_write_s(full)
             finally:
                 full.close()
@@ -183,6 +218,8 @@ def main() -> int:
         mb, mt = statistics.median(tb), statistics.median(tt)
         row = dict(
             size=size,
+            device=str(device),
+            precision=args.precision,
             tokens=cfg.expert.num_tokens,
             batch=batch,
             steps=steps,
