@@ -1,9 +1,13 @@
-"""A probe of a sampler the product does not have yet: a stronger guidance scale HIGH while t > TAU (the
-early, noisy steps, where Paris' prompt-blind router can only follow the clusters' prior) and the swept
-scale below it. Evaluated with `flowfleet evaluate`'s own code (held-out reference, the digit judge,
-classifier FD, precision/recall), on an evaluated run's fleet and, with --monolith, its monolith.
+"""A probe of a sampler the product does not have yet: guidance scale HIGH while t > TAU (the early, noisy
+steps, where Paris' prompt-blind router can only follow the clusters' prior) and the swept scale below it.
+HIGH above the swept scales guides the noisy steps harder; HIGH = 1 leaves them unguided, as Kynkäänniemi et
+al. (2024, "Applying guidance in a limited interval") do for the high-noise steps. Evaluated with `flowfleet
+evaluate`'s own code (held-out reference, the digit judge, classifier FD, precision/recall), on an evaluated
+run's fleet and, with --monolith, its monolith.
 
     python benchmarks/guidance_interval.py --run runs/demo --high 4.5 --tau 0.7 --cfg 1.5,2,3
+    python benchmarks/guidance_interval.py --run COPY --high 3 --tau 0.8 --cfg 1,1.25,1.5 --monolith --repeats 5 \
+        --json out.jsonl        # each model again at its chosen scale with seeds 1-4 (evaluate --repeats)
 
 The run's reports/evaluation.json is overwritten: point --run at a copy. The routed velocity's guidance
 scale is replaced for this process only (a subclass of flowfleet.sampling.pipeline.RoutedVelocity);
@@ -24,6 +28,8 @@ def main() -> None:
     p.add_argument("--strategies", default="top2")
     p.add_argument("--monolith", action="store_true")
     p.add_argument("--n", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=1, help="evaluation draws at each model's chosen scale")
+    p.add_argument("--json", default=None, help="append one JSON line per model (its sweep and its draws)")
     a = p.parse_args()
 
     from flowfleet.evaluate.fid import FIDSettings
@@ -34,11 +40,11 @@ def main() -> None:
     class IntervalVelocity(pipeline.RoutedVelocity):
         def __call__(self, x, t, step):
             selection = self.select(x, t, step)
-            scale = max(self.cfg, a.high) if float(t[0]) > a.tau else self.cfg
+            scale = a.high if float(t[0]) > a.tau else self.cfg
             guided = self.pipe.guidance_applies(scale)
             return run_selected(self.pipe.experts, x, t, self.cond, selection, scale, guided, self.trace.stats)
 
-    pipeline.FleetPipeline.velocity_fn = lambda self, cond, k, cfg, route_every, trace: IntervalVelocity(
+    pipeline.FleetPipeline.velocity_fn = lambda self, cond, k, cfg, route_every, trace, cache=0.0: IntervalVelocity(
         self, cond, k, cfg, route_every, trace
     )
     options = EvaluateOptions(
@@ -50,6 +56,7 @@ def main() -> None:
         cfg_sweep=tuple(float(c) for c in a.cfg.split(",")),
         fid=FIDSettings(resize=75),
         device="cpu",
+        repeats=a.repeats,
     )
     result = evaluate(f"{a.run}/model", a.run, options)
     print("\n| model | high | tau | cfg below tau | classifier FD | prompt accuracy | precision | recall |")
@@ -60,6 +67,19 @@ def main() -> None:
                 f"| {name} | {a.high} | {a.tau} | {s['cfg']} | {s['classifier_fd']:.1f} | {s['prompt_accuracy']:.3f} "
                 f"| {s['precision']:.3f} | {s['recall']:.3f} |"
             )
+    draws = result.get("draws") or {}
+    for name, d in draws.get("runs", {}).items():
+        fd = d["classifier_fd"]
+        mean = sum(fd) / len(fd)
+        sd = (sum((x - mean) ** 2 for x in fd) / max(1, len(fd) - 1)) ** 0.5
+        acc = ", ".join(f"{x:.3f}" for x in d["prompt_accuracy"])
+        each = ", ".join(f"{x:.1f}" for x in fd)
+        print(f"{name}: classifier FD over {len(fd)} draws {mean:.2f} ± {sd:.2f} ({each}); accuracy {acc}")
+    if a.json:
+        import json
+
+        with open(a.json, "a") as f:
+            f.write(json.dumps({"high": a.high, "tau": a.tau, "runs": result["runs"], "draws": draws}) + "\n")
 
 
 if __name__ == "__main__":

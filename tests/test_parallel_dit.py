@@ -103,8 +103,10 @@ def route_fn(router: DiTModel, k: int):
     return route
 
 
-def single_process_run(top_k: int, cfg_scale: float, sampler: str = "euler", variant: str = "") -> torch.Tensor:
-    """Reference: every expert on the whole image, guided, combined with the routing weights."""
+def single_process_run(
+    top_k: int, cfg_scale: float, sampler: str = "euler", variant: str = "", cfg_max_t: float = 1.0
+) -> torch.Tensor:
+    """Reference: every expert on the whole image, guided (at t <= cfg_max_t), combined with the routing weights."""
     experts, router = fleet(variant)
     noise, cond = inputs()
     route = route_fn(router, top_k)
@@ -112,6 +114,7 @@ def single_process_run(top_k: int, cfg_scale: float, sampler: str = "euler", var
     def velocity(x, t, step):
         idx, w = route(x, t, step)
         dense = dense_weights(idx, w, K)  # [B, K]
+        scale = cfg_scale if float(t[0]) <= cfg_max_t else 1.0
         v = torch.zeros_like(x)
         for k, model in experts.items():
             out = model(
@@ -120,7 +123,7 @@ def single_process_run(top_k: int, cfg_scale: float, sampler: str = "euler", var
                 drop=torch.arange(2 * B) >= B,
                 **{n: torch.cat([c, c]) for n, c in cond.items()},
             )
-            v += dense[:, k, None, None, None] * cfg_combine(*out.chunk(2), cfg_scale)
+            v += dense[:, k, None, None, None] * cfg_combine(*out.chunk(2), scale)
         return v
 
     with torch.inference_mode():
@@ -137,6 +140,7 @@ def parallel_run(
     sampler: str = "euler",
     batch_bytes: int = 8 << 20,
     variant: str = "",
+    cfg_max_t: float = 1.0,
 ) -> dict:
     """Worker: the same run patch-parallel on ctx's ranks."""
     experts, router = fleet(variant)
@@ -149,7 +153,7 @@ def parallel_run(
         batch=B,
         guided=True,
     )
-    vf = runner.velocity(cond, cfg_scale=cfg_scale, route=route_fn(router, top_k), steps=STEPS)
+    vf = runner.velocity(cond, cfg_scale=cfg_scale, route=route_fn(router, top_k), steps=STEPS, cfg_max_t=cfg_max_t)
     with torch.inference_mode():
         out = integrate(vf, runner.broadcast(noise), time_grid(STEPS), sampler)
     runner.close()
@@ -265,6 +269,16 @@ def test_sync_equals_single_process(sampler, nproc):
     assert diff <= dit_tol(want, sampler)
     assert all(torch.equal(r["out"], ranks[0]["out"]) for r in ranks)  # every rank holds the same latent
     assert all(m == ["sync"] for m in ranks[0]["modes"])
+
+
+@pytest.mark.parametrize("cfg_split", [False, True])
+def test_guidance_only_at_t_below_cfg_max_t_equals_single_process(cfg_split):
+    """--cfg-max-t: the steps above it combine the halves at scale 1 on every layout of the ranks."""
+    want = single_process_run(top_k=2, cfg_scale=2.5, cfg_max_t=0.6)
+    ranks = run_local(parallel_run, 2, ("sync", 0, 2, 2.5, cfg_split, "euler", 8 << 20, "", 0.6), **FORK)
+    assert (ranks[0]["out"] - want).abs().max().item() <= dit_tol(want, "euler")
+    guided_everywhere = single_process_run(top_k=2, cfg_scale=2.5)
+    assert (guided_everywhere - want).abs().max().item() > 100 * dit_tol(want, "euler")  # the interval acted
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

@@ -3,6 +3,8 @@ runs only the selected experts, renormalised weights, router caching, lazy loadi
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from fixtures.random_fleet import HashTextEncoder, randomize_, tiny_run_config
@@ -346,6 +348,31 @@ def test_batching_and_seed_determine_the_images(dit_fleet):
     assert torch.equal(d.images, a.images) and d.settings == a.settings
 
 
+def test_cfg_max_t_guides_only_the_steps_at_or_below_it(dit_fleet):
+    """Above cfg_max_t a step is the unguided velocity, with no unconditional rows; at or below it, the
+    guided one: the same computations as cfg 1 and cfg 3 without the interval, so bit for bit."""
+    pipe, wrapped = dit_pipeline(dit_fleet)
+    cond = encoded(pipe, 4)
+    x = torch.randn(4, 1, 8, 8)
+    s = pipe.settings("top2", cfg=3.0, cfg_max_t=0.5)
+    assert (s.cfg, s.cfg_max_t) == (3.0, 0.5) and s.to_json()["cfg_max_t"] == 0.5
+
+    def velocity(cfg, max_t, t):
+        trace = RoutingTrace(pipe.num_experts)
+        with torch.no_grad():
+            return pipe.velocity_fn(cond, s.k, cfg, 1, trace, 0.0, max_t)(x, torch.full((4,), t), 0)
+
+    for t, plain_cfg in ((0.9, 1.0), (0.5000001, 1.0), (0.5, 3.0), (0.1, 3.0)):
+        for w in wrapped:
+            w.calls.clear()
+        v = velocity(3.0, 0.5, t)
+        rows = sum(call["x"].shape[0] for w in wrapped for call in w.calls)
+        assert rows == 4 * 2 * (2 if plain_cfg != 1.0 else 1), t  # top-2: each sample on 2 experts
+        assert torch.equal(v, velocity(plain_cfg, 1.0, t)), t
+    # the fleet's own default comes from its scheduler config (model_index.json)
+    assert pipe.settings("top2").cfg_max_t == 1.0
+
+
 def test_cfg_scale_one_runs_no_unconditional_pass(dit_fleet):
     pipe, wrapped = dit_pipeline(dit_fleet)
     x, t = torch.randn(4, 1, 8, 8), torch.rand(4)
@@ -381,11 +408,13 @@ def test_single_expert_without_router_is_a_monolith(dit_fleet):
         (dict(steps=0), "--steps: must be >= 1"),
         (dict(sampler="rk4"), "--sampler: unknown sampler 'rk4'"),
         (dict(route_every=0), "--route-every: must be >= 1"),
+        (dict(cfg_max_t=0.0), "--cfg-max-t: a time in (0, 1] (1: guidance at every step), got 0.0"),
+        (dict(cfg_max_t=1.5), "--cfg-max-t: a time in (0, 1] (1: guidance at every step), got 1.5"),
     ],
 )
 def test_bad_settings_are_one_line_errors(dit_fleet, kwargs, message):
     pipe, _ = dit_pipeline(dit_fleet)
-    with pytest.raises(FlowfleetError, match=message.replace("(", r"\(")) as info:
+    with pytest.raises(FlowfleetError, match=re.escape(message)) as info:
         pipe.settings(**kwargs)
     assert "\n" not in str(info.value)
 

@@ -179,6 +179,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         shift=args.shift,
         route_every=args.route_every,
         cache=args.cache,
+        cfg_max_t=args.cfg_max_t,
         ref_n=args.ref_n,
         cfg_sweep=_scales(args.cfg_sweep),
         min_accuracy=args.min_accuracy,

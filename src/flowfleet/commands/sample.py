@@ -177,6 +177,7 @@ def run_generate(args: argparse.Namespace) -> int:
         offload=args.offload,
         route_every=args.route_every,
         cache=args.cache,
+        cfg_max_t=args.cfg_max_t,
         batch_size=args.batch_size,
         device=args.device,
         nproc=args.nproc,

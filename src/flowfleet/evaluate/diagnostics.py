@@ -31,6 +31,7 @@ import torch
 from flowfleet.config import RunConfig
 from flowfleet.evaluate.reference import semantic_is_fid_extractor
 from flowfleet.flow.ensemble import dense_weights
+from flowfleet.flow.sampler import guidance_scale_at
 from flowfleet.layout import CENTROIDS
 from flowfleet.sampling.routing import Condition, Selection, run_selected
 from flowfleet.sampling.store import ExpertStore
@@ -140,8 +141,10 @@ class DisagreementProbe:
     expert on the current states (guided like the fleet) and records their spread; then returns the
     wrapped velocity unchanged. Costs K expert passes per step: run it on a small diagnostic batch."""
 
-    def __init__(self, inner, experts: ExpertStore, cond: Condition, cfg: float, guided: bool):
+    def __init__(self, inner, experts: ExpertStore, cond: Condition, cfg: float, guided, cfg_max_t: float = 1.0):
+        """guided(scale) -> whether a step at that scale runs the unconditional rows (FleetPipeline's rule)."""
         self.inner, self.experts, self.cond, self.cfg, self.guided = inner, experts, cond, cfg, guided
+        self.cfg_max_t = cfg_max_t
         self.t: list[float] = []
         self.spread: list[float] = []
         self._last_step = -1
@@ -149,6 +152,7 @@ class DisagreementProbe:
     def expert_velocities(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """[P, B, C, H, W]: each present expert's (guided) velocity for every sample."""
         b = x.shape[0]
+        scale = guidance_scale_at(self.cfg, float(t[0]), self.cfg_max_t)
         out = []
         for k in self.experts.present:
             only_k = Selection(
@@ -156,7 +160,7 @@ class DisagreementProbe:
                 torch.ones(b, 1, dtype=x.dtype, device=x.device),
                 torch.zeros(b, self.experts.num_experts, dtype=x.dtype, device=x.device),
             )
-            out.append(run_selected(self.experts, x, t, self.cond, only_k, self.cfg, self.guided))
+            out.append(run_selected(self.experts, x, t, self.cond, only_k, scale, self.guided(scale)))
         return torch.stack(out)
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor, step: int) -> torch.Tensor:
@@ -207,7 +211,7 @@ def disagreement(pipe, prompts, labels, settings, n: int, seed: int) -> dict[str
         pipe.device
     )
     trace = RoutingTrace(pipe.num_experts)
-    inner = pipe.velocity_fn(cond, settings.k, settings.cfg, settings.route_every, trace)
-    probe = DisagreementProbe(inner, pipe.experts, cond, settings.cfg, pipe.guidance_applies(settings.cfg))
+    inner = pipe.velocity_fn(cond, settings.k, settings.cfg, settings.route_every, trace, 0.0, settings.cfg_max_t)
+    probe = DisagreementProbe(inner, pipe.experts, cond, settings.cfg, pipe.guidance_applies, settings.cfg_max_t)
     pipe.sample(noise, cond, settings, velocity_fn=probe)
     return probe.to_json()

@@ -15,7 +15,7 @@ from flowfleet.flow.path import (
     target_velocity,
     x0_from_velocity,
 )
-from flowfleet.flow.sampler import cfg_combine, guided_velocity, integrate, time_grid
+from flowfleet.flow.sampler import cfg_combine, guidance_scale_at, guided_velocity, integrate, time_grid
 
 __all__ = [
     "TIME_CONVENTION",
@@ -28,6 +28,7 @@ __all__ = [
     "time_grid",
     "integrate",
     "cfg_combine",
+    "guidance_scale_at",
     "guided_velocity",
     "combine",
     "routing_weights",

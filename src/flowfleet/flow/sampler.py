@@ -54,6 +54,12 @@ def integrate(
     return x
 
 
+def guidance_scale_at(scale: float, t: float, max_t: float = 1.0) -> float:
+    """The guidance scale at time t: `scale` while t <= max_t, 1 (no guidance) at the noisier steps above it
+    (run.yaml sampling.cfg_max_t; max_t = 1 guides every step)."""
+    return scale if t <= max_t else 1.0
+
+
 def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
     """Classifier-free guidance on all channels: v_u + s (v_c - v_u). scale = 1 is no guidance."""
     return v_uncond + scale * (v_cond - v_uncond)

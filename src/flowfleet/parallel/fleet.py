@@ -93,7 +93,9 @@ class ParallelFleet:
 
     def velocity_fn(self, pipe: Any, cond: Any, settings: Any, trace: Any):
         """FleetPipeline's hook: the patch-parallel (x_t, t, step) -> v for one batch."""
-        routed = RoutedVelocity(pipe, cond, settings.k, settings.cfg, settings.route_every, trace)
+        routed = RoutedVelocity(
+            pipe, cond, settings.k, settings.cfg, settings.route_every, trace, 0.0, settings.cfg_max_t
+        )
 
         def route(x: torch.Tensor, t: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
             selection = routed.select(x, t, step)
@@ -105,7 +107,12 @@ class ParallelFleet:
             if "vf" not in state:  # the batch size is known at the first evaluation
                 runner = self._runner(pipe, x.shape[0], routed.guided)
                 state["vf"] = self.last = runner.velocity(
-                    cond.kwargs(), cfg_scale=settings.cfg, route=route, steps=settings.steps, stats=trace.stats
+                    cond.kwargs(),
+                    cfg_scale=settings.cfg,
+                    route=route,
+                    steps=settings.steps,
+                    stats=trace.stats,
+                    cfg_max_t=settings.cfg_max_t,
                 )
             return state["vf"](x, t, step)
 

@@ -32,7 +32,7 @@ import torch
 from flowfleet.distributed import DistContext
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.ensemble import dense_weights
-from flowfleet.flow.sampler import cfg_combine, guided_velocity
+from flowfleet.flow.sampler import cfg_combine, guidance_scale_at, guided_velocity
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
 from flowfleet.parallel.bands import BandLayout
@@ -147,6 +147,7 @@ class PatchParallelRunner:
         route: RouteFn | None = None,
         steps: int | None = None,
         stats: Any = None,
+        cfg_max_t: float = 1.0,
     ) -> "ParallelVelocity":
         """The per-step velocity (x_t, t, step) -> v for one sampling run of up to `batch` samples.
 
@@ -155,7 +156,8 @@ class PatchParallelRunner:
         self.comm.drain()  # a previous run's last gathers must land before their slots are reused
         if route is None and len(self.expert_ids) != 1:
             raise FlowfleetError("a routing function is required for more than one expert")
-        return ParallelVelocity(self, {k: v for k, v in cond.items() if v is not None}, cfg_scale, route, steps, stats)
+        given = {k: v for k, v in cond.items() if v is not None}
+        return ParallelVelocity(self, given, cfg_scale, route, steps, stats, cfg_max_t)
 
     def close(self) -> None:
         self.comm.drain()
@@ -189,11 +191,15 @@ class ParallelVelocity:
         route: RouteFn | None,
         steps: int | None,
         stats: Any = None,
+        cfg_max_t: float = 1.0,
     ):
         self.r = runner
         self.stats = stats
         self.cond = cond
-        self.cfg_scale = float(cfg_scale)
+        self.cfg_scale, self.cfg_max_t = float(cfg_scale), cfg_max_t
+        # This evaluation's scale (flow.sampler.guidance_scale_at). The bands' layout is fixed for the run, so
+        # with guidance an unguided step (t > cfg_max_t) still runs the unconditional rows, combined at scale 1.
+        self.scale = self.cfg_scale
         self.route = route
         self.steps = steps
         self.evals = 0
@@ -207,6 +213,7 @@ class ParallelVelocity:
         if b > r.batch:
             raise FlowfleetError(f"batch of {b} samples exceeds the parallel runner's {r.batch}")
         self.evals += 1
+        self.scale = guidance_scale_at(self.cfg_scale, float(t[0]), self.cfg_max_t)
         r.comm.begin_step(step)
         mode = r.mode.at_step(step, r.plan.warmup)
         experts, weights = self._routing(x, t, step)
@@ -224,7 +231,7 @@ class ParallelVelocity:
         self.modes.append(ran)
         halves = r.comm.gather_image(acc, [rows * r.layout.patch for rows in r.layout.sizes], what="step output")
         if r.split:
-            return cfg_combine(halves[0], halves[1], self.cfg_scale)
+            return cfg_combine(halves[0], halves[1], self.scale)
         return halves[0]
 
     # ----------------------------------------------------------------------------------------------
@@ -262,7 +269,7 @@ class ParallelVelocity:
             mode = ParallelMode.SYNC  # no previous-step keys/values for (some of) these samples
         prefetch = self.steps is None or step < self.steps - 1
         if doubled:
-            v = guided_velocity(r.expert(k), xk, tk, ck, self.cfg_scale, mode=mode, rows=slot_rows, prefetch=prefetch)
+            v = guided_velocity(r.expert(k), xk, tk, ck, self.scale, mode=mode, rows=slot_rows, prefetch=prefetch)
         else:
             v = r.expert(k)(xk, tk, mode=mode, rows=slot_rows, prefetch=prefetch, drop=drop, **ck)
         if mode is ParallelMode.SYNC or (mode is ParallelMode.DISPLACED and prefetch):

@@ -31,7 +31,7 @@ import torch
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import integrate, parse_strategy, time_grid
 from flowfleet.flow.ensemble import Strategy
-from flowfleet.flow.sampler import SamplerName, VelocityFn
+from flowfleet.flow.sampler import SamplerName, VelocityFn, guidance_scale_at
 from flowfleet.layout import INDEX_FILE, MODEL_VAE
 from flowfleet.models.files import load_model, read_dit_config
 from flowfleet.sampling.cache import BlockCache
@@ -65,6 +65,7 @@ class SamplingSettings:
     route_every: int
     seed: int
     cache: float = 0.0  # first-block cache threshold (flowfleet.sampling.cache); 0: every block runs
+    cfg_max_t: float = 1.0  # guidance only while t <= cfg_max_t (flow.sampler.guidance_scale_at)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -77,6 +78,7 @@ class SamplingSettings:
             "route_every": self.route_every,
             "seed": self.seed,
             "cache": self.cache,
+            "cfg_max_t": self.cfg_max_t,
         }
 
 
@@ -112,10 +114,11 @@ class RoutedVelocity:
         route_every: int,
         trace: RoutingTrace,
         cache: float = 0.0,
+        cfg_max_t: float = 1.0,
     ):
-        self.pipe, self.cond, self.k, self.cfg = pipe, cond, k, cfg
+        self.pipe, self.cond, self.k, self.cfg, self.cfg_max_t = pipe, cond, k, cfg, cfg_max_t
         self.route_every = route_every
-        self.guided = pipe.guidance_applies(cfg)
+        self.guided = pipe.guidance_applies(cfg)  # at some step: the unconditional rows exist
         self.trace = trace
         self.cache_threshold = cache
         self._cache: BlockCache | None = None  # built at the first call, when the batch is known
@@ -124,12 +127,11 @@ class RoutedVelocity:
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor, step: int) -> torch.Tensor:
         selection = self.select(x, t, step)
-        if self.cache_threshold > 0 and self._cache is None:
-            rows = x.shape[0] * (2 if self.guided else 1)
-            self._cache = BlockCache(self.cache_threshold, rows, self.trace.stats.cache)
-        return run_selected(
-            self.pipe.experts, x, t, self.cond, selection, self.cfg, self.guided, self.trace.stats, self._cache
-        )
+        scale = guidance_scale_at(self.cfg, float(t[0]), self.cfg_max_t)
+        guided = self.pipe.guidance_applies(scale)  # an unguided step runs no unconditional rows
+        if self.cache_threshold > 0 and (self._cache is None or self._cache.rows != x.shape[0] * (1 + guided)):
+            self._cache = BlockCache(self.cache_threshold, x.shape[0] * (1 + guided), self.trace.stats.cache)
+        return run_selected(self.pipe.experts, x, t, self.cond, selection, scale, guided, self.trace.stats, self._cache)
 
     def select(self, x: torch.Tensor, t: torch.Tensor, step: int) -> Selection:
         """This evaluation's per-sample experts and weights (routing + trace, no expert runs); the
@@ -306,10 +308,17 @@ class FleetPipeline:
         return self.conditioning != "none" and cfg != 1.0
 
     def velocity_fn(
-        self, cond: Condition, k: int, cfg: float, route_every: int, trace: RoutingTrace, cache: float = 0.0
+        self,
+        cond: Condition,
+        k: int,
+        cfg: float,
+        route_every: int,
+        trace: RoutingTrace,
+        cache: float = 0.0,
+        cfg_max_t: float = 1.0,
     ) -> VelocityFn:
         """The per-step velocity (x_t, t, step) -> v of this fleet; see RoutedVelocity."""
-        return RoutedVelocity(self, cond, k, cfg, route_every, trace, cache)
+        return RoutedVelocity(self, cond, k, cfg, route_every, trace, cache, cfg_max_t)
 
     # -- settings -----------------------------------------------------------------------------------------
 
@@ -323,6 +332,7 @@ class FleetPipeline:
         route_every: int | None = None,
         seed: int = 0,
         cache: float = 0.0,
+        cfg_max_t: float | None = None,
     ) -> SamplingSettings:
         """Fill unset choices from the fleet's scheduler config and validate them (one-line errors)."""
         sch = self.scheduler
@@ -337,12 +347,15 @@ class FleetPipeline:
         cfg = sch.cfg if cfg is None else cfg
         shift = sch.shift if shift is None else shift
         route_every = sch.route_every if route_every is None else route_every
+        cfg_max_t = sch.cfg_max_t if cfg_max_t is None else cfg_max_t
         if steps < 1:
             raise FlowfleetError(f"--steps: must be >= 1, got {steps}")
         if sampler not in ("euler", "heun"):
             raise FlowfleetError(f"--sampler: unknown sampler {sampler!r} (expected euler or heun)")
         if cfg < 0:
             raise FlowfleetError(f"--cfg: must be >= 0, got {cfg}")
+        if not 0 < cfg_max_t <= 1:
+            raise FlowfleetError(f"--cfg-max-t: a time in (0, 1] (1: guidance at every step), got {cfg_max_t}")
         if shift <= 0:
             raise FlowfleetError(f"--shift: must be > 0, got {shift}")
         if route_every < 1:
@@ -350,7 +363,9 @@ class FleetPipeline:
         if not 0 <= cache < 10:
             raise FlowfleetError(f"--cache: a relative change threshold >= 0 (0: off), got {cache}")
         checked = cast(SamplerName, sampler)  # one of SamplerName's values, checked above
-        return SamplingSettings(strat, k, steps, checked, float(cfg), float(shift), route_every, seed, float(cache))
+        return SamplingSettings(
+            strat, k, steps, checked, float(cfg), float(shift), route_every, seed, float(cache), float(cfg_max_t)
+        )
 
     # -- conditioning ------------------------------------------------------------------------------------
 
@@ -421,7 +436,7 @@ class FleetPipeline:
                 raise FlowfleetError("--cache: not with --nproc (the patch-parallel experts run every block)")
             velocity_fn = parallel.velocity_fn(self, cond, settings, trace)
         vf = velocity_fn or self.velocity_fn(
-            cond, settings.k, settings.cfg, settings.route_every, trace, settings.cache
+            cond, settings.k, settings.cfg, settings.route_every, trace, settings.cache, settings.cfg_max_t
         )
         grid = time_grid(settings.steps, settings.shift, device=noise.device)
         bar = None

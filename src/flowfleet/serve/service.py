@@ -68,6 +68,7 @@ class GenerateRequest(BaseModel):
     k: int | None = None  # experts per sample for strategy "topk"
     steps: int | None = None
     cfg: float | None = None
+    cfg_max_t: float | None = None  # guidance only while t <= cfg_max_t (t = 1 is noise); 1: every step
     seed: int = Field(0, ge=0, le=2**63 - 1)
     n: int = 1  # images
     cache: float = 0.0  # first-block cache threshold (flowfleet.sampling.cache); 0: every block runs
@@ -202,6 +203,8 @@ class FleetService:
             raise BadRequest(f"steps: expected 1..{lim.max_steps}, got {req.steps}")
         if req.cfg is not None and not (math.isfinite(req.cfg) and 0 <= req.cfg <= lim.max_cfg):
             raise BadRequest(f"cfg: expected a number in 0..{lim.max_cfg}, got {req.cfg}")
+        if req.cfg_max_t is not None and not 0 < req.cfg_max_t <= 1:
+            raise BadRequest(f"cfg_max_t: expected a time in (0, 1] (1: guidance at every step), got {req.cfg_max_t}")
         strategy = req.strategy
         present = len(self.pipe.present)
         if strategy == "topk":
@@ -211,7 +214,9 @@ class FleetService:
         elif req.k is not None:
             raise BadRequest(f"k: only for strategy topk (got strategy {req.strategy!r})")
         try:
-            settings = self.pipe.settings(strategy, req.steps, None, req.cfg, None, None, req.seed, req.cache)
+            settings = self.pipe.settings(
+                strategy, req.steps, None, req.cfg, None, None, req.seed, req.cache, req.cfg_max_t
+            )
         except FlowfleetError as err:
             raise BadRequest(str(err).removeprefix("--")) from None
         return settings

@@ -122,6 +122,7 @@ class EvaluateOptions:
     shift: float | None = None
     route_every: int | None = None
     cache: float = 0.0  # first-block cache threshold (flowfleet.sampling.cache)
+    cfg_max_t: float | None = None  # guidance only while t <= this (None: the fleet's)
     ref_n: int | None = None  # reference images; None: all of the reference set up to 10,000 (floor set apart)
     # Guidance sweep: each model is sampled at every scale; its row is the scale with the best classifier
     # FD (FID without a judge) among those with prompt accuracy >= min_accuracy (the most accurate if none).
@@ -458,7 +459,9 @@ class _Evaluation:
         # chosen scale. Without one, FID is what chooses, at every scale.
         fid_each = self.judge_fd is None or len(scales) == 1
         for scale in scales:
-            settings = pipe.settings(strategy, o.steps, o.sampler, scale, o.shift, o.route_every, o.seed, o.cache)
+            settings = pipe.settings(
+                strategy, o.steps, o.sampler, scale, o.shift, o.route_every, o.seed, o.cache, o.cfg_max_t
+            )
             how = f"{settings.steps} {settings.sampler} steps, cfg {settings.cfg}"
             log.info(f"evaluate: {name}: sampling {o.n} images ({how})")
             t0 = time.perf_counter()
@@ -639,7 +642,9 @@ def _redraw(
                 scored[name] = scored[same[name]]
             else:
                 cfg = ev.runs[name].cfg
-                settings = pipe.settings(strategy, o.steps, o.sampler, cfg, o.shift, o.route_every, drawn.seed, o.cache)
+                settings = pipe.settings(
+                    strategy, o.steps, o.sampler, cfg, o.shift, o.route_every, drawn.seed, o.cache, o.cfg_max_t
+                )
                 log.info(f"evaluate: {name}: draw {r + 1} of {o.repeats} (seed {drawn.seed}, cfg {cfg})")
                 got = pipe(
                     again.prompts,

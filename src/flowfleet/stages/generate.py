@@ -57,6 +57,7 @@ def generate(
     offload: int | None = None,
     route_every: int | None = None,
     cache: float = 0.0,
+    cfg_max_t: float | None = None,
     batch_size: int | None = None,
     device: str = "auto",
     text_encoder: Any = None,
@@ -89,7 +90,7 @@ def generate(
         latent_decoder=latent_decoder,
         load_encoders=False,
     )
-    settings = pipe.settings(strategy, steps, sampler, cfg, shift, route_every, seed, cache)  # one-line errors
+    settings = pipe.settings(strategy, steps, sampler, cfg, shift, route_every, seed, cache, cfg_max_t)  # checked
     pipe.check_condition(prompts, labels)
     if out is None:
         out = RunRoot(model_dir).url_of(SAMPLES, f"{settings.strategy.name.replace(':', '')}-seed{seed}.png")
