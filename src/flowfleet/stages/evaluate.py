@@ -463,6 +463,7 @@ class _Evaluation:
                 strategy, o.steps, o.sampler, scale, o.shift, o.route_every, o.seed, o.cache, o.cfg_max_t
             )
             how = f"{settings.steps} {settings.sampler} steps, cfg {settings.cfg}"
+            how += f" at t <= {settings.cfg_max_t:g}" if settings.cfg_max_t < 1 else ""
             log.info(f"evaluate: {name}: sampling {o.n} images ({how})")
             t0 = time.perf_counter()
             out = pipe(self.prompts, o.n, labels=self.labels, settings=settings, batch_size=o.batch_size, progress=name)
