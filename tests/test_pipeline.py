@@ -12,7 +12,7 @@ from fixtures.tolerances import gamma, max_abs, net_tol
 from fixtures.toy import GaussianMixture, cluster_posterior
 
 from flowfleet.errors import FlowfleetError
-from flowfleet.flow import cfg_combine, integrate, time_grid
+from flowfleet.flow import cfg_combine, guidance_scale_at, integrate, time_grid
 from flowfleet.flow.ensemble import combine
 from flowfleet.models.dit import DiTExpert, DiTRouter
 from flowfleet.sampling import Condition, ExpertStore, FleetPipeline, RoutingTrace
@@ -371,6 +371,9 @@ def test_cfg_max_t_guides_only_the_steps_at_or_below_it(dit_fleet):
         assert torch.equal(v, velocity(plain_cfg, 1.0, t)), t
     # the fleet's own default comes from its scheduler config (model_index.json)
     assert pipe.settings("top2").cfg_max_t == 1.0
+    # times are compared at the grid's float32 precision: a grid time equal to cfg_max_t is guided
+    grid = time_grid(20)  # 1, 0.95, ..., 0.8 (0.800000012 in float32), ...
+    assert [guidance_scale_at(3.0, float(t), 0.8) for t in grid[3:6]] == [1.0, 3.0, 3.0]
 
 
 def test_cfg_scale_one_runs_no_unconditional_pass(dit_fleet):

@@ -3,6 +3,7 @@ the guided velocity: `guided_velocity` runs a model once on [conditional; uncond
 
 from __future__ import annotations
 
+import struct
 from typing import Callable, Literal
 
 import torch
@@ -56,8 +57,13 @@ def integrate(
 
 def guidance_scale_at(scale: float, t: float, max_t: float = 1.0) -> float:
     """The guidance scale at time t: `scale` while t <= max_t, 1 (no guidance) at the noisier steps above it
-    (run.yaml sampling.cfg_max_t; max_t = 1 guides every step)."""
-    return scale if t <= max_t else 1.0
+    (run.yaml sampling.cfg_max_t; max_t = 1 guides every step). Compared in float32, the time grid's precision:
+    a grid time that is max_t (0.8 is 0.800000012 in float32) is guided."""
+    return scale if t <= _float32(max_t) else 1.0
+
+
+def _float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
