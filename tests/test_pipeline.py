@@ -369,8 +369,11 @@ def test_cfg_max_t_guides_only_the_steps_at_or_below_it(dit_fleet):
         rows = sum(call["x"].shape[0] for w in wrapped for call in w.calls)
         assert rows == 4 * 2 * (2 if plain_cfg != 1.0 else 1), t  # top-2: each sample on 2 experts
         assert torch.equal(v, velocity(plain_cfg, 1.0, t)), t
-    # the fleet's own default comes from its scheduler config (model_index.json)
+    # the fleet's own default comes from its scheduler config (model_index.json); a call may set it
     assert pipe.settings("top2").cfg_max_t == 1.0
+    kw = dict(n=2, strategy="top2", steps=4, cfg=3.0)
+    assert pipe(["a digit"], cfg_max_t=0.5, **kw).settings.cfg_max_t == 0.5
+    assert not torch.equal(pipe(["a digit"], cfg_max_t=0.5, **kw).images, pipe(["a digit"], **kw).images)
     # times are compared at the grid's float32 precision: a grid time equal to cfg_max_t is guided
     grid = time_grid(20)  # 1, 0.95, ..., 0.8 (0.800000012 in float32), ...
     assert [guidance_scale_at(3.0, float(t), 0.8) for t in grid[3:6]] == [1.0, 3.0, 3.0]

@@ -11,6 +11,7 @@ import signal
 import pytest
 import safetensors.torch
 import torch
+from fixtures import synthetic_run
 from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 from fixtures.tolerances import gamma
 
@@ -22,7 +23,7 @@ from flowfleet.models.files import load_model
 from flowfleet.models.flops import train_flops, train_flops_per_sample
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import CheckpointStore
-from flowfleet.train.loop import Trainer, TrainingDiverged, TrainOptions, learning_rate
+from flowfleet.train.loop import TrainingDiverged, TrainOptions, learning_rate
 from flowfleet.train.specs import JobSpec
 from flowfleet.train.status import JobBusyError, JobStatus, read_status
 from flowfleet.train.tasks import build_task
@@ -42,17 +43,7 @@ def make_run(path, **kw) -> RunRoot:
 
 def run_job(root: RunRoot, spec: JobSpec = EXPERT0, on_loss=None, options: TrainOptions = OPTIONS) -> JobStatus:
     """Build the task as the stage does; on_loss(call_number, loss) -> loss may interfere."""
-    task = build_task(root, load_run_config(root), spec)
-    if on_loss is not None:
-        inner, calls = task.loss, [0]
-
-        def loss(*args):
-            value, extras = inner(*args)
-            calls[0] += 1
-            return on_loss(calls[0], value), extras
-
-        task.loss = loss
-    return Trainer(task, root, options).run()
+    return synthetic_run.run_job(root, spec, options, on_loss)
 
 
 def tensors(path) -> dict[str, torch.Tensor]:

@@ -484,6 +484,7 @@ class FleetPipeline:
         shift: float | None = None,
         route_every: int | None = None,
         seed: int = 0,
+        cfg_max_t: float | None = None,
         batch_size: int | None = None,
         progress: bool | str = False,
         parallel: Any = None,
@@ -497,7 +498,7 @@ class FleetPipeline:
         if n < 1:
             raise FlowfleetError(f"--n: must be >= 1, got {n}")
         if settings is None:
-            settings = self.settings(strategy, steps, sampler, cfg, shift, route_every, seed)
+            settings = self.settings(strategy, steps, sampler, cfg, shift, route_every, seed, cfg_max_t=cfg_max_t)
         cond, per_sample_prompts = self.encode_condition(prompts, labels, n)
         noise = self.noise(n, settings.seed)
         bs = batch_size or n
