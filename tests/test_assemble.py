@@ -55,6 +55,7 @@ def test_assemble_writes_a_diffusers_style_folder(fleet):
         "steps": 4,
         "sampler": "euler",
         "cfg": 2.0,
+        "cfg_max_t": 1.0,
         "shift": 1.0,
         "strategy": "top2",
         "route_every": 1,
@@ -78,7 +79,7 @@ def test_assemble_writes_a_diffusers_style_folder(fleet):
 
 
 def test_assemble_to_another_folder_and_sampler_defaults_from_run_yaml(run_root, tmp_path):
-    cfg = tiny_run_config(2, steps=7, sampler="heun", cfg=3.5, shift=2.0, strategy="top1", route_every=2)
+    cfg = tiny_run_config(2, steps=7, sampler="heun", cfg=3.5, cfg_max_t=0.6, shift=2.0, strategy="top1", route_every=2)
     write_random_fleet(str(run_root), cfg)
     out = tmp_path / "elsewhere"
     assemble(str(run_root), str(out))
@@ -88,16 +89,18 @@ def test_assemble_to_another_folder_and_sampler_defaults_from_run_yaml(run_root,
         "steps": 7,
         "sampler": "heun",
         "cfg": 3.5,
+        "cfg_max_t": 0.6,
         "shift": 2.0,
         "strategy": "top1",
         "route_every": 2,
     }
     pipe = FleetPipeline.from_pretrained(str(out), text_encoder=HashTextEncoder(384, 4))
     s = pipe.settings()
-    assert (s.steps, s.sampler, s.cfg, s.shift, s.strategy.name, s.route_every, s.k) == (
+    assert (s.steps, s.sampler, s.cfg, s.cfg_max_t, s.shift, s.strategy.name, s.route_every, s.k) == (
         7,
         "heun",
         3.5,
+        0.6,
         2.0,
         "top1",
         2,
