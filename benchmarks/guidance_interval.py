@@ -44,8 +44,8 @@ def main() -> None:
             guided = self.pipe.guidance_applies(scale)
             return run_selected(self.pipe.experts, x, t, self.cond, selection, scale, guided, self.trace.stats)
 
-    pipeline.FleetPipeline.velocity_fn = lambda self, cond, k, cfg, route_every, trace, cache=0.0, cfg_max_t=1.0: (
-        IntervalVelocity(self, cond, k, cfg, route_every, trace)
+    pipeline.FleetPipeline.velocity_fn = lambda self, cond, settings, trace: IntervalVelocity(
+        self, cond, settings, trace
     )
     options = EvaluateOptions(
         n=a.n,

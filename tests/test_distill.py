@@ -61,9 +61,11 @@ def test_the_student_regresses_onto_the_fleets_guided_velocity(fleet):
     pipe = FleetPipeline.from_pretrained(fleet.url_of("model"), load_encoders=False)
     cond = condition_kwargs(batch, cfg.expert)
     with torch.no_grad():
-        target = pipe.velocity_fn(Condition(**cond), 2, cfg.sampling.cfg, 1, RoutingTrace(3))(x_t, t, 0)
+        guided = pipe.settings("top2", cfg=cfg.sampling.cfg, route_every=1, cfg_max_t=1.0)
+        target = pipe.velocity_fn(Condition(**cond), guided, RoutingTrace(3))(x_t, t, 0)
         want = F.mse_loss(student(x_t, t, **condition_kwargs(batch, task.model_cfg)), target)
-        unguided = pipe.velocity_fn(Condition(**cond), 2, 1.0, 1, RoutingTrace(3))(x_t, t, 0)
+        plain = pipe.settings("top2", cfg=1.0, route_every=1, cfg_max_t=1.0)
+        unguided = pipe.velocity_fn(Condition(**cond), plain, RoutingTrace(3))(x_t, t, 0)
     # the teacher's target in another batch: the fleet's reordering bound (caption width 384, ~8 roundings)
     assert loss.item() == pytest.approx(want.item(), rel=reorder(network_terms(384, 8)))
     assert not torch.allclose(target, unguided)  # the guidance is in the target

@@ -110,7 +110,7 @@ def one_step(pipe, x, t, cond, strategy, cfg=2.0):
     s = pipe.settings(strategy, cfg=cfg)
     trace = RoutingTrace(pipe.num_experts)
     with torch.no_grad():
-        v = pipe.velocity_fn(cond, s.k, s.cfg, s.route_every, trace)(x, t, 0)
+        v = pipe.velocity_fn(cond, s, trace)(x, t, 0)
     return v, trace
 
 
@@ -360,7 +360,8 @@ def test_cfg_max_t_guides_only_the_steps_at_or_below_it(dit_fleet):
     def velocity(cfg, max_t, t):
         trace = RoutingTrace(pipe.num_experts)
         with torch.no_grad():
-            return pipe.velocity_fn(cond, s.k, cfg, 1, trace, 0.0, max_t)(x, torch.full((4,), t), 0)
+            settings = pipe.settings("top2", cfg=cfg, cfg_max_t=max_t)
+            return pipe.velocity_fn(cond, settings, trace)(x, torch.full((4,), t), 0)
 
     for t, plain_cfg in ((0.9, 1.0), (0.5000001, 1.0), (0.5, 3.0), (0.1, 3.0)):
         for w in wrapped:

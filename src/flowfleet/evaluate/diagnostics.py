@@ -211,7 +211,7 @@ def disagreement(pipe, prompts, labels, settings, n: int, seed: int) -> dict[str
         pipe.device
     )
     trace = RoutingTrace(pipe.num_experts)
-    inner = pipe.velocity_fn(cond, settings.k, settings.cfg, settings.route_every, trace, 0.0, settings.cfg_max_t)
+    inner = pipe.velocity_fn(cond, settings, trace)
     probe = DisagreementProbe(inner, pipe.experts, cond, settings.cfg, pipe.guidance_applies, settings.cfg_max_t)
     pipe.sample(noise, cond, settings, velocity_fn=probe)
     return probe.to_json()

@@ -93,9 +93,7 @@ class ParallelFleet:
 
     def velocity_fn(self, pipe: Any, cond: Any, settings: Any, trace: Any):
         """FleetPipeline's hook: the patch-parallel (x_t, t, step) -> v for one batch."""
-        routed = RoutedVelocity(
-            pipe, cond, settings.k, settings.cfg, settings.route_every, trace, 0.0, settings.cfg_max_t
-        )
+        routed = RoutedVelocity(pipe, cond, settings, trace)  # its routing only: the runner runs the experts
 
         def route(x: torch.Tensor, t: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
             selection = routed.select(x, t, step)

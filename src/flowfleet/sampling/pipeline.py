@@ -102,25 +102,17 @@ class RoutedVelocity:
     The router sees x_t and t (paris §2.5), and the prompt when it is prompt-aware; either way one
     router pass on the conditional rows serves the conditional and the unconditional rows. It runs on
     every evaluation when route_every == 1 (Heun's corrector included) and otherwise on the first
-    evaluation of every route_every-th step, its selection being reused in between.
+    evaluation of every route_every-th step, its selection being reused in between. What it runs: the
+    settings' k, cfg (at t <= cfg_max_t; every row of a call shares its t, as a sampling step's do),
+    route_every and cache.
     """
 
-    def __init__(
-        self,
-        pipe: "FleetPipeline",
-        cond: Condition,
-        k: int,
-        cfg: float,
-        route_every: int,
-        trace: RoutingTrace,
-        cache: float = 0.0,
-        cfg_max_t: float = 1.0,
-    ):
-        self.pipe, self.cond, self.k, self.cfg, self.cfg_max_t = pipe, cond, k, cfg, cfg_max_t
-        self.route_every = route_every
-        self.guided = pipe.guidance_applies(cfg)  # at some step: the unconditional rows exist
-        self.trace = trace
-        self.cache_threshold = cache
+    def __init__(self, pipe: "FleetPipeline", cond: Condition, settings: SamplingSettings, trace: RoutingTrace):
+        self.pipe, self.cond, self.trace = pipe, cond, trace
+        self.k, self.cfg, self.cfg_max_t = settings.k, settings.cfg, settings.cfg_max_t
+        self.route_every = settings.route_every
+        self.guided = pipe.guidance_applies(self.cfg)  # at some step: the unconditional rows exist
+        self.cache_threshold = settings.cache
         self._cache: BlockCache | None = None  # built at the first call, when the batch is known
         self._selection: Selection | None = None
         self._last_step = -1
@@ -307,18 +299,10 @@ class FleetPipeline:
         """CFG needs a condition to drop; scale 1 is no guidance (and saves the unconditional pass)."""
         return self.conditioning != "none" and cfg != 1.0
 
-    def velocity_fn(
-        self,
-        cond: Condition,
-        k: int,
-        cfg: float,
-        route_every: int,
-        trace: RoutingTrace,
-        cache: float = 0.0,
-        cfg_max_t: float = 1.0,
-    ) -> VelocityFn:
-        """The per-step velocity (x_t, t, step) -> v of this fleet; see RoutedVelocity."""
-        return RoutedVelocity(self, cond, k, cfg, route_every, trace, cache, cfg_max_t)
+    def velocity_fn(self, cond: Condition, settings: SamplingSettings, trace: RoutingTrace) -> VelocityFn:
+        """The per-step velocity (x_t, t, step) -> v of this fleet under `settings` (self.settings()); see
+        RoutedVelocity."""
+        return RoutedVelocity(self, cond, settings, trace)
 
     # -- settings -----------------------------------------------------------------------------------------
 
@@ -435,9 +419,7 @@ class FleetPipeline:
             if settings.cache:
                 raise FlowfleetError("--cache: not with --nproc (the patch-parallel experts run every block)")
             velocity_fn = parallel.velocity_fn(self, cond, settings, trace)
-        vf = velocity_fn or self.velocity_fn(
-            cond, settings.k, settings.cfg, settings.route_every, trace, settings.cache, settings.cfg_max_t
-        )
+        vf = velocity_fn or self.velocity_fn(cond, settings, trace)
         grid = time_grid(settings.steps, settings.shift, device=noise.device)
         bar = None
         if progress:

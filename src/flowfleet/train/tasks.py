@@ -228,11 +228,12 @@ class DistillTask(FlowTask):
         eps = torch.randn(x0.shape, generator=gen, device=dev)
         x_t = interpolate(x0, eps, t)  # [B, C, H, W]
         pipe = self.teacher(dev)
-        k = pipe.settings(self.strategy).k
+        # every step's rows have their own t: guided at every t (cfg_max_t 1), routed at every call
+        settings = pipe.settings(self.strategy, cfg=self.teacher_cfg, route_every=1, cfg_max_t=1.0)
         cond = preview.condition_kwargs(batch, self.run.expert)
         self._calls += 1
         with torch.no_grad():
-            velocity = pipe.velocity_fn(Condition(**cond), k, self.teacher_cfg, 1, RoutingTrace(pipe.num_experts))
+            velocity = pipe.velocity_fn(Condition(**cond), settings, RoutingTrace(pipe.num_experts))
             target = velocity(x_t, t, self._calls)  # [B, C, H, W] the routed, guided fleet
         loss = F.mse_loss(model(x_t, t, **preview.condition_kwargs(batch, self.model_cfg)).float(), target.float())
         return loss, {}
