@@ -32,10 +32,10 @@ def main() -> None:
     p.add_argument("--json", default=None, help="append one JSON line per model (its sweep and its draws)")
     a = p.parse_args()
 
-    from flowfleet.evaluate.fid import FIDSettings
+    from fleet_runs import evaluate_probe  # benchmarks/ is the script's folder
+
     from flowfleet.sampling import pipeline
     from flowfleet.sampling.routing import run_selected
-    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
 
     class IntervalVelocity(pipeline.RoutedVelocity):
         def __call__(self, x, t, step):
@@ -47,34 +47,10 @@ def main() -> None:
     pipeline.FleetPipeline.velocity_fn = lambda self, cond, settings, trace: IntervalVelocity(
         self, cond, settings, trace
     )
-    options = EvaluateOptions(
-        n=a.n,
-        batch_size=a.n,
-        strategies=tuple(a.strategies.split(",")),
-        monolith=a.monolith,
-        diagnostics=False,
-        cfg_sweep=tuple(float(c) for c in a.cfg.split(",")),
-        fid=FIDSettings(resize=75),
-        device="cpu",
-        repeats=a.repeats,
+    result = evaluate_probe(
+        a.run, a.n, a.strategies, a.cfg, a.repeats, {"high": a.high, "tau": a.tau}, monolith=a.monolith
     )
-    result = evaluate(f"{a.run}/model", a.run, options)
-    print("\n| model | high | tau | cfg below tau | classifier FD | prompt accuracy | precision | recall |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, r in result["runs"].items():
-        for s in r["sweep"]:
-            print(
-                f"| {name} | {a.high} | {a.tau} | {s['cfg']} | {s['classifier_fd']:.1f} | {s['prompt_accuracy']:.3f} "
-                f"| {s['precision']:.3f} | {s['recall']:.3f} |"
-            )
     draws = result.get("draws") or {}
-    for name, d in draws.get("runs", {}).items():
-        fd = d["classifier_fd"]
-        mean = sum(fd) / len(fd)
-        sd = (sum((x - mean) ** 2 for x in fd) / max(1, len(fd) - 1)) ** 0.5
-        acc = ", ".join(f"{x:.3f}" for x in d["prompt_accuracy"])
-        each = ", ".join(f"{x:.1f}" for x in fd)
-        print(f"{name}: classifier FD over {len(fd)} draws {mean:.2f} ± {sd:.2f} ({each}); accuracy {acc}")
     if a.json:
         import json
 

@@ -29,10 +29,9 @@ def main() -> None:
         p.error("--temperature: must be > 0")
 
     import torch
+    from fleet_runs import evaluate_probe  # benchmarks/ is the script's folder
 
-    from flowfleet.evaluate.fid import FIDSettings
     from flowfleet.sampling import pipeline
-    from flowfleet.stages.evaluate import EvaluateOptions, evaluate
 
     trained = pipeline.FleetPipeline.router_probs
 
@@ -41,28 +40,7 @@ def main() -> None:
         return torch.softmax(probs.log() / a.temperature, dim=1).to(x.dtype)
 
     pipeline.FleetPipeline.router_probs = tempered
-    options = EvaluateOptions(
-        n=a.n,
-        batch_size=a.n,
-        strategies=tuple(a.strategies.split(",")),
-        diagnostics=False,
-        cfg_sweep=tuple(float(c) for c in a.cfg.split(",")),
-        fid=FIDSettings(resize=75),
-        device="cpu",
-        repeats=a.repeats,
-    )
-    result = evaluate(f"{a.run}/model", a.run, options)
-    print("\n| model | temperature | cfg | classifier FD | prompt accuracy | precision | recall |")
-    print("|---|---|---|---|---|---|---|")
-    for name, r in result["runs"].items():
-        for s in r["sweep"]:
-            print(
-                f"| {name} | {a.temperature} | {s['cfg']} | {s['classifier_fd']:.1f} | {s['prompt_accuracy']:.3f} "
-                f"| {s['precision']:.3f} | {s['recall']:.3f} |"
-            )
-    if result.get("draws"):
-        for name, scores in result["draws"]["runs"].items():
-            print(f"draws of {name} (seeds {result['draws']['seeds']}): classifier FD {scores['classifier_fd']}")
+    evaluate_probe(a.run, a.n, a.strategies, a.cfg, a.repeats, {"temperature": a.temperature})
 
 
 if __name__ == "__main__":
