@@ -57,8 +57,6 @@ class DiTConfig(BaseModel):
     text_dim: int = Field(0, ge=0)  # width of the text encoder's tokens / pooled vector
     text_len: int = Field(0, ge=0)  # token sequence length (cross_attn)
     add_pooled: bool = False  # cross_attn: also add the pooled text vector to the timestep embedding
-    # The pooled text vector centred and scaled by the training captions' statistics (PooledTextEmbedder)
-    standardize_text: bool = False
     # cross_attn: a LayerNorm before cross-attention in every block. PixArt-alpha has none; an expert without
     # it exports to diffusers' PixArtTransformer2DModel exactly (flowfleet.models.pixart).
     cross_norm: bool = True

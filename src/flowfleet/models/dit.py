@@ -64,7 +64,6 @@ class DiTModel(ModelMixin, ConfigMixin):
         text_dim: int = 0,
         text_len: int = 0,
         add_pooled: bool = False,
-        standardize_text: bool = False,
         cross_norm: bool = True,
         cond_dropout: float = 0.1,
         dropout: float = 0.0,
@@ -89,7 +88,6 @@ class DiTModel(ModelMixin, ConfigMixin):
             text_dim=text_dim,
             text_len=text_len,
             add_pooled=add_pooled,
-            standardize_text=standardize_text,
             cross_norm=cross_norm,
             cond_dropout=cond_dropout,
             dropout=dropout,
@@ -107,7 +105,7 @@ class DiTModel(ModelMixin, ConfigMixin):
         self.register_buffer("pos_embed", sincos_2d(d, gh, gw)[None], persistent=False)  # [1, N, D] fixed
         self.y_embedder = LabelEmbedder(cfg.num_classes, d) if cfg.conditioning == "class" else None
         use_pooled = cfg.conditioning == "pooled" or (cfg.conditioning == "cross_attn" and cfg.add_pooled)
-        self.pooled_embedder = PooledTextEmbedder(cfg.text_dim, d, cfg.standardize_text) if use_pooled else None
+        self.pooled_embedder = PooledTextEmbedder(cfg.text_dim, d) if use_pooled else None
         cross = cfg.conditioning == "cross_attn"
         self.text_projector = TextTokenProjector(cfg.text_dim, cfg.text_len, d) if cross else None
         # EDM's augmentation mapping: no bias, so parameters of zero (or none given) add nothing

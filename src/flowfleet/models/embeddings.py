@@ -95,31 +95,14 @@ class LabelEmbedder(nn.Module):
 
 
 class PooledTextEmbedder(nn.Module):
-    """Pooled text vector [B, T] -> [B, D]; a learned null vector replaces dropped conditions.
+    """Pooled text vector [B, T] -> [B, D]; a learned null vector replaces dropped conditions."""
 
-    standardize: the vector is first centred and scaled by its training captions' statistics (`fit`; kept
-    as buffers with the weights), so what tells the captions apart reaches the MLP at unit scale instead of
-    riding on the direction every caption shares."""
-
-    def __init__(self, text_dim: int, hidden_size: int, standardize: bool = False):
+    def __init__(self, text_dim: int, hidden_size: int):
         super().__init__()
         self.null = nn.Parameter(torch.zeros(text_dim))
         self.mlp = nn.Sequential(nn.Linear(text_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
-        self.standardize = standardize
-        if standardize:
-            self.register_buffer("shift", torch.zeros(text_dim))  # [T] the captions' mean
-            self.register_buffer("scale", torch.ones(()))  # their RMS about it, per coordinate
-
-    @torch.no_grad()
-    def fit(self, pooled: torch.Tensor) -> None:
-        """Set the statistics from the training items' pooled vectors [N, T]."""
-        mean = pooled.float().mean(0)
-        self.shift.copy_(mean)
-        self.scale.copy_((pooled.float() - mean).pow(2).mean().sqrt().clamp_min(1e-6))
 
     def forward(self, pooled: torch.Tensor, drop: torch.Tensor | None) -> torch.Tensor:
-        if self.standardize:
-            pooled = (pooled - self.shift.to(pooled.dtype)) / self.scale.to(pooled.dtype)
         if drop is not None:
             pooled = torch.where(drop[:, None], self.null.to(pooled.dtype).expand_as(pooled), pooled)
         return self.mlp(pooled)

@@ -110,8 +110,6 @@ class FlowTask(TrainTask):
     def build_model(self) -> DiTModel:
         """A fresh expert, or one started from run.yaml expert_init (a PixArt transformer or a flowfleet DiT)."""
         model = super().build_model()
-        if model.pooled_embedder is not None and model.pooled_embedder.standardize:
-            model.pooled_embedder.fit(self.data.tensors["text_pooled"])  # this job's own captions
         if self.spec.kind == "expert" and self.run.expert_init:
             load_expert_init(model, self.model_cfg, self.run.expert_init)
             log.info("%s: starts from %s", self.name, self.run.expert_init)
