@@ -343,6 +343,9 @@ def test_learning_rate_schedules():
     assert lrs[3] == pytest.approx(cosine[0], rel=gamma(8)) and lrs[5] == pytest.approx(cosine[1], rel=gamma(8))
     constant = synthetic_config(train=dict(lr=0.1)).train
     assert {learning_rate(constant, s, 6) for s in range(6)} == {0.1}
+    # wsd: warm-up over 2 steps, constant, then the last round(0.5 x 8) = 4 of the 10 steps decay linearly
+    wsd = synthetic_config(train=dict(lr=1.0, warmup_steps=2, schedule="wsd", cooldown=0.5)).train
+    assert [learning_rate(wsd, s, 10) for s in range(10)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25]
 
 
 def test_job_on_an_object_store_run_root_trains_and_resumes(tmp_path):

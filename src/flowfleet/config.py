@@ -166,7 +166,10 @@ class TrainConfig(_Strict):
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    schedule: Literal["constant", "cosine"] = "constant"
+    # After the warm-up: constant; cosine to 0 over the rest; or "wsd" (warmup-stable-decay: constant, then
+    # linear to 0 over the last `cooldown` fraction of the steps; Hägele et al. 2024), the final iterate annealed.
+    schedule: Literal["constant", "cosine", "wsd"] = "constant"
+    cooldown: float = Field(0.2, gt=0, le=1)  # wsd: the fraction of the steps after the warm-up that decays
     warmup_steps: int = Field(0, ge=0)
     ema_decay: float = Field(0.9999, ge=0, le=1)
     ema_warmup: bool = True  # decay min(ema_decay, (1 + n) / (10 + n)) after n updates, so short runs average too

@@ -51,13 +51,17 @@ class TrainingDiverged(FlowfleetError):
 
 
 def learning_rate(cfg: TrainConfig, step: int, total_steps: int) -> float:
-    """lr for the optimiser step `step` (0-based): linear warm-up, then constant or cosine to 0.
-    A pure function of the step, so a resumed job needs no scheduler state."""
+    """lr for the optimiser step `step` (0-based): linear warm-up, then constant, cosine to 0, or constant
+    and a linear cool-down over the last steps (wsd). A pure function of the step, so a resumed job needs no
+    scheduler state."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return cfg.lr
     span = max(total_steps - cfg.warmup_steps, 1)
+    if cfg.schedule == "wsd":
+        cooldown = max(round(cfg.cooldown * span), 1)  # steps; the last one runs at lr / cooldown
+        return cfg.lr * min(1.0, (total_steps - step) / cooldown)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
