@@ -121,39 +121,6 @@ def test_parts_need_the_autoencoder_trained_once_first(tmp_path):
     assert main(["prepare", root.url, "--autoencoder-only", "--quiet"]) == 0
     assert prepare(root, progress=False, part=(0, 2)).complete
 
-
-def test_the_demo_trains_the_autoencoder_in_a_process_of_its_own_whose_threads_spin(tmp_path, monkeypatch):
-    """The demo's autoencoder: `prepare --autoencoder-only` in a child process with OMP_WAIT_POLICY=ACTIVE
-    (alone on the machine, spinning threads are faster there); a failing child is one line naming it."""
-    import subprocess
-    import sys
-
-    from flowfleet.stages import demo
-
-    calls, real_run = [], subprocess.run
-
-    def run(cmd, env):
-        calls.append((cmd, env["OMP_WAIT_POLICY"]))
-        return real_run(cmd, env=env)
-
-    monkeypatch.setattr(demo.subprocess, "run", run)
-    root = ae_run(tmp_path / "run")
-    demo._autoencoder(root, progress=False)
-    ((cmd, policy),) = calls
-    assert policy == "ACTIVE" and cmd[0] == sys.executable
-    assert cmd[1:] == ["-m", "flowfleet.cli", "prepare", root.url, "--autoencoder-only", "--no-progress"]
-    assert root.exists(AUTOENCODER, AUTOENCODER_RECIPE) and load_autoencoder(root, AUTOENCODER) is not None
-    assert prepare(root, progress=False).complete  # the stage after it uses that autoencoder, not another
-
-    pixels = preset("mnist-tiny")
-    pixels.save(RunRoot(str(tmp_path / "pixels")))
-    failed = (
-        r"demo: `flowfleet prepare .*pixels --autoencoder-only --no-progress` failed \(exit 1; its error is above\)"
-    )
-    with pytest.raises(FlowfleetError, match=failed):
-        demo._autoencoder(RunRoot(str(tmp_path / "pixels")), progress=False)
-
-
 def test_the_model_folder_carries_the_autoencoder_and_decodes_with_it(tmp_path):
     from fixtures.random_fleet import write_random_fleet
 

@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import Sequence
 
-# Before anything loads torch (and with it OpenMP; train-all's jobs inherit it): idle OpenMP threads
-# sleep instead of spinning. On the 2-vCPU machine a spinning thread takes the core from the process
-# that has work: `evaluate` of the quick demo ran 53 s with spinning threads, 44 s with sleeping ones,
-# and 90 s vs 67 s beside a busy process (BENCHMARKS.md, "CPU threads"). The user's setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from flowfleet import __version__  # noqa: E402
-from flowfleet.commands import data, evaluate, export, fleet, init, sample, serve, train  # noqa: E402
+from flowfleet import __version__
+from flowfleet.commands import data, evaluate, export, fleet, init, sample, serve, train
 from flowfleet.errors import FlowfleetError
+from flowfleet.threads import apply_thread_policy
 
 COMMAND_MODULES = (init, data, train, sample, evaluate, fleet, export, serve)
 
@@ -102,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose, args.quiet)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # to relaunch the same command (generate --nproc)
+    # Before a command loads torch: this process has the machine to itself (a command that starts processes
+    # sharing its cores, train-all or --nproc, sets their policy: flowfleet.threads).
+    apply_thread_policy("alone")
 
     try:
         return int(args.func(args) or 0)

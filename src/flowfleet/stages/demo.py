@@ -7,7 +7,7 @@
 
 The configuration is the `mnist` preset: Paris' method at small scale. Like Paris' experts, which work in
 a VAE's latent space, they denoise the 8 x 8 x 4 latent of a small AutoencoderKL trained first on the
-training digits (28 px padded to 32; in a process of its own, `_autoencoder`); captions "a handwritten
+training digits (28 px padded to 32; a stage of its own, timed apart from prepare); captions "a handwritten
 digit seven"; the clusters are made from the images (Inception features at 75 px less the part the caption
 predicts, unsupervised: each expert holds every digit in its own share of the styles), the router decides
 p(k | x_t, t) from the noisy latent alone, and top-2 is the default. Step counts are sized for a 2-core CPU:
@@ -48,8 +48,6 @@ configuration is refused rather than mixed.
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal
@@ -78,10 +76,9 @@ from flowfleet.stages.assemble import assemble
 from flowfleet.stages.cluster import cluster
 from flowfleet.stages.evaluate import EvaluateOptions, evaluate
 from flowfleet.stages.generate import generate
-from flowfleet.stages.prepare import prepare
+from flowfleet.stages.prepare import prepare, prepare_autoencoder
 from flowfleet.stages.train import train_all
 from flowfleet.storage import RunRoot
-from flowfleet.train.specs import cli_command, launcher
 
 DEMO_INCEPTION_SIZE = 75
 # Guidance scales every model is sampled at (>= 5 between 1 and 8); each is compared at its best. 1.25: the
@@ -156,17 +153,6 @@ def demo_plan(size: DemoSize = "full", *, prompt_router: bool = False) -> DemoPl
     return DemoPlan(
         RunConfig.from_dict(raw, where="demo configuration"), evaluation, showcase_n=10 if size == "smoke" else 20
     )
-
-
-def _autoencoder(root: RunRoot, progress: bool) -> None:
-    """The run's autoencoder (`prepare --autoencoder-only`), trained in a process of its own whose idle
-    OpenMP threads spin. It is alone on the machine then, and its many small convolutions run 1.6x faster
-    than with the sleeping threads the demo's other stages keep (cli.py; BENCHMARKS.md, session 23). An
-    autoencoder trained already is only checked against the run's recipe."""
-    args = ["prepare", root.url, "--autoencoder-only", *([] if progress else ["--no-progress"])]
-    done = subprocess.run(cli_command(args, launcher()), env={**os.environ, "OMP_WAIT_POLICY": "ACTIVE"})
-    if done.returncode:
-        raise FlowfleetError(f"demo: `flowfleet {' '.join(args)}` failed (exit {done.returncode}; its error is above)")
 
 
 def _steps(raw: dict[str, Any], section: str, steps: int) -> None:
@@ -271,7 +257,7 @@ def _demo(out: str, plan: DemoPlan, with_caption_fleet: bool, progress: bool) ->
         return result
 
     if plan.config.encoders.latent.name == "autoencoder":
-        stage("autoencoder", lambda: _autoencoder(root, progress))
+        stage("autoencoder", lambda: prepare_autoencoder(root, progress=progress))
     stage("prepare", lambda: prepare(root, progress=progress))
     # (like prepare and train-all, a stage finished earlier takes no time: every stage is in timings.json)
     stage("cluster", lambda: None if root.exists(*CLUSTER_REPORT) else cluster(root, progress=progress))

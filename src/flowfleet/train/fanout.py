@@ -4,7 +4,8 @@ Each job is a command line, `python -m flowfleet.cli train-expert RUN --expert k
 train-monolith; flowfleet.train.specs builds it): the same command a user would run on another machine,
 so nothing here is shared between jobs but the run root. Processes get their own session (a terminal
 Ctrl-C reaches only this parent, which forwards SIGTERM so each child checkpoints and stops), a thread
-budget (OMP_NUM_THREADS) and, on a GPU machine, one GPU each.
+budget (OMP_NUM_THREADS; idle threads sleep where jobs share the cores: flowfleet.threads) and, on a GPU
+machine, one GPU each.
 
 A job whose command is `python -m MODULE ARGS` (ProcessJob.forkable) starts from Python's
 multiprocessing forkserver, which imports `preload` (torch, diffusers, flowfleet: ~5 s of every job's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import subprocess
@@ -30,6 +32,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Protocol
+
+from flowfleet.threads import Workload, thread_env
 
 
 @dataclass
@@ -55,10 +59,16 @@ class Slot:
 
     threads: int
     gpu: int | None = None
+    shared: bool = False  # beside other slots on the same cores: idle threads sleep (flowfleet.threads)
+
+    @property
+    def workload(self) -> Workload:
+        return "shared" if self.shared else "alone"
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
+        env.update(thread_env(self.workload, env))
         if self.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
         return env
@@ -71,7 +81,7 @@ def plan_slots(num_jobs: int, parallel: int | None, cpus: int, gpus: int) -> lis
         parallel = gpus if gpus else cpus
     parallel = max(1, min(parallel, max(num_jobs, 1)))
     threads = max(1, cpus // parallel)
-    return [Slot(threads, (i % gpus) if gpus else None) for i in range(parallel)]
+    return [Slot(threads, (i % gpus) if gpus else None, shared=parallel > 1) for i in range(parallel)]
 
 
 def _last_line(path: Path) -> str:
@@ -125,12 +135,22 @@ def _run_module(argv: list[str], log: str, env: dict[str, str]) -> None:
     sys.exit(importlib.import_module(module).main(args))
 
 
-def _forkserver(preload: tuple[str, ...]):
-    """The multiprocessing forkserver context, asked to import `preload` once; None where there is none."""
+def _forkserver(preload: tuple[str, ...], workload: Workload):
+    """The multiprocessing forkserver context, asked to import `preload` once; None where there is none.
+    OpenMP reads its wait policy when the server loads torch, and every fork keeps it: the server starts with
+    the thread policy of the jobs' workload (a server already running, in a process that fanned out before,
+    keeps the policy it started with)."""
     if not preload or "forkserver" not in multiprocessing.get_all_start_methods():
         return None
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))  # no effect once the server runs: it has imported them already
+    added = thread_env(workload)
+    os.environ.update(added)  # the server's environment is this process's when it starts
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for name in added:
+            del os.environ[name]
     return ctx
 
 
@@ -163,7 +183,8 @@ class LocalFanout:
         pending = deque(jobs)
         free = list(range(len(self.slots)))
         running: dict[int, tuple[ProcessJob, _Running, float, IO[bytes] | None]] = {}
-        forkserver = _forkserver(self.preload) if any(job.forkable for job in jobs) else None
+        forkable = bool(self.slots) and any(job.forkable for job in jobs)
+        forkserver = _forkserver(self.preload, self.slots[0].workload) if forkable else None
         outcomes: list[ProcessOutcome] = []
         forwarded = False
         while pending or running:
