@@ -106,7 +106,8 @@ class BareStep:
         torch.manual_seed(0)
         self.device, self.amp = device, autocast_dtype(cfg.train.precision, device)
         self.model = DiTModel.from_dit_config(cfg.expert).to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
+        fused = device.type in ("cpu", "cuda")  # as the trainer
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=0.0, fused=fused)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == torch.float16)
         self.x0 = torch.randn(cfg.train.batch_size, *cfg.latent_shape, device=device)
         e, b = cfg.expert, cfg.train.batch_size
