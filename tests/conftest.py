@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# data.source mnist reads MNIST-5k in the suite, whether or not this machine fetched the 10,000 digits into its
+# cache (`flowfleet fetch-data`): the tests of the 10,000 (tests/test_mnist_digits.py) make a set of their own.
+os.environ["FLOWFLEET_CACHE"] = tempfile.mkdtemp(prefix="flowfleet-test-cache-")
 # The default suite is the CPU suite, on any machine: with a GPU visible, every `--device auto` in it would move
 # its CPU references onto the GPU. `make test-gpu` (FLOWFLEET_TEST_GPU=1, marker `gpu`: tests/test_gpu.py) keeps
 # the GPUs. Set before anything initialises CUDA; the suite's child processes inherit it.

@@ -57,6 +57,10 @@ def check_run(path, *, strategies=("top2",), fleets=(), prompt_router=True) -> d
     # judged against held-out digits, beside real ones scored like a model, at each model's swept scale
     split = evaluation["reference_split"]
     assert split["held_out"] and split["floor"]["n"] == evaluation["n"] and split["floor"]["classifier_fd"] > 0
+    # the report names the judge and the real images every distance is measured against
+    assert split["source"] == json.loads((path / "data" / "manifest.json").read_text())["source"]
+    assert "Judge: the mnist digit classifier, trained by flowfleet on the first 4000 MNIST-5k digits" in html
+    assert f"Reference: {split['reference_images']} images held out of training (eval/) of MNIST-5k" in html
     assert evaluation["guidance"]["sweep"] == list(demo_plan("smoke").evaluation.cfg_sweep)
     for run in evaluation["runs"].values():
         assert run["same_as"] or run["cfg"] in evaluation["guidance"]["sweep"] and len(run["sweep"]) == 2

@@ -21,6 +21,7 @@ COMMAND_MODULES = (init, data, train, sample, evaluate, fleet, export, serve)
 
 # The stages, in pipeline order; every one must be registered by a command module.
 STAGES = (
+    "fetch-data",
     "init",
     "prepare",
     "cluster",

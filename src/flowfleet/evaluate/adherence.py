@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 # The source's palette and geometry, so that templates are drawn exactly as the data was.
-from flowfleet.data.sources import COLOURS, SHAPES, _polygon
+from flowfleet.data.sources.shapes import COLOURS, SHAPES, shape_polygon
 
 _SUPERSAMPLE = 4
 _FAR = 90  # L1 distance (0..765) from the background beyond which a pixel counts as foreground
@@ -71,7 +71,7 @@ class ShapeReader:
         if shape == "circle":
             draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=255)
         else:
-            draw.polygon(_polygon(shape, cx, cy, r), fill=255)
+            draw.polygon(shape_polygon(shape, cx, cy, r), fill=255)
         if not big:
             img = img.reduce(_SUPERSAMPLE)
         mask = np.asarray(img, dtype=np.float64) / 255.0

@@ -9,9 +9,10 @@ Inception FID at MNIST's size cannot tell a digit from a blob (both are far from
 CNN trained on the digits themselves can. The network is written here, not taken from a library,
 because no package ships MNIST weights and none is needed: a two-convolution CNN with batch norm
 reaches >= 0.97 on the held-out 1000 of MNIST-5k in about 20 s on two CPU cores. It is trained by flowfleet on the
-first 4000 digits of the built-in source (interleaved 0..9, so both splits are balanced) with random
-shifts, and saved with its validation accuracy; images are taken in [-1, 1] at any size and resized
-to 28 x 28.
+first 4000 digits of MNIST-5k (interleaved 0..9, so both splits are balanced; they are the first 4000 of the
+10,000-digit set too, flowfleet.data.sources.mnist) with random shifts, and validated on MNIST-5k's last 1000:
+one fixed judge for every run on the built-in digits, whichever set and size it trains on. Images are taken in
+[-1, 1] at any size and resized to 28 x 28.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from flowfleet.data.images import resize_batch
-from flowfleet.data.sources import DIGIT_WORDS, MnistSource
+from flowfleet.data.sources.mnist import DIGIT_WORDS, load_mnist_5k
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.judge import ClassifierJudge, PromptClasses
 from flowfleet.storage import RunRoot
@@ -93,10 +94,11 @@ def _shifted(x: torch.Tensor, shift: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def mnist_tensors() -> tuple[torch.Tensor, torch.Tensor]:
-    """The built-in MNIST-5k as images [5000, 1, 28, 28] in [-1, 1] and labels [5000]."""
-    src = MnistSource()
-    x = torch.from_numpy(src.images).float().unsqueeze(1) / 127.5 - 1.0
-    return x, torch.from_numpy(src.labels)
+    """MNIST-5k as images [5000, 1, 28, 28] in [-1, 1] and labels [5000] (the judge's data whichever built-in
+    set a run uses: its first 4000 are the first 4000 of the 10,000 too)."""
+    digits = load_mnist_5k()
+    x = torch.from_numpy(digits.images).float().unsqueeze(1) / 127.5 - 1.0
+    return x, torch.from_numpy(digits.labels)
 
 
 @torch.no_grad()

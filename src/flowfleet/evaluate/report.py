@@ -30,6 +30,7 @@ from typing import Any
 
 import jinja2
 
+from flowfleet.data.sources import describe_source
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate import views
 from flowfleet.layout import (
@@ -469,13 +470,16 @@ class ReportBuilder:
             )
             if "val_accuracy" in clf:
                 s.notes.append(
-                    f"Judge: the {clf.get('judge', 'classifier')}, trained by flowfleet on "
-                    f"{clf.get('train_items', '?')} MNIST-5k digits, validation accuracy "
-                    f"{_fmt(clf.get('val_accuracy'))} on the other {clf.get('val_items', '?')} "
-                    "(reports/digit_classifier/)."
+                    f"Judge: the {clf.get('judge', 'classifier')}, trained by flowfleet on the first "
+                    f"{clf.get('train_items', '?')} MNIST-5k digits (the first of the 10,000 too: one judge for every "
+                    f"run on the built-in digits), validation accuracy {_fmt(clf.get('val_accuracy'))} on the other "
+                    f"{clf.get('val_items', '?')} (reports/digit_classifier/)."
                 )
             else:
                 s.notes.append(f"Judge: {clf.get('judge', '?')}.")
+            reference = self._reference_note()
+            if reference:
+                s.notes.append(reference)
         else:
             s.tables.append(
                 {
@@ -533,6 +537,21 @@ class ReportBuilder:
             )
         s.images.append(self._plot("fid.png", views.fid_png(scores), "FID"))
         return s
+
+    def _reference_note(self) -> str:
+        """Which real images every distance is measured against (the same for every run of one source)."""
+        split = self.evaluation.get("reference_split") or {}
+        source = split.get("source") or {}
+        if not split.get("reference_images") or not source:
+            return ""
+        what = describe_source(source)
+        where = "held out of training (eval/)" if split.get("held_out") else "of the training data (data/)"
+        floor = (split.get("floor") or {}).get("n")
+        return (
+            f"Reference: {split['reference_images']} images {where} of {what}"
+            + (f"; the real floor: {floor} others of them" if floor else "")
+            + "."
+        )
 
     def _floor_row(self) -> list[tuple[str, dict[str, Any]]]:
         floor = (self.evaluation.get("reference_split") or {}).get("floor") or {}

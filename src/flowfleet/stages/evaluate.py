@@ -415,7 +415,7 @@ class _Evaluation:
         return self.fid, self.ref
 
     def data_is_mnist(self) -> bool:
-        """data/ was prepared from the built-in MNIST-5k (as prepare recorded it), the digit judge's domain."""
+        """data/ was prepared from the built-in digits (as prepare recorded it), the digit judge's domain."""
         source = self.data.manifest().extra.get("source") or {}
         return isinstance(source, dict) and source.get("kind") == "mnist"
 
@@ -584,6 +584,7 @@ class _Evaluation:
             "reference_split": {
                 "set": EVAL_DATA if self.split.held_out else DATA,
                 "held_out": self.split.held_out,
+                "source": self.data.manifest().extra.get("source"),  # what prepare read (flowfleet.data.sources)
                 "reference_images": self.ref_n,
                 "floor": self.floor,
             },

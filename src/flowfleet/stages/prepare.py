@@ -39,6 +39,7 @@ from flowfleet.data.encoders import (
 from flowfleet.data.images import ImageDecodeError, open_image, to_tensor, to_uint8
 from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.data.sources import RawItem, Source, build_source
+from flowfleet.data.sources.mnist import switch_hint
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import AUTOENCODER, AUTOENCODER_RECIPE, DATA, EVAL_DATA, MANIFEST, data_part
@@ -351,10 +352,10 @@ def ensure_autoencoder(
         else:
             old = json.loads(root.read_bytes(AUTOENCODER, AUTOENCODER_RECIPE))
             if old != recipe:
-                diff = _first_difference(old, recipe) or "recipe"
-                raise FlowfleetError(
-                    f"{where}: trained with a different {diff}; `flowfleet prepare {root.url} --restart` retrains it"
+                diff = switch_hint(old.get("source") or {}, recipe["source"]) or (
+                    f"trained with a different {_first_difference(old, recipe) or 'recipe'}"
                 )
+                raise FlowfleetError(f"{where}: {diff}; `flowfleet prepare {root.url} --restart` retrains it")
             return
     if part is not None:  # N machines must share one latent space: train it once, before the parts
         raise FlowfleetError(
@@ -409,9 +410,12 @@ def _encode(
         if restart:
             root.remove(folder, recursive=True)
         elif old.extra.get("recipe") != recipe:
-            diff = _first_difference(old.extra.get("recipe") or {}, recipe) or "recipe"
+            made = old.extra.get("recipe") or {}
+            diff = switch_hint(made.get("source") or {}, recipe["source"]) or (
+                f"prepared with a different {_first_difference(made, recipe) or 'recipe'}"
+            )
             raise FlowfleetError(
-                f"{where}: prepared with a different {diff}; `flowfleet prepare {root.url} --restart` discards it"
+                f"{where}: {diff}; `flowfleet prepare {root.url} --restart` discards it"
             )  # (a part's recipe names its slice: another --part i/N is another folder)
         elif old.complete:
             return old

