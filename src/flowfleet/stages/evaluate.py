@@ -341,7 +341,9 @@ class _Evaluation:
         reference: str | None,
         options: EvaluateOptions,
         extractor: torch.nn.Module | None,
+        inception: bool = True,
     ) -> "_Evaluation":
+        """inception False: no Inception reference or floor FID (a draw scored by the judge alone)."""
         options.validate()
         model_root = RunRoot(model_dir)
         index = read_model_index(model_root)  # one-line error when DIR is not an assembled fleet
@@ -370,13 +372,26 @@ class _Evaluation:
         for _, folder in options.fleets:
             _check_other_fleet(model_root, index, RunRoot(folder), options.strategies)
         ev = cls(model_root.url, root, cfg, data, options, resolve_device(options.device), index.conditioning)
-        ev._open_fid(extractor)
+        ev._open_fid(extractor, inception)
         return ev
 
-    def _open_fid(self, extractor: torch.nn.Module | None) -> None:
-        """The feature network and the (cached) reference statistics; the real floor's FID."""
+    def _open_fid(self, extractor: torch.nn.Module | None, inception: bool = True) -> None:
+        """The feature network and the (cached) reference statistics; the real floor's FID (inception False:
+        neither, the judge only)."""
         fid = self.fid = FID(self.options.fid, self.device, extractor=extractor)
         t0 = time.perf_counter()
+        if inception:
+            self._inception_reference(fid)
+        self.timings["reference_s"] = time.perf_counter() - t0
+        if self.options.judge or (
+            self.prompts and self.data_is_mnist() and any(prompted_digit(p) is not None for p in self.prompts)
+        ):
+            self._open_judge()
+        if self.options.diagnostics:
+            self.semantic = SemanticFeatures(self.root, self.cfg, fid.key, self.device)
+
+    def _inception_reference(self, fid: FID) -> None:
+        """The reference's Inception statistics (cached in the run) and the real floor's FID."""
         name = EVAL_DATA if self.split.held_out else DATA
         fingerprint = self.split.key(data_fingerprint(self.ref_data))
         ref_n, picked = self.ref_n, self.split.reference
@@ -392,13 +407,6 @@ class _Evaluation:
         if self.floor["n"]:
             floor = self._real_images(self.split.floor, self.options.fid.batch_size)
             self.floor["fid"] = fid.score(fid.statistics(floor(), desc="fid features (real floor)"), self.ref)
-        self.timings["reference_s"] = time.perf_counter() - t0
-        if self.options.judge or (
-            self.prompts and self.data_is_mnist() and any(prompted_digit(p) is not None for p in self.prompts)
-        ):
-            self._open_judge()
-        if self.options.diagnostics:
-            self.semantic = SemanticFeatures(self.root, self.cfg, fid.key, self.device)
 
     def _real_images(self, items: torch.Tensor, batch: int) -> Callable[[], Any]:
         """A generator factory of the reference set's `items`, decoded, batch by batch."""
@@ -635,7 +643,8 @@ def _redraw(
     }
     for r in range(1, o.repeats):
         drawn = replace(o, seed=o.seed + r, cfg_sweep=(), save_cfg=False, diagnostics=False, repeats=1)
-        again = _Evaluation.open(model_dir, reference, drawn, extractor)
+        # a judge scores the draws: the Inception reference of each draw's split is not needed
+        again = _Evaluation.open(model_dir, reference, drawn, extractor, inception=ev.judge_fd is None)
         for k in out["floor"]:
             out["floor"][k].append(again.floor.get(k))
         scored: dict[str, dict[str, Any]] = {}
