@@ -37,6 +37,7 @@ from flowfleet.models.files import load_model, read_dit_config
 from flowfleet.sampling.cache import BlockCache
 from flowfleet.sampling.checksums import verify_weights
 from flowfleet.sampling.index import ModelIndex, SchedulerConfig, expert_folder, read_model_index
+from flowfleet.sampling.prompts import PromptEmbeddings
 from flowfleet.sampling.routing import Condition, Selection, present_probs, run_selected, select_experts
 from flowfleet.sampling.store import ExpertStore
 from flowfleet.sampling.trace import RoutingTrace
@@ -181,6 +182,16 @@ class FleetPipeline:
         self.device = torch.device(device)
         self.dtype = dtype
         self.index = index
+
+    @property
+    def text_encoder(self) -> Any:
+        return self._text_encoder
+
+    @text_encoder.setter
+    def text_encoder(self, encoder: Any) -> None:
+        self._text_encoder = encoder
+        # each distinct prompt encoded once, alone (flowfleet.sampling.prompts)
+        self.prompts = PromptEmbeddings(encoder) if encoder is not None else None
 
     @property
     def num_experts(self) -> int:
@@ -375,9 +386,9 @@ class FleetPipeline:
         self.check_condition(prompts, labels)
         if self.conditioning in TEXT_CONDITIONING:
             prompts = list(prompts or [])
-            if self.text_encoder is None:
+            if self.prompts is None:
                 raise FlowfleetError("text encoder: none loaded for this text-conditioned fleet")
-            emb = self.text_encoder.encode(prompts)  # tokens [P, L, T], mask [P, L], pooled [P, T]
+            emb = self.prompts(prompts)  # tokens [P, L, T], mask [P, L], pooled [P, T]
             width = self.index.text_width if self.index is not None else emb.tokens.shape[-1]
             if emb.tokens.shape[-1] != width:
                 raise FlowfleetError(
