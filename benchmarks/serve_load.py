@@ -9,10 +9,17 @@ its own process, then sends the same C x R requests (seed = request number) thre
   retry       C client threads; a refused request waits Retry-After and is sent again, until served
 
 Reports per behaviour: answers by status, latency p50 / p95 / p99 / max of the served requests (client
-side, queue wait included), served images per second; the speed-up of `retry` over `sequential`; the
-largest pixel difference between a seed's image served alone (sequential) and batched (retry); the
-server's health afterwards (batches run). Without MODEL, a random tiny fleet (tests/fixtures/random_fleet.py:
-K = 3, hidden 32, 8 x 8) is assembled in a temp dir.
+side, queue wait included), served images per second; the largest pixel difference between a seed's image
+served alone (sequential) and batched (retry); the server's health afterwards (batches run). And the limit
+the server is held against, measured in the same run on the same machine: the same call in one Python
+process (FleetPipeline, torch's defaults, a fresh process before and one after the server; the better of the
+two medians), images per second at batch 1 and at batch C. The ratios:
+
+  lone_request_over_in_process   a lone request's latency (sequential p50) / the in-process batch-1 time
+  server_over_in_process         the server's img/s at C clients (retry) / the in-process img/s at batch C
+
+Without MODEL, a random tiny fleet (tests/fixtures/random_fleet.py: K = 3, hidden 32, 8 x 8) is assembled in a
+temp dir.
 
     .venv/bin/python benchmarks/serve_load.py --clients 32 --rounds 2
     .venv/bin/python benchmarks/serve_load.py --model runs/demo/model --clients 32 --rounds 1 --steps 20
@@ -28,7 +35,9 @@ import argparse
 import base64
 import io
 import json
+import os
 import platform
+import subprocess
 import sys
 import tempfile
 import threading
@@ -51,6 +60,39 @@ def tiny_fleet(folder: Path) -> str:
 
     write_random_fleet(str(folder / "run"), tiny_run_config(3))
     return assemble(str(folder / "run")).out
+
+
+IN_PROCESS = """
+import json, statistics, sys, time
+from flowfleet.sampling.pipeline import FleetPipeline
+model, body, batch, repeats = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+pipe = FleetPipeline.from_pretrained(model)
+kw = dict(strategy=body["strategy"], steps=body["steps"])
+out = {}
+for n in (1, batch):
+    pipe([body["prompt"]], n=n, seed=0, **kw)  # warm-up: experts loaded
+    times = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        pipe([body["prompt"]], n=n, seed=r, **kw)
+        times.append(time.perf_counter() - t0)
+    out[str(n)] = {"seconds": statistics.median(times), "images_per_s": n / statistics.median(times)}
+print(json.dumps(out))
+"""
+
+
+def in_process(model: str, body: dict, batch: int, repeats: int) -> dict:
+    """The limit: the same call in a fresh Python process with torch's defaults, at batch 1 and `batch`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_"))}
+    done = subprocess.run(
+        [sys.executable, "-c", IN_PROCESS, model, json.dumps(body), str(batch), str(repeats)],
+        env={**env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise SystemExit(f"in-process measurement failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -133,6 +175,7 @@ def main() -> None:
         "--ray-cpus CPUs each (default 0: the plain server)",
     )
     p.add_argument("--ray-cpus", type=float, default=2.0, help="CPUs per Ray Serve replica (default 2)")
+    p.add_argument("--repeats", type=int, default=10, help="timed in-process calls per batch size (default 10)")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args()
 
@@ -145,6 +188,7 @@ def main() -> None:
             args += ["--ray", "--replicas", str(a.ray_replicas), "--replica-cpus", str(a.ray_cpus)]
         alone: dict[int, np.ndarray] = {}
         batched: dict[int, np.ndarray] = {}
+        limit_before = in_process(model, body, a.clients * a.n, a.repeats)
         with serve_process(model, args, timeout=600, log=str(Path(tmp) / "serve.log")) as url:
             httpx.post(f"{url}/api/generate", json=body, timeout=600).raise_for_status()  # warm: experts loaded
             sequential = load(url, 1, a.clients * a.rounds, body, retry=False, images=alone)
@@ -153,6 +197,9 @@ def main() -> None:
             health_once = httpx.get(f"{url}/api/health").json()
             retry = load(url, a.clients, a.rounds, body, retry=True, images=batched)
             health = httpx.get(f"{url}/api/health").json()
+        limit_after = in_process(model, body, a.clients * a.n, a.repeats)
+    big = str(a.clients * a.n)
+    limit = {n: max(limit_before[n], limit_after[n], key=lambda r: r["images_per_s"]) for n in ("1", big)}
     same_seeds = sorted(set(alone) & set(batched))
     diff = max(int(np.abs(alone[s] - batched[s]).max()) for s in same_seeds) if same_seeds else None
     result = {
@@ -170,6 +217,9 @@ def main() -> None:
         "sequential": sequential,
         "once": once,
         "retry": retry,
+        "in_process": {"before": limit_before, "after": limit_after},
+        "lone_request_over_in_process": round(sequential["latency_s"]["p50"] / limit["1"]["seconds"], 2),
+        "server_over_in_process": round(retry["images_per_s"] / limit[big]["images_per_s"], 2),
         "speedup_retry_over_sequential": round(retry["images_per_s"] / sequential["images_per_s"], 2),
         "max_pixel_diff_alone_vs_batched": diff,
         "seeds_compared": len(same_seeds),

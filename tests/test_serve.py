@@ -58,9 +58,10 @@ def test_http_generate_returns_the_pipelines_images_and_each_images_routing(flee
     svc = service(fleet_model)
     with app_in_thread(create_app(svc, fleet_model, ui=False)) as url:
         body = {"prompt": "a handwritten digit seven", "strategy": "top2", "steps": 5, "cfg": 1.5, "seed": 3, "n": 3}
-        r = httpx.post(f"{url}/api/generate", json=body, timeout=60)
+        r = httpx.post(f"{url}/api/generate", json={**body, "routing": True}, timeout=60)
         assert r.status_code == 200, r.text
         out = r.json()
+        plain = httpx.post(f"{url}/api/generate", json=body, timeout=60).json()  # routing: asked for, or absent
         card = httpx.get(f"{url}/api/card").json()
         health = httpx.get(f"{url}/api/health").json()
     # the same images as the pipeline called directly with the same settings
@@ -69,6 +70,7 @@ def test_http_generate_returns_the_pipelines_images_and_each_images_routing(flee
     assert [decode_png(im).tobytes() for im in out["images"]] == [im.tobytes() for im in to_pil(ref.images)]
     assert out["prompts"] == ["a handwritten digit seven"] * 3
     assert out["settings"] == ref.settings.to_json()
+    assert "routing" not in plain and plain["images"] == out["images"]
     # routing: per image, per step, two experts whose weights sum to 1, as the trace recorded them
     assert len(out["routing"]) == 3 and all(len(steps) == 5 for steps in out["routing"])
     for i, steps in enumerate(out["routing"]):
@@ -78,7 +80,7 @@ def test_http_generate_returns_the_pipelines_images_and_each_images_routing(flee
             assert sum(step["weights"]) == pytest.approx(1.0, abs=gamma(5, torch.float32))
             assert len(step["probs"]) == K
     assert card["num_experts"] == K and [e["expert"] for e in card["experts"]] == list(range(K))
-    assert health["served"] == 1 and health["status"] == "ok"
+    assert health["served"] == 2 and health["status"] == "ok"  # (with routing, and without)
 
 
 BAD_REQUESTS = [
@@ -207,7 +209,7 @@ def test_serve_nproc_2_splits_each_image_over_two_ranks_and_equals_one_process(f
     from fixtures.servers import serve_process
 
     args = ["--no-ui", "--nproc", "2", "--parallel", "displaced", "--warmup", "8"]
-    body = {"prompt": "a handwritten digit seven", "strategy": "top2", "steps": 4, "seed": 5, "n": 2}
+    body = {"prompt": "a handwritten digit seven", "strategy": "top2", "steps": 4, "seed": 5, "n": 2, "routing": True}
     with serve_process(fleet_model, args, log=str(tmp_path / "serve.log")) as url:
         first = httpx.post(f"{url}/api/generate", json=body, timeout=120)
         second = httpx.post(f"{url}/api/generate", json={**body, "seed": 6}, timeout=120)

@@ -77,6 +77,33 @@ def test_a_failing_job_fails_alone_and_its_batch_mates_are_served():
     assert run.batches[2:] == [["x"], ["bad"], ["y"]]
 
 
+def test_a_lone_client_never_waits_for_the_window_a_steady_load_fills_its_batch():
+    """A batch starts once it holds as many images as the previous one (or when the window ends): a lone
+    request goes at once, whatever the window; requests of clients that come back together share a batch."""
+    hold = threading.Event()
+    run = Recorder(hold)
+    batcher = Batcher(run, window_s=5.0, max_images=8)
+    try:
+        t0 = time.monotonic()
+        hold.set()
+        assert batcher.submit(BatchJob("k", 1, "lone")).result(timeout=30) == "done lone"
+        assert time.monotonic() - t0 < 2.5  # not the 5 s window
+        hold.clear()
+        blocker = batcher.submit(BatchJob("k", 1, "blocker"))
+        time.sleep(0.2)
+        three = [batcher.submit(BatchJob("k", 1, name)) for name in ("a", "b", "c")]
+        hold.set()
+        assert [f.result(timeout=30) for f in [blocker, *three]] == ["done blocker", "done a", "done b", "done c"]
+        # the previous batch held 3: the next waits for 3 (d, then e and f a moment later)
+        later = [batcher.submit(BatchJob("k", 1, "d"))]
+        time.sleep(0.3)
+        later += [batcher.submit(BatchJob("k", 1, name)) for name in ("e", "f")]
+        assert [f.result(timeout=30) for f in later] == ["done d", "done e", "done f"]
+    finally:
+        batcher.close()
+    assert run.batches == [["lone"], ["blocker"], ["a", "b", "c"], ["d", "e", "f"]]
+
+
 def test_a_batch_does_not_wait_past_its_window_and_close_refuses_what_waits():
     run = Recorder()
     batcher = Batcher(run, window_s=0.05, max_images=8)
@@ -104,6 +131,10 @@ def pixels(image) -> np.ndarray:
 def test_a_request_draws_the_same_images_alone_and_batched_with_others(fleet_model):
     pipe = FleetPipeline.from_pretrained(fleet_model, text_encoder=HashTextEncoder(384, 4))
     svc = FleetService(pipe, read_card(fleet_model), ServeLimits(batch_window_ms=300, max_batch=16))
+    # the worker holds its first batch until every request waits: the others then queue together, as under load
+    assert svc.batcher is not None
+    hold, sample_batch = threading.Event(), svc.batcher.run_batch
+    svc.batcher.run_batch = lambda jobs: hold.wait(timeout=30) and sample_batch(jobs)
     try:
         requests = [
             GenerateRequest(prompt=f"digit {i}", strategy="top2", steps=4, cfg=2.0, seed=10 + i, n=1 + i % 2)
@@ -111,7 +142,12 @@ def test_a_request_draws_the_same_images_alone_and_batched_with_others(fleet_mod
         ]
         other = GenerateRequest(prompt="digit 3", strategy="top1", steps=4, cfg=2.0, seed=1)  # another key
         with ThreadPoolExecutor(len(requests) + 1) as pool:
-            batched = list(pool.map(svc.generate, [*requests, other]))
+            futures = [pool.submit(svc.generate, r) for r in [*requests, other]]
+            deadline = time.monotonic() + 30
+            while svc.admitted < 10 and time.monotonic() < deadline:  # all 10 images have a place
+                time.sleep(0.01)
+            hold.set()
+            batched = [f.result(timeout=60) for f in futures]
         health = svc.health()
         alone = [
             pipe([r.prompt], r.n, strategy=r.strategy, steps=r.steps, cfg=r.cfg, seed=r.seed)

@@ -1,9 +1,9 @@
 """`flowfleet serve`: one model folder as a web page (Gradio, at /) and an HTTP API (FastAPI, at /api).
 
     POST /api/generate   {"prompt": "a handwritten digit seven", "strategy": "top2", "steps": 30,
-                          "cfg": 2.0, "seed": 0, "n": 4}
-                     ->  200 {"images": [base64 PNG, ...], "prompts": [...], "routing": [[{step, t,
-                          experts, weights, probs}, ...] per image], "settings": {...}, "seconds": ...}
+                          "cfg": 2.0, "seed": 0, "n": 4}     (+ "routing": true for the traces below)
+                     ->  200 {"images": [base64 PNG, ...], "prompts": [...], "settings": {...}, "seconds": ...
+                          [, "routing": [[{step, t, experts, weights, probs}, ...] per image]]}
                          422 {"error": "steps: expected 1..200, got 0"}        a request to fix
                          413 {"error": "request body: ..."}                    larger than any valid one
                          503 {"error": "busy: ..."} + Retry-After              the queue is full
@@ -52,11 +52,12 @@ def png_base64(image: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def response_json(g: Generation) -> dict[str, Any]:
+def response_json(g: Generation, routing: bool = False) -> dict[str, Any]:
+    """The answer to /api/generate; `routing` (the request's): with each image's routing per step."""
     return {
         "images": [png_base64(im) for im in g.images],
         "prompts": g.prompts,
-        "routing": g.routing,
+        **({"routing": g.routing} if routing else {}),
         "settings": g.settings.to_json(),
         "seconds": round(g.seconds, 4),
         "waited": round(g.waited, 4),
@@ -126,7 +127,7 @@ def create_app(service: Service, model_dir: str, ui: bool = True, api_key: str |
             g = service.generate(req)
             # under Ray Serve: which replica drew it, after how many tries
             ray = {"X-Flowfleet-Replica": g.replica, "X-Flowfleet-Attempts": str(g.attempts)} if g.replica else None
-            return JSONResponse(response_json(g), headers=ray)
+            return JSONResponse(response_json(g, req.routing), headers=ray)
         except ValidationError as err:
             return _error(422, validation_message(err))
         except BadRequest as err:

@@ -6,8 +6,11 @@ settings (everything but the seed) are sampled as one batch by one worker thread
     result = future.result()
 
 Policy, as Ray Serve's `@serve.batch` and Triton's dynamic batcher have it: the oldest waiting job opens a
-batch; for up to `window_s` after it arrived, jobs with the same key join it (in arrival order) until
-`max_images` images are reached; jobs with another key wait for a batch of their own, in order. A batch that
+batch; jobs with the same key join it (in arrival order) until `max_images` images are reached; jobs with
+another key wait for a batch of their own, in order. The batch starts once it holds as many images as the
+previous batch did, or `window_s` after its first job arrived, whichever comes first: a lone client never waits
+for a window (its previous batch held its own images only), the clients of a steady load, which come back
+together, fill their batch at once, and jobs that arrive while a batch samples form the next. A batch that
 raises is run again job by job, so one bad request fails alone, never its batch-mates.
 
 Written by hand because `flowfleet serve` runs in one process without Ray (Ray Serve's batcher needs a
@@ -47,6 +50,7 @@ class Batcher:
         self.max_images = max_images
         self.batches = 0  # batches run, for /api/health
         self.batched_images = 0
+        self._last_images = 0  # images of the previous batch: how full the next one is expected to get
         self._waiting: list[BatchJob] = []  # arrival order; guarded by _changed
         self._changed = threading.Condition()
         self._closed = False
@@ -94,13 +98,15 @@ class Batcher:
             if self._closed:
                 return None
             first = self._waiting[0]
+            expected = min(self.max_images, self._last_images)
             while True:
                 batch = self._members(first)
                 left = first.arrived + self.window_s - time.monotonic()
-                if left <= 0 or sum(j.n for j in batch) >= self.max_images or self._closed:
+                if left <= 0 or sum(j.n for j in batch) >= expected or self._closed:
                     break
                 self._changed.wait(left)
             self._waiting = [j for j in self._waiting if j not in batch]
+            self._last_images = sum(j.n for j in batch)
             return batch
 
     def _run(self) -> None:

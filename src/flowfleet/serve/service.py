@@ -15,6 +15,7 @@ split over ranks (--nproc) samples one request at a time.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -72,6 +73,7 @@ class GenerateRequest(BaseModel):
     seed: int = Field(0, ge=0, le=2**63 - 1)
     n: int = 1  # images
     cache: float = 0.0  # first-block cache threshold (flowfleet.sampling.cache); 0: every block runs
+    routing: bool = False  # the API's answer also carries each image's routing per step (the page always shows it)
 
 
 class BadRequest(FlowfleetError):
@@ -86,13 +88,18 @@ class Busy(FlowfleetError):
 class Generation:
     images: list[Any]  # PIL images
     prompts: list[str]
-    routing: list[list[dict[str, Any]]]  # per image, per step: t, experts, weights, router probabilities
     trace: RoutingTrace
     settings: SamplingSettings
     seconds: float  # generation only, without the wait in the queue
     waited: float  # seconds in the queue
     replica: str | None = None  # under Ray Serve: the replica that drew it
     attempts: int = 1  # under Ray Serve: replicas asked (more than 1: one went away with the request)
+
+    @functools.cached_property
+    def routing(self) -> list[list[dict[str, Any]]]:
+        """Per image, per step: t, experts, weights, router probabilities (made when asked for: a request's
+        `routing`, the page)."""
+        return per_image_routing(self.trace)
 
 
 def per_image_routing(trace: RoutingTrace) -> list[list[dict[str, Any]]]:
@@ -258,7 +265,6 @@ class FleetService:
         return Generation(
             to_pil(drawn.images),
             drawn.prompts,
-            per_image_routing(drawn.trace),
             drawn.trace,
             settings,
             drawn.seconds,
