@@ -27,9 +27,12 @@ import logging
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flowfleet import __version__
 from flowfleet.errors import FlowfleetError
@@ -68,6 +71,44 @@ def _error(status: int, message: str, **headers: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
 
+class ApiGuard:
+    """What every API call must pass before its body is read: the API key (401; when the server has one) and the
+    declared body size (413). Plain ASGI middleware: Starlette's @app.middleware("http") runs each response
+    through a stream of its own, a cost every request paid (BENCHMARKS.md, "Serving against the in-process
+    pipeline")."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None = None, prefixes: tuple[str, ...] = ("/api/",)):
+        self.app, self.api_key, self.prefixes = app, api_key, prefixes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
+            refused = self.refusal(Headers(scope=scope))
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, headers: Headers) -> JSONResponse | None:
+        if self.api_key:
+            scheme, _, given = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+                why = "missing" if not given else "wrong key"
+                return _error(401, f"authorization: {why} (send 'Authorization: Bearer KEY')", **BEARER)
+        size = headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            return _error(413, f"request body: {int(size)} bytes, at most {MAX_BODY_BYTES}")
+        return None
+
+
+async def generate_on_loop(service: "Service", req: GenerateRequest) -> Generation:
+    """The service's call from the event loop: awaited where the service can (FleetService.generate_async), in
+    the thread pool where it blocks (a Ray Serve front)."""
+    generate_async = getattr(service, "generate_async", None)
+    if generate_async is not None:
+        return await generate_async(req)
+    return await run_in_threadpool(service.generate, req)
+
+
 class Service(Protocol):
     """What the routes need of a service: a FleetService, or under Ray Serve its replicas' front
     (flowfleet.serve.ray_serve.ReplicaFront)."""
@@ -86,24 +127,7 @@ def create_app(service: Service, model_dir: str, ui: bool = True, api_key: str |
     page asks for it at login."""
     app = FastAPI(title="flowfleet", version=__version__, summary=f"serving {model_dir}")
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if request.url.path.startswith("/api/") and size is not None and size.isdigit():
-            if int(size) > MAX_BODY_BYTES:
-                return _error(413, f"request body: {int(size)} bytes, at most {MAX_BODY_BYTES}")
-        return await call_next(request)
-
-    if api_key:
-
-        @app.middleware("http")  # added last, so it runs first: no body is read before the key is checked
-        async def require_key(request: Request, call_next):
-            if request.url.path.startswith("/api/"):
-                scheme, _, given = request.headers.get("authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-                    why = "missing" if not given else "wrong key"
-                    return _error(401, f"authorization: {why} (send 'Authorization: Bearer KEY')", **BEARER)
-            return await call_next(request)
+    app.add_middleware(ApiGuard, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, err: RequestValidationError) -> JSONResponse:
@@ -122,9 +146,9 @@ def create_app(service: Service, model_dir: str, ui: bool = True, api_key: str |
         return service.card.to_json()
 
     @app.post("/api/generate")
-    def generate(req: GenerateRequest) -> Any:  # a plain def: FastAPI runs it in its thread pool
+    async def generate(req: GenerateRequest) -> Any:
         try:
-            g = service.generate(req)
+            g = await generate_on_loop(service, req)
             # under Ray Serve: which replica drew it, after how many tries
             ray = {"X-Flowfleet-Replica": g.replica, "X-Flowfleet-Attempts": str(g.attempts)} if g.replica else None
             return JSONResponse(response_json(g, req.routing), headers=ray)

@@ -8,9 +8,10 @@ settings (everything but the seed) are sampled as one batch by one worker thread
 Policy, as Ray Serve's `@serve.batch` and Triton's dynamic batcher have it: the oldest waiting job opens a
 batch; jobs with the same key join it (in arrival order) until `max_images` images are reached; jobs with
 another key wait for a batch of their own, in order. The batch starts once it holds as many images as the
-previous batch did, or `window_s` after its first job arrived, whichever comes first: a lone client never waits
-for a window (its previous batch held its own images only), the clients of a steady load, which come back
-together, fill their batch at once, and jobs that arrive while a batch samples form the next. A batch that
+previous batch did, or `window_s` after it could first start (its first job's arrival, or the end of the batch
+before), whichever comes first: a lone client never waits for a window (its previous batch held its own images
+only), the clients of a steady load, which come back together after their batch, fill the next one at once, and
+jobs that arrive while a batch samples form the next. A batch that
 raises is run again job by job, so one bad request fails alone, never its batch-mates.
 
 Written by hand because `flowfleet serve` runs in one process without Ray (Ray Serve's batcher needs a
@@ -41,16 +42,22 @@ class BatchJob:
 
 class Batcher:
     def __init__(
-        self, run_batch: Callable[[Sequence[BatchJob]], Sequence[Any]], window_s: float, max_images: int
+        self,
+        run_batch: Callable[[Sequence[BatchJob]], Sequence[Any]],
+        window_s: float,
+        max_images: int,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
+        """on_start: run first in the worker thread (e.g. its share of torch's CPU threads)."""
         if window_s < 0 or max_images < 1:
             raise ValueError(f"batcher: window {window_s} s and max_images {max_images} must be >= 0 and >= 1")
-        self.run_batch = run_batch
+        self.run_batch, self.on_start = run_batch, on_start
         self.window_s = window_s
         self.max_images = max_images
         self.batches = 0  # batches run, for /api/health
         self.batched_images = 0
         self._last_images = 0  # images of the previous batch: how full the next one is expected to get
+        self._free_since = time.monotonic()  # when the worker finished its last batch
         self._waiting: list[BatchJob] = []  # arrival order; guarded by _changed
         self._changed = threading.Condition()
         self._closed = False
@@ -99,9 +106,12 @@ class Batcher:
                 return None
             first = self._waiting[0]
             expected = min(self.max_images, self._last_images)
+            # the window opens when the batch could first start: a job that waited out the previous batch still
+            # gives the clients of that batch, which come back after it, the window to join
+            deadline = max(first.arrived, self._free_since) + self.window_s
             while True:
                 batch = self._members(first)
-                left = first.arrived + self.window_s - time.monotonic()
+                left = deadline - time.monotonic()
                 if left <= 0 or sum(j.n for j in batch) >= expected or self._closed:
                     break
                 self._changed.wait(left)
@@ -110,6 +120,8 @@ class Batcher:
             return batch
 
     def _run(self) -> None:
+        if self.on_start is not None:
+            self.on_start()
         while (batch := self._next_batch()) is not None:
             started = time.monotonic()
             for job in batch:
@@ -117,17 +129,27 @@ class Batcher:
             self.batches += 1
             self.batched_images += sum(j.n for j in batch)
             self._settle(batch)
+            self._free_since = time.monotonic()
+            log.debug(
+                "batch of %d images (%d requests): the first waited %.1f ms, sampled in %.1f ms",
+                sum(j.n for j in batch),
+                len(batch),
+                (started - batch[0].arrived) * 1000,
+                (time.monotonic() - started) * 1000,
+            )
 
     def _settle(self, batch: list[BatchJob]) -> None:
         try:
             results = self.run_batch(batch)
         except Exception as err:  # noqa: BLE001 - handed to the requests' futures
             if len(batch) == 1:
-                batch[0].future.set_exception(err)
+                if not batch[0].future.done():
+                    batch[0].future.set_exception(err)
                 return
             log.warning("a batch of %d requests failed (%s); running them one by one", len(batch), err)
             for job in batch:
                 self._settle([job])
             return
         for job, result in zip(batch, results):
-            job.future.set_result(result)
+            if not job.future.done():  # (a future cancelled by its caller takes no result)
+                job.future.set_result(result)

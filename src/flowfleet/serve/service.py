@@ -15,6 +15,7 @@ split over ranks (--nproc) samples one request at a time.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import threading
@@ -133,7 +134,7 @@ class _Sample:
 
 @dataclass
 class _Drawn:
-    images: Any  # [n, C, H, W] in [-1, 1]
+    images: list[Any]  # PIL images
     prompts: list[str]
     trace: RoutingTrace
     seconds: float  # the batch's sampling time
@@ -146,9 +147,11 @@ class FleetService:
         card: FleetCard,
         limits: ServeLimits | None = None,
         parallel: "ParallelServing | None" = None,
+        threads: int | None = None,
     ):
         """parallel: rank 0 of a model split over N ranks (flowfleet.serve.parallel); each call is
-        announced to the other ranks and sampled patch-parallel, one at a time."""
+        announced to the other ranks and sampled patch-parallel, one at a time. threads: torch's CPU threads
+        of the batcher's worker (default: as the process has them)."""
         limits = limits or ServeLimits()
         self.pipe, self.card, self.limits, self.parallel = pipe, card, limits, parallel
         self._generating = threading.Lock()  # --nproc: one patch-parallel call at a time
@@ -156,8 +159,11 @@ class FleetService:
         self.counts = {"served": 0, "refused_busy": 0, "bad_request": 0, "failed": 0}
         self.admitted = 0  # images of the requests holding a place now (sampling and waiting)
         self.replica: str | None = None  # under Ray Serve (flowfleet.serve.ray_serve): this replica's id
+        take_threads = (lambda: torch.set_num_threads(threads)) if threads else None
         self.batcher = (
-            Batcher(self._sample_batch, limits.batch_window_ms / 1000, limits.max_batch) if parallel is None else None
+            Batcher(self._sample_batch, limits.batch_window_ms / 1000, limits.max_batch, on_start=take_threads)
+            if parallel is None
+            else None
         )
 
     @classmethod
@@ -174,8 +180,18 @@ class FleetService:
         from flowfleet.device import resolve_device
 
         dev = parallel.fleet.ctx.device if parallel is not None else resolve_device(device)
-        pipe = FleetPipeline.from_pretrained(model_dir, device=dev, offload=offload)
-        return cls(pipe, read_card(model_dir), limits, parallel)
+        # One thread samples, the batcher's worker, and it alone runs torch's parallel CPU kernels: a second team
+        # of OpenMP threads in the process (the loading thread's, a request's) makes libgomp count more threads
+        # than cores and throttle every team's spinning: 2.5x slower sampling on two cores (BENCHMARKS.md,
+        # "Serving against the in-process pipeline"). So the folder loads on one thread; the worker takes the rest.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            pipe = FleetPipeline.from_pretrained(model_dir, device=dev, offload=offload)
+        finally:
+            if parallel is not None:  # (a patch-parallel rank samples in the request's thread)
+                torch.set_num_threads(threads)
+        return cls(pipe, read_card(model_dir), limits, parallel, threads=threads if parallel is None else None)
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -232,6 +248,45 @@ class FleetService:
 
     def generate(self, req: GenerateRequest, on_step: Callable[[int, int], None] | None = None) -> Generation:
         """Check, queue (or refuse as Busy), generate. on_step(done, total) after every sampling step."""
+        sample = self._take_place(req, on_step)
+        try:
+            if self.batcher is not None:
+                job = BatchJob(replace(sample.settings, seed=0), req.n, sample)
+                drawn = self.batcher.submit(job).result()
+                waited = (job.started or job.arrived) - job.arrived
+            else:
+                t0 = time.perf_counter()
+                with self._generating:
+                    waited = time.perf_counter() - t0
+                    drawn = self._sample_parallel(sample)
+        except Exception:
+            self._count("failed")
+            raise
+        finally:
+            self._admit(-req.n)
+        return self._served(drawn, sample.settings, waited)
+
+    async def generate_async(self, req: GenerateRequest) -> Generation:
+        """generate() for an event loop (the HTTP API): waits for its batch without holding a thread, so that
+        the answers of a batch of many requests are written one after the other by the loop rather than by as
+        many threads taking turns (BENCHMARKS.md, "Serving against the in-process pipeline")."""
+        if self.batcher is None:  # --nproc: one patch-parallel call at a time, in a thread
+            return await asyncio.to_thread(self.generate, req)
+        sample = self._take_place(req, None)
+        try:
+            job = BatchJob(replace(sample.settings, seed=0), req.n, sample)
+            # shielded: a client that goes away does not cancel the batch its request is part of
+            drawn = await asyncio.shield(asyncio.wrap_future(self.batcher.submit(job)))
+            waited = (job.started or job.arrived) - job.arrived
+        except Exception:
+            self._count("failed")
+            raise
+        finally:
+            self._admit(-req.n)
+        return self._served(drawn, sample.settings, waited)
+
+    def _take_place(self, req: GenerateRequest, on_step: Callable[[int, int], None] | None) -> _Sample:
+        """The request checked (BadRequest) and given its places in the queue (Busy): what its batch samples."""
         try:
             settings = self.check(req)
         except BadRequest:
@@ -245,32 +300,11 @@ class FleetService:
             )
         prompts = [req.prompt] if self.needs_prompt and req.prompt else None
         labels = [req.label] if self.needs_label and req.label is not None else None
-        sample = _Sample(prompts, labels, req.n, settings, on_step)
-        try:
-            if self.batcher is not None:
-                job = BatchJob(replace(settings, seed=0), req.n, sample)
-                drawn = self.batcher.submit(job).result()
-                waited = (job.started or job.arrived) - job.arrived
-            else:
-                t0 = time.perf_counter()
-                with self._generating:
-                    waited = time.perf_counter() - t0
-                    drawn = self._sample_parallel(sample)
-        except Exception:
-            self._count("failed")
-            raise
-        finally:
-            self._admit(-req.n)
+        return _Sample(prompts, labels, req.n, settings, on_step)
+
+    def _served(self, drawn: _Drawn, settings: SamplingSettings, waited: float) -> Generation:
         self._count("served")
-        return Generation(
-            to_pil(drawn.images),
-            drawn.prompts,
-            drawn.trace,
-            settings,
-            drawn.seconds,
-            waited,
-            self.replica,
-        )
+        return Generation(drawn.images, drawn.prompts, drawn.trace, settings, drawn.seconds, waited, self.replica)
 
     def _sample_batch(self, jobs: Sequence[BatchJob]) -> list[_Drawn]:
         """The batcher's call: every job's samples in one batch (one settings but the seed), each job's own
@@ -292,7 +326,7 @@ class FleetService:
 
         x0, trace = self.pipe.sample(noise, cond, settings, on_step=step_done)
         with torch.inference_mode():
-            images = self.pipe.decode(x0)
+            images = to_pil(self.pipe.decode(x0))  # here, where torch runs (the request's thread runs none)
         seconds = time.perf_counter() - t0
         drawn, start = [], 0
         for s in samples:
@@ -309,7 +343,7 @@ class FleetService:
         call = Call(sample.prompts, sample.n, sample.labels, sample.settings)
         self.parallel.announce(call)
         out = self.parallel.run(self.pipe, call, sample.on_step)
-        return _Drawn(out.images, out.prompts, out.trace, time.perf_counter() - t0)
+        return _Drawn(to_pil(out.images), out.prompts, out.trace, time.perf_counter() - t0)
 
     def close(self) -> None:
         if self.batcher is not None:
