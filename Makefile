@@ -46,6 +46,7 @@ PORTABLE := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
 DIFFUSERS_OLDEST := 0.35.2
 OLDEST_DIFFUSERS := $(VENV)/diffusers-$(DIFFUSERS_OLDEST)
 DIFFUSERS_TESTS := tests/test_parallel_unet.py tests/test_parallel_transformers.py tests/test_parallel_vae.py \
+	tests/test_diffusers_loader.py \
 	tests/test_export.py
 
 test: $(STAMP)

@@ -45,7 +45,9 @@ def test_assemble_writes_a_diffusers_style_folder(fleet):
     model = run_root / "model"
     assert result.out == str(model) and result.present == [0, 1, 2] and not result.warnings
     index = json.loads((model / "model_index.json").read_text())
-    assert index["_class_name"] == "FleetPipeline"
+    # diffusers' loader takes the class from the folder's own pipeline.py (tests/test_diffusers_loader.py)
+    assert index["_class_name"] == ["pipeline", "FlowfleetDiffusionPipeline"]
+    assert "import FlowfleetDiffusionPipeline" in (model / "pipeline.py").read_text()
     assert index["num_experts"] == 3 and index["present_experts"] == [0, 1, 2]
     assert [index[f"expert_{k}"] for k in range(3)] == [["flowfleet", "DiTExpert"]] * 3
     assert index["router"] == ["flowfleet", "DiTRouter"]

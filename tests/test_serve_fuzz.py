@@ -1,5 +1,6 @@
-"""The HTTP API fuzzed from its own OpenAPI schema (schemathesis + hypothesis): whatever a client sends to
-any route, the answer is never a 5xx, never hangs, and every error is one line of JSON naming the field."""
+"""The HTTP APIs fuzzed from their own OpenAPI schema (schemathesis + hypothesis): whatever a client sends to
+any route (/api and the OpenAI Images API at /v1), the answer is never a 5xx, never hangs, and every error is one
+line of JSON naming the field."""
 
 from __future__ import annotations
 
@@ -33,7 +34,13 @@ def api(tmp_path_factory):
 def test_no_request_gets_a_server_error_or_an_unhelpful_one(api):
     schema = schemathesis.openapi.from_asgi("/openapi.json", api)
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.label for op in operations} >= {"POST /api/generate", "GET /api/health", "GET /api/card"}
+    assert {op.label for op in operations} >= {
+        "POST /api/generate",
+        "GET /api/health",
+        "GET /api/card",
+        "POST /v1/images/generations",
+        "GET /v1/models",
+    }
     for op in operations:
         # The schema cannot say that this fleet needs a prompt (another fleet takes a label), so most bodies
         # would stop at "prompt: empty": half the cases get a generated non-empty prompt, to reach the rest.
@@ -46,6 +53,9 @@ def test_no_request_gets_a_server_error_or_an_unhelpful_one(api):
             assert response.status_code < 500, (case.as_curl_command(), response.text[:500])
             if response.status_code >= 400:
                 error = response.json()["error"]
+                if case.path.startswith("/v1/"):  # OpenAI's shape: {"message", "type", "param", "code"}
+                    assert set(error) == {"message", "type", "param", "code"}, error
+                    error = error["message"]
                 assert isinstance(error, str) and error and "\n" not in error and len(error) < 400, error
                 assert "Traceback" not in response.text
 

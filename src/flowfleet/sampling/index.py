@@ -28,7 +28,16 @@ from flowfleet.layout import INDEX_FILE
 from flowfleet.models.files import validation_message
 from flowfleet.storage import RunRoot
 
-PIPELINE_CLASS = "FleetPipeline"
+PIPELINE_CLASS = "FleetPipeline"  # what folders assembled before diffusers could open them name
+# diffusers' DiffusionPipeline.from_pretrained(folder, trust_remote_code=True) loads the class that `_class_name`
+# names from the folder's own module file: pipeline.py, which assemble writes (flowfleet.sampling.diffusers_pipeline)
+DIFFUSERS_CLASS = ["pipeline", "FlowfleetDiffusionPipeline"]
+PIPELINE_MODULE_FILE = "pipeline.py"
+PIPELINE_MODULE = (
+    '"""This folder is a flowfleet fleet: `DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)` '
+    'loads this module, which is flowfleet\'s own (pip install flowfleet)."""\n\n'
+    "from flowfleet.sampling.diffusers_pipeline import FlowfleetDiffusionPipeline  # noqa: F401\n"
+)
 PIXEL_NOTE = "PIXEL_SPACE.txt"
 _EXPERT_KEY = re.compile(r"^expert_(\d+)$")
 
@@ -55,7 +64,7 @@ class ModelIndex(BaseModel):
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
-    class_name: str = Field(PIPELINE_CLASS, alias="_class_name")
+    class_name: str | list[str] = Field(default_factory=lambda: list(DIFFUSERS_CLASS), alias="_class_name")
     flowfleet_version: str = Field("", alias="_flowfleet_version")
     num_experts: int = Field(ge=1)  # K: the router's outputs
     present_experts: list[int]  # the expert_k folders that exist (all of 0..K-1 unless partial)
@@ -75,8 +84,8 @@ class ModelIndex(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "ModelIndex":
-        if self.class_name != PIPELINE_CLASS:
-            raise ValueError(f"_class_name: {self.class_name!r} is not a {PIPELINE_CLASS}")
+        if self.class_name not in (PIPELINE_CLASS, DIFFUSERS_CLASS):
+            raise ValueError(f"_class_name: {self.class_name!r} is not a flowfleet fleet ({DIFFUSERS_CLASS})")
         if not self.present_experts:
             raise ValueError("present_experts: empty (a fleet needs at least one expert)")
         bad = [k for k in self.present_experts if not 0 <= k < self.num_experts]

@@ -483,17 +483,22 @@ class FleetPipeline:
         parallel: Any = None,
         settings: SamplingSettings | None = None,
         on_step: Callable[[int, int], None] | None = None,
+        noise: torch.Tensor | None = None,
     ) -> FleetOutput:
         """Generate n samples. Noise for all n comes from one seeded generator, so the batch size does
         not change the images. parallel: see sample(). settings: the choices as self.settings() already
         resolved them (then strategy ... seed are not read). on_step(done, total): after every sampling
-        step of every batch (total = steps x batches)."""
+        step of every batch (total = steps x batches). noise: x_1 of the n samples [n, C, H, W] (e.g. drawn from a
+        caller's torch.Generator; default: the seed's, self.noise)."""
         if n < 1:
             raise FlowfleetError(f"--n: must be >= 1, got {n}")
         if settings is None:
             settings = self.settings(strategy, steps, sampler, cfg, shift, route_every, seed, cfg_max_t=cfg_max_t)
         cond, per_sample_prompts = self.encode_condition(prompts, labels, n)
-        noise = self.noise(n, settings.seed)
+        if noise is None:
+            noise = self.noise(n, settings.seed)
+        elif tuple(noise.shape) != (n, *self.latent_shape):
+            raise FlowfleetError(f"noise: shape {tuple(noise.shape)}, expected {(n, *self.latent_shape)}")
         bs = batch_size or n
         total = settings.steps * ((n + bs - 1) // bs)
         latents, traces = [], []

@@ -20,14 +20,12 @@ so they share one queue.
 
 from __future__ import annotations
 
-import base64
 import hmac
-import io
 import logging
-from typing import Any, Protocol
+import posixpath
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -38,21 +36,16 @@ from flowfleet import __version__
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.files import validation_message
 from flowfleet.parallel.mode import DISPLACED_WARMUP
-from flowfleet.sampling.card import FleetCard
+from flowfleet.serve.http import RETRY_AFTER_S, Service, generate_on_loop, png_base64
+from flowfleet.serve.openai_api import PREFIX as OPENAI_PREFIX
+from flowfleet.serve.openai_api import add_openai_routes, openai_error
 from flowfleet.serve.service import BadRequest, Busy, FleetService, GenerateRequest, Generation, ServeLimits
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024  # far above any valid request (a prompt is at most ServeLimits.max_prompt_chars)
-RETRY_AFTER_S = 2
 BEARER = {"WWW-Authenticate": "Bearer"}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def png_base64(image: Any) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def response_json(g: Generation, routing: bool = False) -> dict[str, Any]:
@@ -77,48 +70,32 @@ class ApiGuard:
     through a stream of its own, a cost every request paid (BENCHMARKS.md, "Serving against the in-process
     pipeline")."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None = None, prefixes: tuple[str, ...] = ("/api/",)):
-        self.app, self.api_key, self.prefixes = app, api_key, prefixes
+    def __init__(self, app: ASGIApp, api_key: str | None = None):
+        self.app, self.api_key = app, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
-            refused = self.refusal(Headers(scope=scope))
+        if scope["type"] == "http" and scope["path"].startswith(("/api/", OPENAI_PREFIX)):
+            refused = self.refusal(Headers(scope=scope), openai=scope["path"].startswith(OPENAI_PREFIX))
             if refused is not None:
                 await refused(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def refusal(self, headers: Headers) -> JSONResponse | None:
+    def refusal(self, headers: Headers, openai: bool) -> JSONResponse | None:
+        """The answer refusing the call, in OpenAI's error shape on /v1/; None: let it through."""
         if self.api_key:
             scheme, _, given = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
                 why = "missing" if not given else "wrong key"
-                return _error(401, f"authorization: {why} (send 'Authorization: Bearer KEY')", **BEARER)
+                message = f"authorization: {why} (send 'Authorization: Bearer KEY')"
+                if openai:
+                    return openai_error(401, message, None, "invalid_api_key", **BEARER)
+                return _error(401, message, **BEARER)
         size = headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            return _error(413, f"request body: {int(size)} bytes, at most {MAX_BODY_BYTES}")
+            message = f"request body: {int(size)} bytes, at most {MAX_BODY_BYTES}"
+            return openai_error(413, message) if openai else _error(413, message)
         return None
-
-
-async def generate_on_loop(service: "Service", req: GenerateRequest) -> Generation:
-    """The service's call from the event loop: awaited where the service can (FleetService.generate_async), in
-    the thread pool where it blocks (a Ray Serve front)."""
-    generate_async = getattr(service, "generate_async", None)
-    if generate_async is not None:
-        return await generate_async(req)
-    return await run_in_threadpool(service.generate, req)
-
-
-class Service(Protocol):
-    """What the routes need of a service: a FleetService, or under Ray Serve its replicas' front
-    (flowfleet.serve.ray_serve.ReplicaFront)."""
-
-    @property
-    def card(self) -> FleetCard: ...
-
-    def generate(self, req: GenerateRequest) -> Generation: ...
-
-    def health(self) -> dict[str, Any]: ...
 
 
 def create_app(service: Service, model_dir: str, ui: bool = True, api_key: str | None = None) -> FastAPI:
@@ -130,12 +107,17 @@ def create_app(service: Service, model_dir: str, ui: bool = True, api_key: str |
     app.add_middleware(ApiGuard, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, err: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {}
-        if first.get("type") == "json_invalid":
-            return _error(422, f"request body: not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "request"
-        return _error(422, f"{where}: {first.get('msg', 'invalid request')}")
+        if first.get("type") == "json_invalid":
+            where = "request body"
+            message = f"request body: not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})"
+        else:
+            message = f"{where}: {first.get('msg', 'invalid request')}"
+        if request.url.path.startswith(OPENAI_PREFIX):  # OpenAI's API answers a malformed request with 400
+            return openai_error(400, message, where if where not in ("request", "request body") else None)
+        return _error(422, message)
 
     @app.get("/api/health")
     def health() -> dict[str, Any]:
@@ -158,6 +140,8 @@ def create_app(service: Service, model_dir: str, ui: bool = True, api_key: str |
             return _error(422, str(err))
         except Busy as err:
             return _error(503, str(err), **{"Retry-After": str(RETRY_AFTER_S)})
+
+    add_openai_routes(app, service, posixpath.basename(model_dir.rstrip("/")) or model_dir, service.image_size)
 
     if ui:
         import gradio as gr

@@ -101,6 +101,9 @@ class FleetSampler:
     def card(self) -> FleetCard:
         return self.service.card
 
+    def image_size(self) -> tuple[int, int]:
+        return self.service.image_size
+
     def check_health(self) -> None:
         """Ray Serve's periodic health check: a replica whose sampling thread died is replaced."""
         if self.service.batcher is not None and not self.service.batcher.alive:
@@ -116,6 +119,7 @@ class ReplicaFront:
     def __init__(self, samplers: Any, attempts: int = RETRY_ATTEMPTS):
         self.samplers, self.attempts = samplers, attempts
         self._card: FleetCard | None = None
+        self._image_size: tuple[int, int] | None = None
         self._lock = threading.Lock()
         self.retried = 0  # calls sent again because their replica went away
 
@@ -124,6 +128,12 @@ class ReplicaFront:
         if self._card is None:
             self._card = self._call("card")
         return self._card
+
+    @property
+    def image_size(self) -> tuple[int, int]:  # (H, W), asked of a replica when first needed, as the card
+        if self._image_size is None:
+            self._image_size = tuple(self._call("image_size"))
+        return self._image_size
 
     def generate(self, req: GenerateRequest) -> Generation:
         return self._call("generate", req)  # its attempts: how many replicas were asked

@@ -193,6 +193,14 @@ class FleetService:
                 torch.set_num_threads(threads)
         return cls(pipe, read_card(model_dir), limits, parallel, threads=threads if parallel is None else None)
 
+    @functools.cached_property
+    def image_size(self) -> tuple[int, int]:
+        """(H, W) of the images this fleet draws (a zero latent decoded once)."""
+        pipe = self.pipe
+        with torch.inference_mode():
+            image = pipe.decode(torch.zeros(1, *pipe.latent_shape, device=pipe.device, dtype=pipe.dtype))
+        return int(image.shape[-2]), int(image.shape[-1])
+
     # -- checks -----------------------------------------------------------------------------------
 
     @property

@@ -121,10 +121,13 @@ def build_ui(service: FleetService, model_dir: str) -> gr.Blocks:
             views = [(sample_routing_view(g.trace, i), f"image {i}") for i in range(len(g.images))]
             return shown, views, usage_markdown(g)
 
+        # also Gradio's own API: gradio_client.Client(url).predict(prompt, label, strategy, k, steps, cfg, seed, n,
+        # api_name="/generate") -> (images, routing views, summary); the JSON APIs are /api and /v1
         go.click(
             run,
             [prompt, label, strategy, k, steps, cfg, seed, n],
             [images, routing, summary],
-            api_visibility="private",  # the HTTP API is /api/generate (flowfleet.serve.app)
+            api_name="generate",
+            api_visibility="public",
         )
     return page

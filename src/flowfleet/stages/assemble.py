@@ -52,6 +52,8 @@ from flowfleet.sampling.card import (
 from flowfleet.sampling.checksums import write_checksums
 from flowfleet.sampling.index import (
     INDEX_FILE,
+    PIPELINE_MODULE,
+    PIPELINE_MODULE_FILE,
     PIXEL_NOTE,
     ModelIndex,
     SchedulerConfig,
@@ -410,4 +412,5 @@ def _write_model(
         **{expert_folder(k): ["flowfleet", "DiTExpert"] for k in present},
     )
     write_checksums(out_root)  # every weight file's sha256, checked whenever the folder is opened
+    out_root.write_bytes(PIPELINE_MODULE.encode(), PIPELINE_MODULE_FILE)  # what diffusers' loader imports
     out_root.write_json(index.to_json_dict(), INDEX_FILE)
