@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import yaml
-from fleet_runs import keep_record, score_fleet  # benchmarks/ is the script's folder
+from fleet_runs import chosen_fd, floor_fd, keep_record, score_fleet  # benchmarks/ is the script's folder
 
 KEPT = ("eval", "autoencoder", "reports/digit_classifier")
 FIELDS = ("latents", "features", "labels", "index", "text_pooled", "text_tokens", "text_mask")
@@ -88,11 +88,11 @@ def plot(records: list[dict], out: Path) -> None:
     fig = Figure(figsize=(6, 6))
     FigureCanvasAgg(fig)
     fd, ratio = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
-    curve(fd, lambda r: r["monolith"]["classifier_fd"], "monolith", "--o")
-    curve(fd, lambda r: r["top2"]["classifier_fd"], "top-2 (Paris)", "-o")
-    fd.axhline(records[0]["floor"]["floor"]["classifier_fd"], color="grey", linestyle=":", label="real floor")
+    curve(fd, lambda r: chosen_fd(r, "monolith"), "monolith", "--o")
+    curve(fd, lambda r: chosen_fd(r, "top2"), "top-2 (Paris)", "-o")
+    fd.axhline(floor_fd(records[0]), color="grey", linestyle=":", label="real floor")
     fd.set(ylabel="classifier FD at the chosen scale", title="the fleet and the compute-matched monolith by data")
-    curve(ratio, lambda r: r["top2"]["classifier_fd"] / r["monolith"]["classifier_fd"], "top-2 / monolith", "-o")
+    curve(ratio, lambda r: chosen_fd(r, "top2") / chosen_fd(r, "monolith"), "top-2 / monolith", "-o")
     ratio.axhline(1.0, color="grey", linestyle=":")
     ratio.set(xlabel="training items (steps in proportion)", ylabel="top-2 / monolith")
     for ax in (fd, ratio):
@@ -116,6 +116,12 @@ def main() -> None:
     p.add_argument("--out", default="runs/bench/scaling")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--full-size", default="", help="fleet_budget.py's budget.jsonl: its lines at the run's steps")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="evaluation draws at each model's chosen scale (evaluate --repeats; default 1: the sweep's draw)",
+    )
     a = p.parse_args()
 
     from flowfleet.stages.assemble import assemble
@@ -142,7 +148,7 @@ def main() -> None:
                 }
                 assemble(str(run), progress=False)
                 rec["cluster_sizes"] = json.loads((run / "clusters" / "report.json").read_text())["sizes"]
-                rec.update(score_fleet(run, ("top2",), a.cfg, a.n))
+                rec.update(score_fleet(run, ("top2",), a.cfg, a.n, repeats=a.repeats))
                 keep_record(rec, lines)
     records = [json.loads(x) for x in lines.read_text().splitlines() if x.strip()] if lines.exists() else []
     if a.full_size:

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import yaml
-from fleet_runs import keep_record, recluster, score_fleet  # benchmarks/ is the script's folder
+from fleet_runs import chosen_fd, floor_fd, keep_record, recluster, score_fleet  # benchmarks/ is the script's folder
 
 PARTS = ("data", "eval", "autoencoder", "clusters", "partitions", "reports/digit_classifier")
 
@@ -116,12 +116,12 @@ def plot_budget(records: list[Path], levers: list[list[str]], out: Path) -> None
     FigureCanvasAgg(fig)
     fd = fig.add_subplot(2, 1, 1)
     ratio = fig.add_subplot(2, 1, 2, sharex=fd)
-    curve(fd, groups[0], lambda r: r["monolith"]["classifier_fd"], "--o", "monolith", "C0")
+    curve(fd, groups[0], lambda r: chosen_fd(r, "monolith"), "--o", "monolith", "C0")
     for n, (sets, group) in enumerate(zip(levers, groups), 1):
         label = "top2" + (f" ({', '.join(sets)})" if sets else "")
-        curve(fd, group, lambda r: r["top2"]["classifier_fd"], "-o", label, f"C{n}")
-        curve(ratio, group, lambda r: r["top2"]["classifier_fd"] / r["monolith"]["classifier_fd"], "-o", label, f"C{n}")
-    fd.axhline(groups[0][0]["floor"]["floor"]["classifier_fd"], color="grey", linestyle=":", label="real floor")
+        curve(fd, group, lambda r: chosen_fd(r, "top2"), "-o", label, f"C{n}")
+        curve(ratio, group, lambda r: chosen_fd(r, "top2") / chosen_fd(r, "monolith"), "-o", label, f"C{n}")
+    fd.axhline(floor_fd(groups[0][0]), color="grey", linestyle=":", label="real floor")
     fd.set(ylabel="classifier FD at the chosen scale", title="top-2 against the compute-matched monolith")
     fd.legend(fontsize=8)
     ratio.axhline(1.0, color="grey", linestyle=":")
@@ -161,6 +161,12 @@ def main() -> None:
         "several; repeatable; default: --set's)",
     )
     p.add_argument("--routers", default="", help="comparison routers of the run (router-prompt): extra rows")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="evaluation draws at each model's chosen scale (evaluate --repeats; default 1: the sweep's draw)",
+    )
     a = p.parse_args()
 
     from flowfleet.stages.assemble import assemble
@@ -191,7 +197,7 @@ def main() -> None:
         assemble(str(run), progress=False)
         rec = {"budget_per_expert": budget, "seed": seed, "train_all_s": round(train_s, 1), "sets": a.set}
         routers = tuple(r for r in a.routers.split(",") if r)
-        rec.update(score_fleet(run, tuple(a.strategies.split(",")), a.cfg, a.n, routers=routers))
+        rec.update(score_fleet(run, tuple(a.strategies.split(",")), a.cfg, a.n, routers=routers, repeats=a.repeats))
         keep_record(rec, out / "budget.jsonl")
         plot_budget(records(), [a.set], out / "budget.png")
 

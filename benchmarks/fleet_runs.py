@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,19 @@ def score_fleet(
     if result.get("draws"):  # repeats > 1: every draw's scores at the chosen scales
         rec["draws"] = result["draws"]
     return rec
+
+
+def chosen_fd(rec: dict, model: str) -> float:
+    """A score_fleet record's classifier FD of `model` at its chosen scale: the mean over its evaluation draws
+    when it has several (--repeats), else the sweep's draw."""
+    draws = (rec.get("draws") or {}).get("runs", {}).get(model)
+    return statistics.fmean(draws["classifier_fd"]) if draws else rec[model]["classifier_fd"]
+
+
+def floor_fd(rec: dict) -> float:
+    """The real floor's classifier FD of a score_fleet record (the mean over its draws when it has several)."""
+    draws = (rec.get("draws") or {}).get("floor")
+    return statistics.fmean(draws["classifier_fd"]) if draws else rec["floor"]["floor"]["classifier_fd"]
 
 
 def keep_record(rec: dict, path: Path) -> None:

@@ -163,6 +163,12 @@ def test_two_replicas_on_two_nodes_keep_serving_when_one_node_dies(tmp_path, clu
             return json.loads(out.stdout)
 
         assert health()["ray_serve"]["replicas"] == {"RUNNING": 2}
+        # the OpenAI Images API through Ray Serve too (the same routes: flowfleet.serve.openai_api)
+        body = json.dumps({"prompt": "a digit", "n": 2, "seed": 3, "steps": 2})
+        v1 = [f"{url}/v1/images/generations", "-H", "Content-Type: application/json", "-d", body]
+        out = cluster.run(["curl", "-sf", "-m", "120", *v1], timeout=150)
+        assert out.returncode == 0, out.stderr
+        assert [len(d["b64_json"]) > 0 for d in json.loads(out.stdout)["data"]] == [True, True]
 
         answers = tmp_path / "answers.jsonl"
         answers.touch()

@@ -16,12 +16,13 @@ split over ranks (--nproc) samples one request at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -257,7 +258,7 @@ class FleetService:
     def generate(self, req: GenerateRequest, on_step: Callable[[int, int], None] | None = None) -> Generation:
         """Check, queue (or refuse as Busy), generate. on_step(done, total) after every sampling step."""
         sample = self._take_place(req, on_step)
-        try:
+        with self._holding(req.n):
             if self.batcher is not None:
                 job = BatchJob(replace(sample.settings, seed=0), req.n, sample)
                 drawn = self.batcher.submit(job).result()
@@ -267,11 +268,6 @@ class FleetService:
                 with self._generating:
                     waited = time.perf_counter() - t0
                     drawn = self._sample_parallel(sample)
-        except Exception:
-            self._count("failed")
-            raise
-        finally:
-            self._admit(-req.n)
         return self._served(drawn, sample.settings, waited)
 
     async def generate_async(self, req: GenerateRequest) -> Generation:
@@ -281,17 +277,23 @@ class FleetService:
         if self.batcher is None:  # --nproc: one patch-parallel call at a time, in a thread
             return await asyncio.to_thread(self.generate, req)
         sample = self._take_place(req, None)
-        try:
+        with self._holding(req.n):
             job = BatchJob(replace(sample.settings, seed=0), req.n, sample)
             # shielded: a client that goes away does not cancel the batch its request is part of
             drawn = await asyncio.shield(asyncio.wrap_future(self.batcher.submit(job)))
             waited = (job.started or job.arrived) - job.arrived
+        return self._served(drawn, sample.settings, waited)
+
+    @contextlib.contextmanager
+    def _holding(self, images: int) -> Iterator[None]:
+        """While a request's images hold their places: a failure is counted, the places are given back."""
+        try:
+            yield
         except Exception:
             self._count("failed")
             raise
         finally:
-            self._admit(-req.n)
-        return self._served(drawn, sample.settings, waited)
+            self._admit(-images)
 
     def _take_place(self, req: GenerateRequest, on_step: Callable[[int, int], None] | None) -> _Sample:
         """The request checked (BadRequest) and given its places in the queue (Busy): what its batch samples."""
