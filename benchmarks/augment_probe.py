@@ -12,8 +12,9 @@ augmented distribution); `flowfleet cluster` then clusters the larger data/ afre
         --cfg-sweep 1.25,1.5,2,3,3.5,4.5 --fid-resize 75 --no-diagnostics
 
 The non-leaking variant (EDM's: the models conditioned on each copy's parameters, sampling the unaugmented
-distribution) is the product's own since session 23: run.yaml data.augment.copies, train.augment_p and
-expert.augment_dim. Session 22's --conditioned figures were measured with this script at 72c6414.
+distribution) is the product's own since 2026-11-27: run.yaml data.augment.copies, train.augment_p and
+expert.augment_dim. The --conditioned figures of 2026-11-27 ("Regularisers for data-limited experts" in
+BENCHMARKS.md) were measured with this script at 72c6414.
 
 The evaluation's reference stays the held-out, unaugmented digits.
 """
