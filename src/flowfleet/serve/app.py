@@ -141,7 +141,7 @@ def create_app(service: Service, model_dir: str, ui: bool = True, api_key: str |
         except Busy as err:
             return _error(503, str(err), **{"Retry-After": str(RETRY_AFTER_S)})
 
-    add_openai_routes(app, service, posixpath.basename(model_dir.rstrip("/")) or model_dir, service.image_size)
+    add_openai_routes(app, service, posixpath.basename(model_dir.rstrip("/")) or model_dir)
 
     if ui:
         import gradio as gr

@@ -21,6 +21,7 @@ import time
 from typing import Any, Literal
 
 from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -68,9 +69,17 @@ def param_of(message: str) -> str | None:
     return head if sep and head.replace("_", "").isalnum() else None
 
 
-def add_openai_routes(app: FastAPI, service: Service, model_name: str, image_size: tuple[int, int]) -> None:
+def add_openai_routes(app: FastAPI, service: Service, model_name: str) -> None:
     """POST /v1/images/generations and GET /v1/models on `app`, answering for `service`."""
-    native = f"{image_size[1]}x{image_size[0]}"  # OpenAI's sizes are width x height
+    known: dict[str, str] = {}
+
+    async def native_size() -> str:
+        """The fleet's size as OpenAI writes sizes (width x height), asked of the service once, when first needed
+        (under Ray Serve a replica answers it: not while the ingress is being built)."""
+        if "size" not in known:
+            height, width = await run_in_threadpool(lambda: service.image_size)
+            known["size"] = f"{width}x{height}"
+        return known["size"]
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
@@ -86,6 +95,7 @@ def add_openai_routes(app: FastAPI, service: Service, model_name: str, image_siz
                 404, f"model: {req.model!r} is not served here (this server serves {model_name!r})", "model",
                 "model_not_found",
             )  # fmt: skip
+        native = await native_size()
         if req.size is not None and req.size != native:
             return openai_error(400, f"size: {req.size!r} is not this fleet's; it draws {native} only", "size")
         if req.response_format != "b64_json":
