@@ -102,12 +102,13 @@ def bench_config(size: str, batch: int, steps: int, log_every: int, precision: s
 class BareStep:
     """A bare forward / flow-matching loss / backward / AdamW step on one resident batch."""
 
-    def __init__(self, cfg: RunConfig, device: torch.device):
+    def __init__(self, cfg: RunConfig, device: torch.device, adamw: str = "fused"):
+        """adamw: fused (the trainer's), foreach or for-loop (torch's implementations of one update)."""
         torch.manual_seed(0)
         self.device, self.amp = device, autocast_dtype(cfg.train.precision, device)
         self.model = DiTModel.from_dit_config(cfg.expert).to(device)
-        fused = device.type in ("cpu", "cuda")  # as the trainer
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=0.0, fused=fused)
+        kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[adamw]
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=0.0, **kind)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == torch.float16)
         self.x0 = torch.randn(cfg.train.batch_size, *cfg.latent_shape, device=device)
         e, b = cfg.expert, cfg.train.batch_size
@@ -178,6 +179,28 @@ def checkpoint_write_s(trainer_step: TrainerStep) -> float:
     return time.perf_counter() - t0
 
 
+def compare_adamw(args: argparse.Namespace, device: torch.device, sync) -> int:
+    """The bare step of each model under each AdamW implementation, one step of each in turn."""
+    for name in args.models.split(","):
+        batch, steps = getattr(args, f"batch_{name}"), getattr(args, f"steps_{name}")
+        cfg = bench_config(MODELS[name], batch, 10**6, log_every=args.log_every, precision=args.precision)
+        kinds = ("fused", "foreach", "for-loop")
+        loops = [BareStep(cfg, device, kind) for kind in kinds]
+        times: list[list[float]] = [[] for _ in kinds]
+        for i in range(max(2, steps // 10) + steps):
+            for loop, out in zip(loops, times):
+                sync()
+                t0 = time.perf_counter()
+                loop()
+                sync()
+                if i >= max(2, steps // 10):
+                    out.append(time.perf_counter() - t0)
+        medians = {k: 1e3 * statistics.median(t) for k, t in zip(kinds, times)}
+        print(f"{MODELS[name]} batch {batch}: " + ", ".join(f"{k} {ms:.2f} ms" for k, ms in medians.items()))
+        print(json.dumps({"model": MODELS[name], "batch": batch, "steps": steps, "median_step_ms": medians}))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="tiny,S", help="comma list of tiny, S, demo (the mnist preset's expert)")
@@ -191,6 +214,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="autocast on CUDA only")
+    p.add_argument(
+        "--adamw",
+        action="store_true",
+        help="instead: the bare step with each of torch's AdamW implementations (fused, the trainer's; foreach; "
+        "for-loop), interleaved step by step",
+    )
     args = p.parse_args()
     device = resolve_device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -200,6 +229,8 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}, load average {os.getloadavg()}")
     peak = sgemm_gflops(device=device)
     print(f"sgemm 1024^3 fp32: {peak:.1f} GFLOP/s")
+    if args.adamw:
+        return compare_adamw(args, device, sync)
     results = {}
     for name in args.models.split(","):
         size = MODELS[name]

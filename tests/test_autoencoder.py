@@ -121,6 +121,7 @@ def test_parts_need_the_autoencoder_trained_once_first(tmp_path):
     assert main(["prepare", root.url, "--autoencoder-only", "--quiet"]) == 0
     assert prepare(root, progress=False, part=(0, 2)).complete
 
+
 def test_the_model_folder_carries_the_autoencoder_and_decodes_with_it(tmp_path):
     from fixtures.random_fleet import write_random_fleet
 

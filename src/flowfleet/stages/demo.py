@@ -35,8 +35,9 @@ take the default demo past ten, so it is an option.
 
 Every model is judged against digits no model trained on, by a digit classifier trained on the first
 4000 of MNIST-5k, the first 4000 of either built-in set: one judge for every run (prompt accuracy; Fréchet
-distance, precision and recall in its features; flowfleet.evaluate.digits) and by Inception FID (75 x 75 inputs: MNIST's 28-pixel digits gain nothing at 299). Real
-held-out digits scored like a model give each distance's floor. Each model is compared at its own best
+distance, precision and recall in its features; flowfleet.evaluate.digits) and by Inception FID (75 x 75
+inputs: MNIST's 28-pixel digits gain nothing at 299). Real held-out digits scored like a model give each
+distance's floor. Each model is compared at its own best
 guidance scale (the lowest classifier FD with prompt accuracy >= 0.95), which becomes its folder's
 default.
 
