@@ -241,10 +241,10 @@ def test_assemble_monolith_is_a_one_expert_model_that_generate_opens(fleet):
     pipe = FleetPipeline.from_pretrained(str(model), text_encoder=text)
     out = pipe(["a digit"], 2, seed=0)
     # The one-expert model samples exactly what evaluate's monolith (monolith/final beside a fleet) does.
-    from flowfleet.stages.evaluate import _monolith_pipeline
+    from flowfleet.stages.evaluate.models import monolith_pipeline
 
     fleet_pipe = FleetPipeline.from_pretrained(assemble(str(run_root)).out, text_encoder=text)
-    beside = _monolith_pipeline(RunRoot(str(run_root)), fleet_pipe, torch.device("cpu"))
+    beside = monolith_pipeline(RunRoot(str(run_root)), fleet_pipe, torch.device("cpu"))
     assert torch.equal(out.images, beside(["a digit"], 2, seed=0).images)
     assert out.trace.stats.calls[0] == cfg.sampling.steps
     with pytest.raises(FlowfleetError, match="k=2 exceeds the 1 experts"):

@@ -6,11 +6,10 @@ key, which the page asks for at login."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from fixtures.random_fleet import tiny_run_config, write_random_fleet
-from fixtures.servers import CHROMIUM, CHROMIUM_ARGS, serve_process
+from fixtures.servers import headless_chromium, serve_process
 
 from flowfleet.stages.assemble import assemble
 
@@ -19,14 +18,8 @@ pytestmark = pytest.mark.browser
 
 @pytest.fixture(scope="module")
 def browser():
-    if not os.access(CHROMIUM, os.X_OK):  # never skipped: make test installs it
-        pytest.fail(f"{CHROMIUM} missing: run .ci/install-chromium (make test does)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+    with headless_chromium() as b:
         yield b
-        b.close()
 
 
 def test_the_page_generates_and_shows_images_routing_and_the_fleet_card(tmp_path, browser):

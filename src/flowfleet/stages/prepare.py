@@ -1,12 +1,11 @@
 """Stage `prepare`: stream the source through the three encoders into RUN_ROOT/data/ (a ShardSet), and
 its last `data.holdout` items into RUN_ROOT/eval/: the held-out evaluation set no training job reads.
 
-paris §2.1 steps (i)-(ii): latents for the denoisers, semantic features for clustering, text
-embeddings for conditioning, all computed once. Items are read in order, decoded, encoded in batches
-of data.batch_size and written in shards of data.shard_size items; each shard records where in the
-source it ends (`source_end`), so an interrupted run restarts after the last shard that the manifest
-names. A run whose manifest was made from another source or other encoders is never silently mixed:
-it is refused unless `restart` discards it.
+paris §2.1 steps (i)-(ii): latents for the denoisers, semantic features for clustering, text embeddings for
+conditioning, all computed once. Items are read in order, decoded, encoded in batches of data.batch_size and written
+in shards of data.shard_size items; each shard records where in the source it ends (`source_end`), so an interrupted
+run restarts after the last shard that the manifest names. A run whose manifest was made from another source or
+other encoders is never silently mixed: it is refused unless `restart` discards it.
 
 Bad input never stops the run: an unreadable image is skipped and listed (key + reason) in the
 manifest, a missing caption becomes "" and is counted. A missing or empty source is one error line.

@@ -1,47 +1,17 @@
-"""Stage `evaluate`: FID per routing strategy (and the monolith), prompt adherence, diagnostics.
-
-    evaluate("runs/r/model", "runs/r", EvaluateOptions(n=1000, strategies=("top1", "top2", "full"), monolith=True))
-
-On the built-in MNIST source every model is also judged by a digit classifier trained on MNIST-5k
-(flowfleet.evaluate.digits): prompt accuracy (share of samples read as the prompted digit, with the
-mean probability of that digit) and the Fréchet distance in the classifier's features ("classifier
-FD"), which, unlike Inception FID at this size, tells a digit from a blob.
-
-Every model samples the same n prompts (drawn from data/'s captions, seeded) from the same noise, so
-the strategies are compared on identical inputs. The reference is the run's own prepared data/
-(decoded from latents; a seeded random subset of `ref_n` items), its Inception statistics cached in
-RUN_ROOT/reports/. Writes, under the reference run root:
-
-    reports/evaluation.json             everything below, read by `flowfleet report`
-    reports/samples/<name>.png          the first `grid` samples with their prompts
-    reports/samples/<name>.npz          every scored sample: images uint8 [n, H, W, C], prompts, seed
-    reports/digit_classifier/           (MNIST) the digit classifier behind prompt accuracy and classifier FD
-    reports/samples/<name>.routing.png  router probabilities over the sampling steps (fleet strategies)
-    reports/fid_ref_*.safetensors       the cached reference statistics
-
-The stage's pieces live in flowfleet.evaluate: the reference items and the real floor (reference.py), FID
-(fid.py), precision/recall, the judges, the diagnostics' probes (diagnostics.py) and the terminal table
-(table.py). Options are validated (strategies parsed, the monolith finished, shapes matched) before anything
-heavy is loaded. The encoders (transformers, the diffusers VAE) are imported only where one is built.
-"""
+"""The stage itself: open the fleet, the monolith and the reference; sample every model over the guidance sweep;
+score it; draw it again (evaluate --repeats); write reports/evaluation.json and the sample files."""
 
 from __future__ import annotations
 
-import io
 import logging
 import posixpath
-import re
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Any, Callable, Sequence
 
-import numpy as np
-import safetensors.torch
 import torch
-from tqdm.auto import tqdm
 
 from flowfleet.config import RunConfig
-from flowfleet.data.images import to_uint8
 from flowfleet.data.shards import ShardSetUnion
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
@@ -50,12 +20,10 @@ from flowfleet.evaluate.diagnostics import (
     SemanticFeatures,
     disagreement,
     dominant_experts,
-    router_accuracy,
     usage_shares,
 )
 from flowfleet.evaluate.digits import DigitJudge, prompted_digit
 from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
-from flowfleet.evaluate.generalization import clustering_fields, fields_for, generalization, held_out_clusters
 from flowfleet.evaluate.judge import load_judge
 from flowfleet.evaluate.precision_recall import precision_recall
 from flowfleet.evaluate.reference import (
@@ -74,140 +42,32 @@ from flowfleet.layout import (
     CENTROIDS,
     DATA,
     EVAL_DATA,
-    FINAL,
-    MODEL_VAE,
     MONOLITH,
     MONOLITH_MODEL,
     REPORTS,
-    ROUTERS,
     SAMPLES,
     evaluation_folder,
 )
-from flowfleet.models.dit import DiTModel, DiTRouter
-from flowfleet.models.files import load_model
-from flowfleet.sampling.checksums import read_checksums
-from flowfleet.sampling.index import ModelIndex, read_model_index, set_default_cfg
+from flowfleet.sampling.index import read_model_index, set_default_cfg
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.sampling.views import routing_heatmap
-from flowfleet.stages.assemble import assemble
+from flowfleet.stages.evaluate.models import check_other_fleet, comparison_router, monolith_pipeline
+from flowfleet.stages.evaluate.options import EvaluateOptions, ModelRun
+from flowfleet.stages.evaluate.pieces import (
+    choose_scale,
+    describe_scores,
+    generated_features,
+    samples_npz,
+    stats_of,
+)
+from flowfleet.stages.evaluate.probes import generalization_probe, router_accuracy_heldout, router_accuracy_probe
 from flowfleet.storage import RunRoot
-from flowfleet.train.data import InMemoryData, model_fields
-from flowfleet.train.preview import condition_kwargs
 from flowfleet.train.specs import router_of_folder
 from flowfleet.train.status import job_finished
-from flowfleet.train.tasks import clustered_data
 
 log = logging.getLogger(__name__)
 
-FLEET_NAME = re.compile(r"[A-Za-z0-9_-]+")
 PR_REFERENCE = 2000  # reference rows for precision/recall (prdc holds the [N, N] distances in memory)
-
-
-@dataclass(frozen=True)
-class EvaluateOptions:
-    n: int = 1000  # generated images per model
-    strategies: tuple[str, ...] = ("top1", "top2", "full")
-    monolith: bool = False  # also evaluate RUN_ROOT/monolith/final (same sampler, no routing)
-    # Comparison routers of the reference run (router-prompt, router-paris): each strategy again with the same
-    # experts routed by that router instead, as the row "<strategy>+<router>" (the demo's "beyond Paris" row).
-    routers: tuple[str, ...] = ()
-    # Other fleets that share the run's latent space and text encoder, as (NAME, model folder): each strategy
-    # again sampled by that fleet, as the row "<strategy>@<NAME>" (e.g. a fleet of caption clusters).
-    fleets: tuple[tuple[str, str], ...] = ()
-    seed: int = 0
-    batch_size: int = 250  # samples per sampling batch
-    steps: int | None = None  # None: the fleet's model_index.json
-    sampler: str | None = None
-    cfg: float | None = None
-    shift: float | None = None
-    route_every: int | None = None
-    cache: float = 0.0  # first-block cache threshold (flowfleet.sampling.cache)
-    cfg_max_t: float | None = None  # guidance only while t <= this (None: the fleet's)
-    ref_n: int | None = None  # reference images; None: all of the reference set up to 10,000 (floor set apart)
-    # Guidance sweep: each model is sampled at every scale; its row is the scale with the best classifier
-    # FD (FID without a judge) among those with prompt accuracy >= min_accuracy (the most accurate if none).
-    cfg_sweep: tuple[float, ...] = ()
-    min_accuracy: float = 0.95
-    # Evaluation draws: after the sweep, every model is sampled again at its chosen scale repeats - 1 times,
-    # draw r with seed + r (other prompts and noise, and another split of the reference and the real floor).
-    # At a few hundred samples a Fréchet distance moves by several points from draw to draw; the report gives
-    # each figure's mean and sd over the draws, and the fleet's ratio to the monolith draw by draw.
-    repeats: int = 1
-    save_cfg: bool = False  # write each model folder's chosen scale into its model_index.json (the default)
-    fid: FIDSettings = FIDSettings()
-    grid: int = 32  # samples shown per model in the report
-    diagnostics: bool = True
-    diagnostic_n: int = 32  # samples whose trajectories probe expert disagreement (K passes per step)
-    device: str = "auto"
-    judge: str | None = None  # MODULE:FACTORY of a prompt-accuracy judge (flowfleet.evaluate.judge); MNIST: built in
-
-    def validate(self) -> None:
-        if self.n < 2:
-            raise FlowfleetError(f"--n: FID needs at least 2 samples, got {self.n}")
-        if self.batch_size < 1:
-            raise FlowfleetError(f"--batch-size: must be >= 1, got {self.batch_size}")
-        if self.repeats < 1:
-            raise FlowfleetError(f"--repeats: must be >= 1, got {self.repeats}")
-        if self.ref_n is not None and self.ref_n < 2:
-            raise FlowfleetError(f"--ref-n: must be >= 2, got {self.ref_n}")
-        if not self.strategies and not self.monolith:
-            raise FlowfleetError("--strategies: nothing to evaluate (give strategies or --monolith)")
-        for s in self.strategies:
-            try:
-                parse_strategy(s)
-            except ValueError as err:
-                raise FlowfleetError(f"--strategies: {err}") from None
-        if self.routers and not self.strategies:
-            raise FlowfleetError("--routers: a comparison router needs --strategies to route")
-        for name in self.routers:
-            if name not in ROUTERS[1:]:
-                known = ", ".join(ROUTERS[1:])
-                raise FlowfleetError(f"--routers: {name!r} is not a comparison router (one of {known})")
-        if self.fleets and not self.strategies:
-            raise FlowfleetError("--fleet: another fleet needs --strategies to sample it by")
-        names = [name for name, _ in self.fleets]
-        for name in names:
-            if not FLEET_NAME.fullmatch(name):
-                raise FlowfleetError(f"--fleet: name {name!r} must be letters, digits, '-' or '_' (NAME=FOLDER)")
-        if len(set(names)) != len(names):
-            raise FlowfleetError(f"--fleet: repeated names in {','.join(names)}")
-        if len(set(self.strategies)) != len(self.strategies):
-            raise FlowfleetError(f"--strategies: repeated names in {','.join(self.strategies)}")
-        if self.cfg_sweep and self.cfg is not None:
-            raise FlowfleetError("--cfg-sweep: give either a sweep or one --cfg, not both")
-        if any(c < 0 for c in self.cfg_sweep) or len(set(self.cfg_sweep)) != len(self.cfg_sweep):
-            raise FlowfleetError(f"--cfg-sweep: scales must be distinct and >= 0, got {list(self.cfg_sweep)}")
-        if self.save_cfg and not self.cfg_sweep:
-            raise FlowfleetError("--save-cfg: needs --cfg-sweep (the scale it saves is the sweep's choice)")
-
-
-@dataclass
-class ModelRun:
-    """What one evaluated model (a strategy of the fleet, or the monolith) produced."""
-
-    name: str
-    kind: str  # "fleet" | "monolith"
-    fid: float = float("nan")
-    grid: str = ""
-    heatmap: str | None = None
-    prompts: list[str] = field(default_factory=list)
-    usage: list[float] = field(default_factory=list)
-    sampling_s: float = 0.0
-    fid_s: float = 0.0
-    prompt_accuracy: float | None = None  # MNIST: share of samples the digit classifier reads as prompted
-    confidence: float | None = None  # MNIST: mean classifier probability of the prompted digit
-    classifier_fd: float | None = None  # MNIST: Fréchet distance in the digit classifier's features
-    samples: str = ""  # reports/<samples>: every scored sample (npz)
-    same_as: str | None = None  # the same model as this earlier run (top-k with k >= K is the full ensemble)
-    cfg: float | None = None  # the guidance scale of this row (the sweep's choice when there is a sweep)
-    precision: float | None = None  # in the judge's feature space (Kynkäänniemi et al.), vs the reference
-    recall: float | None = None
-    sweep: list[dict[str, Any]] = field(default_factory=list)  # one score record per guidance scale
-    cache_saved: float = 0.0  # share of block evaluations the first-block cache skipped (--cache)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 # --------------------------------------------------------------------------------------------------
 #                                        The stage
@@ -229,11 +89,11 @@ def evaluate(
     ev = _Evaluation.open(model_dir, reference, options, extractor)  # every check before heavy work
     pipe = FleetPipeline.from_pretrained(model_dir, device=ev.device)
     models = [(s, "fleet", pipe, s) for s in options.strategies]
-    monolith = _monolith_pipeline(ev.root, pipe, ev.device) if options.monolith else None
+    monolith = monolith_pipeline(ev.root, pipe, ev.device) if options.monolith else None
     if monolith is not None:
         models.insert(0, (MONOLITH, "monolith", monolith, "top1"))
     for router in options.routers:  # the same experts, another of the run's routers
-        routed = pipe.with_router(_comparison_router(ev.root, ev.cfg, router, ev.device))
+        routed = pipe.with_router(comparison_router(ev.root, ev.cfg, router, ev.device))
         models += [(f"{s}+{router}", "fleet", routed, s) for s in options.strategies]
     for name, folder in options.fleets:  # another fleet in the same latent space, the same encoders shared
         other = FleetPipeline.from_pretrained(
@@ -252,18 +112,18 @@ def evaluate(
         ev.timings["repeats_s"] = time.perf_counter() - t0
     if options.diagnostics and root_has_clusters(ev.root):
         t0 = time.perf_counter()
-        ev.diagnostics["router_accuracy"] = _router_accuracy(ev, pipe)
+        ev.diagnostics["router_accuracy"] = router_accuracy_probe(ev, pipe)
         held_out_rule = (
             ev.split.held_out
             and ev.cfg.cluster.mode != "random"  # random shards: no rule assigns a held-out item
             and ev.root.exists(*CENTROIDS)
         )
         if held_out_rule:
-            ev.diagnostics["router_accuracy_heldout"] = _router_accuracy_heldout(ev, pipe)
+            ev.diagnostics["router_accuracy_heldout"] = router_accuracy_heldout(ev, pipe)
         ev.timings["router_accuracy_s"] = time.perf_counter() - t0
         if monolith is not None and held_out_rule:
             t0 = time.perf_counter()
-            ev.diagnostics["generalization"] = _generalization(ev, pipe, monolith)
+            ev.diagnostics["generalization"] = generalization_probe(ev, pipe, monolith)
             ev.timings["generalization_s"] = time.perf_counter() - t0
     if options.save_cfg:  # the sweep's choice becomes each folder's default scale
         default = pipe.scheduler.strategy
@@ -370,7 +230,7 @@ class _Evaluation:
             if not done:
                 raise FlowfleetError(f"--routers: {why}")
         for _, folder in options.fleets:
-            _check_other_fleet(model_root, index, RunRoot(folder), options.strategies)
+            check_other_fleet(model_root, index, RunRoot(folder), options.strategies)
         ev = cls(model_root.url, root, cfg, data, options, resolve_device(options.device), index.conditioning)
         ev._open_fid(extractor, inception)
         return ev
@@ -449,7 +309,7 @@ class _Evaluation:
             # The judge's features of the reference (kept: precision and recall need the rows) and the floor.
             judge_fd = FID(FIDSettings(batch_size=500), self.device, extractor=extractor)
             ref_feats = torch.cat([judge_fd.features(b) for b in self._real_images(self.split.reference, 500)()])
-            self.judge_fd = judge_fd, _stats_of(ref_feats, judge_fd.key), ref_feats
+            self.judge_fd = judge_fd, stats_of(ref_feats, judge_fd.key), ref_feats
             if self.floor["n"]:
                 floor_feats = torch.cat([judge_fd.features(b) for b in self._real_images(self.split.floor, 500)()])
                 self.floor.update(self._judge_scores(floor_feats))
@@ -483,14 +343,14 @@ class _Evaluation:
             cache = out.trace.stats.cache  # blocks skipped by --cache (0 without it)
             scores["cache_saved"] = cache.saved
             run.sweep.append({"cfg": settings.cfg, **{k: v for k, v in scores.items() if not k.startswith("_")}})
-            log.info(f"evaluate: {name}: cfg {settings.cfg}: " + _describe(scores))
+            log.info(f"evaluate: {name}: cfg {settings.cfg}: " + describe_scores(scores))
             drawn.append((settings, out, images, scores))
         chosen = choose_scale(run.sweep, o.min_accuracy)
         settings, out, images, scores = drawn[chosen]
         if not fid_each:
             t0 = time.perf_counter()
             fid, ref = self._fid_reference()
-            stats, scores["_fid_features"] = _features(fid, images, name)
+            stats, scores["_fid_features"] = generated_features(fid, images, name)
             scores["fid"] = run.sweep[chosen]["fid"] = fid.score(stats, ref)
             run.fid_s += time.perf_counter() - t0
         self.settings = settings
@@ -539,7 +399,7 @@ class _Evaluation:
         scores: dict[str, Any] = {}
         if with_fid:
             fid, ref = self._fid_reference()
-            stats, feats = _features(fid, images, name)
+            stats, feats = generated_features(fid, images, name)
             scores.update(fid=fid.score(stats, ref), _fid_features=feats)
         if self.judge is not None:
             acc = scores["_accuracy"] = self.judge.prompt_accuracy(images, prompts)
@@ -554,7 +414,7 @@ class _Evaluation:
             raise RuntimeError("the judge's reference features are not open")
         judge_fd, judge_ref, ref_feats = self.judge_fd
         pr = precision_recall(ref_feats[:PR_REFERENCE], features)
-        fd = judge_fd.score(_stats_of(features, judge_fd.key), judge_ref)
+        fd = judge_fd.score(stats_of(features, judge_fd.key), judge_ref)
         return {"classifier_fd": fd, "precision": pr["precision"], "recall": pr["recall"]}
 
     def same_model(self, name: str, earlier: str) -> ModelRun:
@@ -670,205 +530,3 @@ def _redraw(
             for k, v in scored[name].items():
                 out["runs"][name][k].append(v)
     return out
-
-
-# --------------------------------------------------------------------------------------------------
-#                                          Pieces
-# --------------------------------------------------------------------------------------------------
-
-
-def samples_npz(images: torch.Tensor, prompts: Sequence[str], seed: int) -> bytes:
-    """Every scored sample as a compressed npz: images uint8 [n, H, W, C], prompts [n], seed."""
-    buf = io.BytesIO()
-    np.savez_compressed(
-        buf,
-        images=to_uint8(images).permute(0, 2, 3, 1).numpy(),
-        prompts=np.array(list(prompts), dtype=str),
-        seed=np.array(seed),
-    )
-    return buf.getvalue()
-
-
-def choose_scale(records: Sequence[dict[str, Any]], min_accuracy: float) -> int:
-    """The index of the guidance scale a model is compared at: the lowest classifier FD (FID when there is
-    none) among the scales whose prompt accuracy reaches min_accuracy; when none does, the most accurate
-    (ties: the lower distance). Without prompt accuracy (no judge), the lowest distance."""
-
-    def distance(r: dict[str, Any]) -> float:
-        return r["classifier_fd"] if r.get("classifier_fd") is not None else r["fid"]
-
-    accurate = [i for i, r in enumerate(records) if r.get("prompt_accuracy", 1.0) >= min_accuracy]
-    if accurate:
-        return min(accurate, key=lambda i: distance(records[i]))
-    return min(range(len(records)), key=lambda i: (-records[i]["prompt_accuracy"], distance(records[i])))
-
-
-def _describe(scores: dict[str, Any]) -> str:
-    parts = [f"FID {scores['fid']:.2f}"] if "fid" in scores else []
-    if "prompt_accuracy" in scores:
-        parts.append(f"prompt accuracy {scores['prompt_accuracy']:.3f}")
-    if "classifier_fd" in scores:
-        parts.append(f"classifier FD {scores['classifier_fd']:.2f}")
-        parts.append(f"precision {scores['precision']:.3f} recall {scores['recall']:.3f}")
-    return ", ".join(parts)
-
-
-def _stats_of(features: torch.Tensor, key: str) -> FeatureStats:
-    stats = FeatureStats.empty(features.shape[1], {"extractor": key})
-    stats.update(features)
-    return stats
-
-
-def _features(fid: FID, images: torch.Tensor, name: str) -> tuple[FeatureStats, torch.Tensor]:
-    """FID statistics of the generated images, keeping the per-image features (for the diagnostics)."""
-    stats = FeatureStats.empty(fid.dim, {"extractor": fid.key, "name": name})
-    parts = []
-    bs = fid.settings.batch_size
-    for i in tqdm(range(0, images.shape[0], bs), desc=f"fid features ({name})", unit="batch", leave=False):
-        f = fid.features(images[i : i + bs])
-        stats.update(f)
-        parts.append(f)
-    return stats, torch.cat(parts)
-
-
-def _check_other_fleet(model: RunRoot, index: ModelIndex, other: RunRoot, strategies: Sequence[str]) -> None:
-    """--fleet: `other` must be an assembled fleet that decodes and reads prompts exactly as `model` does (the
-    same latent space and encoder settings, the same decoder weights by checksum), and have the experts each
-    strategy needs; otherwise a one-line error naming the folder and what differs."""
-    theirs = read_model_index(other)  # one-line error when FOLDER is not an assembled fleet
-    for field_name in ("latent_shape", "latent_encoder", "text_encoder_config", "conditioning", "text_width"):
-        mine, its = getattr(index, field_name), getattr(theirs, field_name)
-        if mine != its:
-            raise FlowfleetError(
-                f"--fleet {other.url}: {field_name} {its!r} differs from {model.url}'s {mine!r}: "
-                "another fleet must share the model's latent space and text encoder"
-            )
-    mine_sums, its_sums = read_checksums(model) or {}, read_checksums(other) or {}
-    for rel in sorted(r for r in mine_sums if r.startswith(MODEL_VAE + "/")):
-        if its_sums.get(rel) != mine_sums[rel]:
-            raise FlowfleetError(
-                f"--fleet {other.url}: {rel} is not {model.url}'s (checksum): another fleet must decode "
-                "with the same autoencoder"
-            )
-    for s in strategies:
-        try:
-            parse_strategy(s).resolve_k(len(theirs.present_experts))
-        except ValueError as err:
-            raise FlowfleetError(f"--fleet {other.url}: {err}") from None
-
-
-def _comparison_router(root: RunRoot, cfg: RunConfig, router: str, device: torch.device) -> DiTRouter:
-    """A comparison router of the run (its job's final weights), for the fleet's experts."""
-    return load_model(DiTRouter, root, router_of_folder(cfg, router).dir, FINAL).to(device)
-
-
-def _monolith_pipeline(root: RunRoot, fleet: FleetPipeline, device: torch.device) -> FleetPipeline:
-    """The run's monolith opened the one way a model is opened: as the assembled one-expert folder
-    RUN_ROOT/model-monolith (what `assemble --monolith` writes; assembled here when it is missing or
-    older than monolith/final), sharing the fleet's text encoder and decoder."""
-    folder = RunRoot(root.url_of(MONOLITH_MODEL))
-    _, _, status = job_finished(root, MONOLITH)
-    trained = {"step": status.step, "samples_seen": status.samples_seen} if status is not None else None
-    try:
-        built = read_model_index(folder).source.get("monolith")
-    except FlowfleetError:  # not assembled yet
-        built = None
-    if built != trained:
-        log.info(f"evaluate: assembling the monolith into {folder.url}")
-        assemble(root.url, monolith=True)
-    pipe = FleetPipeline.from_pretrained(
-        folder.url, device=device, text_encoder=fleet.text_encoder, latent_decoder=fleet.latent_decoder
-    )
-    if tuple(pipe.latent_shape) != tuple(fleet.latent_shape):
-        raise FlowfleetError(
-            f"{folder.url}: latent shape {tuple(pipe.latent_shape)} differs from the fleet's "
-            f"{tuple(fleet.latent_shape)}"
-        )
-    return pipe
-
-
-def _generalization(ev: _Evaluation, pipe: FleetPipeline, monolith: FleetPipeline) -> dict[str, Any]:
-    """Each expert of the run's own clusters (not an addition's) and the monolith on training and held-out items
-    of its cluster (flowfleet.evaluate.generalization)."""
-    experts = {k: _dit(pipe.experts.get(k)) for k in pipe.present if k < ev.cfg.cluster.k}
-    fields = fields_for(ev.cfg, [m.cfg for m in experts.values()])
-    train = ev.data.sets[0].load(fields)  # data/ (additions' items belong to their own experts)
-    held = ev.ref_data.load(fields)
-    centroids = safetensors.torch.load(ev.root.read_bytes(*CENTROIDS))
-    return generalization(
-        experts,
-        _dit(monolith.experts.get(monolith.present[0])),
-        train,
-        clustered_data(ev.root, ev.cfg, []).tensors["cluster"][: train["latents"].shape[0]],
-        held,
-        held_out_clusters(ev.cfg, centroids, train, held),
-        seed=ev.options.seed,
-        device=ev.device,
-    )
-
-
-def _dit(expert: Any) -> DiTModel:
-    """An expert of an opened model folder: a DiT (a store of other callables has no loss to measure)."""
-    if not isinstance(expert, DiTModel):
-        raise TypeError(f"expected a DiT expert, got {type(expert).__name__}")
-    return expert
-
-
-ROUTER_ITEMS = 512  # items per router accuracy table: each of its 10 t buckets sees every one of them
-
-
-def _router(pipe: FleetPipeline) -> DiTRouter:
-    """The router of an opened model folder: a DiT (a callable of another kind has no accuracy table here)."""
-    if not isinstance(pipe.router, DiTRouter):
-        raise TypeError(f"expected a DiT router, got {type(pipe.router).__name__}")
-    return pipe.router
-
-
-def _router_fields(pipe: FleetPipeline) -> list[str]:
-    """The fields the router reads beside the latents: the prompt's, for a prompt-aware router."""
-    return [f for f in model_fields(_router(pipe).cfg) if f != "latents"] if pipe.router_sees_prompt else []
-
-
-def _prompt(data: Any, pipe: FleetPipeline, pick: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The picked items' prompt fields as a batch, for a router that reads them (else none)."""
-    if not pipe.router_sees_prompt:
-        return {}
-    return InMemoryData(data.load(_router_fields(pipe)), [], data.url).gather(pick)
-
-
-def _router_on(
-    ev: _Evaluation, pipe: FleetPipeline, latents: torch.Tensor, clusters: torch.Tensor, prompt: dict[str, torch.Tensor]
-) -> dict[str, Any]:
-    """router_accuracy of the fleet's router on these items (their captions, as it was trained, when it reads them)."""
-    router = _router(pipe)
-    cond = condition_kwargs(prompt, router.cfg) if pipe.router_sees_prompt else None
-    return router_accuracy(
-        router, latents, clusters, pipe.num_experts, seed=ev.options.seed, device=ev.device, cond=cond
-    )
-
-
-def _router_accuracy(ev: _Evaluation, pipe: FleetPipeline) -> dict[str, Any]:
-    """The fleet's router against the clusters of (up to 512 of) the data items."""
-    pick = ev.order[: min(ROUTER_ITEMS, ev.order.numel())]
-    clusters = clustered_data(ev.root, ev.cfg, []).tensors["cluster"][pick]
-    rep = _router_on(ev, pipe, ev.latents[pick], clusters, _prompt(ev.data, pipe, pick))
-    rep["note"] = "the assembled router on a seeded random subset of data/, fresh noise, t uniform per bucket"
-    return rep
-
-
-def _router_accuracy_heldout(ev: _Evaluation, pipe: FleetPipeline) -> dict[str, Any]:
-    """The fleet's router on (up to 512 of) the held-out items, which no job trained on, each in the cluster of
-    its nearest fine centroid (the clustering's rule, flowfleet.evaluate.generalization): what it reads of new
-    images, where the table of data/ items also shows what it memorised of its training items."""
-    rule = clustering_fields(ev.cfg)
-    held = ev.ref_data.load(list(dict.fromkeys(["latents", *rule])))
-    centroids = safetensors.torch.load(ev.root.read_bytes(*CENTROIDS))
-    clusters = held_out_clusters(ev.cfg, centroids, ev.data.sets[0].load(rule), held)  # [M]
-    count = clusters.shape[0]
-    pick = torch.randperm(count, generator=torch.Generator().manual_seed(ev.options.seed))[:ROUTER_ITEMS]
-    rep = _router_on(ev, pipe, held["latents"][pick], clusters[pick], _prompt(ev.ref_data, pipe, pick))
-    rep["note"] = (
-        "the assembled router on a seeded random subset of the held-out items, each in the cluster of its nearest "
-        "fine centroid; fresh noise, t uniform per bucket"
-    )
-    return rep

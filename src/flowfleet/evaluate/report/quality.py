@@ -1,0 +1,216 @@
+"""The report's quality section (each model's scores at its guidance scale, the real floor, the draws, the
+guidance sweep) and the results table the page opens with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowfleet.data.sources import describe_source
+from flowfleet.evaluate import views
+from flowfleet.evaluate.report.parts import TITLES, BuilderBase, Section, fmt
+from flowfleet.evaluate.report.tables import draws_table
+
+
+class QualitySections(BuilderBase):
+    """The sections read from the evaluation's scores."""
+
+    def results_table(self) -> dict[str, Any] | None:
+        """The page's first table: each model at its guidance scale, its distance to the held-out reference (the
+        judge's classifier FD, else FID), that distance over the real floor's and over the monolith's, prompt
+        accuracy, precision and recall; over the evaluation's draws (mean ± sd, ratios draw by draw) when it made
+        several. None before a model was scored."""
+        runs = self._runs()
+        draws = (self.evaluation or {}).get("draws")
+        if draws:
+            table = draws_table(draws)
+            header = [table["header"][0], "cfg", *table["header"][1:]]
+            rows = [[row[0], fmt(runs.get(row[0], {}).get("cfg")), *row[1:]] for row in table["rows"]]
+            over = f"mean ± sd over {len(draws['seeds'])} evaluation draws (other prompts, noise and reference each)"
+        else:
+            floor = ((self.evaluation or {}).get("reference_split") or {}).get("floor") or {}
+            metric = "classifier_fd" if any(r.get("classifier_fd") is not None for r in runs.values()) else "fid"
+            if not any(r.get(metric) is not None for r in runs.values()):
+                return None
+            mono = runs.get("monolith", {}).get(metric)
+
+            def ratio(a: Any, b: Any) -> str:
+                return f"{a / b:.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
+
+            header = ["model", "cfg", "classifier FD" if metric == "classifier_fd" else "FID", "÷ floor", "÷ monolith"]
+            header += ["prompt accuracy", "precision", "recall"]
+            rows = [
+                [
+                    name,
+                    fmt(r.get("cfg")),
+                    fmt(r.get(metric)),
+                    ratio(r.get(metric), floor.get(metric)),
+                    "" if name == "monolith" else ratio(r.get(metric), mono),
+                    *[fmt(r.get(k)) for k in ("prompt_accuracy", "precision", "recall")],
+                ]
+                for name, r in runs.items()
+            ]
+            rows += [
+                [name, "", fmt(f.get(metric)), "", "", "", fmt(f.get("precision")), fmt(f.get("recall"))]
+                for name, f in self._floor_row()
+            ]
+            over = "one evaluation draw"
+        return {
+            "caption": f"each model at its guidance scale (cfg; the lowest distance at the accuracy the evaluation "
+            f"asks for), {over}; lower distances are better, the real floor is held-out real images scored like a "
+            "model. Details: Quality below",
+            "header": header,
+            "rows": rows,
+        }
+
+    def section_fid(self) -> Section:
+        s = Section("fid", TITLES["fid"])
+        if self._needs_evaluation(s):
+            return s
+        fid = self.evaluation.get("fid") or {}
+        scores = fid.get("scores") or {}
+        if not scores:
+            s.missing = "the evaluation computed no FID"
+            return s
+        runs = self._runs()
+        digits = self.evaluation.get("prompt_accuracy") or None
+        if digits:
+            clf = digits.get("classifier") or {}
+            s.tables.append(
+                {
+                    "caption": "per model at its guidance scale (cfg): prompt accuracy (share of samples the judge "
+                    "reads as the prompted class; higher is better), the judge's mean probability of that class, "
+                    "the Fréchet distance in the classifier's features (lower is better), precision and recall in "
+                    "those features (Kynkäänniemi et al., k = 3: fidelity and diversity), and Inception FID. The "
+                    "last row scores real images that no model saw, exactly like a model: the floor of each "
+                    "distance at this sample count"
+                    + (
+                        ". A row STRATEGY+ROUTER is the same experts routed by another of the run's routers "
+                        "(router-prompt: p(k | x_t, t, prompt), a comparison beyond Paris' prompt-blind router)"
+                        if any("+" in name for name in runs)
+                        else ""
+                    ),
+                    "header": [
+                        "model",
+                        "cfg",
+                        "prompt accuracy",
+                        "confidence",
+                        "classifier FD",
+                        "precision",
+                        "recall",
+                        "FID",
+                    ],
+                    "rows": [
+                        [
+                            name,
+                            fmt(r.get("cfg")),
+                            fmt(r.get("prompt_accuracy")),
+                            fmt(r.get("confidence")),
+                            fmt(r.get("classifier_fd")),
+                            fmt(r.get("precision")),
+                            fmt(r.get("recall")),
+                            fmt(r.get("fid")),
+                        ]
+                        for name, r in [*runs.items(), *self._floor_row()]
+                    ],
+                }
+            )
+            per_model = digits.get("scores") or {}
+            classes = list(dict.fromkeys(c for a in per_model.values() for c in (a.get("per_class") or {})))
+            s.tables.append(
+                {
+                    "caption": "prompt accuracy per prompted class",
+                    "header": ["model", *classes],
+                    "rows": [
+                        [name, *[fmt((a.get("per_class") or {}).get(c)) for c in classes]]
+                        for name, a in per_model.items()
+                    ],
+                }
+            )
+            if "val_accuracy" in clf:
+                s.notes.append(
+                    f"Judge: the {clf.get('judge', 'classifier')}, trained by flowfleet on the first "
+                    f"{clf.get('train_items', '?')} MNIST-5k digits (the first of the 10,000 too: one judge for every "
+                    f"run on the built-in digits), validation accuracy {fmt(clf.get('val_accuracy'))} on the other "
+                    f"{clf.get('val_items', '?')} (reports/digit_classifier/)."
+                )
+            else:
+                s.notes.append(f"Judge: {clf.get('judge', '?')}.")
+            reference = self._reference_note()
+            if reference:
+                s.notes.append(reference)
+        else:
+            s.tables.append(
+                {
+                    "caption": "FID per strategy (lower is better)",
+                    "header": ["model", "FID"],
+                    "rows": [[name, f"{v:.2f}"] for name, v in scores.items()],
+                }
+            )
+        draws = self.evaluation.get("draws")
+        if draws:
+            s.tables.append(draws_table(draws))
+        fleets = self.evaluation.get("fleets") or {}
+        if fleets:
+            s.notes.append(
+                "A row STRATEGY@NAME is another fleet in the same latent space, sampled with the same prompts and "
+                "noise (evaluate --fleet NAME=FOLDER): " + "; ".join(f"{k}: {v}" for k, v in fleets.items()) + "."
+            )
+        for name, r in runs.items():
+            if r.get("same_as"):
+                s.notes.append(
+                    f"{name} selects the same experts with the same weights as {r['same_as']} "
+                    f"(k is at least the number of experts): its samples are {r['same_as']}'s."
+                )
+        split = self.evaluation.get("reference_split") or {}
+        held_out = split.get("held_out")
+        s.notes.append(
+            f"Feature network {fid.get('extractor', '?')} at {fid.get('resize', '?')} px input; "
+            f"{fid.get('generated_images', '?')} generated images against {fid.get('reference_images', '?')} "
+            + (
+                "reference images held out of training (eval/, data.holdout)."
+                if held_out
+                else "reference images of data/ (the training items: the run holds none out, data.holdout)."
+            )
+        )
+        guidance = self.evaluation.get("guidance") or {}
+        sweeps = {
+            name: [{**rec, "chosen": rec["cfg"] == r.get("cfg")} for rec in r["sweep"]]
+            for name, r in runs.items()
+            if r.get("sweep") and not r.get("same_as")
+        }
+        if sweeps:
+            s.notes.append(
+                f"Guidance sweep: every model sampled at scales {guidance.get('sweep')}; its row above is the scale "
+                f"with the lowest classifier FD among those with prompt accuracy >= {guidance.get('min_accuracy')} "
+                "(the most accurate when none reaches it), the large dot in the plot."
+            )
+            floor = split.get("floor") or {}
+            s.images.append(
+                self._plot("guidance.png", views.guidance_sweep_png(sweeps, floor), "guidance sweep per model")
+            )
+        if fid.get("standard_input") is False:
+            s.notes.append(
+                "Non-standard Inception input size: compare these numbers only with FIDs computed "
+                "at the same size and sample counts, not with published FIDs."
+            )
+        s.images.append(self._plot("fid.png", views.fid_png(scores), "FID"))
+        return s
+
+    def _reference_note(self) -> str:
+        """Which real images every distance is measured against (the same for every run of one source)."""
+        split = self.evaluation.get("reference_split") or {}
+        source = split.get("source") or {}
+        if not split.get("reference_images") or not source:
+            return ""
+        what = describe_source(source)
+        where = "held out of training (eval/)" if split.get("held_out") else "of the training data (data/)"
+        floor = (split.get("floor") or {}).get("n")
+        return (
+            f"Reference: {split['reference_images']} images {where} of {what}"
+            + (f"; the real floor: {floor} others of them" if floor else "")
+            + "."
+        )
+
+    def _floor_row(self) -> list[tuple[str, dict[str, Any]]]:
+        floor = (self.evaluation.get("reference_split") or {}).get("floor") or {}
+        return [(f"real images (n {floor['n']})", floor)] if floor.get("n") else []

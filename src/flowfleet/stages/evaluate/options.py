@@ -1,0 +1,123 @@
+"""What `flowfleet evaluate` is asked for (EvaluateOptions, validated before anything heavy loads) and what one
+evaluated model produced (ModelRun)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flowfleet.errors import FlowfleetError
+from flowfleet.evaluate.fid import FIDSettings
+from flowfleet.flow import parse_strategy
+from flowfleet.layout import (
+    ROUTERS,
+)
+
+FLEET_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+@dataclass(frozen=True)
+class EvaluateOptions:
+    n: int = 1000  # generated images per model
+    strategies: tuple[str, ...] = ("top1", "top2", "full")
+    monolith: bool = False  # also evaluate RUN_ROOT/monolith/final (same sampler, no routing)
+    # Comparison routers of the reference run (router-prompt, router-paris): each strategy again with the same
+    # experts routed by that router instead, as the row "<strategy>+<router>" (the demo's "beyond Paris" row).
+    routers: tuple[str, ...] = ()
+    # Other fleets that share the run's latent space and text encoder, as (NAME, model folder): each strategy
+    # again sampled by that fleet, as the row "<strategy>@<NAME>" (e.g. a fleet of caption clusters).
+    fleets: tuple[tuple[str, str], ...] = ()
+    seed: int = 0
+    batch_size: int = 250  # samples per sampling batch
+    steps: int | None = None  # None: the fleet's model_index.json
+    sampler: str | None = None
+    cfg: float | None = None
+    shift: float | None = None
+    route_every: int | None = None
+    cache: float = 0.0  # first-block cache threshold (flowfleet.sampling.cache)
+    cfg_max_t: float | None = None  # guidance only while t <= this (None: the fleet's)
+    ref_n: int | None = None  # reference images; None: all of the reference set up to 10,000 (floor set apart)
+    # Guidance sweep: each model is sampled at every scale; its row is the scale with the best classifier
+    # FD (FID without a judge) among those with prompt accuracy >= min_accuracy (the most accurate if none).
+    cfg_sweep: tuple[float, ...] = ()
+    min_accuracy: float = 0.95
+    # Evaluation draws: after the sweep, every model is sampled again at its chosen scale repeats - 1 times,
+    # draw r with seed + r (other prompts and noise, and another split of the reference and the real floor).
+    # At a few hundred samples a Fréchet distance moves by several points from draw to draw; the report gives
+    # each figure's mean and sd over the draws, and the fleet's ratio to the monolith draw by draw.
+    repeats: int = 1
+    save_cfg: bool = False  # write each model folder's chosen scale into its model_index.json (the default)
+    fid: FIDSettings = FIDSettings()
+    grid: int = 32  # samples shown per model in the report
+    diagnostics: bool = True
+    diagnostic_n: int = 32  # samples whose trajectories probe expert disagreement (K passes per step)
+    device: str = "auto"
+    judge: str | None = None  # MODULE:FACTORY of a prompt-accuracy judge (flowfleet.evaluate.judge); MNIST: built in
+
+    def validate(self) -> None:
+        if self.n < 2:
+            raise FlowfleetError(f"--n: FID needs at least 2 samples, got {self.n}")
+        if self.batch_size < 1:
+            raise FlowfleetError(f"--batch-size: must be >= 1, got {self.batch_size}")
+        if self.repeats < 1:
+            raise FlowfleetError(f"--repeats: must be >= 1, got {self.repeats}")
+        if self.ref_n is not None and self.ref_n < 2:
+            raise FlowfleetError(f"--ref-n: must be >= 2, got {self.ref_n}")
+        if not self.strategies and not self.monolith:
+            raise FlowfleetError("--strategies: nothing to evaluate (give strategies or --monolith)")
+        for s in self.strategies:
+            try:
+                parse_strategy(s)
+            except ValueError as err:
+                raise FlowfleetError(f"--strategies: {err}") from None
+        if self.routers and not self.strategies:
+            raise FlowfleetError("--routers: a comparison router needs --strategies to route")
+        for name in self.routers:
+            if name not in ROUTERS[1:]:
+                known = ", ".join(ROUTERS[1:])
+                raise FlowfleetError(f"--routers: {name!r} is not a comparison router (one of {known})")
+        if self.fleets and not self.strategies:
+            raise FlowfleetError("--fleet: another fleet needs --strategies to sample it by")
+        names = [name for name, _ in self.fleets]
+        for name in names:
+            if not FLEET_NAME.fullmatch(name):
+                raise FlowfleetError(f"--fleet: name {name!r} must be letters, digits, '-' or '_' (NAME=FOLDER)")
+        if len(set(names)) != len(names):
+            raise FlowfleetError(f"--fleet: repeated names in {','.join(names)}")
+        if len(set(self.strategies)) != len(self.strategies):
+            raise FlowfleetError(f"--strategies: repeated names in {','.join(self.strategies)}")
+        if self.cfg_sweep and self.cfg is not None:
+            raise FlowfleetError("--cfg-sweep: give either a sweep or one --cfg, not both")
+        if any(c < 0 for c in self.cfg_sweep) or len(set(self.cfg_sweep)) != len(self.cfg_sweep):
+            raise FlowfleetError(f"--cfg-sweep: scales must be distinct and >= 0, got {list(self.cfg_sweep)}")
+        if self.save_cfg and not self.cfg_sweep:
+            raise FlowfleetError("--save-cfg: needs --cfg-sweep (the scale it saves is the sweep's choice)")
+
+
+@dataclass
+class ModelRun:
+    """What one evaluated model (a strategy of the fleet, or the monolith) produced."""
+
+    name: str
+    kind: str  # "fleet" | "monolith"
+    fid: float = float("nan")
+    grid: str = ""
+    heatmap: str | None = None
+    prompts: list[str] = field(default_factory=list)
+    usage: list[float] = field(default_factory=list)
+    sampling_s: float = 0.0
+    fid_s: float = 0.0
+    prompt_accuracy: float | None = None  # MNIST: share of samples the digit classifier reads as prompted
+    confidence: float | None = None  # MNIST: mean classifier probability of the prompted digit
+    classifier_fd: float | None = None  # MNIST: Fréchet distance in the digit classifier's features
+    samples: str = ""  # reports/<samples>: every scored sample (npz)
+    same_as: str | None = None  # the same model as this earlier run (top-k with k >= K is the full ensemble)
+    cfg: float | None = None  # the guidance scale of this row (the sweep's choice when there is a sweep)
+    precision: float | None = None  # in the judge's feature space (Kynkäänniemi et al.), vs the reference
+    recall: float | None = None
+    sweep: list[dict[str, Any]] = field(default_factory=list)  # one score record per guidance scale
+    cache_saved: float = 0.0  # share of block evaluations the first-block cache skipped (--cache)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
