@@ -11,8 +11,8 @@ share of a measured fp32 matmul of the model's own largest shape and of a 1024^3
     math-attention  scaled_dot_product_attention restricted to the math kernel
     threads         the same at 1 and 2 torch threads
 
-    .venv/bin/python benchmarks/demo_model_speed.py --threads 1,2 --steps 40
-    .venv/bin/python benchmarks/demo_model_speed.py --threads 1 --no-compile --hidden 128   # another width
+    .venv/bin/python benchmarks/probes/demo_model_speed.py --threads 1,2 --steps 40
+    .venv/bin/python benchmarks/probes/demo_model_speed.py --threads 1 --no-compile --hidden 128   # another width
 """
 
 from __future__ import annotations
@@ -21,9 +21,13 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the helpers the probes share
 
 
 def step_times(model, batch: int, steps: int, cfg, attention=None) -> list[float]:

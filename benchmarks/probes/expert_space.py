@@ -13,9 +13,9 @@ prompts cycling over the ten digits, over a guidance sweep, and scores them agai
 Training runs on one torch thread (what a train-all job gets on 2 cores); its wall time per step is
 printed (compare rows of one run of the script only: the box is shared). Evaluation is not timed.
 
-    python benchmarks/expert_space.py --label p7 --patch 7 --steps 500,1000,2000 --out runs/bench/space
-    python benchmarks/expert_space.py --label p4 --patch 4 --steps 500,1000,2000 --out runs/bench/space
-    python benchmarks/expert_space.py --label p7-xattn --patch 7 --conditioning cross_attn ...
+    python benchmarks/probes/expert_space.py --label p7 --patch 7 --steps 500,1000,2000 --out runs/bench/space
+    python benchmarks/probes/expert_space.py --label p4 --patch 4 --steps 500,1000,2000 --out runs/bench/space
+    python benchmarks/probes/expert_space.py --label p7-xattn --patch 7 --conditioning cross_attn ...
 
 Prints one JSON line per checkpoint and guidance scale, appends it to OUT/space.jsonl, and writes
 OUT/<label>-<steps>.png (the first 40 samples at the best-FD scale).

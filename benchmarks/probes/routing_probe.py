@@ -12,8 +12,8 @@
 Evaluated with `flowfleet evaluate`'s own code (held-out reference, the digit judge, classifier FD,
 precision/recall) on an evaluated run's fleet:
 
-    python benchmarks/routing_probe.py --run runs/copy --mode prior --cfg 1.25,1.5,2
-    python benchmarks/routing_probe.py --run runs/copy --mode gumbel --strategies top1,top2 --cfg 1.25,1.5,2
+    python benchmarks/probes/routing_probe.py --run runs/copy --mode prior --cfg 1.25,1.5,2
+    python benchmarks/probes/routing_probe.py --run runs/copy --mode gumbel --strategies top1,top2 --cfg 1.25,1.5,2
 
 The run's reports/evaluation.json is overwritten: point --run at a copy. flowfleet.sampling.pipeline's
 select_experts is replaced for this process only; nothing of the product changes. All n samples are drawn in

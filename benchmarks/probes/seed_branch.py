@@ -8,8 +8,8 @@ match_compute off), every expert then trains (K x B - S) / K steps from its EMA 
 seed + experts + router cost exactly the fleet's B steps per expert from scratch, and the monolith is the
 run's own compute-matched one (copied: its FLOPs are the same), evaluated again beside top-2.
 
-    HF_HUB_OFFLINE=1 python benchmarks/seed_branch.py --run runs/demo --seed-steps 2000 --out runs/bench/seed
-    HF_HUB_OFFLINE=1 python benchmarks/seed_branch.py --run runs/demo --seed-steps 4000 --out runs/bench/seed \
+    HF_HUB_OFFLINE=1 python benchmarks/probes/seed_branch.py --run runs/demo --seed-steps 2000 --out runs/bench/seed
+    HF_HUB_OFFLINE=1 python benchmarks/probes/seed_branch.py --run runs/demo --seed-steps 4000 --out runs/bench/seed \
         --trunk-from runs/bench/seed/seed4000/seed --set cluster.features=latent --tag latent --strategies top1,top2
 
 --set cluster.KEY=VALUE clusters the experts' copy afresh (the trunk, trained on all data, does not depend on
@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import time
 from pathlib import Path
 
-from fleet_budget import copy_prepared  # benchmarks/ is the script's folder
-from fleet_runs import keep_record, recluster, score_fleet
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the helpers the probes share
+from fleet_budget import copy_prepared  # noqa: E402
+from fleet_runs import keep_record, recluster, score_fleet  # noqa: E402
 
 
 def main() -> None:

@@ -5,10 +5,11 @@ For comparing numbers measured with an earlier judge: the samples stay, the judg
 is trained once (cached in OUT/reports/digit_classifier/). Prints mean ± sample sd of prompt accuracy
 per model over the given run roots.
 
-    .venv/bin/python benchmarks/regrade.py runs/table2/seed-0 runs/table2/seed-1 runs/table2/seed-2 \\
+    .venv/bin/python benchmarks/probes/regrade.py runs/table2/seed-0 runs/table2/seed-1 runs/table2/seed-2 \\
         --out runs/bench/regrade
     # the same samples read by the earlier judge
-    .venv/bin/python benchmarks/regrade.py runs/demo-quick --network digitnet-1 --epochs 8 --out runs/bench/regrade-1
+    .venv/bin/python benchmarks/probes/regrade.py runs/demo-quick --network digitnet-1 --epochs 8 \
+        --out runs/bench/regrade-1
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the helpers the probes share
 
 
 def main() -> None:

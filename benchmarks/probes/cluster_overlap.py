@@ -12,7 +12,7 @@ Not a product setting: this script builds OUT from a clustered run (its data, fe
 trains the experts and the router with the product's `train-all`, reuses the run's own monolith (the
 same data distribution, architecture and steps), and evaluates top-2 with `flowfleet evaluate`:
 
-    HF_HUB_OFFLINE=1 python benchmarks/cluster_overlap.py --run runs/demo --out runs/bench/overlap2 --overlap 2
+    HF_HUB_OFFLINE=1 python benchmarks/probes/cluster_overlap.py --run runs/demo --out runs/bench/overlap2 --overlap 2
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import safetensors.torch
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the helpers the probes share
 
 # the run's prepared parts this one keeps; data/, clusters/assignments and partitions/ are rewritten
 KEPT = ("eval", "autoencoder", "clusters", "reports/digit_classifier", "monolith", "run.yaml")

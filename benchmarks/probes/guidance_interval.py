@@ -6,9 +6,10 @@ steps at t < T_LO unguided (their interval's lower end). Evaluated with `flowfle
 evaluate`'s own code (held-out reference, the digit judge, classifier FD, precision/recall), on an evaluated
 run's fleet and, with --monolith, its monolith.
 
-    python benchmarks/guidance_interval.py --run runs/demo --high 4.5 --tau 0.7 --cfg 1.5,2,3
-    python benchmarks/guidance_interval.py --run COPY --high 1 --tau 0.8 --low 0.2 --cfg 1.5,2,3 --monolith
-    python benchmarks/guidance_interval.py --run COPY --high 3 --tau 0.8 --cfg 1,1.25,1.5 --monolith --repeats 5 \
+    python benchmarks/probes/guidance_interval.py --run runs/demo --high 4.5 --tau 0.7 --cfg 1.5,2,3
+    python benchmarks/probes/guidance_interval.py --run COPY --high 1 --tau 0.8 --low 0.2 --cfg 1.5,2,3 --monolith
+    python benchmarks/probes/guidance_interval.py --run COPY --high 3 --tau 0.8 --cfg 1,1.25,1.5 --monolith \
+        --repeats 5 \
         --json out.jsonl        # each model again at its chosen scale with seeds 1-4 (evaluate --repeats)
 
 The run's reports/evaluation.json is overwritten: point --run at a copy. The routed velocity's guidance
@@ -19,6 +20,10 @@ nothing of the product changes.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the helpers the probes share
 
 
 def main() -> None:

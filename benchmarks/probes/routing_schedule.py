@@ -5,7 +5,8 @@ same two largest clusters; the full ensemble is the mixture the router describes
 `flowfleet evaluate`'s own code (held-out reference, the digit judge, classifier FD, precision/recall), on an
 evaluated run's fleet.
 
-    python benchmarks/routing_schedule.py --run COPY --above 0.8 --above-k 0 --cfg 1.5,2 --cfg-max-t 0.78 --repeats 5
+    python benchmarks/probes/routing_schedule.py --run COPY --above 0.8 --above-k 0 --cfg 1.5,2 --cfg-max-t 0.78 \
+        --repeats 5
 
 The run's reports/evaluation.json is overwritten: point --run at a copy. RoutedVelocity.select is replaced
 for this process only; nothing of the product changes.
@@ -14,6 +15,10 @@ for this process only; nothing of the product changes.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the helpers the probes share
 
 
 def main() -> None:

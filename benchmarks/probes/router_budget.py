@@ -6,7 +6,7 @@ trains the router and the compute-matched monolith afresh (`train-all`: the expe
 trained again; the monolith's steps follow from the new router's FLOPs), assembles, and evaluates top-2 and the
 monolith over the guidance sweep, then --repeats evaluation draws at each model's chosen scale.
 
-    python benchmarks/router_budget.py --runs runs/demo23,runs/bench/bysize19/3000-seed1-bysize \\
+    python benchmarks/probes/router_budget.py --runs runs/demo23,runs/bench/bysize19/3000-seed1-bysize \\
         --set router.hidden_size=32 --set router_train.steps=6000 --set router_train.lr=0.002 \\
         --out runs/bench/router24/seeds
 
@@ -20,11 +20,14 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 from pathlib import Path
 
 import yaml
-from fleet_budget import set_dotted  # benchmarks/ is the script's folder
-from fleet_runs import keep_record, score_fleet
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the helpers the probes share
+from fleet_budget import set_dotted  # noqa: E402
+from fleet_runs import keep_record, score_fleet  # noqa: E402
 
 PARTS = ("data", "eval", "autoencoder", "clusters", "partitions", "experts", "reports/digit_classifier")
 

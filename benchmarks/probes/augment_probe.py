@@ -6,7 +6,7 @@ transform, each copy encoded by the run's autoencoder) that share their original
 features. The copies are items of their own in OUT/data/ (a *leaking* augmentation: the models learn the
 augmented distribution); `flowfleet cluster` then clusters the larger data/ afresh.
 
-    python benchmarks/augment_probe.py --run runs/demo --out runs/bench/aug4 --copies 4 --shift 2 --rotate 10
+    python benchmarks/probes/augment_probe.py --run runs/demo --out runs/bench/aug4 --copies 4 --shift 2 --rotate 10
     flowfleet cluster runs/bench/aug4 && flowfleet train-all runs/bench/aug4 && flowfleet assemble runs/bench/aug4
     flowfleet evaluate runs/bench/aug4/model --n 300 --batch-size 300 --strategies top2 --monolith \
         --cfg-sweep 1.25,1.5,2,3,3.5,4.5 --fid-resize 75 --no-diagnostics

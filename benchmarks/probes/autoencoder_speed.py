@@ -2,7 +2,7 @@
 padded to 32, batches of 32, AdamW), timed in milliseconds per step after a warm-up. The OpenMP wait policy is
 read when torch loads, so compare it across processes, one after the other:
 
-    for p in PASSIVE ACTIVE PASSIVE ACTIVE; do OMP_WAIT_POLICY=$p python benchmarks/autoencoder_speed.py; done
+    for p in PASSIVE ACTIVE PASSIVE ACTIVE; do OMP_WAIT_POLICY=$p python benchmarks/probes/autoencoder_speed.py; done
 
 Random images stand in for the digits: a convolution's cost does not depend on the pixels.
 """

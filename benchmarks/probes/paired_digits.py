@@ -5,7 +5,7 @@
 handwritten digit <word>" with one seed, read by the run's digit judge. A difference is then the
 models' alone, not the prompts' or the noise's.
 
-    .venv/bin/python benchmarks/paired_digits.py runs/bench/add-89/model-before runs/bench/add-89/model \\
+    .venv/bin/python benchmarks/probes/paired_digits.py runs/bench/add-89/model-before runs/bench/add-89/model \\
         --judge runs/bench/add-89 --digits 0,1,2,3,4,5,6,7 --n 300
 """
 

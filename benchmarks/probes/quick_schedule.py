@@ -5,7 +5,7 @@ copies it to OUT/LABEL with the experts' `train` section changed, trains both ex
 (one thread each, as train-all does on 2 cores), assembles the fleet and evaluates top-1 on 100
 prompts (the demo's evaluation), printing one JSON line.
 
-    .venv/bin/python benchmarks/quick_schedule.py --from runs/demo-quick --out runs/bench/quick \\
+    .venv/bin/python benchmarks/probes/quick_schedule.py --from runs/demo-quick --out runs/bench/quick \\
         --label lr4e-3 --steps 300 --warmup 30 --lr 4e-3 --seed 0
 """
 

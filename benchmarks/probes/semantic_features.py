@@ -1,7 +1,7 @@
 """Which image features are semantic on MNIST-5k: k-means of each candidate, NMI with the digit labels.
 
-    .venv/bin/python benchmarks/semantic_features.py            # K = 4 and 8, three k-means seeds each
-    .venv/bin/python benchmarks/semantic_features.py --k 4 --seeds 0
+    .venv/bin/python benchmarks/probes/semantic_features.py            # K = 4 and 8, three k-means seeds each
+    .venv/bin/python benchmarks/probes/semantic_features.py --k 4 --seeds 0
 
 Paris clusters the images' DINOv2 features, which are semantic on its data: each cluster holds related
 content. The demo needs an encoder that is semantic on digits in the same sense (a cluster holds a few

@@ -4,8 +4,8 @@ toward equal weights; which two experts top-2 picks does not change). Evaluated 
 evaluate`'s own code (held-out reference, the digit judge, classifier FD, precision/recall), on an
 evaluated run's fleet.
 
-    python benchmarks/routing_temperature.py --run runs/cache15 --temperature 0.5 --cfg 1.5,2,3,4.5,6
-    python benchmarks/routing_temperature.py --run COPY --temperature 0.5 --cfg 1.5 --repeats 5
+    python benchmarks/probes/routing_temperature.py --run runs/cache15 --temperature 0.5 --cfg 1.5,2,3,4.5,6
+    python benchmarks/probes/routing_temperature.py --run COPY --temperature 0.5 --cfg 1.5 --repeats 5
 
 The run's reports/evaluation.json is overwritten: point --run at a copy. FleetPipeline.router_probs is
 replaced for this process only; nothing of the product changes.
@@ -14,6 +14,10 @@ replaced for this process only; nothing of the product changes.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the helpers the probes share
 
 
 def main() -> None:

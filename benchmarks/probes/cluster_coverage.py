@@ -3,7 +3,7 @@
 can only follow the clusters' prior: the share of top-2's weight on experts holding < 2 % of that label's
 items, and the share of its items in the largest cluster (what top-1 starts every sample with).
 
-    python benchmarks/cluster_coverage.py --run runs/demo --seeds 0,1,2
+    python benchmarks/probes/cluster_coverage.py --run runs/demo --seeds 0,1,2
 
 Prints one line per clustering (features x balance x seed), with its NMI and sizes; the cluster stage's
 own two-stage k-means (flowfleet.cluster.two_stage_kmeans), fine k 32, K from --k.

@@ -7,9 +7,9 @@ fixed noise) and reads them with the run-independent digit classifier (flowfleet
 Evaluation time is not counted in the training time.
 
     # the monolith's recipe, one torch thread (what a train-all job gets on 2 cores), 4 checkpoints
-    python benchmarks/mnist_recipe.py --seconds 60,120,240,480 --out runs/bench/recipe
+    python benchmarks/probes/mnist_recipe.py --seconds 60,120,240,480 --out runs/bench/recipe
     # an expert: 1/4 of the digits at 1/4 of the time
-    python benchmarks/mnist_recipe.py --digits 0,6,8 --seconds 30,60,120 --label expert
+    python benchmarks/probes/mnist_recipe.py --digits 0,6,8 --seconds 30,60,120 --label expert
 
 Prints one JSON line per checkpoint and appends it to OUT/recipe.jsonl.
 """
