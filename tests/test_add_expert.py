@@ -145,6 +145,32 @@ def test_an_interrupted_second_addition_of_two_experts_resumes_where_it_stopped(
     assert load_run_config(root).num_experts == 5
 
 
+def test_a_ddpm_expert_joins_a_flow_matching_fleet(run, capsys):
+    """add-expert --objective ddpm: the new expert learns DDPM's noise (run.yaml expert_overrides, its folder's
+    config.json), the old ones stay flow-matching, and the grown fleet samples; a ddpm expert without a
+    schedule is one line naming the setting."""
+    root, path, added, _ = run
+    args = ["add-expert", str(path), "--source", "mnist", "--labels", "8,9", "--limit", "200", "--objective", "ddpm"]
+    assert main([*args, "--no-progress"]) == 1
+    assert "expert_overrides.2.schedule: a ddpm model needs its VP schedule" in capsys.readouterr().err
+    assert load_run_config(root).num_experts == 2  # nothing written
+    assert main([*args, "--schedule", "linear", "--no-progress"]) == 0
+    cfg = load_run_config(root)
+    assert cfg.expert_config(2).objective == "ddpm" and cfg.expert_config(2).schedule == "linear"
+    assert [cfg.expert_config(k).objective for k in (0, 1)] == ["fm", "fm"]
+    recorded = json.loads((path / "model" / "expert_2" / "config.json").read_text())
+    assert (recorded["objective"], recorded["schedule"]) == ("ddpm", "linear")
+    from fixtures.random_fleet import HashTextEncoder
+
+    from flowfleet.sampling.pipeline import FleetPipeline
+
+    text = HashTextEncoder(cfg.encoders.text.width, cfg.encoders.text.max_length)
+    out = FleetPipeline.from_pretrained(str(path / "model"), text_encoder=text)(
+        ["a handwritten digit 8"], 2, strategy="full"
+    )
+    assert out.images.isfinite().all()
+
+
 def test_add_expert_cli_refuses_bad_input(run, capsys):
     root, _, _, _ = run
     assert main(["add-expert", root.url, "--source", "mnist", "--labels", "8,x"]) == 1

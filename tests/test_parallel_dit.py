@@ -54,6 +54,7 @@ EXPERT = DiTConfig(
 )  # 4x4 tokens
 WIDE = DiTConfig(**{**EXPERT.model_dump(), "hidden_size": 64, "num_heads": 4})  # expert 1 of a mixed fleet
 SIX_HEADS = DiTConfig(**{**EXPERT.model_dump(), "hidden_size": 48, "num_heads": 6})  # Ulysses over 2 or 3 ranks
+DDPM = DiTConfig(**{**EXPERT.model_dump(), "objective": "ddpm", "schedule": "linear"})  # expert 1 of a mixed fleet
 
 
 def dit_tol(want: torch.Tensor, sampler: str = "euler", steps: int = STEPS, reduction: int = 4 * 32) -> float:
@@ -76,10 +77,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def fleet(variant: str = "") -> tuple[dict[int, DiTModel], DiTModel]:
     """K random experts and a router. variant "wide": expert 1 twice as wide; "heads6": every expert has
-    6 heads (hidden 48)."""
-    configs = {
-        k: WIDE if variant == "wide" and k == 1 else SIX_HEADS if variant == "heads6" else EXPERT for k in range(K)
-    }
+    6 heads (hidden 48); "ddpm": expert 1 predicts DDPM's noise (its velocity converted)."""
+    one = {"wide": WIDE, "ddpm": DDPM, "heads6": SIX_HEADS}.get(variant, EXPERT)  # expert 1
+    configs = {k: one if k == 1 or variant == "heads6" else EXPERT for k in range(K)}
     experts = {k: randomize_(DiTModel.from_dit_config(c), seed=10 + k, std=0.15).eval() for k, c in configs.items()}
     router = randomize_(DiTModel.from_dit_config(ROUTER), seed=99, std=0.3).eval()
     return experts, router
@@ -358,6 +358,17 @@ def test_a_fleet_with_a_wider_expert_on_two_ranks():
     disp = run_local(parallel_run, 2, ("displaced", 1, 2, 2.0, False, "euler", 8 << 20, "wide"), **FORK)[0]
     assert torch.isfinite(disp["out"]).all() and not torch.equal(disp["out"], sync["out"])
     assert disp["modes"][:2] == [["sync"], ["sync"]] and "displaced" in {m for ms in disp["modes"][2:] for m in ms}
+
+
+def test_a_fleet_with_a_ddpm_expert_on_two_ranks():
+    """Expert 1 a DDPM (noise) expert: each band converts its own positions' noise into the velocity, so sync bands
+    equal one process."""
+    want = single_process_run(top_k=2, cfg_scale=2.0, variant="ddpm")
+    sync = run_local(parallel_run, 2, ("sync", 0, 2, 2.0, False, "euler", 8 << 20, "ddpm"), **FORK)[0]
+    # the conversion amplifies the noise's rounding by up to 1 / sqrt(abar) (~160 on the linear schedule), which
+    # the random expert's samples carry in their size too: dit_tol scales with it
+    assert (sync["out"] - want).abs().max().item() <= dit_tol(want)
+    assert not torch.equal(want, single_process_run(top_k=2, cfg_scale=2.0))  # expert 1 is another model
 
 
 def test_bytes_per_step_follow_the_layout():

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import RUN_FILE
 from flowfleet.models.config import DiTConfig
+from flowfleet.models.files import validation_message
 from flowfleet.storage import RunRoot
 
 
@@ -226,6 +227,8 @@ EXPERT_OVERRIDABLE = (
     "adaln",
     "cond_dropout",
     "dropout",
+    "objective",  # a ddpm expert beside flow-matching ones (flowfleet.flow.path converts its noise)
+    "schedule",
 )
 _SHAPE_FIELDS = ("hidden_size", "depth", "num_heads")  # what a `size` preset fills
 
@@ -540,18 +543,8 @@ def _changed(model: DiTConfig, changes: dict[str, Any]) -> DiTConfig:
 
 
 def describe_validation_error(err: ValidationError) -> str:
-    """The first error as 'dotted.key: message'. Our model-level validators phrase their messages as
-    'key: message' relative to the section they validate; those keys are joined onto the section path."""
-    first = err.errors()[0]
-    loc = [str(p) for p in first["loc"]]
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
-    elif first["type"] == "value_error":
-        key, sep, rest = msg.partition(": ")
-        if sep and key.replace(".", "").replace("_", "").isalnum():
-            loc, msg = loc + [key], rest
-    return f"{'.'.join(loc) or '(top level)'}: {msg}"
+    """The first error as 'dotted.key: message' (flowfleet.models.files.validation_message)."""
+    return validation_message(err)
 
 
 def load_run_config(root: RunRoot) -> RunConfig:

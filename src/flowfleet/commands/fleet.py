@@ -25,6 +25,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--labels", default=None, metavar="LIST", help="keep only these class labels, e.g. 8,9")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N items of the source")
     p.add_argument("--k", type=int, default=1, help="experts to split the new data into (default 1)")
+    p.add_argument(
+        "--objective",
+        choices=("fm", "ddpm"),
+        default=None,
+        help="what the new experts learn: flow matching (default, as run.yaml expert) or DDPM's noise",
+    )
+    p.add_argument(
+        "--schedule", choices=("linear", "cosine"), default=None, help="the VP schedule of --objective ddpm experts"
+    )
     add_progress(p)
 
     p = add_command(
@@ -119,7 +128,8 @@ def run_add_expert(args: argparse.Namespace) -> int:
         data = DataConfig(**{name: getattr(run.data, name) for name in keep}, **fields)
     except ValidationError as err:
         raise ConfigError(f"--source {args.source}: {describe_validation_error(err)}") from None
-    result = add_expert(args.run_root, data, k=args.k, progress=args.progress)
+    expert = {name: getattr(args, name) for name in ("objective", "schedule") if getattr(args, name) is not None}
+    result = add_expert(args.run_root, data, k=args.k, progress=args.progress, expert=expert or None)
     print(
         f"wrote {result.model}: the fleet with experts {result.experts} on {result.items} added items "
         f"(added/{result.addition}/; router: {', '.join(result.routers)})"

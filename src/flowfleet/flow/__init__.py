@@ -1,13 +1,14 @@
 """Flow matching: the one home of flowfleet's time convention.
 
-path.py      interpolant x_t, target velocity, timestep scaling for the embedder
-loss.py      training-time sampling of t and the velocity regression loss
+path.py      interpolant x_t, target velocity, timestep scaling for the embedder; a ddpm expert's VP time and
+             its noise as the velocity
+loss.py      training-time sampling of t and the velocity regression loss; DDPM's noise regression
 sampler.py   t-grids, Euler/Heun ODE integration from t=1 (noise) to t=0 (data), the guided velocity (CFG)
 ensemble.py  combining expert velocities with router weights (top-k renormalised, full)
 """
 
 from flowfleet.flow.ensemble import Strategy, combine, parse_strategy, routing_weights, same_as_earlier
-from flowfleet.flow.loss import flow_matching_loss, sample_t
+from flowfleet.flow.loss import ddpm_loss, flow_matching_loss, sample_t
 from flowfleet.flow.path import (
     TIME_CONVENTION,
     embedder_timestep,
@@ -24,6 +25,7 @@ __all__ = [
     "target_velocity",
     "x0_from_velocity",
     "flow_matching_loss",
+    "ddpm_loss",
     "sample_t",
     "time_grid",
     "integrate",

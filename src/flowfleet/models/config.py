@@ -23,6 +23,10 @@ AdaLN = Literal["zero", "single"]
 # same curve to within 1e-3 and about 3x faster as an op on a CPU (AVX2, [1024, 256]); a whole training
 # step of the demo's expert shows no consistent gain on a noisy 2-core box (BENCHMARKS.md, "The exact GELU").
 MlpAct = Literal["gelu_tanh", "gelu"]
+# What an expert was trained to predict: the flow-matching velocity, or DDPM's noise on a variance-preserving
+# schedule (DiT's linear or cosine betas), which flowfleet.flow.path converts into the velocity at inference.
+Objective = Literal["fm", "ddpm"]
+Schedule = Literal["linear", "cosine"]
 
 
 def parse_size(size: str) -> tuple[int, int, int, int | None]:
@@ -69,6 +73,8 @@ class DiTConfig(BaseModel):
     # Sampling passes none, which is the unaugmented data's distribution. 0: no augmentation input.
     augment_dim: int = Field(0, ge=0)
     num_outputs: int = Field(0, ge=0)  # > 0: classification head over this many classes (router)
+    objective: Objective = "fm"
+    schedule: Schedule | None = None  # the VP schedule of a "ddpm" model (required there, refused elsewhere)
     time_convention: str = TIME_CONVENTION
 
     @model_validator(mode="before")
@@ -110,6 +116,17 @@ class DiTConfig(BaseModel):
             raise ValueError(f"text_dim: must be >= 1 with {self.conditioning} conditioning")
         if self.conditioning == "cross_attn" and self.text_len < 1:
             raise ValueError("text_len: must be >= 1 with cross_attn conditioning")
+        if self.objective == "ddpm" and self.schedule is None:
+            raise ValueError("schedule: a ddpm model needs its VP schedule (linear or cosine)")
+        if self.objective == "fm" and self.schedule is not None:
+            raise ValueError(f"schedule: {self.schedule!r} is for a ddpm model; this one is objective fm")
+        if self.objective == "ddpm" and self.num_outputs:
+            raise ValueError("objective: a classifier (num_outputs > 0, the router) predicts no noise; must be fm")
+        if self.objective == "ddpm" and self.out_ch not in (self.in_channels, 2 * self.in_channels):
+            raise ValueError(
+                f"out_channels: a ddpm model predicts the noise (and optionally sigma): {self.in_channels} or "
+                f"{2 * self.in_channels}"
+            )
         if self.time_convention != TIME_CONVENTION:
             raise ValueError(f"time_convention: {self.time_convention!r} differs from flowfleet's {TIME_CONVENTION!r}")
         return self

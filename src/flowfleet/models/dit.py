@@ -9,7 +9,10 @@ Deliberate differences from facebookresearch/DiT, each optional except the first
   * adaLN-single (PixArt-alpha, paris §2.4.3): one global t-MLP plus a learned [6, D] table per block.
     The global MLP's output layer and the gate rows of the tables start at zero so every block is the
     identity at initialisation, in the spirit of adaLN-Zero (PixArt starts both random);
-  * num_outputs > 0 replaces the final layer by a classification head (the router, paris §2.5).
+  * num_outputs > 0 replaces the final layer by a classification head (the router, paris §2.5);
+  * objective "ddpm": the network predicts DiT's noise on a VP schedule (learned sigma optional, its half
+    ignored); `forward` still takes flowfleet's (x_t, t) and returns the velocity, converting at the VP step of
+    the same SNR (flowfleet.flow.path). Training calls `network` with the VP state and step directly.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 from typing_extensions import Self
 
-from flowfleet.flow.path import TIME_CONVENTION, embedder_timestep
+from flowfleet.flow.path import (
+    TIME_CONVENTION,
+    embedder_timestep,
+    velocity_from_eps,
+    vp_input_scale,
+    vp_log_snr,
+    vp_timestep,
+)
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.embeddings import (
     LabelEmbedder,
@@ -69,6 +79,8 @@ class DiTModel(ModelMixin, ConfigMixin):
         dropout: float = 0.0,
         augment_dim: int = 0,
         num_outputs: int = 0,
+        objective: str = "fm",
+        schedule: str | None = None,
         time_convention: str = TIME_CONVENTION,
     ):
         super().__init__()
@@ -93,6 +105,8 @@ class DiTModel(ModelMixin, ConfigMixin):
             dropout=dropout,
             augment_dim=augment_dim,
             num_outputs=num_outputs,
+            objective=objective,
+            schedule=schedule,
             time_convention=time_convention,
         )
         self.register_to_config(**{name: getattr(cfg, name) for name in shape})  # config.json: resolved values
@@ -127,6 +141,8 @@ class DiTModel(ModelMixin, ConfigMixin):
         else:
             self.head = None
             self.final_layer = FinalLayer(d, cfg.patch_size, cfg.out_ch, cfg.adaln)
+        # a ddpm model's log SNR per VP step (float64 [1000], kept off the module's dtype and state dict)
+        self.vp_table = vp_log_snr(cfg.schedule) if cfg.objective == "ddpm" and cfg.schedule else None
         self.initialize_weights()
 
     @classmethod
@@ -180,11 +196,36 @@ class DiTModel(ModelMixin, ConfigMixin):
     #                                        Forward
     # ----------------------------------------------------------------------------------------------
 
+    def network_input(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """flowfleet's (x_t [B, C, H, W], t [B]) -> what the network reads: its input and its embedder's timestep
+        (1000 t; a ddpm model: the VP state and step of the same SNR, flowfleet.flow.path)."""
+        if self.vp_table is None:
+            return x, embedder_timestep(t)
+        table = self.vp_table.to(x.device)
+        scale = vp_input_scale(t.to(torch.float64)).to(x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
+        return x * scale, vp_timestep(t, table).float()
+
+    def output_velocity(self, out: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The network's output [B, out_ch, H, W] at (x_t, t) as the velocity: as it is, or a ddpm model's noise
+        (its first C channels; a learned sigma's half is dropped) converted."""
+        if self.vp_table is None:
+            return out
+        eps = out[:, : self.cfg.in_channels]
+        return velocity_from_eps(eps, x, t, self.vp_table.to(x.device))
+
     def conditioning(
-        self, t: torch.Tensor, labels=None, text_pooled=None, text_tokens=None, text_mask=None, drop=None, augment=None
+        self,
+        emb_t: torch.Tensor,
+        labels=None,
+        text_pooled=None,
+        text_tokens=None,
+        text_mask=None,
+        drop=None,
+        augment=None,
     ):
-        """-> c [B, D] (timestep + global condition), block modulation input, cross-attn context and mask."""
-        c = self.t_embedder(embedder_timestep(t))  # [B, D]
+        """emb_t [B]: the embedder's timestep (network_input) -> c [B, D] (timestep + global condition), block
+        modulation input, cross-attn context and mask."""
+        c = self.t_embedder(emb_t)  # [B, D]
         if self.augment_embedder is not None and augment is not None:
             c = c + self.augment_embedder(augment.to(c.dtype))  # [B, D]; not dropped with the condition
         if self.y_embedder is not None:
@@ -217,21 +258,39 @@ class DiTModel(ModelMixin, ConfigMixin):
         drop=None,
         augment=None,
     ) -> torch.Tensor:
+        """x_t [B, C, H, W] and t [B] in flowfleet's convention -> the velocity [B, C, H, W] (or logits [B, K])."""
         if x.shape[-2:] != tuple(self.cfg.input_size) or x.shape[1] != self.cfg.in_channels:
             raise ValueError(
                 f"input of shape {tuple(x.shape[1:])} does not match the model's "
                 f"({self.cfg.in_channels}, {self.cfg.input_size[0]}, {self.cfg.input_size[1]})"
             )
         t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
+        x_in, emb_t = self.network_input(x, t)
+        out = self.network(x_in, emb_t, labels, text_pooled, text_tokens, text_mask, drop, augment)
+        return out if self.head is not None else self.output_velocity(out, x, t)
+
+    def network(
+        self,
+        x: torch.Tensor,
+        emb_t: torch.Tensor,
+        labels=None,
+        text_pooled=None,
+        text_tokens=None,
+        text_mask=None,
+        drop=None,
+        augment=None,
+    ) -> torch.Tensor:
+        """The transformer itself: its input [B, C, H, W] and embedder timestep [B] -> its raw output
+        [B, out_ch, H, W] (a velocity, or a ddpm model's noise) or logits [B, K]."""
         h = self.x_embedder(x) + self.pos_embed.to(x.dtype)  # [B, N, D]
-        c, block_c, ctx, ctx_mask = self.conditioning(t, labels, text_pooled, text_tokens, text_mask, drop, augment)
+        c, block_c, ctx, ctx_mask = self.conditioning(emb_t, labels, text_pooled, text_tokens, text_mask, drop, augment)
         for block in self.blocks:
             h = block(h, block_c, ctx, ctx_mask)  # [B, N, D]
         if self.head is not None:
             return self.head(h, c)  # [B, K]
         assert self.final_layer is not None  # exactly one of head / final_layer exists
         h = self.final_layer(h, c)  # [B, N, p*p*C]
-        return self.unpatchify(h, self.cfg.grid_size[0])  # [B, C, H, W]
+        return self.unpatchify(h, self.cfg.grid_size[0])  # [B, out_ch, H, W]
 
 
 class DiTExpert(DiTModel):

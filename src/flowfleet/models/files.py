@@ -30,11 +30,18 @@ class ModelFileError(FlowfleetError):
 
 
 def validation_message(err: ValidationError) -> str:
-    """First pydantic error as 'field: message' on one line."""
+    """The first pydantic error as 'dotted.key: message' on one line. flowfleet's model-level validators phrase
+    their messages as 'key: message' relative to the section they validate; those keys are joined onto its path."""
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "(root)"
+    loc = [str(p) for p in first["loc"]]
     msg = first["msg"].removeprefix("Value error, ")
-    return f"{loc}: {msg}"
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif first["type"] == "value_error":
+        key, sep, rest = msg.partition(": ")
+        if sep and key.replace(".", "").replace("_", "").isalnum():
+            loc, msg = loc + [key], rest
+    return f"{'.'.join(loc) or '(top level)'}: {msg}"
 
 
 def read_dit_config(folder: RunRoot | str | Path, *parts: str) -> DiTConfig:

@@ -139,12 +139,13 @@ class PatchParallelDiT:
                 f"({m.cfg.in_channels}, {lay.rows * lay.patch}, {lay.grid_w * lay.patch})"
             )
         t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
-        h = self.embed(x)  # [B, n, D]
-        c, block_c, ctx, ctx_mask = m.conditioning(t, drop=drop, **cond)  # replicated on every rank
+        x_in, emb_t = m.network_input(x, t)  # per position: the band's own (a ddpm expert's VP state)
+        h = self.embed(x_in)  # [B, n, D]
+        c, block_c, ctx, ctx_mask = m.conditioning(emb_t, drop=drop, **cond)  # replicated on every rank
         for block, attn in zip(m.blocks, self.attn):
             h = block(h, block_c, ctx, ctx_mask, attn=partial(attn, mode=mode, rows=rows, prefetch=prefetch))
         if prefetch and mode is ParallelMode.DISPLACED:
             self.comm.flush(self.name)
         assert m.final_layer is not None  # __init__ refused a router
         h = m.final_layer(h, c)  # [B, n, p*p*C]
-        return m.unpatchify(h, lay.rows)  # [B, C, R*p, W]
+        return m.output_velocity(m.unpatchify(h, lay.rows), x, t)  # [B, C, R*p, W]

@@ -66,8 +66,9 @@ class BlockCache:
         """DiTModel.forward with the first-block rule, per row: [n, C, H, W] -> velocity [n, C, H, W]."""
         drop = cond.pop("drop", None)
         t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
-        h = model.x_embedder(x) + model.pos_embed.to(x.dtype)  # [n, N, D]
-        c, block_c, ctx, ctx_mask = model.conditioning(t, drop=drop, **cond)
+        x_in, emb_t = model.network_input(x, t)  # a ddpm expert's VP state and step
+        h = model.x_embedder(x_in) + model.pos_embed.to(x.dtype)  # [n, N, D]
+        c, block_c, ctx, ctx_mask = model.conditioning(emb_t, drop=drop, **cond)
         first, *rest = model.dit_blocks
         h1 = first(h, block_c, ctx, ctx_mask)  # [n, N, D]
         r1 = h1 - h
@@ -93,4 +94,5 @@ class BlockCache:
         self.stats.blocks_run += x.shape[0] + run.numel() * len(rest)
         self.stats.blocks_skipped += int(skip.sum()) * len(rest)
         assert model.final_layer is not None  # experts have one (a router has a head instead)
-        return model.unpatchify(model.final_layer(out, c), model.cfg.grid_size[0])  # [n, C, H, W]
+        raw = model.unpatchify(model.final_layer(out, c), model.cfg.grid_size[0])  # [n, out_ch, H, W]
+        return model.output_velocity(raw, x, t)  # [n, C, H, W]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from flowfleet.config import Addition, DataConfig, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
@@ -50,9 +51,12 @@ def add_expert(
     k: int = 1,
     options: TrainOptions | None = None,
     progress: bool = True,
+    expert: dict[str, Any] | None = None,
 ) -> AddResult:
     """Prepare `data` with the run's encoders, cluster it into k partitions, train k new experts on them,
-    the grown fleet's router, and re-assemble. Re-running with the same data resumes that addition."""
+    the grown fleet's router, and re-assemble. Re-running with the same data resumes that addition.
+    expert: what the new experts change of run.yaml `expert` (its expert_overrides fields), e.g.
+    {"objective": "ddpm", "schedule": "linear"}: a ddpm expert added to a flow-matching fleet."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     cfg = load_run_config(root)
     options = options or TrainOptions(progress=progress)
@@ -63,6 +67,11 @@ def add_expert(
         raw = cfg.to_dict()
         raw["added"] = [*raw["added"], Addition(data=data, k=k).model_dump(mode="json")]
         raw["router"] = {**raw["router"], "num_outputs": cfg.num_experts + k}
+        if expert:  # the new experts' own settings, kept in run.yaml like any expert's
+            overrides = {int(j): dict(v) for j, v in raw.get("expert_overrides", {}).items()}
+            for j in range(cfg.num_experts, cfg.num_experts + k):
+                overrides[j] = {**overrides.get(j, {}), **expert}
+            raw["expert_overrides"] = overrides
         cfg = RunConfig.from_dict(raw, root.url_of(RUN_FILE) + " (with the addition)")
         n = len(cfg.added)
         cfg.save(root)

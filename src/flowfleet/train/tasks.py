@@ -19,7 +19,7 @@ from flowfleet.config import RunConfig, TrainConfig
 from flowfleet.data.augment import choose
 from flowfleet.data.shards import ShardSet, open_complete
 from flowfleet.errors import FlowfleetError
-from flowfleet.flow import flow_matching_loss, interpolate, sample_t
+from flowfleet.flow import ddpm_loss, flow_matching_loss, interpolate, sample_t
 from flowfleet.layout import (
     ASSIGNMENTS,
     AUTOENCODER,
@@ -130,6 +130,10 @@ class FlowTask(TrainTask):
         cond = preview.condition_kwargs(batch, self.model_cfg)
         if augment is not None:
             cond["augment"] = augment  # how each item was augmented (zeros: as prepared)
+        if model.vp_table is not None:  # a ddpm expert: the noise at uniform integer VP steps (DiT's recipe)
+            tau = torch.randint(0, len(model.vp_table), (b,), generator=gen, device=dev)  # [B]
+            eps_fn = lambda x, s: model.network(x, s, drop=drop, **cond)[:, : x.shape[1]]  # noqa: E731
+            return ddpm_loss(eps_fn, x0, tau, eps, model.vp_table), {}
         loss = flow_matching_loss(lambda x_t, tt: model(x_t, tt, drop=drop, **cond), x0, t, eps)
         return loss, {}
 
