@@ -313,17 +313,8 @@ def test_a_dit_reference_checkpoint_starts_an_expert_of_either_objective(tmp_pat
     sd = reference_state_dict()
     path = tmp_path / "DiT-tiny.pt"
     torch.save({"model": {k: -v for k, v in sd.items()}, "ema": sd, "args": None}, path)  # a training checkpoint
-    cfg = DiTConfig(
-        input_size=(8, 8),
-        in_channels=4,
-        patch_size=2,
-        hidden_size=32,
-        depth=2,
-        num_heads=2,
-        conditioning="class",
-        num_classes=10,
-        **({"objective": "ddpm", "schedule": "linear", "out_channels": 8} if objective == "ddpm" else {}),
-    )
+    ddpm = {"objective": "ddpm", "schedule": "linear", "out_channels": 8} if objective == "ddpm" else {}
+    cfg = DiTConfig(**{**TINY, "in_channels": 4}, conditioning="class", num_classes=10, **ddpm)
     model = DiTModel.from_dit_config(cfg).eval()
     load_expert_init(model, cfg, str(path))
     g = torch.Generator().manual_seed(1)
@@ -347,7 +338,7 @@ def test_a_dit_checkpoint_that_does_not_fit_is_one_line(tmp_path):
     from flowfleet.errors import FlowfleetError
     from flowfleet.models.init import load_expert_init
 
-    cfg = DiTConfig(input_size=(8, 8), in_channels=4, patch_size=2, hidden_size=32, depth=2, num_heads=2)
+    cfg = DiTConfig(**{**TINY, "in_channels": 4})
     sd = reference_state_dict()
     torch.save({k: v for k, v in sd.items() if k != "blocks.1.mlp.fc2.bias"}, tmp_path / "short.pt")
     with pytest.raises(FlowfleetError, match=r"short.pt: no blocks.1.mlp.fc2.bias in the checkpoint$"):

@@ -17,6 +17,8 @@ Deliberate differences from facebookresearch/DiT, each optional except the first
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
@@ -247,18 +249,9 @@ class DiTModel(ModelMixin, ConfigMixin):
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(b, ch, grid_h * p, grid_w * p)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        t: torch.Tensor,
-        labels=None,
-        text_pooled=None,
-        text_tokens=None,
-        text_mask=None,
-        drop=None,
-        augment=None,
-    ) -> torch.Tensor:
-        """x_t [B, C, H, W] and t [B] in flowfleet's convention -> the velocity [B, C, H, W] (or logits [B, K])."""
+    def forward(self, x: torch.Tensor, t: torch.Tensor, **cond: Any) -> torch.Tensor:
+        """x_t [B, C, H, W] and t [B] in flowfleet's convention, the condition keywords of `network` -> the
+        velocity [B, C, H, W] (or logits [B, K])."""
         if x.shape[-2:] != tuple(self.cfg.input_size) or x.shape[1] != self.cfg.in_channels:
             raise ValueError(
                 f"input of shape {tuple(x.shape[1:])} does not match the model's "
@@ -266,24 +259,14 @@ class DiTModel(ModelMixin, ConfigMixin):
             )
         t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
         x_in, emb_t = self.network_input(x, t)
-        out = self.network(x_in, emb_t, labels, text_pooled, text_tokens, text_mask, drop, augment)
+        out = self.network(x_in, emb_t, **cond)
         return out if self.head is not None else self.output_velocity(out, x, t)
 
-    def network(
-        self,
-        x: torch.Tensor,
-        emb_t: torch.Tensor,
-        labels=None,
-        text_pooled=None,
-        text_tokens=None,
-        text_mask=None,
-        drop=None,
-        augment=None,
-    ) -> torch.Tensor:
-        """The transformer itself: its input [B, C, H, W] and embedder timestep [B] -> its raw output
-        [B, out_ch, H, W] (a velocity, or a ddpm model's noise) or logits [B, K]."""
+    def network(self, x: torch.Tensor, emb_t: torch.Tensor, **cond: Any) -> torch.Tensor:
+        """The transformer itself: its input [B, C, H, W], embedder timestep [B] and condition keywords
+        (`conditioning`'s) -> its raw output [B, out_ch, H, W] (a velocity, or a ddpm model's noise) or logits."""
         h = self.x_embedder(x) + self.pos_embed.to(x.dtype)  # [B, N, D]
-        c, block_c, ctx, ctx_mask = self.conditioning(emb_t, labels, text_pooled, text_tokens, text_mask, drop, augment)
+        c, block_c, ctx, ctx_mask = self.conditioning(emb_t, **cond)
         for block in self.blocks:
             h = block(h, block_c, ctx, ctx_mask)  # [B, N, D]
         if self.head is not None:
