@@ -4,5 +4,5 @@ inception.py    the FID feature network (offline default_1 Inception, or torch-f
 fid.py          FID with torchmetrics; feature statistics cached in RUN_ROOT/reports/
 adherence.py    shapes source: does the drawn colour and shape match the prompt (measured from pixels)
 diagnostics.py  router accuracy per t-bucket, centroid distances, expert disagreement, expert usage
-report.py       RUN_ROOT/reports/report.html, viewable offline
+report/         RUN_ROOT/reports/report.html, viewable offline: the results first (one module per concern)
 """
