@@ -249,15 +249,19 @@ class DiTModel(ModelMixin, ConfigMixin):
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(b, ch, grid_h * p, grid_w * p)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, **cond: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: torch.Tensor, raw: bool = False, **cond: Any) -> torch.Tensor:
         """x_t [B, C, H, W] and t [B] in flowfleet's convention, the condition keywords of `network` -> the
-        velocity [B, C, H, W] (or logits [B, K])."""
+        velocity [B, C, H, W] (or logits [B, K]). raw: x and t are the network's own input and embedder timestep
+        (a ddpm model's VP state and step, as it trains) and the output is the network's (its noise): through
+        forward, so that a DistributedDataParallel wrapper sees the call."""
         if x.shape[-2:] != tuple(self.cfg.input_size) or x.shape[1] != self.cfg.in_channels:
             raise ValueError(
                 f"input of shape {tuple(x.shape[1:])} does not match the model's "
                 f"({self.cfg.in_channels}, {self.cfg.input_size[0]}, {self.cfg.input_size[1]})"
             )
         t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
+        if raw:
+            return self.network(x, t, **cond)
         x_in, emb_t = self.network_input(x, t)
         out = self.network(x_in, emb_t, **cond)
         return out if self.head is not None else self.output_velocity(out, x, t)

@@ -20,6 +20,7 @@ from flowfleet.data.augment import choose
 from flowfleet.data.shards import ShardSet, open_complete
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import ddpm_loss, flow_matching_loss, interpolate, sample_t
+from flowfleet.flow.path import vp_log_snr
 from flowfleet.layout import (
     ASSIGNMENTS,
     AUTOENCODER,
@@ -118,6 +119,7 @@ class FlowTask(TrainTask):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._decoder: Callable[[torch.Tensor], torch.Tensor] | Literal[False] | None = None  # False: unavailable
+        self._vp_table: torch.Tensor | None = None  # a ddpm expert's log SNR per VP step
 
     def loss(self, model, batch, gen):
         x0, augment = batch["latents"], None  # [B, C, H, W]
@@ -130,10 +132,13 @@ class FlowTask(TrainTask):
         cond = preview.condition_kwargs(batch, self.model_cfg)
         if augment is not None:
             cond["augment"] = augment  # how each item was augmented (zeros: as prepared)
-        if model.vp_table is not None:  # a ddpm expert: the noise at uniform integer VP steps (DiT's recipe)
-            tau = torch.randint(0, len(model.vp_table), (b,), generator=gen, device=dev)  # [B]
-            eps_fn = lambda x, s: model.network(x, s, drop=drop, **cond)[:, : x.shape[1]]  # noqa: E731
-            return ddpm_loss(eps_fn, x0, tau, eps, model.vp_table), {}
+        if self.model_cfg.schedule is not None:  # a ddpm expert: its noise at uniform integer VP steps (DiT's)
+            if self._vp_table is None:
+                self._vp_table = vp_log_snr(self.model_cfg.schedule)  # [1000]
+            table = self._vp_table
+            tau = torch.randint(0, len(table), (b,), generator=gen, device=dev)  # [B]
+            eps_fn = lambda x, s: model(x, s, raw=True, drop=drop, **cond)[:, : x.shape[1]]  # noqa: E731
+            return ddpm_loss(eps_fn, x0, tau, eps, table), {}
         loss = flow_matching_loss(lambda x_t, tt: model(x_t, tt, drop=drop, **cond), x0, t, eps)
         return loss, {}
 
