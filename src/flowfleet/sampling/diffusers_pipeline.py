@@ -105,17 +105,8 @@ class FlowfleetDiffusionPipeline(DiffusionPipeline):
         if top_k is not None:
             strategy = f"topk:{top_k}"
         noise = randn_tensor((n, *fleet.latent_shape), generator=generator, device=fleet.device, dtype=fleet.dtype)
-        out = fleet(
-            repeat(prompts),
-            n,
-            labels=repeat(labels),
-            strategy=strategy,
-            steps=num_inference_steps,
-            cfg=guidance_scale,
-            cfg_max_t=cfg_max_t,
-            noise=noise,
-            progress="flowfleet",
-        )
+        settings = fleet.settings(strategy, num_inference_steps, cfg=guidance_scale, cfg_max_t=cfg_max_t)
+        out = fleet(repeat(prompts), n, labels=repeat(labels), settings=settings, noise=noise, progress="flowfleet")
         images: Any
         if output_type == "latent":
             images = out.latents
