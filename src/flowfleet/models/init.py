@@ -1,9 +1,9 @@
 """Where an expert's weights start (run.yaml expert_init): a pretrained transformer folder, either a diffusers
 PixArtTransformer2DModel (flowfleet.models.pixart maps its names) or a flowfleet DiT of the expert's own
 architecture, such as a seed model trained on all the data before the experts branch (c-BTM's seed phase); or a
-checkpoint file of the DiT reference model (facebookresearch/DiT: its `DiT_models` state dict, a .pt file of
-tensors or a .safetensors file; a training checkpoint's "ema" weights), as DDPM weights for a ddpm expert or the
-start of a flow-matching expert's fine-tuning (Heterogeneous DDM's checkpoint conversion).
+checkpoint of the DiT reference model (facebookresearch/DiT: its `DiT_models` state dict, as a .safetensors file;
+a .pt is refused with the command that converts it), as DDPM weights for a ddpm expert or the start of a
+flow-matching expert's fine-tuning (Heterogeneous DDM's checkpoint conversion).
 """
 
 from __future__ import annotations
@@ -53,8 +53,6 @@ def load_dit_into(model: torch.nn.Module, cfg: DiTConfig, folder: str) -> None:
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".safetensors")  # a DiT reference checkpoint, not a folder
 CONDITION_EMBEDDERS = ("y_embedder.",)  # in a DiT checkpoint, used only by an expert conditioned the same way
-
-
 def _beyond_dit(name: str) -> bool:
     """An expert weight the reference DiT has no counterpart of (text conditioning, augmentation, adaLN-single):
     it keeps its initialisation."""
@@ -63,26 +61,21 @@ def _beyond_dit(name: str) -> bool:
 
 
 def read_dit_checkpoint(path: str) -> dict[str, torch.Tensor]:
-    """The reference DiT's state dict from `path` (local or fsspec URL): a .safetensors file, or a .pt file read
-    with torch's tensors-only loader (weights_only: no code is unpickled); a training checkpoint's "ema" (what DiT
-    releases), else its "model"."""
-    root, name = RunRoot(posixpath.dirname(path.rstrip("/")) or "."), posixpath.basename(path.rstrip("/"))
+    """The reference DiT's state dict from a .safetensors file (local or fsspec URL). A .pt file is refused, naming
+    where the command that converts it is: a pickle is code, and flowfleet never unpickles (tests/test_safety.py)."""
+    name = posixpath.basename(path.rstrip("/"))
+    if not name.endswith(".safetensors"):
+        raise FlowfleetError(
+            f"expert_init {path}: a pickle, which flowfleet does not load; convert it once to .safetensors where you "
+            "trust it (docs/heterogeneous-experts.md has the command)"
+        )
+    root = RunRoot(posixpath.dirname(path.rstrip("/")) or ".")
     try:
-        data = root.read_bytes(name)
-        if name.endswith(".safetensors"):
-            state: object = safetensors.torch.load(data)
-        else:
-            import io
-
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        state = safetensors.torch.load(root.read_bytes(name))
     except Exception as err:  # a missing file, a truncated or foreign one: one line
         why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         raise FlowfleetError(f"expert_init {path}: not a readable DiT checkpoint ({why})") from None
-    if isinstance(state, dict) and isinstance(state.get("ema", state.get("model")), dict):
-        state = state.get("ema", state.get("model"))
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise FlowfleetError(f"expert_init {path}: expected a state dict of tensors (DiT_models' layout)")
-    return {str(k): v for k, v in state.items()}
+    return dict(state)
 
 
 def load_dit_checkpoint_into(model: torch.nn.Module, cfg: DiTConfig, path: str) -> None:
