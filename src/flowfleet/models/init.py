@@ -53,6 +53,8 @@ def load_dit_into(model: torch.nn.Module, cfg: DiTConfig, folder: str) -> None:
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".safetensors")  # a DiT reference checkpoint, not a folder
 CONDITION_EMBEDDERS = ("y_embedder.",)  # in a DiT checkpoint, used only by an expert conditioned the same way
+
+
 def _beyond_dit(name: str) -> bool:
     """An expert weight the reference DiT has no counterpart of (text conditioning, augmentation, adaLN-single):
     it keeps its initialisation."""
