@@ -97,7 +97,8 @@ def plot(records: list[dict], out: Path) -> None:
     ratio.set(xlabel="training items (steps in proportion)", ylabel="top-2 / monolith")
     for ax in (fd, ratio):
         ax.set_xscale("log")
-        ax.set_xticks(sizes, [str(n) for n in sizes])
+        # a size within 20 % of the one before shares its tick's place: label it on a second line
+        ax.set_xticks(sizes, [("\n" if i and n < 1.2 * sizes[i - 1] else "") + str(n) for i, n in enumerate(sizes)])
         ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
