@@ -151,6 +151,15 @@ def test_inconsistent_objectives_are_one_line_errors(tmp_path):
     raw["expert_overrides"] = {1: {"objective": "ddpm", "schedule": "quadratic"}}
     with pytest.raises(ConfigError, match=r"^[^\n]*schedule[^\n]*$"):
         RunConfig.from_dict(raw, where="run.yaml")
+    # experts' steps split by cluster size (one budget of FLOPs): another objective keeps the FLOPs, another width not
+    raw["train"]["expert_steps"] = "by_size"
+    raw["expert_overrides"] = {1: {"objective": "ddpm", "schedule": "linear"}}
+    assert RunConfig.from_dict(raw, where="run.yaml").expert_config(1).objective == "ddpm"
+    raw["expert_overrides"] = {1: {"hidden_size": 64}}
+    with pytest.raises(
+        ConfigError, match="train.expert_steps: by_size splits the steps of experts of one architecture"
+    ):
+        RunConfig.from_dict(raw, where="run.yaml")
 
 
 # --------------------------------------------------------------------------------------------------

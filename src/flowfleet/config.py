@@ -475,7 +475,11 @@ class RunConfig(_Strict):
                 self.expert_config(k)
             except ValidationError as err:
                 raise ValueError(f"expert_overrides.{k}.{describe_validation_error(err)}") from None
-        if self.train.expert_steps == "by_size" and self.expert_overrides:
+        # by_size splits one budget of FLOPs: experts of another architecture would make the monolith's matched
+        # compute depend on the split; another objective (the same network, the same FLOPs) does not
+        same_flops = ("objective", "schedule", "cond_dropout", "dropout")
+        reshaped = any(set(changes) - set(same_flops) for changes in self.expert_overrides.values())
+        if self.train.expert_steps == "by_size" and reshaped:
             raise ValueError(
                 "train.expert_steps: by_size splits the steps of experts of one architecture; with "
                 "expert_overrides the monolith's matched compute would depend on which expert gets which share"
