@@ -461,7 +461,7 @@ class RunConfig(_Strict):
             try:
                 self.student_config()
             except ValidationError as err:
-                raise ValueError(f"distill.student.{describe_validation_error(err)}") from None
+                raise ValueError(f"distill.student.{validation_message(err)}") from None
         for k, changes in self.expert_overrides.items():
             if not 0 <= k < self.num_experts:
                 raise ValueError(f"expert_overrides.{k}: no such expert (the run has {self.num_experts})")
@@ -474,7 +474,7 @@ class RunConfig(_Strict):
             try:  # (a size whose patch differs contradicts the patch_size kept from `expert`)
                 self.expert_config(k)
             except ValidationError as err:
-                raise ValueError(f"expert_overrides.{k}.{describe_validation_error(err)}") from None
+                raise ValueError(f"expert_overrides.{k}.{validation_message(err)}") from None
         # by_size splits one budget of FLOPs: experts of another architecture would make the monolith's matched
         # compute depend on the split; another objective (the same network, the same FLOPs) does not
         same_flops = ("objective", "schedule", "cond_dropout", "dropout")
@@ -532,7 +532,7 @@ class RunConfig(_Strict):
         try:
             return cls.model_validate(raw)
         except ValidationError as err:
-            raise ConfigError(f"{where}: {describe_validation_error(err)}") from None
+            raise ConfigError(f"{where}: {validation_message(err)}") from None
 
     def save(self, root: RunRoot) -> None:
         root.write_yaml(self.to_dict(), RUN_FILE)
@@ -544,11 +544,6 @@ def _changed(model: DiTConfig, changes: dict[str, Any]) -> DiTConfig:
     if changes.get("size"):
         base = {name: v for name, v in base.items() if name not in _SHAPE_FIELDS}
     return DiTConfig(**{**base, **changes})
-
-
-def describe_validation_error(err: ValidationError) -> str:
-    """The first error as 'dotted.key: message' (flowfleet.models.files.validation_message)."""
-    return validation_message(err)
 
 
 def load_run_config(root: RunRoot) -> RunConfig:

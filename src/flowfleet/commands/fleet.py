@@ -113,7 +113,8 @@ def run_add_expert(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from flowfleet.config import ConfigError, DataConfig, describe_validation_error, load_run_config
+    from flowfleet.config import ConfigError, DataConfig, load_run_config
+    from flowfleet.models.files import validation_message
     from flowfleet.stages.add_expert import add_expert
     from flowfleet.storage import RunRoot
 
@@ -127,7 +128,7 @@ def run_add_expert(args: argparse.Namespace) -> int:
     try:
         data = DataConfig(**{name: getattr(run.data, name) for name in keep}, **fields)
     except ValidationError as err:
-        raise ConfigError(f"--source {args.source}: {describe_validation_error(err)}") from None
+        raise ConfigError(f"--source {args.source}: {validation_message(err)}") from None
     expert = {name: getattr(args, name) for name in ("objective", "schedule") if getattr(args, name) is not None}
     result = add_expert(args.run_root, data, k=args.k, progress=args.progress, expert=expert or None)
     print(

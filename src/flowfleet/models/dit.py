@@ -12,7 +12,7 @@ Deliberate differences from facebookresearch/DiT, each optional except the first
   * num_outputs > 0 replaces the final layer by a classification head (the router, paris §2.5);
   * objective "ddpm": the network predicts DiT's noise on a VP schedule (learned sigma optional, its half
     ignored); `forward` still takes flowfleet's (x_t, t) and returns the velocity, converting at the VP step of
-    the same SNR (flowfleet.flow.path). Training calls `network` with the VP state and step directly.
+    the same SNR (flowfleet.flow.path). Training passes the VP state and step through (`forward(raw=True)`).
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ class DiTModel(ModelMixin, ConfigMixin):
         (1000 t; a ddpm model: the VP state and step of the same SNR, flowfleet.flow.path)."""
         if self.vp_table is None:
             return x, embedder_timestep(t)
-        table = self.vp_table.to(x.device)
+        table = self._vp_table_on(x.device)
         scale = vp_input_scale(t.to(torch.float64)).to(x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
         return x * scale, vp_timestep(t, table).float()
 
@@ -213,7 +213,14 @@ class DiTModel(ModelMixin, ConfigMixin):
         if self.vp_table is None:
             return out
         eps = out[:, : self.cfg.in_channels]
-        return velocity_from_eps(eps, x, t, self.vp_table.to(x.device))
+        return velocity_from_eps(eps, x, t, self._vp_table_on(x.device))
+
+    def _vp_table_on(self, device: torch.device) -> torch.Tensor:
+        """The ddpm table on `device`, moved once (not a buffer: module.to(dtype) would round it)."""
+        assert self.vp_table is not None
+        if self.vp_table.device != device:
+            self.vp_table = self.vp_table.to(device)
+        return self.vp_table
 
     def conditioning(
         self,
