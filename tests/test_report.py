@@ -250,3 +250,22 @@ def test_report_says_when_the_experts_split_the_steps_by_size(tmp_path):
     RunConfig.from_dict(raw).save(root)
     write_report(root.url)
     assert f"K x {raw['train']['steps']} steps {note}" in (tmp_path / "run" / "reports" / "report.html").read_text()
+
+
+def test_the_results_table_of_one_draw(tmp_path):
+    """An evaluation without draws (evaluate --repeats 1): each model's distance, its ratios to the floor and to the
+    monolith, then the floor, from the one draw."""
+    root = synthetic_run(tmp_path / "run")
+    ev = root.read_json("reports", "evaluation.json")
+    for name, fd in {"monolith": 40.0, "top1": 50.0, "top2": 44.0, "full": 60.0}.items():
+        ev["runs"][name].update(cfg=2.0, classifier_fd=fd, prompt_accuracy=0.97, precision=0.9, recall=0.7)
+    ev["reference_split"] = {"floor": {"n": 300, "classifier_fd": 20.0, "precision": 0.88, "recall": 0.91}}
+    root.write_json(ev, "reports", "evaluation.json")
+    from flowfleet.evaluate.report import ReportBuilder
+
+    rows = {row[0]: row[1:] for row in ReportBuilder(root).results_table()["rows"]}
+    assert rows["monolith"] == ["2", "40", "2", "", "0.97", "0.9", "0.7"]
+    assert rows["top2"] == ["2", "44", "2.2", "1.1", "0.97", "0.9", "0.7"]  # 2.2x the floor, 1.1x the monolith
+    assert rows["real images (the floor)"] == ["", "20", "", "", "", "0.88", "0.91"]
+    write_report(root.url)  # and it opens the page
+    assert parse((tmp_path / "run" / "reports" / "report.html").read_text()).cells[:2] == ["monolith", "2"]

@@ -8,7 +8,7 @@ from typing import Any
 from flowfleet.data.sources import describe_source
 from flowfleet.evaluate import views
 from flowfleet.evaluate.report.parts import TITLES, BuilderBase, Section, fmt
-from flowfleet.evaluate.report.tables import draws_table
+from flowfleet.evaluate.report.tables import draws_table, one_draw
 
 
 class QualitySections(BuilderBase):
@@ -21,39 +21,15 @@ class QualitySections(BuilderBase):
         several. None before a model was scored."""
         runs = self._runs()
         draws = (self.evaluation or {}).get("draws")
-        if draws:
-            table = draws_table(draws)
-            header = [table["header"][0], "cfg", *table["header"][1:]]
-            rows = [[row[0], fmt(runs.get(row[0], {}).get("cfg")), *row[1:]] for row in table["rows"]]
-            over = f"mean ± sd over {len(draws['seeds'])} evaluation draws (other prompts, noise and reference each)"
-        else:
-            floor = ((self.evaluation or {}).get("reference_split") or {}).get("floor") or {}
-            metric = "classifier_fd" if any(r.get("classifier_fd") is not None for r in runs.values()) else "fid"
-            if not any(r.get(metric) is not None for r in runs.values()):
+        if not draws:
+            if not any(r.get(m) is not None for r in runs.values() for m in ("classifier_fd", "fid")):
                 return None
-            mono = runs.get("monolith", {}).get(metric)
-
-            def ratio(a: Any, b: Any) -> str:
-                return f"{a / b:.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
-
-            header = ["model", "cfg", "classifier FD" if metric == "classifier_fd" else "FID", "÷ floor", "÷ monolith"]
-            header += ["prompt accuracy", "precision", "recall"]
-            rows = [
-                [
-                    name,
-                    fmt(r.get("cfg")),
-                    fmt(r.get(metric)),
-                    ratio(r.get(metric), floor.get(metric)),
-                    "" if name == "monolith" else ratio(r.get(metric), mono),
-                    *[fmt(r.get(k)) for k in ("prompt_accuracy", "precision", "recall")],
-                ]
-                for name, r in runs.items()
-            ]
-            rows += [
-                [name, "", fmt(f.get(metric)), "", "", "", fmt(f.get("precision")), fmt(f.get("recall"))]
-                for name, f in self._floor_row()
-            ]
-            over = "one evaluation draw"
+            draws = one_draw(runs, ((self.evaluation or {}).get("reference_split") or {}).get("floor") or {})
+        table = draws_table(draws)
+        header = [table["header"][0], "cfg", *table["header"][1:]]
+        rows = [[row[0], fmt(runs.get(row[0], {}).get("cfg")), *row[1:]] for row in table["rows"]]
+        n = len(draws["seeds"])
+        over = f"mean ± sd over {n} evaluation draws (other prompts, noise and reference each)" if n > 1 else "one draw"
         return {
             "caption": f"each model at its guidance scale (cfg; the lowest distance at the accuracy the evaluation "
             f"asks for), {over}; lower distances are better, the real floor is held-out real images scored like a "

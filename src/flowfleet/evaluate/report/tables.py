@@ -53,7 +53,7 @@ def draws_table(draws: dict[str, Any]) -> dict[str, Any]:
     rows.append(
         [
             "real images (the floor)",
-            spread(floor[metric]),
+            spread(floor[metric]),  # (an evaluation without a floor: "")
             "",
             "",
             "",
@@ -76,6 +76,18 @@ def draws_table(draws: dict[str, Any]) -> dict[str, Any]:
             "recall",
         ],
         "rows": rows,
+    }
+
+
+def one_draw(runs: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation of one draw (evaluate --repeats 1) in the shape of its draws (draws_table): each figure a list
+    of one value, the judge's distance where a model has one, else FID."""
+    metric = "classifier_fd" if any(r.get("classifier_fd") is not None for r in runs.values()) else "fid"
+    figures = (metric, "prompt_accuracy", "precision", "recall")
+    return {
+        "seeds": [0],
+        "floor": {k: [floor.get(k)] for k in (metric, "precision", "recall") if k == metric or k in floor},
+        "runs": {name: {k: [r.get(k)] for k in figures} for name, r in runs.items()},
     }
 
 
