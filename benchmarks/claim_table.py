@@ -6,7 +6,9 @@ demo and `fleet_budget.py --repeats` write them). One run per training seed; not
 
 Prints a Markdown table: per run, each model's classifier FD (mean +- sd over its draws) at its scale, prompt
 accuracy over the draws, top-2 / monolith draw by draw, the monolith / the real floor draw by draw; then the
-means over the runs (mean +- sd of the per-run means). --json writes the same figures.
+means over the runs (mean +- sd of the per-run means). --json writes the same figures. --sweep also prints top-2's
+guidance sweep at every scale (one draw per run, averaged over the runs): two fleets compared at the same guidance,
+not each at its own.
 """
 
 from __future__ import annotations
@@ -40,10 +42,21 @@ def run_figures(run: Path) -> dict:
     }
 
 
+def sweep_rows(runs: list[Path], model: str = "top2") -> list[dict]:
+    """The model's sweep at each scale, mean over the runs: prompt accuracy, classifier FD, precision, recall."""
+    sweeps = [json.loads((r / "reports" / "evaluation.json").read_text())["runs"][model]["sweep"] for r in runs]
+    keys = ("prompt_accuracy", "classifier_fd", "precision", "recall")
+    return [
+        {"cfg": point["cfg"], **{k: statistics.fmean(s[i][k] for s in sweeps) for k in keys}}
+        for i, point in enumerate(sweeps[0])
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="finished runs (one per training seed)")
     p.add_argument("--json", help="write the figures here too")
+    p.add_argument("--sweep", action="store_true", help="also top-2's guidance sweep, mean over the runs")
     a = p.parse_args()
     rows = [run_figures(Path(r)) for r in a.runs]
     head = ("run", "monolith (cfg)", "top-2 (cfg)", "prompt accuracy, monolith / top-2", "top-2 ÷ monolith")
@@ -63,8 +76,17 @@ def main() -> None:
         f"| **{spread(means['ratio'], 3)}** | **{spread(means['monolith_over_floor'], 3)}** |"
     )
     print(f"\nreal floor (classifier FD of held-out digits against the reference): {spread(means['floor'])}")
+    sweep = sweep_rows([Path(r) for r in a.runs]) if a.sweep else []
+    if sweep:
+        print("\n| top-2's cfg | prompt accuracy | classifier FD | precision | recall |\n|---|---|---|---|---|")
+        for row in sweep:
+            print(
+                f"| {row['cfg']:g} | {row['prompt_accuracy']:.3f} | {row['classifier_fd']:.1f} "
+                f"| {row['precision']:.2f} | {row['recall']:.2f} |"
+            )
     if a.json:
-        Path(a.json).write_text(json.dumps({"runs": rows, "means": {**means, **models}}, indent=1))
+        figures = {"runs": rows, "means": {**means, **models}, "sweep": sweep}
+        Path(a.json).write_text(json.dumps(figures, indent=1))
 
 
 if __name__ == "__main__":

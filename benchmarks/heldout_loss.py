@@ -5,7 +5,9 @@ the diagnostic `flowfleet evaluate --monolith` writes, here with every item and 
     HF_HUB_OFFLINE=1 python benchmarks/heldout_loss.py --run runs/demo21 --draws 4 --json out.json
 
 A held-out loss well above the training loss, and above the monolith's on the same items, is the data-limited
-regime in the loss itself.
+regime in the loss itself. `--by-t` also prints each expert's held-out loss per noise level (for a DDPM expert, in
+the velocity space its converted output is sampled in: docs/heterogeneous-experts.md), to set two runs' experts
+of the same cluster side by side.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main() -> None:
     p.add_argument("--max-items", type=int, default=100_000, help="per cluster and split (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the result here too")
+    p.add_argument("--by-t", action="store_true", help="print each expert's held-out loss per t bin")
     a = p.parse_args()
 
     import safetensors.torch
@@ -74,6 +77,11 @@ def main() -> None:
             for name in ("expert", "monolith")
         }
         print(f"t {t:.2f}: gap expert {gaps['expert']:+.4f}  monolith {gaps['monolith']:+.4f}")
+    if a.by_t:
+        print("t      " + "".join(f"{t:7.2f}" for t in res["t"]))
+        for r in res["clusters"]:
+            objective = experts[r["expert"]].cfg.objective
+            print(f"{r['expert']} {objective:4s} " + "".join(f"{v:7.3f}" for v in r["expert_heldout_by_t"]))
     if a.json:
         a.json.write_text(json.dumps({"run": str(run), "agreement": agree, **res}, indent=1))
 
