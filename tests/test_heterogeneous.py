@@ -20,11 +20,13 @@ from test_flow import CLUSTERS
 from flowfleet.config import ConfigError, RunConfig
 from flowfleet.flow import combine
 from flowfleet.flow.path import (
+    VP_MIN_LOG_SNR,
     VP_STEPS,
     velocity_from_eps,
     vp_input_scale,
     vp_log_snr,
     vp_log_snr_at,
+    vp_log_snr_bounds,
     vp_timestep,
 )
 from flowfleet.models.config import DiTConfig
@@ -36,8 +38,11 @@ SCHEDULES = ("linear", "cosine")
 
 
 def t_range(table: torch.Tensor) -> tuple[float, float]:
-    """The flow-matching times whose SNR the schedule's steps span: t = sigmoid(-log SNR / 2)."""
-    return float(torch.sigmoid(-table[0] / 2)), float(torch.sigmoid(-table[-1] / 2))
+    """The flow-matching times whose SNR the conversion spans (the schedule's steps, down to VP_MIN_LOG_SNR):
+    t = sigmoid(-log SNR / 2)."""
+    lo, hi = vp_log_snr_bounds(table)
+    ends = torch.tensor([-hi / 2, -lo / 2], dtype=torch.float64)
+    return float(torch.sigmoid(ends[0])), float(torch.sigmoid(ends[1]))
 
 
 def exact_noise_expert(mix: GaussianMixture, table: torch.Tensor):
@@ -63,7 +68,7 @@ def as_velocity(eps_expert, table: torch.Tensor):
 def conversion_tol(mix: GaussianMixture, x: torch.Tensor, u: torch.Tensor, table: torch.Tensor) -> float:
     """The toy's float64 posterior (~10 roundings per component, amplified by max|x|^2 / min var, as in
     test_flow's decomposition test) passed through x0 = (x_vp - sigma eps) / alpha: up to 1 / alpha_min more."""
-    alpha_min = float(torch.sigmoid(table[-1]).sqrt())
+    alpha_min = float(torch.sigmoid(torch.tensor(vp_log_snr_bounds(table)[0], dtype=torch.float64)).sqrt())
     return gamma(10 * 6) * max_abs(x) ** 2 / float(mix.stds.min()) ** 2 * max_abs(u) / alpha_min
 
 
@@ -85,14 +90,44 @@ def test_an_exact_noise_predictor_is_the_exact_flow_matching_velocity(schedule):
 def test_vp_timestep_and_the_schedule_are_inverses(schedule):
     table = vp_log_snr(schedule)
     assert len(table) == VP_STEPS and bool((table[1:] < table[:-1]).all())  # decreasing: noisier with each step
-    tau = torch.cat([torch.arange(VP_STEPS, dtype=torch.float64), torch.rand(500, dtype=torch.float64) * 999])
+    # the steps the conversion queries: all of the linear schedule's, the cosine's up to VP_MIN_LOG_SNR's (994.x)
+    last = float(vp_timestep(torch.ones(1, dtype=torch.float64), table))  # where t = 1 (pure noise) is queried
+    assert last == {"linear": 999.0, "cosine": pytest.approx(994.92, abs=0.01)}[schedule]
+    lam = vp_log_snr_at(torch.tensor([last], dtype=torch.float64), table)
+    assert float(lam) == pytest.approx(max(float(table[-1]), VP_MIN_LOG_SNR), abs=1e-9)
+    steps = torch.arange(int(last) + 1, dtype=torch.float64)
+    tau = torch.cat([steps, torch.tensor([last], dtype=torch.float64), torch.rand(500, dtype=torch.float64) * last])
     t = torch.sigmoid(-vp_log_snr_at(tau, table) / 2)
     # tau -> log SNR -> t -> log SNR -> tau: a handful of float64 roundings, relative to the steps' size
     torch.testing.assert_close(vp_timestep(t, table), tau, rtol=0, atol=gamma(16) * 1e3 * VP_STEPS)
-    # beyond the schedule's steps: its first and last step, and a finite velocity (x0 at the clamped SNR)
+    # beyond the conversion's range: the schedule's first step, and the step of VP_MIN_LOG_SNR (the linear
+    # schedule's last; the cosine's 995th of 1000), and a finite velocity (x0 at the clamped SNR)
     ends = torch.tensor([0.0, 1e-9, 1 - 1e-9, 1.0], dtype=torch.float64)
-    assert vp_timestep(ends, table).tolist() == [0.0, 0.0, 999.0, 999.0]
+    assert vp_timestep(ends, table).tolist() == [0.0, 0.0, last, last]
     assert velocity_from_eps(torch.randn(4, 2), torch.randn(4, 2), ends.float(), table).isfinite().all()
+
+
+def test_the_least_snr_is_the_linear_schedules_last_step():
+    assert VP_MIN_LOG_SNR == pytest.approx(float(vp_log_snr("linear")[-1]), abs=1e-4)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_noise_error_at_the_noisy_end_is_amplified_no_more_than_at_the_least_snr(schedule):
+    """x0 = (x_vp - sigma eps) / alpha: an error d in the noise is an error sigma / alpha * d in x0. At the
+    cosine schedule's last step that factor is 2e4 (its log SNR -19.8); the conversion never goes below
+    VP_MIN_LOG_SNR, where it is exp(-VP_MIN_LOG_SNR / 2) = 157."""
+    table = vp_log_snr(schedule)
+    g = torch.Generator().manual_seed(0)
+    x, eps, err = (torch.randn(64, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    least = vp_log_snr_bounds(table)[0]  # the linear schedule's own last step; the cosine's: VP_MIN_LOG_SNR
+    assert least == pytest.approx(VP_MIN_LOG_SNR, abs=1e-4)
+    bound = torch.exp(torch.tensor(-least / 2, dtype=torch.float64))  # sigma / alpha there: 157
+    for t in (0.995, 0.9999, 1.0):
+        tt = torch.full((64,), t, dtype=torch.float64)
+        dv = velocity_from_eps(eps + 1e-3 * err, x, tt, table) - velocity_from_eps(eps, x, tt, table)
+        gain = dv.abs().max() / (1e-3 * err).abs().max()
+        # v = (x_t - x0) / t: the error sigma / alpha * d / t; the floor binds for every t beyond 0.9937
+        assert float(gain) == pytest.approx(float(bound) / t, rel=1e-6), t
 
 
 def test_a_mixed_fleet_under_the_full_ensemble_is_the_marginal_flow():

@@ -16,8 +16,8 @@ into the velocity (docs/heterogeneous-experts.md derives it):
     x0     = (x_vp - sqrt(1 - abar) eps_hat) / sqrt(abar),   v = eps_hat - x0 = (x_t - x0) / t
 
 The schedule's 1000 steps give log-SNR at integer tau; between them it is linear in tau (so `vp_timestep` and
-`vp_log_snr_at` are exact inverses), beyond them it is clamped: at t above the schedule's noisiest step the network
-sees that step, and x0 is recovered at its SNR.
+`vp_log_snr_at` are exact inverses), beyond them it is clamped, and never below VP_MIN_LOG_SNR: at t above that
+(t > 0.9937) the network sees the step of the clamped SNR, and x0 is recovered at that SNR.
 """
 
 from __future__ import annotations
@@ -66,6 +66,19 @@ VP_STEPS = 1000  # DiT's discrete diffusion steps
 VP_SCHEDULES = {"linear": "linear", "cosine": "squaredcos_cap_v2"}  # flowfleet's name -> diffusers' beta_schedule
 
 
+# The least SNR an epsilon-network is queried at: the last step of DiT's linear schedule (log(abar / (1 - abar)) at
+# step 999 of betas 1e-4 .. 0.02), where DDPM's own samplers start. x0 = (x_vp - sigma eps_hat) / alpha multiplies
+# the network's error by 1 / alpha: 157x there, but 2e4x at the cosine schedule's last step (log SNR -19.8), where
+# epsilon says next to nothing about x0 (Lin et al. 2023, "Common Diffusion Noise Schedules and Sample Steps Are
+# Flawed"); a cosine expert's 5 noisiest steps are not used.
+VP_MIN_LOG_SNR = -10.1177
+
+
+def vp_log_snr_bounds(table: torch.Tensor) -> tuple[float, float]:
+    """The log SNR range a schedule's epsilon-network is queried in: its steps', and not below VP_MIN_LOG_SNR."""
+    return max(float(table[-1]), VP_MIN_LOG_SNR), float(table[0])
+
+
 def vp_log_snr(schedule: str) -> torch.Tensor:
     """log(abar / (1 - abar)) at VP steps 0 .. 999 of a named schedule (DiT's: linear betas 1e-4 .. 0.02, or the
     cosine schedule), float64 [1000], decreasing. The betas are diffusers' DDPMScheduler's."""
@@ -94,8 +107,9 @@ def vp_log_snr_at(tau: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 def vp_timestep(t: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The fractional VP step whose log SNR (`vp_log_snr_at`) equals that of flowfleet's t, clamped to the
-    schedule's steps: what the timestep embedder of a DDPM expert sees (DiT's 0 .. 999)."""
-    lam = fm_log_snr(t.to(table.dtype)).clamp(min=float(table[-1]), max=float(table[0]))
+    schedule's steps and to VP_MIN_LOG_SNR: what the timestep embedder of a DDPM expert sees (DiT's 0 .. 999)."""
+    lo, hi = vp_log_snr_bounds(table)
+    lam = fm_log_snr(t.to(table.dtype)).clamp(min=lo, max=hi)
     rising = -table  # increasing
     i = torch.searchsorted(rising, -lam, right=True).clamp(1, len(table) - 1) - 1  # rising[i] <= -lam
     frac = (lam - table[i]) / (table[i + 1] - table[i])
@@ -114,7 +128,8 @@ def velocity_from_eps(eps: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, tab
     dt = torch.promote_types(x_t.dtype, torch.float32)  # bf16 / fp16 activations: the conversion in fp32
     x, e = x_t.to(dt), eps.to(dt)
     tb = _bcast(torch.as_tensor(t, device=x.device).to(dt), x)
-    lam = fm_log_snr(tb).clamp(min=float(table[-1]), max=float(table[0]))
+    lo, hi = vp_log_snr_bounds(table)
+    lam = fm_log_snr(tb).clamp(min=lo, max=hi)
     alpha, sigma = torch.sigmoid(lam).sqrt(), torch.sigmoid(-lam).sqrt()  # sqrt(abar), sqrt(1 - abar)
     x0 = (x * vp_input_scale(tb) - sigma * e) / alpha
     v = torch.where(tb > 0.5, (x - x0) / tb.clamp(min=0.5), e - x0)
