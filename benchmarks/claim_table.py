@@ -39,12 +39,13 @@ def run_figures(run: Path) -> dict:
         "floor": floor,
         "ratio": [t / m for t, m in zip(fd["top2"], fd["monolith"])],
         "monolith_over_floor": [m / f for m, f in zip(fd["monolith"], floor)],
+        "sweep": ev["runs"]["top2"]["sweep"],  # the draw the scales were chosen on: every scale's figures
     }
 
 
-def sweep_rows(runs: list[Path], model: str = "top2") -> list[dict]:
-    """The model's sweep at each scale, mean over the runs: prompt accuracy, classifier FD, precision, recall."""
-    sweeps = [json.loads((r / "reports" / "evaluation.json").read_text())["runs"][model]["sweep"] for r in runs]
+def sweep_rows(rows: list[dict]) -> list[dict]:
+    """Top-2's sweep at each scale, mean over the runs: prompt accuracy, classifier FD, precision, recall."""
+    sweeps = [r["sweep"] for r in rows]
     keys = ("prompt_accuracy", "classifier_fd", "precision", "recall")
     return [
         {"cfg": point["cfg"], **{k: statistics.fmean(s[i][k] for s in sweeps) for k in keys}}
@@ -76,7 +77,7 @@ def main() -> None:
         f"| **{spread(means['ratio'], 3)}** | **{spread(means['monolith_over_floor'], 3)}** |"
     )
     print(f"\nreal floor (classifier FD of held-out digits against the reference): {spread(means['floor'])}")
-    sweep = sweep_rows([Path(r) for r in a.runs]) if a.sweep else []
+    sweep = sweep_rows(rows) if a.sweep else []
     if sweep:
         print("\n| top-2's cfg | prompt accuracy | classifier FD | precision | recall |\n|---|---|---|---|---|")
         for row in sweep:
