@@ -24,7 +24,8 @@ one baseline).
 
 Appends one JSON line per budget to OUT/budget.jsonl and prints it, then draws OUT/budget.png from every line
 of the same --set levers: each model's chosen FD against the budget (mean and sd over seeds), with the real floor,
-and top-2's ratio to the monolith. --plot-only --compare draws one top-2 curve per lever set instead.
+and top-2's ratio to the monolith. --plot-only --compare draws one top-2 curve per lever set instead (and the
+lever's own monolith where the lever changed it: a width does, an expert_overrides with --monolith-from does not).
 """
 
 from __future__ import annotations
@@ -116,10 +117,18 @@ def plot_budget(records: list[Path], levers: list[list[str]], out: Path) -> None
     FigureCanvasAgg(fig)
     fd = fig.add_subplot(2, 1, 1)
     ratio = fig.add_subplot(2, 1, 2, sharex=fd)
+
+    def monolith_fds(group: list[dict]) -> dict[tuple[int, int], float]:
+        return {(r["budget_per_expert"], r["seed"]): chosen_fd(r, "monolith") for r in group}
+
     curve(fd, groups[0], lambda r: chosen_fd(r, "monolith"), "--o", "monolith", "C0")
     for n, (sets, group) in enumerate(zip(levers, groups), 1):
         label = "top2" + (f" ({', '.join(sets)})" if sets else "")
         curve(fd, group, lambda r: chosen_fd(r, "top2"), "-o", label, f"C{n}")
+        own, first = monolith_fds(group), monolith_fds(groups[0])
+        if n > 1 and any(first.get(key) != value for key, value in own.items()):
+            # a lever that changed the monolith too (its width): that monolith, in the lever's colour
+            curve(fd, group, lambda r: chosen_fd(r, "monolith"), "--s", f"monolith ({', '.join(sets)})", f"C{n}")
         curve(ratio, group, lambda r: chosen_fd(r, "top2") / chosen_fd(r, "monolith"), "-o", label, f"C{n}")
     fd.axhline(floor_fd(groups[0][0]), color="grey", linestyle=":", label="real floor")
     fd.set(ylabel="classifier FD at the chosen scale", title="top-2 against the compute-matched monolith")
@@ -131,6 +140,7 @@ def plot_budget(records: list[Path], levers: list[list[str]], out: Path) -> None
     ratio.set(xscale="log", xlabel="steps per expert (the monolith: K times as many)", ylabel="top-2 / monolith")
     ratio.set_xticks(budgets, [str(b) for b in budgets])
     for ax in (fd, ratio):
+        ax.minorticks_off()  # the log axis' minor labels (2x10^3 ...) would crowd the budgets' own
         ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = out.with_suffix(".png.tmp")
