@@ -122,11 +122,11 @@ def plot_budget(records: list[Path], levers: list[list[str]], out: Path) -> None
         return {(r["budget_per_expert"], r["seed"]): chosen_fd(r, "monolith") for r in group}
 
     curve(fd, groups[0], lambda r: chosen_fd(r, "monolith"), "--o", "monolith", "C0")
+    first = monolith_fds(groups[0])
     for n, (sets, group) in enumerate(zip(levers, groups), 1):
         label = "top2" + (f" ({', '.join(sets)})" if sets else "")
         curve(fd, group, lambda r: chosen_fd(r, "top2"), "-o", label, f"C{n}")
-        own, first = monolith_fds(group), monolith_fds(groups[0])
-        if n > 1 and any(first.get(key) != value for key, value in own.items()):
+        if n > 1 and any(first.get(key) != value for key, value in monolith_fds(group).items()):
             # a lever that changed the monolith too (its width): that monolith, in the lever's colour
             curve(fd, group, lambda r: chosen_fd(r, "monolith"), "--s", f"monolith ({', '.join(sets)})", f"C{n}")
         curve(ratio, group, lambda r: chosen_fd(r, "top2") / chosen_fd(r, "monolith"), "-o", label, f"C{n}")
