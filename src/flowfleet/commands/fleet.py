@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--source",
         required=True,
-        choices=("mnist", "mnist-10k", "mnist-5k", "shapes", "folder", "webdataset", "parquet", "hf_disk"),
+        choices=("mnist", "mnist-10k", "mnist-70k", "mnist-5k", "shapes", "folder", "webdataset", "parquet", "hf_disk"),
         help="where the new data comes from (as run.yaml data.source)",
     )
     p.add_argument("--path", default=None, help="folder / tar glob / parquet glob / save_to_disk folder")

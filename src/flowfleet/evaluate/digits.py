@@ -29,7 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from flowfleet.data.images import resize_batch
-from flowfleet.data.sources.mnist import DIGIT_WORDS, load_mnist_5k
+from flowfleet.data.sources.mnist.digits import DIGIT_WORDS, load_mnist_5k
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.judge import ClassifierJudge, PromptClasses
 from flowfleet.storage import RunRoot

