@@ -17,7 +17,14 @@ space; both models gain from it alike.
         --full-size runs/bench/budget/budget.jsonl      # fleet_budget.py's lines at the run's own budget: N = all
 
 --full-size FILE adds the run's own size to the plot from `fleet_budget.py` result lines (its --budgets at the
-run's train.steps, one line per seed), which are those runs exactly.
+run's train.steps, one line per seed), which are those runs exactly. --records FILE adds another curve's lines.
+
+Beyond the demo's 9000 digits: a run prepared on MNIST's 70,000 (`data.source: mnist-70k`; its first 9000
+training items and its 1000 held-out digits are the demo's) with `encoders.latent.autoencoder.train_items: 9000`
+(the demo's latent space, trained on the same 9000 images) and `train.steps` 23000 (3000 per 9000 items):
+
+    python benchmarks/data_scaling.py --run runs/demo70k --sizes 18000,36000 --seeds 0 --repeats 3 \
+        --cfg 1.25,1.5,2,3,4.5 --out runs/bench/scaling70k
 """
 
 from __future__ import annotations
@@ -118,6 +125,14 @@ def main() -> None:
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--full-size", default="", help="fleet_budget.py's budget.jsonl: its lines at the run's steps")
     p.add_argument(
+        "--records",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="another curve's scaling.jsonl to plot with this one's (its runs on the same first items, judge and "
+        "held-out digits); repeatable",
+    )
+    p.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -151,7 +166,8 @@ def main() -> None:
                 rec["cluster_sizes"] = json.loads((run / "clusters" / "report.json").read_text())["sizes"]
                 rec.update(score_fleet(run, ("top2",), a.cfg, a.n, repeats=a.repeats))
                 keep_record(rec, lines)
-    records = [json.loads(x) for x in lines.read_text().splitlines() if x.strip()] if lines.exists() else []
+    files = [lines, *(Path(f) for f in a.records)]
+    records = [json.loads(x) for f in files if f.exists() for x in f.read_text().splitlines() if x.strip()]
     if a.full_size:
         from flowfleet.data.shards import open_complete
         from flowfleet.layout import DATA
