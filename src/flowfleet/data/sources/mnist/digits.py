@@ -54,6 +54,16 @@ def interleave(labels: np.ndarray) -> np.ndarray:
     return np.lexsort((labels, rank))
 
 
+def read_checked(path: Path, sha256: str, what: str, kind: str) -> bytes:
+    """The bytes of `path` (the `kind` of file that `what` ships in), refused with a SourceError where their
+    sha256 is not `sha256`: a fetched set is converted only from the file flowfleet records."""
+    data = path.read_bytes()
+    got = hashlib.sha256(data).hexdigest()
+    if got != sha256:
+        raise SourceError(f"{path}: sha256 {got}, expected {sha256} ({what}); refusing a changed {kind}")
+    return data
+
+
 def save_digits(out: Path, digits: Digits, **stamp: Any) -> None:
     """A converted set into the cache file `out`, atomically, with `stamp` (what it was converted from and how)
     beside its arrays, for read_cached to check."""

