@@ -18,6 +18,9 @@ space; both models gain from it alike.
 
 --full-size FILE adds the run's own size to the plot from `fleet_budget.py` result lines (its --budgets at the
 run's train.steps, one line per seed), which are those runs exactly. --records FILE adds another curve's lines.
+--set KEY=VALUE (dotted key, YAML value; repeatable) changes every copy's run.yaml, a lever along the whole curve
+(e.g. `--set expert.hidden_size=32 --tag w32`: experts, router budget and monolith alike); the plot draws one pair
+of curves per recipe.
 
 Beyond the demo's 9000 digits: a run prepared on MNIST's 70,000 (`data.source: mnist-70k`; its first 9000
 training items and its 1000 held-out digits are the demo's) with `encoders.latent.autoencoder.train_items: 9000`
@@ -37,14 +40,15 @@ import time
 from pathlib import Path
 
 import yaml
-from fleet_runs import chosen_fd, floor_fd, keep_record, score_fleet  # benchmarks/ is the script's folder
+from fleet_runs import chosen_fd, floor_fd, keep_record, score_fleet, set_dotted  # benchmarks/ is the script's folder
 
 KEPT = ("eval", "autoencoder", "reports/digit_classifier")
 FIELDS = ("latents", "features", "labels", "index", "text_pooled", "text_tokens", "text_mask")
 
 
-def build(src: Path, out: Path, n: int, seed: int) -> int:
-    """OUT with the run's first n training items and the run's budget scaled by n / N; returns the steps."""
+def build(src: Path, out: Path, n: int, seed: int, sets: list[str] = ()) -> int:
+    """OUT with the run's first n training items and the run's budget scaled by n / N, then each --set; returns
+    the steps."""
     from flowfleet.data.shards import ShardSet, ShardSetManifest, open_complete
     from flowfleet.layout import DATA
     from flowfleet.storage import RunRoot
@@ -75,31 +79,38 @@ def build(src: Path, out: Path, n: int, seed: int) -> int:
     raw["train"]["warmup_steps"] = min(raw["train"].get("warmup_steps", 0), steps // 3)
     raw["train"]["seed"] = raw["router_train"]["seed"] = seed
     raw["router_prompt"] = False  # Paris' claim only: top-2 of the prompt-blind router against the monolith
+    for assignment in sets:
+        set_dotted(raw, assignment)
     (out / "run.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     return steps
 
 
 def plot(records: list[dict], out: Path) -> None:
     """Each model's chosen classifier FD (mean and sd over seeds, the real floor dotted) and top-2 / monolith
-    against the training items."""
+    against the training items: one pair of curves per recipe (the --set levers a line was made with)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     sizes = sorted({r["items"] for r in records})
+    recipes = sorted({tuple(r.get("sets", ())) for r in records})
 
-    def curve(ax, value, label: str, style: str) -> None:
-        groups = [[value(r) for r in records if r["items"] == n] for n in sizes]
+    def curve(ax, recipe: tuple, value, label: str, style: str, color: str) -> None:
+        mine = [r for r in records if tuple(r.get("sets", ())) == recipe]
+        xs = [n for n in sizes if any(r["items"] == n for r in mine)]
+        groups = [[value(r) for r in mine if r["items"] == n] for n in xs]
         sds = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in groups]
-        ax.errorbar(sizes, [statistics.fmean(v) for v in groups], yerr=sds, fmt=style, capsize=3, label=label)
+        name = f"{label}, {' '.join(recipe)}" if recipe else label
+        ax.errorbar(xs, [statistics.fmean(v) for v in groups], yerr=sds, fmt=style, capsize=3, label=name, color=color)
 
-    fig = Figure(figsize=(6, 6))
+    fig = Figure(figsize=(6, 6 + (len(recipes) > 1)))
     FigureCanvasAgg(fig)
     fd, ratio = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
-    curve(fd, lambda r: chosen_fd(r, "monolith"), "monolith", "--o")
-    curve(fd, lambda r: chosen_fd(r, "top2"), "top-2 (Paris)", "-o")
+    for recipe, color in zip(recipes, ("C0", "C1", "C2", "C3", "C4"), strict=False):
+        curve(fd, recipe, lambda r: chosen_fd(r, "monolith"), "monolith", "--s", color)
+        curve(fd, recipe, lambda r: chosen_fd(r, "top2"), "top-2 (Paris)", "-o", color)
+        curve(ratio, recipe, lambda r: chosen_fd(r, "top2") / chosen_fd(r, "monolith"), "top-2 / monolith", "-o", color)
     fd.axhline(floor_fd(records[0]), color="grey", linestyle=":", label="real floor")
     fd.set(ylabel="classifier FD at the chosen scale", title="the fleet and the compute-matched monolith by data")
-    curve(ratio, lambda r: chosen_fd(r, "top2") / chosen_fd(r, "monolith"), "top-2 / monolith", "-o")
     ratio.axhline(1.0, color="grey", linestyle=":")
     ratio.set(xlabel="training items (steps in proportion)", ylabel="top-2 / monolith")
     for ax in (fd, ratio):
@@ -122,6 +133,8 @@ def main() -> None:
     p.add_argument("--cfg", default="1.25,1.5,2,3")
     p.add_argument("--parallel", type=int, default=2)
     p.add_argument("--out", default="runs/bench/scaling")
+    p.add_argument("--set", action="append", default=[], help="run.yaml KEY=VALUE after the budget (repeatable)")
+    p.add_argument("--tag", default="", help="suffix of each run's folder name (a lever's runs)")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--full-size", default="", help="fleet_budget.py's budget.jsonl: its lines at the run's steps")
     p.add_argument(
@@ -150,8 +163,8 @@ def main() -> None:
     if not a.plot_only:
         for n in (int(x) for x in a.sizes.split(",")):
             for seed in (int(x) for x in a.seeds.split(",")):
-                run = out / "-".join([str(n)] + ([f"seed{seed}"] if seed else []))
-                steps = build(Path(a.run), run, n, seed)
+                run = out / "-".join([str(n)] + ([f"seed{seed}"] if seed else []) + ([a.tag] if a.tag else []))
+                steps = build(Path(a.run), run, n, seed, a.set)
                 if not (run / "clusters").exists():
                     cluster(str(run), progress=False)
                 t0 = time.perf_counter()
@@ -161,6 +174,7 @@ def main() -> None:
                     "seed": seed,
                     "steps_per_expert": steps,
                     "train_all_s": round(time.perf_counter() - t0, 1),
+                    "sets": a.set,
                 }
                 assemble(str(run), progress=False)
                 rec["cluster_sizes"] = json.loads((run / "clusters" / "report.json").read_text())["sizes"]

@@ -39,18 +39,16 @@ import time
 from pathlib import Path
 
 import yaml
-from fleet_runs import chosen_fd, floor_fd, keep_record, recluster, score_fleet  # benchmarks/ is the script's folder
+from fleet_runs import (  # benchmarks/ is the script's folder
+    chosen_fd,
+    floor_fd,
+    keep_record,
+    recluster,
+    score_fleet,
+    set_dotted,
+)
 
 PARTS = ("data", "eval", "autoencoder", "clusters", "partitions", "reports/digit_classifier")
-
-
-def set_dotted(raw: dict, assignment: str) -> None:
-    """raw[a][b] = yaml(value) for "a.b=value"."""
-    key, _, value = assignment.partition("=")
-    *parents, leaf = key.split(".")
-    for name in parents:
-        raw = raw.setdefault(name, {})
-    raw[leaf] = yaml.safe_load(value)
 
 
 def copy_prepared(src: Path, out: Path, steps: int, seed: int, sets: list[str] = ()) -> None:

@@ -1,7 +1,7 @@
 """Helpers of the fleet benchmarks (remove_expert.py, add_expert.py, distill.py, fleet_budget.py,
 seed_branch.py, cluster_overlap.py, and the sampler probes guidance_interval.py, routing_temperature.py,
 routing_schedule.py): copy a finished run, evaluate a model folder of it by the MNIST digit judge, print a
-probe's table, keep a result line."""
+probe's table, keep a result line, apply a --set to a copied run.yaml."""
 
 from __future__ import annotations
 
@@ -25,6 +25,17 @@ def copy_run(src: Path, out: Path) -> None:
         elif (src / name).exists():
             out.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / name, out / name)
+
+
+def set_dotted(raw: dict, assignment: str) -> None:
+    """raw[a][b] = yaml(value) for "a.b=value" (a benchmark's --set on a copied run.yaml)."""
+    import yaml
+
+    key, _, value = assignment.partition("=")
+    *parents, leaf = key.split(".")
+    for name in parents:
+        raw = raw.setdefault(name, {})
+    raw[leaf] = yaml.safe_load(value)
 
 
 def recluster(run: Path, sets: list[str]) -> None:
