@@ -18,8 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--source",
         required=True,
-        choices=("mnist", "mnist-10k", "mnist-70k", "mnist-5k", "shapes", "folder", "webdataset", "parquet", "hf_disk"),
-        help="where the new data comes from (as run.yaml data.source)",
+        metavar="SOURCE",
+        # the names are DataConfig.source's (their one home): a wrong one is refused listing them
+        help="where the new data comes from, as run.yaml data.source: mnist, shapes, folder, parquet, ...",
     )
     p.add_argument("--path", default=None, help="folder / tar glob / parquet glob / save_to_disk folder")
     p.add_argument("--labels", default=None, metavar="LIST", help="keep only these class labels, e.g. 8,9")
