@@ -112,6 +112,9 @@ def plot(records: list[dict], out: Path) -> None:
     fd.axhline(floor_fd(records[0]), color="grey", linestyle=":", label="real floor")
     fd.set(ylabel="classifier FD at the chosen scale", title="the fleet and the compute-matched monolith by data")
     ratio.axhline(1.0, color="grey", linestyle=":")
+    ratio.set_yscale("log")  # parity's neighbourhood as wide as the small runs' gaps
+    ticks = [t for t in (0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0) if ratio.get_ylim()[0] <= t <= ratio.get_ylim()[1]]
+    ratio.set_yticks(ticks, [f"{t:g}" for t in ticks])
     ratio.set(xlabel="training items (steps in proportion)", ylabel="top-2 / monolith")
     for ax in (fd, ratio):
         ax.set_xscale("log")
