@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 import yaml
-from fleet_runs import chosen_fd, floor_fd, keep_record, score_fleet, set_dotted  # benchmarks/ is the script's folder
+from fleet_runs import chosen_fd, floor_fd, keep_record, score_fleet, set_budget  # benchmarks/ is the script's folder
 
 KEPT = ("eval", "autoencoder", "reports/digit_classifier")
 FIELDS = ("latents", "features", "labels", "index", "text_pooled", "text_tokens", "text_mask")
@@ -75,12 +75,8 @@ def build(src: Path, out: Path, n: int, seed: int, sets: list[str] = ()) -> int:
         shards.append(manifest, {f: v[r] for f, v in fields.items()}, [captions[j] for j in r.tolist()])
     manifest.complete = True
     shards.write_manifest(manifest)
-    raw["train"].update(steps=steps, ckpt_every=max(steps // 2, 1), sample_every=steps, log_every=max(steps // 40, 1))
-    raw["train"]["warmup_steps"] = min(raw["train"].get("warmup_steps", 0), steps // 3)
-    raw["train"]["seed"] = raw["router_train"]["seed"] = seed
     raw["router_prompt"] = False  # Paris' claim only: top-2 of the prompt-blind router against the monolith
-    for assignment in sets:
-        set_dotted(raw, assignment)
+    set_budget(raw, steps, seed, sets)
     (out / "run.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     return steps
 

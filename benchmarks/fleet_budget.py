@@ -45,7 +45,7 @@ from fleet_runs import (  # benchmarks/ is the script's folder
     keep_record,
     recluster,
     score_fleet,
-    set_dotted,
+    set_budget,
 )
 
 PARTS = ("data", "eval", "autoencoder", "clusters", "partitions", "reports/digit_classifier")
@@ -60,11 +60,7 @@ def copy_prepared(src: Path, out: Path, steps: int, seed: int, sets: list[str] =
         if (src / name).is_dir():
             shutil.copytree(src / name, out / name)
     raw = yaml.safe_load((src / "run.yaml").read_text())
-    raw["train"].update(steps=steps, ckpt_every=max(steps // 2, 1), sample_every=steps, log_every=max(steps // 40, 1))
-    raw["train"]["warmup_steps"] = min(raw["train"].get("warmup_steps", 0), steps // 3)
-    raw["train"]["seed"] = raw["router_train"]["seed"] = seed
-    for assignment in sets:
-        set_dotted(raw, assignment)
+    set_budget(raw, steps, seed, sets)
     (out / "run.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
 

@@ -1,7 +1,7 @@
 """Helpers of the fleet benchmarks (remove_expert.py, add_expert.py, distill.py, fleet_budget.py,
 seed_branch.py, cluster_overlap.py, and the sampler probes guidance_interval.py, routing_temperature.py,
 routing_schedule.py): copy a finished run, evaluate a model folder of it by the MNIST digit judge, print a
-probe's table, keep a result line, apply a --set to a copied run.yaml."""
+probe's table, keep a result line, set a copied run.yaml's budget, seed and --set levers."""
 
 from __future__ import annotations
 
@@ -36,6 +36,16 @@ def set_dotted(raw: dict, assignment: str) -> None:
     for name in parents:
         raw = raw.setdefault(name, {})
     raw[leaf] = yaml.safe_load(value)
+
+
+def set_budget(raw: dict, steps: int, seed: int, sets: list[str] = ()) -> None:
+    """A copied run.yaml's train.steps = steps (checkpoints, samples, logs and warm-up scaled to them), the
+    training seed of every job (experts, monolith, router) = seed, then each --set (set_dotted)."""
+    raw["train"].update(steps=steps, ckpt_every=max(steps // 2, 1), sample_every=steps, log_every=max(steps // 40, 1))
+    raw["train"]["warmup_steps"] = min(raw["train"].get("warmup_steps", 0), steps // 3)
+    raw["train"]["seed"] = raw["router_train"]["seed"] = seed
+    for assignment in sets:
+        set_dotted(raw, assignment)
 
 
 def recluster(run: Path, sets: list[str]) -> None:
