@@ -49,6 +49,24 @@ def test_round_trip_gives_identical_outputs(tmp_path):
     assert loaded.cfg == model.cfg
 
 
+def test_save_streams_the_weights_and_leaves_only_the_model_folder(tmp_path, monkeypatch):
+    """The weights are renamed into place, never read into memory: a multi-GB checkpoint costs one copy on
+    disk and none in memory. Nothing else is left beside the folder."""
+    from flowfleet.storage import RunRoot
+
+    def no_bytes(self, data, *parts):
+        raise AssertionError(f"save_model wrote {parts} from memory")
+
+    monkeypatch.setattr(RunRoot, "write_bytes", no_bytes)
+    save_model(_expert(), tmp_path / "experts" / "0")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "experts",
+        "experts/0",
+        "experts/0/config.json",
+        f"experts/0/{WEIGHTS_NAME}",
+    ]
+
+
 def test_diffusers_from_pretrained_reads_the_folder(tmp_path):
     model = _expert()
     save_model(model, tmp_path / "expert")

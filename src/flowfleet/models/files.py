@@ -64,13 +64,17 @@ def read_dit_config(folder: RunRoot | str | Path, *parts: str) -> DiTConfig:
 
 
 def save_model(model: ModelMixin, folder: RunRoot | str | Path, *parts: str) -> None:
-    """Write config.json + safetensors weights; weights land before the config that names them."""
+    """Write config.json + safetensors weights; weights land before the config that names them. On a local run
+    root diffusers writes next to the folder and the files are renamed into it: one copy on disk, none in memory."""
     root = folder if isinstance(folder, RunRoot) else RunRoot(folder)
-    with tempfile.TemporaryDirectory() as tmp:
+    local = root.local_path(*parts)
+    if local is not None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=None if local is None else local.parent, prefix=".tmp-save-") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tmp_path = Path(tmp)
-        root.write_bytes((tmp_path / WEIGHTS_NAME).read_bytes(), *parts, WEIGHTS_NAME)
-        root.write_bytes((tmp_path / "config.json").read_bytes(), *parts, "config.json")
+        root.put_file(tmp_path / WEIGHTS_NAME, *parts, WEIGHTS_NAME, move=True)
+        root.put_file(tmp_path / "config.json", *parts, "config.json", move=True)
 
 
 def load_model(cls: type[M], folder: RunRoot | str | Path, *parts: str) -> M:
@@ -81,8 +85,13 @@ def load_model(cls: type[M], folder: RunRoot | str | Path, *parts: str) -> M:
     if not root.exists(*parts, WEIGHTS_NAME):
         raise ModelFileError(f"{where}: missing {WEIGHTS_NAME}")
     # Strict load (diffusers only warns on missing keys): every tensor present, with its shape.
-    try:
-        state = safetensors.torch.load(root.read_bytes(*parts, WEIGHTS_NAME))
+    local = root.local_path(*parts, WEIGHTS_NAME)
+    try:  # a local file is memory-mapped, not read whole and then copied into tensors
+        state = (
+            safetensors.torch.load_file(local)
+            if local is not None
+            else safetensors.torch.load(root.read_bytes(*parts, WEIGHTS_NAME))
+        )
     except Exception as err:  # safetensors raises its own error type on a truncated header
         raise ModelFileError(f"{where}: {WEIGHTS_NAME} is unreadable ({str(err).splitlines()[0][:200]})") from None
     model = cls.from_dit_config(cfg)
