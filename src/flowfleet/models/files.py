@@ -12,7 +12,9 @@ import tempfile
 from pathlib import Path
 from typing import TypeVar
 
+import safetensors
 import safetensors.torch
+import torch
 from diffusers.models.modeling_utils import ModelMixin
 from pydantic import ValidationError
 
@@ -84,27 +86,32 @@ def load_model(cls: type[M], folder: RunRoot | str | Path, *parts: str) -> M:
     where = root.url_of(*parts)
     if not root.exists(*parts, WEIGHTS_NAME):
         raise ModelFileError(f"{where}: missing {WEIGHTS_NAME}")
-    # Strict load (diffusers only warns on missing keys): every tensor present, with its shape.
+    # Strict load (diffusers only warns on missing keys): every tensor present, with its shape. A local file is
+    # opened memory-mapped and copied into the built model one tensor at a time, so that loading costs the model's
+    # memory and not twice it (the weights whole, then the model); a remote one is read whole.
     local = root.local_path(*parts, WEIGHTS_NAME)
-    try:  # a local file is memory-mapped, not read whole and then copied into tensors
-        state = (
-            safetensors.torch.load_file(local)
-            if local is not None
-            else safetensors.torch.load(root.read_bytes(*parts, WEIGHTS_NAME))
-        )
+    try:
+        if local is not None:
+            weights = safetensors.safe_open(local, framework="pt")
+            shapes = {key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()}
+            tensor_of = weights.get_tensor
+        else:
+            state = safetensors.torch.load(root.read_bytes(*parts, WEIGHTS_NAME))
+            shapes = {key: tuple(t.shape) for key, t in state.items()}
+            tensor_of = state.__getitem__
     except Exception as err:  # safetensors raises its own error type on a truncated header
         raise ModelFileError(f"{where}: {WEIGHTS_NAME} is unreadable ({str(err).splitlines()[0][:200]})") from None
     model = cls.from_dit_config(cfg)
-    expected = model.state_dict()
+    expected = model.state_dict()  # tensors that share the model's storage
     for key, tensor in expected.items():
-        if key not in state:
+        if key not in shapes:
             raise ModelFileError(f"{where}: weights lack {key!r} that config.json requires")
-        if tuple(state[key].shape) != tuple(tensor.shape):
-            raise ModelFileError(
-                f"{where}: {key!r} has shape {tuple(state[key].shape)}, config.json implies {tuple(tensor.shape)}"
-            )
-    extra = sorted(set(state) - set(expected))
+        if shapes[key] != tuple(tensor.shape):
+            raise ModelFileError(f"{where}: {key!r} has shape {shapes[key]}, config.json implies {tuple(tensor.shape)}")
+    extra = sorted(set(shapes) - set(expected))
     if extra:
         raise ModelFileError(f"{where}: weights hold {extra[0]!r} that config.json does not describe")
-    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        for key, tensor in expected.items():
+            tensor.copy_(tensor_of(key))
     return model.eval()
