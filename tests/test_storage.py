@@ -73,6 +73,20 @@ def test_put_file_copies_or_moves_atomically(tmp_path, monkeypatch):
     assert root.read_bytes("m", "w.bin") == b"second" and os.listdir(tmp_path / "root" / "m") == ["w.bin"]
 
 
+def test_write_with_writes_through_a_local_path_atomically(tmp_path):
+    root = RunRoot(tmp_path / "root")
+    assert root.write_with(lambda path: open(path, "wb").write(b"12345"), "c", "t.bin") == 5
+    assert root.read_bytes("c", "t.bin") == b"12345"
+
+    def half_then_fail(path):
+        open(path, "wb").write(b"partial")
+        raise RuntimeError("writer died")
+
+    with pytest.raises(RuntimeError, match="writer died"):
+        root.write_with(half_then_fail, "c", "t.bin")
+    assert root.read_bytes("c", "t.bin") == b"12345" and os.listdir(tmp_path / "root" / "c") == ["t.bin"]
+
+
 def test_retries_transient_errors_then_gives_up():
     calls = []
 
@@ -136,6 +150,8 @@ def test_s3_round_trip_of_files_and_models(s3_url, tmp_path):
     local.write_bytes(b"weights")
     root.put_file(local, "put", "w.bin", move=True)
     assert root.read_bytes("put", "w.bin") == b"weights" and not local.exists()
+    assert root.write_with(lambda path: open(path, "wb").write(b"via a file"), "with", "w.bin") == 10
+    assert root.read_bytes("with", "w.bin") == b"via a file"
     here = RunRoot(tmp_path / "here")
     here.copy_file(root, ("put", "w.bin"), "a", "w.bin")  # from the store to a local disk, streamed
     root.copy_file(here, ("a", "w.bin"), "back", "w.bin")  # and back

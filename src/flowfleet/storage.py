@@ -71,9 +71,10 @@ def _machine_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def replace_atomically(path: str, fill: Callable[[str], Any]) -> None:
+def replace_atomically(path: str, fill: Callable[[str], Any]) -> int:
     """fill(tmp) writes a temp file beside `path`; it is fsynced and renamed over `path`, so that readers see the
-    old file or the whole new one, never a prefix. On any failure the temp file is removed and `path` untouched."""
+    old file or the whole new one, never a prefix. On any failure the temp file is removed and `path` untouched.
+    -> the file's size in bytes."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-" + os.path.basename(path))
     os.close(fd)
@@ -81,7 +82,9 @@ def replace_atomically(path: str, fill: Callable[[str], Any]) -> None:
         fill(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+            size = os.fstat(f.fileno()).st_size
         os.replace(tmp, path)
+        return size
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -190,6 +193,19 @@ class RunRoot:
             replace_atomically(p, lambda tmp: Path(tmp).write_bytes(data))
             return
         with_retries(lambda: self.fs.pipe_file(p, data), what=f"write {self.url_of(*parts)}")
+
+    def write_with(self, fill: Callable[[str], Any], *parts: str) -> int:
+        """fill(path) writes the file at a local path (safetensors.torch.save_file, np.save, ...); it reaches the
+        run root atomically without passing through memory whole. -> its size in bytes."""
+        p = self.path(*parts)
+        if self.is_local:
+            return replace_atomically(p, fill)
+        with tempfile.TemporaryDirectory(prefix="flowfleet-write-") as tmp:
+            local = os.path.join(tmp, posixpath.basename(p))
+            fill(local)
+            size = os.path.getsize(local)
+            self.put_file(local, *parts, move=True)
+        return size
 
     def put_file(self, local: str | os.PathLike, *parts: str, move: bool = False) -> None:
         """Write a local file into the run root atomically, streamed: never held in memory whole, and with
