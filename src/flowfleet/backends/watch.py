@@ -31,6 +31,16 @@ class _Watched:
     lost: tuple[str, int] | None = None  # the process given up on: its status is not the new job's
 
 
+def last_words(w: _Watched) -> str:
+    """': ' and the last line the job printed, as its backend keeps it ('' when there is none to read): why a job
+    ended before it finished, in train-all's own line."""
+    try:
+        lines = [line.strip() for line in w.backend.logs(w.job_id).splitlines() if line.strip()]
+    except Exception:  # the backend may have forgotten the job, or never kept its output
+        return ""
+    return f": {lines[-1][:300]}" if lines else ""
+
+
 class RemoteWatch:
     """The submitted jobs of one train-all, on any number of backends; step() looks once."""
 
@@ -70,7 +80,7 @@ class RemoteWatch:
                     continue
                 why = f"its lease expired ({status.host}:{status.pid} silent)"
             else:
-                why = f"{w.backend.name} ended it ({state or 'gone'}) and it never finished"
+                why = f"{w.backend.name} ended it ({state or 'gone'}) and it never finished{last_words(w)}"
             if status is not None:
                 w.lost = (status.host, status.pid)
             waiting = self._resubmit(w, why, active) or waiting
