@@ -49,32 +49,6 @@ def test_round_trip_gives_identical_outputs(tmp_path):
     assert loaded.cfg == model.cfg
 
 
-def test_local_weights_never_pass_through_memory_whole(tmp_path, monkeypatch):
-    """save_model renames diffusers' file into place and load_model copies the memory-mapped file into the model
-    tensor by tensor: a multi-GB checkpoint costs one copy on disk and no second one in memory. Nothing else is
-    left beside the folder."""
-    from flowfleet.storage import RunRoot
-
-    read = RunRoot.read_bytes
-
-    def read_but_not_weights(self, *parts):
-        assert parts[-1] != WEIGHTS_NAME, "load_model read the weights whole"
-        return read(self, *parts)
-
-    def no_write(self, data, *parts):
-        raise AssertionError(f"save_model wrote {parts} from memory")
-
-    monkeypatch.setattr(RunRoot, "write_bytes", no_write)
-    monkeypatch.setattr(RunRoot, "read_bytes", read_but_not_weights)
-    model = _expert()
-    save_model(model, tmp_path / "experts" / "0")
-    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
-        "experts", "experts/0", "experts/0/config.json", f"experts/0/{WEIGHTS_NAME}"
-    ]  # fmt: skip
-    loaded = load_model(DiTExpert, tmp_path / "experts" / "0")
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
-
-
 def test_diffusers_from_pretrained_reads_the_folder(tmp_path):
     model = _expert()
     save_model(model, tmp_path / "expert")

@@ -32,10 +32,8 @@ def test_copy_folder_copies_every_file_and_the_manifests_last(tmp_path, monkeypa
     for rel, data in files.items():
         src.write_bytes(data, *rel)
     written = []
-    copy = RunRoot.copy_file
-    monkeypatch.setattr(
-        RunRoot, "copy_file", lambda self, source, rel, *to: (written.append(to), copy(self, source, rel, *to))
-    )
+    write = RunRoot.write_bytes
+    monkeypatch.setattr(RunRoot, "write_bytes", lambda self, data, *rel: (written.append(rel), write(self, data, *rel)))
     dst.copy_folder(src, "d")
     assert {rel: dst.read_bytes(*rel) for rel in written} == {r: v for r, v in files.items() if r[0] == "d"}
     assert [r[-1] for r in written[-2:]] == ["manifest.json", "manifest.json"]  # a complete set only at the end
@@ -54,37 +52,6 @@ def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
         root.write_bytes(b"new-and-longer", "f.bin")
     assert (tmp_path / "f.bin").read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["f.bin"]
-
-
-def test_put_file_copies_or_moves_atomically(tmp_path, monkeypatch):
-    root = RunRoot(tmp_path / "root")
-    src = tmp_path / "w.bin"
-    src.write_bytes(b"first")
-    root.put_file(src, "m", "w.bin")
-    assert root.read_bytes("m", "w.bin") == b"first" and src.read_bytes() == b"first"
-    src.write_bytes(b"second")
-    root.put_file(src, "m", "w.bin", move=True)
-    assert root.read_bytes("m", "w.bin") == b"second" and not src.exists()
-
-    src.write_bytes(b"third")
-    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError("disk full")))
-    with pytest.raises(OSError, match="disk full"):
-        root.put_file(src, "m", "w.bin")
-    assert root.read_bytes("m", "w.bin") == b"second" and os.listdir(tmp_path / "root" / "m") == ["w.bin"]
-
-
-def test_write_with_writes_through_a_local_path_atomically(tmp_path):
-    root = RunRoot(tmp_path / "root")
-    assert root.write_with(lambda path: open(path, "wb").write(b"12345"), "c", "t.bin") == 5
-    assert root.read_bytes("c", "t.bin") == b"12345"
-
-    def half_then_fail(path):
-        open(path, "wb").write(b"partial")
-        raise RuntimeError("writer died")
-
-    with pytest.raises(RuntimeError, match="writer died"):
-        root.write_with(half_then_fail, "c", "t.bin")
-    assert root.read_bytes("c", "t.bin") == b"12345" and os.listdir(tmp_path / "root" / "c") == ["t.bin"]
 
 
 def test_retries_transient_errors_then_gives_up():
@@ -146,20 +113,6 @@ def test_s3_round_trip_of_files_and_models(s3_url, tmp_path):
     with torch.no_grad():
         assert torch.equal(model(x, t), loaded(x, t))
     assert sorted(root.ls("experts", "0", "final")) == ["config.json", "diffusion_pytorch_model.safetensors"]
-    local = tmp_path / "w.bin"
-    local.write_bytes(b"weights")
-    root.put_file(local, "put", "w.bin", move=True)
-    assert root.read_bytes("put", "w.bin") == b"weights" and not local.exists()
-    assert root.write_with(lambda path: open(path, "wb").write(b"via a file"), "with", "w.bin") == 10
-    assert root.read_bytes("with", "w.bin") == b"via a file"
-    here = RunRoot(tmp_path / "here")
-    here.copy_file(root, ("put", "w.bin"), "a", "w.bin")  # from the store to a local disk, streamed
-    root.copy_file(here, ("a", "w.bin"), "back", "w.bin")  # and back
-    root.copy_file(root, ("back", "w.bin"), "again", "w.bin")  # store to store
-    assert [
-        r.read_bytes(*p) for r, p in ((here, ("a", "w.bin")), (root, ("back", "w.bin")), (root, ("again", "w.bin")))
-    ] == [b"weights"] * 3
-    assert os.listdir(tmp_path / "here" / "a") == ["w.bin"]  # no temp left beside it
 
 
 def test_storage_block_of_run_yaml_applies_to_every_write(s3_url, s3_endpoint):

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from flowfleet import storage
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import (
     Checkpoint,
@@ -80,14 +79,14 @@ def test_crash_mid_write_leaves_previous_checkpoint_loadable(run_root, monkeypat
     root = RunRoot(run_root)
     store = CheckpointStore(root, "experts/0", keep=2)
     store.save(_ckpt(2, 2.0))
-    real_write = storage.replace_atomically  # where every local write reaches the disk
+    real_write = RunRoot.write_bytes
 
-    def failing_write(path, fill):
-        if path.endswith(f"{step_dir(4)}/{fail_on}"):
+    def failing_write(self, data, *parts):
+        if parts[-1] == fail_on and step_dir(4) in parts:
             raise OSError("disk vanished (injected)")
-        return real_write(path, fill)
+        return real_write(self, data, *parts)
 
-    monkeypatch.setattr(storage, "replace_atomically", failing_write)
+    monkeypatch.setattr(RunRoot, "write_bytes", failing_write)
     with pytest.raises(OSError, match="injected"):
         store.save(_ckpt(4, 4.0))
     monkeypatch.undo()

@@ -15,7 +15,6 @@ from fixtures import synthetic_run
 from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 from fixtures.tolerances import gamma
 
-from flowfleet import storage
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.errors import FlowfleetError
@@ -146,14 +145,14 @@ def test_crash_during_a_checkpoint_then_resume_matches_uninterrupted(tmp_path, m
     straight = make_run(tmp_path / "a", **kw)
     run_job(straight)
     crashed = make_run(tmp_path / "b", **kw)
-    real_write = storage.replace_atomically  # where every local write reaches the disk
+    real_write = RunRoot.write_bytes
 
-    def failing_write(path, fill):
-        if path.endswith("step-0000004/ema.safetensors"):
+    def failing_write(self, data, *parts):
+        if parts[-1] == "ema.safetensors" and "step-0000004" in parts:
             raise OSError("machine lost (injected)")
-        return real_write(path, fill)
+        return real_write(self, data, *parts)
 
-    monkeypatch.setattr(storage, "replace_atomically", failing_write)
+    monkeypatch.setattr(RunRoot, "write_bytes", failing_write)
     with pytest.raises(OSError, match="injected"):
         run_job(crashed)
     monkeypatch.undo()

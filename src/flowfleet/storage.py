@@ -13,7 +13,6 @@ import io
 import json
 import os
 import posixpath
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -69,26 +68,6 @@ def _machine_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
     if url.startswith("s3://") and endpoint and "endpoint_url" not in options:
         options["endpoint_url"] = endpoint
     return options
-
-
-def replace_atomically(path: str, fill: Callable[[str], Any]) -> int:
-    """fill(tmp) writes a temp file beside `path`; it is fsynced and renamed over `path`, so that readers see the
-    old file or the whole new one, never a prefix. On any failure the temp file is removed and `path` untouched.
-    -> the file's size in bytes."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-" + os.path.basename(path))
-    os.close(fd)
-    try:
-        fill(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-            size = os.fstat(f.fileno()).st_size
-        os.replace(tmp, path)
-        return size
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class RunRoot:
@@ -190,54 +169,20 @@ class RunRoot:
         """Atomic write: readers see the old file or the whole new one, never a prefix."""
         p = self.path(*parts)
         if self.is_local:
-            replace_atomically(p, lambda tmp: Path(tmp).write_bytes(data))
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(p), prefix=".tmp-" + os.path.basename(p))
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, p)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
             return
         with_retries(lambda: self.fs.pipe_file(p, data), what=f"write {self.url_of(*parts)}")
-
-    def write_with(self, fill: Callable[[str], Any], *parts: str) -> int:
-        """fill(path) writes the file at a local path (safetensors.torch.save_file, np.save, ...); it reaches the
-        run root atomically without passing through memory whole. -> its size in bytes."""
-        p = self.path(*parts)
-        if self.is_local:
-            return replace_atomically(p, fill)
-        with tempfile.TemporaryDirectory(prefix="flowfleet-write-") as tmp:
-            local = os.path.join(tmp, posixpath.basename(p))
-            fill(local)
-            size = os.path.getsize(local)
-            self.put_file(local, *parts, move=True)
-        return size
-
-    def put_file(self, local: str | os.PathLike, *parts: str, move: bool = False) -> None:
-        """Write a local file into the run root atomically, streamed: never held in memory whole, and with
-        `move` on the same local disk a rename (no second copy of a multi-GB checkpoint on disk either)."""
-        p = self.path(*parts)
-        if self.is_local:
-            if move:  # a rename on one filesystem, else copy + delete
-                replace_atomically(p, lambda tmp: shutil.move(os.fspath(local), tmp))
-            else:
-                replace_atomically(p, lambda tmp: shutil.copyfile(local, tmp))
-            return
-        with_retries(lambda: self.fs.put_file(os.fspath(local), p), what=f"write {self.url_of(*parts)}")
-        if move:
-            os.unlink(local)
-
-    def copy_file(self, source: "RunRoot", src: tuple[str, ...], *parts: str) -> None:
-        """source's file `src` to `parts` here, atomically; streamed (never whole in memory) when either side
-        is a local disk."""
-        local = source.local_path(*src)
-        if local is not None:
-            self.put_file(local, *parts)
-        elif self.is_local:
-            dest = Path(self.path(*parts))
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".tmp-get-") as tmp:
-                got = Path(tmp, dest.name)
-                with_retries(
-                    lambda: source.fs.get_file(source.path(*src), os.fspath(got)), what=f"read {source.url_of(*src)}"
-                )
-                self.put_file(got, *parts, move=True)
-        else:
-            self.write_bytes(source.read_bytes(*src), *parts)
 
     def remove(self, *parts: str, recursive: bool = False) -> None:
         if self.exists(*parts):
@@ -309,11 +254,12 @@ class RunRoot:
 
         walk(parts)
         for rel in sorted(files, key=lambda r: (r[-1] == MANIFEST, r)):
-            self.copy_file(source, rel, *rel)
+            self.write_bytes(source.read_bytes(*rel), *rel)
 
     def put_dir(self, local_dir: str | os.PathLike, *parts: str) -> None:
         """Copy a local folder's files into the run root (each file written atomically)."""
         local_dir = Path(local_dir)
         for f in sorted(local_dir.rglob("*")):
             if f.is_file():
-                self.put_file(f, *parts, *f.relative_to(local_dir).parts)
+                rel = f.relative_to(local_dir).as_posix()
+                self.write_bytes(f.read_bytes(), *parts, rel)

@@ -12,9 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import TypeVar
 
-import safetensors
 import safetensors.torch
-import torch
 from diffusers.models.modeling_utils import ModelMixin
 from pydantic import ValidationError
 
@@ -66,17 +64,13 @@ def read_dit_config(folder: RunRoot | str | Path, *parts: str) -> DiTConfig:
 
 
 def save_model(model: ModelMixin, folder: RunRoot | str | Path, *parts: str) -> None:
-    """Write config.json + safetensors weights; weights land before the config that names them. On a local run
-    root diffusers writes next to the folder and the files are renamed into it: one copy on disk, none in memory."""
+    """Write config.json + safetensors weights; weights land before the config that names them."""
     root = folder if isinstance(folder, RunRoot) else RunRoot(folder)
-    local = root.local_path(*parts)
-    if local is not None:
-        local.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=None if local is None else local.parent, prefix=".tmp-save-") as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tmp_path = Path(tmp)
-        root.put_file(tmp_path / WEIGHTS_NAME, *parts, WEIGHTS_NAME, move=True)
-        root.put_file(tmp_path / "config.json", *parts, "config.json", move=True)
+        root.write_bytes((tmp_path / WEIGHTS_NAME).read_bytes(), *parts, WEIGHTS_NAME)
+        root.write_bytes((tmp_path / "config.json").read_bytes(), *parts, "config.json")
 
 
 def load_model(cls: type[M], folder: RunRoot | str | Path, *parts: str) -> M:
@@ -86,32 +80,22 @@ def load_model(cls: type[M], folder: RunRoot | str | Path, *parts: str) -> M:
     where = root.url_of(*parts)
     if not root.exists(*parts, WEIGHTS_NAME):
         raise ModelFileError(f"{where}: missing {WEIGHTS_NAME}")
-    # Strict load (diffusers only warns on missing keys): every tensor present, with its shape. A local file is
-    # opened memory-mapped and copied into the built model one tensor at a time, so that loading costs the model's
-    # memory and not twice it (the weights whole, then the model); a remote one is read whole.
-    local = root.local_path(*parts, WEIGHTS_NAME)
+    # Strict load (diffusers only warns on missing keys): every tensor present, with its shape.
     try:
-        if local is not None:
-            weights = safetensors.safe_open(local, framework="pt")
-            shapes = {key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()}
-            tensor_of = weights.get_tensor
-        else:
-            state = safetensors.torch.load(root.read_bytes(*parts, WEIGHTS_NAME))
-            shapes = {key: tuple(t.shape) for key, t in state.items()}
-            tensor_of = state.__getitem__
+        state = safetensors.torch.load(root.read_bytes(*parts, WEIGHTS_NAME))
     except Exception as err:  # safetensors raises its own error type on a truncated header
         raise ModelFileError(f"{where}: {WEIGHTS_NAME} is unreadable ({str(err).splitlines()[0][:200]})") from None
     model = cls.from_dit_config(cfg)
-    expected = model.state_dict()  # tensors that share the model's storage
+    expected = model.state_dict()
     for key, tensor in expected.items():
-        if key not in shapes:
+        if key not in state:
             raise ModelFileError(f"{where}: weights lack {key!r} that config.json requires")
-        if shapes[key] != tuple(tensor.shape):
-            raise ModelFileError(f"{where}: {key!r} has shape {shapes[key]}, config.json implies {tuple(tensor.shape)}")
-    extra = sorted(set(shapes) - set(expected))
+        if tuple(state[key].shape) != tuple(tensor.shape):
+            raise ModelFileError(
+                f"{where}: {key!r} has shape {tuple(state[key].shape)}, config.json implies {tuple(tensor.shape)}"
+            )
+    extra = sorted(set(state) - set(expected))
     if extra:
         raise ModelFileError(f"{where}: weights hold {extra[0]!r} that config.json does not describe")
-    with torch.no_grad():
-        for key, tensor in expected.items():
-            tensor.copy_(tensor_of(key))
+    model.load_state_dict(state, strict=True)
     return model.eval()

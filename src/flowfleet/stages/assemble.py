@@ -335,7 +335,7 @@ def _write_model(
         model = load_model(cls, root, *src)  # strict: weights match config.json (refuse a corrupted file now)
         params[dest] = sum(p.numel() for p in model.parameters())
         for name in root.ls(*src):
-            out_root.copy_file(root, (*src, name), dest, name)
+            out_root.write_bytes(root.read_bytes(*src, name), dest, name)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -344,7 +344,7 @@ def _write_model(
     for e in fleet_card.experts:
         e.params = params.get(expert_folder(e.expert))
     write_card(out_root, fleet_card, previews)
-    out_root.copy_file(root, (RUN_FILE,), RUN_FILE)
+    out_root.write_bytes(root.read_bytes(RUN_FILE), RUN_FILE)
     ref = run.expert
     text_cfg = run.encoders.text if ref.uses_text else None
     if text_cfg is not None:
@@ -369,7 +369,7 @@ def _write_model(
         # the run's own latent space travels with the model: vae/ is its diffusers AutoencoderKL folder
         load_autoencoder(root, AUTOENCODER)  # strict: refuse a corrupted file now
         for name in (WEIGHTS_NAME, "config.json"):  # weights first: config.json names a finished folder
-            out_root.copy_file(root, (AUTOENCODER, name), MODEL_VAE, name)
+            out_root.write_bytes(root.read_bytes(AUTOENCODER, name), MODEL_VAE, name)
     else:
         out_root.write_json(
             {

@@ -73,7 +73,7 @@ def export_diffusers(model_dir: str, expert: int, out: str) -> str:
         FlowMatchEulerDiscreteScheduler(shift=1.0).save_pretrained(Path(tmp, "scheduler"))
         for path in sorted(Path(tmp).rglob("*")):
             if path.is_file():
-                out_root.put_file(path, *path.relative_to(tmp).parts, move=True)
+                out_root.write_bytes(path.read_bytes(), *path.relative_to(tmp).parts)
     negative = {"prompt_embeds": null[None].contiguous(), "prompt_attention_mask": torch.ones(1, cfg.text_len)}
     out_root.write_bytes(safetensors.torch.save(negative), "negative_prompt_embeds.safetensors")
     out_root.write_json(index.text_encoder_config or {}, "text_encoder.json")

@@ -13,7 +13,6 @@ the newest complete one is found by listing the folder.
 
 from __future__ import annotations
 
-import functools
 import re
 import time
 from dataclasses import dataclass, field
@@ -120,10 +119,10 @@ class CheckpointStore:
         """Write every tensor file, then state.json, then latest.json; prune old ones. -> dir name."""
         name = step_dir(ckpt.step)
         sizes = {}
-        for file_name, tensors in ckpt.tensors.items():  # written to disk directly, not built as bytes first
-            sizes[f"{file_name}.safetensors"] = self.root.write_with(
-                functools.partial(safetensors.torch.save_file, tensors), *self._parts(name, f"{file_name}.safetensors")
-            )
+        for file_name, tensors in ckpt.tensors.items():
+            data = safetensors.torch.save(tensors)
+            self.root.write_bytes(data, *self._parts(name, f"{file_name}.safetensors"))
+            sizes[f"{file_name}.safetensors"] = len(data)
         state = {"format": FORMAT, "step": ckpt.step, "time": time.time(), "files": sizes, **ckpt.state}
         self.root.write_json(state, *self._parts(name, STATE))
         self.root.write_json({"step": ckpt.step, "dir": name}, *self._parts(LATEST))
@@ -187,14 +186,9 @@ class CheckpointStore:
             raise CheckpointError(f"{where}/{STATE}: format {state.get('format')!r}, expected {FORMAT}")
         tensors = {}
         for file_name in state["files"]:
-            parts = self._parts(name, file_name)
-            local = self.root.local_path(*parts)
-            try:  # a local file memory-mapped, not read whole first
-                tensors[file_name.removesuffix(".safetensors")] = (
-                    safetensors.torch.load_file(local)
-                    if local is not None
-                    else safetensors.torch.load(self.root.read_bytes(*parts))
-                )
+            raw = self.root.read_bytes(*self._parts(name, file_name))
+            try:
+                tensors[file_name.removesuffix(".safetensors")] = safetensors.torch.load(raw)
             except Exception as err:  # safetensors has its own error type for a bad header
                 raise CheckpointError(f"{where}/{file_name}: unreadable ({str(err).splitlines()[0][:200]})") from None
         return Checkpoint(step=int(state["step"]), tensors=tensors, state=state)

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 
 from flowfleet.data.sources.base import SourceError
-from flowfleet.storage import replace_atomically
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 SIDE = 28
@@ -69,14 +68,15 @@ def save_digits(out: Path, digits: Digits, **stamp: Any) -> None:
     """A converted set into the cache file `out`, atomically, with `stamp` (what it was converted from and how)
     beside its arrays, for read_cached to check."""
     assert digits.ids is not None
-    arrays: dict[str, Any] = {key: np.array(value) for key, value in stamp.items()}
-    arrays.update(images=digits.images, labels=digits.labels, ids=digits.ids)
-
-    def fill(tmp: str) -> None:
-        with open(tmp, "wb") as f:  # a file object: numpy would add ".npz" to a name without it
-            np.savez_compressed(f, **arrays)
-
-    replace_atomically(str(out), fill)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.npz")
+    try:
+        arrays: dict[str, Any] = {key: np.array(value) for key, value in stamp.items()}
+        arrays.update(images=digits.images, labels=digits.labels, ids=digits.ids)
+        np.savez_compressed(tmp, **arrays)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_cached(path: Path, name: str, digest: str, what: str, hint: str, **stamp: Any) -> Digits:
