@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from flowfleet.backends import RemoteBackend, record_submissions
 from flowfleet.storage import RunRoot
+from flowfleet.train.fanout import last_line
 from flowfleet.train.specs import JobSpec
 from flowfleet.train.status import read_status
 
@@ -35,10 +36,10 @@ def last_words(w: _Watched) -> str:
     """': ' and the last line the job printed, as its backend keeps it ('' when there is none to read): why a job
     ended before it finished, in train-all's own line."""
     try:
-        lines = [line.strip() for line in w.backend.logs(w.job_id).splitlines() if line.strip()]
+        said = last_line(w.backend.logs(w.job_id))
     except Exception:  # the backend may have forgotten the job, or never kept its output
         return ""
-    return f": {lines[-1][:300]}" if lines else ""
+    return f": {said.strip()}" if said else ""
 
 
 class RemoteWatch:

@@ -84,12 +84,17 @@ def plan_slots(num_jobs: int, parallel: int | None, cpus: int, gpus: int) -> lis
     return [Slot(threads, (i % gpus) if gpus else None, shared=parallel > 1) for i in range(parallel)]
 
 
+def last_line(text: str) -> str:
+    """The last non-blank line of a job's output (at most its last 300 characters): what it said as it ended."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1][-300:] if lines else ""
+
+
 def _last_line(path: Path) -> str:
     try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        return last_line(path.read_text(errors="replace"))
     except OSError:
         return ""
-    return lines[-1][-300:] if lines else ""
 
 
 class _Running(Protocol):
