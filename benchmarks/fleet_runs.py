@@ -11,6 +11,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from flowfleet.config import set_dotted  # (the benchmarks' --set: one rule with `flowfleet init --set`)
+
 # What a fleet change needs of a finished run (no checkpoints, no monolith): the judge is reused.
 RUN_PARTS = ("run.yaml", "data", "clusters", "partitions", "experts", "router", "model", "reports/digit_classifier")
 
@@ -25,17 +27,6 @@ def copy_run(src: Path, out: Path) -> None:
         elif (src / name).exists():
             out.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / name, out / name)
-
-
-def set_dotted(raw: dict, assignment: str) -> None:
-    """raw[a][b] = yaml(value) for "a.b=value" (a benchmark's --set on a copied run.yaml)."""
-    import yaml
-
-    key, _, value = assignment.partition("=")
-    *parents, leaf = key.split(".")
-    for name in parents:
-        raw = raw.setdefault(name, {})
-    raw[leaf] = yaml.safe_load(value)
 
 
 def set_budget(raw: dict, steps: int, seed: int, sets: list[str] = ()) -> None:
@@ -124,22 +115,32 @@ def score_fleet(
     monolith: bool = True,
     routers: tuple[str, ...] = (),
     repeats: int = 1,
+    min_accuracy: float = 0.95,
 ) -> dict:
-    """`flowfleet evaluate` of run/model against run (held-out reference, the digit judge) over the guidance
-    sweep `cfg` ("1.5,2,..."), each model at its chosen scale: {"floor": ..., model: its scores}. `routers`:
-    the run's comparison routers (router-prompt), each strategy again as "<strategy>+<router>"."""
+    """`flowfleet evaluate` of run/model against run (held-out reference, the run's judge: the digits' or the
+    emoji's) over the guidance sweep `cfg` ("1.5,2,..."), each model at its chosen scale (the lowest classifier FD
+    among the scales reaching min_accuracy): {"floor": ..., model: its scores}. `routers`: the run's comparison
+    routers (router-prompt), each strategy again as "<strategy>+<router>"."""
     from flowfleet.stages.evaluate import evaluate
 
     sweep = tuple(float(c) for c in cfg.split(","))
     options = judge_options(
-        n, strategies, batch_size=n, monolith=monolith, cfg_sweep=sweep, routers=routers, repeats=repeats
+        n,
+        strategies,
+        batch_size=n,
+        monolith=monolith,
+        cfg_sweep=sweep,
+        routers=routers,
+        repeats=repeats,
+        min_accuracy=min_accuracy,
     )
     result = evaluate(str(run / "model"), str(run), options)
     rec: dict = {"floor": result["reference_split"]}
     rows = (*strategies, *(f"{s}+{r}" for r in routers for s in strategies), *(["monolith"] if monolith else []))
     for name in rows:
         r = result["runs"][name]
-        rec[name] = {k: r.get(k) for k in ("cfg", "classifier_fd", "precision", "recall", "fid", "sweep")}
+        keys = ("cfg", "classifier_fd", "precision", "recall", "fid", "subcategory_accuracy", "sweep")
+        rec[name] = {k: r.get(k) for k in keys}
         rec[name]["accuracy"] = result["prompt_accuracy"]["scores"][name]["accuracy"]
     if result.get("draws"):  # repeats > 1: every draw's scores at the chosen scales
         rec["draws"] = result["draws"]

@@ -17,6 +17,7 @@ from flowfleet.cluster import (
     assign_nearest,
     balance_fine_to_coarse,
     l2_normalize_,
+    lift_to_floor,
     random_partition,
     two_stage_kmeans,
 )
@@ -176,6 +177,25 @@ def test_balance_caps_partition_sizes():
     assert max(plain.sizes) > 1.5 * 600 / 4
     assert max(even.sizes) - min(even.sizes) < max(plain.sizes) - min(plain.sizes)
     assert max(even.sizes) <= math.ceil(1.1 * 600 / 4) + int(torch.bincount(even.fine_assign).max())
+
+
+def test_a_partition_under_the_floor_takes_the_fine_clusters_nearest_it():
+    # fine clusters on a line; coarse centres at 0 (one fine cluster of 5) and 10 (the rest, 10 items each)
+    fine = torch.tensor([[0.0], [4.0], [5.0], [6.0], [9.0], [10.0], [11.0]])
+    coarse = torch.tensor([[0.0], [10.0]])
+    sizes = torch.tensor([5, 10, 10, 10, 10, 10, 10])
+    f2c = torch.tensor([0, 1, 1, 1, 1, 1, 1])
+    lifted = lift_to_floor(fine, coarse, sizes, f2c, floor=20)
+    assert lifted.tolist() == [0, 0, 0, 1, 1, 1, 1]  # the two nearest the small centre, and no more
+    loads = torch.zeros(2, dtype=torch.int64).index_add_(0, lifted, sizes)
+    assert loads.tolist() == [25, 40]
+    # a floor no move can reach without taking the donor under it: the map stops short, the donors intact
+    assert lift_to_floor(fine, coarse, sizes, f2c, floor=33).tolist() == [0, 0, 0, 1, 1, 1, 1]
+    assert torch.equal(lift_to_floor(fine, coarse, sizes, f2c, floor=5), f2c)  # nothing under it: unchanged
+    # through the two-stage k-means: a tiny blob's partition lifted to the floor, the rest keeps its shape
+    x, _ = blobs([500, 40, 30, 30], seed=2, spread=0.3)
+    floor = two_stage_kmeans(x, 4, fine_k=40, sample_size=600, seed=0, min_size=0.1 * 600)
+    assert min(floor.sizes) >= 60 and any("took the fine clusters nearest them" in n for n in floor.notes)
 
 
 def test_random_partition_is_even_and_seeded():

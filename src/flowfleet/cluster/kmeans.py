@@ -228,6 +228,33 @@ def balance_fine_to_coarse(
     return out
 
 
+def lift_to_floor(
+    fine: torch.Tensor, coarse: torch.Tensor, fine_sizes: torch.Tensor, fine_to_coarse: torch.Tensor, floor: float
+) -> torch.Tensor:
+    """The fine -> coarse map with every coarse cluster lifted to at least `floor` items where it can be: the
+    smallest one under it takes, one at a time, the fine cluster nearest its centroid among those whose own
+    cluster stays at or above the floor without it. Clusters already above the floor keep their k-means shape
+    (cluster.balance evens every size instead). Hand-written: no library does a floor-constrained reassignment of
+    weighted points. Where the fine clusters are too coarse to reach the floor, the map stops short of it (the
+    caller says so)."""
+    out = fine_to_coarse.clone()
+    k = coarse.shape[0]
+    d = torch.cdist(fine.double(), coarse.double())  # [F, K]
+    sizes = fine_sizes.double()
+    load = torch.zeros(k, dtype=torch.float64).index_add_(0, out, sizes)
+    while True:
+        j = int(load.argmin())
+        if load[j] >= floor:
+            return out
+        movable = ((load[out] - sizes >= floor) & (out != j) & (sizes > 0)).nonzero().flatten()
+        if len(movable) == 0:
+            return out
+        f = int(movable[d[movable, j].argmin()])
+        load[out[f]] -= sizes[f]
+        load[j] += sizes[f]
+        out[f] = j
+
+
 def _weighted_means(fine: torch.Tensor, fine_to_coarse: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
     w = weights.double().unsqueeze(1)  # [F, 1]
     sums = torch.zeros(k, fine.shape[1], dtype=torch.float64).index_add_(0, fine_to_coarse, fine.double() * w)
@@ -252,6 +279,7 @@ def two_stage_kmeans(
     iters: int = 25,
     seed: int = 0,
     balance: bool = False,
+    min_size: float = 0.0,
     backend: str = "auto",
     device: torch.device | str = "cpu",
     max_reseeds: int = 5,
@@ -306,6 +334,10 @@ def two_stage_kmeans(
         if balance:
             fine_to_coarse = balance_fine_to_coarse(fine, coarse, fine_sizes)
             coarse = _weighted_means(fine, fine_to_coarse, fine_sizes, k)
+        lifted = bool(torch.bincount(fine_to_coarse, weights=fine_sizes.double(), minlength=k).min() < min_size)
+        if lifted:  # a partition under the floor takes the fine clusters nearest it
+            fine_to_coarse = lift_to_floor(fine, coarse, fine_sizes, fine_to_coarse, min_size)
+            coarse = _weighted_means(fine, fine_to_coarse, fine_sizes, k)
         assign = fine_to_coarse[fine_assign]  # [N]
         empty = (torch.bincount(assign, minlength=k) == 0).nonzero().flatten().tolist()
         if not empty:
@@ -316,6 +348,8 @@ def two_stage_kmeans(
             f"runs; lower cluster.k or raise cluster.fine_k"
         )
     seconds["coarse"] = time.perf_counter() - t
+    if lifted:
+        notes.append(f"partitions under {min_size:g} items took the fine clusters nearest them (cluster.min_share)")
     return TwoStageResult(
         fine,
         coarse,

@@ -15,6 +15,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_run_root(p)
     p.add_argument("--preset", default="mnist", choices=sorted(PRESETS), help="starting configuration")
     p.add_argument("--force", action="store_true", help=f"overwrite an existing {RUN_FILE}")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a dotted run.yaml key before it is validated, e.g. --set data.path=/my/images --set cluster.k=8 "
+        "(repeatable; VALUE is read as YAML)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +33,6 @@ def run(args: argparse.Namespace) -> int:
 
     from flowfleet.stages.init import init_run
 
-    path = init_run(args.run_root, args.preset, force=args.force)
+    path = init_run(args.run_root, args.preset, force=args.force, sets=args.set)
     print(f"wrote {path}")
     return 0

@@ -129,6 +129,3 @@ def load_autoencoder(root: RunRoot, *parts: str):
         raise ModelFileError(f"{where}: not a loadable AutoencoderKL ({str(err).splitlines()[0][:200]})") from None
     return vae.eval().requires_grad_(False)
 
-
-def autoencoder_ready(root: RunRoot, *parts: str) -> bool:
-    return root.exists(*parts, "config.json") and root.exists(*parts, WEIGHTS_NAME)

@@ -52,19 +52,30 @@ def open_image(data: bytes | np.ndarray | Image.Image) -> Image.Image:
     return img
 
 
-def to_tensor(img: Image.Image, size: int, channels: int) -> torch.Tensor:
-    """[channels, size, size] float32 in [-1, 1]: centre crop to a square, antialiased bicubic resize."""
-    if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
-        # Transparent pixels over white, as a viewer shows them.
+BACKGROUND = (255, 255, 255)  # what transparent pixels become: white, as a viewer shows them
+
+
+def opaque(img: Image.Image) -> Image.Image:
+    """The image with any transparency (RGBA, LA, a palette's transparent index) composited over BACKGROUND."""
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
-        img = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
-    img = img.convert("L" if channels == 1 else "RGB")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*BACKGROUND, 255)), rgba)
+    return img
+
+
+def square(img: Image.Image, size: int) -> Image.Image:
+    """Centre crop to a square, then PIL's antialiased bicubic resize to size x size."""
     w, h = img.size
     side = min(w, h)
     left, top = (w - side) // 2, (h - side) // 2
     img = img.crop((left, top, left + side, top + side))
-    if side != size:
-        img = img.resize((size, size), Image.Resampling.BICUBIC)
+    return img.resize((size, size), Image.Resampling.BICUBIC) if side != size else img
+
+
+def to_tensor(img: Image.Image, size: int, channels: int) -> torch.Tensor:
+    """[channels, size, size] float32 in [-1, 1]: transparency over white, centre crop to a square, antialiased
+    bicubic resize."""
+    img = square(opaque(img).convert("L" if channels == 1 else "RGB"), size)
     arr = np.asarray(img, dtype=np.uint8)  # [H, W] or [H, W, 3]
     x = torch.from_numpy(arr.copy()).float()
     x = x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)  # [C, H, W]

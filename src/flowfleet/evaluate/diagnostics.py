@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 import torch
 
+from flowfleet.cluster.features import signed_power
 from flowfleet.config import RunConfig
 from flowfleet.evaluate.reference import semantic_is_fid_extractor
 from flowfleet.flow.ensemble import dense_weights
@@ -201,6 +202,7 @@ class SemanticFeatures:
         return torch.cat([self._encoder.encode(images[i : i + 64]).cpu() for i in range(0, images.shape[0], 64)])
 
     def alignment(self, features: torch.Tensor, dominant: torch.Tensor) -> dict[str, Any]:
+        features = signed_power(features, self.cfg.cluster.power)  # as the clustering saw them
         return centroid_alignment(features, dominant, self.coarse, self.fine, self.fine_to_coarse)
 
 

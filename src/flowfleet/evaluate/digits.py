@@ -84,10 +84,10 @@ class TrainSettings:
     seed: int = 0
 
 
-def _shifted(x: torch.Tensor, shift: int, gen: torch.Generator) -> torch.Tensor:
-    """Each image translated by up to `shift` pixels (pad with background, random crop)."""
+def shifted(x: torch.Tensor, shift: int, gen: torch.Generator, fill: float = -1.0) -> torch.Tensor:
+    """Each image translated by up to `shift` pixels (padded with the background `fill`, randomly cropped)."""
     b, _, h, w = x.shape
-    padded = F.pad(x, (shift,) * 4, value=-1.0)
+    padded = F.pad(x, (shift,) * 4, value=fill)
     dx = torch.randint(0, 2 * shift + 1, (b,), generator=gen).tolist()
     dy = torch.randint(0, 2 * shift + 1, (b,), generator=gen).tolist()
     return torch.stack([padded[i, :, dy[i] : dy[i] + h, dx[i] : dx[i] + w] for i in range(b)])
@@ -127,7 +127,7 @@ def train_classifier(
         perm = torch.randperm(n, generator=gen)
         for i in range(0, n, settings.batch_size):
             idx = perm[i : i + settings.batch_size]
-            loss = F.cross_entropy(net(_shifted(xt[idx], settings.shift, gen)), yt[idx])
+            loss = F.cross_entropy(net(shifted(xt[idx], settings.shift, gen)), yt[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -38,9 +38,10 @@ def held_out_clusters(
     """[M] the cluster of each held-out item: its nearest fine centroid's (the rule `cluster` assigned the
     training items by), in the clustering features, less the training items' caption fit when
     cluster.caption_residual."""
-    x = clustering_features(dict(held), cfg.cluster.features)  # [M, D] normalised
-    if cfg.cluster.caption_residual:
-        coef = caption_regression(clustering_features(dict(train), cfg.cluster.features), train["text_pooled"])
+    c = cfg.cluster
+    x = clustering_features(dict(held), c.features, c.power)  # [M, D] normalised
+    if c.caption_residual:
+        coef = caption_regression(clustering_features(dict(train), c.features, c.power), train["text_pooled"])
         x = caption_residual(x, held["text_pooled"], coef)
     nearest = torch.cdist(x.double(), centroids["fine"].double()).argmin(dim=1)  # [M]
     return centroids["fine_to_coarse"].long()[nearest]

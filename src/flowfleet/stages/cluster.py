@@ -26,12 +26,12 @@ from tqdm.auto import tqdm
 from flowfleet.cluster.assignments import write_assignments
 from flowfleet.cluster.features import FEATURE_FIELDS, caption_residual, clustering_features
 from flowfleet.cluster.kmeans import l2_normalize_, random_partition, two_stage_kmeans
-from flowfleet.config import RunConfig, load_run_config
+from flowfleet.config import ClusterConfig, RunConfig, load_run_config
 from flowfleet.data.encoders import run_latent_encoder
 from flowfleet.data.shards import ShardSet, ShardSetManifest, open_complete
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import CENTROIDS, CLUSTER_REPORT, CLUSTERS, DATA, PARTITIONS, partition
+from flowfleet.layout import CENTROIDS, CLUSTER_REPORT, CLUSTERS, DATA, PARTITIONS, RUN_FILE, partition
 from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.storage import RunRoot
 
@@ -110,7 +110,7 @@ def cluster(
     t0 = time.perf_counter()
     extra = ["text_pooled"] if c.caption_residual else []
     fields, captions = data.load([*FEATURE_FIELDS[c.features], *extra, "labels", "index"], with_captions=True)
-    x, labels, index = clustering_features(fields, c.features), fields["labels"], fields["index"]
+    x, labels, index = clustering_features(fields, c.features, c.power), fields["labels"], fields["index"]
     if c.caption_residual:
         x = caption_residual(x, fields["text_pooled"])
     fine_k = c.fine_k
@@ -148,6 +148,7 @@ def cluster(
             iters=c.iters,
             seed=c.seed,
             balance=c.balance,
+            min_size=c.min_share * n,
             backend=backend,
             device=dev,
             progress=progress,
@@ -165,6 +166,7 @@ def cluster(
             fine_to_coarse=fine_to_coarse.tolist(),
         )
     sizes = torch.bincount(assign, minlength=c.k).tolist()
+    _check_floor(sizes, c, root)
     report.update(sizes=sizes, seconds_clustering=round(time.perf_counter() - t0, 2))
     score = nmi(labels, assign)
     if score is not None:
@@ -174,6 +176,7 @@ def cluster(
             nmi_random_same_sizes=nmi(labels, shuffled),
             label_coherence=label_coherence(labels, assign),
             label_mix=_label_mix(labels, assign, c.k),
+            label_names=manifest.extra.get("label_names"),  # what label i means, where the source says
         )
     else:
         report.update(nmi=None, label_coherence=None)
@@ -194,6 +197,21 @@ def cluster(
     report["seconds"] = round(time.perf_counter() - t0, 2)
     root.write_json(report, *CLUSTER_REPORT)
     return report
+
+
+def _check_floor(sizes: list[int], c: ClusterConfig, root: RunRoot) -> None:
+    """Refuse, before anything is written, a partition under cluster.min_share of the items (one the k-means could
+    not lift to it: flowfleet.cluster.kmeans.lift_to_floor)."""
+    n = sum(sizes)
+    small = min(range(len(sizes)), key=lambda j: sizes[j])
+    if sizes[small] >= c.min_share * n:
+        return
+    fix = "fewer partitions (cluster.k)" if c.balance else "cluster.balance: true, or fewer partitions (cluster.k)"
+    raise FlowfleetError(
+        f"{root.url_of(RUN_FILE)}: cluster {small} holds {sizes[small]} of {n} items ({sizes[small] / n:.1%}), under "
+        f"cluster.min_share {c.min_share:g} even with the fine clusters nearest it (sizes {sizes}); more fine "
+        f"clusters (cluster.fine_k) can fill it, or set {fix}"
+    )
 
 
 def write_partitions(

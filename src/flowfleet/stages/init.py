@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import RUN_FILE
 from flowfleet.presets import preset
 from flowfleet.storage import RunRoot
 
 
-def init_run(run_root: str, preset_name: str, *, force: bool = False) -> str:
-    """Create run.yaml (validated) in run_root; refuses to overwrite unless force. Returns its URL."""
+def init_run(run_root: str, preset_name: str, *, force: bool = False, sets: Sequence[str] = ()) -> str:
+    """Create run.yaml (validated) in run_root from a preset and `sets` ("data.path=/my/images"); refuses to
+    overwrite unless force. Returns its URL."""
     root = RunRoot(run_root)
     if root.exists(RUN_FILE) and not force:
         raise FlowfleetError(f"{root.url_of(RUN_FILE)}: already exists (use --force to overwrite)")
     try:
-        cfg = preset(preset_name, name=run_root.rstrip("/").split("/")[-1] or preset_name)
+        cfg = preset(preset_name, sets=sets, name=run_root.rstrip("/").split("/")[-1] or preset_name)
     except ValueError as err:
         raise FlowfleetError(str(err)) from None
     cfg.save(root)

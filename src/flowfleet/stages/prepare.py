@@ -41,7 +41,7 @@ from flowfleet.data.sources import RawItem, Source, build_source
 from flowfleet.data.sources.mnist import switch_hint
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import AUTOENCODER, AUTOENCODER_RECIPE, DATA, EVAL_DATA, MANIFEST, data_part
+from flowfleet.layout import AUTOENCODER, AUTOENCODER_RECIPE, DATA, EVAL_DATA, MANIFEST, NOTICE, data_part
 from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.storage import RunRoot
 
@@ -261,6 +261,9 @@ def prepare(
     if part is None:
         manifest = _encode(root, DATA, cfg, source, recipe, encoders, 0, split.train_stop, None, restart, progress)
         split.encode_eval(root, cfg, source, recipe, encoders, restart, progress)
+        notice = source.notice()
+        if notice is not None:  # the data's licences and attribution travel with the run
+            root.write_bytes(notice.encode(), DATA, NOTICE)
         return manifest
     if split.size is None:
         raise FlowfleetError(
@@ -439,6 +442,7 @@ def _encode(
         source=recipe["source"],
         encoders=enc.describe(),
         has_labels=source.has_labels,
+        label_names=list(source.label_names) if source.label_names else None,
         image_size=d.image_size,
         channels=d.channels,
     )
@@ -535,7 +539,9 @@ def merge_parts(run_root: str | RunRoot, n: int, *, progress: bool = True) -> Sh
     shards = ShardSet(root, DATA)
     first = parts[0][1]
     manifest = ShardSetManifest(
-        extra={k: first.extra[k] for k in ("source", "encoders", "has_labels", "image_size", "channels")}
+        extra={
+            k: first.extra.get(k) for k in ("source", "encoders", "has_labels", "label_names", "image_size", "channels")
+        }
     )
     manifest.extra["recipe"] = recipe
     t0 = time.perf_counter()

@@ -30,6 +30,7 @@ class Source(ABC):
 
     kind: str = ""
     has_labels: bool = False
+    label_names: tuple[str, ...] | None = None  # what each label means, where the source knows (label i: [i])
 
     @abstractmethod
     def fingerprint(self) -> dict[str, Any]:
@@ -38,6 +39,11 @@ class Source(ABC):
     @abstractmethod
     def items(self, start: int = 0) -> Iterator[RawItem]:
         """Items from position `start` on (positions count every item, readable or not)."""
+
+    def notice(self) -> str | None:
+        """The licences and attribution its data asks to be carried with what is made from it (prepare writes it into
+        RUN_ROOT/data/NOTICE.md); None when it asks nothing."""
+        return None
 
     def length(self) -> int | None:
         """Number of items (the source's __len__); None when unknown without reading everything (tar streams,

