@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: demo demo-quick test test-slow test-gpu install fetch-data clean
+.PHONY: demo demo-quick demo-emoji test test-slow test-gpu install fetch-data fetch-emoji clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,11 +27,19 @@ fetch-data: $(STAMP)
 
 install: $(STAMP) fetch-data
 
+# The built-in emoji (npm's emoji-datasource-google and -twitter, pinned and checked) into the cache, once, and the
+# emoji judge trained on their training images (cached beside them): `flowfleet demo --data emoji` reads both.
+fetch-emoji: $(STAMP)
+	$(BIN)/flowfleet fetch-data --set emoji
+
 demo: $(STAMP) fetch-data
 	$(BIN)/flowfleet demo --out runs/demo
 
 demo-quick: $(STAMP) fetch-data
 	$(BIN)/flowfleet demo --out runs/demo-quick --quick
+
+demo-emoji: $(STAMP) fetch-emoji
+	$(BIN)/flowfleet demo --data emoji --out runs/demo-emoji
 
 # The suite runs in a random order (pytest-randomly) from a fixed seed, so that a failure reproduces:
 # `make test TEST_SEED=N` tries another order. Then the numerics tests (marker `numerics`) run again on

@@ -147,6 +147,35 @@ def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
     assert (sub / "experts" / "0" / "status.json").read_bytes() == caption_trained
 
 
+def test_the_emoji_demo_smoke_runs_every_stage(tmp_path, monkeypatch):
+    """`flowfleet demo --data emoji` on a tiny fake set of both art styles: the set's licences in the run, the
+    emoji judge's category and subcategory accuracy for every model, Paris' router with the prompt-aware one beside
+    it, the named prompts' grid."""
+    from fixtures.emoji_packages import fake_packages, many_entries
+
+    from flowfleet.data.sources.emoji import CACHE_FILE, NOTICE_FILE, convert_emoji
+
+    tarballs, arts = fake_packages(tmp_path / "npm", many_entries(30))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FLOWFLEET_CACHE", str(cache))
+    convert_emoji(tarballs, cache / CACHE_FILE, cache / NOTICE_FILE, arts=arts, held_out=16, progress=False)
+    out = tmp_path / "demo-emoji"
+    demo(str(out), size="smoke", data="emoji", progress=False)
+    evaluation = json.loads((out / "reports" / "evaluation.json").read_text())
+    assert list(evaluation["runs"]) == ["monolith", "top2", "top2+router-prompt"]  # the prompt-aware one beside Paris'
+    judge = evaluation["prompt_accuracy"]["classifier"]
+    assert judge["judge"] == "emoji category classifier" and len(judge["sha256"]) == 64
+    for run in evaluation["runs"].values():
+        assert 0 <= run["prompt_accuracy"] <= 1 and 0 <= run["subcategory_accuracy"] <= 1 and run["classifier_fd"] > 0
+        with np.load(out / "reports" / run["samples"]) as npz:
+            assert npz["images"].shape[0] == evaluation["n"] == len(npz["prompts"])
+            assert npz["images"].shape[-1] == 3 and all(p.endswith(" style") for p in npz["prompts"])
+    assert "subcategory accuracy" in (out / "reports" / "report.html").read_text()
+    assert "CC-BY-4.0" in (out / "data" / "NOTICE.md").read_text()
+    for name in ("monolith", "top1", "top2", "full"):  # the named prompts' grid of every strategy
+        assert (out / "reports" / "showcase" / f"{name}.png").exists()
+
+
 def test_demo_refuses_an_out_folder_of_another_run(tmp_path):
     root = RunRoot(str(tmp_path / "other"))
     preset("mnist-tiny", name="someone-else").save(root)
@@ -181,6 +210,23 @@ def test_demo_plans_validate_and_quick_is_smaller():
     assert full.evaluation.monolith and full.evaluation.strategies == ("top2",)  # Paris' claim: top-2 vs monolith
     with pytest.raises(ValueError, match="unknown demo size"):
         demo_plan("huge")
+
+
+def test_the_emoji_demo_plan_is_paris_on_content_clusters():
+    full = demo_plan("full", data="emoji")
+    c = full.config
+    assert c.data.source == "emoji" and c.data.holdout >= 500 and c.data.limit is None  # every image: 6572 to train
+    # Paris' regime: K >= 4 clusters of image features (of content: no caption residual), none under 5 %, a router
+    # blind to the prompt and top-2; the prompt-aware router beside it as the comparison
+    assert c.cluster.k >= 4 and c.cluster.features == "semantic" and not c.cluster.caption_residual
+    assert c.cluster.min_share >= 0.05 and c.encoders.semantic.name == "inception"
+    assert not c.router.uses_text and c.sampling.strategy == "top2" and c.router_prompt
+    assert full.evaluation.routers == ("router-prompt",) and full.evaluation.monolith
+    assert c.encoders.latent.name == "autoencoder" and c.data.channels == 3
+    assert all(p.endswith((", Noto style", ", Twemoji style")) for p in full.data.showcase)
+    assert demo_plan("full", data="emoji", prompt_router=False).evaluation.routers == ()
+    with pytest.raises(ValueError, match="unknown demo data 'faces'"):
+        demo_plan("full", data="faces")
 
 
 @pytest.mark.slow

@@ -122,6 +122,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = add_command(sub, "demo", run_demo)
     p.add_argument("--out", default="runs/demo", metavar="DIR", help="run root to create (default runs/demo)")
+    p.add_argument(
+        "--data",
+        default="digits",
+        choices=("digits", "emoji"),
+        help="the built-in data: digits (MNIST, the default) or emoji (7572 captioned colour emoji in two art "
+        "styles, fetched with npm on first use)",
+    )
     p.add_argument("--quick", action="store_true", help="a smaller, faster run (about 5 minutes on 2 CPU cores)")
     p.add_argument(
         "--caption-fleet",
@@ -132,8 +139,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prompt-router",
         action="store_true",
+        default=None,
         help="also train a router that reads the prompt (OUT/router-prompt/) and evaluate top-2 routed by it as the "
-        "row top2+router-prompt, beside Paris' prompt-blind router (about 80 s more)",
+        "row top2+router-prompt, beside Paris' prompt-blind router (about 80 s more; always on for --data emoji)",
     )
     add_progress(p)
 
@@ -217,7 +225,7 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """the whole pipeline on the built-in digits, ending in an HTML report
+    """the whole pipeline on built-in data (the digits, or --data emoji), ending in an HTML report
 
     init -> prepare (1000 digits held out) -> cluster (K = 4 clusters of the images) -> train-all (the experts in
     parallel, Paris' prompt-blind router, a compute-matched monolith) -> assemble -> evaluate (each model at its best
@@ -229,6 +237,6 @@ def run_demo(args: argparse.Namespace) -> int:
     from flowfleet.stages.demo import demo
 
     beyond_paris = {"with_caption_fleet": args.caption_fleet, "with_prompt_router": args.prompt_router}
-    result = demo(args.out, quick=args.quick, progress=args.progress, **beyond_paris)
+    result = demo(args.out, quick=args.quick, data=args.data, progress=args.progress, **beyond_paris)
     print(f"demo finished in {result.seconds:.0f} s; open {result.report}")
     return 0

@@ -51,6 +51,7 @@ class QualitySections(BuilderBase):
         digits = self.evaluation.get("prompt_accuracy") or None
         if digits:
             clf = digits.get("classifier") or {}
+            fine = any(r.get("subcategory_accuracy") is not None for r in runs.values())  # the emoji judge's
             s.tables.append(
                 {
                     "caption": "per model at its guidance scale (cfg): prompt accuracy (share of samples the judge "
@@ -69,6 +70,7 @@ class QualitySections(BuilderBase):
                         "model",
                         "cfg",
                         "prompt accuracy",
+                        *(["subcategory accuracy"] if fine else []),
                         "confidence",
                         "classifier FD",
                         "precision",
@@ -80,6 +82,7 @@ class QualitySections(BuilderBase):
                             name,
                             fmt(r.get("cfg")),
                             fmt(r.get("prompt_accuracy")),
+                            *([fmt(r.get("subcategory_accuracy"))] if fine else []),
                             fmt(r.get("confidence")),
                             fmt(r.get("classifier_fd")),
                             fmt(r.get("precision")),
@@ -102,7 +105,16 @@ class QualitySections(BuilderBase):
                     ],
                 }
             )
-            if "val_accuracy" in clf:
+            if "val_subcategory_accuracy" in clf:  # the emoji judge (flowfleet.evaluate.emoji)
+                s.notes.append(
+                    f"Judge: the {clf.get('judge', 'classifier')}, trained by flowfleet on the set's "
+                    f"{clf.get('train_items', '?')} training emoji (one judge for every run on the built-in emoji, "
+                    f"weights sha256 {str(clf.get('sha256', '?'))[:16]}...), category accuracy "
+                    f"{fmt(clf.get('val_accuracy'))} and subcategory accuracy "
+                    f"{fmt(clf.get('val_subcategory_accuracy'))} on its {clf.get('val_items', '?')} held-out emoji, "
+                    "which no model and not the judge trained on."
+                )
+            elif "val_accuracy" in clf:
                 s.notes.append(
                     f"Judge: the {clf.get('judge', 'classifier')}, trained by flowfleet on the first "
                     f"{clf.get('train_items', '?')} MNIST-5k digits (the first of the 10,000 too: one judge for every "

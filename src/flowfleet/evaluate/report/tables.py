@@ -12,11 +12,16 @@ from flowfleet.evaluate.report.parts import MIX_LABELS, fmt
 def cluster_rows(rep: dict[str, Any]) -> list[list[Any]]:
     """[cluster, items, "label: count, ..."] per cluster of a clusters/report.json (the most frequent labels)."""
     mixes = rep.get("label_mix") or []
+    names = rep.get("label_names") or []
+
+    def name(lab: str) -> str:
+        return names[int(lab)] if lab.isdigit() and int(lab) < len(names) else lab
+
     rows = []
     for k, size in enumerate(rep.get("sizes") or []):
         mix = mixes[k] if k < len(mixes) and isinstance(mixes[k], dict) else {}
         shown = sorted(mix.items(), key=lambda kv: -kv[1])[:MIX_LABELS]
-        rows.append([k, size, ", ".join(f"{lab}: {cnt}" for lab, cnt in shown)])
+        rows.append([k, size, ", ".join(f"{name(lab)}: {cnt}" for lab, cnt in shown)])
     return rows
 
 
@@ -37,16 +42,19 @@ def draws_table(draws: dict[str, Any]) -> dict[str, Any]:
     def ratios(a: list[float], b: list[float] | None) -> str:
         return spread([x / y for x, y in zip(a, b)]) if b and all(v is not None for v in [*a, *b]) else ""
 
+    # the emoji judge reads the subcategory too: its accuracy beside the category's
+    accuracies = (
+        "prompt_accuracy",
+        *(("subcategory_accuracy",) if any("subcategory_accuracy" in r for r in runs.values()) else ()),
+    )
+
     rows = [
         [
             name,
             spread(r[metric]),
             ratios(r[metric], floor.get(metric)),
             "" if name == "monolith" else ratios(r[metric], mono),
-            *[
-                spread(r[k]) if r.get(k) and None not in r[k] else ""
-                for k in ("prompt_accuracy", "precision", "recall")
-            ],
+            *[spread(r[k]) if r.get(k) and None not in r[k] else "" for k in (*accuracies, "precision", "recall")],
         ]
         for name, r in runs.items()
     ]
@@ -56,7 +64,7 @@ def draws_table(draws: dict[str, Any]) -> dict[str, Any]:
             spread(floor[metric]),  # (an evaluation without a floor: "")
             "",
             "",
-            "",
+            *[""] * len(accuracies),
             *[spread(floor[k]) if k in floor and None not in floor[k] else "" for k in ("precision", "recall")],
         ]
     )
@@ -72,6 +80,7 @@ def draws_table(draws: dict[str, Any]) -> dict[str, Any]:
             "÷ floor",
             "÷ monolith",
             "prompt accuracy",
+            *(["subcategory accuracy"] if len(accuracies) > 1 else []),
             "precision",
             "recall",
         ],

@@ -110,6 +110,7 @@ class ModelRun:
     fid_s: float = 0.0
     prompt_accuracy: float | None = None  # MNIST: share of samples the digit classifier reads as prompted
     confidence: float | None = None  # MNIST: mean classifier probability of the prompted digit
+    subcategory_accuracy: float | None = None  # emoji: share of samples the judge reads as the prompt's subcategory
     classifier_fd: float | None = None  # MNIST: Fréchet distance in the digit classifier's features
     samples: str = ""  # reports/<samples>: every scored sample (npz)
     same_as: str | None = None  # the same model as this earlier run (top-k with k >= K is the full ensemble)

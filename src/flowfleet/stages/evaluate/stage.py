@@ -23,6 +23,7 @@ from flowfleet.evaluate.diagnostics import (
     usage_shares,
 )
 from flowfleet.evaluate.digits import DigitJudge, prompted_digit
+from flowfleet.evaluate.emoji import EmojiJudge
 from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
 from flowfleet.evaluate.judge import load_judge
 from flowfleet.evaluate.precision_recall import precision_recall
@@ -67,6 +68,7 @@ from flowfleet.train.status import job_finished
 
 log = logging.getLogger(__name__)
 
+JUDGE_NAMES = {"digits": "mnist digit classifier", "emoji": "emoji category classifier"}  # evaluation.json's words
 PR_REFERENCE = 2000  # reference rows for precision/recall (prdc holds the [N, N] distances in memory)
 
 # --------------------------------------------------------------------------------------------------
@@ -243,9 +245,7 @@ class _Evaluation:
         if inception:
             self._inception_reference(fid)
         self.timings["reference_s"] = time.perf_counter() - t0
-        if self.options.judge or (
-            self.prompts and self.data_is_mnist() and any(prompted_digit(p) is not None for p in self.prompts)
-        ):
+        if self.options.judge or (self.prompts and self.builtin_judge() is not None):
             self._open_judge()
         if self.options.diagnostics:
             self.semantic = SemanticFeatures(self.root, self.cfg, fid.key, self.device)
@@ -282,10 +282,14 @@ class _Evaluation:
             raise RuntimeError("the FID reference is not open (open() has not run)")
         return self.fid, self.ref
 
-    def data_is_mnist(self) -> bool:
-        """data/ was prepared from the built-in digits (as prepare recorded it), the digit judge's domain."""
+    def builtin_judge(self) -> str | None:
+        """The built-in judge of data/'s source (as prepare recorded it), where its prompts are that judge's: "digits"
+        (the built-in digits, prompts naming a digit) or "emoji" (the built-in emoji); None for any other data."""
         source = self.data.manifest().extra.get("source") or {}
-        return isinstance(source, dict) and source.get("kind") == "mnist"
+        kind = source.get("kind") if isinstance(source, dict) else None
+        if kind == "mnist" and any(prompted_digit(p) is not None for p in self.prompts or []):
+            return "digits"
+        return "emoji" if kind == "emoji" else None
 
     def _open_judge(self) -> None:
         """The prompt-accuracy judge (--judge, or the MNIST digit classifier, trained once and cached in
@@ -301,6 +305,9 @@ class _Evaluation:
                     f"--judge: none of the {len(self.prompts)} prompts names one of the judge's "
                     f"classes (e.g. {self.prompts[0]!r})"
                 )
+        elif self.builtin_judge() == "emoji":
+            self.judge = EmojiJudge.load_or_train()
+            log.info(f"evaluate: emoji judge (category accuracy {self.judge.val_accuracy:.3f} on the held-out emoji)")
         else:
             self.judge = DigitJudge.load_or_train(self.root)
             log.info(f"evaluate: digit classifier (validation accuracy {self.judge.val_accuracy:.3f})")
@@ -359,6 +366,7 @@ class _Evaluation:
         run.cfg, run.fid, feats = settings.cfg, scores["fid"], scores["_fid_features"]
         run.cache_saved = scores["cache_saved"]
         run.classifier_fd, run.precision, run.recall = (scores.get(k) for k in ("classifier_fd", "precision", "recall"))
+        run.subcategory_accuracy = scores.get("subcategory_accuracy")
         if "_accuracy" in scores:
             acc = self.prompt_accuracy[name] = scores["_accuracy"]
             run.prompt_accuracy, run.confidence = acc["accuracy"], acc.get("confidence")
@@ -367,11 +375,14 @@ class _Evaluation:
 
         shown = min(o.grid, o.n)
         run.prompts, run.grid = list(out.prompts[:shown]), self._report_path(f"{name}.png")
-        title = (
-            f"{name}  prompt accuracy {run.prompt_accuracy:.3f}  FID {run.fid:.2f}"
-            if run.prompt_accuracy is not None
-            else f"{name}  FID {run.fid:.2f}"
-        )
+        title = f"{name}  Inception FID {run.fid:.2f}"
+        if run.classifier_fd is not None:  # the judge's distance, beside the real images' of the same draw
+            floor = self.floor.get("classifier_fd")
+            title = f"{name}  classifier FD {run.classifier_fd:.1f}" + (
+                f" (real images {floor:.1f})" if floor is not None else ""
+            )
+        if run.prompt_accuracy is not None:
+            title += f"  prompt accuracy {run.prompt_accuracy:.3f}"
         self.root.write_bytes(captioned_grid_png(images[:shown], run.prompts, title=title), REPORTS, run.grid)
         if kind == "fleet":
             run.heatmap = self._report_path(f"{name}.routing.png")
@@ -404,6 +415,8 @@ class _Evaluation:
         if self.judge is not None:
             acc = scores["_accuracy"] = self.judge.prompt_accuracy(images, prompts)
             scores["prompt_accuracy"] = acc["accuracy"]
+            if "subcategory_accuracy" in acc:  # the emoji judge's finer reading
+                scores["subcategory_accuracy"] = acc["subcategory_accuracy"]
             if self.judge_fd is not None:
                 scores.update(self._judge_scores(self.judge_fd[0].features(images)))
         return scores
@@ -462,7 +475,10 @@ class _Evaluation:
             "adherence": self.adherence or None,
             "prompt_accuracy": (
                 {
-                    "classifier": {"judge": o.judge or "mnist digit classifier", **getattr(self.judge, "record", {})},
+                    "classifier": {
+                        "judge": o.judge or JUDGE_NAMES[self.builtin_judge() or "digits"],
+                        **getattr(self.judge, "record", {}),
+                    },
                     "scores": self.prompt_accuracy,
                 }
                 if self.judge is not None
@@ -488,10 +504,12 @@ def _redraw(
     """Every model again at its chosen scale in draws 1 .. repeats - 1 (seed + r: other prompts and noise,
     another reference and floor), beside draw 0, the evaluation above. -> {"seeds": [...], "floor": {metric:
     [per draw]}, "runs": {name: {metric: [per draw]}}}: plain lists, which the report summarises. With a judge
-    the metrics are its distance, precision, recall and prompt accuracy (Inception FID, the costlier network,
-    is not drawn again); without one, Inception FID."""
+    the metrics are its distance, precision, recall and prompt accuracy (and the emoji judge's subcategory
+    accuracy; Inception FID, the costlier network, is not drawn again); without one, Inception FID."""
     o = ev.options
-    metrics = JUDGED if ev.judge_fd is not None else ("fid",)
+    metrics: tuple[str, ...] = JUDGED if ev.judge_fd is not None else ("fid",)
+    if any(run.subcategory_accuracy is not None for run in ev.runs.values()):  # the emoji judge's finer reading
+        metrics += ("subcategory_accuracy",)
 
     def values(scores: dict[str, Any]) -> dict[str, Any]:
         return {k: scores.get(k) for k in metrics}
