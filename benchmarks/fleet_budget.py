@@ -86,6 +86,15 @@ def reuse_monolith(src: Path, run: Path) -> None:
     shutil.copytree(src / "monolith", run / "monolith")
 
 
+def min_accuracy(run: Path) -> float:
+    """The demo's bar for a swept scale on the run's built-in data (flowfleet.stages.demo.DEMO_DATA)."""
+    from flowfleet.config import load_run_config
+    from flowfleet.stages.demo import DEMO_DATA
+    from flowfleet.storage import RunRoot
+
+    return DEMO_DATA["emoji" if load_run_config(RunRoot(str(run))).data.source == "emoji" else "digits"].min_accuracy
+
+
 def plot_budget(records: list[Path], levers: list[list[str]], out: Path) -> None:
     """FD at each model's chosen scale against the steps per expert, over the lines of every file of `records`:
     one top-2 curve per entry of `levers` (the --set assignments its lines were made with), the monolith of the
@@ -155,6 +164,13 @@ def main() -> None:
     p.add_argument("--tag", default="", help="suffix of each run's folder name (a lever's runs)")
     p.add_argument("--monolith-from", default=None, help="a run whose trained monolith this one reuses")
     p.add_argument("--strategies", default="top2")
+    p.add_argument(
+        "--min-accuracy",
+        type=float,
+        default=None,
+        help="prompt accuracy a swept scale must reach to be chosen (default: the demo's for the run's data: 0.95 "
+        "for the digits, 0 for the emoji, whose judge reads 0.86 of real emoji right)",
+    )
     p.add_argument("--records", default="", help="more budget.jsonl files (comma-separated) for budget.png")
     p.add_argument("--plot-only", action="store_true", help="redraw OUT/budget.png, train nothing")
     p.add_argument(
@@ -201,7 +217,17 @@ def main() -> None:
         assemble(str(run), progress=False)
         rec = {"budget_per_expert": budget, "seed": seed, "train_all_s": round(train_s, 1), "sets": a.set}
         routers = tuple(r for r in a.routers.split(",") if r)
-        rec.update(score_fleet(run, tuple(a.strategies.split(",")), a.cfg, a.n, routers=routers, repeats=a.repeats))
+        rec.update(
+            score_fleet(
+                run,
+                tuple(a.strategies.split(",")),
+                a.cfg,
+                a.n,
+                routers=routers,
+                repeats=a.repeats,
+                min_accuracy=min_accuracy(run) if a.min_accuracy is None else a.min_accuracy,
+            )
+        )
         keep_record(rec, out / "budget.jsonl")
         plot_budget(records(), [a.set], out / "budget.png")
 
