@@ -136,36 +136,82 @@ def _builtin(
     )
 
 
-def _emoji(source: str, **data: Any) -> dict[str, Any]:
-    """The built-in emoji's recipe (emoji), and the same for a folder of your own images (images: captions in
-    captions.jsonl / .csv or a .txt beside each image, labels optional; `flowfleet init RUN --preset images --set
-    data.path=FOLDER`): 32 px colour in the 8 x 8 x 4 latent of an autoencoder prepare trains, K = 4 clusters of
-    Inception features at 75 px (a minute for 7572 images on 2 cores, where 299 px takes a quarter of an hour),
-    power-normalised, none under 15 % of the data (a smaller one takes the fine clusters nearest it), and the
-    digits' training recipe (BENCHMARKS.md, "The emoji demo")."""
-    return _builtin(
-        source,
-        size=32,
-        channels=3,
+def _digits(**changes: Any) -> dict[str, Any]:
+    """The digits' recipe (preset mnist), every choice measured on them; `changes` replace its arguments of
+    _builtin (the emoji's recipe is this one with the changes their data asks for)."""
+    recipe: dict[str, Any] = dict(
+        source="mnist",
+        size=28,
+        channels=1,
         k=4,
+        # Experts of hidden 64 rather than hidden 128 for a third of the steps (the same FLOPs): top-2 reaches
+        # prompt accuracy 0.967 (0.903 at best before), the same-architecture monolith gets sharper (classifier
+        # FD 43.8 vs 46.5) and both sample 4x cheaper (BENCHMARKS.md, "Expert width at equal FLOPs").
         hidden=64,
-        steps=1500,
+        # Batches of 32 at 4e-3 for twice the steps of batches of 64 at 2e-3: the same samples and wall time;
+        # top-2 classifier FD 51.7 -> 41.7, the monolith 37.7 -> 34.7 (BENCHMARKS.md, "The demo's recipe").
+        steps=3000,
+        # K x 3000 steps split by the clusters' sizes (1516 / 789 / 822 / 873 digits: 4548 / 2367 / 2466 / 2619
+        # steps), so each expert passes over its digits as often as the monolith over all of them: top-2
+        # classifier FD 42.3 +- 0.3 -> 40.0 +- 1.4 over three seeds (BENCHMARKS.md, "Each expert's steps")
         expert_steps="by_size",
         batch=32,
         lr=4e-3,
+        # At 4e-3 one of three 12151-step monoliths spiked (loss 0.37 -> 0.54 at step 10875; classifier FD 165);
+        # gradients are ~0.25 in norm late in training, so a clip at 1 only cuts such spikes (its FD: 37.2)
         grad_clip=1.0,
-        router_steps=2000,
+        # Paris' router trained long enough to read its clusters: 300 steps of a hidden-64 router were at 0.445 on
+        # held-out digits at t < 0.1 (chance 0.377); 6000 steps of a hidden-32 one at 0.564. Top-2's classifier FD
+        # moves -0.9 +- 1.0 over three training seeds, the monolith, which gets the router's FLOPs too (12151 ->
+        # 12793 steps), -0.2 (BENCHMARKS.md, "The router's training budget"). 4000 steps: the demo on the 10,000
+        # digits keeps to ten minutes on two cores (BENCHMARKS.md, "The demo on 10,000 digits")
+        router_steps=4000,
         router_hidden=32,
         router_lr=2e-3,
         text_len=16,
+        holdout=1000,
+        # 800 steps: its reconstructions of held-out digits score classifier FD 25.3 against a real floor of
+        # 23.6, where 400 steps left 39.2, a ceiling just under the monolith's 44.1 (BENCHMARKS.md)
+        autoencoder=dict(block_out_channels=[16, 32, 32], latent_channels=4, pad_to=32, steps=800, batch_size=32),
+        # Inception at 75 px, less what the caption predicts of it. Downsampled pixels cluster closer to the
+        # digits (NMI 0.49 vs 0.27), but then a cluster nearly fixes the prompted digit, and Paris' prompt-blind
+        # router, which cannot know it at high t, sends a "zero" to experts that hold none: top-2 classifier FD
+        # 171 vs 72 (BENCHMARKS.md, "Which clusters a prompt-blind router can serve"). Inception's own clusters
+        # still hold 390 of the 400 "one"s in one cluster; without the caption's part every cluster holds every
+        # digit, and top-2 reaches prompt accuracy 0.95 at guidance 1.5 instead of 4.5 (classifier FD 51.7 vs
+        # 69.8; BENCHMARKS.md, "Clusters of what the caption does not tell").
+        caption_residual=True,
+        semantic=dict(name="inception", image_size=75),
+        # Guidance only at t <= 0.78, the 15 of the 20 steps from t = 0.75 down (Kynkaanniemi et al. 2024: the
+        # noisiest steps unguided): over three training seeds x 5 draws top-2's classifier FD moves -0.8, the
+        # monolith's -0.3 (BENCHMARKS.md, "Guidance in a limited interval")
+        cfg_max_t=0.78,
+    )
+    return _builtin(**{**recipe, **changes})
+
+
+def _emoji(source: str, **data: Any) -> dict[str, Any]:
+    """The built-in emoji's recipe (emoji), and the same for a folder of your own images (images: captions in
+    captions.jsonl / .csv or a .txt beside each image, labels optional; `flowfleet init RUN --preset images --set
+    data.path=FOLDER`): 32 px colour in the 8 x 8 x 8 latent of an autoencoder prepare trains, K = 4 clusters of
+    Inception features at 75 px (a minute for 7572 images on 2 cores, where 299 px takes a quarter of an hour),
+    power-normalised, none under 15 % of the data (a smaller one takes the fine clusters nearest it), and the
+    digits' training recipe (BENCHMARKS.md, "The emoji demo")."""
+    return _digits(
+        source=source,
+        size=32,
+        channels=3,
+        steps=1500,
+        router_steps=2000,
+        holdout=data.pop("holdout", 0),
         # 8 latent channels, not the digits' 4: a colour image is three times the numbers; batches of 16 at 4e-3:
         # more updates in the same time (BENCHMARKS.md, "The emoji demo")
         autoencoder=dict(block_out_channels=[16, 32, 32], latent_channels=8, steps=800, batch_size=16, lr=4e-3),
-        semantic=dict(name="inception", image_size=75),
+        # clusters of content: no caption residual (each expert holds its own emoji), features power-normalised
+        caption_residual=False,
         cluster_power=0.5,
         fine_k=128,
         min_share=0.15,
-        cfg_max_t=0.78,
         **data,
     )
 
@@ -179,6 +225,28 @@ def _tiny(cfg: dict[str, Any]) -> dict[str, Any]:
         # Inception at 96 px instead of 299: ~6x less compute per image on a CPU (BENCHMARKS.md, prepare)
         cfg["encoders"]["semantic"].update(image_size=96)
     return cfg
+
+
+def _pixel_features() -> dict[str, Any]:
+    return dict(name="pixels", image_size=16)  # tests: no Inception pass
+
+
+def _tiny_of(source: str, channels: int, **data: Any) -> dict[str, Any]:
+    """A built-in source at test size: 16 px, K = 3, 30 steps (the tests override them to fewer)."""
+    return _tiny(
+        _builtin(
+            source,
+            size=16,
+            channels=channels,
+            k=3,
+            steps=30,
+            router_steps=30,
+            batch=32,
+            text_len=8,
+            shard_size=128,
+            **data,
+        )
+    )
 
 
 def _paris(expert_size: str, router_size: str) -> dict[str, Any]:
@@ -239,102 +307,15 @@ def _paris(expert_size: str, router_size: str) -> dict[str, Any]:
 
 
 PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
-    "mnist": lambda: _builtin(
-        "mnist",
-        size=28,
-        channels=1,
-        k=4,
-        # Experts of hidden 64 rather than hidden 128 for a third of the steps (the same FLOPs): top-2 reaches
-        # prompt accuracy 0.967 (0.903 at best before), the same-architecture monolith gets sharper (classifier
-        # FD 43.8 vs 46.5) and both sample 4x cheaper (BENCHMARKS.md, "Expert width at equal FLOPs").
-        hidden=64,
-        # Batches of 32 at 4e-3 for twice the steps of batches of 64 at 2e-3: the same samples and wall time;
-        # top-2 classifier FD 51.7 -> 41.7, the monolith 37.7 -> 34.7 (BENCHMARKS.md, "The demo's recipe").
-        steps=3000,
-        # K x 3000 steps split by the clusters' sizes (1516 / 789 / 822 / 873 digits: 4548 / 2367 / 2466 / 2619
-        # steps), so each expert passes over its digits as often as the monolith over all of them: top-2
-        # classifier FD 42.3 +- 0.3 -> 40.0 +- 1.4 over three seeds (BENCHMARKS.md, "Each expert's steps")
-        expert_steps="by_size",
-        batch=32,
-        lr=4e-3,
-        # At 4e-3 one of three 12151-step monoliths spiked (loss 0.37 -> 0.54 at step 10875; classifier FD 165);
-        # gradients are ~0.25 in norm late in training, so a clip at 1 only cuts such spikes (its FD: 37.2)
-        grad_clip=1.0,
-        # Paris' router trained long enough to read its clusters: 300 steps of a hidden-64 router were at 0.445 on
-        # held-out digits at t < 0.1 (chance 0.377); 6000 steps of a hidden-32 one at 0.564. Top-2's classifier FD
-        # moves -0.9 +- 1.0 over three training seeds, the monolith, which gets the router's FLOPs too (12151 ->
-        # 12793 steps), -0.2 (BENCHMARKS.md, "The router's training budget"). 4000 steps: the demo on the 10,000
-        # digits keeps to ten minutes on two cores (BENCHMARKS.md, "The demo on 10,000 digits")
-        router_steps=4000,
-        router_hidden=32,
-        router_lr=2e-3,
-        text_len=16,
-        holdout=1000,
-        # 800 steps: its reconstructions of held-out digits score classifier FD 25.3 against a real floor of
-        # 23.6, where 400 steps left 39.2, a ceiling just under the monolith's 44.1 (BENCHMARKS.md)
-        autoencoder=dict(block_out_channels=[16, 32, 32], latent_channels=4, pad_to=32, steps=800, batch_size=32),
-        # Inception at 75 px, less what the caption predicts of it. Downsampled pixels cluster closer to the
-        # digits (NMI 0.49 vs 0.27), but then a cluster nearly fixes the prompted digit, and Paris' prompt-blind
-        # router, which cannot know it at high t, sends a "zero" to experts that hold none: top-2 classifier FD
-        # 171 vs 72 (BENCHMARKS.md, "Which clusters a prompt-blind router can serve"). Inception's own clusters
-        # still hold 390 of the 400 "one"s in one cluster; without the caption's part every cluster holds every
-        # digit, and top-2 reaches prompt accuracy 0.95 at guidance 1.5 instead of 4.5 (classifier FD 51.7 vs
-        # 69.8; BENCHMARKS.md, "Clusters of what the caption does not tell").
-        caption_residual=True,
-        semantic=dict(name="inception", image_size=75),
-        # Guidance only at t <= 0.78, the 15 of the 20 steps from t = 0.75 down (Kynkaanniemi et al. 2024: the
-        # noisiest steps unguided): over three training seeds x 5 draws top-2's classifier FD moves -0.8, the
-        # monolith's -0.3 (BENCHMARKS.md, "Guidance in a limited interval")
-        cfg_max_t=0.78,
-    ),
+    "mnist": _digits,
     "emoji": lambda: _emoji("emoji", holdout=1000),
     "images": lambda: _emoji("folder", path="/path/to/your/images"),
-    "emoji-tiny": lambda: _tiny(
-        _builtin(
-            "emoji",
-            size=16,
-            channels=3,
-            k=3,
-            steps=30,
-            router_steps=30,
-            batch=32,
-            text_len=8,
-            shard_size=128,
-            semantic=dict(name="pixels", image_size=16),  # tests: no Inception pass
-        )
-    ),
-    "mnist-tiny": lambda: _tiny(
-        _builtin(
-            "mnist",
-            size=16,
-            channels=1,
-            k=3,
-            steps=30,
-            router_steps=30,
-            batch=32,
-            text_len=8,
-            limit=384,
-            shard_size=128,
-            semantic=dict(name="pixels", image_size=16),  # tests: no Inception pass
-        )
-    ),
+    "emoji-tiny": lambda: _tiny_of("emoji", 3, semantic=_pixel_features()),
+    "mnist-tiny": lambda: _tiny_of("mnist", 1, limit=384, semantic=_pixel_features()),
     "shapes": lambda: _builtin(
         "shapes", size=32, channels=3, k=4, steps=1500, router_steps=600, batch=64, text_len=16, count=4000
     ),
-    "shapes-tiny": lambda: _tiny(
-        _builtin(
-            "shapes",
-            size=16,
-            channels=3,
-            k=3,
-            steps=30,
-            router_steps=30,
-            batch=32,
-            text_len=8,
-            count=256,
-            shard_size=128,
-        )
-    ),
+    "shapes-tiny": lambda: _tiny_of("shapes", 3, count=256),
     "paris-b2": lambda: _paris("B/2", "S/2"),
     "paris-xl2": lambda: _paris("XL/2", "B/2"),
 }

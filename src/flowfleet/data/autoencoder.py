@@ -128,4 +128,3 @@ def load_autoencoder(root: RunRoot, *parts: str):
     except (ValueError, RuntimeError, json.JSONDecodeError) as err:
         raise ModelFileError(f"{where}: not a loadable AutoencoderKL ({str(err).splitlines()[0][:200]})") from None
     return vae.eval().requires_grad_(False)
-

@@ -22,16 +22,14 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from flowfleet.data.images import resize_batch
 from flowfleet.data.sources.mnist.digits import DIGIT_WORDS, load_mnist_5k
 from flowfleet.errors import FlowfleetError
-from flowfleet.evaluate.judge import ClassifierJudge, PromptClasses
+from flowfleet.evaluate.judge import ClassifierJudge, JudgeFeatures, PromptClasses, cached_classifier, fit_classifier
 from flowfleet.storage import RunRoot
 
 log = logging.getLogger(__name__)
@@ -117,23 +115,12 @@ def train_classifier(
     n = settings.train_items
     xt, yt, xv, yv = x[:n], y[:n], x[n:], y[n:]
     net = DigitNet()
-    opt = torch.optim.AdamW(net.parameters(), lr=settings.lr, weight_decay=1e-4)
-    steps = settings.epochs * ((n + settings.batch_size - 1) // settings.batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, settings.lr, total_steps=steps)
     t0 = time.perf_counter()
-    bar = tqdm(total=steps, desc="digit classifier", unit="step", disable=not progress, leave=False)
-    for _ in range(settings.epochs):
-        net.train()
-        perm = torch.randperm(n, generator=gen)
-        for i in range(0, n, settings.batch_size):
-            idx = perm[i : i + settings.batch_size]
-            loss = F.cross_entropy(net(shifted(xt[idx], settings.shift, gen)), yt[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            bar.update(1)
-    bar.close()
+
+    def loss_of(idx: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(net(shifted(xt[idx], settings.shift, gen)), yt[idx])
+
+    fit_classifier(net, n, loss_of, settings, gen, "digit classifier", progress)
     record = {
         "network": NETWORK,
         "val_accuracy": accuracy(net, xv, yv),
@@ -142,7 +129,6 @@ def train_classifier(
         "train_s": round(time.perf_counter() - t0, 1),
         "settings": asdict(settings),
     }
-    net.eval()
     return net, record
 
 
@@ -151,7 +137,7 @@ class DigitJudge(ClassifierJudge):
 
     def __init__(self, net: DigitNet, record: dict[str, Any]):
         self.net = net.eval()
-        super().__init__(self.net, DIGIT_CLASSES, record, DigitFeatures(self.net))
+        super().__init__(self.net, DIGIT_CLASSES, record, JudgeFeatures(self.net, "digits-128", FEATURES))
 
     @property
     def val_accuracy(self) -> float:
@@ -163,54 +149,16 @@ class DigitJudge(ClassifierJudge):
     ) -> "DigitJudge":
         """The run's cached classifier, or a new one trained on MNIST-5k with `settings` and cached
         (atomic writes). A cache made by another network or recipe is trained again."""
-        weights, meta = (*FOLDER, "model.safetensors"), (*FOLDER, "classifier.json")
-        if root.exists(*weights) and root.exists(*meta):
-            record = root.read_json(*meta)
-            made = (record.get("network", "an older network"), record.get("settings"))
-            if made != (NETWORK, asdict(settings)):  # made by another flowfleet version's network or recipe
-                log.info(
-                    "%s: a %s classifier trained with %s, not %s with %s; training it again",
-                    root.url_of(*meta),
-                    *made,
-                    NETWORK,
-                    asdict(settings),
-                )
-            else:
-                net = DigitNet()
-                try:
-                    net.load_state_dict(safetensors.torch.load(root.read_bytes(*weights)))
-                except Exception as err:  # damaged cache: say so and retrain below
-                    log.warning(
-                        "%s: unreadable (%s); training the digit classifier again",
-                        root.url_of(*weights),
-                        str(err).splitlines()[0][:120],
-                    )
-                else:
-                    return cls(net, record)
-        log.info("training the digit classifier on MNIST-5k (cached in %s)", root.url_of(*FOLDER))
-        x, y = mnist_tensors()
-        net, record = train_classifier(x, y, settings, progress=progress)
-        root.write_bytes(safetensors.torch.save(net.state_dict()), *weights)
-        root.write_json(record, *meta)
+
+        def train() -> tuple[nn.Module, dict[str, Any]]:
+            log.info("training the digit classifier on MNIST-5k (cached in %s)", root.url_of(*FOLDER))
+            return train_classifier(*mnist_tensors(), settings, progress=progress)
+
+        net, record = cached_classifier(root, FOLDER, "classifier.json", (NETWORK, asdict(settings)), DigitNet, train)
+        assert isinstance(net, DigitNet)
         return cls(net, record)
 
 
 def prompted_digit(prompt: str) -> int | None:
     """'a handwritten digit seven' -> 7 (words or numerals as whole words); None when it names none."""
     return _DIGITS.target(prompt)
-
-
-class DigitFeatures(nn.Module):
-    """torchmetrics' custom-extractor contract (uint8 [B, C, H, W] -> [B, D], `num_features`), so the
-    Fréchet distance in the classifier's feature space is torchmetrics' own computation."""
-
-    num_features = FEATURES
-    key = "digits-128"  # names the features in cache files and results
-
-    def __init__(self, net: DigitNet):
-        super().__init__()
-        self.net = net.eval()
-
-    @torch.no_grad()
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.net.features(images.float() / 127.5 - 1.0).double()

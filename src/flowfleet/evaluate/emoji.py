@@ -19,24 +19,21 @@ with random shifts, once per machine and set: the weights are cached in the data
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from flowfleet.data.images import resize_batch
 from flowfleet.data.sources.emoji import EmojiSet, load_emoji
 from flowfleet.data.sources.fetched import cache_dir
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.digits import shifted
-from flowfleet.evaluate.judge import ClassifierJudge
+from flowfleet.evaluate.judge import ClassifierJudge, JudgeFeatures, cached_classifier, fit_classifier
 from flowfleet.storage import RunRoot
 
 log = logging.getLogger(__name__)
@@ -113,24 +110,13 @@ def train_judge(s: EmojiSet, settings: TrainSettings = TrainSettings(), progress
     x, y, sub = set_tensors(s)
     n = s.train_stop
     net = EmojiNet(len(s.categories), len(s.subcategories))
-    opt = torch.optim.AdamW(net.parameters(), lr=settings.lr, weight_decay=1e-4)
-    steps = settings.epochs * ((n + settings.batch_size - 1) // settings.batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, settings.lr, total_steps=steps)
     t0 = time.perf_counter()
-    bar = tqdm(total=steps, desc="emoji judge", unit="step", disable=not progress, leave=False)
-    for _ in range(settings.epochs):
-        net.train()
-        perm = torch.randperm(n, generator=gen)
-        for i in range(0, n, settings.batch_size):
-            idx = perm[i : i + settings.batch_size]
-            cat, fine = net(shifted(x[idx], settings.shift, gen, fill=1.0))  # white margins, as the images have
-            loss = F.cross_entropy(cat, y[idx]) + settings.subcategory_weight * F.cross_entropy(fine, sub[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            bar.update(1)
-    bar.close()
+
+    def loss_of(idx: torch.Tensor) -> torch.Tensor:
+        cat, fine = net(shifted(x[idx], settings.shift, gen, fill=1.0))  # white margins, as the images have
+        return F.cross_entropy(cat, y[idx]) + settings.subcategory_weight * F.cross_entropy(fine, sub[idx])
+
+    fit_classifier(net, n, loss_of, settings, gen, "emoji judge", progress)
     held = slice(n, len(s))
     val, val_sub = accuracy(net, x[held], y[held], sub[held])
     record = {
@@ -143,7 +129,6 @@ def train_judge(s: EmojiSet, settings: TrainSettings = TrainSettings(), progress
         "train_s": round(time.perf_counter() - t0, 1),
         "settings": asdict(settings),
     }
-    net.eval()
     return net, record
 
 
@@ -153,7 +138,10 @@ class EmojiJudge(ClassifierJudge):
     def __init__(self, net: EmojiNet, record: dict[str, Any], emoji_set: EmojiSet):
         self.net = net.eval()
         super().__init__(
-            lambda images: self.net(images)[0], [[c] for c in emoji_set.categories], record, _Features(net)
+            lambda images: self.net(images)[0],
+            [[c] for c in emoji_set.categories],
+            record,
+            JudgeFeatures(net, "emoji-128", FEATURES),
         )
         self.subcategories = emoji_set.subcategories
         # every caption of the set -> (category, subcategory)
@@ -184,49 +172,23 @@ class EmojiJudge(ClassifierJudge):
     def load_or_train(
         cls, emoji_set: EmojiSet | None = None, progress: bool = True, settings: TrainSettings = TrainSettings()
     ) -> "EmojiJudge":
-        """The judge of the set (the cached one, or one trained now and cached, atomically). A cache made by
-        another network or recipe is trained again."""
+        """The judge of the set (the cached one, or one trained now and cached, atomically, with its weights'
+        sha256). A cache made by another network or recipe is trained again."""
         s = emoji_set if emoji_set is not None else load_emoji()
         cache = RunRoot(str(cache_dir()))
         folder = (FOLDER, s.digest)
-        weights, meta = (*folder, "model.safetensors"), (*folder, "judge.json")
-        if cache.exists(*weights) and cache.exists(*meta):
-            record = cache.read_json(*meta)
-            if (record.get("network"), record.get("settings")) == (NETWORK, asdict(settings)):
-                net = EmojiNet(len(s.categories), len(s.subcategories))
-                data = cache.read_bytes(*weights)
-                try:
-                    if hashlib.sha256(data).hexdigest() != record.get("sha256"):
-                        raise ValueError("its sha256 is not the one recorded")
-                    net.load_state_dict(safetensors.torch.load(data))
-                except Exception as err:  # damaged cache: say so and retrain below
-                    log.warning("%s: unreadable (%s); training the emoji judge again", cache.url_of(*weights), err)
-                else:
-                    return cls(net, record, s)
-        log.info(
-            "training the emoji judge on the set's %d training images (cached in %s)",
-            s.train_stop,
-            cache.url_of(*folder),
-        )
-        net, record = train_judge(s, settings, progress=progress)
-        data = safetensors.torch.save(net.state_dict())
-        record["sha256"] = hashlib.sha256(data).hexdigest()
-        cache.write_bytes(data, *weights)
-        cache.write_json(record, *meta)
+
+        def train() -> tuple[nn.Module, dict[str, Any]]:
+            log.info(
+                "training the emoji judge on the set's %d training images (cached in %s)",
+                s.train_stop,
+                cache.url_of(*folder),
+            )
+            return train_judge(s, settings, progress=progress)
+
+        def build() -> nn.Module:
+            return EmojiNet(len(s.categories), len(s.subcategories))
+
+        net, record = cached_classifier(cache, folder, "judge.json", (NETWORK, asdict(settings)), build, train)
+        assert isinstance(net, EmojiNet)
         return cls(net, record, s)
-
-
-class _Features(nn.Module):
-    """torchmetrics' custom-extractor contract (uint8 [B, 3, H, W] -> [B, 128], `num_features`), so the Fréchet
-    distance in the judge's features is torchmetrics' own computation."""
-
-    num_features = FEATURES
-    key = "emoji-128"  # names the features in cache files and results
-
-    def __init__(self, net: EmojiNet):
-        super().__init__()
-        self.net = net.eval()
-
-    @torch.no_grad()
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.net.features(images.float() / 127.5 - 1.0).double()

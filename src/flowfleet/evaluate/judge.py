@@ -13,16 +13,22 @@ and calls it with the reference RunRoot; it returns a ClassifierJudge (or anythi
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import logging
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
+import safetensors.torch
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.storage import RunRoot
+
+log = logging.getLogger(__name__)
 
 
 class PromptClasses:
@@ -109,6 +115,107 @@ class ClassifierJudge:
     def extractor(self) -> nn.Module | None:
         """torchmetrics' custom-extractor module for a Fréchet distance in the classifier's features, or None."""
         return self._features
+
+
+class FitSettings(Protocol):
+    """What the built-in judges' training loop reads of a judge's training settings."""
+
+    @property
+    def epochs(self) -> int: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def lr(self) -> float: ...
+
+
+def fit_classifier(
+    net: nn.Module,
+    n: int,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    settings: FitSettings,
+    gen: torch.Generator,
+    desc: str,
+    progress: bool = True,
+) -> None:
+    """The built-in judges' training loop: settings.epochs passes over n items in a seeded order (`gen`), AdamW
+    (weight decay 1e-4) under a one-cycle schedule; loss_of(indices [b]) gives a batch's loss. Leaves `net` in eval
+    mode."""
+    opt = torch.optim.AdamW(net.parameters(), lr=settings.lr, weight_decay=1e-4)
+    steps = settings.epochs * ((n + settings.batch_size - 1) // settings.batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, settings.lr, total_steps=steps)
+    bar = tqdm(total=steps, desc=desc, unit="step", disable=not progress, leave=False)
+    for _ in range(settings.epochs):
+        net.train()
+        perm = torch.randperm(n, generator=gen)
+        for i in range(0, n, settings.batch_size):
+            loss = loss_of(perm[i : i + settings.batch_size])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            bar.update(1)
+    bar.close()
+    net.eval()
+
+
+def cached_classifier(
+    store: RunRoot,
+    folder: tuple[str, ...],
+    record_name: str,
+    recipe: tuple[str, dict[str, Any]],
+    build: Callable[[], nn.Module],
+    train: Callable[[], tuple[nn.Module, dict[str, Any]]],
+) -> tuple[nn.Module, dict[str, Any]]:
+    """A built-in judge's network, cached in store/folder (model.safetensors and its record `record_name`): the
+    cached one when its record names this `recipe` (network, settings) and its weights load (and match the sha256
+    the record keeps); else train() -> (net, record), written atomically with the weights' sha256 in the record."""
+    weights, meta = (*folder, "model.safetensors"), (*folder, record_name)
+    if store.exists(*weights) and store.exists(*meta):
+        record = store.read_json(*meta)
+        made = (record.get("network", "an older network"), record.get("settings"))
+        if made != recipe:  # made by another flowfleet version's network or recipe
+            log.info(
+                "%s: a %s classifier trained with %s, not %s with %s; training it again",
+                store.url_of(*meta),
+                *made,
+                *recipe,
+            )
+        else:
+            net = build()
+            data = store.read_bytes(*weights)
+            try:
+                if record.get("sha256", hashlib.sha256(data).hexdigest()) != hashlib.sha256(data).hexdigest():
+                    raise ValueError("not the weights its record names (sha256)")
+                net.load_state_dict(safetensors.torch.load(data))
+            except Exception as err:  # damaged cache: say so and train again below
+                log.warning(
+                    "%s: unreadable (%s); training it again", store.url_of(*weights), str(err).splitlines()[0][:120]
+                )
+            else:
+                return net.eval(), record
+    net, record = train()
+    data = safetensors.torch.save(net.state_dict())
+    record = {**record, "sha256": hashlib.sha256(data).hexdigest()}
+    store.write_bytes(data, *weights)
+    store.write_json(record, *meta)
+    return net, record
+
+
+class JudgeFeatures(nn.Module):
+    """torchmetrics' custom-extractor contract (uint8 [B, C, H, W] -> [B, D], `num_features`) around a judge's
+    network's `features` (images in [-1, 1]), so the Fréchet distance in its features is torchmetrics' own."""
+
+    def __init__(self, net: nn.Module, key: str, num_features: int):
+        super().__init__()
+        self.net = net.eval()
+        self.key = key  # names the features in cache files and results
+        self.num_features = num_features
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net.features(images.float() / 127.5 - 1.0).double()  # type: ignore[operator]  # the judge's net
 
 
 def load_judge(spec: str, root: RunRoot) -> Any:
