@@ -7,7 +7,7 @@ import inspect
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from flowfleet.errors import FlowfleetError
-from flowfleet.parallel.mode import DISPLACED_WARMUP, PARALLEL_MODES
+from flowfleet.parallel.mode import DEFAULT_PARALLEL, DISPLACED_WARMUP, PARALLEL_MODES
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -107,7 +107,7 @@ def add_parallel(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--parallel",
         choices=PARALLEL_MODES,
-        default="displaced",
+        default=DEFAULT_PARALLEL,
         help="with --nproc: how image bands exchange attention keys/values: this step's (sync, "
         "exact), the previous step's, overlapped with compute (displaced), or never (naive); or exact "
         "sequence parallelism: an all-to-all over heads (ulysses, heads must divide by the bands), keys/values "

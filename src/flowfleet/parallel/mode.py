@@ -91,6 +91,9 @@ class ParallelMode(str, Enum):
 
 
 PARALLEL_MODES = tuple(m.value for m in ParallelMode)
+# How a fleet's image is split when nothing says (the command line, the server and the library's generate alike):
+# the paper's displaced patch parallelism
+DEFAULT_PARALLEL = ParallelMode.DISPLACED.value
 
 # The fleet's displaced warm-up: synchronous steps after the first one, wherever a fleet is sampled in
 # parallel (generate, serve, ParallelPlan). At the fleet's 20 steps, 2 of 20 synchronous is about the

@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from flowfleet import __version__
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.files import validation_message
-from flowfleet.parallel.mode import DISPLACED_WARMUP
+from flowfleet.parallel.mode import DEFAULT_PARALLEL, DISPLACED_WARMUP
 from flowfleet.serve.http import RETRY_AFTER_S, Service, generate_on_loop, png_base64
 from flowfleet.serve.openai_api import PREFIX as OPENAI_PREFIX
 from flowfleet.serve.openai_api import add_openai_routes, openai_error
@@ -173,7 +173,7 @@ def serve(
     limits: ServeLimits | None = None,
     ui: bool = True,
     nproc: int = 1,
-    parallel: str = "displaced",
+    parallel: str = DEFAULT_PARALLEL,
     warmup: int = DISPLACED_WARMUP,
     ulysses_degree: int | None = None,
     api_key: str | None = None,

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import SAMPLES
-from flowfleet.parallel.mode import DISPLACED_WARMUP
+from flowfleet.parallel.mode import DEFAULT_PARALLEL, DISPLACED_WARMUP
 from flowfleet.sampling.pipeline import FleetOutput, FleetPipeline
 from flowfleet.sampling.views import image_grid, png_bytes, routing_heatmap
 from flowfleet.storage import RunRoot
@@ -63,7 +63,7 @@ def generate(
     text_encoder: Any = None,
     latent_decoder: Any = None,
     nproc: int = 1,
-    parallel: str = "sync",
+    parallel: str = DEFAULT_PARALLEL,
     warmup: int = DISPLACED_WARMUP,
     ulysses_degree: int | None = None,
     progress: bool = False,
