@@ -19,30 +19,6 @@ from flowfleet.threads import apply_thread_policy
 
 COMMAND_MODULES = (init, data, train, sample, evaluate, fleet, export, serve)
 
-# The stages, in pipeline order; every one must be registered by a command module.
-STAGES = (
-    "fetch-data",
-    "init",
-    "prepare",
-    "cluster",
-    "train-expert",
-    "train-router",
-    "train-monolith",
-    "train-all",
-    "status",
-    "assemble",
-    "verify",
-    "generate",
-    "evaluate",
-    "report",
-    "demo",
-    "add-expert",
-    "remove-expert",
-    "distill",
-    "export",
-    "serve",
-)
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -56,12 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     verbosity.add_argument("-v", "--verbose", action="store_true", help="also debug messages")
     verbosity.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = parser.add_subparsers(dest="command", metavar="STAGE", required=True)
-    for module in COMMAND_MODULES:
+    for module in COMMAND_MODULES:  # (the stages they register are recorded in tests/fixtures/cli_options.json)
         module.register(sub)
-    registered = set(sub.choices)
-    missing = [s for s in STAGES if s not in registered]
-    if missing:  # a programming error, caught by the tests
-        raise RuntimeError(f"stages without a command: {missing}")
     return parser
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from flowfleet.flow import guided_velocity, routing_weights
+from flowfleet.flow.ensemble import dense_weights
 from flowfleet.sampling.cache import BlockCache, CacheStats
 from flowfleet.sampling.store import ExpertStore
 
@@ -117,9 +118,7 @@ def run_selected(
     b = x.shape[0]
     out = torch.zeros_like(x)
     chosen = selection.experts  # [B, k]
-    # Dense weight of each used expert for every sample: [B, K] with zeros where not selected.
-    dense = torch.zeros(b, store.num_experts, dtype=selection.weights.dtype, device=x.device)
-    dense.scatter_add_(1, chosen, selection.weights)
+    dense = dense_weights(chosen, selection.weights, store.num_experts)  # [B, K], zeros where not selected
     used = torch.unique(chosen).tolist()
     # Resident experts first, so that an --offload bound does not release one that this step still needs.
     used.sort(key=lambda k: (not store.is_resident(k), k))
