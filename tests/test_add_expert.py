@@ -182,5 +182,5 @@ def test_add_expert_cli_refuses_bad_input(run, capsys):
     assert main(["add-expert", root.url, "--source", "mnist-7"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "flowfleet add-expert: error: --source mnist-7: source: Input should be 'mnist', 'mnist-10k', 'mnist-70k', "
-        "'mnist-5k', 'shapes', 'folder', 'webdataset', 'parquet' or 'hf_disk'"
+        "'mnist-5k', 'emoji', 'shapes', 'folder', 'webdataset', 'parquet' or 'hf_disk'"
     )
