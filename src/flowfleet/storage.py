@@ -84,6 +84,9 @@ class RunRoot:
     def __init__(self, url: str | os.PathLike, storage_options: dict[str, Any] | None = None):
         url = str(url)
         self.url = url
+        # run.yaml as read for its storage block when a remote root opens: the next read of it is served from here
+        # (a stage reads its configuration right after), so opening a run costs one request for it, not two
+        self._opened: dict[str, bytes] = {}
         self._connect(_machine_options(url, storage_options or {}))
         if storage_options is None and not self.is_local:
             block = self._run_storage_block()
@@ -106,10 +109,11 @@ class RunRoot:
             candidate = posixpath.join(folder, RUN_FILE)
             if not with_retries(functools.partial(self.fs.exists, candidate), what=f"exists {candidate}"):
                 continue
+            data = with_retries(functools.partial(self.fs.cat_file, candidate), what=f"read {candidate}")
+            if folder == self.root:
+                self._opened[candidate] = data
             try:
-                raw = yaml.safe_load(
-                    io.BytesIO(with_retries(functools.partial(self.fs.cat_file, candidate), what=f"read {candidate}"))
-                )
+                raw = yaml.safe_load(io.BytesIO(data))
             except yaml.YAMLError:
                 return {}
             block = raw.get("storage") if isinstance(raw, dict) else None
@@ -163,11 +167,14 @@ class RunRoot:
 
     def read_bytes(self, *parts: str) -> bytes:
         p = self.path(*parts)
+        if p in self._opened:  # run.yaml, read a moment ago when this root opened
+            return self._opened.pop(p)
         return with_retries(lambda: self.fs.cat_file(p), what=f"read {self.url_of(*parts)}")
 
     def write_bytes(self, data: bytes, *parts: str) -> None:
         """Atomic write: readers see the old file or the whole new one, never a prefix."""
         p = self.path(*parts)
+        self._opened.pop(p, None)
         if self.is_local:
             os.makedirs(os.path.dirname(p), exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(p), prefix=".tmp-" + os.path.basename(p))
@@ -185,6 +192,7 @@ class RunRoot:
         with_retries(lambda: self.fs.pipe_file(p, data), what=f"write {self.url_of(*parts)}")
 
     def remove(self, *parts: str, recursive: bool = False) -> None:
+        self._opened.clear()
         if self.exists(*parts):
             with_retries(
                 lambda: self.fs.rm(self.path(*parts), recursive=recursive), what=f"remove {self.url_of(*parts)}"

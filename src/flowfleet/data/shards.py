@@ -18,6 +18,7 @@ A shard becomes part of the set when the manifest naming it is written (after th
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -70,26 +71,35 @@ class ShardSetManifest:
 
 
 class ShardSet:
-    """Read and append shards of one folder of a run root."""
+    """Read and append shards of one folder of a run root. Its manifest is read once and kept (on an object
+    store each read is a request): what this object writes replaces the kept one; another writer's manifest is
+    seen by a new ShardSet."""
 
     def __init__(self, root: RunRoot, folder: str):
         self.root = root
         self.folder = folder
+        self._manifest: dict[str, Any] | None = None  # the manifest as last read or written
 
     @property
     def url(self) -> str:
         return self.root.url_of(self.folder)
 
     def exists(self) -> bool:
-        return self.root.exists(self.folder, MANIFEST)
+        return self._manifest is not None or self.root.exists(self.folder, MANIFEST)
 
     def manifest(self) -> ShardSetManifest:
-        if not self.exists():
-            raise FileNotFoundError(f"{self.root.url_of(self.folder, MANIFEST)}: missing")
-        return ShardSetManifest.from_dict(self.root.read_json(self.folder, MANIFEST))
+        """The manifest (a fresh object each call: a caller may change its copy and write it)."""
+        if self._manifest is None:
+            try:
+                self._manifest = self.root.read_json(self.folder, MANIFEST)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{self.root.url_of(self.folder, MANIFEST)}: missing") from None
+        return ShardSetManifest.from_dict(copy.deepcopy(self._manifest))
 
     def write_manifest(self, manifest: ShardSetManifest) -> None:
-        self.root.write_json(manifest.to_dict(), self.folder, MANIFEST)
+        raw = manifest.to_dict()
+        self.root.write_json(raw, self.folder, MANIFEST)
+        self._manifest = copy.deepcopy(raw)
 
     def append(
         self,

@@ -350,14 +350,21 @@ def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str]) -> InMemory
     return InMemoryData.concat(parts)
 
 
-def planned_steps(root: RunRoot, cfg: RunConfig, spec: JobSpec, match_compute: bool | None = None) -> int:
+def planned_steps(
+    root: RunRoot,
+    cfg: RunConfig,
+    spec: JobSpec,
+    match_compute: bool | None = None,
+    shards: ShardSet | None = None,
+) -> int:
     """job_steps of the run's job; an expert's share of a by-size split (train.expert_steps) is read from
-    its own partition's manifest (the counts `flowfleet cluster` writes there), nothing else."""
+    its own partition's manifest (the counts `flowfleet cluster` writes there), nothing else. `shards`: that
+    partition, where the caller has opened it already (its manifest is read once)."""
     if spec.kind != "expert" or spec.expert is None or cfg.train.expert_steps != "by_size":
         return job_steps(cfg, spec, match_compute)
     n, j = cfg.expert_origin(spec.expert)
     folder = origin_partition(n, j)
-    shards = ShardSet(root, folder)
+    shards = shards or ShardSet(root, folder)
     where = root.url_of(folder, MANIFEST)
     if not shards.exists():
         raise FlowfleetError(f"{where}: missing; train.expert_steps by_size needs `flowfleet cluster` first")
@@ -390,7 +397,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
         p = cfg.train.augment_p
         check_compatible(shards.manifest(), model, data_where=shards.url, model_where="run.yaml expert", augment_p=p)
         data = InMemoryData.load(shards, training_fields(model, p))
-        return FlowTask(spec, cfg, model, cfg.train, planned_steps(root, cfg, spec), data)
+        return FlowTask(spec, cfg, model, cfg.train, planned_steps(root, cfg, spec, shards=shards), data)
 
     shards = open_complete(root, DATA, f"flowfleet prepare {root.url}")
     if spec.kind == "student":
