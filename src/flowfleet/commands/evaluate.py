@@ -16,6 +16,12 @@ from flowfleet.errors import FlowfleetError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    _register_evaluate(sub)
+    add_run_root(add_command(sub, "report", run_report))
+    _register_demo(sub)
+
+
+def _register_evaluate(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "evaluate",
@@ -53,6 +59,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "strategy again sampled by it, as the row STRATEGY@NAME, with the same prompts and noise (repeatable)",
     )
     add_sampling(p)
+    _add_scoring(p)
+    add_device(p)
+
+
+def _add_scoring(p: argparse.ArgumentParser) -> None:
+    """evaluate's options of how the models are scored: the guidance sweep, the draws, the reference, the
+    feature networks, the judge."""
     p.add_argument(
         "--cfg-sweep",
         default="",
@@ -112,14 +125,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="MODULE:FACTORY",
         help="prompt accuracy by your own classifier: FACTORY(run_root) returns a "
-        "flowfleet.evaluate.judge.ClassifierJudge (MODULE importable or a .py file); on the built-in "
-        "MNIST source a digit classifier is the default judge",
+        "flowfleet.evaluate.judge.ClassifierJudge (MODULE importable or a .py file); on the built-in digits "
+        "a digit classifier, on the built-in emoji the emoji judge is the default",
     )
-    add_device(p)
 
-    p = add_command(sub, "report", run_report)
-    add_run_root(p)
 
+def _register_demo(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "demo", run_demo)
     p.add_argument("--out", default="runs/demo", metavar="DIR", help="run root to create (default runs/demo)")
     p.add_argument(

@@ -54,6 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     _job_options(p)
 
+    _register_train_all(sub)
+    p = add_command(sub, "status", run_status)
+    add_run_root(p)
+    p.add_argument("--json", action="store_true", help="print the status files as one JSON list instead")
+
+
+def _register_train_all(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "train-all", run_all)
     add_run_root(p)
     p.add_argument(
@@ -97,10 +104,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the Ray cluster's dashboard URL, http://HEAD:8265 (default: RAY_ADDRESS; neither: a Ray cluster "
         "started on this machine for this train-all)",
     )
-
-    p = add_command(sub, "status", run_status)
-    add_run_root(p)
-    p.add_argument("--json", action="store_true", help="print the status files as one JSON list instead")
 
 
 def _options(args: argparse.Namespace):
