@@ -48,84 +48,9 @@ class QualitySections(BuilderBase):
             s.missing = "the evaluation computed no FID"
             return s
         runs = self._runs()
-        digits = self.evaluation.get("prompt_accuracy") or None
-        if digits:
-            clf = digits.get("classifier") or {}
-            fine = any(r.get("subcategory_accuracy") is not None for r in runs.values())  # the emoji judge's
-            s.tables.append(
-                {
-                    "caption": "per model at its guidance scale (cfg): prompt accuracy (share of samples the judge "
-                    "reads as the prompted class; higher is better), the judge's mean probability of that class, "
-                    "the Fréchet distance in the classifier's features (lower is better), precision and recall in "
-                    "those features (Kynkäänniemi et al., k = 3: fidelity and diversity), and Inception FID. The "
-                    "last row scores real images that no model saw, exactly like a model: the floor of each "
-                    "distance at this sample count"
-                    + (
-                        ". A row STRATEGY+ROUTER is the same experts routed by another of the run's routers "
-                        "(router-prompt: p(k | x_t, t, prompt), a comparison beyond Paris' prompt-blind router)"
-                        if any("+" in name for name in runs)
-                        else ""
-                    ),
-                    "header": [
-                        "model",
-                        "cfg",
-                        "prompt accuracy",
-                        *(["subcategory accuracy"] if fine else []),
-                        "confidence",
-                        "classifier FD",
-                        "precision",
-                        "recall",
-                        "FID",
-                    ],
-                    "rows": [
-                        [
-                            name,
-                            fmt(r.get("cfg")),
-                            fmt(r.get("prompt_accuracy")),
-                            *([fmt(r.get("subcategory_accuracy"))] if fine else []),
-                            fmt(r.get("confidence")),
-                            fmt(r.get("classifier_fd")),
-                            fmt(r.get("precision")),
-                            fmt(r.get("recall")),
-                            fmt(r.get("fid")),
-                        ]
-                        for name, r in [*runs.items(), *self._floor_row()]
-                    ],
-                }
-            )
-            per_model = digits.get("scores") or {}
-            classes = list(dict.fromkeys(c for a in per_model.values() for c in (a.get("per_class") or {})))
-            s.tables.append(
-                {
-                    "caption": "prompt accuracy per prompted class",
-                    "header": ["model", *classes],
-                    "rows": [
-                        [name, *[fmt((a.get("per_class") or {}).get(c)) for c in classes]]
-                        for name, a in per_model.items()
-                    ],
-                }
-            )
-            if "val_subcategory_accuracy" in clf:  # the emoji judge (flowfleet.evaluate.emoji)
-                s.notes.append(
-                    f"Judge: the {clf.get('judge', 'classifier')}, trained by flowfleet on the set's "
-                    f"{clf.get('train_items', '?')} training emoji (one judge for every run on the built-in emoji, "
-                    f"weights sha256 {str(clf.get('sha256', '?'))[:16]}...), category accuracy "
-                    f"{fmt(clf.get('val_accuracy'))} and subcategory accuracy "
-                    f"{fmt(clf.get('val_subcategory_accuracy'))} on its {clf.get('val_items', '?')} held-out emoji, "
-                    "which no model and not the judge trained on."
-                )
-            elif "val_accuracy" in clf:
-                s.notes.append(
-                    f"Judge: the {clf.get('judge', 'classifier')}, trained by flowfleet on the first "
-                    f"{clf.get('train_items', '?')} MNIST-5k digits (the first of the 10,000 too: one judge for every "
-                    f"run on the built-in digits), validation accuracy {fmt(clf.get('val_accuracy'))} on the other "
-                    f"{clf.get('val_items', '?')} (reports/digit_classifier/)."
-                )
-            else:
-                s.notes.append(f"Judge: {clf.get('judge', '?')}.")
-            reference = self._reference_note()
-            if reference:
-                s.notes.append(reference)
+        judged = self.evaluation.get("prompt_accuracy") or None
+        if judged:
+            self._judge_tables(s, runs, judged)
         else:
             s.tables.append(
                 {
@@ -137,6 +62,90 @@ class QualitySections(BuilderBase):
         draws = self.evaluation.get("draws")
         if draws:
             s.tables.append(draws_table(draws))
+        self._model_notes(s, runs)
+        split = self.evaluation.get("reference_split") or {}
+        s.notes.append(
+            f"Feature network {fid.get('extractor', '?')} at {fid.get('resize', '?')} px input; "
+            f"{fid.get('generated_images', '?')} generated images against {fid.get('reference_images', '?')} "
+            + (
+                "reference images held out of training (eval/, data.holdout)."
+                if split.get("held_out")
+                else "reference images of data/ (the training items: the run holds none out, data.holdout)."
+            )
+        )
+        self._guidance_sweep(s, runs, split)
+        if fid.get("standard_input") is False:
+            s.notes.append(
+                "Non-standard Inception input size: compare these numbers only with FIDs computed "
+                "at the same size and sample counts, not with published FIDs."
+            )
+        s.images.append(self._plot("fid.png", views.fid_png(scores), "FID"))
+        return s
+
+    def _judge_tables(self, s: Section, runs: dict[str, Any], judged: dict[str, Any]) -> None:
+        """The judge's scores per model and per prompted class, what the judge is and what it is measured
+        against."""
+        clf = judged.get("classifier") or {}
+        fine = any(r.get("subcategory_accuracy") is not None for r in runs.values())  # the emoji judge's
+        s.tables.append(
+            {
+                "caption": "per model at its guidance scale (cfg): prompt accuracy (share of samples the judge "
+                "reads as the prompted class; higher is better), the judge's mean probability of that class, "
+                "the Fréchet distance in the classifier's features (lower is better), precision and recall in "
+                "those features (Kynkäänniemi et al., k = 3: fidelity and diversity), and Inception FID. The "
+                "last row scores real images that no model saw, exactly like a model: the floor of each "
+                "distance at this sample count"
+                + (
+                    ". A row STRATEGY+ROUTER is the same experts routed by another of the run's routers "
+                    "(router-prompt: p(k | x_t, t, prompt), a comparison beyond Paris' prompt-blind router)"
+                    if any("+" in name for name in runs)
+                    else ""
+                ),
+                "header": [
+                    "model",
+                    "cfg",
+                    "prompt accuracy",
+                    *(["subcategory accuracy"] if fine else []),
+                    "confidence",
+                    "classifier FD",
+                    "precision",
+                    "recall",
+                    "FID",
+                ],
+                "rows": [
+                    [
+                        name,
+                        fmt(r.get("cfg")),
+                        fmt(r.get("prompt_accuracy")),
+                        *([fmt(r.get("subcategory_accuracy"))] if fine else []),
+                        fmt(r.get("confidence")),
+                        fmt(r.get("classifier_fd")),
+                        fmt(r.get("precision")),
+                        fmt(r.get("recall")),
+                        fmt(r.get("fid")),
+                    ]
+                    for name, r in [*runs.items(), *self._floor_row()]
+                ],
+            }
+        )
+        per_model = judged.get("scores") or {}
+        classes = list(dict.fromkeys(c for a in per_model.values() for c in (a.get("per_class") or {})))
+        s.tables.append(
+            {
+                "caption": "prompt accuracy per prompted class",
+                "header": ["model", *classes],
+                "rows": [
+                    [name, *[fmt((a.get("per_class") or {}).get(c)) for c in classes]] for name, a in per_model.items()
+                ],
+            }
+        )
+        s.notes.append(_judge_note(clf))
+        reference = self._reference_note()
+        if reference:
+            s.notes.append(reference)
+
+    def _model_notes(self, s: Section, runs: dict[str, Any]) -> None:
+        """Which rows are another fleet, and which sample the same experts as an earlier row."""
         fleets = self.evaluation.get("fleets") or {}
         if fleets:
             s.notes.append(
@@ -149,40 +158,24 @@ class QualitySections(BuilderBase):
                     f"{name} selects the same experts with the same weights as {r['same_as']} "
                     f"(k is at least the number of experts): its samples are {r['same_as']}'s."
                 )
-        split = self.evaluation.get("reference_split") or {}
-        held_out = split.get("held_out")
-        s.notes.append(
-            f"Feature network {fid.get('extractor', '?')} at {fid.get('resize', '?')} px input; "
-            f"{fid.get('generated_images', '?')} generated images against {fid.get('reference_images', '?')} "
-            + (
-                "reference images held out of training (eval/, data.holdout)."
-                if held_out
-                else "reference images of data/ (the training items: the run holds none out, data.holdout)."
-            )
-        )
+
+    def _guidance_sweep(self, s: Section, runs: dict[str, Any], split: dict[str, Any]) -> None:
+        """The guidance sweep's note and plot (each model's figures at every scale, the chosen one marked)."""
         guidance = self.evaluation.get("guidance") or {}
         sweeps = {
             name: [{**rec, "chosen": rec["cfg"] == r.get("cfg")} for rec in r["sweep"]]
             for name, r in runs.items()
             if r.get("sweep") and not r.get("same_as")
         }
-        if sweeps:
-            s.notes.append(
-                f"Guidance sweep: every model sampled at scales {guidance.get('sweep')}; its row above is the scale "
-                f"with the lowest classifier FD among those with prompt accuracy >= {guidance.get('min_accuracy')} "
-                "(the most accurate when none reaches it), the large dot in the plot."
-            )
-            floor = split.get("floor") or {}
-            s.images.append(
-                self._plot("guidance.png", views.guidance_sweep_png(sweeps, floor), "guidance sweep per model")
-            )
-        if fid.get("standard_input") is False:
-            s.notes.append(
-                "Non-standard Inception input size: compare these numbers only with FIDs computed "
-                "at the same size and sample counts, not with published FIDs."
-            )
-        s.images.append(self._plot("fid.png", views.fid_png(scores), "FID"))
-        return s
+        if not sweeps:
+            return
+        s.notes.append(
+            f"Guidance sweep: every model sampled at scales {guidance.get('sweep')}; its row above is the scale "
+            f"with the lowest classifier FD among those with prompt accuracy >= {guidance.get('min_accuracy')} "
+            "(the most accurate when none reaches it), the large dot in the plot."
+        )
+        floor = split.get("floor") or {}
+        s.images.append(self._plot("guidance.png", views.guidance_sweep_png(sweeps, floor), "guidance sweep per model"))
 
     def _reference_note(self) -> str:
         """Which real images every distance is measured against (the same for every run of one source)."""
@@ -202,3 +195,24 @@ class QualitySections(BuilderBase):
     def _floor_row(self) -> list[tuple[str, dict[str, Any]]]:
         floor = (self.evaluation.get("reference_split") or {}).get("floor") or {}
         return [(f"real images (n {floor['n']})", floor)] if floor.get("n") else []
+
+
+def _judge_note(clf: dict[str, Any]) -> str:
+    """What the judge is, from its record in evaluation.json: the emoji judge, the digit judge, or --judge's."""
+    if "val_subcategory_accuracy" in clf:  # the emoji judge (flowfleet.evaluate.emoji)
+        return (
+            f"Judge: the {clf.get('judge', 'classifier')}, trained by flowfleet on the set's "
+            f"{clf.get('train_items', '?')} training emoji (one judge for every run on the built-in emoji, "
+            f"weights sha256 {str(clf.get('sha256', '?'))[:16]}...), category accuracy "
+            f"{fmt(clf.get('val_accuracy'))} and subcategory accuracy "
+            f"{fmt(clf.get('val_subcategory_accuracy'))} on its {clf.get('val_items', '?')} held-out emoji, "
+            "which no model and not the judge trained on."
+        )
+    if "val_accuracy" in clf:
+        return (
+            f"Judge: the {clf.get('judge', 'classifier')}, trained by flowfleet on the first "
+            f"{clf.get('train_items', '?')} MNIST-5k digits (the first of the 10,000 too: one judge for every "
+            f"run on the built-in digits), validation accuracy {fmt(clf.get('val_accuracy'))} on the other "
+            f"{clf.get('val_items', '?')} (reports/digit_classifier/)."
+        )
+    return f"Judge: {clf.get('judge', '?')}."
