@@ -111,8 +111,15 @@ def generate(
         if not fleet.ctx.is_main:  # every rank holds the same images; rank 0 writes them
             return GenerateResult(result, "", "", "", Counter(pipe.experts.loads))
 
+    return _write_outputs(model_dir, pipe, result, folder, png_name, json_name, heat_name)
+
+
+def _write_outputs(
+    model_dir: str, pipe: FleetPipeline, result: FleetOutput, folder: str, png: str, routing_json: str, heatmap: str
+) -> GenerateResult:
+    """The grid, the routing record (settings, experts, prompts, every step's choices) and its heatmap."""
     dest = RunRoot(folder)
-    dest.write_bytes(png_bytes(image_grid(result.images)), png_name)
+    dest.write_bytes(png_bytes(image_grid(result.images)), png)
     routing = {
         "model": model_dir,
         "settings": result.settings.to_json(),
@@ -120,8 +127,7 @@ def generate(
         "prompts": result.prompts,
         **result.trace.to_json(loads=pipe.experts.loads),
     }
-    dest.write_json(routing, json_name)
-    dest.write_bytes(routing_heatmap(result.trace), heat_name)
-    return GenerateResult(
-        result, dest.url_of(png_name), dest.url_of(json_name), dest.url_of(heat_name), Counter(pipe.experts.loads)
-    )
+    dest.write_json(routing, routing_json)
+    dest.write_bytes(routing_heatmap(result.trace), heatmap)
+    loads = Counter(pipe.experts.loads)
+    return GenerateResult(result, dest.url_of(png), dest.url_of(routing_json), dest.url_of(heatmap), loads)

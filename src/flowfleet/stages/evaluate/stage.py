@@ -373,17 +373,7 @@ class _Evaluation:
         run.samples = self._report_path(f"{name}.npz")
         self.root.write_bytes(samples_npz(images, out.prompts, o.seed), REPORTS, run.samples)
 
-        shown = min(o.grid, o.n)
-        run.prompts, run.grid = list(out.prompts[:shown]), self._report_path(f"{name}.png")
-        title = f"{name}  Inception FID {run.fid:.2f}"
-        if run.classifier_fd is not None:  # the judge's distance, beside the real images' of the same draw
-            floor = self.floor.get("classifier_fd")
-            title = f"{name}  classifier FD {run.classifier_fd:.1f}" + (
-                f" (real images {floor:.1f})" if floor is not None else ""
-            )
-        if run.prompt_accuracy is not None:
-            title += f"  prompt accuracy {run.prompt_accuracy:.3f}"
-        self.root.write_bytes(captioned_grid_png(images[:shown], run.prompts, title=title), REPORTS, run.grid)
+        self._write_grid(run, images, out.prompts)
         if kind == "fleet":
             run.heatmap = self._report_path(f"{name}.routing.png")
             self.root.write_bytes(routing_heatmap(out.trace), REPORTS, run.heatmap)
@@ -403,6 +393,21 @@ class _Evaluation:
         self.timings[f"{name}_fid_s"] = run.fid_s
         self.runs[name] = run
         return run
+
+    def _write_grid(self, run: ModelRun, images: torch.Tensor, prompts: Sequence[str]) -> None:
+        """The report's grid of a model's first samples, each under its prompt, titled with its scores: the
+        judge's distance beside the real images' of the same draw (else Inception FID), and prompt accuracy."""
+        shown = min(self.options.grid, self.options.n)
+        run.prompts, run.grid = list(prompts[:shown]), self._report_path(f"{run.name}.png")
+        title = f"{run.name}  Inception FID {run.fid:.2f}"
+        if run.classifier_fd is not None:
+            floor = self.floor.get("classifier_fd")
+            title = f"{run.name}  classifier FD {run.classifier_fd:.1f}" + (
+                f" (real images {floor:.1f})" if floor is not None else ""
+            )
+        if run.prompt_accuracy is not None:
+            title += f"  prompt accuracy {run.prompt_accuracy:.3f}"
+        self.root.write_bytes(captioned_grid_png(images[:shown], run.prompts, title=title), REPORTS, run.grid)
 
     def _score(self, images: torch.Tensor, prompts: Sequence[str], name: str, with_fid: bool = True) -> dict[str, Any]:
         """FID against the reference (with_fid); with a judge: prompt accuracy, and with its features the
