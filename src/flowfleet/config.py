@@ -424,6 +424,26 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
+        """The checks across sections, one method per concern, in this order (the first failure is the error)."""
+        self._check_shapes()
+        if self.cluster.features in ("text", "both") and self.encoders.text.name == "none":
+            raise ValueError(
+                f"cluster.features: {self.cluster.features!r} clusters captions, but encoders.text.name is 'none'"
+            )
+        if self.expert.num_outputs:
+            raise ValueError("expert.num_outputs: experts predict velocities; must be 0")
+        self._check_augment()
+        for pattern, where in self.placement.items():
+            if where not in self.backends and where not in BACKEND_KINDS:
+                known = ", ".join([*self.backends, *BACKEND_KINDS])
+                raise ValueError(f"placement.{pattern}: unknown backend {where!r} (known: {known})")
+        self._check_fleet()
+        self._check_routers()
+        self._check_text()
+        return self
+
+    def _check_shapes(self) -> None:
+        """The latent space: the encoder's side, every model's input, the router's outputs, the additions' data."""
         c, h, w = self.latent_shape
         if self.encoders.latent.name == "sd-vae-ft-mse" and self.data.image_size % 8:
             raise ValueError(f"data.image_size: {self.data.image_size} must be divisible by 8 for the VAE")
@@ -454,17 +474,9 @@ class RunConfig(_Strict):
                     f"added.{n - 1}.data: image_size/channels {addition.data.image_size}/{addition.data.channels} "
                     f"differ from the run's {self.data.image_size}/{self.data.channels}"
                 )
-        if self.cluster.features in ("text", "both") and self.encoders.text.name == "none":
-            raise ValueError(
-                f"cluster.features: {self.cluster.features!r} clusters captions, but encoders.text.name is 'none'"
-            )
-        if self.expert.num_outputs:
-            raise ValueError("expert.num_outputs: experts predict velocities; must be 0")
-        self._check_augment()
-        for pattern, where in self.placement.items():
-            if where not in self.backends and where not in BACKEND_KINDS:
-                known = ", ".join([*self.backends, *BACKEND_KINDS])
-                raise ValueError(f"placement.{pattern}: unknown backend {where!r} (known: {known})")
+
+    def _check_fleet(self) -> None:
+        """The fleet's experts: removals, per-expert overrides, a student, how the steps are split."""
         if sorted(set(self.removed_experts)) != self.removed_experts:
             raise ValueError(f"removed_experts: {self.removed_experts} must be sorted and without repeats")
         for k in self.removed_experts:
@@ -504,6 +516,9 @@ class RunConfig(_Strict):
                 "train.expert_steps: by_size splits the steps of experts of one architecture; with "
                 "expert_overrides the monolith's matched compute would depend on which expert gets which share"
             )
+
+    def _check_routers(self) -> None:
+        """The run's router and its comparison routers."""
         if self.router_baseline and not self.router.uses_text:
             raise ValueError(
                 "router_baseline: the run's router is already prompt-blind (router.conditioning "
@@ -523,6 +538,9 @@ class RunConfig(_Strict):
                 "router.conditioning: a router sees (x_t, t) and optionally the prompt "
                 "('none', 'pooled' or 'cross_attn'), not class labels"
             )
+
+    def _check_text(self) -> None:
+        """Every text-conditioned model against the text encoder."""
         for name, model in (("expert", self.expert), ("router", self.router)):
             if not model.uses_text:
                 continue
@@ -538,7 +556,6 @@ class RunConfig(_Strict):
                     f"{name}.text_len: {model.text_len} differs from encoders.text.max_length "
                     f"{self.encoders.text.max_length}"
                 )
-        return self
 
     # -- files ---------------------------------------------------------------------------------------
 
