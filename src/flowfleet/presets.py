@@ -60,39 +60,10 @@ def _builtin(
     75 px, as Paris uses DINOv2's; less their caption-predictable part, so that every cluster holds every
     digit), a router that sees only (x_t, t), top-2 sampling, and the last 1000 digits held out of training
     as the evaluation's reference."""
-    latent = (channels, size, size)
-    patch = patch or (7 if size % 7 == 0 else 4)
-    latent_encoder: dict[str, Any] = dict(name="pixels")
-    if autoencoder is not None:
-        side = autoencoder.get("pad_to") or size
-        factor = 2 ** (len(autoencoder["block_out_channels"]) - 1)
-        latent, patch = (autoencoder["latent_channels"], side // factor, side // factor), 2
-        latent_encoder = dict(name="autoencoder", autoencoder=autoencoder)
-    expert = dict(
-        size=None,
-        hidden_size=hidden,
-        depth=4,
-        num_heads=4,
-        mlp_act="gelu",
-        patch_size=patch,
-        input_size=latent[1:],
-        in_channels=latent[0],
-        conditioning="pooled",
-        text_dim=384,
-        cond_dropout=0.1,
-    )
-    router = dict(
-        size=None,
-        hidden_size=router_hidden,
-        depth=2,
-        num_heads=2,
-        mlp_act="gelu",
-        patch_size=patch,
-        input_size=latent[1:],
-        in_channels=latent[0],
-        num_outputs=k,
-        conditioning="none",  # Paris §2.5: p(k | x_t, t), blind to the prompt
-    )
+    latent, patch, latent_encoder = _space(size, channels, patch, autoencoder)
+    expert = _dit(hidden, 4, 4, patch, latent, conditioning="pooled", text_dim=384, cond_dropout=0.1)
+    # Paris §2.5: p(k | x_t, t), blind to the prompt
+    router = _dit(router_hidden, 2, 2, patch, latent, num_outputs=k, conditioning="none")
     cluster: dict[str, Any] = dict(
         k=k,
         fine_k=fine_k or min(64, 8 * k),
@@ -109,6 +80,51 @@ def _builtin(
         cluster=cluster,
         expert=expert,
         router=router,
+        **_schedules(steps, router_steps, expert_steps, batch, lr, router_lr, grad_clip),
+        sampling=dict(steps=20, cfg=3.0, strategy="top2", cfg_max_t=cfg_max_t),
+    )
+
+
+def _space(
+    size: int, channels: int, patch: int | None, autoencoder: dict[str, Any] | None
+) -> tuple[tuple[int, int, int], int, dict[str, Any]]:
+    """(latent shape, patch, encoders.latent): the autoencoder's latent in 2 x 2 patches, else pixels in 7 x 7
+    (4 x 4 where 7 does not divide the side) or `patch` patches."""
+    if autoencoder is None:
+        return (channels, size, size), patch or (7 if size % 7 == 0 else 4), dict(name="pixels")
+    side = autoencoder.get("pad_to") or size
+    factor = 2 ** (len(autoencoder["block_out_channels"]) - 1)
+    latent = (autoencoder["latent_channels"], side // factor, side // factor)
+    return latent, 2, dict(name="autoencoder", autoencoder=autoencoder)
+
+
+def _dit(hidden: int, depth: int, heads: int, patch: int, latent: tuple[int, int, int], **extra: Any) -> dict[str, Any]:
+    """A DiT section (expert or router) of the built-in recipe: the exact GELU, the latent's grid and channels."""
+    return dict(
+        size=None,
+        hidden_size=hidden,
+        depth=depth,
+        num_heads=heads,
+        mlp_act="gelu",
+        patch_size=patch,
+        input_size=latent[1:],
+        in_channels=latent[0],
+        **extra,
+    )
+
+
+def _schedules(
+    steps: int,
+    router_steps: int,
+    expert_steps: str,
+    batch: int,
+    lr: float,
+    router_lr: float,
+    grad_clip: float | None,
+) -> dict[str, Any]:
+    """The train and router_train sections: the experts' (and the monolith's) AdamW with a short warm-up,
+    logit-normal t and a warming EMA; the router's on a cosine schedule; intervals that follow the steps."""
+    return dict(
         train=dict(
             steps=steps,
             expert_steps=expert_steps,
@@ -132,7 +148,6 @@ def _builtin(
             sample_every=router_steps,
             log_every=max(router_steps // 50, 1),
         ),
-        sampling=dict(steps=20, cfg=3.0, strategy="top2", cfg_max_t=cfg_max_t),
     )
 
 
