@@ -132,6 +132,42 @@ def cluster(
         "source": manifest.extra.get("source"),
         "features": _feature_description(c.features, manifest),
     }
+    assign, fine, coarse, fine_to_coarse, fine_assign = _partition(x, c, fine_k, backend, dev, progress, report)
+    sizes = torch.bincount(assign, minlength=c.k).tolist()
+    _check_floor(sizes, c, root)
+    report.update(sizes=sizes, seconds_clustering=round(time.perf_counter() - t0, 2))
+    report.update(_label_report(labels, assign, c, manifest.extra.get("label_names")))
+
+    # Replace any earlier result, then write the small files before the partitions.
+    root.remove(CLUSTERS, recursive=True)
+    root.remove(PARTITIONS, recursive=True)
+    write_assignments(root, assign, fine_assign)
+    root.write_bytes(
+        safetensors.torch.save(
+            {"fine": fine.contiguous(), "coarse": coarse.contiguous(), "fine_to_coarse": fine_to_coarse.contiguous()}
+        ),
+        *CENTROIDS,
+    )
+    examples = write_partitions(root, cfg, data, manifest, assign, progress=progress)
+    write_previews(root, cfg, examples, dev)
+    report["examples"] = {str(k): caps for k, (_, caps) in examples.items()}
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    root.write_json(report, *CLUSTER_REPORT)
+    return report
+
+
+def _partition(
+    x: torch.Tensor,
+    c: ClusterConfig,
+    fine_k: int,
+    backend: str,
+    device: torch.device,
+    progress: bool,
+    report: dict[str, Any],
+) -> tuple[torch.Tensor, ...]:
+    """(assign, fine, coarse, fine_to_coarse, fine_assign) of the items' features x [N, D] under cluster.mode:
+    the two-stage k-means, or the random baseline; what the k-means did goes into `report`."""
+    n = x.shape[0]
     if c.mode == "random":
         assign = random_partition(n, c.k, c.seed)
         sums = torch.zeros(c.k, x.shape[1]).index_add_(0, assign, x)
@@ -150,7 +186,7 @@ def cluster(
             balance=c.balance,
             min_size=c.min_share * n,
             backend=backend,
-            device=dev,
+            device=device,
             progress=progress,
         )
         assign, fine, coarse = res.assign, res.fine, res.coarse
@@ -165,38 +201,26 @@ def cluster(
             seconds_per_phase=res.seconds,
             fine_to_coarse=fine_to_coarse.tolist(),
         )
-    sizes = torch.bincount(assign, minlength=c.k).tolist()
-    _check_floor(sizes, c, root)
-    report.update(sizes=sizes, seconds_clustering=round(time.perf_counter() - t0, 2))
-    score = nmi(labels, assign)
-    if score is not None:
-        shuffled = assign[torch.randperm(n, generator=torch.Generator().manual_seed(c.seed))]
-        report.update(
-            nmi=score,
-            nmi_random_same_sizes=nmi(labels, shuffled),
-            label_coherence=label_coherence(labels, assign),
-            label_mix=_label_mix(labels, assign, c.k),
-            label_names=manifest.extra.get("label_names"),  # what label i means, where the source says
-        )
-    else:
-        report.update(nmi=None, label_coherence=None)
+    return assign, fine, coarse, fine_to_coarse, fine_assign
 
-    # Replace any earlier result, then write the small files before the partitions.
-    root.remove(CLUSTERS, recursive=True)
-    root.remove(PARTITIONS, recursive=True)
-    write_assignments(root, assign, fine_assign)
-    root.write_bytes(
-        safetensors.torch.save(
-            {"fine": fine.contiguous(), "coarse": coarse.contiguous(), "fine_to_coarse": fine_to_coarse.contiguous()}
-        ),
-        *CENTROIDS,
-    )
-    examples = write_partitions(root, cfg, data, manifest, assign, progress=progress)
-    write_previews(root, cfg, examples, dev)
-    report["examples"] = {str(k): caps for k, (_, caps) in examples.items()}
-    report["seconds"] = round(time.perf_counter() - t0, 2)
-    root.write_json(report, *CLUSTER_REPORT)
-    return report
+
+def _label_report(
+    labels: torch.Tensor, assign: torch.Tensor, c: ClusterConfig, names: list[str] | None
+) -> dict[str, Any]:
+    """How the partitions follow the source's labels, where it has them: NMI (and the same sizes at random),
+    label coherence, each partition's label mix, and what each label means."""
+    n = assign.shape[0]
+    score = nmi(labels, assign)
+    if score is None:
+        return {"nmi": None, "label_coherence": None}
+    shuffled = assign[torch.randperm(n, generator=torch.Generator().manual_seed(c.seed))]
+    return {
+        "nmi": score,
+        "nmi_random_same_sizes": nmi(labels, shuffled),
+        "label_coherence": label_coherence(labels, assign),
+        "label_mix": _label_mix(labels, assign, c.k),
+        "label_names": names,  # what label i means, where the source says
+    }
 
 
 def _check_floor(sizes: list[int], c: ClusterConfig, root: RunRoot) -> None:
