@@ -259,7 +259,9 @@ def prepare(
     split = _Split.of(cfg, source)
     encoders = _LazyEncoders(root, cfg, source, split, device, restart=restart, progress=progress, part=part)
     if part is None:
-        manifest = _encode(root, DATA, cfg, source, recipe, encoders, 0, split.train_stop, None, restart, progress)
+        manifest = _Encoding(
+            root, cfg, source, recipe, encoders, DATA, 0, split.train_stop, None, restart, progress
+        ).run()
         split.encode_eval(root, cfg, source, recipe, encoders, restart, progress)
         notice = source.notice()
         if notice is not None:  # the data's licences and attribution travel with the run
@@ -271,7 +273,8 @@ def prepare(
         )
     part_start, stop = part_range(split.train_stop or split.size, part[0], part[1], cfg.data.batch_size)
     recipe = {**recipe, "part": [part[0], part[1], part_start, stop]}
-    return _encode(root, data_part(*part), cfg, source, recipe, encoders, part_start, stop, part, restart, progress)
+    folder = data_part(*part)
+    return _Encoding(root, cfg, source, recipe, encoders, folder, part_start, stop, part, restart, progress).run()
 
 
 @dataclass(frozen=True)
@@ -301,7 +304,8 @@ class _Split:
         """eval/: the held-out items, prepared like data/ (no training job reads them)."""
         if cfg.data.holdout and self.size is not None and self.train_stop is not None:
             recipe = {**{k: v for k, v in recipe.items() if k != "augment"}, "split": "eval"}  # (no copies)
-            _encode(root, EVAL_DATA, cfg, source, recipe, encoders, self.train_stop, self.size, None, restart, progress)
+            eval_items = (EVAL_DATA, self.train_stop, self.size)
+            _Encoding(root, cfg, source, recipe, encoders, *eval_items, restart=restart, progress=progress).run()
 
 
 class _LazyEncoders:
@@ -389,120 +393,146 @@ def prepare_autoencoder(run_root: str | RunRoot, *, restart: bool = False, progr
     return root.url_of(AUTOENCODER)
 
 
-def _encode(
-    root: RunRoot,
-    folder: str,
-    cfg: RunConfig,
-    source: Source,
-    recipe: dict[str, Any],
-    encoders: _LazyEncoders,
-    first: int,
-    stop: int | None,
-    part: tuple[int, int] | None,
-    restart: bool,
-    progress: bool,
-) -> ShardSetManifest:
-    """Source positions [first, stop) into the shard set `folder`, resuming after its last shard."""
-    d = cfg.data
-    shards = ShardSet(root, folder)
-    where = root.url_of(folder, MANIFEST)
-    manifest = ShardSetManifest()
-    if shards.exists():
+@dataclass
+class _Encoding:
+    """One shard set to write: source positions [first, stop) through the run's encoders into `folder` (data/,
+    eval/ or a part of data/), resumed after its last shard."""
+
+    root: RunRoot
+    cfg: RunConfig
+    source: Source
+    recipe: dict[str, Any]
+    encoders: _LazyEncoders
+    folder: str
+    first: int
+    stop: int | None
+    part: tuple[int, int] | None = None  # prepare --part i/N
+    restart: bool = False
+    progress: bool = True
+
+    def run(self) -> ShardSetManifest:
+        shards = ShardSet(self.root, self.folder)
+        manifest = self._resumed(shards)
+        if manifest.complete:
+            return manifest
+        start = manifest.shards[-1]["source_end"] if manifest.shards else self.first
+        bad = self._bad_input(manifest, start)
+        enc = self.encoders.get()
+        d = self.cfg.data
+        manifest.extra.update(
+            recipe=self.recipe,
+            source=self.recipe["source"],
+            encoders=enc.describe(),
+            has_labels=self.source.has_labels,
+            label_names=list(self.source.label_names) if self.source.label_names else None,
+            image_size=d.image_size,
+            channels=d.channels,
+        )
+        t0 = time.perf_counter()
+        self._encode_items(shards, manifest, enc, bad, start)
+        return self._finish(shards, manifest, enc, bad, time.perf_counter() - t0)
+
+    def _resumed(self, shards: ShardSet) -> ShardSetManifest:
+        """The shard set's manifest to continue (complete: nothing to do), or a new one; another recipe's is
+        refused unless `restart` discards it."""
+        if not shards.exists():
+            return ShardSetManifest()
         old = shards.manifest()
-        if restart:
-            root.remove(folder, recursive=True)
-        elif old.extra.get("recipe") != recipe:
+        if self.restart:
+            self.root.remove(self.folder, recursive=True)
+            return ShardSetManifest()
+        if old.extra.get("recipe") != self.recipe:
             made = old.extra.get("recipe") or {}
-            diff = switch_hint(made.get("source") or {}, recipe["source"]) or (
-                f"prepared with a different {_first_difference(made, recipe) or 'recipe'}"
+            diff = switch_hint(made.get("source") or {}, self.recipe["source"]) or (
+                f"prepared with a different {_first_difference(made, self.recipe) or 'recipe'}"
             )
             raise FlowfleetError(
-                f"{where}: {diff}; `flowfleet prepare {root.url} --restart` discards it"
+                f"{self.root.url_of(self.folder, MANIFEST)}: {diff}; `flowfleet prepare {self.root.url} --restart` "
+                "discards it"
             )  # (a part's recipe names its slice: another --part i/N is another folder)
-        elif old.complete:
-            return old
-        else:
-            manifest = old
-    start = manifest.shards[-1]["source_end"] if manifest.shards else first
-    bad = _BadInput(
-        [s for s in manifest.extra.get("skipped", []) if s["pos"] < start],
-        int(manifest.extra.get("skipped_count", 0)),
-        int(manifest.extra.get("missing_captions", 0)),
-    )
-    if part is not None:  # a part keeps every position (merge counts them per shard of data/)
-        bad.skipped_before = bad.missing_before = 0
-        bad.skipped_pos = [p for p in manifest.extra.get("skipped_pos", []) if p < start]
-        bad.missing_pos = [p for p in manifest.extra.get("missing_pos", []) if p < start]
+        return old
 
-    enc = encoders.get()
-    keep_images = folder == EVAL_DATA and cfg.encoders.latent.name != "pixels"
-    augment = d.augment if d.augment.copies and folder != EVAL_DATA else None  # training items only
-    manifest.extra.update(
-        recipe=recipe,
-        source=recipe["source"],
-        encoders=enc.describe(),
-        has_labels=source.has_labels,
-        label_names=list(source.label_names) if source.label_names else None,
-        image_size=d.image_size,
-        channels=d.channels,
-    )
+    def _bad_input(self, manifest: ShardSetManifest, start: int) -> _BadInput:
+        """The skipped items and missing captions the manifest records before source position `start`."""
+        bad = _BadInput(
+            [s for s in manifest.extra.get("skipped", []) if s["pos"] < start],
+            int(manifest.extra.get("skipped_count", 0)),
+            int(manifest.extra.get("missing_captions", 0)),
+        )
+        if self.part is not None:  # a part keeps every position (merge counts them per shard of data/)
+            bad.skipped_before = bad.missing_before = 0
+            bad.skipped_pos = [p for p in manifest.extra.get("skipped_pos", []) if p < start]
+            bad.missing_pos = [p for p in manifest.extra.get("missing_pos", []) if p < start]
+        return bad
 
-    items = source.items(start)
-    if stop is not None:
-        items = itertools.islice(items, max(stop - start, 0))
+    def _encode_items(
+        self, shards: ShardSet, manifest: ShardSetManifest, enc: Encoders, bad: _BadInput, start: int
+    ) -> None:
+        """Decode, encode in batches of data.batch_size and write shards of data.shard_size, from `start` on."""
+        d, stop = self.cfg.data, self.stop
+        keep_images = self.folder == EVAL_DATA and self.cfg.encoders.latent.name != "pixels"
+        augment = d.augment if d.augment.copies and self.folder != EVAL_DATA else None  # training items only
+        items = self.source.items(start)
+        if stop is not None:
+            items = itertools.islice(items, max(stop - start, 0))
 
-    def write(rows: _Rows, n: int) -> None:
-        tensors, captions, ends = rows.take(n)
-        if part is None:
-            tensors["index"] = torch.arange(manifest.count, manifest.count + n, dtype=torch.int64)
-            manifest.extra.update(bad.record(ends[-1]))
-        else:  # a part: where each row ends in the source, for --merge to cut data/'s shards
-            tensors["source_end"] = torch.tensor(ends, dtype=torch.int64)
-            manifest.extra.update(bad.positions())
-        shards.append(manifest, tensors, captions, {"source_end": ends[-1]})  # the shard, then the manifest
+        def write(rows: _Rows, n: int) -> None:
+            tensors, captions, ends = rows.take(n)
+            if self.part is None:
+                tensors["index"] = torch.arange(manifest.count, manifest.count + n, dtype=torch.int64)
+                manifest.extra.update(bad.record(ends[-1]))
+            else:  # a part: where each row ends in the source, for --merge to cut data/'s shards
+                tensors["source_end"] = torch.tensor(ends, dtype=torch.int64)
+                manifest.extra.update(bad.positions())
+            shards.append(manifest, tensors, captions, {"source_end": ends[-1]})  # the shard, then the manifest
 
-    rows = _Rows()
-    batch: list[tuple[int, torch.Tensor, str, int]] = []
-    t0 = time.perf_counter()
-    desc = "prepare" if folder == DATA else f"prepare {folder}"
-    bar = tqdm(total=stop, initial=start, unit="img", desc=desc, disable=not progress, dynamic_ncols=True)
-    last_pos = start
-    checked_shape = False
-    for entry in _decoded(items, start, d.image_size, d.channels, bad, d.labels):
-        batch.append(entry)
-        if len(batch) == d.batch_size:
-            checked_shape = _encode_into(rows, enc, batch, cfg, checked_shape, keep_images, augment)
-            batch = []
-            while len(rows) >= d.shard_size:
-                write(rows, d.shard_size)
-        bar.update(entry[0] - last_pos)
-        last_pos = entry[0]
-        bar.set_postfix(skipped=bad.skipped_before + len(bad.skipped_pos), refresh=False)
-    if batch:
-        _encode_into(rows, enc, batch, cfg, checked_shape, keep_images, augment)
-    while len(rows):
-        write(rows, min(d.shard_size, len(rows)))
-    bar.close()
+        rows = _Rows()
+        batch: list[tuple[int, torch.Tensor, str, int]] = []
+        desc = "prepare" if self.folder == DATA else f"prepare {self.folder}"
+        bar = tqdm(total=stop, initial=start, unit="img", desc=desc, disable=not self.progress, dynamic_ncols=True)
+        last_pos = start
+        checked_shape = False
+        for entry in _decoded(items, start, d.image_size, d.channels, bad, d.labels):
+            batch.append(entry)
+            if len(batch) == d.batch_size:
+                checked_shape = _encode_into(rows, enc, batch, self.cfg, checked_shape, keep_images, augment)
+                batch = []
+                while len(rows) >= d.shard_size:
+                    write(rows, d.shard_size)
+            bar.update(entry[0] - last_pos)
+            last_pos = entry[0]
+            bar.set_postfix(skipped=bad.skipped_before + len(bad.skipped_pos), refresh=False)
+        if batch:
+            _encode_into(rows, enc, batch, self.cfg, checked_shape, keep_images, augment)
+        while len(rows):
+            write(rows, min(d.shard_size, len(rows)))
+        bar.close()
 
-    if part is not None:
-        manifest.extra.update(bad.positions(), seconds=round(time.perf_counter() - t0, 2))
+    def _finish(
+        self, shards: ShardSet, manifest: ShardSetManifest, enc: Encoders, bad: _BadInput, seconds: float
+    ) -> ShardSetManifest:
+        """The manifest marked complete, with what was skipped; data/ and eval/ also get their preview. A set with
+        no usable item is an error naming the first skipped one."""
+        if self.part is not None:
+            manifest.extra.update(bad.positions(), seconds=round(seconds, 2))
+            manifest.complete = True
+            shards.write_manifest(manifest)
+            return manifest
+        record = bad.record()
+        if manifest.count == 0:
+            d = self.cfg.data
+            listed = record["skipped"]
+            first_bad = f" (first: {listed[0]['key']}: {listed[0]['reason']})" if listed else ""
+            which = "" if self.folder == DATA else f" (for {self.folder}/, the held-out items)"
+            raise FlowfleetError(
+                f"data.source: {d.source} {d.path or ''} gave no usable item{which}; "
+                f"{record['skipped_count']} skipped{first_bad}".replace("  ", " ")
+            )
+        manifest.extra.update(record, seconds=round(seconds, 2))
         manifest.complete = True
         shards.write_manifest(manifest)
+        write_preview(shards, enc.latent)
         return manifest
-    record = bad.record()
-    if manifest.count == 0:
-        listed = record["skipped"]
-        first_bad = f" (first: {listed[0]['key']}: {listed[0]['reason']})" if listed else ""
-        which = "" if folder == DATA else f" (for {folder}/, the held-out items)"
-        raise FlowfleetError(
-            f"data.source: {d.source} {d.path or ''} gave no usable item{which}; "
-            f"{record['skipped_count']} skipped{first_bad}".replace("  ", " ")
-        )
-    manifest.extra.update(record, seconds=round(time.perf_counter() - t0, 2))
-    manifest.complete = True
-    shards.write_manifest(manifest)
-    write_preview(shards, enc.latent)
-    return manifest
 
 
 def merge_parts(run_root: str | RunRoot, n: int, *, progress: bool = True) -> ShardSetManifest:
