@@ -325,28 +325,40 @@ def _write_model(
             out_root.remove(name, recursive=True)  # stale expert of an earlier assembly
     if not router:
         out_root.remove("router", recursive=True)
-
-    bar = None
-    if progress:
-        bar = tqdm(total=len(components), desc="assemble", unit="model", leave=False)
+    params = _copy_components(root, out_root, components, progress)
     fleet_card, previews = card
-    params = {}
-    for dest, src, cls in components:
-        model = load_model(cls, root, *src)  # strict: weights match config.json (refuse a corrupted file now)
-        params[dest] = sum(p.numel() for p in model.parameters())
-        for name in root.ls(*src):
-            out_root.write_bytes(root.read_bytes(*src, name), dest, name)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-
     for e in fleet_card.experts:
         e.params = params.get(expert_folder(e.expert))
     write_card(out_root, fleet_card, previews)
     out_root.write_bytes(root.read_bytes(RUN_FILE), RUN_FILE)
-    ref = run.expert
-    text_cfg = run.encoders.text if ref.uses_text else None
+    _write_encoders(root, run, out_root)
+    index = _model_index(root, run, num_experts, present, source, router=router, guidance=guidance)
+    write_checksums(out_root)  # every weight file's sha256, checked whenever the folder is opened
+    out_root.write_bytes(PIPELINE_MODULE.encode(), PIPELINE_MODULE_FILE)  # what diffusers' loader imports
+    out_root.write_json(index.to_json_dict(), INDEX_FILE)
+
+
+def _copy_components(
+    root: RunRoot,
+    out_root: RunRoot,
+    components: Sequence[tuple[str, tuple[str, ...], type[DiTModel]]],
+    progress: bool,
+) -> dict[str, int]:
+    """Every component's files into its folder of the model, each loaded strictly first (a corrupted file is
+    refused now); -> its parameter count by folder."""
+    params = {}
+    for dest, src, cls in tqdm(components, desc="assemble", unit="model", leave=False, disable=not progress):
+        model = load_model(cls, root, *src)  # strict: weights match config.json (refuse a corrupted file now)
+        params[dest] = sum(p.numel() for p in model.parameters())
+        for name in root.ls(*src):
+            out_root.write_bytes(root.read_bytes(*src, name), dest, name)
+    return params
+
+
+def _write_encoders(root: RunRoot, run: RunConfig, out_root: RunRoot) -> None:
+    """The text encoder's reference and the latent space: a note (pixels), the run's own autoencoder (vae/), or
+    a reference to a pretrained VAE."""
+    text_cfg = run.encoders.text if run.expert.uses_text else None
     if text_cfg is not None:
         out_root.write_json(
             {
@@ -380,7 +392,22 @@ def _write_model(
             "config.json",
         )
 
-    index = ModelIndex(
+
+def _model_index(
+    root: RunRoot,
+    run: RunConfig,
+    num_experts: int,
+    present: list[int],
+    source: dict[str, Any],
+    *,
+    router: bool,
+    guidance: float | None,
+) -> ModelIndex:
+    """model_index.json: the experts, the latent and text interfaces, the default sampling, where it came from."""
+    ref = run.expert
+    text_cfg = run.encoders.text if ref.uses_text else None
+    latent_cfg = run.encoders.latent
+    return ModelIndex(
         flowfleet_version=__version__,
         num_experts=num_experts,
         present_experts=present,
@@ -411,6 +438,3 @@ def _write_model(
         },
         **{expert_folder(k): ["flowfleet", "DiTExpert"] for k in present},
     )
-    write_checksums(out_root)  # every weight file's sha256, checked whenever the folder is opened
-    out_root.write_bytes(PIPELINE_MODULE.encode(), PIPELINE_MODULE_FILE)  # what diffusers' loader imports
-    out_root.write_json(index.to_json_dict(), INDEX_FILE)
