@@ -318,6 +318,44 @@ def two_stage_kmeans(
     seconds["assign"] = time.perf_counter() - t
     t = time.perf_counter()
     fine_sizes = torch.bincount(fine_assign, minlength=f)  # [F]
+    fine_to_coarse, coarse, assign, attempt, lifted = _coarse_stage(
+        fine, fine_sizes, fine_assign, k, iters, seed, balance, min_size, backend, device, max_reseeds
+    )
+    seconds["coarse"] = time.perf_counter() - t
+    if lifted:
+        notes.append(f"partitions under {min_size:g} items took the fine clusters nearest them (cluster.min_share)")
+    return TwoStageResult(
+        fine,
+        coarse,
+        fine_to_coarse,
+        fine_assign,
+        assign,
+        float(d2.double().sum()),
+        _coarse_inertia(x, coarse, assign),
+        s,
+        backend,
+        attempt,
+        notes,
+        {k: round(v, 3) for k, v in seconds.items()},
+    )
+
+
+def _coarse_stage(
+    fine: torch.Tensor,
+    fine_sizes: torch.Tensor,
+    fine_assign: torch.Tensor,
+    k: int,
+    iters: int,
+    seed: int,
+    balance: bool,
+    min_size: float,
+    backend: str,
+    device: torch.device | str,
+    max_reseeds: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
+    """The fine centroids clustered into k, weighted by their items (balanced, and partitions under min_size
+    lifted), re-seeded while a partition stays empty. -> (fine_to_coarse [F], coarse [K, D], assign [N], the
+    re-seeds it took, whether a partition was lifted)."""
     for attempt in range(max_reseeds + 1):
         coarse_fit = kmeans(
             fine,
@@ -341,28 +379,10 @@ def two_stage_kmeans(
         assign = fine_to_coarse[fine_assign]  # [N]
         empty = (torch.bincount(assign, minlength=k) == 0).nonzero().flatten().tolist()
         if not empty:
-            break
-    else:
-        raise FlowfleetError(
-            f"cluster: partition(s) {empty} stay empty after {max_reseeds} re-seeded coarse k-means "
-            f"runs; lower cluster.k or raise cluster.fine_k"
-        )
-    seconds["coarse"] = time.perf_counter() - t
-    if lifted:
-        notes.append(f"partitions under {min_size:g} items took the fine clusters nearest them (cluster.min_share)")
-    return TwoStageResult(
-        fine,
-        coarse,
-        fine_to_coarse,
-        fine_assign,
-        assign,
-        float(d2.double().sum()),
-        _coarse_inertia(x, coarse, assign),
-        s,
-        backend,
-        attempt,
-        notes,
-        {k: round(v, 3) for k, v in seconds.items()},
+            return fine_to_coarse, coarse, assign, attempt, lifted
+    raise FlowfleetError(
+        f"cluster: partition(s) {empty} stay empty after {max_reseeds} re-seeded coarse k-means "
+        f"runs; lower cluster.k or raise cluster.fine_k"
     )
 
 
