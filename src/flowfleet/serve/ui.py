@@ -9,7 +9,7 @@ card (experts, their clusters' previews and sizes, the router's accuracy) above.
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import Any, Callable
 
 import gradio as gr
 from PIL import Image
@@ -41,6 +41,47 @@ def _enlarged(image: Image.Image, side: int = 192) -> Image.Image:
     """Small samples (28 px digits) scaled up by whole pixels, so the page shows pixels, not blur."""
     scale = max(1, side // max(image.size))
     return image.resize((image.width * scale, image.height * scale), Image.Resampling.NEAREST)
+
+
+def _generate_handler(service: FleetService, present: int) -> Callable[..., tuple[list, list, str]]:
+    """The Generate button's function (and Gradio's /generate API): the form's values as a GenerateRequest,
+    sampled by the service with its progress shown; -> (images, each image's routing view, the usage summary)."""
+
+    def run(
+        prompt: str,
+        label: Any,
+        strategy: str,
+        k: Any,
+        steps: Any,
+        cfg: Any,
+        seed: Any,
+        n: Any,
+        progress: gr.Progress = gr.Progress(),  # noqa: B008 (Gradio passes its progress tracker this way)
+    ) -> tuple[list, list, str]:
+        try:
+            req = GenerateRequest(
+                prompt=prompt if service.needs_prompt else None,
+                label=int(label) if service.needs_label and label is not None else None,
+                strategy=strategy if present > 1 else None,
+                k=int(k) if strategy == "topk" and present > 1 else None,
+                steps=int(steps),
+                cfg=float(cfg),
+                seed=int(seed or 0),
+                n=int(n),
+            )
+            g = service.generate(
+                req, on_step=lambda done, total: progress((done, total), desc="sampling", unit="steps")
+            )
+        except ValidationError as err:
+            raise gr.Error(validation_message(err)) from None
+        except (BadRequest, Busy) as err:
+            raise gr.Error(str(err)) from None
+        captions = [f"{i}: {p}" if p else str(i) for i, p in enumerate(g.prompts)]
+        shown = [(_enlarged(im), c) for im, c in zip(g.images, captions)]
+        views = [(sample_routing_view(g.trace, i), f"image {i}") for i in range(len(g.images))]
+        return shown, views, usage_markdown(g)
+
+    return run
 
 
 def build_ui(service: FleetService, model_dir: str) -> gr.Blocks:
@@ -87,44 +128,10 @@ def build_ui(service: FleetService, model_dir: str) -> gr.Blocks:
                 )
                 summary = gr.Markdown(elem_id="summary")
 
-        def run(
-            prompt: str,
-            label: Any,
-            strategy: str,
-            k: Any,
-            steps: Any,
-            cfg: Any,
-            seed: Any,
-            n: Any,
-            progress: gr.Progress = gr.Progress(),  # noqa: B008 (Gradio passes its progress tracker this way)
-        ) -> tuple[list, list, str]:
-            try:
-                req = GenerateRequest(
-                    prompt=prompt if service.needs_prompt else None,
-                    label=int(label) if service.needs_label and label is not None else None,
-                    strategy=strategy if present > 1 else None,
-                    k=int(k) if strategy == "topk" and present > 1 else None,
-                    steps=int(steps),
-                    cfg=float(cfg),
-                    seed=int(seed or 0),
-                    n=int(n),
-                )
-                g = service.generate(
-                    req, on_step=lambda done, total: progress((done, total), desc="sampling", unit="steps")
-                )
-            except ValidationError as err:
-                raise gr.Error(validation_message(err)) from None
-            except (BadRequest, Busy) as err:
-                raise gr.Error(str(err)) from None
-            captions = [f"{i}: {p}" if p else str(i) for i, p in enumerate(g.prompts)]
-            shown = [(_enlarged(im), c) for im, c in zip(g.images, captions)]
-            views = [(sample_routing_view(g.trace, i), f"image {i}") for i in range(len(g.images))]
-            return shown, views, usage_markdown(g)
-
         # also Gradio's own API: gradio_client.Client(url).predict(prompt, label, strategy, k, steps, cfg, seed, n,
         # api_name="/generate") -> (images, routing views, summary); the JSON APIs are /api and /v1
         go.click(
-            run,
+            _generate_handler(service, present),
             [prompt, label, strategy, k, steps, cfg, seed, n],
             [images, routing, summary],
             api_name="generate",
