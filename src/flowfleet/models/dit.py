@@ -113,6 +113,12 @@ class DiTModel(ModelMixin, ConfigMixin):
         )
         self.register_to_config(**{name: getattr(cfg, name) for name in shape})  # config.json: resolved values
         self.cfg = cfg
+        self._build_layers(cfg)
+        self.initialize_weights()
+
+    def _build_layers(self, cfg: DiTConfig) -> None:
+        """The embedders, the blocks and the output of `cfg` (DiT's: patch, time, fixed 2-D sin-cos positions, a
+        condition embedder per conditioning; a classifier head for a router)."""
         d = cfg.hidden_size
         gh, gw = cfg.grid_size
 
@@ -145,7 +151,6 @@ class DiTModel(ModelMixin, ConfigMixin):
             self.final_layer = FinalLayer(d, cfg.patch_size, cfg.out_ch, cfg.adaln)
         # a ddpm model's log SNR per VP step (float64 [1000], kept off the module's dtype and state dict)
         self.vp_table = vp_log_snr(cfg.schedule) if cfg.objective == "ddpm" and cfg.schedule else None
-        self.initialize_weights()
 
     @classmethod
     def from_dit_config(cls, cfg: DiTConfig) -> Self:
