@@ -47,7 +47,23 @@ class ReportBuilder(QualitySections):
     """Reads a run root and fills one Section per id in SECTIONS."""
 
     def build(self) -> list[Section]:
-        return [getattr(self, f"section_{sid}")() for sid in SECTIONS]
+        """Every section, in the page's order: SECTIONS, their HTML ids."""
+        sections = [
+            self.section_overview,
+            self.section_samples,
+            self.section_fid,
+            self.section_clusters,
+            self.section_training,
+            self.section_routing,
+            self.section_adherence,
+            self.section_diagnostics,
+            self.section_timings,
+            self.section_config,
+        ]
+        built = [section() for section in sections]
+        if [s.id for s in built] != list(SECTIONS):  # a programming error, caught by the report's tests
+            raise RuntimeError(f"report sections {[s.id for s in built]} are not SECTIONS {list(SECTIONS)}")
+        return built
 
     # -- overview, config ---------------------------------------------------------------------------
 
