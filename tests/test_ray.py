@@ -90,6 +90,7 @@ def test_a_job_whose_ray_node_dies_is_resubmitted_and_resumes_to_the_uninterrupt
         first_id = read_submissions(root)["expert-0"]["id"]
         cluster.kill_worker()
         os.kill(status.pid, signal.SIGKILL)  # the node's job dies with it
+        cluster.wait_for_worker_death()  # a job resubmitted before Ray knows would die with the old node
         cluster.start_worker()
         assert watcher.wait(timeout=400) == 0, (tmp_path / "train-all.out").read_text()[-3000:]
     finally:

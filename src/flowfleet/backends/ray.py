@@ -110,7 +110,13 @@ class RayBackend:
                 log.warning(f"ray job {i}: could not stop it ({str(err).splitlines()[0][:200] if str(err) else err})")
 
     def logs(self, job_id: str) -> str:
-        return str(self.client.get_job_logs(job_id))
+        """The job's output; for a job that printed nothing, Ray's own word on it (why it failed before its
+        command ran: its node died, its runtime environment could not be set up)."""
+        said = str(self.client.get_job_logs(job_id))
+        if said.strip():
+            return said
+        message = str(self.client.get_job_info(job_id).message or "")
+        return " ".join(line.strip() for line in message.splitlines() if line.strip())  # one line: train-all's
 
     def record(self) -> dict[str, Any]:
         return {"address": self.address}

@@ -3,7 +3,10 @@
 A job is lost when its status.json says running but its lease has expired (the node or the process died
 while the backend still lists the job) or when the backend ended it while it never finished (Slurm
 dropped it, Ray's worker node went away). A lost job is cancelled and submitted again, at most
-`max_resubmits` times, and resumes from its newest checkpoint. A job that failed by itself (status
+`max_resubmits` times, and resumes from its newest checkpoint. A lost job the backend still lists is let
+go of first: its replacement is submitted once the backend has ended it (or after `let_go_s`), so that it is
+not placed on the node that died while the backend still counts that node alive (Ray notices a dead node
+by missed health checks, seconds after its processes are gone). A job that failed by itself (status
 "failed") is not resubmitted: it would fail again.
 """
 
@@ -30,6 +33,7 @@ class _Watched:
     submitted: float = field(default_factory=time.time)
     resubmits: int = 0
     lost: tuple[str, int] | None = None  # the process given up on: its status is not the new job's
+    letting_go: tuple[float, str] | None = None  # (when, why) a lost job still listed was cancelled
 
 
 def last_words(w: _Watched) -> str:
@@ -45,8 +49,8 @@ def last_words(w: _Watched) -> str:
 class RemoteWatch:
     """The submitted jobs of one train-all, on any number of backends; step() looks once."""
 
-    def __init__(self, root: RunRoot, run_name: str, max_resubmits: int = 2):
-        self.root, self.run_name, self.max_resubmits = root, run_name, max_resubmits
+    def __init__(self, root: RunRoot, run_name: str, max_resubmits: int = 2, let_go_s: float = 120.0):
+        self.root, self.run_name, self.max_resubmits, self.let_go_s = root, run_name, max_resubmits, let_go_s
         self.jobs: dict[str, _Watched] = {}
 
     def add(self, backend: RemoteBackend, specs: list[JobSpec], ids: dict[str, str]) -> None:
@@ -66,6 +70,13 @@ class RemoteWatch:
         for w in self.jobs.values():
             state = states.get(w.job_id)
             active = w.backend.is_active(state)
+            if w.letting_go is not None:
+                since, why = w.letting_go
+                if active and time.time() - since < self.let_go_s:
+                    waiting = True  # the backend has not let go of the lost job yet
+                else:
+                    waiting = self._resubmit(w, why) or waiting
+                continue
             status = read_status(self.root, w.spec.dir)
             current = (
                 status is not None
@@ -84,19 +95,23 @@ class RemoteWatch:
                 why = f"{w.backend.name} ended it ({state or 'gone'}) and it never finished{last_words(w)}"
             if status is not None:
                 w.lost = (status.host, status.pid)
-            waiting = self._resubmit(w, why, active) or waiting
+            if active and w.resubmits < self.max_resubmits:
+                w.backend.cancel([w.job_id])
+                w.letting_go = (time.time(), why)
+                waiting = True
+            else:
+                waiting = self._resubmit(w, why) or waiting
         return waiting
 
-    def _resubmit(self, w: _Watched, why: str, active: bool) -> bool:
+    def _resubmit(self, w: _Watched, why: str) -> bool:
         old = w.job_id
+        w.letting_go = None
         if w.resubmits >= self.max_resubmits:
             log.warning(
                 f"{w.spec.name}: {w.backend.name} job {old} lost ({why}); "
                 f"resubmitted {self.max_resubmits} times, giving up"
             )
             return False
-        if active:
-            w.backend.cancel([old])
         w.job_id = w.backend.resubmit(self.root, w.spec, self.run_name)
         w.submitted, w.resubmits = time.time(), w.resubmits + 1
         record_submissions(self.root, w.backend, {w.spec.name: w.job_id})
