@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/cluster.py                       # 1M x 1024 synthetic, fine k 1024, K 8
     .venv/bin/python benchmarks/cluster.py --n 100000 --dim 256  # quick
     .venv/bin/python benchmarks/cluster.py --mnist runs/mnist-k10 # init (mnist, K=10) -> prepare -> cluster
+    .venv/bin/python benchmarks/cluster.py --levers runs/demo-emoji --lever power=1,fine_k=32,min_share=0 \
+        --lever power=0.5,fine_k=128,min_share=0 --lever ''    # a prepared run's NMI under cluster levers
 
 Synthetic part. N features of dimension D drawn around --modes random Gaussian centres (so k-means
 has structure to find), generated in chunks into one float32 tensor, L2-normalised in place, then
@@ -127,6 +129,55 @@ def run_mnist(path: str) -> dict:
     }
 
 
+def run_levers(path: str, levers: list[str], seeds: int) -> list[dict]:
+    """On a prepared run (its data/), the two-stage k-means of its clustering features under each lever set (the
+    cluster section's KEY=VALUE pairs, comma-separated, over the run's own; '' for none): NMI with the source's
+    labels and the smallest partition's share, mean and sd over cluster seeds 0 .. seeds - 1."""
+    import statistics
+
+    import yaml
+    from sklearn.metrics import normalized_mutual_info_score
+
+    from flowfleet.cluster.features import FEATURE_FIELDS, clustering_features
+    from flowfleet.cluster.kmeans import two_stage_kmeans
+    from flowfleet.config import ClusterConfig, load_run_config
+    from flowfleet.data.shards import open_complete
+    from flowfleet.storage import RunRoot
+
+    root = RunRoot(path)
+    base = load_run_config(root).cluster.model_dump()
+    data = open_complete(root, "data", "flowfleet prepare")
+    rows = []
+    for lever in levers:
+        fields = dict(base)
+        for part in filter(None, lever.split(",")):
+            key, _, value = part.partition("=")
+            fields[key] = yaml.safe_load(value)
+        c = ClusterConfig(**fields)
+        loaded = data.load([*FEATURE_FIELDS[c.features], "labels"])
+        x, labels = clustering_features(loaded, c.features, c.power), loaded["labels"].numpy()
+        nmis, smallest = [], []
+        for seed in range(seeds):
+            res = two_stage_kmeans(
+                x.clone(), c.k, fine_k=c.fine_k, sample_size=c.sample_size, iters=c.iters, seed=seed,
+                balance=c.balance, min_size=c.min_share * len(labels),
+            )  # fmt: skip
+            nmis.append(normalized_mutual_info_score(labels, res.assign.numpy()))
+            smallest.append(min(res.sizes) / len(labels))
+        rows.append(
+            {
+                "lever": lever or "(the run's)",
+                "nmi": statistics.fmean(nmis),
+                "nmi_sd": statistics.stdev(nmis) if seeds > 1 else 0.0,
+                "smallest_share": [round(v, 3) for v in smallest],
+            }
+        )
+        print(
+            f"| {rows[-1]['lever']} | {rows[-1]['nmi']:.3f} ± {rows[-1]['nmi_sd']:.3f} | {rows[-1]['smallest_share']} |"
+        )
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=1_000_000)
@@ -140,8 +191,16 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mnist", metavar="DIR", help="instead: the MNIST K=10 NMI run in this run root")
     p.add_argument("--out", help="also write the result JSON here")
+    p.add_argument("--levers", metavar="RUN", help="instead: NMI of RUN's clusters under each --lever set")
+    p.add_argument("--lever", action="append", default=[], help="cluster KEY=VALUE[,KEY=VALUE] ('' the run's own)")
+    p.add_argument("--seeds", type=int, default=5, help="cluster seeds per lever set (--levers)")
     args = p.parse_args()
-    result = run_mnist(args.mnist) if args.mnist else run_synthetic(args)
+    if args.levers:
+        print("| cluster levers | NMI with the labels (mean ± sd over seeds) | smallest partition's share per seed |")
+        print("|---|---|---|")
+        result = run_levers(args.levers, args.lever or [""], args.seeds)
+    else:
+        result = run_mnist(args.mnist) if args.mnist else run_synthetic(args)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
