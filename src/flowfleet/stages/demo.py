@@ -157,7 +157,9 @@ DEMO_DATA = {
         # the judge reads 0.86 of the real held-out emoji as their category (flowfleet.evaluate.emoji): no model
         # reaches the digits' 0.95, so each is compared at its lowest classifier FD
         0.0,
-        2,  # ten minutes on two cores leave two draws; benchmarks/fleet_budget.py --repeats 5 gives the spread
+        # ten minutes on two cores leave the sweep's one draw (a second: 596 s of the 600 on an AMD EPYC 2-core,
+        # BENCHMARKS.md "The emoji demo"); benchmarks/fleet_budget.py --repeats 5 gives the spread
+        1,
         # Clusters of content: a prompt-blind router cannot know at t = 1 which experts hold the prompt, so the
         # comparison beside Paris' router is part of the demo (BENCHMARKS.md, "The emoji demo")
         True,
