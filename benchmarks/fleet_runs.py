@@ -1,7 +1,6 @@
 """Helpers of the fleet benchmarks (remove_expert.py, add_expert.py, distill.py, fleet_budget.py,
-seed_branch.py, cluster_overlap.py, and the sampler probes guidance_interval.py, routing_temperature.py,
-routing_schedule.py): copy a finished run, evaluate a model folder of it by the MNIST digit judge, print a
-probe's table, keep a result line, set a copied run.yaml's budget, seed and --set levers."""
+data_scaling.py, eval_seeds.py): copy a finished run, evaluate a model folder of it by the run's judge, keep a
+result line, set a copied run.yaml's budget, seed and --set levers."""
 
 from __future__ import annotations
 
@@ -60,31 +59,6 @@ def judge_options(n: int, strategies: tuple[str, ...], **options: Any) -> Any:
     return EvaluateOptions(
         n=n, strategies=strategies, diagnostics=False, fid=FIDSettings(resize=75), device="cpu", **options
     )
-
-
-def evaluate_probe(run: str, n: int, strategies: str, cfg: str, repeats: int, label: dict[str, Any], **options: Any):
-    """`flowfleet evaluate` of a probed copy of a run over the guidance sweep `cfg` ("1.5,2"), printed as a
-    table whose first columns are `label`'s, then each model's figures over its evaluation draws (repeats > 1).
-    -> evaluate's result."""
-    from flowfleet.stages.evaluate import evaluate
-
-    sweep = tuple(float(c) for c in cfg.split(","))
-    opts = judge_options(n, tuple(strategies.split(",")), batch_size=n, cfg_sweep=sweep, repeats=repeats, **options)
-    result = evaluate(f"{run}/model", run, opts)
-    head = ["model", *label, "cfg", "classifier FD", "prompt accuracy", "precision", "recall"]
-    print("\n| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")
-    for name, r in result["runs"].items():
-        for s in r["sweep"] or [r]:  # one scale: no sweep, the row itself
-            scores = f"{s['classifier_fd']:.1f} | {s['prompt_accuracy']:.3f} | {s['precision']:.3f} | {s['recall']:.3f}"
-            print(f"| {name} | " + "".join(f"{v} | " for v in label.values()) + f"{s['cfg']} | {scores} |")
-    for name, d in (result.get("draws") or {}).get("runs", {}).items():
-        fd = d["classifier_fd"]
-        mean = sum(fd) / len(fd)
-        sd = (sum((x - mean) ** 2 for x in fd) / max(1, len(fd) - 1)) ** 0.5
-        each = ", ".join(f"{x:.2f}" for x in fd)
-        acc = ", ".join(f"{x:.3f}" for x in d["prompt_accuracy"])
-        print(f"{name}: classifier FD over {len(fd)} draws {mean:.2f} ± {sd:.2f} ({each}); accuracy {acc}")
-    return result
 
 
 def evaluate_model(model: Path, run: Path, n: int, strategies: tuple[str, ...], steps: int | None = None) -> dict:
