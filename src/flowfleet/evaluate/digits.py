@@ -29,7 +29,14 @@ from torch import nn
 from flowfleet.data.images import resize_batch
 from flowfleet.data.sources.mnist.digits import DIGIT_WORDS, load_mnist_5k
 from flowfleet.errors import FlowfleetError
-from flowfleet.evaluate.judge import ClassifierJudge, JudgeFeatures, PromptClasses, cached_classifier, fit_classifier
+from flowfleet.evaluate.judge import (
+    ClassifierJudge,
+    FitSettings,
+    JudgeFeatures,
+    PromptClasses,
+    cached_classifier,
+    fit_classifier,
+)
 from flowfleet.storage import RunRoot
 
 log = logging.getLogger(__name__)
@@ -73,13 +80,8 @@ class DigitNet(nn.Module):
 
 
 @dataclass(frozen=True)
-class TrainSettings:
-    epochs: int = 6
-    batch_size: int = 64
-    lr: float = 2e-3
-    shift: int = 2  # random translation in pixels (augmentation)
+class TrainSettings(FitSettings):
     train_items: int = 4000  # the rest of MNIST-5k is the validation set
-    seed: int = 0
 
 
 def shifted(x: torch.Tensor, shift: int, gen: torch.Generator, fill: float = -1.0) -> torch.Tensor:

@@ -33,7 +33,7 @@ from flowfleet.data.sources.emoji import EmojiSet, load_emoji
 from flowfleet.data.sources.fetched import cache_dir
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.digits import shifted
-from flowfleet.evaluate.judge import ClassifierJudge, JudgeFeatures, cached_classifier, fit_classifier
+from flowfleet.evaluate.judge import ClassifierJudge, FitSettings, JudgeFeatures, cached_classifier, fit_classifier
 from flowfleet.storage import RunRoot
 
 log = logging.getLogger(__name__)
@@ -74,13 +74,10 @@ class EmojiNet(nn.Module):
 
 
 @dataclass(frozen=True)
-class TrainSettings:
+class TrainSettings(FitSettings):
     epochs: int = 10
-    batch_size: int = 64
     lr: float = 3e-3
-    shift: int = 2  # random translation in pixels (augmentation)
     subcategory_weight: float = 0.5  # the subcategory head's share of the loss
-    seed: int = 0
 
 
 def set_tensors(s: EmojiSet) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

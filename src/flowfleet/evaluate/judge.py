@@ -18,7 +18,8 @@ import importlib
 import importlib.util
 import logging
 import re
-from typing import Any, Callable, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import safetensors.torch
 import torch
@@ -117,17 +118,16 @@ class ClassifierJudge:
         return self._features
 
 
-class FitSettings(Protocol):
-    """What the built-in judges' training loop reads of a judge's training settings."""
+@dataclass(frozen=True)
+class FitSettings:
+    """A built-in judge's training settings, as the training loop reads them (the digits' defaults; each judge's
+    TrainSettings adds its own fields and sets its defaults)."""
 
-    @property
-    def epochs(self) -> int: ...
-
-    @property
-    def batch_size(self) -> int: ...
-
-    @property
-    def lr(self) -> float: ...
+    epochs: int = 6
+    batch_size: int = 64
+    lr: float = 2e-3
+    shift: int = 2  # random translation in pixels (augmentation)
+    seed: int = 0
 
 
 def fit_classifier(
