@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import RUN_FILE
 from flowfleet.models.config import DiTConfig
-from flowfleet.models.files import validation_message
+from flowfleet.models.files import validated, validation_message
 from flowfleet.storage import RunRoot
 
 
@@ -564,12 +564,7 @@ class RunConfig(_Strict):
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = RUN_FILE) -> "RunConfig":
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}: expected a mapping at the top level")
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as err:
-            raise ConfigError(f"{where}: {validation_message(err)}") from None
+        return validated(cls, raw, where, ConfigError, expected="a mapping at the top level")
 
     def save(self, root: RunRoot) -> None:
         root.write_yaml(self.to_dict(), RUN_FILE)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import safetensors.torch
 from diffusers.models.modeling_utils import ModelMixin
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.config import DiTConfig
@@ -22,6 +22,7 @@ from flowfleet.models.dit import DiTModel
 from flowfleet.storage import RunRoot
 
 M = TypeVar("M", bound=DiTModel)
+Doc = TypeVar("Doc", bound=BaseModel)
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 
 
@@ -44,6 +45,17 @@ def validation_message(err: ValidationError) -> str:
     return f"{'.'.join(loc) or '(top level)'}: {msg}"
 
 
+def validated(model: type[Doc], raw: Any, where: str, error: type[Exception], expected: str = "a JSON object") -> Doc:
+    """A parsed document (JSON, YAML) as the pydantic `model`, or `error` in one line naming `where` and the field
+    at fault."""
+    if not isinstance(raw, dict):
+        raise error(f"{where}: expected {expected}")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        raise error(f"{where}: {validation_message(err)}") from None
+
+
 def read_dit_config(folder: RunRoot | str | Path, *parts: str) -> DiTConfig:
     """Parse and validate a model folder's config.json without loading weights."""
     root = folder if isinstance(folder, RunRoot) else RunRoot(folder)
@@ -54,13 +66,9 @@ def read_dit_config(folder: RunRoot | str | Path, *parts: str) -> DiTConfig:
         raw = json.loads(root.read_bytes(*parts, "config.json"))
     except json.JSONDecodeError as err:
         raise ModelFileError(f"{where}: corrupted JSON ({err.msg} at line {err.lineno})") from None
-    if not isinstance(raw, dict):
-        raise ModelFileError(f"{where}: expected a JSON object")
-    fields = {k: v for k, v in raw.items() if not k.startswith("_")}
-    try:
-        return DiTConfig(**fields)
-    except ValidationError as err:
-        raise ModelFileError(f"{where}: {validation_message(err)}") from None
+    if isinstance(raw, dict):
+        raw = {k: v for k, v in raw.items() if not k.startswith("_")}  # diffusers' own keys (_class_name, ...)
+    return validated(DiTConfig, raw, where, ModelFileError)
 
 
 def save_model(model: ModelMixin, folder: RunRoot | str | Path, *parts: str) -> None:

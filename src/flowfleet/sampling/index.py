@@ -19,13 +19,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flowfleet.config import LatentEncoderConfig, SamplingConfig, TextEncoderConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.layout import INDEX_FILE
-from flowfleet.models.files import validation_message
+from flowfleet.models.files import validated
 from flowfleet.storage import RunRoot
 
 PIPELINE_CLASS = "FleetPipeline"  # what folders assembled before diffusers could open them name
@@ -123,12 +123,7 @@ def read_model_index(folder: RunRoot | str) -> ModelIndex:
     root = folder if isinstance(folder, RunRoot) else RunRoot(folder)
     where = root.url_of(INDEX_FILE)
     raw = root.read_document(INDEX_FILE, missing="missing (not an assembled fleet; run `flowfleet assemble RUN_ROOT`)")
-    if not isinstance(raw, dict):
-        raise FlowfleetError(f"{where}: expected a JSON object")
-    try:
-        return ModelIndex.model_validate(raw)
-    except ValidationError as err:
-        raise FlowfleetError(f"{where}: {validation_message(err)}") from None
+    return validated(ModelIndex, raw, where, FlowfleetError)
 
 
 def set_default_cfg(folder: RunRoot | str, cfg: float) -> None:
