@@ -48,7 +48,8 @@ def main() -> None:
     from flowfleet.config import AutoencoderConfig, load_run_config
     from flowfleet.data.autoencoder import crop, pad, train_autoencoder
     from flowfleet.evaluate.fid import FIDSettings
-    from flowfleet.stages.evaluate import EvaluateOptions, _Evaluation  # the evaluation's own split and judge
+    from flowfleet.stages.evaluate import EvaluateOptions
+    from flowfleet.stages.evaluate.stage import _Evaluation  # the evaluation's own split and judge
     from flowfleet.storage import RunRoot
 
     torch.set_num_threads(a.threads)
@@ -57,7 +58,7 @@ def main() -> None:
     train = training_images(cfg)
     options = EvaluateOptions(n=300, batch_size=300, fid=FIDSettings(resize=75), diagnostics=False, device="cpu")
     ev = _Evaluation.open(f"{a.run}/model", a.run, options, None)
-    floor = ev.ref_images[ev.split.floor].float() / 127.5 - 1.0  # [n, 1, 28, 28] real held-out digits
+    floor = ev.ref_images[ev.split.floor].float() / 127.5 - 1.0  # [n, C, S, S] the real held-out images
     judge = ev.judge_fd[0]
     rows = [("real floor", None, ev._judge_scores(judge.features(floor)))]
     for recipe in a.recipes:
