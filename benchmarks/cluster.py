@@ -130,18 +130,16 @@ def run_mnist(path: str) -> dict:
 
 
 def run_levers(path: str, levers: list[str], seeds: int) -> list[dict]:
-    """On a prepared run (its data/), the two-stage k-means of its clustering features under each lever set (the
+    """On a prepared run (its data/), `flowfleet cluster`'s own features and partition under each lever set (the
     cluster section's KEY=VALUE pairs, comma-separated, over the run's own; '' for none): NMI with the source's
     labels and the smallest partition's share, mean and sd over cluster seeds 0 .. seeds - 1."""
     import statistics
 
-    import yaml
-    from sklearn.metrics import normalized_mutual_info_score
+    import torch
 
-    from flowfleet.cluster.features import FEATURE_FIELDS, clustering_features
-    from flowfleet.cluster.kmeans import two_stage_kmeans
-    from flowfleet.config import ClusterConfig, load_run_config
+    from flowfleet.config import ClusterConfig, load_run_config, set_dotted
     from flowfleet.data.shards import open_complete
+    from flowfleet.stages.cluster import clustered_features, nmi, partition_items
     from flowfleet.storage import RunRoot
 
     root = RunRoot(path)
@@ -149,21 +147,17 @@ def run_levers(path: str, levers: list[str], seeds: int) -> list[dict]:
     data = open_complete(root, "data", "flowfleet prepare")
     rows = []
     for lever in levers:
-        fields = dict(base)
+        raw = {"cluster": dict(base)}
         for part in filter(None, lever.split(",")):
-            key, _, value = part.partition("=")
-            fields[key] = yaml.safe_load(value)
-        c = ClusterConfig(**fields)
-        loaded = data.load([*FEATURE_FIELDS[c.features], "labels"])
-        x, labels = clustering_features(loaded, c.features, c.power), loaded["labels"].numpy()
+            set_dotted(raw, f"cluster.{part}")
+        c = ClusterConfig(**raw["cluster"])
+        x, labels, _, fine_k = clustered_features(data, c)
         nmis, smallest = [], []
         for seed in range(seeds):
-            res = two_stage_kmeans(
-                x.clone(), c.k, fine_k=c.fine_k, sample_size=c.sample_size, iters=c.iters, seed=seed,
-                balance=c.balance, min_size=c.min_share * len(labels),
-            )  # fmt: skip
-            nmis.append(normalized_mutual_info_score(labels, res.assign.numpy()))
-            smallest.append(min(res.sizes) / len(labels))
+            run = c.model_copy(update={"seed": seed})
+            assign = partition_items(x.clone(), run, fine_k, "auto", torch.device("cpu"), False, {})[0]
+            nmis.append(nmi(labels, assign))
+            smallest.append(int(torch.bincount(assign, minlength=c.k).min()) / len(labels))
         rows.append(
             {
                 "lever": lever or "(the run's)",

@@ -108,15 +108,7 @@ def cluster(
     data = open_complete(root, DATA, f"flowfleet prepare {root.url}")
     manifest = data.manifest()
     t0 = time.perf_counter()
-    extra = ["text_pooled"] if c.caption_residual else []
-    fields, captions = data.load([*FEATURE_FIELDS[c.features], *extra, "labels", "index"], with_captions=True)
-    x, labels, index = clustering_features(fields, c.features, c.power), fields["labels"], fields["index"]
-    if c.caption_residual:
-        x = caption_residual(x, fields["text_pooled"])
-    fine_k = c.fine_k
-    if c.features == "text":  # one caption, one point: never split items that say the same thing
-        x, distinct = one_point_per_caption(x, captions)
-        fine_k = min(fine_k, distinct)
+    x, labels, index, fine_k = clustered_features(data, c)
     n = x.shape[0]
     if not torch.equal(index, torch.arange(n)):
         raise FlowfleetError(f"{data.url}: the shards' index is not 0..{n - 1} in order; run prepare with --restart")
@@ -132,7 +124,7 @@ def cluster(
         "source": manifest.extra.get("source"),
         "features": _feature_description(c.features, manifest),
     }
-    assign, fine, coarse, fine_to_coarse, fine_assign = _partition(x, c, fine_k, backend, dev, progress, report)
+    assign, fine, coarse, fine_to_coarse, fine_assign = partition_items(x, c, fine_k, backend, dev, progress, report)
     sizes = torch.bincount(assign, minlength=c.k).tolist()
     _check_floor(sizes, c, root)
     report.update(sizes=sizes, seconds_clustering=round(time.perf_counter() - t0, 2))
@@ -156,7 +148,23 @@ def cluster(
     return report
 
 
-def _partition(
+def clustered_features(data: ShardSet, c: ClusterConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """What `cluster` partitions under `c`, from the prepared shards: the items' features x [N, D] (cluster.features
+    raised to cluster.power, less what the caption tells where cluster.caption_residual, one point per caption for
+    caption features), their labels [N] and index [N], and the fine k they allow."""
+    extra = ["text_pooled"] if c.caption_residual else []
+    fields, captions = data.load([*FEATURE_FIELDS[c.features], *extra, "labels", "index"], with_captions=True)
+    x = clustering_features(fields, c.features, c.power)
+    if c.caption_residual:
+        x = caption_residual(x, fields["text_pooled"])
+    fine_k = c.fine_k
+    if c.features == "text":  # one caption, one point: never split items that say the same thing
+        x, distinct = one_point_per_caption(x, captions)
+        fine_k = min(fine_k, distinct)
+    return x, fields["labels"], fields["index"], fine_k
+
+
+def partition_items(
     x: torch.Tensor,
     c: ClusterConfig,
     fine_k: int,
