@@ -34,7 +34,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import tarfile
 import tempfile
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from tqdm.auto import tqdm
 
 from flowfleet.data.images import ImageDecodeError, opaque, open_image, square
 from flowfleet.data.sources.base import RawItem, Source, SourceError
-from flowfleet.data.sources.fetched import cache_dir, npm_pack, read_checked
+from flowfleet.data.sources.fetched import cache_dir, npm_pack, read_checked, save_arrays, write_cache_file
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +256,7 @@ def convert_emoji(
         held_out=held_out,
         digest=digest,
     )
-    _write_atomically(notice, notice_text(arts).encode())
+    write_cache_file(notice, notice_text(arts).encode())
     _save(out, emoji_set)
     return emoji_set
 
@@ -277,20 +276,9 @@ def notice_text(arts: tuple[EmojiArt, ...] = ARTS) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _save(out: Path, s: EmojiSet) -> None:
-    buf = io.BytesIO()
-    np.savez_compressed(
-        buf,
+    save_arrays(
+        out,
         images=s.images,
         ids=s.ids,
         captions=s.captions,
@@ -302,7 +290,6 @@ def _save(out: Path, s: EmojiSet) -> None:
         digest=np.array(s.digest),
         conversion=np.array(CONVERSION),
     )
-    _write_atomically(out, buf.getvalue())
 
 
 def load_emoji(cache: Path | None = None) -> EmojiSet:

