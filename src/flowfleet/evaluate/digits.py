@@ -36,6 +36,7 @@ from flowfleet.evaluate.judge import (
     PromptClasses,
     cached_classifier,
     fit_classifier,
+    shifted,
 )
 from flowfleet.storage import RunRoot
 
@@ -82,15 +83,6 @@ class DigitNet(nn.Module):
 @dataclass(frozen=True)
 class TrainSettings(FitSettings):
     train_items: int = 4000  # the rest of MNIST-5k is the validation set
-
-
-def shifted(x: torch.Tensor, shift: int, gen: torch.Generator, fill: float = -1.0) -> torch.Tensor:
-    """Each image translated by up to `shift` pixels (padded with the background `fill`, randomly cropped)."""
-    b, _, h, w = x.shape
-    padded = F.pad(x, (shift,) * 4, value=fill)
-    dx = torch.randint(0, 2 * shift + 1, (b,), generator=gen).tolist()
-    dy = torch.randint(0, 2 * shift + 1, (b,), generator=gen).tolist()
-    return torch.stack([padded[i, :, dy[i] : dy[i] + h, dx[i] : dx[i] + w] for i in range(b)])
 
 
 def mnist_tensors() -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,8 +32,14 @@ from flowfleet.data.images import resize_batch
 from flowfleet.data.sources.emoji import EmojiSet, load_emoji
 from flowfleet.data.sources.fetched import cache_dir
 from flowfleet.errors import FlowfleetError
-from flowfleet.evaluate.digits import shifted
-from flowfleet.evaluate.judge import ClassifierJudge, FitSettings, JudgeFeatures, cached_classifier, fit_classifier
+from flowfleet.evaluate.judge import (
+    ClassifierJudge,
+    FitSettings,
+    JudgeFeatures,
+    cached_classifier,
+    fit_classifier,
+    shifted,
+)
 from flowfleet.storage import RunRoot
 
 log = logging.getLogger(__name__)
@@ -159,8 +165,9 @@ class EmojiJudge(ClassifierJudge):
         """ClassifierJudge's, with `subcategory_accuracy`: the share whose subcategory is the prompted emoji's."""
         out = super().prompt_accuracy(images, prompts)
         keep = [i for i, p in enumerate(prompts) if p.strip() in self._caption]
+        kept = images[keep]  # [n, 3, H, W]
         with torch.no_grad():
-            fine = torch.cat([self.net(images[keep][i : i + self.batch])[1] for i in range(0, len(keep), self.batch)])
+            fine = torch.cat([self.net(kept[i : i + self.batch])[1] for i in range(0, len(keep), self.batch)])
         want = torch.tensor([self._caption[prompts[i].strip()][1] for i in keep])
         out["subcategory_accuracy"] = int((fine.argmax(1) == want).sum()) / len(keep)
         return out

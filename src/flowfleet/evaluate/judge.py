@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import safetensors.torch
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -130,6 +131,16 @@ class FitSettings:
     seed: int = 0
 
 
+def shifted(x: torch.Tensor, shift: int, gen: torch.Generator, fill: float = -1.0) -> torch.Tensor:
+    """Each image translated by up to `shift` pixels (padded with the background `fill`, randomly cropped): the
+    built-in judges' augmentation."""
+    b, _, h, w = x.shape
+    padded = F.pad(x, (shift,) * 4, value=fill)
+    dx = torch.randint(0, 2 * shift + 1, (b,), generator=gen).tolist()
+    dy = torch.randint(0, 2 * shift + 1, (b,), generator=gen).tolist()
+    return torch.stack([padded[i, :, dy[i] : dy[i] + h, dx[i] : dx[i] + w] for i in range(b)])
+
+
 def fit_classifier(
     net: nn.Module,
     n: int,
@@ -185,8 +196,9 @@ def cached_classifier(
         else:
             net = build()
             data = store.read_bytes(*weights)
+            digest = hashlib.sha256(data).hexdigest()
             try:
-                if record.get("sha256", hashlib.sha256(data).hexdigest()) != hashlib.sha256(data).hexdigest():
+                if record.get("sha256", digest) != digest:
                     raise ValueError("not the weights its record names (sha256)")
                 net.load_state_dict(safetensors.torch.load(data))
             except Exception as err:  # damaged cache: say so and train again below
