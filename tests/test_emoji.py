@@ -29,7 +29,7 @@ from flowfleet.data.sources.emoji import (
 )
 from flowfleet.evaluate.emoji import EmojiJudge, TrainSettings
 from flowfleet.presets import preset
-from flowfleet.stages.prepare import prepare
+from flowfleet.stages.prepare import merge_parts, prepare
 from flowfleet.storage import RunRoot
 
 HELD_OUT = 6
@@ -105,6 +105,16 @@ def test_the_source_prepares_and_carries_the_licences(emoji_cache, tmp_path):
     notice = run.read_bytes("data", "NOTICE.md").decode()
     assert "emoji-datasource-twitter@16.0.0 (CC-BY-4.0)" in notice and "Twemoji" in notice
     assert "emoji-datasource-google@16.0.0 (Apache-2.0)" in notice and "resized to 32 x 32" in notice
+
+
+def test_a_run_prepared_in_parts_carries_the_licences_too(emoji_cache, tmp_path):
+    whole, parted = _run(tmp_path / "whole"), _run(tmp_path / "parted")
+    prepare(whole, progress=False)
+    for i in range(2):
+        prepare(parted, part=(i, 2), progress=False)
+    assert not parted.exists("data", "NOTICE.md")  # written with data/ itself, by the merge
+    merge_parts(parted, 2, progress=False)
+    assert parted.read_bytes("data", "NOTICE.md") == whole.read_bytes("data", "NOTICE.md")
 
 
 def test_a_changed_tarball_is_refused(tmp_path, emoji_cache):

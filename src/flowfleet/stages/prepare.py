@@ -263,9 +263,7 @@ def prepare(
             root, cfg, source, recipe, encoders, DATA, 0, split.train_stop, None, restart, progress
         ).run()
         split.encode_eval(root, cfg, source, recipe, encoders, restart, progress)
-        notice = source.notice()
-        if notice is not None:  # the data's licences and attribution travel with the run
-            root.write_bytes(notice.encode(), DATA, NOTICE)
+        _write_notice(root, source)
         return manifest
     if split.size is None:
         raise FlowfleetError(
@@ -603,7 +601,16 @@ def merge_parts(run_root: str | RunRoot, n: int, *, progress: bool = True) -> Sh
     write_preview(shards, run_latent_encoder(root, cfg))
     split = _Split.of(cfg, source)
     split.encode_eval(root, cfg, source, recipe, _LazyEncoders(root, cfg, source, split, None), False, progress)
+    _write_notice(root, source)
     return manifest
+
+
+def _write_notice(root: RunRoot, source: Source) -> None:
+    """The source's licences and attribution into data/NOTICE.md, where it asks for them: they travel with the run
+    whether data/ was prepared whole or merged from parts."""
+    notice = source.notice()
+    if notice is not None:
+        root.write_bytes(notice.encode(), DATA, NOTICE)
 
 
 def _encode_into(
