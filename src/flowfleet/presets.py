@@ -205,7 +205,7 @@ def _digits(**changes: Any) -> dict[str, Any]:
     return _builtin(**{**recipe, **changes})
 
 
-def _emoji(source: str, **data: Any) -> dict[str, Any]:
+def _emoji(source: str, holdout: int = 0, **data: Any) -> dict[str, Any]:
     """The built-in emoji's recipe (emoji), and the same for a folder of your own images (images: captions in
     captions.jsonl / .csv or a .txt beside each image, labels optional; `flowfleet init RUN --preset images --set
     data.path=FOLDER`): 32 px colour in the 8 x 8 x 8 latent of an autoencoder prepare trains, K = 4 clusters of
@@ -218,7 +218,7 @@ def _emoji(source: str, **data: Any) -> dict[str, Any]:
         channels=3,
         steps=1500,
         router_steps=2000,
-        holdout=data.pop("holdout", 0),
+        holdout=holdout,
         # 8 latent channels, not the digits' 4: a colour image is three times the numbers; batches of 16 at 4e-3:
         # more updates in the same time (BENCHMARKS.md, "The emoji demo")
         autoencoder=dict(block_out_channels=[16, 32, 32], latent_channels=8, steps=800, batch_size=16, lr=4e-3),

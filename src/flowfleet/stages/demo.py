@@ -165,7 +165,6 @@ DEMO_DATA = {
         True,
     ),
 }
-SHOWCASE_PROMPTS = DEMO_DATA["digits"].showcase  # (the digits' names, as before there were two sets)
 
 
 @dataclass(frozen=True)
