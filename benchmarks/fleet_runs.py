@@ -66,7 +66,7 @@ def evaluate_model(model: Path, run: Path, n: int, strategies: tuple[str, ...], 
     scores (accuracy, per_class, ...) with the run's classifier FD, FID, sampling seconds and settings."""
     from flowfleet.stages.evaluate import evaluate
 
-    result = evaluate(str(model), str(run), judge_options(n, strategies, monolith=False, steps=steps))
+    result = evaluate(str(model), str(run), judge_options(n, strategies, monolith=False, sampling=dict(steps=steps)))
     out: dict[str, Any] = {}
     for name in strategies:
         r = result["runs"][name]

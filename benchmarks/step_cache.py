@@ -34,7 +34,11 @@ def main() -> None:
     rows = []
     for threshold in a.thresholds:
         options = EvaluateOptions(
-            n=a.n, strategies=(a.strategy,), cfg=a.cfg, cache=threshold, diagnostics=False, batch_size=100
+            n=a.n,
+            strategies=(a.strategy,),
+            sampling=dict(cfg=a.cfg, cache=threshold),
+            diagnostics=False,
+            batch_size=100,
         )
         result = evaluate(str(Path(a.run) / "model"), options=options)
         run = result["runs"][a.strategy]

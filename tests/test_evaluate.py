@@ -339,14 +339,17 @@ def test_repeats_draw_every_model_again_at_its_chosen_scale_as_an_evaluation_wit
         cfg = result["runs"][name]["cfg"]
         alone = dict(strategies=(), monolith=True) if name == "monolith" else dict(strategies=(name,), monolith=False)
         again = evaluate(
-            model, fleet.url, options(**alone, seed=2, cfg=cfg, diagnostics=False), extractor=SmallFeatures()
+            model,
+            fleet.url,
+            options(**alone, seed=2, sampling=dict(cfg=cfg), diagnostics=False),
+            extractor=SmallFeatures(),
         )
         assert draws["runs"][name]["fid"][2] == again["runs"][name]["fid"], name
         assert draws["floor"]["fid"][2] == again["reference_split"]["floor"]["fid"]
     assert draws["runs"]["full"] == draws["runs"]["top2"]  # 2 experts: the same model, not sampled twice
 
     table = draws_table(draws)
-    rows = {row[0]: row for row in table["rows"]}
+    rows = {row[0]: row for row in table.rows}
     mono, floor = draws["runs"]["monolith"]["fid"], draws["floor"]["fid"]
     assert rows["monolith"][1] == f"{statistics.mean(mono):.2f} ± {statistics.stdev(mono):.2f}"
     over = [m / f for m, f in zip(mono, floor)]

@@ -17,6 +17,7 @@ from fixtures.stripes import train_stripes_dit
 from fixtures.tolerances import net_tol
 from torchmetrics.functional.image import peak_signal_noise_ratio
 
+from flowfleet.config import SamplingConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import cfg_combine, integrate, routing_weights, time_grid
 from flowfleet.flow.ensemble import dense_weights
@@ -153,7 +154,8 @@ def parallel_run(
         batch=B,
         guided=True,
     )
-    vf = runner.velocity(cond, cfg_scale=cfg_scale, route=route_fn(router, top_k), steps=STEPS, cfg_max_t=cfg_max_t)
+    guidance = SamplingConfig(cfg=cfg_scale, cfg_max_t=cfg_max_t)
+    vf = runner.velocity(cond, guidance=guidance, route=route_fn(router, top_k), steps=STEPS)
     with torch.inference_mode():
         out = integrate(vf, runner.broadcast(noise), time_grid(STEPS), sampler)
     runner.close()
@@ -486,7 +488,7 @@ def _failing_run(ctx, how: str) -> dict:
         batch=B,
         guided=True,
     )
-    vf = runner.velocity(cond, cfg_scale=2.0, route=route_fn(router, 2), steps=STEPS)
+    vf = runner.velocity(cond, guidance=SamplingConfig(cfg=2.0), route=route_fn(router, 2), steps=STEPS)
 
     def velocity(x, t, step):
         if step == 2 and ctx.rank == 1:

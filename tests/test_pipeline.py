@@ -343,7 +343,7 @@ def test_batching_and_seed_determine_the_images(dit_fleet):
     assert a.prompts == ["a digit", "another", "a digit", "another", "a digit"]
     assert a.images.shape == (5, 1, 8, 8) and a.images.abs().max() <= 1
     # settings resolved once by pipe.settings() (what generate and evaluate pass) give the same images
-    resolved = pipe.settings("top2", 3, None, 2.0, None, None, 7)
+    resolved = pipe.settings("top2", steps=3, cfg=2.0, seed=7)
     d = pipe(["a digit", "another"], n=5, settings=resolved)
     assert torch.equal(d.images, a.images) and d.settings == a.settings
 
@@ -412,11 +412,14 @@ def test_single_expert_without_router_is_a_monolith(dit_fleet):
         (dict(strategy="best"), "--strategy: unknown strategy 'best'"),
         (dict(strategy="top5"), "--strategy: strategy 'top5': k=5 exceeds the 4 experts present"),
         (dict(strategy="topk:0"), "--strategy: unknown strategy"),
-        (dict(steps=0), "--steps: must be >= 1"),
-        (dict(sampler="rk4"), "--sampler: unknown sampler 'rk4'"),
-        (dict(route_every=0), "--route-every: must be >= 1"),
-        (dict(cfg_max_t=0.0), "--cfg-max-t: a time in (0, 1] (1: guidance at every step), got 0.0"),
-        (dict(cfg_max_t=1.5), "--cfg-max-t: a time in (0, 1] (1: guidance at every step), got 1.5"),
+        (dict(steps=0), "--steps: Input should be greater than or equal to 1, got 0"),
+        (dict(sampler="rk4"), "--sampler: Input should be 'euler' or 'heun', got 'rk4'"),
+        (dict(route_every=0), "--route-every: Input should be greater than or equal to 1, got 0"),
+        (dict(cfg_max_t=0.0), "--cfg-max-t: Input should be greater than 0, got 0.0"),
+        (dict(cfg_max_t=1.5), "--cfg-max-t: Input should be less than or equal to 1, got 1.5"),
+        (dict(cfg=float("nan")), "--cfg: Input should be a finite number, got nan"),
+        (dict(seed=-1), "--seed: Input should be greater than or equal to 0, got -1"),
+        (dict(stepz=3), "--stepz: not a sampling setting (one of steps, sampler, cfg, cfg_max_t, shift, strategy,"),
     ],
 )
 def test_bad_settings_are_one_line_errors(dit_fleet, kwargs, message):

@@ -263,7 +263,7 @@ def test_the_results_table_of_one_draw(tmp_path):
     root.write_json(ev, "reports", "evaluation.json")
     from flowfleet.evaluate.report import ReportBuilder
 
-    rows = {row[0]: row[1:] for row in ReportBuilder(root).results_table()["rows"]}
+    rows = {row[0]: row[1:] for row in ReportBuilder(root).results_table().rows}
     assert rows["monolith"] == ["2", "40", "2", "", "0.97", "0.9", "0.7"]
     assert rows["top2"] == ["2", "44", "2.2", "1.1", "0.97", "0.9", "0.7"]  # 2.2x the floor, 1.1x the monolith
     assert rows["real images (the floor)"] == ["", "20", "", "", "", "0.88", "0.91"]

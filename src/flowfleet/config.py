@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flowfleet.errors import FlowfleetError
+from flowfleet.flow import guidance_scale_at, parse_strategy
 from flowfleet.layout import RUN_FILE
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.files import validated, validation_message
@@ -224,15 +225,98 @@ class MonolithConfig(_Strict):
 
 
 class SamplingConfig(_Strict):
-    steps: int = Field(30, ge=1)
-    sampler: Literal["euler", "heun"] = "euler"
-    cfg: float = Field(4.0, ge=0)
-    # Guidance only while t <= cfg_max_t (t = 1 is noise); the noisier steps run unguided (scale 1), as
-    # Kynkäänniemi et al. 2024 ("Applying guidance in a limited interval") found better for FID. 1: every step.
-    cfg_max_t: float = Field(1.0, gt=0, le=1)
-    shift: float = Field(1.0, gt=0)
-    strategy: str = "top2"
-    route_every: int = Field(1, ge=1)
+    """How a fleet samples: every sampling setting, declared here once with its default and its check.
+
+    run.yaml's `sampling` and a model folder's model_index.json `scheduler` hold one. A sampling call (the command
+    line, the server, the OpenAI route, the library's generate, evaluate) starts from its fleet's and changes what it
+    names (`for_call`), into that call's SamplingSettings. A field's description is its --help text."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    steps: int = Field(30, ge=1, description="sampling steps")
+    sampler: Literal["euler", "heun"] = Field("euler", description="ODE sampler")
+    cfg: float = Field(4.0, ge=0, description="classifier-free guidance scale on all channels; 1 = none")
+    # Kynkäänniemi et al. 2024 ("Applying guidance in a limited interval") found guiding only the less noisy steps
+    # better for FID; guidance_at applies it.
+    cfg_max_t: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="guide only the steps at t <= this time (t = 1 is noise); the noisier ones run unguided, as "
+        "Kynkaanniemi et al. 2024 found better for FID; 1 = every step",
+    )
+    shift: float = Field(1.0, gt=0, description="time-grid shift; > 1 spends more steps at high noise")
+    strategy: str = Field("top2", description="top1 | top2 | topk:K | full: the experts a sample takes per step")
+    route_every: int = Field(1, ge=1, description="route every this many steps, reusing the choice in between")
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, name: str) -> str:
+        return parse_strategy(name).name  # a ValueError in one line names the strategies there are
+
+    def guidance_at(self, t: float) -> float:
+        """The guidance scale of a step at time t (flow.sampler.guidance_scale_at)."""
+        return guidance_scale_at(self.cfg, t, self.cfg_max_t)
+
+    def describe(self) -> str:
+        """'20 euler steps, cfg 3.0 at t <= 0.78' (the interval only when it is not every step)."""
+        interval = f" at t <= {self.cfg_max_t:g}" if self.cfg_max_t < 1 else ""
+        return f"{self.steps} {self.sampler} steps, cfg {self.cfg}{interval}"
+
+    def for_call(self, experts: int, **choices: Any) -> "SamplingSettings":
+        """One call's settings: these with the call's `choices` (a None choice: this config's), k resolved against
+        `experts` present experts. A choice that is not a setting, or not valid, is a SettingError naming it."""
+        unknown = sorted(set(choices) - set(SAMPLING_CHOICES))
+        if unknown:
+            raise SettingError(unknown[0], f"not a sampling setting (one of {', '.join(SAMPLING_CHOICES)})")
+        merged = {n: getattr(self, n) for n in SamplingConfig.model_fields}
+        merged.update((n, v) for n, v in choices.items() if v is not None)
+        try:
+            k = parse_strategy(str(merged["strategy"])).resolve_k(experts)
+        except ValueError as err:
+            raise SettingError("strategy", str(err)) from None
+        try:
+            return SamplingSettings(**merged, k=k)
+        except ValidationError as err:
+            raise SettingError.of(err) from None
+
+
+class SamplingSettings(SamplingConfig):
+    """One sampling call's settings, validated before any work: its fleet's SamplingConfig with the call's choices,
+    its noise seed and cache threshold, and k resolved against the experts present (SamplingConfig.for_call)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="noise seed")
+    cache: float = Field(
+        0.0,
+        ge=0,
+        lt=10,
+        description="first-block cache: per expert and sample, skip the blocks after the first while the first "
+        "block's residual changed by less than this (relative) since they last ran; 0 = every block runs",
+    )
+    k: int = Field(ge=1)  # experts per sample per step: the strategy's, or every present expert for `full`
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# What a sampling call may choose: every setting but k, which follows from the strategy and the fleet
+SAMPLING_CHOICES = tuple(name for name in SamplingSettings.model_fields if name != "k")
+
+
+class SettingError(FlowfleetError):
+    """A sampling choice that is not valid, in one line naming it as its option: '--cfg-max-t: ...'."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(f"--{name.replace('_', '-')}: {message}")
+        self.name, self.message = name, message
+
+    @classmethod
+    def of(cls, err: ValidationError) -> "SettingError":
+        first = err.errors()[0]
+        name = str(first["loc"][0]) if first["loc"] else "settings"
+        return cls(name, f"{first['msg'].removeprefix('Value error, ')}, got {first['input']!r}")
 
 
 # What an expert may change of `expert` in run.yaml expert_overrides: its width, depth and inner

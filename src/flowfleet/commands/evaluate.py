@@ -11,8 +11,11 @@ from flowfleet.commands.options import (
     add_progress,
     add_run_root,
     add_sampling,
+    sampling_choices,
 )
 from flowfleet.errors import FlowfleetError
+
+EVALUATION_OWN = ("strategy", "seed")  # evaluate sets them: a row per strategy, a seed per draw
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +61,10 @@ def _register_evaluate(sub: argparse._SubParsersAction) -> None:
         help="another assembled fleet in the same latent space and text encoder (e.g. one of caption clusters): each "
         "strategy again sampled by it, as the row STRATEGY@NAME, with the same prompts and noise (repeatable)",
     )
-    add_sampling(p)
+    add_sampling(p, without=EVALUATION_OWN)
+    p.add_argument(
+        "--seed", type=int, default=0, help="the evaluation's seed: its prompts, noise and reference split (default 0)"
+    )
     _add_scoring(p)
     add_device(p)
 
@@ -200,13 +206,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         fleets=_fleets(args.fleet),
         seed=args.seed,
         batch_size=args.batch_size,
-        steps=args.steps,
-        sampler=args.sampler,
-        cfg=args.cfg,
-        shift=args.shift,
-        route_every=args.route_every,
-        cache=args.cache,
-        cfg_max_t=args.cfg_max_t,
+        sampling=sampling_choices(args, without=EVALUATION_OWN),
         ref_n=args.ref_n,
         cfg_sweep=_scales(args.cfg_sweep),
         min_accuracy=args.min_accuracy,

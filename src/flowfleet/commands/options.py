@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, TypeVar, get_args, get_origin
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.parallel.mode import DEFAULT_PARALLEL, DISPLACED_WARMUP, PARALLEL_MODES
@@ -50,48 +50,29 @@ def add_progress(p: argparse.ArgumentParser, *aliases: str) -> None:
     p.add_argument("--no-progress", *aliases, dest="progress", action="store_false", help="no progress bars")
 
 
-def add_sampling(p: argparse.ArgumentParser) -> None:
-    """The sampling settings a request may override (flowfleet.sampling.pipeline.SamplingSettings); unset
-    ones come from the model folder's model_index.json."""
-    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the fleet's)")
-    p.add_argument("--sampler", choices=("euler", "heun"), default=None, help="ODE sampler (default: the fleet's)")
-    p.add_argument(
-        "--cfg",
-        type=float,
-        default=None,
-        metavar="SCALE",
-        help="classifier-free guidance scale on all channels; 1 = none (default: the fleet's)",
-    )
-    p.add_argument(
-        "--cfg-max-t",
-        type=float,
-        default=None,
-        metavar="T",
-        help="guide only the steps at t <= T (t = 1 is noise); the noisier ones run unguided, as Kynkaanniemi et al. "
-        "2024 found better for FID; 1 = every step (default: the fleet's)",
-    )
-    p.add_argument(
-        "--shift",
-        type=float,
-        default=None,
-        help="time-grid shift; > 1 spends more steps at high noise (default: the fleet's)",
-    )
-    p.add_argument(
-        "--cache",
-        type=float,
-        default=0.0,
-        metavar="T",
-        help="first-block cache: per expert and sample, skip the blocks after the first while the first block's "
-        "residual changed by less than T (relative) since they last ran (default 0: every block runs)",
-    )
-    p.add_argument(
-        "--route-every",
-        type=int,
-        default=None,
-        metavar="N",
-        help="run the router every N steps and reuse its choice in between (default: the fleet's)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
+def add_sampling(p: argparse.ArgumentParser, *, without: Sequence[str] = ()) -> None:
+    """An option for every sampling setting (config.SamplingSettings; --route-every for route_every), its help the
+    field's description; unset (None), a setting is the model folder's (`sampling_choices` leaves it out)."""
+    from flowfleet.config import SAMPLING_CHOICES, SamplingConfig, SamplingSettings
+
+    for name in SAMPLING_CHOICES:
+        if name in without:
+            continue
+        info = SamplingSettings.model_fields[name]
+        kind: dict[str, Any] = {"type": info.annotation}  # int, float or str
+        if get_origin(info.annotation) is Literal:
+            kind = {"choices": get_args(info.annotation)}
+        default = "the fleet's" if name in SamplingConfig.model_fields else info.default
+        p.add_argument(
+            f"--{name.replace('_', '-')}", default=None, help=f"{info.description} (default: {default})", **kind
+        )
+
+
+def sampling_choices(args: argparse.Namespace, *, without: Sequence[str] = ()) -> dict[str, Any]:
+    """The sampling settings the command line set (add_sampling's options), as keywords for a sampling call."""
+    from flowfleet.config import SAMPLING_CHOICES
+
+    return {n: getattr(args, n) for n in SAMPLING_CHOICES if n not in without and getattr(args, n) is not None}
 
 
 def add_parallel(p: argparse.ArgumentParser) -> None:

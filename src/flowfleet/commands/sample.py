@@ -13,6 +13,7 @@ from flowfleet.commands.options import (
     add_run_root,
     add_sampling,
     relaunch_parallel,
+    sampling_choices,
 )
 from flowfleet.layout import ROUTER, ROUTERS
 
@@ -78,9 +79,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="class label, for class-conditioned experts; repeat for several",
     )
     p.add_argument("--n", type=int, default=16, help="number of samples (default 16)")
-    p.add_argument(
-        "--strategy", default=None, metavar="S", help="top1 | top2 | topk:K | full (default: the fleet's, usually top2)"
-    )
     add_sampling(p)
     p.add_argument(
         "--out",
@@ -167,17 +165,8 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts=args.prompt,
         labels=args.label,
         n=args.n,
-        strategy=args.strategy,
-        steps=args.steps,
-        sampler=args.sampler,
-        cfg=args.cfg,
-        shift=args.shift,
-        seed=args.seed,
         out=args.out,
         offload=args.offload,
-        route_every=args.route_every,
-        cache=args.cache,
-        cfg_max_t=args.cfg_max_t,
         batch_size=args.batch_size,
         device=args.device,
         nproc=args.nproc,
@@ -185,6 +174,7 @@ def run_generate(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         ulysses_degree=args.ulysses_degree,
         progress=True,
+        **sampling_choices(args),
     )
     if not result.png:  # a patch-parallel rank other than 0: rank 0 reports
         return 0
@@ -195,7 +185,7 @@ def run_generate(args: argparse.Namespace) -> int:
     console = Console(stderr=False)
     console.print(usage_table(result.output.trace, result.loads))
     print(
-        f"wrote {result.png} ({result.output.images.shape[0]} samples, {result.output.settings.strategy.name}), "
+        f"wrote {result.png} ({result.output.images.shape[0]} samples, {result.output.settings.strategy}), "
         f"{result.routing_json}, {result.heatmap}"
     )
     return 0

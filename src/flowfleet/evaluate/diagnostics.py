@@ -29,10 +29,9 @@ import safetensors.torch
 import torch
 
 from flowfleet.cluster.features import signed_power
-from flowfleet.config import RunConfig
+from flowfleet.config import RunConfig, SamplingConfig
 from flowfleet.evaluate.reference import semantic_is_fid_extractor
 from flowfleet.flow.ensemble import dense_weights
-from flowfleet.flow.sampler import guidance_scale_at
 from flowfleet.layout import CENTROIDS
 from flowfleet.sampling.routing import Condition, Selection, run_selected
 from flowfleet.sampling.store import ExpertStore
@@ -142,10 +141,10 @@ class DisagreementProbe:
     expert on the current states (guided like the fleet) and records their spread; then returns the
     wrapped velocity unchanged. Costs K expert passes per step: run it on a small diagnostic batch."""
 
-    def __init__(self, inner, experts: ExpertStore, cond: Condition, cfg: float, guided, cfg_max_t: float = 1.0):
-        """guided(scale) -> whether a step at that scale runs the unconditional rows (FleetPipeline's rule)."""
-        self.inner, self.experts, self.cond, self.cfg, self.guided = inner, experts, cond, cfg, guided
-        self.cfg_max_t = cfg_max_t
+    def __init__(self, inner, experts: ExpertStore, cond: Condition, guidance: SamplingConfig, guided):
+        """guidance: the fleet's scale and the steps it applies to; guided(scale) -> whether a step at that scale
+        runs the unconditional rows (FleetPipeline's rule)."""
+        self.inner, self.experts, self.cond, self.guidance, self.guided = inner, experts, cond, guidance, guided
         self.t: list[float] = []
         self.spread: list[float] = []
         self._last_step = -1
@@ -153,7 +152,7 @@ class DisagreementProbe:
     def expert_velocities(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """[P, B, C, H, W]: each present expert's (guided) velocity for every sample."""
         b = x.shape[0]
-        scale = guidance_scale_at(self.cfg, float(t[0]), self.cfg_max_t)
+        scale = self.guidance.guidance_at(float(t[0]))
         out = []
         for k in self.experts.present:
             only_k = Selection(
@@ -214,6 +213,6 @@ def disagreement(pipe, prompts, labels, settings, n: int, seed: int) -> dict[str
     )
     trace = RoutingTrace(pipe.num_experts)
     inner = pipe.velocity_fn(cond, settings, trace)
-    probe = DisagreementProbe(inner, pipe.experts, cond, settings.cfg, pipe.guidance_applies, settings.cfg_max_t)
+    probe = DisagreementProbe(inner, pipe.experts, cond, settings, pipe.guidance_applies)
     pipe.sample(noise, cond, settings, velocity_fn=probe)
     return probe.to_json()

@@ -56,9 +56,10 @@ def integrate(
 
 
 def guidance_scale_at(scale: float, t: float, max_t: float = 1.0) -> float:
-    """The guidance scale at time t: `scale` while t <= max_t, 1 (no guidance) at the noisier steps above it
-    (run.yaml sampling.cfg_max_t; max_t = 1 guides every step). Compared in float32, the time grid's precision:
-    a grid time that is max_t (0.8 is 0.800000012 in float32) is guided."""
+    """The guidance scale at time t: `scale` while t <= max_t, 1 (no guidance) at the noisier steps above it (the
+    sampling settings' guided interval, config.SamplingConfig.guidance_at; max_t = 1 guides every step). Compared in
+    float32, the time grid's precision: a grid time that is max_t (0.8 is 0.800000012 in float32) is guided.
+    """
     return scale if t <= _float32(max_t) else 1.0
 
 

@@ -105,12 +105,7 @@ class ParallelFleet:
             if "vf" not in state:  # the batch size is known at the first evaluation
                 runner = self._runner(pipe, x.shape[0], routed.guided)
                 state["vf"] = self.last = runner.velocity(
-                    cond.kwargs(),
-                    cfg_scale=settings.cfg,
-                    route=route,
-                    steps=settings.steps,
-                    stats=trace.stats,
-                    cfg_max_t=settings.cfg_max_t,
+                    cond.kwargs(), guidance=settings, route=route, steps=settings.steps, stats=trace.stats
                 )
             return state["vf"](x, t, step)
 

@@ -29,10 +29,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from flowfleet.config import SamplingConfig
 from flowfleet.distributed import DistContext
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.ensemble import dense_weights
-from flowfleet.flow.sampler import cfg_combine, guidance_scale_at, guided_velocity
+from flowfleet.flow.sampler import cfg_combine, guided_velocity
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
 from flowfleet.parallel.bands import BandLayout
@@ -40,6 +41,8 @@ from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.dit import PatchParallelDiT, register_dit
 from flowfleet.parallel.mode import DISPLACED_WARMUP, ParallelMode
 from flowfleet.parallel.sequence import SequenceMesh, check_heads, ulysses_degree
+
+UNGUIDED = SamplingConfig(cfg=1.0)  # scale 1 at every step: no unconditional rows
 
 RouteFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 # (x_t [B, C, H, W], t [B], step) -> (global expert ids [B, k] int64, weights [B, k] summing to 1 per sample)
@@ -143,21 +146,21 @@ class PatchParallelRunner:
         self,
         cond: Mapping[str, torch.Tensor | None],
         *,
-        cfg_scale: float = 1.0,
+        guidance: SamplingConfig = UNGUIDED,
         route: RouteFn | None = None,
         steps: int | None = None,
         stats: Any = None,
-        cfg_max_t: float = 1.0,
     ) -> "ParallelVelocity":
         """The per-step velocity (x_t, t, step) -> v for one sampling run of up to `batch` samples.
 
+        guidance: the run's guidance scale and the steps it applies to (SamplingConfig.guidance_at).
         steps: the run's step count, so the last step does not prefetch activations nobody will read.
         stats: optional object with .record(expert, rows) called for every expert run (rows incl. CFG)."""
         self.comm.drain()  # a previous run's last gathers must land before their slots are reused
         if route is None and len(self.expert_ids) != 1:
             raise FlowfleetError("a routing function is required for more than one expert")
         given = {k: v for k, v in cond.items() if v is not None}
-        return ParallelVelocity(self, given, cfg_scale, route, steps, stats, cfg_max_t)
+        return ParallelVelocity(self, given, guidance, route, steps, stats)
 
     def close(self) -> None:
         self.comm.drain()
@@ -187,18 +190,17 @@ class ParallelVelocity:
         self,
         runner: PatchParallelRunner,
         cond: dict[str, torch.Tensor],
-        cfg_scale: float,
+        guidance: SamplingConfig,
         route: RouteFn | None,
         steps: int | None,
         stats: Any = None,
-        cfg_max_t: float = 1.0,
     ):
         self.r = runner
         self.stats = stats
         self.cond = cond
-        self.cfg_scale, self.cfg_max_t = float(cfg_scale), cfg_max_t
-        # This evaluation's scale (flow.sampler.guidance_scale_at). The bands' layout is fixed for the run, so
-        # with guidance an unguided step (t > cfg_max_t) still runs the unconditional rows, combined at scale 1.
+        self.guidance, self.cfg_scale = guidance, float(guidance.cfg)
+        # This evaluation's scale (guidance.guidance_at). The bands' layout is fixed for the run, so with guidance
+        # an unguided step (outside the guided interval) still runs the unconditional rows, combined at scale 1.
         self.scale = self.cfg_scale
         self.route = route
         self.steps = steps
@@ -213,7 +215,7 @@ class ParallelVelocity:
         if b > r.batch:
             raise FlowfleetError(f"batch of {b} samples exceeds the parallel runner's {r.batch}")
         self.evals += 1
-        self.scale = guidance_scale_at(self.cfg_scale, float(t[0]), self.cfg_max_t)
+        self.scale = self.guidance.guidance_at(float(t[0]))
         r.comm.begin_step(step)
         mode = r.mode.at_step(step, r.plan.warmup)
         experts, weights = self._routing(x, t, step)

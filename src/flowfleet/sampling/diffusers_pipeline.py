@@ -4,14 +4,14 @@
     images = pipe("a handwritten digit seven", num_inference_steps=20, guidance_scale=2.0,
                   num_images_per_prompt=4, generator=torch.Generator().manual_seed(0)).images   # PIL images
 
-`assemble` writes the folder's `_class_name` as ["pipeline", "FlowfleetDiffusionPipeline"] beside a pipeline.py
-that imports this class, so diffusers (0.35 to the newest supported) loads it as it loads any pipeline with custom
-code; `trust_remote_code=True` is diffusers' own consent to run a folder's module. The call takes diffusers'
-argument names (prompt, num_inference_steps, guidance_scale, num_images_per_prompt, generator, output_type "pil" /
-"np" / "pt" / "latent", return_dict) and the fleet's (strategy: top1 / top2 / topk / full, top_k, cfg_max_t,
-class_labels), and returns `.images` as every diffusers pipeline does. The noise is drawn from `generator` at once
-for the whole batch, as FleetPipeline draws a seed's: `generator=torch.Generator().manual_seed(S)` gives the
-pixels `flowfleet generate --seed S` gives.
+`assemble` writes the folder's `_class_name` as ["pipeline", "FlowfleetDiffusionPipeline"] beside a pipeline.py that
+imports this class, so diffusers (0.35 to the newest supported) loads it as it loads any pipeline with custom code;
+`trust_remote_code=True` is diffusers' own consent to run a folder's module. The call takes diffusers' argument
+names (prompt, num_inference_steps, guidance_scale, num_images_per_prompt, generator, output_type "pil" / "np" /
+"pt" / "latent", return_dict) and the fleet's (strategy: top1 / top2 / topk / full, top_k, class_labels, any other
+sampling setting by its name), and returns `.images` as every diffusers pipeline does. The noise is drawn from
+`generator` at once for the whole batch, as FleetPipeline draws a seed's:
+`generator=torch.Generator().manual_seed(S)` gives the pixels `flowfleet generate --seed S` gives.
 """
 
 # (no `from __future__ import annotations`, and typing.Optional in __init__: diffusers 0.35 reads __init__'s
@@ -87,11 +87,12 @@ class FlowfleetDiffusionPipeline(DiffusionPipeline):
         return_dict: bool = True,
         strategy: str | None = None,
         top_k: int | None = None,
-        cfg_max_t: float | None = None,
         class_labels: int | Sequence[int] | None = None,
+        **choices: Any,
     ) -> ImagePipelineOutput | tuple[Any]:
-        """Images for each prompt (or class label), num_images_per_prompt each, in prompt order. Unset settings
-        are the folder's (model_index.json's scheduler: steps, guidance, strategy, cfg_max_t)."""
+        """Images for each prompt (or class label), num_images_per_prompt each, in prompt order. choices: any other
+        sampling setting by its name (config.SamplingSettings: sampler, shift, route_every, ...). Unset settings
+        are the folder's (model_index.json's scheduler)."""
         if output_type not in OUTPUT_TYPES:
             raise FlowfleetError(f"output_type: expected one of {', '.join(OUTPUT_TYPES)}, got {output_type!r}")
         if num_images_per_prompt < 1:
@@ -105,7 +106,7 @@ class FlowfleetDiffusionPipeline(DiffusionPipeline):
         if top_k is not None:
             strategy = f"topk:{top_k}"
         noise = randn_tensor((n, *fleet.latent_shape), generator=generator, device=fleet.device, dtype=fleet.dtype)
-        settings = fleet.settings(strategy, num_inference_steps, cfg=guidance_scale, cfg_max_t=cfg_max_t)
+        settings = fleet.settings(strategy, steps=num_inference_steps, cfg=guidance_scale, **choices)
         out = fleet(repeat(prompts), n, labels=repeat(labels), settings=settings, noise=noise, progress="flowfleet")
         images: Any
         if output_type == "latent":

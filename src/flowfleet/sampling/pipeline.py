@@ -24,14 +24,14 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Sequence
 
 import torch
 
+from flowfleet.config import SamplingSettings
 from flowfleet.errors import FlowfleetError
-from flowfleet.flow import integrate, parse_strategy, time_grid
-from flowfleet.flow.ensemble import Strategy
-from flowfleet.flow.sampler import SamplerName, VelocityFn, guidance_scale_at
+from flowfleet.flow import integrate, time_grid
+from flowfleet.flow.sampler import VelocityFn
 from flowfleet.layout import INDEX_FILE, MODEL_VAE
 from flowfleet.models.files import load_model, read_dit_config
 from flowfleet.sampling.cache import BlockCache
@@ -51,36 +51,6 @@ TEXT_CONDITIONING = ("pooled", "cross_attn")
 # --------------------------------------------------------------------------------------------------
 #                                   Settings and results
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """One generate call's choices, validated against the fleet before any work."""
-
-    strategy: Strategy
-    k: int  # experts per sample per step
-    steps: int
-    sampler: SamplerName
-    cfg: float
-    shift: float
-    route_every: int
-    seed: int
-    cache: float = 0.0  # first-block cache threshold (flowfleet.sampling.cache); 0: every block runs
-    cfg_max_t: float = 1.0  # guidance only while t <= cfg_max_t (flow.sampler.guidance_scale_at)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "strategy": self.strategy.name,
-            "k": self.k,
-            "steps": self.steps,
-            "sampler": self.sampler,
-            "cfg": self.cfg,
-            "shift": self.shift,
-            "route_every": self.route_every,
-            "seed": self.seed,
-            "cache": self.cache,
-            "cfg_max_t": self.cfg_max_t,
-        }
 
 
 @dataclass
@@ -104,15 +74,14 @@ class RoutedVelocity:
     router pass on the conditional rows serves the conditional and the unconditional rows. It runs on
     every evaluation when route_every == 1 (Heun's corrector included) and otherwise on the first
     evaluation of every route_every-th step, its selection being reused in between. What it runs: the
-    settings' k, cfg (at t <= cfg_max_t; every row of a call shares its t, as a sampling step's do),
-    route_every and cache.
+    settings' k, guidance (SamplingConfig.guidance_at; every row of a call shares its t, as a sampling step's
+    do), route_every and cache.
     """
 
     def __init__(self, pipe: "FleetPipeline", cond: Condition, settings: SamplingSettings, trace: RoutingTrace):
         self.pipe, self.cond, self.trace = pipe, cond, trace
-        self.k, self.cfg, self.cfg_max_t = settings.k, settings.cfg, settings.cfg_max_t
-        self.route_every = settings.route_every
-        self.guided = pipe.guidance_applies(self.cfg)  # at some step: the unconditional rows exist
+        self.settings, self.k, self.route_every = settings, settings.k, settings.route_every
+        self.guided = pipe.guidance_applies(settings.cfg)  # at some step: the unconditional rows exist
         self.cache_threshold = settings.cache
         self._cache: BlockCache | None = None  # built at the first call, when the batch is known
         self._selection: Selection | None = None
@@ -120,7 +89,7 @@ class RoutedVelocity:
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor, step: int) -> torch.Tensor:
         selection = self.select(x, t, step)
-        scale = guidance_scale_at(self.cfg, float(t[0]), self.cfg_max_t)
+        scale = self.settings.guidance_at(float(t[0]))
         guided = self.pipe.guidance_applies(scale)  # an unguided step runs no unconditional rows
         if self.cache_threshold > 0 and (self._cache is None or self._cache.rows != x.shape[0] * (1 + guided)):
             self._cache = BlockCache(self.cache_threshold, x.shape[0] * (1 + guided), self.trace.stats.cache)
@@ -317,50 +286,10 @@ class FleetPipeline:
 
     # -- settings -----------------------------------------------------------------------------------------
 
-    def settings(
-        self,
-        strategy: str | None = None,
-        steps: int | None = None,
-        sampler: str | None = None,
-        cfg: float | None = None,
-        shift: float | None = None,
-        route_every: int | None = None,
-        seed: int = 0,
-        cache: float = 0.0,
-        cfg_max_t: float | None = None,
-    ) -> SamplingSettings:
-        """Fill unset choices from the fleet's scheduler config and validate them (one-line errors)."""
-        sch = self.scheduler
-        name = strategy if strategy is not None else sch.strategy
-        try:
-            strat = parse_strategy(name)
-            k = strat.resolve_k(len(self.present))
-        except ValueError as err:
-            raise FlowfleetError(f"--strategy: {err}") from None
-        steps = sch.steps if steps is None else steps
-        sampler = sch.sampler if sampler is None else sampler
-        cfg = sch.cfg if cfg is None else cfg
-        shift = sch.shift if shift is None else shift
-        route_every = sch.route_every if route_every is None else route_every
-        cfg_max_t = sch.cfg_max_t if cfg_max_t is None else cfg_max_t
-        if steps < 1:
-            raise FlowfleetError(f"--steps: must be >= 1, got {steps}")
-        if sampler not in ("euler", "heun"):
-            raise FlowfleetError(f"--sampler: unknown sampler {sampler!r} (expected euler or heun)")
-        if cfg < 0:
-            raise FlowfleetError(f"--cfg: must be >= 0, got {cfg}")
-        if not 0 < cfg_max_t <= 1:
-            raise FlowfleetError(f"--cfg-max-t: a time in (0, 1] (1: guidance at every step), got {cfg_max_t}")
-        if shift <= 0:
-            raise FlowfleetError(f"--shift: must be > 0, got {shift}")
-        if route_every < 1:
-            raise FlowfleetError(f"--route-every: must be >= 1, got {route_every}")
-        if not 0 <= cache < 10:
-            raise FlowfleetError(f"--cache: a relative change threshold >= 0 (0: off), got {cache}")
-        checked = cast(SamplerName, sampler)  # one of SamplerName's values, checked above
-        return SamplingSettings(
-            strat, k, steps, checked, float(cfg), float(shift), route_every, seed, float(cache), float(cfg_max_t)
-        )
+    def settings(self, strategy: str | None = None, **choices: Any) -> SamplingSettings:
+        """This call's settings: the fleet's (model_index.json's scheduler) with the given choices (None: the
+        fleet's), checked (a one-line SettingError naming the option) and k resolved against the present experts."""
+        return self.scheduler.for_call(len(self.present), strategy=strategy, **choices)
 
     # -- conditioning ------------------------------------------------------------------------------------
 
@@ -436,7 +365,7 @@ class FleetPipeline:
         if progress:
             from tqdm.auto import tqdm
 
-            label = progress if isinstance(progress, str) else settings.strategy.name
+            label = progress if isinstance(progress, str) else settings.strategy
             bar = tqdm(total=settings.steps, desc=f"sampling ({label})", unit="step", leave=False)
 
         def step_done(i: int, x: torch.Tensor) -> None:
@@ -470,30 +399,26 @@ class FleetPipeline:
         n: int = 16,
         *,
         labels: Sequence[int] | None = None,
-        strategy: str | None = None,
-        steps: int | None = None,
-        sampler: str | None = None,
-        cfg: float | None = None,
-        shift: float | None = None,
-        route_every: int | None = None,
-        seed: int = 0,
-        cfg_max_t: float | None = None,
         batch_size: int | None = None,
         progress: bool | str = False,
         parallel: Any = None,
         settings: SamplingSettings | None = None,
         on_step: Callable[[int, int], None] | None = None,
         noise: torch.Tensor | None = None,
+        **choices: Any,
     ) -> FleetOutput:
         """Generate n samples. Noise for all n comes from one seeded generator, so the batch size does
-        not change the images. parallel: see sample(). settings: the choices as self.settings() already
-        resolved them (then strategy ... seed are not read). on_step(done, total): after every sampling
-        step of every batch (total = steps x batches). noise: x_1 of the n samples [n, C, H, W] (e.g. drawn from a
-        caller's torch.Generator; default: the seed's, self.noise)."""
+        not change the images. choices: sampling settings (strategy, steps, cfg, seed, ...: config.SamplingSettings;
+        unset: the fleet's); settings: the choices as self.settings() already resolved them (then no choices).
+        parallel: see sample(). on_step(done, total): after every sampling step of every batch (total = steps x
+        batches). noise: x_1 of the n samples [n, C, H, W] (e.g. drawn from a caller's torch.Generator; default:
+        the seed's, self.noise)."""
         if n < 1:
             raise FlowfleetError(f"--n: must be >= 1, got {n}")
         if settings is None:
-            settings = self.settings(strategy, steps, sampler, cfg, shift, route_every, seed, cfg_max_t=cfg_max_t)
+            settings = self.settings(**choices)
+        elif choices:
+            raise FlowfleetError(f"settings: given whole, so not also {', '.join(sorted(choices))}")
         cond, per_sample_prompts = self.encode_condition(prompts, labels, n)
         if noise is None:
             noise = self.noise(n, settings.seed)

@@ -113,8 +113,12 @@ def create_app(service: Service, model_dir: str, ui: bool = True, api_key: str |
         if first.get("type") == "json_invalid":
             where = "request body"
             message = f"request body: not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})"
-        else:
-            message = f"{where}: {first.get('msg', 'invalid request')}"
+        else:  # a check across fields names its field first ("stepz: not a field ..."), as validation_message reads
+            text = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+            key, sep, rest = text.partition(": ")
+            if where == "request" and sep and key.isidentifier():
+                where, text = key, rest
+            message = f"{where}: {text}"
         if request.url.path.startswith(OPENAI_PREFIX):  # OpenAI's API answers a malformed request with 400
             return openai_error(400, message, where if where not in ("request", "request body") else None)
         return _error(422, message)

@@ -7,10 +7,10 @@ for it work unchanged:
     GET  /v1/models               {"object": "list", "data": [{"id": MODEL, "object": "model", ...}]}
 
 MODEL is the served folder's name. `size` is the fleet's own (anything else is a 400 naming it); images come as
-`b64_json` only (nothing is kept to link to, so no `url`); `user` is taken and ignored. flowfleet's own settings
-are extra body fields (the SDK's `extra_body`): strategy, k, steps, cfg, cfg_max_t, seed, cache. A request is the
-same call as /api/generate (flowfleet.serve.service: the same checks, queue, batches, limits and API key), so a
-seed draws the same pixels through either route. Errors take OpenAI's shape, {"error": {"message", "type",
+`b64_json` only (nothing is kept to link to, so no `url`); `user` is taken and ignored. flowfleet's own settings are
+extra body fields (the SDK's `extra_body`): k and the sampling settings (strategy, steps, cfg, seed, ...). A request
+is the same call as /api/generate (flowfleet.serve.service: the same checks, queue, batches, limits and API key), so
+a seed draws the same pixels through either route. Errors take OpenAI's shape, {"error": {"message", "type",
 "param", "code"}}, with the status codes the SDK maps to its exceptions: 400 BadRequestError, 401
 AuthenticationError, 404 NotFoundError (another model), 503 with Retry-After (busy; the SDK retries it).
 """
@@ -23,7 +23,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flowfleet.models.files import validation_message
 from flowfleet.serve.http import RETRY_AFTER_S, Service, generate_on_loop, png_base64
@@ -36,7 +36,7 @@ CREATED = int(time.time())  # what /v1/models reports as the model's creation ti
 class ImagesRequest(BaseModel):
     """The body of POST /v1/images/generations: OpenAI's fields, then flowfleet's."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # the sampling settings, checked as /api/generate checks them
 
     prompt: str
     model: str | None = None  # the served folder's name (default: it)
@@ -44,14 +44,11 @@ class ImagesRequest(BaseModel):
     size: str | None = None  # "WxH", the fleet's own (default: it)
     response_format: Literal["b64_json", "url"] = "b64_json"
     user: str | None = None  # taken, ignored
-    # flowfleet's own (the SDK's extra_body), as /api/generate has them
-    strategy: str | None = None
-    k: int | None = None
-    steps: int | None = None
-    cfg: float | None = None
-    cfg_max_t: float | None = None
-    seed: int = Field(0, ge=0, le=2**63 - 1)
-    cache: float = 0.0
+    k: int | None = None  # flowfleet's own (the SDK's extra_body), as /api/generate has it, with the settings
+
+    def generate_request(self) -> GenerateRequest:
+        """The same call as /api/generate's (a ValidationError names a field that is neither's)."""
+        return GenerateRequest(**self.model_dump(exclude={"model", "size", "response_format", "user"}))
 
 
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None, **headers: str):
@@ -103,8 +100,7 @@ def add_openai_routes(app: FastAPI, service: Service, model_name: str) -> None:
                 400, "response_format: only b64_json (this server keeps no images to link to)", "response_format"
             )
         try:
-            fields = req.model_dump(exclude={"model", "size", "response_format", "user"})
-            g = await generate_on_loop(service, GenerateRequest(**fields))
+            g = await generate_on_loop(service, req.generate_request())
         except ValidationError as err:
             message = validation_message(err)
             return openai_error(400, message, param_of(message))

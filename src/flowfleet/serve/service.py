@@ -18,18 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import math
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from flowfleet.config import SAMPLING_CHOICES, SamplingSettings, SettingError
 from flowfleet.errors import FlowfleetError
 from flowfleet.sampling.card import FleetCard, read_card
-from flowfleet.sampling.pipeline import TEXT_CONDITIONING, FleetPipeline, SamplingSettings
+from flowfleet.sampling.pipeline import TEXT_CONDITIONING, FleetPipeline
 from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.sampling.views import to_pil
 from flowfleet.serve.batcher import Batcher, BatchJob
@@ -60,22 +60,36 @@ class ServeLimits(BaseModel):
         return self
 
 
-class GenerateRequest(BaseModel):
-    """One generate call. Unset choices take the model folder's defaults (its model_index.json)."""
+def _with_sampling_settings(schema: dict[str, Any]) -> None:
+    """A request's JSON schema (FastAPI's /docs) lists the sampling settings it may set: SamplingSettings' own."""
+    own = SamplingSettings.model_json_schema()["properties"]
+    schema["properties"].update({name: own[name] for name in SAMPLING_CHOICES})
 
-    model_config = ConfigDict(extra="forbid")
+
+class GenerateRequest(BaseModel):
+    """One generate call: what to draw, and any sampling setting by its name (config.SamplingSettings: strategy,
+    steps, cfg, seed, cache, ...); unset settings take the model folder's (its model_index.json). The settings are
+    checked where they are declared, when the service resolves them (Service.check)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=_with_sampling_settings)
 
     prompt: str | None = None  # text-conditioned fleets
     label: int | None = None  # class-conditioned fleets
-    strategy: str | None = None  # top1 | top2 | topk | topk:K | full
     k: int | None = None  # experts per sample for strategy "topk"
-    steps: int | None = None
-    cfg: float | None = None
-    cfg_max_t: float | None = None  # guidance only while t <= cfg_max_t (t = 1 is noise); 1: every step
-    seed: int = Field(0, ge=0, le=2**63 - 1)
     n: int = 1  # images
-    cache: float = 0.0  # first-block cache threshold (flowfleet.sampling.cache); 0: every block runs
     routing: bool = False  # the API's answer also carries each image's routing per step (the page always shows it)
+
+    @model_validator(mode="after")
+    def _only_sampling_settings(self) -> "GenerateRequest":
+        for name in self.model_extra or {}:
+            if name not in SAMPLING_CHOICES:
+                settings = ", ".join(SAMPLING_CHOICES)
+                raise ValueError(f"{name}: not a field of a request nor a sampling setting ({settings})")
+        return self
+
+    def choices(self) -> dict[str, Any]:
+        """The sampling settings this request sets."""
+        return dict(self.model_extra or {})
 
 
 class BadRequest(FlowfleetError):
@@ -231,26 +245,23 @@ class FleetService:
                 raise BadRequest(f"label: expected 0..{self.pipe.num_classes - 1}, got {req.label}")
         if not 1 <= req.n <= lim.max_images:
             raise BadRequest(f"n: expected 1..{lim.max_images} images, got {req.n}")
-        if req.steps is not None and not 1 <= req.steps <= lim.max_steps:
-            raise BadRequest(f"steps: expected 1..{lim.max_steps}, got {req.steps}")
-        if req.cfg is not None and not (math.isfinite(req.cfg) and 0 <= req.cfg <= lim.max_cfg):
-            raise BadRequest(f"cfg: expected a number in 0..{lim.max_cfg}, got {req.cfg}")
-        if req.cfg_max_t is not None and not 0 < req.cfg_max_t <= 1:
-            raise BadRequest(f"cfg_max_t: expected a time in (0, 1] (1: guidance at every step), got {req.cfg_max_t}")
-        strategy = req.strategy
+        choices = req.choices()
+        strategy = choices.get("strategy")
         present = len(self.pipe.present)
         if strategy == "topk":
             if req.k is None or not 1 <= req.k <= present:
                 raise BadRequest(f"k: expected 1..{present} experts for strategy topk, got {req.k}")
-            strategy = f"topk:{req.k}"
+            choices["strategy"] = f"topk:{req.k}"
         elif req.k is not None:
-            raise BadRequest(f"k: only for strategy topk (got strategy {req.strategy!r})")
+            raise BadRequest(f"k: only for strategy topk (got strategy {strategy!r})")
         try:
-            settings = self.pipe.settings(
-                strategy, req.steps, None, req.cfg, None, None, req.seed, req.cache, req.cfg_max_t
-            )
-        except FlowfleetError as err:
-            raise BadRequest(str(err).removeprefix("--")) from None
+            settings = self.pipe.settings(**choices)
+        except SettingError as err:
+            raise BadRequest(f"{err.name}: {err.message}") from None
+        if "steps" in choices and settings.steps > lim.max_steps:
+            raise BadRequest(f"steps: expected 1..{lim.max_steps}, got {settings.steps}")
+        if "cfg" in choices and settings.cfg > lim.max_cfg:
+            raise BadRequest(f"cfg: expected a number in 0..{lim.max_cfg}, got {settings.cfg}")
         return settings
 
     # -- the call ---------------------------------------------------------------------------------
@@ -260,7 +271,7 @@ class FleetService:
         sample = self._take_place(req, on_step)
         with self._holding(req.n):
             if self.batcher is not None:
-                job = BatchJob(replace(sample.settings, seed=0), req.n, sample)
+                job = BatchJob(sample.settings.model_copy(update={"seed": 0}), req.n, sample)
                 drawn = self.batcher.submit(job).result()
                 waited = (job.started or job.arrived) - job.arrived
             else:
@@ -278,7 +289,7 @@ class FleetService:
             return await asyncio.to_thread(self.generate, req)
         sample = self._take_place(req, None)
         with self._holding(req.n):
-            job = BatchJob(replace(sample.settings, seed=0), req.n, sample)
+            job = BatchJob(sample.settings.model_copy(update={"seed": 0}), req.n, sample)
             # shielded: a client that goes away does not cancel the batch its request is part of
             drawn = await asyncio.shield(asyncio.wrap_future(self.batcher.submit(job)))
             waited = (job.started or job.arrived) - job.arrived

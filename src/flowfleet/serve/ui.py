@@ -32,7 +32,7 @@ def usage_markdown(g: Generation) -> str:
     shares = ", ".join(f"expert {k}: {100 * c / total:.0f} %" for k, c in sorted(sel.items()))
     s = g.settings
     return (
-        f"{len(g.images)} image(s), {s.strategy.name}, {s.steps} steps, CFG {s.cfg:g}, seed {s.seed} — "
+        f"{len(g.images)} image(s), {s.strategy}, {s.steps} steps, CFG {s.cfg:g}, seed {s.seed} — "
         f"{g.seconds:.2f} s (waited {g.waited:.2f} s). Selections: {shares}."
     )
 

@@ -47,17 +47,8 @@ def generate(
     prompts: Sequence[str] | None = None,
     labels: Sequence[int] | None = None,
     n: int = 16,
-    strategy: str | None = None,
-    steps: int | None = None,
-    sampler: str | None = None,
-    cfg: float | None = None,
-    shift: float | None = None,
-    seed: int = 0,
     out: str | None = None,
     offload: int | None = None,
-    route_every: int | None = None,
-    cache: float = 0.0,
-    cfg_max_t: float | None = None,
     batch_size: int | None = None,
     device: str = "auto",
     text_encoder: Any = None,
@@ -67,7 +58,12 @@ def generate(
     warmup: int = DISPLACED_WARMUP,
     ulysses_degree: int | None = None,
     progress: bool = False,
+    **choices: Any,
 ) -> GenerateResult:
+    """Sample the fleet in `model_dir` and write the grid, the routing record and its heatmap (to `out`, default
+    DIR/samples/STRATEGY-seedSEED.png). choices: sampling settings (strategy, steps, cfg, seed, cache, ...:
+    config.SamplingSettings), the fleet's model_index.json for those not given; checked before anything
+    heavy loads."""
     if offload is not None and offload < 1:
         raise FlowfleetError(f"--offload: must be >= 1, got {offload}")
     if batch_size is not None and batch_size < 1:
@@ -90,10 +86,10 @@ def generate(
         latent_decoder=latent_decoder,
         load_encoders=False,
     )
-    settings = pipe.settings(strategy, steps, sampler, cfg, shift, route_every, seed, cache, cfg_max_t)  # checked
+    settings = pipe.settings(**choices)  # checked
     pipe.check_condition(prompts, labels)
     if out is None:
-        out = RunRoot(model_dir).url_of(SAMPLES, f"{settings.strategy.name.replace(':', '')}-seed{seed}.png")
+        out = RunRoot(model_dir).url_of(SAMPLES, f"{settings.strategy.replace(':', '')}-seed{settings.seed}.png")
     folder, png_name, json_name, heat_name = sibling_paths(out)
     pipe.load_encoders()
 

@@ -15,7 +15,7 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -110,12 +110,21 @@ class FleetOutcome:
     """What train_all did with each job: done | skipped (already done) | busy (live elsewhere) |
     queued (a backend job already holds it) | submitted (--no-wait) | stopped | failed | not started."""
 
-    results: dict[str, str]
-    messages: dict[str, str]
+    results: dict[str, str] = field(default_factory=dict)
+    messages: dict[str, str] = field(default_factory=dict)  # a line saying why, for the jobs that have one
 
     @property
     def ok(self) -> bool:
         return all(r in ("done", "skipped", "queued", "submitted") for r in self.results.values())
+
+    def record(self, name: str, result: str, message: str | None = None) -> None:
+        self.results[name] = result
+        if message is not None:
+            self.messages[name] = message
+
+    def in_order(self, names: list[str]) -> "FleetOutcome":
+        """The results in the run's order (wherever each job ran)."""
+        return FleetOutcome({n: self.results[n] for n in names if n in self.results}, self.messages)
 
 
 class _StepProgress:
@@ -179,42 +188,37 @@ def train_all(
         for name, config in places.items():
             if config.kind != "local":
                 remotes[name] = make_backend(config, start_local=wait)
-        results, messages, todo = _todo(root, cfg)
+        outcome, todo = _todo(root, cfg)
         if todo:
             # longest first: shortest makespan
             todo.sort(key=lambda s: job_cost(cfg, s, planned_steps(root, cfg, s)), reverse=True)
-            _run_placed(root, cfg, todo, placed, places, remotes, results, messages, parallel, progress, wait)
+            _run_placed(root, cfg, todo, placed, places, remotes, outcome, parallel, progress, wait)
     finally:
         for remote in remotes.values():
             remote.close()
-    order = [s.name for s in fleet_jobs(cfg)]  # the run's order, wherever each job ran
-    return FleetOutcome({n: results[n] for n in order if n in results}, messages)
+    return outcome.in_order([s.name for s in fleet_jobs(cfg)])
 
 
-def _todo(root: RunRoot, cfg: RunConfig) -> tuple[dict[str, str], dict[str, str], list[JobSpec]]:
-    """-> (results, messages) of the jobs not to start (done, live, held by a backend) and the others."""
-    results: dict[str, str] = {}
-    messages: dict[str, str] = {}
+def _todo(root: RunRoot, cfg: RunConfig) -> tuple[FleetOutcome, list[JobSpec]]:
+    """-> the outcome of the jobs not to start (done, live, held by a backend), and the others."""
+    outcome = FleetOutcome()
     todo: list[JobSpec] = []
     submitted = read_submissions(root)
     held = _held(submitted, [s.name for s in fleet_jobs(cfg)])
     for spec in fleet_jobs(cfg):
         done, _, status = job_finished(root, spec.dir, planned_steps(root, cfg, spec))
         if done:
-            results[spec.name] = "skipped"
-            messages[spec.name] = "already done"
+            outcome.record(spec.name, "skipped", "already done")
         elif status is not None and status.state == "running" and status.is_live():
-            results[spec.name] = "busy"
-            messages[spec.name] = f"running on {status.host} (pid {status.pid})"
+            outcome.record(spec.name, "busy", f"running on {status.host} (pid {status.pid})")
         elif spec.name in held:
-            results[spec.name] = "queued"
             s = submitted[spec.name]
-            messages[spec.name] = f"{s['backend']} job {s['id']} is {held[spec.name]}"
+            outcome.record(spec.name, "queued", f"{s['backend']} job {s['id']} is {held[spec.name]}")
         else:
             todo.append(spec)
-    for name, why in messages.items():
+    for name, why in outcome.messages.items():
         log.info(f"{name}: {why}, skipped")
-    return results, messages, todo
+    return outcome, todo
 
 
 def _held(submitted: dict[str, dict], names: list[str]) -> dict[str, str]:
@@ -244,8 +248,7 @@ def _run_placed(
     placed: dict[str, str],
     places: dict[str, BackendConfig],
     remotes: dict[str, RemoteBackend],
-    results: dict[str, str],
-    messages: dict[str, str],
+    outcome: FleetOutcome,
     parallel: int | None,
     progress: bool,
     wait: bool,
@@ -265,7 +268,7 @@ def _run_placed(
     if not wait:
         for spec in todo:
             w = watch.jobs[spec.name]
-            results[spec.name], messages[spec.name] = "submitted", f"{w.backend.name} job {w.job_id}"
+            outcome.record(spec.name, "submitted", f"{w.backend.name} job {w.job_id}")
         return
     local = [s for s in todo if places[placed[s.name]].kind == "local"]
     bar = _StepProgress(root, cfg, todo, progress)
@@ -279,7 +282,7 @@ def _run_placed(
 
     try:
         if local:
-            _train_locally(root, cfg, local, results, messages, parallel, bar, look)
+            _train_locally(root, cfg, local, outcome, parallel, bar, look)
         watch.wait(on_poll=bar.poll)
     except KeyboardInterrupt:
         bar.close()
@@ -292,22 +295,21 @@ def _run_placed(
             w = watch.jobs[spec.name]
             status = read_status(root, spec.dir)
             if status is not None and status.state in ("done", "stopped"):
-                results[spec.name] = status.state
+                outcome.record(spec.name, status.state)
             else:
-                results[spec.name] = "failed"
-                messages[spec.name] = (status.message if status and status.message else "") or (
+                why = (status.message if status and status.message else "") or (
                     f"{w.backend.name} job {w.job_id} ended without finishing; see its train.log"
                 )
-        if spec.name not in results:
-            results[spec.name] = "not started"
+                outcome.record(spec.name, "failed", why)
+        if spec.name not in outcome.results:
+            outcome.record(spec.name, "not started")
 
 
 def _train_locally(
     root: RunRoot,
     cfg: RunConfig,
     todo: list[JobSpec],
-    results: dict[str, str],
-    messages: dict[str, str],
+    outcome: FleetOutcome,
     parallel: int | None,
     bar: _StepProgress,
     on_poll,
@@ -334,21 +336,19 @@ def _train_locally(
     def started(job: ProcessJob, pid: int) -> None:
         bar.bar.write(f"{job.name}: started (pid {pid}, {slots[0].threads} threads), log {job.log}")
 
-    def exited(outcome) -> None:
-        status = read_status(root, specs[outcome.name].dir)
-        if outcome.returncode == 0 and status is not None and status.state in ("done", "stopped"):
-            results[outcome.name] = status.state
+    def exited(job) -> None:
+        status = read_status(root, specs[job.name].dir)
+        if job.returncode == 0 and status is not None and status.state in ("done", "stopped"):
+            outcome.record(job.name, status.state)
         else:
-            results[outcome.name] = "failed"
-            messages[outcome.name] = (
-                status.message if status and status.message else outcome.last_line
-            ) or f"exit code {outcome.returncode}"
+            why = (status.message if status and status.message else job.last_line) or f"exit code {job.returncode}"
+            outcome.record(job.name, "failed", why)
         bar.bar.write(
-            f"{outcome.name}: {results[outcome.name]} after {outcome.seconds:.0f} s"
-            + (f" ({messages[outcome.name]})" if outcome.name in messages else "")
+            f"{job.name}: {outcome.results[job.name]} after {job.seconds:.0f} s"
+            + (f" ({outcome.messages[job.name]})" if job.name in outcome.messages else "")
         )
         if logs_tmp is not None:
-            root.write_bytes(outcome.log.read_bytes(), specs[outcome.name].dir, LOG_FILE)
+            root.write_bytes(job.log.read_bytes(), specs[job.name].dir, LOG_FILE)
 
     log.info(f"train-all: {len(todo)} job(s), {len(slots)} at a time")
     # every job imports the same modules: the forkserver does it once (flowfleet.train.fanout)

@@ -14,6 +14,7 @@ from flowfleet.evaluate.report.parts import (
     TIMINGS_FILE,
     TITLES,
     Section,
+    Table,
     fmt,
     job_dirs,
     job_label,
@@ -126,14 +127,14 @@ class ReportBuilder(QualitySections):
         make_up = f"cluster sizes and make-up (items per source label, the {MIX_LABELS} most frequent)"
         rows = cluster_rows(rep)
         if rows:
-            s.tables.append({"caption": make_up, "header": ["cluster", "items", "labels"], "rows": rows})
+            s.tables.append(Table(caption=make_up, header=["cluster", "items", "labels"], rows=rows))
         # another fleet evaluated beside this one (evaluate --fleet): its own run root's clusters, when it has one
         for name, folder in ((self.evaluation or {}).get("fleets") or {}).items():
             other = read_json(RunRoot(posixpath.dirname(folder.rstrip("/"))), *CLUSTER_REPORT)
             if other and (rows := cluster_rows(other)):
                 kind = (other.get("features") or {}).get("kind", "?")
                 caption = f"the fleet of the rows STRATEGY@{name}: {kind} clusters' {make_up}"
-                s.tables.append({"caption": caption, "header": ["cluster", "items", "labels"], "rows": rows})
+                s.tables.append(Table(caption=caption, header=["cluster", "items", "labels"], rows=rows))
         for name in self.root.ls(CLUSTERS):
             if name.startswith("preview-") and name.endswith(".png"):
                 img = self._file_image(f"cluster {name[8:-4]}", CLUSTERS, name)
@@ -178,7 +179,7 @@ class ReportBuilder(QualitySections):
             self._plot("loss_curves.png", views.loss_curves_png(curves), "loss of every job (metrics.jsonl)")
         )
         s.tables.append(
-            {"caption": "jobs", "header": ["job", "state", "steps", "last loss", "samples/s", "wall s"], "rows": rows}
+            Table(caption="jobs", header=["job", "state", "steps", "last loss", "samples/s", "wall s"], rows=rows)
         )
         routers = {
             name: rep for name in ROUTERS if (rep := read_json(self.root, name, JOB_REPORT)) and "accuracy" in rep
@@ -269,14 +270,14 @@ class ReportBuilder(QualitySections):
             s.notes.append("Not applicable: prompt adherence is measured for the shapes source only.")
             return s
         s.tables.append(
-            {
-                "caption": "share of samples whose drawn colour and shape match the prompt",
-                "header": ["model", "colour and shape", "colour", "shape", "samples"],
-                "rows": [
+            Table(
+                caption="share of samples whose drawn colour and shape match the prompt",
+                header=["model", "colour and shape", "colour", "shape", "samples"],
+                rows=[
                     [name, fmt(a.get("both")), fmt(a.get("colour")), fmt(a.get("shape")), a.get("n")]
                     for name, a in adh.items()
                 ],
-            }
+            )
         )
         return s
 
@@ -303,12 +304,12 @@ class ReportBuilder(QualitySections):
         align = diag.get("alignment") or {}
         if align:
             s.tables.append(
-                {
-                    "caption": "expert-data alignment: semantic distance (L2-normalised clustering features) of "
+                Table(
+                    caption="expert-data alignment: semantic distance (L2-normalised clustering features) of "
                     "generated samples to the centroid of their dominant expert vs. the other centroids, and how often "
                     "the sample falls in its dominant expert's cluster (chance: the largest cluster's share)",
-                    "header": ["model", "to dominant", "to others", "in dominant's cluster", "chance", "samples"],
-                    "rows": [
+                    header=["model", "to dominant", "to others", "in dominant's cluster", "chance", "samples"],
+                    rows=[
                         [
                             n,
                             fmt(a.get("dominant_distance")),
@@ -319,7 +320,7 @@ class ReportBuilder(QualitySections):
                         ]
                         for n, a in align.items()
                     ],
-                }
+                )
             )
         gen = diag.get("generalization")
         if gen:
@@ -345,11 +346,11 @@ class ReportBuilder(QualitySections):
         stages = read_json(self.root, REPORTS, TIMINGS_FILE) or {}
         if stages:
             s.tables.append(
-                {
-                    "caption": "stages (flowfleet demo)",
-                    "header": ["stage", "seconds"],
-                    "rows": [[k, fmt(v)] for k, v in stages.items()],
-                }
+                Table(
+                    caption="stages (flowfleet demo)",
+                    header=["stage", "seconds"],
+                    rows=[[k, fmt(v)] for k, v in stages.items()],
+                )
             )
         rows = []
         for job in job_dirs(self.root):
@@ -358,12 +359,12 @@ class ReportBuilder(QualitySections):
                 rows.append([job_label(job), fmt(w)])
         if rows:
             s.tables.append(
-                {"caption": "training jobs (first to last logged step)", "header": ["job", "seconds"], "rows": rows}
+                Table(caption="training jobs (first to last logged step)", header=["job", "seconds"], rows=rows)
             )
         ev = (self.evaluation or {}).get("timings") or {}
         if ev:
             s.tables.append(
-                {"caption": "evaluation", "header": ["part", "seconds"], "rows": [[k, fmt(v)] for k, v in ev.items()]}
+                Table(caption="evaluation", header=["part", "seconds"], rows=[[k, fmt(v)] for k, v in ev.items()])
             )
         outputs = [
             (f"{DATA}/{MANIFEST}", "prepare"),
@@ -373,11 +374,11 @@ class ReportBuilder(QualitySections):
         ]
         if any(self.root.exists(path) for path, _ in outputs):
             s.tables.append(
-                {
-                    "caption": "stages' outputs",
-                    "header": ["stage", "output", "present"],
-                    "rows": [[st, path, "yes" if self.root.exists(path) else "no"] for path, st in outputs],
-                }
+                Table(
+                    caption="stages' outputs",
+                    header=["stage", "output", "present"],
+                    rows=[[st, path, "yes" if self.root.exists(path) else "no"] for path, st in outputs],
+                )
             )
         if not s.tables:
             s.missing = "no timings recorded yet"

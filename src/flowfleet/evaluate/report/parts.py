@@ -91,12 +91,21 @@ def embed(png: bytes) -> str:
 
 
 @dataclass
+class Table:
+    """A table of the page: its caption, column names and rows of cells (already formatted)."""
+
+    caption: str
+    header: list[str]
+    rows: list[list[Any]]
+
+
+@dataclass
 class Section:
     id: str
     title: str
     missing: str = ""  # non-empty: what to run to fill this section
     notes: list[str] = field(default_factory=list)
-    tables: list[dict[str, Any]] = field(default_factory=list)  # {"caption", "header": [...], "rows": [[...]]}
+    tables: list[Table] = field(default_factory=list)
     images: list[Image] = field(default_factory=list)
     pre: str = ""  # preformatted text (the config)
     lists: list[dict[str, Any]] = field(default_factory=list)  # {"caption", "items": [...]}

@@ -7,14 +7,14 @@ from typing import Any
 
 from flowfleet.data.sources import describe_source
 from flowfleet.evaluate import views
-from flowfleet.evaluate.report.parts import TITLES, BuilderBase, Section, fmt
+from flowfleet.evaluate.report.parts import TITLES, BuilderBase, Section, Table, fmt
 from flowfleet.evaluate.report.tables import draws_table, one_draw
 
 
 class QualitySections(BuilderBase):
     """The sections read from the evaluation's scores."""
 
-    def results_table(self) -> dict[str, Any] | None:
+    def results_table(self) -> Table | None:
         """The page's first table: each model at its guidance scale, its distance to the held-out reference (the
         judge's classifier FD, else FID), that distance over the real floor's and over the monolith's, prompt
         accuracy, precision and recall; over the evaluation's draws (mean ± sd, ratios draw by draw) when it made
@@ -26,17 +26,17 @@ class QualitySections(BuilderBase):
                 return None
             draws = one_draw(runs, ((self.evaluation or {}).get("reference_split") or {}).get("floor") or {})
         table = draws_table(draws)
-        header = [table["header"][0], "cfg", *table["header"][1:]]
-        rows = [[row[0], fmt(runs.get(row[0], {}).get("cfg")), *row[1:]] for row in table["rows"]]
+        header = [table.header[0], "cfg", *table.header[1:]]
+        rows = [[row[0], fmt(runs.get(row[0], {}).get("cfg")), *row[1:]] for row in table.rows]
         n = len(draws["seeds"])
         over = f"mean ± sd over {n} evaluation draws (other prompts, noise and reference each)" if n > 1 else "one draw"
-        return {
-            "caption": f"each model at its guidance scale (cfg; the lowest distance at the accuracy the evaluation "
+        return Table(
+            caption=f"each model at its guidance scale (cfg; the lowest distance at the accuracy the evaluation "
             f"asks for), {over}; lower distances are better, the real floor is held-out real images scored like a "
             "model. Details: Quality below",
-            "header": header,
-            "rows": rows,
-        }
+            header=header,
+            rows=rows,
+        )
 
     def section_fid(self) -> Section:
         s = Section("fid", TITLES["fid"])
@@ -53,11 +53,11 @@ class QualitySections(BuilderBase):
             self._judge_tables(s, runs, judged)
         else:
             s.tables.append(
-                {
-                    "caption": "FID per strategy (lower is better)",
-                    "header": ["model", "FID"],
-                    "rows": [[name, f"{v:.2f}"] for name, v in scores.items()],
-                }
+                Table(
+                    caption="FID per strategy (lower is better)",
+                    header=["model", "FID"],
+                    rows=[[name, f"{v:.2f}"] for name, v in scores.items()],
+                )
             )
         draws = self.evaluation.get("draws")
         if draws:
@@ -88,8 +88,8 @@ class QualitySections(BuilderBase):
         clf = judged.get("classifier") or {}
         fine = any(r.get("subcategory_accuracy") is not None for r in runs.values())  # the emoji judge's
         s.tables.append(
-            {
-                "caption": "per model at its guidance scale (cfg): prompt accuracy (share of samples the judge "
+            Table(
+                caption="per model at its guidance scale (cfg): prompt accuracy (share of samples the judge "
                 "reads as the prompted class; higher is better), the judge's mean probability of that class, "
                 "the Fréchet distance in the classifier's features (lower is better), precision and recall in "
                 "those features (Kynkäänniemi et al., k = 3: fidelity and diversity), and Inception FID. The "
@@ -101,7 +101,7 @@ class QualitySections(BuilderBase):
                     if any("+" in name for name in runs)
                     else ""
                 ),
-                "header": [
+                header=[
                     "model",
                     "cfg",
                     "prompt accuracy",
@@ -112,7 +112,7 @@ class QualitySections(BuilderBase):
                     "recall",
                     "FID",
                 ],
-                "rows": [
+                rows=[
                     [
                         name,
                         fmt(r.get("cfg")),
@@ -126,18 +126,18 @@ class QualitySections(BuilderBase):
                     ]
                     for name, r in [*runs.items(), *self._floor_row()]
                 ],
-            }
+            )
         )
         per_model = judged.get("scores") or {}
         classes = list(dict.fromkeys(c for a in per_model.values() for c in (a.get("per_class") or {})))
         s.tables.append(
-            {
-                "caption": "prompt accuracy per prompted class",
-                "header": ["model", *classes],
-                "rows": [
+            Table(
+                caption="prompt accuracy per prompted class",
+                header=["model", *classes],
+                rows=[
                     [name, *[fmt((a.get("per_class") or {}).get(c)) for c in classes]] for name, a in per_model.items()
                 ],
-            }
+            )
         )
         s.notes.append(_judge_note(clf))
         reference = self._reference_note()

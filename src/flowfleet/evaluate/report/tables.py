@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from flowfleet.evaluate.report.parts import MIX_LABELS, fmt
+from flowfleet.evaluate.report.parts import MIX_LABELS, Table, fmt
 
 
 def cluster_rows(rep: dict[str, Any]) -> list[list[Any]]:
@@ -32,7 +32,7 @@ def spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
-def draws_table(draws: dict[str, Any]) -> dict[str, Any]:
+def draws_table(draws: dict[str, Any]) -> Table:
     """Each model's figures over the evaluation draws (evaluate --repeats): mean ± sd, its distance over the
     real floor of the same draw, and a fleet row's distance over the monolith's of the same draw."""
     seeds, floor, runs = draws["seeds"], draws["floor"], draws["runs"]
@@ -69,12 +69,12 @@ def draws_table(draws: dict[str, Any]) -> dict[str, Any]:
         ]
     )
     distance = "classifier FD" if metric == "classifier_fd" else "FID"
-    return {
-        "caption": f"over {len(seeds)} evaluation draws (seeds {seeds[0]}–{seeds[-1]}), each model at its chosen "
+    return Table(
+        caption=f"over {len(seeds)} evaluation draws (seeds {seeds[0]}–{seeds[-1]}), each model at its chosen "
         f"scale: every draw samples other prompts and noise and splits the held-out reference and the real floor "
         f"afresh, so these are mean ± sd over draws. A {distance} at this sample count moves by several points "
         "from draw to draw; the ratios are taken draw by draw (the same reference, prompts and noise)",
-        "header": [
+        header=[
             "model",
             distance,
             "÷ floor",
@@ -84,8 +84,8 @@ def draws_table(draws: dict[str, Any]) -> dict[str, Any]:
             "precision",
             "recall",
         ],
-        "rows": rows,
-    }
+        rows=rows,
+    )
 
 
 def one_draw(runs: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +100,7 @@ def one_draw(runs: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def generalization_table(gen: dict[str, Any]) -> dict[str, Any]:
+def generalization_table(gen: dict[str, Any]) -> Table:
     """Each expert's and the monolith's loss on training and held-out items of the expert's cluster."""
 
     def cells(r: dict[str, Any]) -> list[str]:
@@ -120,13 +120,13 @@ def generalization_table(gen: dict[str, Any]) -> dict[str, Any]:
             *cells({f"{m}_{s}": v for m, d in gen["summary"].items() for s, v in d.items()}),
         ]
     )
-    return {
-        "caption": "do the experts generalise? flow-matching loss (velocity MSE, condition on, mean over "
+    return Table(
+        caption="do the experts generalise? flow-matching loss (velocity MSE, condition on, mean over "
         f"{len(gen['t'])} t bins) of each expert and of the monolith on training items and on held-out items of "
         "the expert's cluster, the same items and noise for both. An expert whose held-out loss is well above "
         "its training loss and above the monolith's is short of data: the regime in which a fleet trails a "
         "monolith of the same FLOPs",
-        "header": [
+        header=[
             "cluster",
             "train items",
             "held-out items",
@@ -137,18 +137,18 @@ def generalization_table(gen: dict[str, Any]) -> dict[str, Any]:
             "monolith held-out",
             "monolith gap",
         ],
-        "rows": rows,
-    }
+        rows=rows,
+    )
 
 
-def router_accuracy_table(routers: dict[str, dict[str, Any]], kinds: dict[str, str]) -> dict[str, Any]:
+def router_accuracy_table(routers: dict[str, dict[str, Any]], kinds: dict[str, str]) -> Table:
     """Accuracy per t-bucket of each router (rows), from its report.json."""
     buckets = next(iter(routers.values()))["t_buckets"]
-    return {
-        "caption": "router accuracy against the cluster of x0, per t-bucket (t = 1 is noise); chance = the "
+    return Table(
+        caption="router accuracy against the cluster of x0, per t-bucket (t = 1 is noise); chance = the "
         "largest cluster's share",
-        "header": ["router", "sees", *[f"t {lo:.1f}-{hi:.1f}" for lo, hi in buckets], "overall", "chance"],
-        "rows": [
+        header=["router", "sees", *[f"t {lo:.1f}-{hi:.1f}" for lo, hi in buckets], "overall", "chance"],
+        rows=[
             [
                 name,
                 kinds.get(name, ""),
@@ -158,4 +158,4 @@ def router_accuracy_table(routers: dict[str, dict[str, Any]], kinds: dict[str, s
             ]
             for name, rep in routers.items()
         ],
-    }
+    )

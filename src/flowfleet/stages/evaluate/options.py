@@ -7,6 +7,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flowfleet.config import SamplingConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.fid import FIDSettings
 from flowfleet.flow import parse_strategy
@@ -15,6 +16,7 @@ from flowfleet.layout import (
 )
 
 FLEET_NAME = re.compile(r"[A-Za-z0-9_-]+")
+MANY_EXPERTS = 2**31  # the settings are checked before the fleet is open: any strategy's k fits
 
 
 @dataclass(frozen=True)
@@ -30,13 +32,9 @@ class EvaluateOptions:
     fleets: tuple[tuple[str, str], ...] = ()
     seed: int = 0
     batch_size: int = 250  # samples per sampling batch
-    steps: int | None = None  # None: the fleet's model_index.json
-    sampler: str | None = None
-    cfg: float | None = None
-    shift: float | None = None
-    route_every: int | None = None
-    cache: float = 0.0  # first-block cache threshold (flowfleet.sampling.cache)
-    cfg_max_t: float | None = None  # guidance only while t <= this (None: the fleet's)
+    # The sampling settings every model takes (config.SamplingSettings by name: steps, cfg, cache, ...; unset: each
+    # fleet's model_index.json); not strategy, nor seed, which the evaluation sets per row and per draw.
+    sampling: dict[str, Any] = field(default_factory=dict)
     ref_n: int | None = None  # reference images; None: all of the reference set up to 10,000 (floor set apart)
     # Guidance sweep: each model is sampled at every scale; its row is the scale with the best classifier
     # FD (FID without a judge) among those with prompt accuracy >= min_accuracy (the most accurate if none).
@@ -87,7 +85,11 @@ class EvaluateOptions:
             raise FlowfleetError(f"--fleet: repeated names in {','.join(names)}")
         if len(set(self.strategies)) != len(self.strategies):
             raise FlowfleetError(f"--strategies: repeated names in {','.join(self.strategies)}")
-        if self.cfg_sweep and self.cfg is not None:
+        fixed = sorted(set(self.sampling) & {"strategy", "seed"})
+        if fixed:
+            raise FlowfleetError(f"sampling: {fixed[0]} is the evaluation's own (--strategies, --seed)")
+        SamplingConfig().for_call(MANY_EXPERTS, **self.sampling)  # checked before anything loads
+        if self.cfg_sweep and self.sampling.get("cfg") is not None:
             raise FlowfleetError("--cfg-sweep: give either a sweep or one --cfg, not both")
         if any(c < 0 for c in self.cfg_sweep) or len(set(self.cfg_sweep)) != len(self.cfg_sweep):
             raise FlowfleetError(f"--cfg-sweep: scales must be distinct and >= 0, got {list(self.cfg_sweep)}")

@@ -329,17 +329,13 @@ class _Evaluation:
         o = self.options
         run = ModelRun(name, kind)
         drawn = []  # (settings, pipeline output, images, scores) per scale
-        scales = o.cfg_sweep or (o.cfg,)
+        scales = o.cfg_sweep or (o.sampling.get("cfg"),)
         # With a judge the sweep chooses by its classifier FD: Inception FID (the costlier network) only for the
         # chosen scale. Without one, FID is what chooses, at every scale.
         fid_each = self.judge_fd is None or len(scales) == 1
         for scale in scales:
-            settings = pipe.settings(
-                strategy, o.steps, o.sampler, scale, o.shift, o.route_every, o.seed, o.cache, o.cfg_max_t
-            )
-            how = f"{settings.steps} {settings.sampler} steps, cfg {settings.cfg}"
-            how += f" at t <= {settings.cfg_max_t:g}" if settings.cfg_max_t < 1 else ""
-            log.info(f"evaluate: {name}: sampling {o.n} images ({how})")
+            settings = pipe.settings(strategy, **{**o.sampling, "cfg": scale, "seed": o.seed})
+            log.info(f"evaluate: {name}: sampling {o.n} images ({settings.describe()})")
             t0 = time.perf_counter()
             out = pipe(self.prompts, o.n, labels=self.labels, settings=settings, batch_size=o.batch_size, progress=name)
             run.sampling_s += time.perf_counter() - t0
@@ -536,9 +532,7 @@ def _redraw(
                 scored[name] = scored[same[name]]
             else:
                 cfg = ev.runs[name].cfg
-                settings = pipe.settings(
-                    strategy, o.steps, o.sampler, cfg, o.shift, o.route_every, drawn.seed, o.cache, o.cfg_max_t
-                )
+                settings = pipe.settings(strategy, **{**o.sampling, "cfg": cfg, "seed": drawn.seed})
                 log.info(f"evaluate: {name}: draw {r + 1} of {o.repeats} (seed {drawn.seed}, cfg {cfg})")
                 got = pipe(
                     again.prompts,
