@@ -13,11 +13,11 @@ import sys
 from typing import Sequence
 
 from flowfleet import __version__
-from flowfleet.commands import data, evaluate, export, fleet, init, sample, serve, train
+from flowfleet.commands import contrib, data, evaluate, export, fleet, init, sample, serve, train
 from flowfleet.errors import FlowfleetError
 from flowfleet.threads import apply_thread_policy
 
-COMMAND_MODULES = (init, data, train, sample, evaluate, fleet, export, serve)
+COMMAND_MODULES = (init, data, train, sample, evaluate, fleet, contrib, export, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

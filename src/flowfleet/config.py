@@ -337,11 +337,29 @@ EXPERT_OVERRIDABLE = (
 _SHAPE_FIELDS = ("hidden_size", "depth", "num_heads")  # what a `size` preset fills
 
 
+class Contribution(_Strict):
+    """An expert a stranger trained and `flowfleet admit` took in (flowfleet.stages.admit): who signed what."""
+
+    signer: str  # the key id (flowfleet.sampling.signing)
+    manifest_sha256: str  # the signed manifest's digest (kept in the expert's folder as contribution.json)
+    package: str  # where it was admitted from
+    steps: int = Field(ge=1)  # its training steps, as signed: its job is finished at these
+    items: int = Field(ge=0)  # the items it trained on, as signed
+
+
 class Addition(_Strict):
-    """Data that `flowfleet add-expert` brought to a trained fleet, and how many experts it became."""
+    """Data that `flowfleet add-expert` brought to a trained fleet, and how many experts it became; or a contributed
+    expert (`flowfleet admit`): its package's sample of latents, one expert trained elsewhere."""
 
     data: DataConfig
     k: int = Field(1, ge=1)  # its experts (its data clustered into k partitions)
+    contribution: Contribution | None = None
+
+    @model_validator(mode="after")
+    def _one_contributed_expert(self) -> "Addition":
+        if self.contribution is not None and self.k != 1:
+            raise ValueError(f"k: a contribution is one expert, got {self.k}")
+        return self
 
 
 class DistillConfig(_Strict):

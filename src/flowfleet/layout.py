@@ -78,6 +78,20 @@ INDEX_FILE = "model_index.json"  # the model folder's index (flowfleet.sampling.
 CHECKSUMS = "SHA256SUMS"  # the model folder's weight checksums, sha256sum's format (flowfleet.sampling.checksums)
 VERIFIED = ".verified.json"  # weight files whose checksum matched, by size and mtime (the check's cache)
 MONOLITH_MODEL = "model-monolith"  # `assemble --monolith`: the monolith as a one-expert model
+
+# contributed experts: a kit (flowfleet kit), a package (flowfleet contribute), its admission (flowfleet admit)
+KIT_FILE = "kit.json"  # in a kit: the contract and its fingerprint (flowfleet.stages.kit)
+KIT_RUN = "run.yaml"  # in a kit: the run's configuration, which `contribute` trains with (its data replaced)
+KIT_CENTROIDS = "centroids.safetensors"  # in a kit: the fleet's cluster centroids in semantic-feature space
+PACKAGE_MANIFEST = "manifest.json"  # in a package: every file's sha256, the kit's fingerprint, the training record
+PACKAGE_SIGNATURE = "manifest.sig"  # in a package: Ed25519 over manifest.json's bytes
+PACKAGE_SIGNER = "signer.pub"  # in a package: the signer's public key (trusted only if the owner lists it)
+PACKAGE_EXPERT = "expert"  # in a package: the expert folder (config.json + safetensors)
+PACKAGE_SAMPLE = "latents.safetensors"  # in a package: a capped sample of its prepared items (one shard)
+PACKAGE_HELDOUT = "heldout.safetensors"  # in a package: prepared items its expert never trained on (one shard)
+CONTRIBUTION = "contribution.json"  # in an admitted expert's folder: the signed manifest (SHA256SUMS lists it)
+CONTRIBUTION_SIG = "contribution.sig"
+CANDIDATE = "model-candidate"  # `admit`: the grown fleet, assembled for the gate's last check
 STUDENT_MODEL = "model-student"  # `distill`: the student as a one-expert model (sampled without guidance)
 REPORTS = "reports"
 SHOWCASE = "showcase"  # reports/showcase/: the demo's labelled grids, one prompt per digit

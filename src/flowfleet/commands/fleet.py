@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowfleet.commands.options import add_command, add_progress, add_run_root
+from flowfleet.commands.options import add_command, add_data_source, add_progress, add_run_root, data_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,16 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example:  flowfleet add-expert runs/r --source folder --path /data/new-images --k 2",
     )
     add_run_root(p)
-    p.add_argument(
-        "--source",
-        required=True,
-        metavar="SOURCE",
-        # the names are DataConfig.source's (their one home): a wrong one is refused listing them
-        help="where the new data comes from, as run.yaml data.source: mnist, shapes, folder, parquet, ...",
-    )
-    p.add_argument("--path", default=None, help="folder / tar glob / parquet glob / save_to_disk folder")
-    p.add_argument("--labels", default=None, metavar="LIST", help="keep only these class labels, e.g. 8,9")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N items of the source")
+    add_data_source(p)
     p.add_argument("--k", type=int, default=1, help="experts to split the new data into (default 1)")
     p.add_argument(
         "--objective",
@@ -111,25 +102,13 @@ def run_add_expert(args: argparse.Namespace) -> int:
     previous one (router-k<K>/), and re-assemble RUN_ROOT/model. The existing experts' files are not touched.
     Interrupted, the same command resumes.
     """
-
-    from pydantic import ValidationError
-
-    from flowfleet.config import ConfigError, DataConfig, load_run_config
-    from flowfleet.models.files import validation_message
+    from flowfleet.config import load_run_config
     from flowfleet.stages.add_expert import add_expert
     from flowfleet.storage import RunRoot
 
     run = load_run_config(RunRoot(args.run_root))
-    try:
-        labels = [int(v) for v in args.labels.split(",") if v.strip()] if args.labels else None
-    except ValueError:
-        raise ConfigError(f"--labels: {args.labels!r} is not a comma-separated list of integers") from None
-    fields = {"source": args.source, "path": args.path, "labels": labels, "limit": args.limit}
     keep = ("image_size", "channels", "shard_size", "batch_size", "image_column", "text_column")
-    try:
-        data = DataConfig(**{name: getattr(run.data, name) for name in keep}, **fields)
-    except ValidationError as err:
-        raise ConfigError(f"--source {args.source}: {validation_message(err)}") from None
+    data = data_config(args, **{name: getattr(run.data, name) for name in keep})
     expert = {name: getattr(args, name) for name in ("objective", "schedule") if getattr(args, name) is not None}
     result = add_expert(args.run_root, data, k=args.k, progress=args.progress, expert=expert or None)
     print(

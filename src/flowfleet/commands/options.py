@@ -75,6 +75,40 @@ def sampling_choices(args: argparse.Namespace, *, without: Sequence[str] = ()) -
     return {n: getattr(args, n) for n in SAMPLING_CHOICES if n not in without and getattr(args, n) is not None}
 
 
+def add_data_source(p: argparse.ArgumentParser, source_default: str | None = None) -> None:
+    """--source/--path/--labels/--limit: where new data comes from, as run.yaml `data` says it (`data_config`)."""
+    p.add_argument(
+        "--source",
+        required=source_default is None,
+        default=source_default,
+        metavar="SOURCE",
+        # the names are DataConfig.source's (their one home): a wrong one is refused listing them
+        help="where the data comes from, as run.yaml data.source: mnist, shapes, folder, parquet, ..."
+        + (f" (default {source_default})" if source_default else ""),
+    )
+    p.add_argument("--path", default=None, help="folder / tar glob / parquet glob / save_to_disk folder")
+    p.add_argument("--labels", default=None, metavar="LIST", help="keep only these class labels, e.g. 8,9")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N items of the source")
+
+
+def data_config(args: argparse.Namespace, **like: Any) -> Any:
+    """config.DataConfig from add_data_source's options and `like` (image_size, channels, ...: the fleet's)."""
+    from pydantic import ValidationError
+
+    from flowfleet.config import ConfigError, DataConfig
+    from flowfleet.models.files import validation_message
+
+    try:
+        labels = [int(v) for v in args.labels.split(",") if v.strip()] if args.labels else None
+    except ValueError:
+        raise ConfigError(f"--labels: {args.labels!r} is not a comma-separated list of integers") from None
+    fields = {"source": args.source, "path": args.path, "labels": labels, "limit": args.limit}
+    try:
+        return DataConfig(**like, **fields)
+    except ValidationError as err:
+        raise ConfigError(f"--source {args.source}: {validation_message(err)}") from None
+
+
 def add_parallel(p: argparse.ArgumentParser) -> None:
     """--nproc/--parallel/--warmup/--ulysses-degree: one image split over N processes (flowfleet.parallel)."""
     p.add_argument(

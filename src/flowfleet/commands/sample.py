@@ -135,13 +135,21 @@ def run_verify(args: argparse.Namespace) -> int:
     Hash every weight file that the folder's SHA256SUMS lists (written by assemble) and compare: a file that differs
     or is missing is a one-line error naming it and whose weights it holds (exit 1). Opening a folder (generate,
     evaluate, serve) runs the same check, remembering matches by size and modification time; verify always reads
-    everything.
+    everything. A contributed expert's signed manifest is listed too, and its signer is printed.
     """
+    from flowfleet.sampling.card import read_card
     from flowfleet.sampling.checksums import verify_weights
     from flowfleet.storage import RunRoot
 
-    count = verify_weights(RunRoot(args.model_dir), use_cache=False)
-    print(f"{args.model_dir}: {count} weight files match SHA256SUMS" if count else f"{args.model_dir}: no SHA256SUMS")
+    folder = RunRoot(args.model_dir)
+    count = verify_weights(folder, use_cache=False)
+    print(f"{args.model_dir}: {count} files match SHA256SUMS" if count else f"{args.model_dir}: no SHA256SUMS")
+    for e in read_card(folder).experts:
+        if e.contributed:
+            c = e.contributed
+            print(
+                f"expert {e.expert}: contributed, signed by key {c['signer']} (manifest sha256 {c['manifest_sha256']})"
+            )
     return 0 if count else 1
 
 

@@ -41,6 +41,8 @@ class ExpertCard:
     label_mix: dict[str, int] | None = None  # label -> count in its cluster, where the data has labels
     examples: list[str] = field(default_factory=list)  # a few of its captions
     preview: str | None = None  # card/preview-<k>.png, relative to the model folder
+    # a contributed expert (flowfleet admit): {"signer": key id, "manifest_sha256", "package"}
+    contributed: dict[str, str] | None = None
 
 
 @dataclass

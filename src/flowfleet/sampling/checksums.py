@@ -14,7 +14,7 @@ import hashlib
 import logging
 
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import CHECKSUMS, VERIFIED
+from flowfleet.layout import CHECKSUMS, CONTRIBUTION, VERIFIED
 from flowfleet.storage import RunRoot
 
 log = logging.getLogger(__name__)
@@ -28,14 +28,19 @@ class CorruptWeights(FlowfleetError):
 
 
 def weight_files(root: RunRoot) -> list[str]:
-    """The weight files of a model folder, relative paths: top level and one folder down (expert_k/, router/...)."""
+    """The files SHA256SUMS lists, relative paths: the weights at the top level and one folder down (expert_k/,
+    router/...), and a contributed expert's signed manifest (its provenance)."""
     found = []
     for name in root.ls():
         if name.endswith(WEIGHTS_SUFFIX):
             found.append(name)
         elif root.fs.isdir(root.path(name)):
-            found += [f"{name}/{inner}" for inner in root.ls(name) if inner.endswith(WEIGHTS_SUFFIX)]
+            found += [f"{name}/{inner}" for inner in root.ls(name) if _listed(inner)]
     return sorted(found)
+
+
+def _listed(name: str) -> bool:
+    return name.endswith(WEIGHTS_SUFFIX) or name == CONTRIBUTION
 
 
 def sha256_of(root: RunRoot, rel: str) -> str:

@@ -279,6 +279,9 @@ def _fleet_card(
             if clusters.get("label_mix"):
                 facts["label_mix"] = dict(clusters["label_mix"][j])
             facts["examples"] = list(clusters.get("examples", {}).get(str(j), []))[:5]
+            contribution = run.added[n - 1].contribution if n else None
+            if contribution is not None:
+                facts["contributed"] = contribution.model_dump(include={"signer", "manifest_sha256", "package"})
             png = cluster_preview(root, n, j)
             if png is not None:
                 previews[k] = png

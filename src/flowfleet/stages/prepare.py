@@ -334,6 +334,9 @@ def _autoencoder_recipe(cfg: RunConfig, source: Source, split: "_Split") -> dict
     }
 
 
+KIT_LATENT = "kit"  # recipe.json of a latent space copied from a kit: {"kit": its fingerprint}
+
+
 def ensure_autoencoder(
     root: RunRoot,
     cfg: RunConfig,
@@ -345,8 +348,9 @@ def ensure_autoencoder(
     part: tuple[int, int] | None = None,
 ) -> None:
     """RUN_ROOT/autoencoder/: the run's latent space, trained on the first `train_items` training images
-    (never eval/'s) unless it is there with this recipe. Written atomically (weights, then config, then
-    recipe.json): an interrupted training starts over (it takes minutes, not hours)."""
+    (never eval/'s) unless it is there with this recipe, or came from a kit (then it is the fleet's). Written
+    atomically (weights, then config, then recipe.json): an interrupted training starts over (it takes minutes,
+    not hours)."""
     ae = cfg.encoders.latent.autoencoder
     recipe = _autoencoder_recipe(cfg, source, split)
     where = root.url_of(AUTOENCODER)
@@ -355,6 +359,8 @@ def ensure_autoencoder(
             root.remove(AUTOENCODER, recursive=True)
         else:
             old = json.loads(root.read_bytes(AUTOENCODER, AUTOENCODER_RECIPE))
+            if KIT_LATENT in old:  # a kit's latent space (flowfleet contribute): the fleet's, frozen
+                return
             if old != recipe:
                 diff = switch_hint(old.get("source") or {}, recipe["source"]) or (
                     f"trained with a different {_first_difference(old, recipe) or 'recipe'}"

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from flowfleet.cluster.assignments import read_assignments
-from flowfleet.config import RunConfig, TrainConfig
+from flowfleet.config import Contribution, RunConfig, TrainConfig
 from flowfleet.data.augment import choose
 from flowfleet.data.shards import ShardSet, open_complete
 from flowfleet.errors import FlowfleetError
@@ -350,6 +350,14 @@ def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str]) -> InMemory
     return InMemoryData.concat(parts)
 
 
+def contribution_of(cfg: RunConfig, spec: JobSpec) -> Contribution | None:
+    """The contribution an expert job's weights came from (flowfleet admit), or None for an expert trained here."""
+    if spec.kind != "expert" or spec.expert is None or not 0 <= spec.expert < cfg.num_experts:
+        return None
+    n, _ = cfg.expert_origin(spec.expert)
+    return cfg.added[n - 1].contribution if n else None
+
+
 def planned_steps(
     root: RunRoot,
     cfg: RunConfig,
@@ -360,6 +368,9 @@ def planned_steps(
     """job_steps of the run's job; an expert's share of a by-size split (train.expert_steps) is read from
     its own partition's manifest (the counts `flowfleet cluster` writes there), nothing else. `shards`: that
     partition, where the caller has opened it already (its manifest is read once)."""
+    contributed = contribution_of(cfg, spec)
+    if contributed is not None:  # trained elsewhere: finished at the steps its signed manifest records
+        return contributed.steps
     if spec.kind != "expert" or spec.expert is None or cfg.train.expert_steps != "by_size":
         return job_steps(cfg, spec, match_compute)
     n, j = cfg.expert_origin(spec.expert)
@@ -390,6 +401,8 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
         k = spec.expert
         if k is None or not 0 <= k < cfg.num_experts:
             raise FlowfleetError(f"--expert {k}: run.yaml has {cfg.num_experts} experts (0..{cfg.num_experts - 1})")
+        if contribution_of(cfg, spec) is not None:
+            raise FlowfleetError(f"--expert {k}: contributed (flowfleet admit), trained by its contributor, not here")
         n, j = cfg.expert_origin(k)
         folder = origin_partition(n, j)
         shards = open_complete(root, folder, f"flowfleet cluster {root.url}" if n == 0 else "flowfleet add-expert")
