@@ -74,7 +74,7 @@ from flowfleet.sampling.routing import Condition
 from flowfleet.sampling.signing import read_trusted, signed_by
 from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.stages.assemble import assemble
-from flowfleet.stages.contribute import read_shard_file
+from flowfleet.stages.contribute import package_files, package_sha256, read_shard_file
 from flowfleet.stages.kit import Kit, parameter_count, run_kit
 from flowfleet.stages.train import train_job
 from flowfleet.storage import RunRoot
@@ -117,6 +117,7 @@ class GateSettings:
     claimed: float = 0.5  # its loss on its own sample at most (1 + claimed) x the training loss it signed
     velocity_bound: float = 10.0  # velocity RMS on the fleet's held-out latents at most this x the targets'
     harm: float = 0.05  # the grown fleet's loss on the fleet's held-out data may rise by this share, no more
+    copied: float = 0.1  # the share of a package's items that may be byte-for-byte the fleet's own
     items: int = 256  # items per loss (seeded)
     t_bins: int = 8
     seed: int = 0
@@ -236,14 +237,14 @@ class Gate:
             files = dict(self.manifest["files"])
         except (ValueError, KeyError, TypeError):
             raise Refused("who", f"{PACKAGE_MANIFEST}: not a package manifest (no 'files')") from None
-        present = sorted(_package_files(pkg))
+        present = package_files(pkg)
         for rel in present:
             if rel not in files and rel not in PACKAGE_OWN:
                 raise Refused("who", f"{rel}: not in the signed manifest (added after signing)")
         for rel, sha in sorted(files.items()):
             if rel not in present:
                 raise Refused("who", f"{rel}: missing, though the signed manifest lists it")
-            if _sha256(pkg, rel) != sha:
+            if package_sha256(pkg, rel) != sha:
                 raise Refused("who", f"{rel}: sha256 differs from the signed manifest's (changed after signing)")
 
     # -- 2. what --------------------------------------------------------------------------------------
@@ -313,6 +314,7 @@ class Gate:
             )
         for rel in (PACKAGE_SAMPLE, PACKAGE_HELDOUT):
             tensors, _ = read_shard_file(self.pkg.read_bytes(rel))
+            self._not_copied(rel, tensors)
             lat = tensors.get("latents")
             if lat is None or tuple(lat.shape[1:]) != kit.latent_shape or lat.shape[0] < 2:
                 shape = None if lat is None else list(lat.shape)
@@ -325,6 +327,22 @@ class Gate:
                         f"{rel}: text_tokens {None if tok is None else list(tok.shape)}, expected "
                         f"[N, {cfg.text_len}, {cfg.text_dim}]",
                     )
+
+    def _not_copied(self, rel: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Refuse a sample or held-out slice that is largely the fleet's own data, byte for byte: its router would
+        learn to send the fleet's prompts to the newcomer (the poisoned contribution's lure)."""
+        lat = tensors.get("latents")
+        if lat is None or not lat.numel():
+            return
+        own = {_row_digest(row) for row in ShardSet(self.root, DATA).load(["latents"])["latents"]}
+        copies = sum(_row_digest(row) in own for row in lat)
+        self.figures[f"copied_share_{rel.split('.')[0]}"] = copies / lat.shape[0]
+        if copies > self.settings.copied * lat.shape[0]:
+            raise Refused(
+                "fits",
+                f"{rel}: {copies} of its {lat.shape[0]} items are copies of the fleet's own data "
+                f"(at most {self.settings.copied:.0%}): data the fleet has is not a contribution",
+            )
 
     # -- 4. learnt ------------------------------------------------------------------------------------
 
@@ -361,6 +379,12 @@ class Gate:
                 "learnt",
                 f"{PACKAGE_HELDOUT}: loss {f['heldout']:.4f}, over {1 + s.gap} x its loss on its own "
                 f"sample ({f['sample']:.4f}): it does not generalise to items it did not see",
+            )
+        if f["heldout"] * (1 + s.gap) < f["sample"]:  # held out from the same data, it cannot be far easier
+            raise Refused(
+                "learnt",
+                f"{PACKAGE_HELDOUT}: loss {f['heldout']:.4f}, under 1/{1 + s.gap} of its loss on its own sample "
+                f"({f['sample']:.4f}): the held-out slice is not drawn from the data the sample is",
             )
         claimed = (self.manifest.get("training") or {}).get("final_loss")
         if not isinstance(claimed, (int, float)) or not math.isfinite(claimed):
@@ -534,13 +558,8 @@ def _write_items(sub: RunRoot, tensors: dict[str, torch.Tensor], captions: list[
     sub.write_json({"k": 1, "count": n, "sizes": [n], "examples": {"0": captions[:5]}}, *CLUSTER_REPORT)
 
 
-def _package_files(pkg: RunRoot) -> list[str]:
-    base = pkg.path().rstrip("/") + "/"
-    return [p.removeprefix(base) for p in pkg.fs.find(pkg.path())]
-
-
-def _sha256(pkg: RunRoot, rel: str) -> str:
-    return hashlib.sha256(pkg.read_bytes(*rel.split("/"))).hexdigest()
+def _row_digest(row: torch.Tensor) -> str:
+    return hashlib.sha256(row.float().contiguous().numpy().tobytes()).hexdigest()
 
 
 def _check_safetensors_header(pkg: RunRoot, rel: str) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import safetensors.torch
 import torch
 import yaml
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from flowfleet.config import DataConfig, RunConfig
 from flowfleet.errors import FlowfleetError
@@ -124,25 +125,46 @@ def contribute(
         raise FlowfleetError(f"{work_root.url_of(expert_job(0))}: {status.state}; re-run contribute to resume")
     pkg = RunRoot(out)
     final_loss = _final_loss(work_root)
-    files = _pack(work_root, pkg, sample_cap, cfg.train.seed)
+    _pack(work_root, pkg, sample_cap, cfg.train.seed)
+    training = {
+        "steps": status.step,
+        "items": manifest.count,
+        "final_loss": final_loss,
+        "objective": cfg.expert.objective,
+    }
+    signer = sign_package(pkg, private, kit, training)
+    return ContributeResult(pkg.url, signer, manifest.count, status.step, final_loss)
+
+
+def sign_package(pkg: RunRoot, key: Ed25519PrivateKey, kit: Kit, training: dict[str, Any]) -> str:
+    """manifest.json for the package's files as they are (their sha256), the kit's fingerprint and the training
+    record; manifest.sig over it with `key`; signer.pub. -> the key id. Run again after changing a file, it signs
+    the package as it now is."""
+    own = (PACKAGE_MANIFEST, PACKAGE_SIGNATURE, PACKAGE_SIGNER)
+    files = {rel: package_sha256(pkg, rel) for rel in package_files(pkg) if rel not in own}
     record = {
         "format": MANIFEST_FORMAT,
         "kit": kit.fingerprint,
         "fleet": kit.run_name,
         "time_convention": TIME_CONVENTION,
         "files": files,
-        "training": {
-            "steps": status.step,
-            "items": manifest.count,
-            "final_loss": final_loss,
-            "objective": cfg.expert.objective,
-        },
+        "training": training,
     }
     body = json.dumps(record, indent=1, sort_keys=True).encode()
     pkg.write_bytes(body, PACKAGE_MANIFEST)
-    pkg.write_bytes(sign(private, body), PACKAGE_SIGNATURE)
-    pkg.write_bytes(public_line(private.public_key(), "contributor").encode(), PACKAGE_SIGNER)
-    return ContributeResult(pkg.url, key_id(private.public_key()), manifest.count, status.step, final_loss)
+    pkg.write_bytes(sign(key, body), PACKAGE_SIGNATURE)
+    pkg.write_bytes(public_line(key.public_key(), "contributor").encode(), PACKAGE_SIGNER)
+    return key_id(key.public_key())
+
+
+def package_files(pkg: RunRoot) -> list[str]:
+    """Every file of a package, relative paths ('expert/config.json'), sorted."""
+    base = pkg.path().rstrip("/") + "/"
+    return sorted(p.removeprefix(base) for p in pkg.fs.find(pkg.path()))
+
+
+def package_sha256(pkg: RunRoot, rel: str) -> str:
+    return hashlib.sha256(pkg.read_bytes(*rel.split("/"))).hexdigest()
 
 
 def _final_loss(work: RunRoot) -> float | None:
@@ -153,18 +175,14 @@ def _final_loss(work: RunRoot) -> float | None:
     return sum(tail) / len(tail) if tail else None
 
 
-def _pack(work: RunRoot, pkg: RunRoot, sample_cap: int, seed: int) -> dict[str, str]:
-    """The expert, the sample and the held-out slice into the package; -> file -> sha256."""
-    files: dict[str, bytes] = {}
+def _pack(work: RunRoot, pkg: RunRoot, sample_cap: int, seed: int) -> None:
+    """The expert, the sample and the held-out slice into the package."""
     for name in work.ls(expert_job(0), FINAL):
-        files[f"{PACKAGE_EXPERT}/{name}"] = work.read_bytes(expert_job(0), FINAL, name)
-    files[PACKAGE_SAMPLE] = _shard_bytes(work, DATA, sample_cap, seed)
+        pkg.write_bytes(work.read_bytes(expert_job(0), FINAL, name), PACKAGE_EXPERT, name)
+    pkg.write_bytes(_shard_bytes(work, DATA, sample_cap, seed), PACKAGE_SAMPLE)
     if not work.exists(EVAL_DATA):
         raise FlowfleetError(f"{work.url_of(EVAL_DATA)}: missing; --heldout must leave items the expert never saw")
-    files[PACKAGE_HELDOUT] = _shard_bytes(work, EVAL_DATA, sample_cap, seed)
-    for rel, blob in files.items():
-        pkg.write_bytes(blob, *rel.split("/"))
-    return {rel: hashlib.sha256(blob).hexdigest() for rel, blob in sorted(files.items())}
+    pkg.write_bytes(_shard_bytes(work, EVAL_DATA, sample_cap, seed), PACKAGE_HELDOUT)
 
 
 def _shard_bytes(work: RunRoot, folder: str, cap: int, seed: int) -> bytes:
@@ -185,4 +203,7 @@ def read_shard_file(blob: bytes) -> tuple[dict[str, torch.Tensor], list[str]]:
     """A package's latents.safetensors or heldout.safetensors: (tensors, captions)."""
     from flowfleet.data.shards import _safetensors_metadata
 
-    return safetensors.torch.load(blob), json.loads(_safetensors_metadata(blob).get("captions", "[]"))
+    tensors = safetensors.torch.load(blob)
+    captions = json.loads(_safetensors_metadata(blob).get("captions", "[]"))
+    rows = len(next(iter(tensors.values()))) if tensors else 0
+    return tensors, captions if len(captions) == rows else [""] * rows  # (captions are for people, not the gate)

@@ -1,0 +1,342 @@
+"""Experts from strangers on a tiny fleet of the digits 0-7: a kit, an honest contribution on the digits 8 and 9
+(trained in isolation from the kit, signed) admitted; and the attacks, each refused by the gate with its own line
+while the run stays as it was: a file changed after signing, a key not on the list, a pickle, NaN weights, the
+wrong latent channels, the time convention reversed, an expert ten times the cap, an untrained expert, a poisoned
+expert, and a contribution whose router makes the fleet worse on its own prompts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from flowfleet.cli import main
+from flowfleet.config import DataConfig, RunConfig, load_run_config
+from flowfleet.flow.path import interpolate, target_velocity
+from flowfleet.models.config import DiTConfig
+from flowfleet.models.dit import DiTExpert
+from flowfleet.models.files import WEIGHTS_NAME
+from flowfleet.presets import preset
+from flowfleet.sampling.card import read_card
+from flowfleet.sampling.signing import keygen, load_private
+from flowfleet.stages.admit import GateSettings, Refused, admit
+from flowfleet.stages.assemble import assemble
+from flowfleet.stages.cluster import cluster
+from flowfleet.stages.contribute import contribute, read_shard_file, sign_package
+from flowfleet.stages.kit import make_kit, read_kit, run_kit
+from flowfleet.stages.prepare import prepare
+from flowfleet.stages.train import train_expert, train_router
+from flowfleet.storage import RunRoot
+from flowfleet.train.loop import TrainOptions
+from flowfleet.train.preview import condition_kwargs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 60
+QUIET = TrainOptions(progress=False)
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    """Every file's bytes, but the checksum cache that opening a model folder writes (.verified.json)."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".verified.json"
+    }
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The fleet (digits 0-7, two caption clusters, trained a little), its kit, two keys (alice's trusted), and
+    alice's honest package on the digits 8 and 9."""
+    base = tmp_path_factory.mktemp("contrib")
+    raw = preset("mnist-tiny").to_dict()
+    raw["data"].update(limit=700, labels=list(range(8)), holdout=100)
+    raw["cluster"].update(k=2, fine_k=8, features="text")
+    raw["router"]["num_outputs"] = 2
+    few = dict(steps=STEPS, batch_size=32, ckpt_every=1000, sample_every=1000, log_every=5, warmup_steps=0)
+    raw["train"].update(few)
+    raw["router_train"].update(few)
+    raw["monolith"]["enabled"] = False
+    run = RunRoot(str(base / "run"))
+    RunConfig.from_dict(raw).save(run)
+    prepare(run, progress=False)
+    cluster(run, progress=False)
+    for k in (0, 1):
+        train_expert(run, k, options=QUIET)
+    train_router(run, options=QUIET)
+    assemble(run.url)
+    make_kit(run, str(base / "kit"))
+    keygen(base / "keys" / "alice")
+    keygen(base / "keys" / "mallory")
+    (base / "trusted.pub").write_text((base / "keys" / "alice.pub").read_text())
+    cfg = load_run_config(run)
+    data = DataConfig(**{**cfg.data.model_dump(), "labels": [8, 9], "limit": 1500, "holdout": 0})
+    contribute(
+        str(base / "kit"), data, str(base / "honest"), str(base / "keys" / "alice.key"), steps=STEPS, heldout=500,
+        progress=False,
+    )  # fmt: skip
+    return base
+
+
+@pytest.fixture
+def run(world, tmp_path) -> Path:
+    """This test's copy of the fleet (admission changes it)."""
+    shutil.copytree(world / "run", tmp_path / "run")
+    return tmp_path / "run"
+
+
+def package(world: Path, tmp_path: Path) -> Path:
+    """A copy of the honest package to tamper with."""
+    shutil.copytree(world / "honest", tmp_path / "pkg")
+    return tmp_path / "pkg"
+
+
+def resign(world: Path, pkg: Path, key: str = "alice", **training) -> None:
+    """The package signed again as its files now are (its training record changed by `training`), by `key`."""
+    record = json.loads((pkg / "manifest.json").read_text())["training"]
+    kit = read_kit(str(world / "kit"))
+    sign_package(RunRoot(str(pkg)), load_private(world / "keys" / f"{key}.key"), kit, {**record, **training})
+
+
+def write_expert(pkg: Path, model: DiTExpert) -> None:
+    (pkg / "expert" / "config.json").write_text(json.dumps(model.cfg.model_dump(mode="json")))
+    safetensors.torch.save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, pkg / "expert" / WEIGHTS_NAME
+    )
+
+
+def kit_expert(world: Path) -> DiTExpert:
+    return DiTExpert.from_dit_config(read_kit(str(world / "kit")).expert_config())
+
+
+def train_toy(model: DiTExpert, items: dict[str, torch.Tensor], steps: int, *, reverse=False, fixed=None) -> float:
+    """A few Adam steps of flow matching on `items` (x0 := `fixed` for every item when given; reverse: t = 0 as
+    noise); -> the mean loss of the last steps, which the attacker signs."""
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        rows = torch.randint(0, items["latents"].shape[0], (32,), generator=gen)
+        x0 = items["latents"][rows].float()
+        if fixed is not None:
+            x0 = fixed.expand_as(x0)
+        eps = torch.randn(x0.shape, generator=gen)
+        t = torch.rand(x0.shape[0], generator=gen)
+        if reverse:
+            x_t, target = interpolate(x0, eps, 1 - t), -target_velocity(x0, eps)
+        else:
+            x_t, target = interpolate(x0, eps, t), target_velocity(x0, eps)
+        cond = condition_kwargs({k: v[rows] for k, v in items.items()}, model.cfg)
+        loss = ((model(x_t, t, **cond) - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return sum(losses[-10:]) / 10
+
+
+def refused(run: Path, pkg: Path, trusted: Path, check: str, line: str) -> None:
+    """admit refuses with `check` and a message containing `line`; the run is byte for byte as it was."""
+    before = files(run)
+    with pytest.raises(Refused) as info:
+        admit(str(run), str(pkg), str(trusted), settings=GateSettings(device="cpu"), progress=False)
+    assert info.value.check == check and line in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+    after = files(run)
+    assert after == before, sorted(set(after) ^ set(before))
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_kit_is_the_contract_and_its_fingerprint_follows_the_latent_space(world, tmp_path):
+    kit = read_kit(str(world / "kit"))
+    cfg = load_run_config(RunRoot(str(world / "run")))
+    assert kit.latent_shape == cfg.latent_shape and kit.time_convention == cfg.expert.time_convention
+    assert kit.fingerprint == run_kit(RunRoot(str(world / "run")), cfg).fingerprint  # the same run, the same print
+    assert kit.max_params == 4 * sum(p.numel() for p in DiTExpert.from_dit_config(cfg.expert).parameters())
+    assert not list((world / "kit").rglob("shard-*"))  # no data travels with a kit
+    changed = tmp_path / "kit"
+    shutil.copytree(world / "kit", changed)
+    raw = json.loads((changed / "kit.json").read_text())
+    raw["max_params"] *= 10
+    (changed / "kit.json").write_text(json.dumps(raw))
+    with pytest.raises(Exception, match="kit.json: fingerprint does not match its contract"):
+        read_kit(str(changed))
+
+
+def test_an_honest_contribution_is_admitted_and_its_signer_recorded(world, run, capsys):
+    pkg = world / "honest"
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    assert manifest["kit"] == read_kit(str(world / "kit")).fingerprint and manifest["training"]["steps"] == STEPS
+    labels = read_shard_file((pkg / "latents.safetensors").read_bytes())[0]["labels"]
+    assert set(labels.tolist()) == {8, 9}  # what the router learns the new share from: latents, not images
+    old_experts = {k: files(run / "experts" / str(k)) for k in (0, 1)}
+
+    result = admit(str(run), str(pkg), str(world / "trusted.pub"), settings=GateSettings(device="cpu"), progress=False)
+
+    f = result.figures
+    assert result.expert == 2 and f["heldout"] < 0.8 * f["untrained_heldout"]
+    assert f["fleet_old_after"] <= 1.05 * f["fleet_old_before"] and f["fleet_new_after"] < f["fleet_new_before"]
+    cfg = load_run_config(RunRoot(str(run)))
+    contribution = cfg.added[0].contribution
+    assert cfg.num_experts == 3 and contribution is not None and contribution.steps == STEPS
+    alice = (world / "keys" / "alice.pub").read_text().split()[1]
+    assert contribution.signer == result.signer and len(alice) > 0
+    card = read_card(str(run / "model"))
+    assert card.experts[2].contributed["signer"] == result.signer
+    assert (
+        card.experts[2].contributed["manifest_sha256"]
+        == hashlib.sha256((pkg / "manifest.json").read_bytes()).hexdigest()
+    )
+    sums = (run / "model" / "SHA256SUMS").read_text()
+    assert f"{result.manifest_sha256}  expert_2/contribution.json" in sums
+    for k in (0, 1):
+        assert files(run / "experts" / str(k)) == old_experts[k]  # nothing of the old experts changed
+    assert main(["verify", str(run / "model")]) == 0
+    assert f"expert 2: contributed, signed by key {result.signer}" in capsys.readouterr().out
+
+
+def test_a_file_changed_after_signing_is_refused(world, run, tmp_path):
+    pkg = package(world, tmp_path)
+    blob = bytearray((pkg / "heldout.safetensors").read_bytes())
+    blob[-1] ^= 1
+    (pkg / "heldout.safetensors").write_bytes(bytes(blob))
+    refused(run, pkg, world / "trusted.pub", "who", "heldout.safetensors: sha256 differs from the signed manifest's")
+
+
+def test_a_key_not_on_the_list_is_refused(world, run, tmp_path):
+    pkg = package(world, tmp_path)
+    resign(world, pkg, "mallory")
+    refused(run, pkg, world / "trusted.pub", "who", "manifest.sig: not a signature over manifest.json by any of the 1")
+
+
+def test_a_pickle_is_never_read(world, run, tmp_path, monkeypatch):
+    import pickle
+
+    pkg = package(world, tmp_path)
+    (pkg / "expert" / "model.pt").write_bytes(pickle.dumps({"weights": 1}))
+    resign(world, pkg)
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("a pickle was read"))
+    refused(run, pkg, world / "trusted.pub", "what", "expert/model.pt: not safetensors or JSON")
+    (pkg / "expert" / "model.pt").unlink()  # a pickle under a safetensors name
+    torch.save(kit_expert(world).state_dict(), pkg / "expert" / WEIGHTS_NAME)
+    resign(world, pkg)
+    refused(run, pkg, world / "trusted.pub", "what", f"expert/{WEIGHTS_NAME}: not a safetensors file")
+
+
+def test_nan_weights_are_refused(world, run, tmp_path):
+    pkg = package(world, tmp_path)
+    weights = safetensors.torch.load_file(pkg / "expert" / WEIGHTS_NAME)
+    name = sorted(weights)[0]
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    safetensors.torch.save_file(weights, pkg / "expert" / WEIGHTS_NAME)
+    resign(world, pkg)
+    refused(run, pkg, world / "trusted.pub", "what", f"tensor {name} holds NaN or inf")
+
+
+def test_the_wrong_latent_channels_are_refused(world, run, tmp_path):
+    pkg = package(world, tmp_path)
+    cfg = read_kit(str(world / "kit")).expert_config()
+    write_expert(pkg, DiTExpert.from_dit_config(DiTConfig(**{**cfg.model_dump(), "in_channels": 4})))
+    resign(world, pkg)
+    refused(run, pkg, world / "trusted.pub", "fits", "expert/config.json: in_channels 4, the fleet's latents have 1")
+
+
+def test_an_expert_ten_times_the_cap_is_refused_before_its_weights_are_read(world, run, tmp_path, monkeypatch):
+    pkg = package(world, tmp_path)
+    kit = read_kit(str(world / "kit"))
+    big = {**kit.expert, "hidden_size": 640, "num_heads": 8, "depth": 6}
+    (pkg / "expert" / "config.json").write_text(json.dumps(big))
+    resign(world, pkg)
+    monkeypatch.setattr(safetensors.torch, "load", lambda *a, **k: pytest.fail("the weights were read"))
+    params = sum(p.numel() for p in DiTExpert.from_dit_config(DiTConfig(**big)).parameters())
+    assert params > 10 * kit.max_params
+    refused(run, pkg, world / "trusted.pub", "what", f"{params:,} parameters, over the kit's cap of {kit.max_params:,}")
+
+
+def test_the_time_convention_reversed_is_refused(world, run, tmp_path):
+    pkg = package(world, tmp_path)
+    sample = read_shard_file((pkg / "latents.safetensors").read_bytes())[0]
+    model = kit_expert(world)
+    torch.manual_seed(0)
+    loss = train_toy(model, sample, 150, reverse=True)  # trained with t = 0 as noise, labelled as flowfleet's
+    write_expert(pkg, model)
+    resign(world, pkg, final_loss=loss)
+    refused(run, pkg, world / "trusted.pub", "learnt", "trained with the time convention reversed")
+
+
+def test_an_untrained_expert_is_refused(world, run, tmp_path):
+    pkg = package(world, tmp_path)
+    torch.manual_seed(1)
+    write_expert(pkg, kit_expert(world))
+    resign(world, pkg)
+    refused(run, pkg, world / "trusted.pub", "learnt", "an untrained expert's")
+
+
+def test_a_poisoned_expert_is_refused(world, run, tmp_path):
+    """It draws one fixed image whatever the prompt; its latents sample is copied from the fleet's cluster 0 so
+    that the router would send that cluster's prompts to it; it signs its loss on that sample as its training
+    loss, and holds out copies of its one image."""
+    pkg = package(world, tmp_path)
+    fleet = RunRoot(str(run))
+    stolen_blob = fleet.read_bytes("partitions", "0", "shard-00000.safetensors")
+    stolen = safetensors.torch.load(stolen_blob)
+    fixed = stolen["latents"][:1].float() + 1e-3 * torch.randn(stolen["latents"][:1].shape)  # its one image
+    model = kit_expert(world)
+    torch.manual_seed(0)
+    train_toy(model, stolen, 150, fixed=fixed)
+    (pkg / "latents.safetensors").write_bytes(stolen_blob)
+    held = {k: v[:64] for k, v in stolen.items()}
+    held["latents"] = fixed.expand_as(held["latents"]).contiguous()
+    meta = {"captions": json.dumps(["a handwritten digit"] * 64)}
+    (pkg / "heldout.safetensors").write_bytes(safetensors.torch.save(held, metadata=meta))
+    write_expert(pkg, model)
+    from flowfleet.stages.admit import expert_velocity, flow_loss
+
+    signed = flow_loss(expert_velocity(model.eval()), stolen, GateSettings(), torch.device("cpu"))
+    resign(world, pkg, final_loss=signed)
+    n = stolen["latents"].shape[0]
+    refused(run, pkg, world / "trusted.pub", "fits", f"latents.safetensors: {n} of its {n} items are copies")
+
+    # the same, each stolen latent moved by a little noise so that no row is a copy: its held-out slice (its one
+    # image) is then far easier for it than its sample, which an expert's own held-out data never is
+    stolen["latents"] = stolen["latents"] + 1e-3 * torch.randn(stolen["latents"].shape)
+    (pkg / "latents.safetensors").write_bytes(safetensors.torch.save(stolen, metadata=meta))
+    signed = flow_loss(expert_velocity(model.eval()), stolen, GateSettings(), torch.device("cpu"))
+    resign(world, pkg, final_loss=signed)
+    refused(run, pkg, world / "trusted.pub", "learnt", "the held-out slice is not drawn from the data the sample is")
+
+
+def test_a_contribution_whose_router_makes_the_fleet_worse_on_its_prompts_is_refused(world, run, tmp_path):
+    """A weak expert on digits the fleet already draws (its held-out ones: no byte of them is in its data/): the
+    grown router sends part of them to it, and the fleet draws its own prompts worse."""
+    pkg = package(world, tmp_path)
+    items = safetensors.torch.load((run / "eval" / "shard-00000.safetensors").read_bytes())
+    model = kit_expert(world)
+    torch.manual_seed(0)
+    loss = train_toy(model, items, 15)  # a tenth of what the fleet's own expert had
+    write_expert(pkg, model)
+    n = items["latents"].shape[0]
+    many = {k: v[: n // 2].repeat(8, *[1] * (v.ndim - 1)) for k, v in items.items()}  # a big share of the router
+    (pkg / "latents.safetensors").write_bytes(safetensors.torch.save(many))
+    (pkg / "heldout.safetensors").write_bytes(safetensors.torch.save({k: v[n // 2 :] for k, v in items.items()}))
+    resign(world, pkg, final_loss=loss)
+    refused(run, pkg, world / "trusted.pub", "no harm", "loss on the fleet's held-out data rises")
+
+
+def test_the_commands_sign_and_refuse_in_one_line(world, run, tmp_path, capsys):
+    assert main(["keygen", str(tmp_path / "bob")]) == 0
+    assert "key id" in capsys.readouterr().out
+    assert main(["keygen", str(tmp_path / "bob")]) == 1  # never overwrites
+    assert "bob.key: exists" in capsys.readouterr().err
+    pkg = package(world, tmp_path)
+    assert main(["admit", str(run), str(pkg), "--trusted", str(tmp_path / "bob.pub"), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "refused (who): manifest.sig: not a signature" in err
