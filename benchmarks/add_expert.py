@@ -17,7 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
-from fleet_runs import evaluate_model  # benchmarks/fleet_runs.py
+from fleet_runs import evaluate_model, without_8_and_9  # benchmarks/fleet_runs.py
 
 
 def digests(folder: Path) -> dict[str, str]:
@@ -41,7 +41,6 @@ def main() -> None:
     from flowfleet.stages.add_expert import add_expert
     from flowfleet.stages.assemble import assemble
     from flowfleet.stages.cluster import cluster
-    from flowfleet.stages.demo import demo_plan
     from flowfleet.stages.prepare import prepare
     from flowfleet.stages.train import train_all
     from flowfleet.storage import RunRoot
@@ -52,12 +51,7 @@ def main() -> None:
     strategies = tuple(s for s in a.strategies.split(",") if s)
     timings: dict[str, float] = {}
     if not (out / "run.yaml").exists():
-        raw = demo_plan("full").config.to_dict()
-        raw["name"] = "mnist-without-8-9"
-        raw["data"]["labels"] = list(range(8))
-        raw["monolith"]["enabled"] = False
-        raw["router_baseline"] = False
-        RunConfig.from_dict(raw).save(root)
+        RunConfig.from_dict(without_8_and_9("mnist-without-8-9")).save(root)
     if a.judge_from and not (out / "reports" / "digit_classifier").exists():
         shutil.copytree(Path(a.judge_from) / "reports" / "digit_classifier", out / "reports" / "digit_classifier")
     cfg = load_run_config(root)

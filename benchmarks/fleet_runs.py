@@ -28,6 +28,19 @@ def copy_run(src: Path, out: Path) -> None:
             shutil.copy2(src / name, out / name)
 
 
+def without_8_and_9(name: str) -> dict[str, Any]:
+    """run.yaml of the demo's full plan (K = 2 caption clusters, 1000 steps per expert, 300 per router) on the
+    built-in digits without 8 and 9, with no monolith and no comparison router: the fleet new digits join."""
+    from flowfleet.stages.demo import demo_plan
+
+    raw = demo_plan("full").config.to_dict()
+    raw["name"] = name
+    raw["data"]["labels"] = list(range(8))
+    raw["monolith"]["enabled"] = False
+    raw["router_baseline"] = False
+    return raw
+
+
 def set_budget(raw: dict, steps: int, seed: int, sets: list[str] = ()) -> None:
     """A copied run.yaml's train.steps = steps (checkpoints, samples, logs and warm-up scaled to them), the
     training seed of every job (experts, monolith, router) = seed, then each --set (set_dotted)."""

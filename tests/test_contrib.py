@@ -27,7 +27,7 @@ from flowfleet.sampling.signing import keygen, load_private
 from flowfleet.stages.admit import GateSettings, Refused, admit
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.cluster import cluster
-from flowfleet.stages.contribute import contribute, read_shard_file, sign_package
+from flowfleet.stages.contribute import ContributeOptions, contribute, read_shard_file, sign_package
 from flowfleet.stages.kit import make_kit, read_kit, run_kit
 from flowfleet.stages.prepare import prepare
 from flowfleet.stages.train import train_expert, train_router
@@ -77,10 +77,8 @@ def world(tmp_path_factory):
     (base / "trusted.pub").write_text((base / "keys" / "alice.pub").read_text())
     cfg = load_run_config(run)
     data = DataConfig(**{**cfg.data.model_dump(), "labels": [8, 9], "limit": 1500, "holdout": 0})
-    contribute(
-        str(base / "kit"), data, str(base / "honest"), str(base / "keys" / "alice.key"), steps=STEPS, heldout=500,
-        progress=False,
-    )  # fmt: skip
+    options = ContributeOptions(steps=STEPS, heldout=500, progress=False)
+    contribute(str(base / "kit"), data, str(base / "honest"), str(base / "keys" / "alice.key"), options)  # fmt: skip
     return base
 
 

@@ -88,23 +88,15 @@ def run_contribute(args: argparse.Namespace) -> int:
     the expert, a capped sample of its latents and text embeddings, a held-out slice, and a manifest signed with
     --key. No image leaves the machine.
     """
-    from flowfleet.stages.contribute import contribute
+    from flowfleet.stages.contribute import ContributeOptions, contribute
     from flowfleet.stages.kit import read_kit
 
     kit = read_kit(args.kit)
     if args.data is not None:
         args.source, args.path = "folder", args.data
     data = data_config(args, image_size=kit.image_size, channels=kit.image_channels)
-    result = contribute(
-        args.kit,
-        data,
-        args.out,
-        args.key,
-        steps=args.steps,
-        sample_cap=args.sample,
-        heldout=args.heldout,
-        progress=args.progress,
-    )
+    options = ContributeOptions(args.steps, args.sample, args.heldout, progress=args.progress)
+    result = contribute(args.kit, data, args.out, args.key, options)
     print(
         f"wrote {result.package}: one expert, {result.steps} steps on {result.items} items (final loss "
         f"{result.final_loss:.4f}), signed by key {result.key_id}"

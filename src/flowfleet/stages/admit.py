@@ -9,12 +9,12 @@ The checks run in this order and the first failure refuses the package in one li
               cap, counted on the meta device, and the weights' file size checked, before any weight is read;
               the weights in an allowed dtype and finite
   3. fits     the fleet's latent channels and size, text width and length, time convention, an accepted
-              objective, only what an expert may change (EXPERT_OVERRIDABLE), and the kit's fingerprint as this
-              run computes it now
+              objective, only what an expert may change (EXPERT_OVERRIDABLE), the kit's fingerprint as this
+              run computes it now; a sample and held-out slice that are not the fleet's own data
   4. learnt   on its own held-out slice: a lower flow-matching loss with flowfleet's time convention than with
-              t = 0 as noise; below a share of an untrained expert's loss; close to its loss on its own latents
-              sample, which is close to the training loss it signed; its velocities on the fleet's held-out
-              latents finite and bounded
+              t = 0 as noise; below a share of an untrained expert's loss; neither far above nor far below its
+              loss on its own latents sample (held out from the same data), which is close to the training loss
+              it signed; its velocities on the fleet's held-out latents finite and bounded
   5. no harm  the grown fleet (the addition recorded, the router trained warm-started as add-expert does,
               assembled into model-candidate/): its routed flow-matching loss on the fleet's held-out data within
               `harm` of the fleet's before, and lower than the fleet's before on the contribution's held-out slice
@@ -59,7 +59,6 @@ from flowfleet.layout import (
     PACKAGE_MANIFEST,
     PACKAGE_SAMPLE,
     PACKAGE_SIGNATURE,
-    PACKAGE_SIGNER,
     RUN_FILE,
     STATUS_FILE,
     addition,
@@ -74,7 +73,7 @@ from flowfleet.sampling.routing import Condition
 from flowfleet.sampling.signing import read_trusted, signed_by
 from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.stages.assemble import assemble
-from flowfleet.stages.contribute import package_files, package_sha256, read_shard_file
+from flowfleet.stages.contribute import PACKAGE_OWN, package_files, package_sha256, read_shard_file
 from flowfleet.stages.kit import Kit, parameter_count, run_kit
 from flowfleet.stages.train import train_job
 from flowfleet.storage import RunRoot
@@ -86,7 +85,6 @@ from flowfleet.train.status import JobStatus
 
 log = logging.getLogger(__name__)
 
-PACKAGE_OWN = (PACKAGE_MANIFEST, PACKAGE_SIGNATURE, PACKAGE_SIGNER)  # the files the manifest cannot list
 CONFIG_MAX_BYTES = 64 << 10
 HEADER_MAX_BYTES = 1 << 20  # a safetensors header above this is not a DiT's
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 SKIPPED_FIELDS = ("aug_latents", "aug_params")  # augmented copies stay with the contributor
 MANIFEST_FORMAT = 1
+PACKAGE_OWN = (PACKAGE_MANIFEST, PACKAGE_SIGNATURE, PACKAGE_SIGNER)  # the files the manifest cannot list
 
 
 @dataclass
@@ -95,24 +96,25 @@ def contribution_config(kit_dir: RunRoot, kit: Kit, data: DataConfig, steps: int
     return RunConfig.from_dict(raw, kit_dir.url_of(KIT_RUN) + " (with the contribution's data)")
 
 
+@dataclass(frozen=True)
+class ContributeOptions:
+    steps: int | None = None  # training steps (None: the kit's run's)
+    sample_cap: int = 1024  # items of the latents sample
+    heldout: int = 100  # source items held out for the gate (the last ones, as run.yaml data.holdout)
+    work: str | None = None  # the work folder (None: OUT.work)
+    progress: bool = True
+
+
 def contribute(
-    kit_dir: str,
-    data: DataConfig,
-    out: str,
-    key: str,
-    *,
-    steps: int | None = None,
-    sample_cap: int = 1024,
-    heldout: int = 100,
-    work: str | None = None,
-    progress: bool = True,
+    kit_dir: str, data: DataConfig, out: str, key: str, options: ContributeOptions = ContributeOptions()
 ) -> ContributeResult:
     """Prepare `data` with the kit's encoders, train one expert on it, and write the signed package to `out`."""
     private = load_private(key)  # before any work: a wrong key is a one-line error now, not after training
     kit_root = RunRoot(kit_dir)
     kit = read_kit(kit_root)
-    work_root = RunRoot(work or out.rstrip("/") + ".work")
-    cfg = contribution_config(kit_root, kit, data, steps, heldout)
+    work_root = RunRoot(options.work or out.rstrip("/") + ".work")
+    progress, sample_cap = options.progress, options.sample_cap
+    cfg = contribution_config(kit_root, kit, data, options.steps, options.heldout)
     cfg.save(work_root)
     for name in kit.latent_weights:  # the fleet's latent space, frozen (prepare trains none)
         work_root.write_bytes(kit_root.read_bytes(AUTOENCODER, name), AUTOENCODER, name)
@@ -140,8 +142,7 @@ def sign_package(pkg: RunRoot, key: Ed25519PrivateKey, kit: Kit, training: dict[
     """manifest.json for the package's files as they are (their sha256), the kit's fingerprint and the training
     record; manifest.sig over it with `key`; signer.pub. -> the key id. Run again after changing a file, it signs
     the package as it now is."""
-    own = (PACKAGE_MANIFEST, PACKAGE_SIGNATURE, PACKAGE_SIGNER)
-    files = {rel: package_sha256(pkg, rel) for rel in package_files(pkg) if rel not in own}
+    files = {rel: package_sha256(pkg, rel) for rel in package_files(pkg) if rel not in PACKAGE_OWN}
     record = {
         "format": MANIFEST_FORMAT,
         "kit": kit.fingerprint,
