@@ -239,6 +239,16 @@ def test_nan_weights_are_refused(world, run, tmp_path):
     refused(run, pkg, world / "trusted.pub", "what", f"tensor {name} holds NaN or inf")
 
 
+def test_weights_that_are_not_their_configs_expert_are_refused(world, run, tmp_path):
+    pkg = package(world, tmp_path)
+    weights = safetensors.torch.load_file(pkg / "expert" / WEIGHTS_NAME)
+    name = sorted(weights)[-1]
+    del weights[name]
+    safetensors.torch.save_file(weights, pkg / "expert" / WEIGHTS_NAME)
+    resign(world, pkg)
+    refused(run, pkg, world / "trusted.pub", "what", f"tensor {name} is None, config.json makes it")
+
+
 def test_the_wrong_latent_channels_are_refused(world, run, tmp_path):
     pkg = package(world, tmp_path)
     cfg = read_kit(str(world / "kit")).expert_config()

@@ -271,6 +271,14 @@ class Gate:
         if size > cap * max(BYTES_PER_PARAM.values()) + HEADER_MAX_BYTES:
             raise Refused("what", f"{rel_weights}: {size:,} bytes, more than {cap:,} parameters can take")
         tensors = safetensors.torch.load(self.pkg.read_bytes(*rel_weights.split("/")))
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in DiTExpert.from_dit_config(cfg).state_dict().items()}
+        for name in sorted(set(expected) | set(tensors)):
+            got = tuple(tensors[name].shape) if name in tensors else None
+            if got != expected.get(name):
+                raise Refused(
+                    "what", f"{rel_weights}: tensor {name} is {got}, config.json makes it {expected.get(name)}"
+                )
         for name, tensor in tensors.items():
             dtype = str(tensor.dtype).removeprefix("torch.")
             if dtype not in self.kit.dtypes:
@@ -362,8 +370,9 @@ class Gate:
                 f"({f['heldout_reversed_time']:.4f}) than with t = 1 as noise ({f['heldout']:.4f}): trained with the "
                 "time convention reversed",
             )
-        torch.manual_seed(s.seed)
-        untrained = DiTExpert.from_dit_config(cfg).to(self.device).eval()
+        with torch.random.fork_rng(devices=[]):  # the untrained reference is seeded; the caller's generator is not
+            torch.manual_seed(s.seed)
+            untrained = DiTExpert.from_dit_config(cfg).to(self.device).eval()
         f["untrained_heldout"] = flow_loss(expert_velocity(untrained), held, s, self.device)
         if not f["heldout"] < s.ceiling * f["untrained_heldout"]:
             raise Refused(
