@@ -108,6 +108,21 @@ def bad_packages(out: Path, run: Path, kit: Path, key: Path, steps: int) -> dict
     return {"untrained": untrained, "poisoned": poisoned}
 
 
+REFERENCE_PARTS = ("data", "eval", "clusters", "partitions", "autoencoder", "reports/digit_classifier")
+
+
+def frozen_reference(run: Path, dest: Path) -> None:
+    """The fleet as it is now, as evaluate's reference: its run.yaml copied and its data linked. Scored against it
+    after an admission, the old prompts are the same prompts with the same noise (evaluate draws them from the
+    reference's items, which an admission extends with the contribution's sample)."""
+    if (dest / "run.yaml").exists():
+        return
+    for part in REFERENCE_PARTS:
+        (dest / part).parent.mkdir(parents=True, exist_ok=True)
+        (dest / part).symlink_to((run / part).resolve(), target_is_directory=True)
+    shutil.copy2(run / "run.yaml", dest / "run.yaml")
+
+
 def scores(model: Path, reference: Path, n: int) -> dict[str, Any]:
     got = evaluate_model(model, reference, n, ("top2",))["top2"]
     return {k: got[k] for k in ("classifier_fd", "accuracy", "per_class", "fid")}
@@ -140,9 +155,13 @@ def main() -> None:
         )  # fmt: skip
     rows["seconds"]["contribute"] = round(time.perf_counter() - t0, 1)
     bad = bad_packages(out, run, kit, keys / "stranger.key", steps)
+    frozen_reference(run, out / "reference-old")
     before_file = out / "before.json"
     if not before_file.exists():
-        before = {"old": scores(run / "model", run, a.n), "new": scores(run / "model", out / "honest.work", a.n)}
+        before = {
+            "old": scores(run / "model", out / "reference-old", a.n),
+            "new": scores(run / "model", out / "honest.work", a.n),
+        }
         before_file.write_text(json.dumps(before))
     rows["before"] = json.loads(before_file.read_text())
 
@@ -159,7 +178,10 @@ def main() -> None:
     rows["seconds"]["admit"] = round(time.perf_counter() - t0, 1)
     rows["admit"] = done.stdout.strip().splitlines()
     print("admit (honest):", "\n  ".join(rows["admit"]) or done.stderr.strip().splitlines()[-1])
-    rows["after"] = {"old": scores(run / "model", run, a.n), "new": scores(run / "model", out / "honest.work", a.n)}
+    rows["after"] = {
+        "old": scores(run / "model", out / "reference-old", a.n),
+        "new": scores(run / "model", out / "honest.work", a.n),
+    }
     for which in ("old", "new"):
         b, f = rows["before"][which], rows["after"][which]
         print(
