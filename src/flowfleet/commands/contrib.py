@@ -38,7 +38,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="PKG", help="the package folder to write")
     p.add_argument("--key", required=True, metavar="KEY", help="the private key that signs it (flowfleet keygen)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the kit's run's)")
-    p.add_argument("--heldout", type=int, default=100, metavar="N", help="items held out for the gate (default 100)")
+    p.add_argument(
+        "--heldout",
+        type=int,
+        default=100,
+        metavar="N",
+        help="hold the source's last N items out of training, for the gate (with --labels: those of them it keeps; "
+        "default 100)",
+    )
     p.add_argument("--sample", type=int, default=1024, metavar="N", help="items of the latents sample (default 1024)")
     add_progress(p)
 
