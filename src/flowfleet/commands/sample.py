@@ -143,14 +143,16 @@ def run_verify(args: argparse.Namespace) -> int:
 
     folder = RunRoot(args.model_dir)
     count = verify_weights(folder, use_cache=False)
-    print(f"{args.model_dir}: {count} files match SHA256SUMS" if count else f"{args.model_dir}: no SHA256SUMS")
-    for e in read_card(folder).experts:
-        if e.contributed:
-            c = e.contributed
-            print(
-                f"expert {e.expert}: contributed, signed by key {c['signer']} (manifest sha256 {c['manifest_sha256']})"
-            )
-    return 0 if count else 1
+    if not count:
+        print(f"{args.model_dir}: no SHA256SUMS")
+        return 1
+    contributed = [e for e in read_card(folder).experts if e.contributed]
+    signed = f", and {len(contributed)} signed contribution manifest(s)," if contributed else ""
+    print(f"{args.model_dir}: {count - len(contributed)} weight files{signed} match SHA256SUMS")
+    for e in contributed:
+        c = e.contributed or {}
+        print(f"expert {e.expert}: contributed, signed by key {c['signer']} (manifest sha256 {c['manifest_sha256']})")
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
