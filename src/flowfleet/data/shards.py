@@ -115,9 +115,7 @@ class ShardSet:
             if t.shape[0] != n:
                 raise ValueError(f"shard field {name!r} has {t.shape[0]} rows, expected {n}")
         name = shard_name(len(manifest.shards))
-        meta = {"captions": json.dumps(captions)}
-        data = safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
-        self.root.write_bytes(data, self.folder, name)
+        self.root.write_bytes(shard_bytes(tensors, captions), self.folder, name)
         if not manifest.fields:
             manifest.fields = {
                 k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype).removeprefix("torch.")}
@@ -127,10 +125,7 @@ class ShardSet:
         self.write_manifest(manifest)
 
     def read_shard(self, name: str) -> tuple[dict[str, torch.Tensor], list[str]]:
-        raw = self.root.read_bytes(self.folder, name)
-        tensors = safetensors.torch.load(raw)
-        meta = _safetensors_metadata(raw)
-        return tensors, json.loads(meta.get("captions", "[]"))
+        return parse_shard(self.root.read_bytes(self.folder, name))
 
     def load(self, fields: Iterable[str] = FIELDS, with_captions: bool = False):
         """Concatenate the requested fields of every shard (in-memory; fine up to a few GB)."""
@@ -186,6 +181,17 @@ def open_complete(root: RunRoot, folder: str, made_by: str) -> ShardSet:
             f"stopped early); finish `{made_by}` first"
         )
     return shards
+
+
+def shard_bytes(tensors: dict[str, torch.Tensor], captions: list[str]) -> bytes:
+    """One shard file: the tensors (batch-first), the captions in its safetensors metadata."""
+    meta = {"captions": json.dumps(captions)}
+    return safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
+
+
+def parse_shard(raw: bytes) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A shard file's (tensors, captions)."""
+    return safetensors.torch.load(raw), json.loads(_safetensors_metadata(raw).get("captions", "[]"))
 
 
 def _safetensors_metadata(raw: bytes) -> dict[str, str]:

@@ -24,12 +24,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import safetensors.torch
 import torch
 import yaml
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from flowfleet.config import DataConfig, RunConfig
+from flowfleet.data.shards import ShardSet, parse_shard, shard_bytes
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.layout import (
@@ -188,23 +188,16 @@ def _pack(work: RunRoot, pkg: RunRoot, sample_cap: int, seed: int) -> None:
 
 def _shard_bytes(work: RunRoot, folder: str, cap: int, seed: int) -> bytes:
     """Up to `cap` seeded-random items of a prepared shard set as one shard (the fields a fleet reads)."""
-    from flowfleet.data.shards import ShardSet
-
     shards = ShardSet(work, folder)
     fields = [f for f in shards.manifest().fields if f not in SKIPPED_FIELDS]
     tensors, captions = shards.load(fields, with_captions=True)
     n = len(captions)
     pick = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:cap].sort().values
-    chosen: dict[str, Any] = {k: v[pick].contiguous() for k, v in tensors.items()}
-    meta = {"captions": json.dumps([captions[i] for i in pick.tolist()])}
-    return safetensors.torch.save(chosen, metadata=meta)
+    return shard_bytes({k: v[pick] for k, v in tensors.items()}, [captions[i] for i in pick.tolist()])
 
 
 def read_shard_file(blob: bytes) -> tuple[dict[str, torch.Tensor], list[str]]:
     """A package's latents.safetensors or heldout.safetensors: (tensors, captions)."""
-    from flowfleet.data.shards import _safetensors_metadata
-
-    tensors = safetensors.torch.load(blob)
-    captions = json.loads(_safetensors_metadata(blob).get("captions", "[]"))
+    tensors, captions = parse_shard(blob)
     rows = len(next(iter(tensors.values()))) if tensors else 0
     return tensors, captions if len(captions) == rows else [""] * rows  # (captions are for people, not the gate)
