@@ -30,12 +30,13 @@ package's latents and the fleet's own held-out data (eval/, or data/ when the ru
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import safetensors.torch
 import torch
@@ -149,18 +150,26 @@ def flow_loss(
 ) -> float:
     """Mean velocity MSE over t bins' midpoints, noise seeded per bin (the same for every model on the same items).
     reverse: as if t = 0 were noise (x_t = t x0 + (1 - t) eps, target x0 - eps), the convention flowfleet's is not."""
+    total = 0.0
+    for x_t, t, target, cond in noised(items, settings, device, reverse):
+        total += float(((velocity(x_t, t, cond) - target) ** 2).mean())
+    return total / settings.t_bins
+
+
+def noised(
+    items: dict[str, torch.Tensor], settings: GateSettings, device: torch.device, reverse: bool = False
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+    """Per t bin: (x_t [N, C, H, W], t [N] at the bin's midpoint, the target velocity, the condition) of the items,
+    the noise seeded per bin. reverse: x_t and the target as t = 0 as noise would make them (see flow_loss)."""
     x0 = items["latents"].float().to(device)  # [N, C, H, W]
     cond = {k: v.to(device) for k, v in items.items() if k in CONDITION_FIELDS}
-    total = 0.0
     for b in range(settings.t_bins):
         eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(derive_seed(settings.seed, b))).to(device)
         t = torch.full((x0.shape[0],), (b + 0.5) / settings.t_bins, device=device)  # [N]
         if reverse:
-            x_t, target = interpolate(x0, eps, 1 - t), -target_velocity(x0, eps)
+            yield interpolate(x0, eps, 1 - t), t, -target_velocity(x0, eps), cond
         else:
-            x_t, target = interpolate(x0, eps, t), target_velocity(x0, eps)
-        total += float(((velocity(x_t, t, cond) - target) ** 2).mean())
-    return total / settings.t_bins
+            yield interpolate(x0, eps, t), t, target_velocity(x0, eps), cond
 
 
 def expert_velocity(model: DiTExpert) -> Callable[..., torch.Tensor]:
@@ -208,7 +217,8 @@ class Gate:
         self.body = b""
         self.signer = ""
         self.expert_cfg: DiTConfig | None = None
-        self.expert: DiTExpert | None = None
+        self.tensors: dict[str, torch.Tensor] = {}  # the expert's weights, once `what` has read them
+        self._shards: dict[str, tuple[dict[str, torch.Tensor], list[str]]] = {}
 
     def checks(self) -> list[Callable[[], None]]:
         return [self.who, self.what, self.fits, self.learnt]
@@ -319,7 +329,7 @@ class Gate:
                 f"fleet's {kit.fingerprint[:16]}... (another fleet's kit, or this fleet changed its latent space)",
             )
         for rel in (PACKAGE_SAMPLE, PACKAGE_HELDOUT):
-            tensors, _ = read_shard_file(self.pkg.read_bytes(rel))
+            tensors = self.shard(rel)[0]
             self._not_copied(rel, tensors)
             lat = tensors.get("latents")
             if lat is None or tuple(lat.shape[1:]) != kit.latent_shape or lat.shape[0] < 2:
@@ -340,8 +350,7 @@ class Gate:
         lat = tensors.get("latents")
         if lat is None or not lat.numel():
             return
-        own = {_row_digest(row) for row in ShardSet(self.root, DATA).load(["latents"])["latents"]}
-        copies = sum(_row_digest(row) in own for row in lat)
+        copies = sum(_row_digest(row) in self.own_rows for row in lat)
         self.figures[f"copied_share_{rel.split('.')[0]}"] = copies / lat.shape[0]
         if copies > self.settings.copied * lat.shape[0]:
             raise Refused(
@@ -357,9 +366,9 @@ class Gate:
         assert cfg is not None
         expert = DiTExpert.from_dit_config(cfg)
         expert.load_state_dict(self.tensors, strict=True)
-        expert = self.expert = expert.to(self.device).eval()
-        held = subset(read_shard_file(self.pkg.read_bytes(PACKAGE_HELDOUT))[0], s.items, s.seed)
-        sample = subset(read_shard_file(self.pkg.read_bytes(PACKAGE_SAMPLE))[0], s.items, s.seed)
+        expert = expert.to(self.device).eval()
+        held = subset(self.shard(PACKAGE_HELDOUT)[0], s.items, s.seed)
+        sample = subset(self.shard(PACKAGE_SAMPLE)[0], s.items, s.seed)
         f = self.figures
         f["heldout"] = flow_loss(expert_velocity(expert), held, s, self.device)
         f["heldout_reversed_time"] = flow_loss(expert_velocity(expert), held, s, self.device, reverse=True)
@@ -403,26 +412,21 @@ class Gate:
                 f"{PACKAGE_SAMPLE}: the expert's loss on it ({f['sample']:.4f}) is over {1 + s.claimed} x "
                 f"the training loss it signed ({claimed:.4f}): the sample is not what it learnt from",
             )
-        probe = subset(self.fleet_heldout(), s.items, s.seed)
+        probe = subset(self.fleet_heldout, s.items, s.seed)
         self._bounded(expert, probe)
 
     def _bounded(self, expert: DiTExpert, probe: dict[str, torch.Tensor]) -> None:
         s = self.settings
-        x0 = probe["latents"].float().to(self.device)
-        cond = {k: v.to(self.device) for k, v in probe.items() if k in CONDITION_FIELDS}
         worst = 0.0
         with torch.no_grad():
-            for b in range(s.t_bins):
-                eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(derive_seed(s.seed, b)))
-                t = torch.full((x0.shape[0],), (b + 0.5) / s.t_bins, device=self.device)
-                v = expert_velocity(expert)(interpolate(x0, eps.to(self.device), t), t, cond)
+            for x_t, t, target, cond in noised(probe, s, self.device):
+                v = expert_velocity(expert)(x_t, t, cond)
                 if not torch.isfinite(v).all():
                     raise Refused(
                         "learnt",
                         f"{PACKAGE_EXPERT}: velocities on the fleet's held-out latents at t = "
                         f"{float(t[0]):.3f} are not finite",
                     )
-                target = target_velocity(x0, eps.to(self.device))
                 worst = max(worst, float(v.pow(2).mean().sqrt() / target.pow(2).mean().sqrt()))
         self.figures["velocity_rms_over_target"] = worst
         if worst > s.velocity_bound:
@@ -432,11 +436,23 @@ class Gate:
                 f"the targets', over {s.velocity_bound}",
             )
 
+    @functools.cached_property
     def fleet_heldout(self) -> dict[str, torch.Tensor]:
         """The fleet's held-out items (eval/, else data/): the fields its models read."""
         folder = EVAL_DATA if self.root.exists(EVAL_DATA) else DATA
         shards = ShardSet(self.root, folder)
         return shards.load(["latents", *CONDITION_FIELDS])
+
+    @functools.cached_property
+    def own_rows(self) -> set[str]:
+        """The digests of the fleet's own latents (data/), one per item."""
+        return {_row_digest(row) for row in ShardSet(self.root, DATA).load(["latents"])["latents"]}
+
+    def shard(self, rel: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """A package shard (latents.safetensors, heldout.safetensors), read once."""
+        if rel not in self._shards:
+            self._shards[rel] = read_shard_file(self.pkg.read_bytes(rel))
+        return self._shards[rel]
 
     # -- 5. no harm -----------------------------------------------------------------------------------
 
@@ -446,7 +462,7 @@ class Gate:
         before_yaml = root.read_bytes(RUN_FILE)
         staged = _Staged(root, self.cfg)
         try:
-            k = staged.add(self.pkg, self.manifest, self.body, self.signer, self.expert_cfg)
+            k = staged.add(self.pkg, self.shard(PACKAGE_SAMPLE), self.manifest, self.body, self.signer, self.expert_cfg)
             for spec in run_routers(staged.cfg):
                 staged.jobs.append(spec.dir)
                 status = train_job(root, spec, options=TrainOptions(progress=progress))
@@ -463,8 +479,8 @@ class Gate:
 
     def _compare(self, before_dir: str, after_dir: str) -> None:
         s, f = self.settings, self.figures
-        old = subset(self.fleet_heldout(), s.items, s.seed)
-        new = subset(read_shard_file(self.pkg.read_bytes(PACKAGE_HELDOUT))[0], s.items, s.seed)
+        old = subset(self.fleet_heldout, s.items, s.seed)
+        new = subset(self.shard(PACKAGE_HELDOUT)[0], s.items, s.seed)
         before = FleetPipeline.from_pretrained(before_dir, device=self.device, load_encoders=False)
         after = FleetPipeline.from_pretrained(after_dir, device=self.device, load_encoders=False)
         f["fleet_old_before"] = flow_loss(fleet_velocity(before), old, s, self.device)
@@ -496,7 +512,15 @@ class _Staged:
         self.folders: list[str] = []
         self.jobs: list[str] = []
 
-    def add(self, pkg: RunRoot, manifest: dict[str, Any], body: bytes, signer: str, expert: DiTConfig | None) -> int:
+    def add(
+        self,
+        pkg: RunRoot,
+        sample: tuple[dict[str, torch.Tensor], list[str]],
+        manifest: dict[str, Any],
+        body: bytes,
+        signer: str,
+        expert: DiTConfig | None,
+    ) -> int:
         """The contribution as addition n of the run: run.yaml, added/<n>/ (its sample as data/ and one partition),
         experts/<K>/ (its weights, finished at its signed steps, and the signed manifest). -> K."""
         assert expert is not None
@@ -525,8 +549,7 @@ class _Staged:
         self.folders += [addition(n), expert_job(k)]
         sub = root.origin(n)
         self.cfg.addition_config(n).save(sub)
-        tensors, captions = read_shard_file(pkg.read_bytes(PACKAGE_SAMPLE))
-        _write_items(sub, tensors, captions)
+        _write_items(sub, *sample)
         job = RunRoot(root.url_of(expert_job(k)))
         for name in pkg.ls(PACKAGE_EXPERT):
             job.write_bytes(pkg.read_bytes(PACKAGE_EXPERT, name), FINAL, name)
