@@ -280,6 +280,12 @@ def test_the_time_convention_reversed_is_refused(world, run, tmp_path):
     refused(run, pkg, world / "trusted.pub", "learnt", "trained with the time convention reversed")
 
 
+def test_a_training_record_without_its_steps_is_refused_in_one_line(world, run, tmp_path):
+    pkg = package(world, tmp_path)
+    resign(world, pkg, steps=None)
+    refused(run, pkg, world / "trusted.pub", "learnt", "manifest.json: training.steps missing or not a count, got None")
+
+
 def test_an_untrained_expert_is_refused(world, run, tmp_path):
     pkg = package(world, tmp_path)
     torch.manual_seed(1)

@@ -402,7 +402,12 @@ class Gate:
                 f"{PACKAGE_HELDOUT}: loss {f['heldout']:.4f}, under 1/{1 + s.gap} of its loss on its own sample "
                 f"({f['sample']:.4f}): the held-out slice is not drawn from the data the sample is",
             )
-        claimed = (self.manifest.get("training") or {}).get("final_loss")
+        training = self.manifest.get("training") or {}
+        for key in ("steps", "items"):  # what run.yaml will record of it (config.Contribution)
+            value = training.get(key)
+            if not isinstance(value, int) or value < (1 if key == "steps" else 0):
+                raise Refused("learnt", f"{PACKAGE_MANIFEST}: training.{key} missing or not a count, got {value!r}")
+        claimed = training.get("final_loss")
         if not isinstance(claimed, (int, float)) or not math.isfinite(claimed):
             raise Refused("learnt", f"{PACKAGE_MANIFEST}: training.final_loss missing or not a number")
         f["signed_training_loss"] = float(claimed)
