@@ -11,6 +11,7 @@ import inspect
 
 import pytest
 from fixtures.random_fleet import HashTextEncoder, tiny_run_config, write_random_fleet
+from pydantic import ValidationError
 
 from flowfleet.cli import build_parser
 from flowfleet.commands.evaluate import EVALUATION_OWN
@@ -119,3 +120,7 @@ def test_every_sampling_setting_is_an_option_and_a_request_field():
     assert GenerateRequest(prompt="x", **CHOICES).choices() == CHOICES
     with pytest.raises(ValueError, match="stepz: not a field of a request nor a sampling setting"):
         GenerateRequest(prompt="x", stepz=3)
+    with pytest.raises(ValidationError) as info:  # any JSON key: the message stays one short line
+        GenerateRequest.model_validate({"prompt": "x", "\n" + "x" * 100: 3})
+    message = info.value.errors()[0]["msg"]
+    assert message.startswith("Value error, '\\nxxx") and "\n" not in message and len(message) < 200

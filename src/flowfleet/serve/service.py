@@ -84,7 +84,8 @@ class GenerateRequest(BaseModel):
         for name in self.model_extra or {}:
             if name not in SAMPLING_CHOICES:
                 settings = ", ".join(SAMPLING_CHOICES)
-                raise ValueError(f"{name}: not a field of a request nor a sampling setting ({settings})")
+                shown = name if name.isidentifier() else repr(name[:40])  # any JSON key, in one short line
+                raise ValueError(f"{shown}: not a field of a request nor a sampling setting ({settings})")
         return self
 
     def choices(self) -> dict[str, Any]:
