@@ -131,8 +131,9 @@ def _add_scoring(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="MODULE:FACTORY",
         help="prompt accuracy by your own classifier: FACTORY(run_root) returns a "
-        "flowfleet.evaluate.judge.ClassifierJudge (MODULE importable or a .py file); on the built-in digits "
-        "a digit classifier, on the built-in emoji the emoji judge is the default",
+        "flowfleet.evaluate.judge.ClassifierJudge (MODULE importable or a .py file); or a built-in judge by name, "
+        "digits or emoji (e.g. for your own folder of digits); on the built-in digits the digit classifier, on "
+        "the built-in emoji the emoji judge is the default",
     )
 
 

@@ -24,7 +24,8 @@ The stage's pieces live in flowfleet.evaluate: the reference items and the real 
 (table.py). Options are validated (strategies parsed, the monolith finished, shapes matched) before anything
 heavy is loaded. The encoders (transformers, the diffusers VAE) are imported only where one is built.
 
-Modules: options.py (EvaluateOptions, ModelRun), stage.py (evaluate, the draws), pieces.py (choose_scale, the
+Modules: options.py (EvaluateOptions, ModelRun), stage.py (evaluate, the draws, JudgedDraw: fleets judged on one
+draw, nothing written), pieces.py (choose_scale, the
 samples file, FID statistics), models.py (another fleet, comparison routers, the monolith), probes.py (the
 generalisation and router-accuracy diagnostics).
 """
@@ -33,6 +34,6 @@ from __future__ import annotations
 
 from flowfleet.stages.evaluate.options import EvaluateOptions, ModelRun
 from flowfleet.stages.evaluate.pieces import choose_scale
-from flowfleet.stages.evaluate.stage import evaluate
+from flowfleet.stages.evaluate.stage import JudgedDraw, evaluate
 
-__all__ = ["EvaluateOptions", "ModelRun", "choose_scale", "evaluate"]
+__all__ = ["EvaluateOptions", "JudgedDraw", "ModelRun", "choose_scale", "evaluate"]

@@ -140,6 +140,65 @@ def evaluate(
     return result
 
 
+class JudgedDraw:
+    """One draw of n prompts and noise from a run's items, on which any number of fleets are sampled and scored by
+    the judge alone: prompt accuracy, the judge's Fréchet distance, precision and recall against the items' real
+    images (no Inception, nothing written). Admit's no-harm check: the fleet before and after it grows, on the same
+    prompts and noise.
+
+        draw = JudgedDraw.open("runs/r", EvaluateOptions(n=300, diagnostics=False), conditioning="pooled")
+        draw.score(FleetPipeline.from_pretrained("runs/r/model"))  # {"prompt_accuracy": 0.97, "classifier_fd": ...}
+
+    Everything is read when it opens: the run's items may change afterwards (an admission stages its sample). `data`:
+    other items in the run's latent space to draw prompts and real images from instead of the run's own (a
+    contribution's held-out slice), with the judge named in options.judge."""
+
+    def __init__(self, ev: "_Evaluation"):
+        self.ev = ev
+
+    @classmethod
+    def open(
+        cls, reference: str, options: EvaluateOptions, conditioning: str, data: ShardSetUnion | None = None
+    ) -> "JudgedDraw | None":
+        """None when no judge reads these prompts (neither options.judge nor a built-in one of the run's source)."""
+        options.validate()
+        root, cfg, own = open_reference(reference)
+        if data is not None:  # the items given are the reference too: not the run's eval/
+            cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"holdout": 0})})
+        ev = _Evaluation(root.url, root, cfg, data or own, options, resolve_device(options.device), conditioning)
+        ev._open_fid(None, inception=False, named=False)
+        target = getattr(ev.judge, "target", None)
+        if ev.judge is None or (callable(target) and all(target(p) is None for p in ev.prompts or [])):
+            return None
+        return cls(ev)
+
+    @property
+    def judge(self) -> str:
+        """How the judge is asked for by name: "digits", "emoji" or MODULE:FACTORY."""
+        return self.ev.builtin_judge() or str(self.ev.options.judge)
+
+    @property
+    def floor(self) -> dict[str, Any]:
+        """The real floor's scores: n real items of the same draw, scored like a model."""
+        return dict(self.ev.floor)
+
+    def score(
+        self, pipe: FleetPipeline, strategy: str | None = None, name: str = "fleet", progress: bool = True
+    ) -> dict[str, Any]:
+        """The fleet's samples of this draw (its default strategy and settings but options.sampling's), judged:
+        prompt_accuracy, classifier_fd, precision, recall (the last three with a judge that has features),
+        per_class, n."""
+        ev, o = self.ev, self.ev.options
+        settings = pipe.settings(strategy, **{**o.sampling, "seed": o.seed})
+        log.info(f"judged draw: {name}: sampling {o.n} images ({settings.describe()})")
+        out = pipe(
+            ev.prompts, o.n, labels=ev.labels, settings=settings, batch_size=o.batch_size, progress=progress and name
+        )
+        scores = ev._score(out.images.float().cpu(), out.prompts, name, with_fid=False)
+        accuracy = scores.pop("_accuracy")
+        return {**scores, "per_class": accuracy["per_class"], "n": accuracy["n"]}
+
+
 def root_has_clusters(root: RunRoot) -> bool:
     return root.exists(*ASSIGNMENTS)
 
@@ -237,18 +296,18 @@ class _Evaluation:
         ev._open_fid(extractor, inception)
         return ev
 
-    def _open_fid(self, extractor: torch.nn.Module | None, inception: bool = True) -> None:
+    def _open_fid(self, extractor: torch.nn.Module | None, inception: bool = True, named: bool = True) -> None:
         """The feature network and the (cached) reference statistics; the real floor's FID (inception False:
-        neither, the judge only)."""
-        fid = self.fid = FID(self.options.fid, self.device, extractor=extractor)
+        neither, the judge only). named: a judge of --judge must name a class in some prompt."""
         t0 = time.perf_counter()
-        if inception:
+        if inception:  # (a draw scored by the judge alone never loads the Inception)
+            fid = self.fid = FID(self.options.fid, self.device, extractor=extractor)
             self._inception_reference(fid)
         self.timings["reference_s"] = time.perf_counter() - t0
         if self.options.judge or (self.prompts and self.builtin_judge() is not None):
-            self._open_judge()
-        if self.options.diagnostics:
-            self.semantic = SemanticFeatures(self.root, self.cfg, fid.key, self.device)
+            self._open_judge(named)
+        if self.options.diagnostics and self.fid is not None:
+            self.semantic = SemanticFeatures(self.root, self.cfg, self.fid.key, self.device)
 
     def _inception_reference(self, fid: FID) -> None:
         """The reference's Inception statistics (cached in the run) and the real floor's FID."""
@@ -283,24 +342,27 @@ class _Evaluation:
         return self.fid, self.ref
 
     def builtin_judge(self) -> str | None:
-        """The built-in judge of data/'s source (as prepare recorded it), where its prompts are that judge's: "digits"
-        (the built-in digits, prompts naming a digit) or "emoji" (the built-in emoji); None for any other data."""
+        """The built-in judge asked for by name (--judge digits|emoji), else that of data/'s source (as prepare
+        recorded it), where its prompts are that judge's: "digits" (the built-in digits, prompts naming a digit) or
+        "emoji" (the built-in emoji); None for any other data."""
+        if self.options.judge:
+            return self.options.judge if self.options.judge in JUDGE_NAMES else None
         source = self.data.manifest().extra.get("source") or {}
         kind = source.get("kind") if isinstance(source, dict) else None
         if kind == "mnist" and any(prompted_digit(p) is not None for p in self.prompts or []):
             return "digits"
         return "emoji" if kind == "emoji" else None
 
-    def _open_judge(self) -> None:
+    def _open_judge(self, named: bool = True) -> None:
         """The prompt-accuracy judge (--judge, or the MNIST digit classifier, trained once and cached in
         reports/) and, when it has features, their reference statistics for the classifier FD."""
         if not self.prompts:
             raise FlowfleetError("--judge: the model is not text-conditioned; prompt accuracy needs prompts")
         t0 = time.perf_counter()
-        if self.options.judge:
+        if self.options.judge and self.builtin_judge() is None:
             self.judge = load_judge(self.options.judge, self.root)
             target = getattr(self.judge, "target", None)
-            if callable(target) and all(target(p) is None for p in self.prompts):
+            if named and callable(target) and all(target(p) is None for p in self.prompts):
                 raise FlowfleetError(
                     f"--judge: none of the {len(self.prompts)} prompts names one of the judge's "
                     f"classes (e.g. {self.prompts[0]!r})"
@@ -477,7 +539,7 @@ class _Evaluation:
             "prompt_accuracy": (
                 {
                     "classifier": {
-                        "judge": o.judge or JUDGE_NAMES[self.builtin_judge() or "digits"],
+                        "judge": JUDGE_NAMES.get(self.builtin_judge() or "", o.judge or JUDGE_NAMES["digits"]),
                         **getattr(self.judge, "record", {}),
                     },
                     "scores": self.prompt_accuracy,
