@@ -14,20 +14,27 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from conftest import install_digit_classifier
+from test_fid import SmallFeatures
 
-from flowfleet.cli import main
+from flowfleet.cli import build_parser, main
+from flowfleet.commands.contrib import gate_settings
 from flowfleet.config import DataConfig, RunConfig, load_run_config
+from flowfleet.data.shards import ShardSet, ShardSetManifest, ShardSetUnion
+from flowfleet.evaluate.digits import prompted_digit
 from flowfleet.flow.path import interpolate, target_velocity
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert
 from flowfleet.models.files import WEIGHTS_NAME
 from flowfleet.presets import preset
 from flowfleet.sampling.card import read_card
+from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.sampling.signing import keygen, load_private
 from flowfleet.stages.admit import GateSettings, Refused, admit
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.cluster import cluster
 from flowfleet.stages.contribute import ContributeOptions, contribute, read_shard_file, sign_package
+from flowfleet.stages.evaluate import EvaluateOptions, JudgedDraw, evaluate
 from flowfleet.stages.kit import make_kit, read_kit, run_kit
 from flowfleet.stages.prepare import prepare
 from flowfleet.stages.train import train_expert, train_router
@@ -51,9 +58,9 @@ def files(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """The fleet (digits 0-7, two caption clusters, trained a little), its kit, two keys (alice's trusted), and
-    alice's honest package on the digits 8 and 9."""
+def world(tmp_path_factory, digit_classifier):
+    """The fleet (digits 0-7, two caption clusters, trained a little; the digit judge in its reports/), its kit, two
+    keys (alice's trusted), and alice's honest package on the digits 8 and 9."""
     base = tmp_path_factory.mktemp("contrib")
     raw = preset("mnist-tiny").to_dict()
     raw["data"].update(limit=700, labels=list(range(8)), holdout=100)
@@ -71,6 +78,7 @@ def world(tmp_path_factory):
         train_expert(run, k, options=QUIET)
     train_router(run, options=QUIET)
     assemble(run.url)
+    install_digit_classifier(digit_classifier, base / "run")
     make_kit(run, str(base / "kit"))
     keygen(base / "keys" / "alice")
     keygen(base / "keys" / "mallory")
@@ -139,11 +147,16 @@ def train_toy(model: DiTExpert, items: dict[str, torch.Tensor], steps: int, *, r
     return sum(losses[-10:]) / 10
 
 
-def refused(run: Path, pkg: Path, trusted: Path, check: str, line: str) -> None:
+# The tiny fleet draws noise after its 60 steps: no judge reads its images, so the gate's figures here are its losses
+# (the judged comparison has its own tests below, and the demo fleet's figures are in BENCHMARKS.md).
+BY_LOSS = GateSettings(device="cpu", judge=None)
+
+
+def refused(run: Path, pkg: Path, trusted: Path, check: str, line: str, settings: GateSettings = BY_LOSS) -> None:
     """admit refuses with `check` and a message containing `line`; the run is byte for byte as it was."""
     before = files(run)
     with pytest.raises(Refused) as info:
-        admit(str(run), str(pkg), str(trusted), settings=GateSettings(device="cpu"), progress=False)
+        admit(str(run), str(pkg), str(trusted), settings=settings, progress=False)
     assert info.value.check == check and line in str(info.value), str(info.value)
     assert "\n" not in str(info.value)
     after = files(run)
@@ -177,7 +190,7 @@ def test_an_honest_contribution_is_admitted_and_its_signer_recorded(world, run, 
     assert set(labels.tolist()) == {8, 9}  # what the router learns the new share from: latents, not images
     old_experts = {k: files(run / "experts" / str(k)) for k in (0, 1)}
 
-    result = admit(str(run), str(pkg), str(world / "trusted.pub"), settings=GateSettings(device="cpu"), progress=False)
+    result = admit(str(run), str(pkg), str(world / "trusted.pub"), settings=BY_LOSS, progress=False)
 
     f = result.figures
     assert result.expert == 2 and f["heldout"] < 0.8 * f["untrained_heldout"]
@@ -354,3 +367,113 @@ def test_the_commands_sign_and_refuse_in_one_line(world, run, tmp_path, capsys):
     assert main(["admit", str(run), str(pkg), "--trusted", str(tmp_path / "bob.pub"), "--no-progress"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "refused (who): manifest.sig: not a signature" in err
+    assert main(["admit", str(run), str(pkg), "--trusted", str(world / "trusted.pub"), "--judge-n", "1"]) == 1
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .endswith("--judge-n: a Fréchet distance needs at least 2 samples, got 1")
+    )
+
+
+def test_the_admit_commands_defaults_are_the_gates():
+    admit_line = ["admit", "runs/r", "pkgs/p", "--trusted", "keys.pub"]
+    assert gate_settings(build_parser().parse_args(admit_line)) == GateSettings()
+    chosen = gate_settings(build_parser().parse_args([*admit_line, "--judge", "none", "--fd-rise", "0.2"]))
+    assert chosen == GateSettings(judge=None, fd_rise=0.2)
+
+
+# --------------------------------------------------------------------------------------------------
+#                    The judged comparison: the fleet's images before and after
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_judged_draw_scores_a_fleet_as_evaluate_does(world, run):
+    """The same prompts, noise and judge as `flowfleet evaluate` with the same n and seed: the same figures, with
+    nothing written and no Inception loaded."""
+    options = EvaluateOptions(n=24, strategies=("top1",), diagnostics=False, device="cpu", batch_size=8)
+    result = evaluate(str(run / "model"), str(run), options, extractor=SmallFeatures())
+    draw = JudgedDraw.open(str(run), options, conditioning="pooled")
+    assert draw is not None and draw.judge == "digits"
+    written = files(run)
+    got = draw.score(FleetPipeline.from_pretrained(str(run / "model"), device="cpu"), "top1", progress=False)
+    expected = result["runs"]["top1"]
+    assert got["prompt_accuracy"] == expected["prompt_accuracy"] and got["n"] == 24
+    assert got["classifier_fd"] == pytest.approx(expected["classifier_fd"], rel=1e-6)
+    assert got["per_class"] == result["prompt_accuracy"]["scores"]["top1"]["per_class"]
+    assert files(run) == written
+
+
+def test_a_judged_draw_of_other_items_draws_their_prompts_or_is_none_when_the_judge_names_none(world, run, tmp_path):
+    items, captions = read_shard_file((world / "honest" / "heldout.safetensors").read_bytes())
+    options = EvaluateOptions(n=8, strategies=("top1",), diagnostics=False, device="cpu", judge="digits")
+
+    def draw_of(shown: list[str]) -> JudgedDraw | None:
+        shards = ShardSet(RunRoot(str(tmp_path / f"slice-{len(list(tmp_path.iterdir()))}")), "data")
+        manifest = ShardSetManifest()
+        shards.append(manifest, {**items, "index": torch.arange(len(shown))}, shown)
+        manifest.complete = True
+        shards.write_manifest(manifest)
+        return JudgedDraw.open(str(run), options, conditioning="pooled", data=ShardSetUnion([shards]))
+
+    draw = draw_of(captions)
+    assert draw is not None and {prompted_digit(p) for p in draw.ev.prompts} <= {8, 9}
+    assert draw_of(["a photo of a cat"] * len(captions)) is None  # a class the judge does not know: the loss alone
+
+
+def scripted(monkeypatch, figures: dict[tuple[str, str], tuple[float, float]]) -> None:
+    """JudgedDraw.score returns (prompt accuracy, classifier FD) from `figures` by (draw, fleet): draw "old" (the
+    fleet's own prompts, digits 0-7) or "new" (the contribution's, 8 and 9), fleet "fleet before" or "grown fleet".
+    Everything else of the gate runs: the draws open for real, the router trains, the candidate assembles."""
+
+    def score(self, pipe, strategy=None, name="fleet", progress=True):
+        which = "new" if prompted_digit(self.ev.prompts[0]) in (8, 9) else "old"
+        accuracy, fd = figures[which, name]
+        return {"prompt_accuracy": accuracy, "classifier_fd": fd, "per_class": {"4": accuracy}, "n": 16}
+
+    monkeypatch.setattr(JudgedDraw, "score", score)
+
+
+HELPS = {("new", "fleet before"): (0.1, 500.0), ("new", "grown fleet"): (0.9, 60.0)}
+JUDGED = GateSettings(device="cpu", judge_n=16)
+
+
+@pytest.mark.parametrize(
+    "old, new, line",
+    [
+        (
+            {("old", "fleet before"): (1.0, 40.0), ("old", "grown fleet"): (0.97, 40.0)},
+            HELPS,
+            "prompt accuracy on the fleet's prompts falls from 1.000 to 0.970 (at most 0.02 lower; "
+            "'4': 1.000 -> 0.970), by digits",
+        ),
+        (
+            {("old", "fleet before"): (1.0, 40.0), ("old", "grown fleet"): (1.0, 44.5)},
+            HELPS,
+            "classifier FD on the fleet's prompts rises from 40.00 to 44.50 (at most +10%), by digits",
+        ),
+        (
+            {("old", "fleet before"): (1.0, 40.0), ("old", "grown fleet"): (1.0, 40.0)},
+            {("new", "fleet before"): (0.1, 500.0), ("new", "grown fleet"): (0.1, 60.0)},
+            "heldout.safetensors: the grown fleet's prompt accuracy on the contribution's prompts (0.100) is not above",
+        ),
+        (
+            {("old", "fleet before"): (1.0, 40.0), ("old", "grown fleet"): (1.0, 40.0)},
+            {("new", "fleet before"): (0.1, 500.0), ("new", "grown fleet"): (0.9, 501.0)},
+            "heldout.safetensors: the grown fleet's classifier FD on the contribution's prompts (501.00) is not below",
+        ),
+    ],
+    ids=["accuracy-falls", "fd-rises", "new-prompts-not-drawn-better", "new-images-not-closer"],
+)
+def test_the_judge_refuses_harm_to_the_fleets_images(world, run, monkeypatch, old, new, line):
+    scripted(monkeypatch, {**old, **new})
+    refused(run, world / "honest", world / "trusted.pub", "no harm", line, settings=JUDGED)
+
+
+def test_the_judge_admits_within_its_stated_tolerance(world, run, monkeypatch):
+    scripted(monkeypatch, {("old", "fleet before"): (1.0, 40.0), ("old", "grown fleet"): (0.98, 43.9), **HELPS})
+    result = admit(str(run), str(world / "honest"), str(world / "trusted.pub"), settings=JUDGED, progress=False)
+    f = result.figures
+    assert (f["judged_old_prompt_accuracy_before"], f["judged_old_prompt_accuracy_after"]) == (1.0, 0.98)
+    assert (f["judged_new_classifier_fd_before"], f["judged_new_classifier_fd_after"]) == (500.0, 60.0)
+    assert load_run_config(RunRoot(str(run))).num_experts == 3

@@ -56,8 +56,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("package", metavar="PKG", help="a package folder (flowfleet contribute)")
     p.add_argument("--trusted", required=True, metavar="KEYS", help="a file of .pub lines, or a folder of .pub files")
     p.add_argument(
-        "--harm", type=float, default=0.05, help="how much the fleet's loss on its own data may rise (default 0.05)"
+        "--judge",
+        default="auto",
+        metavar="JUDGE",
+        help="judge the fleet's images before and after too: auto (default: the built-in digits' or emoji's judge "
+        "where the run has one), digits, emoji, MODULE:FACTORY (as evaluate --judge), or none (the loss alone)",
     )
+    for option, kind, default, text in (  # GateSettings' defaults (tests/test_contrib.py holds them equal)
+        ("--harm", float, 0.05, "how much the fleet's loss on its own data may rise, as a share"),
+        ("--judge-n", int, 300, "prompts per judged comparison"),
+        ("--accuracy-drop", float, 0.02, "how much the judge's prompt accuracy on the fleet's prompts may fall"),
+        ("--fd-rise", float, 0.10, "how much the judge's Fréchet distance on the fleet's prompts may rise, a share"),
+    ):
+        p.add_argument(option, type=kind, default=default, help=f"{text} (default {default})")
     add_device(p)
     add_progress(p)
 
@@ -118,12 +129,12 @@ def run_admit(args: argparse.Namespace) -> int:
     (safetensors only, within the parameter cap, finite); whether it fits the fleet (latents, text, time convention,
     objective, kit fingerprint); whether it learnt (held-out loss against an untrained expert's and its own sample's);
     whether the grown fleet, its router retrained, does no harm on the fleet's held-out data and helps on the
-    contribution's. Then RUN_ROOT/model holds it, with its signer in card.json and SHA256SUMS.
+    contribution's (by the flow-matching loss, and where a judge reads the prompts by its prompt accuracy and
+    Fréchet distance). Then RUN_ROOT/model holds it, with its signer in card.json and SHA256SUMS.
     """
-    from flowfleet.stages.admit import GateSettings, admit
+    from flowfleet.stages.admit import admit
 
-    settings = GateSettings(harm=args.harm, device=args.device)
-    result = admit(args.run_root, args.package, args.trusted, settings=settings, progress=args.progress)
+    result = admit(args.run_root, args.package, args.trusted, settings=gate_settings(args), progress=args.progress)
     print(
         f"admitted as expert {result.expert} (signed by {result.signer}, manifest {result.manifest_sha256[:16]}...);"
         f" wrote {result.model}"
@@ -131,3 +142,16 @@ def run_admit(args: argparse.Namespace) -> int:
     for line in result.lines():
         print(f"  {line}")
     return 0
+
+
+def gate_settings(args: argparse.Namespace):  # -> flowfleet.stages.admit.GateSettings
+    from flowfleet.stages.admit import GateSettings
+
+    return GateSettings(
+        harm=args.harm,
+        judge=None if args.judge == "none" else args.judge,
+        judge_n=args.judge_n,
+        accuracy_drop=args.accuracy_drop,
+        fd_rise=args.fd_rise,
+        device=args.device,
+    )

@@ -17,7 +17,11 @@ The checks run in this order and the first failure refuses the package in one li
               it signed; its velocities on the fleet's held-out latents finite and bounded
   5. no harm  the grown fleet (the addition recorded, the router trained warm-started as add-expert does,
               assembled into model-candidate/): its routed flow-matching loss on the fleet's held-out data within
-              `harm` of the fleet's before, and lower than the fleet's before on the contribution's held-out slice
+              `harm` of the fleet's before, and lower than the fleet's before on the contribution's held-out slice;
+              where a judge reads the fleet's prompts (the built-in digits' or emoji's, or --judge), the images too:
+              on the fleet's own prompts (against its held-out images) its prompt accuracy falls by at most
+              `accuracy_drop` and its judge's Fréchet distance rises by at most `fd_rise`; on the contribution's
+              held-out prompts (those the judge names) both are better than the fleet's before
 
 Then the expert joins: run.yaml records the contribution (signer, manifest digest), model/ is assembled with it,
 its folder keeps the signed manifest (listed in SHA256SUMS), card.json names the signer. A refused package leaves
@@ -25,7 +29,10 @@ run.yaml, model/ and every job folder as they were.
 
 The loss is the papers' training objective (velocity MSE, condition on) at fixed t bins and noise, the same for
 every model compared on the same items; guidance is off (scale 1). It needs no image and no judge: only the
-package's latents and the fleet's own held-out data (eval/, or data/ when the run holds none out).
+package's latents and the fleet's own held-out data (eval/, or data/ when the run holds none out). The judged
+comparison samples both fleets as they serve (their default strategy and settings) on one draw of prompts and
+noise (flowfleet.stages.evaluate.JudgedDraw), the real images of the contribution's slice decoded from its latents:
+it too needs none of the contributor's images.
 """
 
 from __future__ import annotations
@@ -35,14 +42,15 @@ import hashlib
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import safetensors.torch
 import torch
 
 from flowfleet.config import EXPERT_OVERRIDABLE, Contribution, DataConfig, RunConfig, load_run_config
-from flowfleet.data.shards import ShardSet, ShardSetManifest
+from flowfleet.data.shards import ShardSet, ShardSetManifest, ShardSetUnion
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION, interpolate, target_velocity
@@ -69,12 +77,14 @@ from flowfleet.layout import (
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert
 from flowfleet.models.files import WEIGHTS_NAME, validated
+from flowfleet.sampling.index import read_model_index
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.sampling.routing import Condition
 from flowfleet.sampling.signing import read_trusted, signed_by
 from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.contribute import PACKAGE_OWN, package_files, package_sha256, read_shard_file
+from flowfleet.stages.evaluate import EvaluateOptions, JudgedDraw
 from flowfleet.stages.kit import Kit, parameter_count, run_kit
 from flowfleet.stages.train import train_job
 from flowfleet.storage import RunRoot
@@ -116,11 +126,24 @@ class GateSettings:
     claimed: float = 0.5  # its loss on its own sample at most (1 + claimed) x the training loss it signed
     velocity_bound: float = 10.0  # velocity RMS on the fleet's held-out latents at most this x the targets'
     harm: float = 0.05  # the grown fleet's loss on the fleet's held-out data may rise by this share, no more
+    # The judged no-harm check: "auto" the run's built-in judge where it has one (digits, emoji), a judge by name
+    # ("digits", "emoji", MODULE:FACTORY as evaluate --judge takes), or None: the loss alone.
+    judge: str | None = "auto"
+    judge_n: int = 300  # prompts per judged comparison (the same prompts and noise before and after)
+    accuracy_drop: float = 0.02  # on the fleet's own prompts its prompt accuracy may fall by this, no more
+    fd_rise: float = 0.10  # and its judge's Fréchet distance may rise by this share, no more
     copied: float = 0.1  # the share of a package's items that may be byte-for-byte the fleet's own
     items: int = 256  # items per loss (seeded)
     t_bins: int = 8
     seed: int = 0
     device: str = "auto"
+
+    def validate(self) -> None:
+        if self.judge_n < 2:
+            raise FlowfleetError(f"--judge-n: a Fréchet distance needs at least 2 samples, got {self.judge_n}")
+        for name in ("harm", "accuracy_drop", "fd_rise"):
+            if not getattr(self, name) >= 0:
+                raise FlowfleetError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass
@@ -464,6 +487,8 @@ class Gate:
     def no_harm(self, progress: bool) -> int:
         """Stage the grown fleet, train its router, compare; on refusal undo everything staged. -> its expert."""
         root = self.root
+        with tempfile.TemporaryDirectory() as tmp:
+            draws = self._judged_draws(tmp)  # before anything is staged: the fleet's own items as they are
         before_yaml = root.read_bytes(RUN_FILE)
         staged = _Staged(root, self.cfg)
         try:
@@ -475,6 +500,8 @@ class Gate:
                     raise FlowfleetError(f"{spec.dir}: {status.state} at step {status.step}; re-run admit")
             assemble(root.url, root.url_of(CANDIDATE), progress=progress)
             self._compare(root.url_of(MODEL), root.url_of(CANDIDATE))
+            if draws is not None:
+                self._judged(root.url_of(MODEL), root.url_of(CANDIDATE), *draws, progress=progress)
         except BaseException:
             root.write_bytes(before_yaml, RUN_FILE)
             staged.undo()
@@ -505,6 +532,77 @@ class Gate:
                 "no harm",
                 f"{PACKAGE_HELDOUT}: the grown fleet's loss ({f['fleet_new_after']:.4f}) is not below the "
                 f"fleet's before ({f['fleet_new_before']:.4f}): the contribution adds nothing there",
+            )
+
+    def _judged_draws(self, tmp: str) -> tuple[JudgedDraw, JudgedDraw | None] | None:
+        """The judged comparison's two draws: the fleet's own prompts (against its held-out images), and the
+        contribution's held-out slice (written to `tmp` as a shard set; None when the judge names none of its
+        prompts). None: no judge reads the fleet's prompts."""
+        s = self.settings
+        if s.judge is None:
+            return None
+        conditioning = read_model_index(RunRoot(self.root.url_of(MODEL))).conditioning
+        options = EvaluateOptions(
+            n=s.judge_n, seed=s.seed, diagnostics=False, device=s.device, judge=None if s.judge == "auto" else s.judge
+        )
+        own = JudgedDraw.open(self.root.url, options, conditioning)
+        if own is None:
+            log.info("admit: no judge reads the fleet's prompts: no harm is judged by the loss alone")
+            return None
+        slice_root = RunRoot(tmp)
+        _write_shards(slice_root, DATA, *self.shard(PACKAGE_HELDOUT), {})
+        data = ShardSetUnion([ShardSet(slice_root, DATA)])
+        new = JudgedDraw.open(self.root.url, replace(options, judge=own.judge), conditioning, data=data)
+        return own, new
+
+    def _judged(self, before_dir: str, after_dir: str, own: JudgedDraw, new: JudgedDraw | None, progress: bool) -> None:
+        """The fleet before and the grown fleet, sampled as they serve on the same prompts and noise, judged."""
+        s, f = self.settings, self.figures
+        fleets = {
+            "fleet before": FleetPipeline.from_pretrained(before_dir, device=self.device),
+            "grown fleet": FleetPipeline.from_pretrained(after_dir, device=self.device),
+        }
+        got = {
+            which: tuple(draw.score(pipe, name=name, progress=progress) for name, pipe in fleets.items())
+            for which, draw in (("old", own), ("new", new))
+            if draw is not None
+        }
+        for which, pair in got.items():
+            for when, scores in zip(("before", "after"), pair):
+                for key in ("prompt_accuracy", "classifier_fd"):
+                    if scores.get(key) is not None:
+                        f[f"judged_{which}_{key}_{when}"] = float(scores[key])
+        (b, a) = got["old"]
+        if a["prompt_accuracy"] < b["prompt_accuracy"] - s.accuracy_drop:
+            worst = min(a["per_class"], key=lambda c: a["per_class"][c] - b["per_class"].get(c, 0.0))
+            raise Refused(
+                "no harm",
+                f"the grown fleet's prompt accuracy on the fleet's prompts falls from "
+                f"{b['prompt_accuracy']:.3f} to {a['prompt_accuracy']:.3f} (at most {s.accuracy_drop} lower; "
+                f"{worst!r}: {b['per_class'].get(worst, 0.0):.3f} -> {a['per_class'][worst]:.3f}), by {own.judge}",
+            )
+        if b.get("classifier_fd") is not None and a["classifier_fd"] > (1 + s.fd_rise) * b["classifier_fd"]:
+            raise Refused(
+                "no harm",
+                f"the grown fleet's classifier FD on the fleet's prompts rises from {b['classifier_fd']:.2f} "
+                f"to {a['classifier_fd']:.2f} (at most {s.fd_rise:+.0%}), by {own.judge}",
+            )
+        if new is None:
+            return
+        (b, a) = got["new"]
+        if not a["prompt_accuracy"] > b["prompt_accuracy"]:
+            raise Refused(
+                "no harm",
+                f"{PACKAGE_HELDOUT}: the grown fleet's prompt accuracy on the contribution's prompts "
+                f"({a['prompt_accuracy']:.3f}) is not above the fleet's before ({b['prompt_accuracy']:.3f}), by "
+                f"{own.judge}: the contribution adds nothing there",
+            )
+        if b.get("classifier_fd") is not None and not a["classifier_fd"] < b["classifier_fd"]:
+            raise Refused(
+                "no harm",
+                f"{PACKAGE_HELDOUT}: the grown fleet's classifier FD on the contribution's prompts "
+                f"({a['classifier_fd']:.2f}) is not below the fleet's before ({b['classifier_fd']:.2f}), by "
+                f"{own.judge}: the contribution adds nothing there",
             )
 
 
@@ -582,15 +680,21 @@ def _write_items(sub: RunRoot, tensors: dict[str, torch.Tensor], captions: list[
     from flowfleet.cluster.assignments import write_assignments
 
     n = len(captions)
-    tensors = {**tensors, "index": torch.arange(n)}
     for folder, extra in ((DATA, {}), (partition(0), {"partition": 0, "partition_counts": [n]})):
-        shards = ShardSet(sub, folder)
-        manifest = ShardSetManifest(extra={"contributed": True, **extra})
-        shards.append(manifest, tensors, captions)
-        manifest.complete = True
-        shards.write_manifest(manifest)
+        _write_shards(sub, folder, tensors, captions, extra)
     write_assignments(sub, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long))
     sub.write_json({"k": 1, "count": n, "sizes": [n], "examples": {"0": captions[:5]}}, *CLUSTER_REPORT)
+
+
+def _write_shards(
+    root: RunRoot, folder: str, tensors: dict[str, torch.Tensor], captions: list[str], extra: dict[str, Any]
+) -> None:
+    """A package's items (its sample, its held-out slice) as a complete shard set root/folder."""
+    shards = ShardSet(root, folder)
+    manifest = ShardSetManifest(extra={"contributed": True, **extra})
+    shards.append(manifest, {**tensors, "index": torch.arange(len(captions))}, captions)
+    manifest.complete = True
+    shards.write_manifest(manifest)
 
 
 def _row_digest(row: torch.Tensor) -> str:
@@ -621,6 +725,7 @@ def admit(
 ) -> AdmitResult:
     """Check a contributed expert's package against the run (the module docstring's five checks, in order), and
     on success grow the fleet with it; a Refused names the first check that failed."""
+    settings.validate()
     root, pkg = RunRoot(run_root), RunRoot(package)
     if not root.exists(MODEL):
         raise FlowfleetError(f"{root.url_of(MODEL)}: missing; the gate compares against the assembled fleet")
