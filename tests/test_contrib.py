@@ -402,6 +402,9 @@ def test_a_judged_draw_scores_a_fleet_as_evaluate_does(world, run):
     assert got["classifier_fd"] == pytest.approx(expected["classifier_fd"], rel=1e-6)
     assert got["per_class"] == result["prompt_accuracy"]["scores"]["top1"]["per_class"]
     assert files(run) == written
+    held_out = JudgedDraw.open(str(run), options, conditioning="pooled", held_out=True)  # admit's: eval/'s prompts
+    eval_captions = ShardSet(RunRoot(str(run)), "eval").load(["labels"], with_captions=True)[1]
+    assert held_out is not None and set(held_out.ev.prompts) <= set(eval_captions)
 
 
 def test_a_judged_draw_of_other_items_draws_their_prompts_or_is_none_when_the_judge_names_none(world, run, tmp_path):
@@ -423,7 +426,7 @@ def test_a_judged_draw_of_other_items_draws_their_prompts_or_is_none_when_the_ju
 
 def scripted(monkeypatch, figures: dict[tuple[str, str], tuple[float, float]]) -> None:
     """JudgedDraw.score returns (prompt accuracy, classifier FD) from `figures` by (draw, fleet): draw "old" (the
-    fleet's own prompts, digits 0-7) or "new" (the contribution's, 8 and 9), fleet "fleet before" or "grown fleet".
+    fleet's held-out prompts, digits 0-7) or "new" (the contribution's, 8 and 9), fleet "fleet before" or "grown fleet".
     Everything else of the gate runs: the draws open for real, the router trains, the candidate assembles."""
 
     def score(self, pipe, strategy=None, name="fleet", progress=True):
@@ -444,13 +447,13 @@ JUDGED = GateSettings(device="cpu", judge_n=16)
         (
             {("old", "fleet before"): (1.0, 40.0), ("old", "grown fleet"): (0.97, 40.0)},
             HELPS,
-            "prompt accuracy on the fleet's prompts falls from 1.000 to 0.970 (at most 0.02 lower; "
+            "prompt accuracy on the fleet's held-out prompts falls from 1.000 to 0.970 (at most 0.02 lower; "
             "'4': 1.000 -> 0.970), by digits",
         ),
         (
             {("old", "fleet before"): (1.0, 40.0), ("old", "grown fleet"): (1.0, 44.5)},
             HELPS,
-            "classifier FD on the fleet's prompts rises from 40.00 to 44.50 (at most +10%), by digits",
+            "classifier FD on the fleet's held-out prompts rises from 40.00 to 44.50 (at most +10%), by digits",
         ),
         (
             {("old", "fleet before"): (1.0, 40.0), ("old", "grown fleet"): (1.0, 40.0)},

@@ -65,8 +65,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     for option, kind, default, text in (  # GateSettings' defaults (tests/test_contrib.py holds them equal)
         ("--harm", float, 0.05, "how much the fleet's loss on its own data may rise, as a share"),
         ("--judge-n", int, 300, "prompts per judged comparison"),
-        ("--accuracy-drop", float, 0.02, "how much the judge's prompt accuracy on the fleet's prompts may fall"),
-        ("--fd-rise", float, 0.10, "how much the judge's Fréchet distance on the fleet's prompts may rise, a share"),
+        (
+            "--accuracy-drop",
+            float,
+            0.02,
+            "how much the judge's prompt accuracy on the fleet's held-out prompts may fall",
+        ),
+        ("--fd-rise", float, 0.10, "how much the judge's Fréchet distance there may rise, a share"),
     ):
         p.add_argument(option, type=kind, default=default, help=f"{text} (default {default})")
     add_device(p)

@@ -19,7 +19,7 @@ The checks run in this order and the first failure refuses the package in one li
               assembled into model-candidate/): its routed flow-matching loss on the fleet's held-out data within
               `harm` of the fleet's before, and lower than the fleet's before on the contribution's held-out slice;
               where a judge reads the fleet's prompts (the built-in digits' or emoji's, or --judge), the images too:
-              on the fleet's own prompts (against its held-out images) its prompt accuracy falls by at most
+              on the fleet's held-out prompts (against their images) its prompt accuracy falls by at most
               `accuracy_drop` and its judge's Fréchet distance rises by at most `fd_rise`; on the contribution's
               held-out prompts (those the judge names) both are better than the fleet's before
 
@@ -130,7 +130,7 @@ class GateSettings:
     # ("digits", "emoji", MODULE:FACTORY as evaluate --judge takes), or None: the loss alone.
     judge: str | None = "auto"
     judge_n: int = 300  # prompts per judged comparison (the same prompts and noise before and after)
-    accuracy_drop: float = 0.02  # on the fleet's own prompts its prompt accuracy may fall by this, no more
+    accuracy_drop: float = 0.02  # on the fleet's held-out prompts its prompt accuracy may fall by this, no more
     fd_rise: float = 0.10  # and its judge's Fréchet distance may rise by this share, no more
     copied: float = 0.1  # the share of a package's items that may be byte-for-byte the fleet's own
     items: int = 256  # items per loss (seeded)
@@ -535,9 +535,9 @@ class Gate:
             )
 
     def _judged_draws(self, tmp: str) -> tuple[JudgedDraw, JudgedDraw | None] | None:
-        """The judged comparison's two draws: the fleet's own prompts (against its held-out images), and the
-        contribution's held-out slice (written to `tmp` as a shard set; None when the judge names none of its
-        prompts). None: no judge reads the fleet's prompts."""
+        """The judged comparison's two draws: the fleet's held-out items (their prompts and images; data/'s when it
+        holds none out), and the contribution's held-out slice (written to `tmp` as a shard set; None when the judge
+        names none of its prompts). None: no judge reads the fleet's prompts."""
         s = self.settings
         if s.judge is None:
             return None
@@ -545,7 +545,7 @@ class Gate:
         options = EvaluateOptions(
             n=s.judge_n, seed=s.seed, diagnostics=False, device=s.device, judge=None if s.judge == "auto" else s.judge
         )
-        own = JudgedDraw.open(self.root.url, options, conditioning)
+        own = JudgedDraw.open(self.root.url, options, conditioning, held_out=True)
         if own is None:
             log.info("admit: no judge reads the fleet's prompts: no harm is judged by the loss alone")
             return None
@@ -577,14 +577,14 @@ class Gate:
             worst = min(a["per_class"], key=lambda c: a["per_class"][c] - b["per_class"].get(c, 0.0))
             raise Refused(
                 "no harm",
-                f"the grown fleet's prompt accuracy on the fleet's prompts falls from "
+                f"the grown fleet's prompt accuracy on the fleet's held-out prompts falls from "
                 f"{b['prompt_accuracy']:.3f} to {a['prompt_accuracy']:.3f} (at most {s.accuracy_drop} lower; "
                 f"{worst!r}: {b['per_class'].get(worst, 0.0):.3f} -> {a['per_class'][worst]:.3f}), by {own.judge}",
             )
         if b.get("classifier_fd") is not None and a["classifier_fd"] > (1 + s.fd_rise) * b["classifier_fd"]:
             raise Refused(
                 "no harm",
-                f"the grown fleet's classifier FD on the fleet's prompts rises from {b['classifier_fd']:.2f} "
+                f"the grown fleet's classifier FD on the fleet's held-out prompts rises from {b['classifier_fd']:.2f} "
                 f"to {a['classifier_fd']:.2f} (at most {s.fd_rise:+.0%}), by {own.judge}",
             )
         if new is None:

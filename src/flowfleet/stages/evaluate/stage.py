@@ -149,22 +149,31 @@ class JudgedDraw:
         draw = JudgedDraw.open("runs/r", EvaluateOptions(n=300, diagnostics=False), conditioning="pooled")
         draw.score(FleetPipeline.from_pretrained("runs/r/model"))  # {"prompt_accuracy": 0.97, "classifier_fd": ...}
 
-    Everything is read when it opens: the run's items may change afterwards (an admission stages its sample). `data`:
-    other items in the run's latent space to draw prompts and real images from instead of the run's own (a
-    contribution's held-out slice), with the judge named in options.judge."""
+    Everything is read when it opens: the run's items may change afterwards (an admission stages its sample). The
+    prompts are drawn from data/'s captions as evaluate draws them, or (held_out) from the held-out items' own, when
+    the run holds some out; the real images are the held-out ones. `data`: other items in the run's latent space to
+    draw prompts and real images (decoded from their latents) from instead (a contribution's held-out slice), with
+    the judge named in options.judge."""
 
     def __init__(self, ev: "_Evaluation"):
         self.ev = ev
 
     @classmethod
     def open(
-        cls, reference: str, options: EvaluateOptions, conditioning: str, data: ShardSetUnion | None = None
+        cls,
+        reference: str,
+        options: EvaluateOptions,
+        conditioning: str,
+        data: ShardSetUnion | None = None,
+        held_out: bool = False,
     ) -> "JudgedDraw | None":
         """None when no judge reads these prompts (neither options.judge nor a built-in one of the run's source)."""
         options.validate()
         root, cfg, own = open_reference(reference)
         if data is not None:  # the items given are the reference too: not the run's eval/
             cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"holdout": 0})})
+        elif held_out:
+            data = held_out_data(root, cfg)
         ev = _Evaluation(root.url, root, cfg, data or own, options, resolve_device(options.device), conditioning)
         ev._open_fid(None, inception=False, named=False)
         target = getattr(ev.judge, "target", None)
