@@ -29,8 +29,9 @@ def copy_run(src: Path, out: Path) -> None:
 
 
 def without_8_and_9(name: str) -> dict[str, Any]:
-    """run.yaml of the demo's full plan (K = 2 caption clusters, 1000 steps per expert, 300 per router) on the
-    built-in digits without 8 and 9, with no monolith and no comparison router: the fleet new digits join."""
+    """run.yaml of the demo's full plan (K = 4 clusters of image features, 3000 steps per expert shared by size,
+    4000 router steps) on the built-in digits without 8 and 9, with no monolith and no comparison router: the fleet
+    new digits join."""
     from flowfleet.stages.demo import demo_plan
 
     raw = demo_plan("full").config.to_dict()
@@ -74,12 +75,16 @@ def judge_options(n: int, strategies: tuple[str, ...], **options: Any) -> Any:
     )
 
 
-def evaluate_model(model: Path, run: Path, n: int, strategies: tuple[str, ...], steps: int | None = None) -> dict:
+def evaluate_model(
+    model: Path, run: Path, n: int, strategies: tuple[str, ...], steps: int | None = None, repeats: int = 1
+) -> dict:
     """`flowfleet evaluate` of one model folder (FID at 75 px, no diagnostics): per strategy, the judge's
-    scores (accuracy, per_class, ...) with the run's classifier FD, FID, sampling seconds and settings."""
+    scores (accuracy, per_class, ...) with the run's classifier FD, FID, sampling seconds and settings; with
+    repeats > 1 also "draws": the judge's figures of every draw (seeds 0 .. repeats - 1) and the real floor's."""
     from flowfleet.stages.evaluate import evaluate
 
-    result = evaluate(str(model), str(run), judge_options(n, strategies, monolith=False, sampling=dict(steps=steps)))
+    options = judge_options(n, strategies, monolith=False, sampling=dict(steps=steps), repeats=repeats)
+    result = evaluate(str(model), str(run), options)
     out: dict[str, Any] = {}
     for name in strategies:
         r = result["runs"][name]
@@ -90,7 +95,10 @@ def evaluate_model(model: Path, run: Path, n: int, strategies: tuple[str, ...], 
             "sampling_s": r["sampling_s"],
             "cfg": result["sampling"]["cfg"],
             "steps": result["sampling"]["steps"],
+            "floor": result["reference_split"]["floor"],
         }
+        if result.get("draws"):
+            out[name]["draws"] = {**result["draws"]["runs"][name], "floor": result["draws"]["floor"]}
     return out
 
 
