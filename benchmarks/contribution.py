@@ -250,7 +250,7 @@ def main() -> None:
         "--parts",
         default="variants,null",
         help="what to run: variants (the admissions), null (the judged figures' movement with nothing contributed); "
-        "each part's results replace its own",
+        "each part's results (each variant's) replace its own",
     )
     a = p.parse_args()
     out = Path(a.out)
@@ -279,7 +279,8 @@ def main() -> None:
     frozen_reference(run, out / "reference-old")
     parts = a.parts.split(",")
     if "variants" in parts:
-        rows["variants"] = {v: admit_variant(out, run, v, bad, a.n, a.repeats) for v in a.variants.split(",")}
+        for v in a.variants.split(","):
+            rows.setdefault("variants", {})[v] = admit_variant(out, run, v, bad, a.n, a.repeats)
     if "null" in parts:
         rows["null"] = null_change(out, run, a.n, a.repeats)
     results.write_text(json.dumps(rows, indent=2))

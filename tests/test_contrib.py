@@ -453,7 +453,8 @@ JUDGED = GateSettings(device="cpu", judge_n=16)
         (
             {("old", "fleet before"): (1.0, 40.0), ("old", "grown fleet"): (1.0, 44.5)},
             HELPS,
-            "classifier FD on the fleet's held-out prompts rises from 40.00 to 44.50 (at most +10%), by digits",
+            "classifier FD on the fleet's held-out prompts rises from 40.00 to 44.50 (at most +10%), by digits; its "
+            "router does not read the prompt (a router with run.yaml router.conditioning: pooled may take it)",
         ),
         (
             {("old", "fleet before"): (1.0, 40.0), ("old", "grown fleet"): (1.0, 40.0)},

@@ -523,9 +523,9 @@ class Gate:
         if rise > s.harm:
             raise Refused(
                 "no harm",
-                f"the grown fleet's loss on the fleet's held-out data rises from {f['fleet_old_before']:.4f} to"
-                f"  {f['fleet_old_after']:.4f} ({rise:+.1%}; at most {s.harm:+.0%}): its router sends the fleet's "
-                "prompts to the new expert",
+                f"the grown fleet's loss on the fleet's held-out data rises from {f['fleet_old_before']:.4f} to "
+                f"{f['fleet_old_after']:.4f} ({rise:+.1%}; at most {s.harm:+.0%}): its router sends the fleet's "
+                f"prompts to the new expert{self.router_hint}",
             )
         if not f["fleet_new_after"] < f["fleet_new_before"]:
             raise Refused(
@@ -533,6 +533,14 @@ class Gate:
                 f"{PACKAGE_HELDOUT}: the grown fleet's loss ({f['fleet_new_after']:.4f}) is not below the "
                 f"fleet's before ({f['fleet_new_before']:.4f}): the contribution adds nothing there",
             )
+
+    @property
+    def router_hint(self) -> str:
+        """What a refusal for harm to the fleet's own prompts adds when the fleet's router is prompt-blind (Paris'):
+        a grown fleet under such a router sends a prompt by its noisy image alone, e.g. a four to the nines' expert."""
+        if self.cfg.router.uses_text or self.cfg.encoders.text.name == "none":
+            return ""
+        return "; its router does not read the prompt (a router with run.yaml router.conditioning: pooled may take it)"
 
     def _judged_draws(self, tmp: str) -> tuple[JudgedDraw, JudgedDraw | None] | None:
         """The judged comparison's two draws: the fleet's held-out items (their prompts and images; data/'s when it
@@ -579,13 +587,14 @@ class Gate:
                 "no harm",
                 f"the grown fleet's prompt accuracy on the fleet's held-out prompts falls from "
                 f"{b['prompt_accuracy']:.3f} to {a['prompt_accuracy']:.3f} (at most {s.accuracy_drop} lower; "
-                f"{worst!r}: {b['per_class'].get(worst, 0.0):.3f} -> {a['per_class'][worst]:.3f}), by {own.judge}",
+                f"{worst!r}: {b['per_class'].get(worst, 0.0):.3f} -> {a['per_class'][worst]:.3f}), by {own.judge}"
+                f"{self.router_hint}",
             )
         if b.get("classifier_fd") is not None and a["classifier_fd"] > (1 + s.fd_rise) * b["classifier_fd"]:
             raise Refused(
                 "no harm",
                 f"the grown fleet's classifier FD on the fleet's held-out prompts rises from {b['classifier_fd']:.2f} "
-                f"to {a['classifier_fd']:.2f} (at most {s.fd_rise:+.0%}), by {own.judge}",
+                f"to {a['classifier_fd']:.2f} (at most {s.fd_rise:+.0%}), by {own.judge}{self.router_hint}",
             )
         if new is None:
             return
