@@ -15,6 +15,7 @@ import pytest
 import safetensors.torch
 import torch
 from conftest import install_digit_classifier
+from PIL import Image
 from test_fid import SmallFeatures
 
 from flowfleet.cli import build_parser, main
@@ -429,10 +430,11 @@ def scripted(monkeypatch, figures: dict[tuple[str, str], tuple[float, float]]) -
     fleet's held-out prompts, digits 0-7) or "new" (the contribution's, 8 and 9), fleet "fleet before" or "grown fleet".
     Everything else of the gate runs: the draws open for real, the router trains, the candidate assembles."""
 
-    def score(self, pipe, strategy=None, name="fleet", progress=True):
+    def score(self, pipe, strategy=None, name="fleet", progress=True, keep=0):
         which = "new" if prompted_digit(self.ev.prompts[0]) in (8, 9) else "old"
         accuracy, fd = figures[which, name]
-        return {"prompt_accuracy": accuracy, "classifier_fd": fd, "per_class": {"4": accuracy}, "n": 16}
+        shown = {"images": torch.zeros(keep, 1, 28, 28), "prompts": self.ev.prompts[:keep]}
+        return {"prompt_accuracy": accuracy, "classifier_fd": fd, "per_class": {"4": accuracy}, "n": 16, **shown}
 
     monkeypatch.setattr(JudgedDraw, "score", score)
 
@@ -481,3 +483,6 @@ def test_the_judge_admits_within_its_stated_tolerance(world, run, monkeypatch):
     assert (f["judged_old_prompt_accuracy_before"], f["judged_old_prompt_accuracy_after"]) == (1.0, 0.98)
     assert (f["judged_new_classifier_fd_before"], f["judged_new_classifier_fd_after"]) == (500.0, 60.0)
     assert load_run_config(RunRoot(str(run))).num_experts == 3
+    assert result.grid is not None and result.grid.endswith("reports/contributions/expert_2.png")
+    with Image.open(result.grid) as grid:  # four rows of eight: before and after, the fleet's and the new prompts
+        assert grid.format == "PNG" and grid.size[0] > 8 * 64 and grid.size[1] > 4 * 64

@@ -94,6 +94,7 @@ CONTRIBUTION_SIG = "contribution.sig"
 CANDIDATE = "model-candidate"  # `admit`: the grown fleet, assembled for the gate's last check
 STUDENT_MODEL = "model-student"  # `distill`: the student as a one-expert model (sampled without guidance)
 REPORTS = "reports"
+CONTRIBUTIONS: Final = (REPORTS, "contributions")  # `admit`: expert_<k>.png, the fleet before and after, judged
 SHOWCASE = "showcase"  # reports/showcase/: the demo's labelled grids, one prompt per digit
 
 

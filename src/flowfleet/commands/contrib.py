@@ -146,6 +146,8 @@ def run_admit(args: argparse.Namespace) -> int:
     )
     for line in result.lines():
         print(f"  {line}")
+    if result.grid:
+        print(f"wrote {result.grid} (the judged samples, the fleet before and after)")
     return 0
 
 

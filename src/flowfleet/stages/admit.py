@@ -53,12 +53,14 @@ from flowfleet.config import EXPERT_OVERRIDABLE, Contribution, DataConfig, RunCo
 from flowfleet.data.shards import ShardSet, ShardSetManifest, ShardSetUnion
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
+from flowfleet.evaluate.views import captioned_grid_png
 from flowfleet.flow.path import TIME_CONVENTION, interpolate, target_velocity
 from flowfleet.layout import (
     CANDIDATE,
     CLUSTER_REPORT,
     CONTRIBUTION,
     CONTRIBUTION_SIG,
+    CONTRIBUTIONS,
     DATA,
     EVAL_DATA,
     FINAL,
@@ -100,6 +102,7 @@ CONFIG_MAX_BYTES = 64 << 10
 HEADER_MAX_BYTES = 1 << 20  # a safetensors header above this is not a DiT's
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
 CONDITION_FIELDS = ("text_tokens", "text_mask", "text_pooled", "labels")
+GRID_ROW = 8  # samples per row of the judged comparison's picture
 
 
 class Refused(FlowfleetError):
@@ -153,6 +156,7 @@ class AdmitResult:
     manifest_sha256: str
     model: str  # the re-assembled model folder
     figures: dict[str, float] = field(default_factory=dict)  # every loss the gate measured
+    grid: str | None = None  # reports/contributions/expert_<k>.png: the judged samples before and after
 
     def lines(self) -> list[str]:
         return [f"{k}: {v:.4f}" for k, v in self.figures.items()]
@@ -242,6 +246,7 @@ class Gate:
         self.expert_cfg: DiTConfig | None = None
         self.tensors: dict[str, torch.Tensor] = {}  # the expert's weights, once `what` has read them
         self._shards: dict[str, tuple[dict[str, torch.Tensor], list[str]]] = {}
+        self.grid: bytes | None = None  # the judged comparison's samples (PNG), when a judge read them
 
     def checks(self) -> list[Callable[[], None]]:
         return [self.who, self.what, self.fits, self.learnt]
@@ -571,7 +576,7 @@ class Gate:
             "grown fleet": FleetPipeline.from_pretrained(after_dir, device=self.device),
         }
         got = {
-            which: tuple(draw.score(pipe, name=name, progress=progress) for name, pipe in fleets.items())
+            which: tuple(draw.score(pipe, name=name, progress=progress, keep=GRID_ROW) for name, pipe in fleets.items())
             for which, draw in (("old", own), ("new", new))
             if draw is not None
         }
@@ -596,6 +601,7 @@ class Gate:
                 f"the grown fleet's classifier FD on the fleet's held-out prompts rises from {b['classifier_fd']:.2f} "
                 f"to {a['classifier_fd']:.2f} (at most {s.fd_rise:+.0%}), by {own.judge}{self.router_hint}",
             )
+        self.grid = _grid(got, own.judge)
         if new is None:
             return
         (b, a) = got["new"]
@@ -695,6 +701,19 @@ def _write_items(sub: RunRoot, tensors: dict[str, torch.Tensor], captions: list[
     sub.write_json({"k": 1, "count": n, "sizes": [n], "examples": {"0": captions[:5]}}, *CLUSTER_REPORT)
 
 
+def _grid(got: dict[str, tuple[dict[str, Any], ...]], judge: str) -> bytes:
+    """The judged comparison's first samples, a row each: the fleet before and the grown fleet on the fleet's held-out
+    prompts, then (where judged) on the contribution's; the title gives each row's prompt accuracy."""
+    rows = [(which, when, scores) for which, pair in got.items() for when, scores in zip(("before", "after"), pair)]
+    accuracy = ", ".join(f"{which} {when} {scores['prompt_accuracy']:.2f}" for which, when, scores in rows)
+    return captioned_grid_png(
+        torch.cat([scores["images"] for *_, scores in rows]),
+        [p for *_, scores in rows for p in scores["prompts"]],
+        cols=GRID_ROW,
+        title=f"rows: {accuracy} (by {judge})",
+    )
+
+
 def _write_shards(
     root: RunRoot, folder: str, tensors: dict[str, torch.Tensor], captions: list[str], extra: dict[str, Any]
 ) -> None:
@@ -745,4 +764,8 @@ def admit(
     k = gate.no_harm(progress)
     log.info("admit: no harm: passed")
     result = assemble(root.url, progress=progress)
-    return AdmitResult(k, gate.signer, hashlib.sha256(gate.body).hexdigest(), result.out, dict(gate.figures))
+    grid = None
+    if gate.grid is not None:
+        root.write_bytes(gate.grid, *CONTRIBUTIONS, f"expert_{k}.png")
+        grid = root.url_of(*CONTRIBUTIONS, f"expert_{k}.png")
+    return AdmitResult(k, gate.signer, hashlib.sha256(gate.body).hexdigest(), result.out, dict(gate.figures), grid)

@@ -192,11 +192,16 @@ class JudgedDraw:
         return dict(self.ev.floor)
 
     def score(
-        self, pipe: FleetPipeline, strategy: str | None = None, name: str = "fleet", progress: bool = True
+        self,
+        pipe: FleetPipeline,
+        strategy: str | None = None,
+        name: str = "fleet",
+        progress: bool = True,
+        keep: int = 0,
     ) -> dict[str, Any]:
         """The fleet's samples of this draw (its default strategy and settings but options.sampling's), judged:
         prompt_accuracy, classifier_fd, precision, recall (the last three with a judge that has features),
-        per_class, n."""
+        per_class, n; keep > 0: also the first `keep` images [keep, C, H, W] in [-1, 1] and their prompts."""
         ev, o = self.ev, self.ev.options
         settings = pipe.settings(strategy, **{**o.sampling, "seed": o.seed})
         log.info(f"judged draw: {name}: sampling {o.n} images ({settings.describe()})")
@@ -205,7 +210,8 @@ class JudgedDraw:
         )
         scores = ev._score(out.images.float().cpu(), out.prompts, name, with_fid=False)
         accuracy = scores.pop("_accuracy")
-        return {**scores, "per_class": accuracy["per_class"], "n": accuracy["n"]}
+        shown = {"images": out.images[:keep].float().cpu(), "prompts": list(out.prompts[:keep])} if keep else {}
+        return {**scores, "per_class": accuracy["per_class"], "n": accuracy["n"], **shown}
 
 
 def root_has_clusters(root: RunRoot) -> bool:
