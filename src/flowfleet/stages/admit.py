@@ -704,13 +704,16 @@ def _write_items(sub: RunRoot, tensors: dict[str, torch.Tensor], captions: list[
 def _grid(got: dict[str, tuple[dict[str, Any], ...]], judge: str) -> bytes:
     """The judged comparison's first samples, a row each: the fleet before and the grown fleet on the fleet's held-out
     prompts, then (where judged) on the contribution's; the title gives each row's prompt accuracy."""
-    rows = [(which, when, scores) for which, pair in got.items() for when, scores in zip(("before", "after"), pair)]
-    accuracy = ", ".join(f"{which} {when} {scores['prompt_accuracy']:.2f}" for which, when, scores in rows)
+    shown = [scores for pair in got.values() for scores in pair]  # old before, old after[, new before, new after]
+    names = {"old": "fleet's prompts", "new": "new prompts"}
+    accuracy = ", ".join(
+        f"{names[which]} {b['prompt_accuracy']:.2f} -> {a['prompt_accuracy']:.2f}" for which, (b, a) in got.items()
+    )
     return captioned_grid_png(
-        torch.cat([scores["images"] for *_, scores in rows]),
-        [p for *_, scores in rows for p in scores["prompts"]],
+        torch.cat([scores["images"] for scores in shown]),
+        [p for scores in shown for p in scores["prompts"]],
         cols=GRID_ROW,
-        title=f"rows: {accuracy} (by {judge})",
+        title=f"before/after: {accuracy} (by {judge})",
     )
 
 
