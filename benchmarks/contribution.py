@@ -171,7 +171,8 @@ def scores(model: Path, reference: Path, n: int, repeats: int) -> dict[str, Any]
 
 def admit_variant(out: Path, run: Path, variant: str, bad: dict[str, Path], n: int, repeats: int) -> dict[str, Any]:
     """On a fresh copy of the fleet (variant_fleet): the bad packages refused, the honest one admitted (or refused),
-    the judge's figures before and after on the old prompts and on the contribution's."""
+    the judge's figures before and after on the old prompts and on the contribution's; the gate's picture of its
+    judged samples in out/honest-<variant>.png."""
     fleet = variant_fleet(out, run, variant)
     row: dict[str, Any] = {"router": VARIANTS[variant], "seconds": {}}
     refs = {"old": out / "reference-old", "new": out / "honest.work"}
@@ -182,7 +183,8 @@ def admit_variant(out: Path, run: Path, variant: str, bad: dict[str, Path], n: i
         print(f"admit ({variant}, {name}): {row['refusals'][name]}")
     t0 = time.perf_counter()
     done = subprocess.run(
-        [*FLOWFLEET, "admit", str(fleet), str(out / "honest"), "--trusted", str(out / "trusted.pub"), "--no-progress"],
+        [*FLOWFLEET, "admit", str(fleet), str(out / "honest"), "--trusted", str(out / "trusted.pub"), "--no-progress",
+         "--picture", str(out / f"honest-{variant}.png")],
         capture_output=True, text=True,
     )  # fmt: skip
     row["seconds"]["admit"] = round(time.perf_counter() - t0, 1)

@@ -153,11 +153,13 @@ def train_toy(model: DiTExpert, items: dict[str, torch.Tensor], steps: int, *, r
 BY_LOSS = GateSettings(device="cpu", judge=None)
 
 
-def refused(run: Path, pkg: Path, trusted: Path, check: str, line: str, settings: GateSettings = BY_LOSS) -> None:
+def refused(
+    run: Path, pkg: Path, trusted: Path, check: str, line: str, settings: GateSettings = BY_LOSS, **options
+) -> None:
     """admit refuses with `check` and a message containing `line`; the run is byte for byte as it was."""
     before = files(run)
     with pytest.raises(Refused) as info:
-        admit(str(run), str(pkg), str(trusted), settings=settings, progress=False)
+        admit(str(run), str(pkg), str(trusted), settings=settings, progress=False, **options)
     assert info.value.check == check and line in str(info.value), str(info.value)
     assert "\n" not in str(info.value)
     after = files(run)
@@ -471,9 +473,12 @@ JUDGED = GateSettings(device="cpu", judge_n=16)
     ],
     ids=["accuracy-falls", "fd-rises", "new-prompts-not-drawn-better", "new-images-not-closer"],
 )
-def test_the_judge_refuses_harm_to_the_fleets_images(world, run, monkeypatch, old, new, line):
+def test_the_judge_refuses_harm_to_the_fleets_images(world, run, tmp_path, monkeypatch, old, new, line):
     scripted(monkeypatch, {**old, **new})
-    refused(run, world / "honest", world / "trusted.pub", "no harm", line, settings=JUDGED)
+    picture = tmp_path / "why.png"  # (outside the run, which stays as it was)
+    refused(run, world / "honest", world / "trusted.pub", "no harm", line, settings=JUDGED, picture=str(picture))
+    with Image.open(picture) as shown:  # the samples the judge refused: four rows of eight
+        assert shown.format == "PNG" and shown.size[1] > 4 * 64
 
 
 def test_the_judge_admits_within_its_stated_tolerance(world, run, monkeypatch):

@@ -62,6 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="judge the fleet's images before and after too: auto (default: the built-in digits' or emoji's judge "
         "where the run has one), digits, emoji, MODULE:FACTORY (as evaluate --judge), or none (the loss alone)",
     )
+    p.add_argument(
+        "--picture",
+        default=None,
+        metavar="PNG",
+        help="also write the judged samples (the fleet before and after) to PNG, on a refusal too",
+    )
     for option, kind, default, text in (  # GateSettings' defaults (tests/test_contrib.py holds them equal)
         ("--harm", float, 0.05, "how much the fleet's loss on its own data may rise, as a share"),
         ("--judge-n", int, 300, "prompts per judged comparison"),
@@ -139,7 +145,14 @@ def run_admit(args: argparse.Namespace) -> int:
     """
     from flowfleet.stages.admit import admit
 
-    result = admit(args.run_root, args.package, args.trusted, settings=gate_settings(args), progress=args.progress)
+    result = admit(
+        args.run_root,
+        args.package,
+        args.trusted,
+        settings=gate_settings(args),
+        progress=args.progress,
+        picture=args.picture,
+    )
     print(
         f"admitted as expert {result.expert} (signed by {result.signer}, manifest {result.manifest_sha256[:16]}...);"
         f" wrote {result.model}"

@@ -42,6 +42,7 @@ import hashlib
 import json
 import logging
 import math
+import posixpath
 import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
@@ -585,6 +586,7 @@ class Gate:
                 for key in ("prompt_accuracy", "classifier_fd"):
                     if scores.get(key) is not None:
                         f[f"judged_{which}_{key}_{when}"] = float(scores[key])
+        self.grid = _grid(got, own.judge)  # (before any verdict: a refusal's picture shows why)
         (b, a) = got["old"]
         if a["prompt_accuracy"] < b["prompt_accuracy"] - s.accuracy_drop:
             worst = min(a["per_class"], key=lambda c: a["per_class"][c] - b["per_class"].get(c, 0.0))
@@ -601,7 +603,6 @@ class Gate:
                 f"the grown fleet's classifier FD on the fleet's held-out prompts rises from {b['classifier_fd']:.2f} "
                 f"to {a['classifier_fd']:.2f} (at most {s.fd_rise:+.0%}), by {own.judge}{self.router_hint}",
             )
-        self.grid = _grid(got, own.judge)
         if new is None:
             return
         (b, a) = got["new"]
@@ -753,18 +754,25 @@ def admit(
     *,
     settings: GateSettings = GateSettings(),
     progress: bool = True,
+    picture: str | None = None,
 ) -> AdmitResult:
     """Check a contributed expert's package against the run (the module docstring's five checks, in order), and
-    on success grow the fleet with it; a Refused names the first check that failed."""
+    on success grow the fleet with it; a Refused names the first check that failed.
+    picture: a PNG file to write the judged samples to as well, on a refusal too (the run stays unchanged then)."""
     settings.validate()
     root, pkg = RunRoot(run_root), RunRoot(package)
     if not root.exists(MODEL):
         raise FlowfleetError(f"{root.url_of(MODEL)}: missing; the gate compares against the assembled fleet")
     gate = Gate(root, pkg, trusted, settings)
-    for check in gate.checks():
-        check()
-        log.info(f"admit: {check.__name__}: passed")
-    k = gate.no_harm(progress)
+    try:
+        for check in gate.checks():
+            check()
+            log.info(f"admit: {check.__name__}: passed")
+        k = gate.no_harm(progress)
+    finally:
+        if picture and gate.grid is not None:
+            folder, name = posixpath.split(picture)
+            RunRoot(folder or ".").write_bytes(gate.grid, name)
     log.info("admit: no harm: passed")
     result = assemble(root.url, progress=progress)
     grid = None
