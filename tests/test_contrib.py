@@ -23,6 +23,7 @@ from flowfleet.commands.contrib import gate_settings
 from flowfleet.config import DataConfig, RunConfig, load_run_config
 from flowfleet.data.shards import ShardSet, ShardSetManifest, ShardSetUnion
 from flowfleet.evaluate.digits import prompted_digit
+from flowfleet.evaluate.judge import ClassifierJudge
 from flowfleet.flow.path import interpolate, target_velocity
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert
@@ -31,11 +32,12 @@ from flowfleet.presets import preset
 from flowfleet.sampling.card import read_card
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.sampling.signing import keygen, load_private
-from flowfleet.stages.admit import GateSettings, Refused, admit
+from flowfleet.stages.admit import GateSettings, Refused, admit, changed_first
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.cluster import cluster
 from flowfleet.stages.contribute import ContributeOptions, contribute, read_shard_file, sign_package
 from flowfleet.stages.evaluate import EvaluateOptions, JudgedDraw, evaluate
+from flowfleet.stages.evaluate.stage import judged_hits
 from flowfleet.stages.kit import make_kit, read_kit, run_kit
 from flowfleet.stages.prepare import prepare
 from flowfleet.stages.train import train_expert, train_router
@@ -432,10 +434,11 @@ def scripted(monkeypatch, figures: dict[tuple[str, str], tuple[float, float]]) -
     fleet's held-out prompts, digits 0-7) or "new" (the contribution's, 8 and 9), fleet "fleet before" or "grown fleet".
     Everything else of the gate runs: the draws open for real, the router trains, the candidate assembles."""
 
-    def score(self, pipe, strategy=None, name="fleet", progress=True, keep=0):
+    def score(self, pipe, strategy=None, name="fleet", progress=True, keep=False):
         which = "new" if prompted_digit(self.ev.prompts[0]) in (8, 9) else "old"
         accuracy, fd = figures[which, name]
-        shown = {"images": torch.zeros(keep, 1, 28, 28), "prompts": self.ev.prompts[:keep]}
+        n = len(self.ev.prompts)
+        shown = {"images": torch.zeros(n, 1, 28, 28), "prompts": self.ev.prompts, "hits": [True] * n} if keep else {}
         return {"prompt_accuracy": accuracy, "classifier_fd": fd, "per_class": {"4": accuracy}, "n": 16, **shown}
 
     monkeypatch.setattr(JudgedDraw, "score", score)
@@ -491,3 +494,13 @@ def test_the_judge_admits_within_its_stated_tolerance(world, run, monkeypatch):
     assert result.grid is not None and result.grid.endswith("reports/contributions/expert_2.png")
     with Image.open(result.grid) as grid:  # four rows of eight: before and after, the fleet's and the new prompts
         assert grid.format == "PNG" and grid.size[0] > 8 * 64 and grid.size[1] > 4 * 64
+
+
+def test_the_picture_shows_first_what_the_judge_read_differently():
+    before = [True, True, None, True, False, True]
+    after = [True, False, None, True, True, True]
+    assert changed_first(before, after, 4) == [1, 4, 0, 2]
+    judge = ClassifierJudge(lambda x: x, classes=[["four"], ["nine"]])
+    prompts = ["a four", "a cat", "a nine", "a four"]
+    assert judged_hits(judge, prompts, ["four", "four", "nine"]) == [True, None, False, False]
+    assert judged_hits(object(), prompts, None) == [None] * 4

@@ -577,7 +577,7 @@ class Gate:
             "grown fleet": FleetPipeline.from_pretrained(after_dir, device=self.device),
         }
         got = {
-            which: tuple(draw.score(pipe, name=name, progress=progress, keep=GRID_ROW) for name, pipe in fleets.items())
+            which: tuple(draw.score(pipe, name=name, progress=progress, keep=True) for name, pipe in fleets.items())
             for which, draw in (("old", own), ("new", new))
             if draw is not None
         }
@@ -702,19 +702,30 @@ def _write_items(sub: RunRoot, tensors: dict[str, torch.Tensor], captions: list[
     sub.write_json({"k": 1, "count": n, "sizes": [n], "examples": {"0": captions[:5]}}, *CLUSTER_REPORT)
 
 
+def changed_first(before: list[bool | None], after: list[bool | None], n: int) -> list[int]:
+    """n sample indices: those the judge read differently before and after, then the first others, in order."""
+    changed = [i for i, (x, y) in enumerate(zip(before, after)) if x != y]
+    same = [i for i in range(len(before)) if before[i] == after[i]]
+    return (changed + same)[:n]
+
+
 def _grid(got: dict[str, tuple[dict[str, Any], ...]], judge: str) -> bytes:
-    """The judged comparison's first samples, a row each: the fleet before and the grown fleet on the fleet's held-out
-    prompts, then (where judged) on the contribution's; the title gives each row's prompt accuracy."""
-    shown = [scores for pair in got.values() for scores in pair]  # old before, old after[, new before, new after]
+    """The judged comparison's samples, a row each: the fleet before and the grown fleet on the fleet's held-out
+    prompts, then (where judged) on the contribution's. Each pair of rows shows the same prompts and noise: first
+    those the judge read differently before and after (what the contribution changed), then the first others. The
+    title gives each pair's prompt accuracy."""
+    images, prompts = [], []
+    for b, a in got.values():
+        pick = changed_first(b["hits"], a["hits"], GRID_ROW)
+        for scores in (b, a):
+            images.append(scores["images"][pick])
+            prompts += [scores["prompts"][i] for i in pick]
     names = {"old": "fleet's prompts", "new": "new prompts"}
     accuracy = ", ".join(
         f"{names[which]} {b['prompt_accuracy']:.2f} -> {a['prompt_accuracy']:.2f}" for which, (b, a) in got.items()
     )
     return captioned_grid_png(
-        torch.cat([scores["images"] for scores in shown]),
-        [p for scores in shown for p in scores["prompts"]],
-        cols=GRID_ROW,
-        title=f"before/after: {accuracy} (by {judge})",
+        torch.cat(images), prompts, cols=GRID_ROW, title=f"before/after: {accuracy} (by {judge}), changed first"
     )
 
 

@@ -197,11 +197,12 @@ class JudgedDraw:
         strategy: str | None = None,
         name: str = "fleet",
         progress: bool = True,
-        keep: int = 0,
+        keep: bool = False,
     ) -> dict[str, Any]:
         """The fleet's samples of this draw (its default strategy and settings but options.sampling's), judged:
         prompt_accuracy, classifier_fd, precision, recall (the last three with a judge that has features),
-        per_class, n; keep > 0: also the first `keep` images [keep, C, H, W] in [-1, 1] and their prompts."""
+        per_class, n; keep: also the images [n, C, H, W] in [-1, 1], their prompts, and per image whether the judge
+        read it as its prompt's class ("hits": None where the prompt names none, or the judge does not say)."""
         ev, o = self.ev, self.ev.options
         settings = pipe.settings(strategy, **{**o.sampling, "seed": o.seed})
         log.info(f"judged draw: {name}: sampling {o.n} images ({settings.describe()})")
@@ -210,8 +211,21 @@ class JudgedDraw:
         )
         scores = ev._score(out.images.float().cpu(), out.prompts, name, with_fid=False)
         accuracy = scores.pop("_accuracy")
-        shown = {"images": out.images[:keep].float().cpu(), "prompts": list(out.prompts[:keep])} if keep else {}
+        shown = {}
+        if keep:
+            hits = judged_hits(ev.judge, out.prompts, accuracy.get("predicted"))
+            shown = {"images": out.images.float().cpu(), "prompts": list(out.prompts), "hits": hits}
         return {**scores, "per_class": accuracy["per_class"], "n": accuracy["n"], **shown}
+
+
+def judged_hits(judge: Any, prompts: Sequence[str], predicted: Sequence[str] | None) -> list[bool | None]:
+    """Per prompt: the judge's reading (`predicted`, one per prompt naming a class, as ClassifierJudge gives it) is
+    the prompt's class; None where it names none, or where the judge gives no `target`, `labels` or readings."""
+    target, labels = getattr(judge, "target", None), getattr(judge, "labels", None)
+    if not callable(target) or labels is None or predicted is None:
+        return [None] * len(prompts)
+    readings = iter(predicted)
+    return [None if (k := target(p)) is None else next(readings) == labels[k] for p in prompts]
 
 
 def root_has_clusters(root: RunRoot) -> bool:
