@@ -176,20 +176,12 @@ class JudgedDraw:
             data = held_out_data(root, cfg)
         ev = _Evaluation(root.url, root, cfg, data or own, options, resolve_device(options.device), conditioning)
         ev._open_fid(None, inception=False, named=False)
-        target = getattr(ev.judge, "target", None)
-        if ev.judge is None or (callable(target) and all(target(p) is None for p in ev.prompts or [])):
-            return None
-        return cls(ev)
+        return cls(ev) if ev.judge is not None and ev.judge_names_a_prompt() else None
 
     @property
     def judge(self) -> str:
         """How the judge is asked for by name: "digits", "emoji" or MODULE:FACTORY."""
         return self.ev.builtin_judge() or str(self.ev.options.judge)
-
-    @property
-    def floor(self) -> dict[str, Any]:
-        """The real floor's scores: n real items of the same draw, scored like a model."""
-        return dict(self.ev.floor)
 
     def score(
         self,
@@ -203,12 +195,10 @@ class JudgedDraw:
         prompt_accuracy, classifier_fd, precision, recall (the last three with a judge that has features),
         per_class, n; keep: also the images [n, C, H, W] in [-1, 1], their prompts, and per image whether the judge
         read it as its prompt's class ("hits": None where the prompt names none, or the judge does not say)."""
-        ev, o = self.ev, self.ev.options
-        settings = pipe.settings(strategy, **{**o.sampling, "seed": o.seed})
-        log.info(f"judged draw: {name}: sampling {o.n} images ({settings.describe()})")
-        out = pipe(
-            ev.prompts, o.n, labels=ev.labels, settings=settings, batch_size=o.batch_size, progress=progress and name
-        )
+        ev = self.ev
+        settings = ev.settings_for(pipe, strategy)
+        log.info(f"judged draw: {name}: sampling {ev.options.n} images ({settings.describe()})")
+        out = ev.sample(pipe, settings, progress and name)
         scores = ev._score(out.images.float().cpu(), out.prompts, name, with_fid=False)
         accuracy = scores.pop("_accuracy")
         shown = {}
@@ -390,8 +380,7 @@ class _Evaluation:
         t0 = time.perf_counter()
         if self.options.judge and self.builtin_judge() is None:
             self.judge = load_judge(self.options.judge, self.root)
-            target = getattr(self.judge, "target", None)
-            if named and callable(target) and all(target(p) is None for p in self.prompts):
+            if named and not self.judge_names_a_prompt():
                 raise FlowfleetError(
                     f"--judge: none of the {len(self.prompts)} prompts names one of the judge's "
                     f"classes (e.g. {self.prompts[0]!r})"
@@ -413,6 +402,20 @@ class _Evaluation:
                 self.floor.update(self._judge_scores(floor_feats))
         self.timings["judge_s"] = time.perf_counter() - t0
 
+    def judge_names_a_prompt(self) -> bool:
+        """Whether the judge names the class of one of the prompts at least (a judge without `target`: assumed)."""
+        target = getattr(self.judge, "target", None)
+        return not callable(target) or any(target(p) is not None for p in self.prompts or [])
+
+    def settings_for(self, pipe: FleetPipeline, strategy: str | None, **choices: Any) -> Any:
+        """The fleet's settings for this draw: options.sampling, then `choices` (cfg), with the draw's seed."""
+        return pipe.settings(strategy, **{**self.options.sampling, **choices, "seed": self.options.seed})
+
+    def sample(self, pipe: Any, settings: Any, progress: bool | str) -> Any:
+        """The draw's n prompts (or labels) sampled by a fleet or the monolith with `settings`, in batches."""
+        n, batch = self.options.n, self.options.batch_size
+        return pipe(self.prompts, n, labels=self.labels, settings=settings, batch_size=batch, progress=progress)
+
     def run_model(self, name: str, kind: str, pipe, strategy: str) -> ModelRun:
         """Sample options.n images from one model (a strategy of the fleet, or the monolith) at each scale of
         the guidance sweep (or the one scale asked for); score each; keep the chosen scale's samples for the
@@ -425,10 +428,10 @@ class _Evaluation:
         # chosen scale. Without one, FID is what chooses, at every scale.
         fid_each = self.judge_fd is None or len(scales) == 1
         for scale in scales:
-            settings = pipe.settings(strategy, **{**o.sampling, "cfg": scale, "seed": o.seed})
+            settings = self.settings_for(pipe, strategy, cfg=scale)
             log.info(f"evaluate: {name}: sampling {o.n} images ({settings.describe()})")
             t0 = time.perf_counter()
-            out = pipe(self.prompts, o.n, labels=self.labels, settings=settings, batch_size=o.batch_size, progress=name)
+            out = self.sample(pipe, settings, name)
             run.sampling_s += time.perf_counter() - t0
             images = out.images.float().cpu()  # [n, C, H, W] in [-1, 1]
             t0 = time.perf_counter()
@@ -623,16 +626,8 @@ def _redraw(
                 scored[name] = scored[same[name]]
             else:
                 cfg = ev.runs[name].cfg
-                settings = pipe.settings(strategy, **{**o.sampling, "cfg": cfg, "seed": drawn.seed})
                 log.info(f"evaluate: {name}: draw {r + 1} of {o.repeats} (seed {drawn.seed}, cfg {cfg})")
-                got = pipe(
-                    again.prompts,
-                    o.n,
-                    labels=again.labels,
-                    settings=settings,
-                    batch_size=o.batch_size,
-                    progress=f"{name} draw {r + 1}",
-                )
+                got = again.sample(pipe, again.settings_for(pipe, strategy, cfg=cfg), f"{name} draw {r + 1}")
                 scores = again._score(got.images.float().cpu(), got.prompts, name, with_fid=again.judge_fd is None)
                 scored[name] = values(scores)
             for k, v in scored[name].items():
