@@ -505,9 +505,18 @@ class Gate:
                 if status.state != "done":
                     raise FlowfleetError(f"{spec.dir}: {status.state} at step {status.step}; re-run admit")
             assemble(root.url, root.url_of(CANDIDATE), progress=progress)
-            self._compare(root.url_of(MODEL), root.url_of(CANDIDATE))
+            # the fleet before and the grown fleet, opened once for both comparisons (encoders where judged: shared)
+            before = FleetPipeline.from_pretrained(root.url_of(MODEL), device=self.device, load_encoders=bool(draws))
+            after = FleetPipeline.from_pretrained(
+                root.url_of(CANDIDATE),
+                device=self.device,
+                text_encoder=before.text_encoder,
+                latent_decoder=before.latent_decoder,
+                load_encoders=False,
+            )
+            self._compare(before, after)
             if draws is not None:
-                self._judged(root.url_of(MODEL), root.url_of(CANDIDATE), *draws, progress=progress)
+                self._judged(before, after, *draws, progress=progress)
         except BaseException:
             root.write_bytes(before_yaml, RUN_FILE)
             staged.undo()
@@ -515,12 +524,11 @@ class Gate:
         root.remove(CANDIDATE, recursive=True)
         return k
 
-    def _compare(self, before_dir: str, after_dir: str) -> None:
+    def _compare(self, before: FleetPipeline, after: FleetPipeline) -> None:
+        """The fleet before and the grown fleet by their routed flow-matching loss (no image, no judge)."""
         s, f = self.settings, self.figures
         old = subset(self.fleet_heldout, s.items, s.seed)
         new = subset(self.shard(PACKAGE_HELDOUT)[0], s.items, s.seed)
-        before = FleetPipeline.from_pretrained(before_dir, device=self.device, load_encoders=False)
-        after = FleetPipeline.from_pretrained(after_dir, device=self.device, load_encoders=False)
         f["fleet_old_before"] = flow_loss(fleet_velocity(before), old, s, self.device)
         f["fleet_old_after"] = flow_loss(fleet_velocity(after), old, s, self.device)
         f["fleet_new_before"] = flow_loss(fleet_velocity(before), new, s, self.device)
@@ -569,13 +577,12 @@ class Gate:
         new = JudgedDraw.open(self.root.url, replace(options, judge=own.judge), conditioning, data=data)
         return own, new
 
-    def _judged(self, before_dir: str, after_dir: str, own: JudgedDraw, new: JudgedDraw | None, progress: bool) -> None:
+    def _judged(
+        self, before: FleetPipeline, after: FleetPipeline, own: JudgedDraw, new: JudgedDraw | None, progress: bool
+    ) -> None:
         """The fleet before and the grown fleet, sampled as they serve on the same prompts and noise, judged."""
         s, f = self.settings, self.figures
-        fleets = {
-            "fleet before": FleetPipeline.from_pretrained(before_dir, device=self.device),
-            "grown fleet": FleetPipeline.from_pretrained(after_dir, device=self.device),
-        }
+        fleets = {"fleet before": before, "grown fleet": after}
         got = {
             which: tuple(draw.score(pipe, name=name, progress=progress, keep=True) for name, pipe in fleets.items())
             for which, draw in (("old", own), ("new", new))
