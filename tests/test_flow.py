@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures.tolerances import gamma, max_abs, unit_roundoff
-from fixtures.toy import GaussianMixture, cluster_posterior
+from fixtures.toy import GaussianMixture, LabelledMixture, cluster_posterior
 
 from flowfleet.flow import (
     cfg_combine,
     combine,
     flow_matching_loss,
+    guided_mixture,
     integrate,
     interpolate,
     parse_strategy,
@@ -102,6 +103,59 @@ def test_decomposition_identity_paris_eq3():
     # top-k with k = K through the routing path is the same thing
     idx, w = routing_weights(posterior, len(CLUSTERS))
     assert (combine(velocities, dense_weights(idx, w, 3)) - u).abs().max() <= tol
+
+
+def labelled_point(seed: int, n: int = 512):
+    """Points x_t at times t across the path, each with a class label, on the labelled toy."""
+    g = torch.Generator().manual_seed(seed)
+    x = 3 * torch.randn(n, 2, dtype=torch.float64, generator=g)
+    t = torch.rand(n, dtype=torch.float64, generator=g).clamp(1e-3, 1)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return x, t, y
+
+
+def branch_terms(toy: LabelledMixture, x, t, y):
+    """Each expert's conditional and unconditional flow [K, B, 2] and the exact posteriors of both branches."""
+    v_c = torch.stack([toy.expert_velocity(k, x, t, y) for k in range(len(toy.clusters))])
+    v_u = torch.stack([toy.expert_velocity(k, x, t) for k in range(len(toy.clusters))])
+    return v_c, v_u, toy.posterior(x, t, y), toy.posterior(x, t)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_guided_mixture_is_the_whole_data_sets_guided_velocity(seed):
+    """DDM's decomposition per guidance branch: with exact experts and posteriors, guided_mixture equals the guided
+    velocity of a model of all the data, u(x) + s (u(x | y) - u(x)), to float64 rounding; guiding inside each
+    expert and mixing with the conditional posterior (w_uncond = w_cond) is another field."""
+    toy, scale = LabelledMixture.default(), 3.0
+    x, t, y = labelled_point(seed)
+    v_c, v_u, w_c, w_u = branch_terms(toy, x, t, y)
+    exact = cfg_combine(toy.velocity(x, t, y), toy.velocity(x, t), scale)  # [B, 2]
+    # float64 closed forms summed per cluster vs over the components: ~10 roundings per component (6), amplified
+    # by the posterior's exponent |x - mu|^2 / var (<= max|x|^2 / min var), in each of the two branches, which the
+    # guidance combines with weights 1 + s and s
+    branch = gamma(10 * 6) * max_abs(x) ** 2 / float(toy.mix.stds.min()) ** 2
+    tol = (1 + 2 * scale) * branch * max(max_abs(v_c), max_abs(v_u))
+    got = guided_mixture(v_c, v_u, w_c, w_u, scale)
+    assert (got - exact).abs().max() <= tol
+    # the per-expert rule misses it: by a sizeable share of the velocity at some points (not rounding)
+    per_expert = guided_mixture(v_c, v_u, w_c, w_c, scale)
+    assert torch.allclose(per_expert, combine(cfg_combine(v_c, v_u, scale), w_c), rtol=0, atol=tol)
+    miss = (per_expert - exact).norm(dim=1) / exact.norm(dim=1).clamp_min(1e-12)
+    assert miss.max() > 0.25 and (miss > 1e3 * tol).float().mean() > 0.1
+    # at scale 1 (no guidance) both rules are the conditional mixture
+    assert torch.allclose(guided_mixture(v_c, v_u, w_c, w_u, 1.0), combine(v_c, w_c), rtol=0, atol=tol)
+
+
+def test_guided_mixture_shapes_and_sparse_weights():
+    """[K, B, ...] velocities with any trailing dims and dense [B, K] weights, zeros where not selected."""
+    g = torch.Generator().manual_seed(3)
+    v_c, v_u = torch.randn(4, 5, 3, 2, 2, generator=g), torch.randn(4, 5, 3, 2, 2, generator=g)
+    w_c = dense_weights(torch.tensor([[0, 2]] * 5), torch.full((5, 2), 0.5), 4)
+    w_u = dense_weights(torch.tensor([[3]] * 5), torch.ones(5, 1), 4)
+    got = guided_mixture(v_c, v_u, w_c, w_u, 2.0)
+    assert got.shape == (5, 3, 2, 2)
+    want = v_u[3] + 2.0 * (0.5 * v_c[0] + 0.5 * v_c[2] - v_u[3])
+    torch.testing.assert_close(got, want, rtol=0, atol=gamma(8, torch.float32) * 4 * max_abs(want))
 
 
 def test_tiny_dit_learns_the_toy_flow():

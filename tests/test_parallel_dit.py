@@ -19,7 +19,7 @@ from torchmetrics.functional.image import peak_signal_noise_ratio
 
 from flowfleet.config import SamplingConfig
 from flowfleet.errors import FlowfleetError
-from flowfleet.flow import cfg_combine, integrate, routing_weights, time_grid
+from flowfleet.flow import guided_mixture, integrate, routing_weights, time_grid
 from flowfleet.flow.ensemble import dense_weights
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
@@ -97,35 +97,49 @@ def inputs() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return noise, cond
 
 
-def route_fn(router: DiTModel, k: int):
+def route_fn(router: DiTModel, k: int, mixture: bool = False):
+    """Top-k of the router's posterior for both guidance branches, or (mixture) the unconditional branch's own
+    top-k of another posterior (the router's logits reversed: a stand-in for p(k | x_t, t, null))."""
+
     def route(x, t, step):
-        return routing_weights(torch.softmax(router(x, t), dim=1), k)
+        logits = router(x, t)
+        experts, weights = routing_weights(torch.softmax(logits, dim=1), k)
+        if not mixture:
+            return experts, weights, None, None  # one choice serves both branches
+        return experts, weights, *routing_weights(torch.softmax(logits.flip(1), dim=1), k)
 
     return route
 
 
 def single_process_run(
-    top_k: int, cfg_scale: float, sampler: str = "euler", variant: str = "", cfg_max_t: float = 1.0
+    top_k: int,
+    cfg_scale: float,
+    sampler: str = "euler",
+    variant: str = "",
+    cfg_max_t: float = 1.0,
+    mixture: bool = False,
 ) -> torch.Tensor:
-    """Reference: every expert on the whole image, guided (at t <= cfg_max_t), combined with the routing weights."""
+    """Reference: every expert on the whole image with and without the condition, each branch mixed by its own
+    routing weights, guided (at t <= cfg_max_t): flowfleet.flow.guided_mixture on dense [K, B, ...] velocities."""
     experts, router = fleet(variant)
     noise, cond = inputs()
-    route = route_fn(router, top_k)
+    route = route_fn(router, top_k, mixture)
 
     def velocity(x, t, step):
-        idx, w = route(x, t, step)
-        dense = dense_weights(idx, w, K)  # [B, K]
+        ec, wc, eu, wu = route(x, t, step)
+        eu, wu = (ec, wc) if eu is None else (eu, wu)
         scale = cfg_scale if float(t[0]) <= cfg_max_t else 1.0
-        v = torch.zeros_like(x)
-        for k, model in experts.items():
-            out = model(
+        both = [
+            model(
                 torch.cat([x, x]),
                 torch.cat([t, t]),
                 drop=torch.arange(2 * B) >= B,
                 **{n: torch.cat([c, c]) for n, c in cond.items()},
-            )
-            v += dense[:, k, None, None, None] * cfg_combine(*out.chunk(2), scale)
-        return v
+            ).chunk(2)
+            for model in experts.values()
+        ]
+        v_c, v_u = torch.stack([c for c, _ in both]), torch.stack([u for _, u in both])  # [K, B, C, H, W]
+        return guided_mixture(v_c, v_u, dense_weights(ec, wc, K), dense_weights(eu, wu, K), scale)
 
     with torch.inference_mode():
         return integrate(velocity, noise, time_grid(STEPS), sampler)
@@ -142,6 +156,7 @@ def parallel_run(
     batch_bytes: int = 8 << 20,
     variant: str = "",
     cfg_max_t: float = 1.0,
+    mixture: bool = False,
 ) -> dict:
     """Worker: the same run patch-parallel on ctx's ranks."""
     experts, router = fleet(variant)
@@ -155,7 +170,7 @@ def parallel_run(
         guided=True,
     )
     guidance = SamplingConfig(cfg=cfg_scale, cfg_max_t=cfg_max_t)
-    vf = runner.velocity(cond, guidance=guidance, route=route_fn(router, top_k), steps=STEPS)
+    vf = runner.velocity(cond, guidance=guidance, route=route_fn(router, top_k, mixture), steps=STEPS)
     with torch.inference_mode():
         out = integrate(vf, runner.broadcast(noise), time_grid(STEPS), sampler)
     runner.close()
@@ -298,6 +313,18 @@ def test_cfg_batch_split_equals_single_process(nproc):
     else:  # two bands per half: keys/values cross within each half
         kv = EXPERT.depth * B * 2 * EXPERT.num_heads * 8 * (EXPERT.hidden_size // EXPERT.num_heads) * 4
         assert ranks[0]["bytes"][1] == output_and_routing + kv
+
+
+@pytest.mark.parametrize("nproc, cfg_split", [(2, False), (2, True), (4, True)])
+def test_guidance_over_the_mixture_equals_single_process(nproc, cfg_split):
+    """Each branch routed on its own (the unconditional rows' experts differ from the conditional rows'): both
+    halves on each rank, one half per rank group, and halves split into bands all give the single process's."""
+    want = single_process_run(top_k=2, cfg_scale=2.5, mixture=True)
+    args = ("sync", 0, 2, 2.5, cfg_split, "euler", 8 << 20, "", 1.0, True)
+    ranks = run_local(parallel_run, nproc, args, **FORK)
+    assert max((r["out"] - want).abs().max().item() for r in ranks) <= dit_tol(want)
+    assert all(torch.equal(r["out"], ranks[0]["out"]) for r in ranks)
+    assert (single_process_run(top_k=2, cfg_scale=2.5) - want).abs().max().item() > 100 * dit_tol(want)
 
 
 @pytest.mark.parametrize(

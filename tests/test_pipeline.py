@@ -9,7 +9,7 @@ import pytest
 import torch
 from fixtures.random_fleet import HashTextEncoder, randomize_, tiny_run_config
 from fixtures.tolerances import gamma, max_abs, net_tol
-from fixtures.toy import GaussianMixture, cluster_posterior
+from fixtures.toy import GaussianMixture, LabelledMixture, cluster_posterior
 
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow import cfg_combine, guidance_scale_at, integrate, time_grid
@@ -172,6 +172,143 @@ def test_toy_top1_follows_the_posterior_argmax_and_lands_in_its_cluster():
     comp = torch.cdist(x0, mix.means).argmin(dim=1)
     cluster_of = torch.tensor([i for i, c in enumerate(CLUSTERS) for _ in c])
     assert (cluster_of[comp] == final_cluster).float().mean() > 0.95
+
+
+# --------------------------------------------------------------------------------------------------
+#                   Labelled toy: guidance over the mixture is the whole data set's
+# --------------------------------------------------------------------------------------------------
+
+
+class ToyRouter:
+    """The labelled toy's exact router in the model-call convention: log p(k | x_t, y), or log p(k | x_t) on the
+    rows with drop=True; it reads the condition."""
+
+    reads_condition = True
+
+    def __init__(self, toy: LabelledMixture):
+        self.toy = toy
+        self.calls: list[int] = []
+
+    def __call__(self, x, t, labels=None, drop=None):
+        self.calls.append(x.shape[0])
+        post = self.toy.posterior(x, t, labels)
+        if drop is not None and bool(drop.any()):
+            post = torch.where(drop[:, None], self.toy.posterior(x, t), post)
+        return post.log()  # softmax(log p) = p; a cluster without the class: -inf, weight 0
+
+
+def labelled_pipeline(router=None) -> tuple[FleetPipeline, LabelledMixture, list[Counting]]:
+    toy = LabelledMixture.default()
+
+    def expert(k):
+        def velocity(x, t, labels=None, drop=None):
+            v = toy.expert_velocity(k, x, t, labels)
+            return v if drop is None else torch.where(drop[:, None], toy.expert_velocity(k, x, t), v)
+
+        return Counting(velocity)
+
+    experts = [expert(k) for k in range(len(toy.clusters))]
+    pipe = FleetPipeline(
+        ExpertStore.from_callables(experts),
+        router or ToyRouter(toy),
+        latent_shape=(2,),
+        conditioning="class",
+        num_classes=toy.num_classes,
+        dtype=torch.float64,
+    )
+    return pipe, toy, experts
+
+
+def toy_guided(toy: LabelledMixture, scale: float):
+    """The whole data set's guided velocity u(x) + s (u(x | y) - u(x)) as a velocity function of labels y."""
+    return lambda y: lambda x, t, i: cfg_combine(toy.velocity(x, t, y), toy.velocity(x, t), scale)
+
+
+def toy_tol(toy: LabelledMixture, x: torch.Tensor, ref: torch.Tensor, scale: float, evaluations: int = 1) -> float:
+    """float64 closed forms per cluster vs over the components (~10 roundings per component), amplified by the
+    posterior's exponent (max|x|^2 / min var) in each branch, combined with weights 1 + s and s, per evaluation."""
+    amplification = max_abs(x) ** 2 / float(toy.mix.stds.min()) ** 2
+    return (1 + 2 * scale) * gamma(10 * 6 * evaluations) * amplification * max_abs(ref)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mixture_guidance_samples_the_whole_data_sets_guided_flow(seed):
+    """Through the fleet's sampler, full ensemble, exact experts and router: guidance over the mixture integrates
+    the guided flow of one model of all the data; guidance inside each expert ends elsewhere."""
+    pipe, toy, _ = labelled_pipeline()
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(96, 2, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, 3, (96,), generator=g)
+    cond = Condition(labels=labels)
+    ref = integrate(toy_guided(toy, 3.0)(labels), noise, time_grid(16).double(), "euler")
+    x0, trace = pipe.sample(noise, cond, pipe.settings("full", steps=16, cfg=3.0, guidance="mixture"))
+    assert (x0 - ref).abs().max() <= toy_tol(toy, ref, ref, 3.0, evaluations=16)
+    assert all(e is not None for e in trace.uncond_experts)  # each branch routed on its own
+    per_expert, trace_e = pipe.sample(noise, cond, pipe.settings("full", steps=16, cfg=3.0, guidance="expert"))
+    assert (per_expert - ref).norm(dim=1).max() > 0.1 * ref.norm(dim=1).max()
+    assert all(e is None for e in trace_e.uncond_experts)
+
+
+def test_mixture_top1_runs_one_expert_per_sample_and_branch():
+    """Each branch takes its own posterior's top-1: an expert runs on the conditional rows of the samples whose
+    p(k | x_t, y) it tops and the unconditional rows of those whose p(k | x_t) it tops, nothing else: 2 rows per
+    sample, a monolith's guided step; each branch's mixture then weighs 1 on its own expert."""
+    pipe, toy, experts = labelled_pipeline()
+    g = torch.Generator().manual_seed(4)
+    x, t = 2 * torch.randn(64, 2, dtype=torch.float64, generator=g), torch.full((64,), 0.3, dtype=torch.float64)
+    labels = torch.randint(0, 3, (64,), generator=g)
+    v, trace = one_step(pipe, x, t, Condition(labels=labels), "top1", cfg=3.0)
+    top_c, top_u = toy.posterior(x, t, labels).argmax(1), toy.posterior(x, t).argmax(1)
+    assert torch.equal(trace.experts[0][:, 0], top_c) and torch.equal(trace.uncond_experts[0][:, 0], top_u)
+    assert bool((top_c != top_u).any())  # the prompt moves some samples to another cluster
+    assert sum(trace.stats.rows.values()) == 2 * 64
+    for k, expert in enumerate(experts):
+        (call,) = expert.calls  # once per evaluation, both branches batched
+        cond_rows, null_rows = (top_c == k).nonzero()[:, 0], (top_u == k).nonzero()[:, 0]
+        assert torch.equal(call["x"], torch.cat([x[cond_rows], x[null_rows]]))
+        assert torch.equal(call["drop"], torch.arange(call["x"].shape[0]) >= cond_rows.numel())
+    want = torch.stack([cfg_combine(toy.expert_velocity(c, x[i : i + 1], t[i : i + 1], labels[i : i + 1]),
+                                    toy.expert_velocity(u, x[i : i + 1], t[i : i + 1]), 3.0)[0]
+                        for i, (c, u) in enumerate(zip(top_c.tolist(), top_u.tolist()))])  # fmt: skip
+    assert torch.equal(v, want)  # one expert per branch, weight 1: no sum to round
+
+
+def test_a_prompt_blind_router_guides_the_same_under_both_rules():
+    """A router that does not read the condition has one posterior for both branches: the two rules are one field,
+    computed once (one router pass per evaluation), bit for bit."""
+    toy = LabelledMixture.default()
+    blind = lambda x, t: torch.log(torch.stack(  # noqa: E731 - p(k | x_t), the exact prompt-blind router
+        [torch.softmax(toy.mix.log_joint(x, t), 1)[:, c].sum(1) for c in toy.clusters], 1))  # fmt: skip
+    pipe, _, _ = labelled_pipeline(router=blind)
+    noise, labels = torch.randn(32, 2, dtype=torch.float64), torch.arange(32) % 3
+    runs = [pipe.sample(noise, Condition(labels=labels), pipe.settings("top2", steps=6, cfg=3.0, guidance=rule))
+            for rule in ("mixture", "expert")]  # fmt: skip
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1].router_calls == runs[1][1].router_calls == 6
+
+
+def test_trajectory_draws_one_expert_per_image_from_the_prompts_posterior_and_keeps_it():
+    """trajectory: at the first step each image draws one expert from p(k | x_1, y) and keeps it to the end; the
+    draw is the image's own (its noise's), so it does not change with the batch split, and over many images it
+    follows the posterior."""
+    pipe, toy, _ = labelled_pipeline()
+    n = 3000
+    out = pipe(None, n, labels=[0, 1, 2], strategy="trajectory", steps=4, cfg=3.0, seed=11)
+    chosen = out.trace.experts[0][:, 0]
+    assert out.trace.routed == [True, False, False, False]
+    assert all(torch.equal(e[:, 0], chosen) for e in out.trace.experts)
+    assert torch.equal(out.trace.weights[0], torch.ones(n, 1, dtype=out.trace.weights[0].dtype))
+    split = pipe(None, n, labels=[0, 1, 2], strategy="trajectory", steps=4, cfg=3.0, seed=11, batch_size=7)
+    assert torch.equal(split.trace.experts[0], out.trace.experts[0]) and torch.equal(split.images, out.images)
+    labels = torch.arange(n) % 3
+    noise = pipe.noise(n, 11)
+    prior = toy.posterior(noise, torch.ones(n, dtype=torch.float64), labels)  # [n, K] at x_1, t = 1
+    for y in range(3):
+        rows = labels == y
+        share = torch.bincount(chosen[rows], minlength=3).double() / rows.sum()
+        expected = prior[rows].mean(0)
+        # a multinomial share of ~1000 draws: sd <= 0.5 / sqrt(1000) = 0.016; 0.06 is > 3.5 sd
+        assert (share - expected).abs().max() < 0.06, (y, share, expected)
+        assert bool((share[expected < 1e-9] == 0).all())  # never a cluster that holds no image of the class
 
 
 # --------------------------------------------------------------------------------------------------

@@ -186,6 +186,11 @@ class TrainConfig(_Strict):
     # each partition's items, so that every expert passes over its data as often as the monolith passes over
     # all of it (decentralized flow matching weights each cluster's loss by its share of the data).
     expert_steps: Literal["equal", "by_size"] = "equal"
+    # Experts only: what of the monolith's budget each expert takes its share of (expert_steps says the share). "steps"
+    # (Paris' convention): every expert the monolith's batch, for its share of K x steps. "batch" (DDM's: its
+    # experts split the monolith's batch of 256 into 8 of 32 and each trains the monolith's 800k steps): every expert
+    # K x steps, at its share of batch_size. The same FLOPs either way, another optimisation.
+    split: Literal["steps", "batch"] = "steps"
     batch_size: int = Field(64, ge=1)  # per optimiser step, across accumulation and DDP ranks
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(1e-4, gt=0)
@@ -246,7 +251,20 @@ class SamplingConfig(_Strict):
         "Kynkaanniemi et al. 2024 found better for FID; 1 = every step",
     )
     shift: float = Field(1.0, gt=0, description="time-grid shift; > 1 spends more steps at high noise")
-    strategy: str = Field("top2", description="top1 | top2 | topk:K | full: the experts a sample takes per step")
+    strategy: str = Field(
+        "top2",
+        description="top1 | top2 | topk:K | full: the experts a sample takes per step; trajectory: one expert per "
+        "image, drawn from the router's posterior at the first step and kept",
+    )
+    # DDM's decomposition (paris Eq. 3) holds for each guidance branch with its own posterior: guiding the mixture is
+    # the guided velocity of one model trained on all the data (flow.guided_mixture); guiding inside each expert and
+    # mixing with the prompt's posterior is another field, which cannot move a sample toward the prompt's cluster.
+    guidance: Literal["mixture", "expert"] = Field(
+        "mixture",
+        description="how a fleet is guided: mixture (each branch of classifier-free guidance mixed by its own "
+        "router posterior, with and without the prompt) or expert (guided inside each expert, mixed by the "
+        "prompt's posterior); one rule under a router blind to the prompt",
+    )
     route_every: int = Field(1, ge=1, description="route every this many steps, reusing the choice in between")
 
     @field_validator("strategy")
@@ -259,9 +277,11 @@ class SamplingConfig(_Strict):
         return guidance_scale_at(self.cfg, t, self.cfg_max_t)
 
     def describe(self) -> str:
-        """'20 euler steps, cfg 3.0 at t <= 0.78' (the interval only when it is not every step)."""
+        """'20 euler steps, cfg 3.0 at t <= 0.78' (the interval only when it is not every step; ', guided inside each
+        expert' under that rule)."""
         interval = f" at t <= {self.cfg_max_t:g}" if self.cfg_max_t < 1 else ""
-        return f"{self.steps} {self.sampler} steps, cfg {self.cfg}{interval}"
+        rule = ", guided inside each expert" if self.guidance == "expert" else ""
+        return f"{self.steps} {self.sampler} steps, cfg {self.cfg}{interval}{rule}"
 
     def for_call(self, experts: int, **choices: Any) -> "SamplingSettings":
         """One call's settings: these with the call's `choices` (a None choice: this config's), k resolved against

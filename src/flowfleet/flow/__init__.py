@@ -3,8 +3,9 @@
 path.py      interpolant x_t, target velocity, timestep scaling for the embedder; a ddpm expert's VP time and
              its noise as the velocity
 loss.py      training-time sampling of t and the velocity regression loss; DDPM's noise regression
-sampler.py   t-grids, Euler/Heun ODE integration from t=1 (noise) to t=0 (data), the guided velocity (CFG)
-ensemble.py  combining expert velocities with router weights (top-k renormalised, full)
+sampler.py   t-grids, Euler/Heun ODE integration from t=1 (noise) to t=0 (data), the guided velocity (CFG) of a
+             model and of a mixture of experts
+ensemble.py  combining expert velocities with router weights (top-k renormalised, full, one drawn expert)
 """
 
 from flowfleet.flow.ensemble import Strategy, combine, parse_strategy, routing_weights, same_as_earlier
@@ -16,7 +17,14 @@ from flowfleet.flow.path import (
     target_velocity,
     x0_from_velocity,
 )
-from flowfleet.flow.sampler import cfg_combine, guidance_scale_at, guided_velocity, integrate, time_grid
+from flowfleet.flow.sampler import (
+    cfg_combine,
+    guidance_scale_at,
+    guided_mixture,
+    guided_velocity,
+    integrate,
+    time_grid,
+)
 
 __all__ = [
     "TIME_CONVENTION",
@@ -32,6 +40,7 @@ __all__ = [
     "cfg_combine",
     "guidance_scale_at",
     "guided_velocity",
+    "guided_mixture",
     "combine",
     "routing_weights",
     "parse_strategy",

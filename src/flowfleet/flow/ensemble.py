@@ -16,10 +16,13 @@ import torch
 
 @dataclass(frozen=True)
 class Strategy:
-    """top-k routing; k == K (or `full`) is the full ensemble."""
+    """top-k routing; k == K (or `full`) is the full ensemble; `trajectory`: one expert per image, drawn once from
+    the router's posterior under the prompt at the first step and kept to the end (DDM's oracle sampler, the expert
+    chosen by the router instead of the image's cluster label)."""
 
     k: int | None  # None = all experts ("full")
     name: str
+    kept: bool = False  # trajectory: the first step's choice is kept, never routed again
 
     def resolve_k(self, num_experts: int) -> int:
         if self.k is None:
@@ -30,17 +33,19 @@ class Strategy:
 
 
 def parse_strategy(text: str) -> Strategy:
-    """'top1' | 'top2' | 'topk:K' | 'full' -> Strategy; anything else is a one-line ValueError."""
+    """'top1' | 'top2' | 'topk:K' | 'full' | 'trajectory' -> Strategy; anything else is a one-line ValueError."""
     s = text.strip().lower()
     if s == "full":
         return Strategy(None, "full")
+    if s == "trajectory":
+        return Strategy(1, "trajectory", kept=True)
     k_text = None
     if s.startswith("topk:"):
         k_text = s[5:]
     elif s.startswith("top") and s[3:].isdigit():
         k_text = s[3:]
     if k_text is None or not k_text.isdigit() or int(k_text) < 1:
-        raise ValueError(f"unknown strategy {text!r} (expected top1, top2, topk:K or full)")
+        raise ValueError(f"unknown strategy {text!r} (expected top1, top2, topk:K, full or trajectory)")
     return Strategy(int(k_text), s)
 
 
@@ -48,14 +53,15 @@ def same_as_earlier(strategies: Sequence[str], num_experts: int) -> dict[str, st
     """Each strategy that selects the same experts with the same weights as an earlier one in the list
     -> that earlier one (top-k with k >= K is the full ensemble: with K = 2, top2 and full are one model).
     Strategies that are a model of their own are not keys."""
-    first: dict[int, str] = {}  # experts per sample -> the first strategy that uses that many
+    first: dict[tuple[int, bool], str] = {}  # (experts per sample, kept) -> the first strategy of that kind
     same = {}
     for name in strategies:
-        k = parse_strategy(name).resolve_k(num_experts)
-        if k in first:
-            same[name] = first[k]
+        strategy = parse_strategy(name)
+        kind = (strategy.resolve_k(num_experts), strategy.kept)
+        if kind in first:
+            same[name] = first[kind]
         else:
-            first[k] = name
+            first[kind] = name
     return same
 
 
@@ -67,6 +73,14 @@ def routing_weights(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     top_p, top_i = probs.topk(k, dim=1)
     weights = top_p / top_p.sum(dim=1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
     return top_i, weights
+
+
+def draw_experts(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One expert per sample drawn from probs [B, K] by inverse CDF with uniforms [B] in [0, 1) -> indices [B, 1]."""
+    cdf = probs.double().cumsum(dim=1)  # [B, K]
+    cdf = cdf / cdf[:, -1:].clamp_min(torch.finfo(torch.float64).tiny)
+    picked = torch.searchsorted(cdf, uniforms.to(cdf)[:, None], right=True)  # [B, 1]
+    return picked.clamp_max(probs.shape[1] - 1)
 
 
 def dense_weights(indices: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """ODE samplers over a t-grid from 1 (noise) to 0 (data), and classifier-free guidance (the one home of
-the guided velocity: `guided_velocity` runs a model once on [conditional; unconditional] rows)."""
+the guided velocity: `guided_velocity` runs a model once on [conditional; unconditional] rows; `guided_mixture`
+is the guided velocity of a mixture of experts, each branch mixed by its own posterior)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import struct
 from typing import Callable, Literal
 
 import torch
+
+from flowfleet.flow.ensemble import combine
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]  # (x_t, t[B], step index) -> v
 SamplerName = Literal["euler", "heun"]
@@ -70,6 +73,25 @@ def _float32(value: float) -> float:
 def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
     """Classifier-free guidance on all channels: v_u + s (v_c - v_u). scale = 1 is no guidance."""
     return v_uncond + scale * (v_cond - v_uncond)
+
+
+def guided_mixture(
+    v_cond: torch.Tensor,
+    v_uncond: torch.Tensor,
+    w_cond: torch.Tensor,
+    w_uncond: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The classifier-free guided velocity of a mixture of experts, [B, ...]:
+
+        v = sum_k w_u[b, k] v_u[k, b] + scale * (sum_k w_c[b, k] v_c[k, b] - sum_k w_u[b, k] v_u[k, b])
+
+    v_cond / v_uncond [K, B, ...]: each expert's velocity with the condition and with the null condition; w_cond /
+    w_uncond [B, K]: dense mixture weights of each branch, p(k | x_t, t, c) and p(k | x_t, t, null). With exact
+    experts and posteriors this is the guided velocity of one model trained on all the data, since DDM's
+    decomposition (paris Eq. 3) holds for the conditional and the unconditional flow separately. Guiding inside
+    each expert and mixing with one posterior is the special case w_uncond = w_cond, another vector field."""
+    return cfg_combine(combine(v_cond, w_cond), combine(v_uncond, w_uncond), scale)
 
 
 def guided_velocity(

@@ -4,8 +4,8 @@
     fleet = ParallelFleet(ctx, plan, configs)
     out = pipe(prompts, n, ..., parallel=fleet)              # every rank returns the same images
 
-The routing stays FleetPipeline's own (RoutedVelocity.select: router, top-k, route_every, the trace);
-its decision is broadcast from rank 0 and every selected expert runs patch-parallel
+The routing stays FleetPipeline's own (RoutedVelocity.select: router, top-k per guidance branch, route_every,
+the trace); its decision is broadcast from rank 0 and every selected expert runs patch-parallel
 (flowfleet.parallel.runner). One PatchParallelRunner (one CommManager) serves all batches of a run
 that fit its batch size; a larger batch or a change of guidance builds a new one.
 """
@@ -23,7 +23,7 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.files import read_dit_config
 from flowfleet.parallel.mode import DISPLACED_WARMUP, ParallelMode
-from flowfleet.parallel.runner import ParallelPlan, ParallelVelocity, PatchParallelRunner
+from flowfleet.parallel.runner import ParallelPlan, ParallelVelocity, PatchParallelRunner, Routing
 from flowfleet.sampling.index import expert_folder, read_model_index
 from flowfleet.sampling.pipeline import RoutedVelocity
 from flowfleet.storage import RunRoot
@@ -95,9 +95,11 @@ class ParallelFleet:
         """FleetPipeline's hook: the patch-parallel (x_t, t, step) -> v for one batch."""
         routed = RoutedVelocity(pipe, cond, settings, trace)  # its routing only: the runner runs the experts
 
-        def route(x: torch.Tensor, t: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            selection = routed.select(x, t, step)
-            return selection.experts, selection.weights
+        def route(x: torch.Tensor, t: torch.Tensor, step: int) -> Routing:
+            selection, uncond = routed.select(x, t, step)
+            if uncond is None:  # one choice serves both branches
+                return selection.experts, selection.weights, None, None
+            return selection.experts, selection.weights, uncond.experts, uncond.weights
 
         state: dict[str, ParallelVelocity] = {}
 

@@ -9,12 +9,14 @@ At every evaluation (x_t [B, C, H, W] identical on all ranks, t [B], sampler ste
      plan's ParallelMode. `displaced` runs `sync` on step 0 and `warmup` more steps, and also for an
      expert whose samples' keys/values were not refreshed at the previous evaluation (routing changed);
   3. classifier-free guidance: with N even (and plan.cfg_split), ranks [0, N/2) run the conditional rows
-     and ranks [N/2, N) the unconditional rows, each half patch-parallel over N/2 ranks (paper §5.2);
-     otherwise every rank runs both halves of its band;
+     and ranks [N/2, N) the unconditional rows, each half patch-parallel over N/2 ranks (paper §5.2),
+     each with its own branch's experts (guidance over the mixture routes them apart); otherwise every
+     rank runs both halves of its band;
   4. one all-gather of the band outputs gives every rank the full velocity for the sampler update.
 
-Ensemble weights and CFG are linear, so weighting band outputs before the gather and guiding after it
-equals the single-device "guide each expert, then combine" up to float rounding.
+Each branch's mixture is weighted band by band before the gather and the branches are combined after it
+(flowfleet.flow.guided_mixture): ensemble weights and CFG are linear, so this equals the single-device
+velocity (flowfleet.sampling.routing.run_selected) up to float rounding.
 
 Each expert layer's comm slot holds every sample of the batch (both CFG halves when they are not
 split), indexed by sample, so stale keys/values always belong to the same sample. An expert that runs
@@ -33,7 +35,7 @@ from flowfleet.config import SamplingConfig
 from flowfleet.distributed import DistContext
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.ensemble import dense_weights
-from flowfleet.flow.sampler import cfg_combine, guided_velocity
+from flowfleet.flow.sampler import cfg_combine
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
 from flowfleet.parallel.bands import BandLayout
@@ -44,8 +46,11 @@ from flowfleet.parallel.sequence import SequenceMesh, check_heads, ulysses_degre
 
 UNGUIDED = SamplingConfig(cfg=1.0)  # scale 1 at every step: no unconditional rows
 
-RouteFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-# (x_t [B, C, H, W], t [B], step) -> (global expert ids [B, k] int64, weights [B, k] summing to 1 per sample)
+# The experts of each guidance branch: global expert ids [B, k] int64 and weights [B, k] summing to 1 per sample,
+# of the conditional rows, then of the unconditional rows (None, None where the conditional choice serves both: the
+# same on every rank, as the settings are, so that nothing more is broadcast)
+Routing = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+RouteFn = Callable[[torch.Tensor, torch.Tensor, int], Routing]  # (x_t [B, C, H, W], t [B], step) -> Routing
 
 
 @dataclass(frozen=True)
@@ -218,19 +223,24 @@ class ParallelVelocity:
         self.scale = self.guidance.guidance_at(float(t[0]))
         r.comm.begin_step(step)
         mode = r.mode.at_step(step, r.plan.warmup)
-        experts, weights = self._routing(x, t, step)
-        dense = dense_weights(experts, weights, r.num_experts)  # [B, K]
+        routing = self._routing(x, t, step)
         x_band = r.layout.split(x)  # [B, C, R*p, W]
-        acc = torch.zeros_like(x_band)
+        # the branches this rank runs: its CFG half's (split), both, or (unguided) the conditional one
+        branches = [r.group_index] if r.split else [0, 1] if r.guided else [0]
+        selections = [(routing[2 * i], routing[2 * i + 1]) for i in branches]
+        dense = [dense_weights(e, w, r.num_experts) for e, w in selections]  # [B, K] per branch
+        accs = [torch.zeros_like(x_band) for _ in branches]
         ran: dict[int, ParallelMode] = {}
-        for k in torch.unique(experts).tolist():  # ascending: the same order on every rank
-            rows = (experts == k).any(dim=1).nonzero(as_tuple=True)[0]  # [n_k]
+        used = torch.unique(torch.cat([e.flatten() for e, _ in selections])).tolist()
+        for k in used:  # ascending: the same order on every rank of a band group
+            rows = [(e == k).any(dim=1).nonzero(as_tuple=True)[0] for e, _ in selections]  # [n_k] per branch
             v, ran[k] = self._run_expert(k, x_band, t, rows, mode, step)
             if self.stats is not None:
-                self.stats.record(k, rows.numel() * (2 if r.guided else 1))
-            w = dense[rows, k].to(v.dtype).reshape(-1, 1, 1, 1)
-            acc.index_add_(0, rows, w * v)
+                self.stats.record(k, sum(int(rk.numel()) for rk in rows))
+            for acc, w, rk, vk in zip(accs, dense, rows, v.split([int(rk.numel()) for rk in rows])):
+                acc.index_add_(0, rk, w[rk, k].to(vk.dtype).reshape(-1, 1, 1, 1) * vk)
         self.modes.append(ran)
+        acc = cfg_combine(accs[0], accs[1], self.scale) if len(accs) == 2 else accs[0]
         halves = r.comm.gather_image(acc, [rows * r.layout.patch for rows in r.layout.sizes], what="step output")
         if r.split:
             return cfg_combine(halves[0], halves[1], self.scale)
@@ -238,42 +248,42 @@ class ParallelVelocity:
 
     # ----------------------------------------------------------------------------------------------
 
-    def _routing(self, x: torch.Tensor, t: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _routing(self, x: torch.Tensor, t: torch.Tensor, step: int) -> tuple[torch.Tensor, ...]:
+        """Rank 0's routing on every rank: (experts, weights) of the conditional, then of the unconditional rows."""
         b = x.shape[0]
         if self.route is None:
-            only = self.r.expert_ids[0]
-            return (
-                torch.full((b, 1), only, dtype=torch.long, device=x.device),
-                torch.ones(b, 1, dtype=x.dtype, device=x.device),
-            )
-        experts, weights = self.route(x, t, step)
-        k = experts.shape[1]
-        packed = torch.cat([experts.double(), weights.double()], dim=1)  # [B, 2k]: one broadcast
+            only = torch.full((b, 1), self.r.expert_ids[0], dtype=torch.long, device=x.device)
+            one = torch.ones(b, 1, dtype=x.dtype, device=x.device)
+            return only, one, only, one
+        parts = [p for p in self.route(x, t, step) if p is not None]
+        widths = [part.shape[1] for part in parts]
+        packed = torch.cat([part.double() for part in parts], dim=1)  # [B, 2k (+ 2k')]: one broadcast
         packed = self.r.comm.broadcast_world(packed, what="routing decision")
-        return packed[:, :k].round().long(), packed[:, k:].to(x.dtype)
+        got = packed.split(widths, dim=1)
+        experts, weights = [e.round().long() for e in got[::2]], [w.to(x.dtype) for w in got[1::2]]
+        return experts[0], weights[0], experts[-1], weights[-1]
 
     def _run_expert(
-        self, k: int, x_band: torch.Tensor, t: torch.Tensor, rows: torch.Tensor, mode: ParallelMode, step: int
+        self, k: int, x_band: torch.Tensor, t: torch.Tensor, rows: list[torch.Tensor], mode: ParallelMode, step: int
     ) -> tuple[torch.Tensor, ParallelMode]:
+        """Expert k on this rank's rows of each branch it runs ([conditional; unconditional] when both, or its
+        CFG half's), patch-parallel -> the band velocities of those rows, in that order."""
         r = self.r
-        n = rows.numel()
-        xk, tk = x_band[rows], t[rows]
-        ck = {name: c[rows] for name, c in self.cond.items()}
+        both = torch.cat(rows)  # [n_c + n_u]
+        xk, tk = x_band[both], t[both]
+        ck = {name: c[both] for name, c in self.cond.items()}
         drop = None
-        slot_rows = rows
-        doubled = r.guided and not r.split
-        if doubled:  # [cond rows; uncond rows] in one batch; uncond rows live in the slot's second half
-            slot_rows = torch.cat([rows, rows + r.batch])
+        slot_rows = both
+        if r.guided and not r.split:  # [cond rows; uncond rows] in one batch; uncond rows live in the slot's 2nd half
+            slot_rows = torch.cat([rows[0], rows[1] + r.batch])
+            drop = torch.arange(both.numel(), device=xk.device) >= rows[0].numel()
         elif r.guided:  # this rank group runs one half of the CFG batch
-            drop = torch.full((n,), r.group_index == 1, dtype=torch.bool, device=xk.device)
+            drop = torch.full((both.numel(),), r.group_index == 1, dtype=torch.bool, device=xk.device)
         fresh = self._fresh_at.setdefault(k, torch.full((r.slot_rows,), -2, dtype=torch.long))
         if mode is ParallelMode.DISPLACED and not bool((fresh[slot_rows.cpu()] == self.evals - 1).all()):
-            mode = ParallelMode.SYNC  # no previous-step keys/values for (some of) these samples
+            mode = ParallelMode.SYNC  # no previous-step keys/values for (some of) these rows
         prefetch = self.steps is None or step < self.steps - 1
-        if doubled:
-            v = guided_velocity(r.expert(k), xk, tk, ck, self.scale, mode=mode, rows=slot_rows, prefetch=prefetch)
-        else:
-            v = r.expert(k)(xk, tk, mode=mode, rows=slot_rows, prefetch=prefetch, drop=drop, **ck)
+        v = r.expert(k)(xk, tk, mode=mode, rows=slot_rows, prefetch=prefetch, drop=drop, **ck)
         if mode is ParallelMode.SYNC or (mode is ParallelMode.DISPLACED and prefetch):
             fresh[slot_rows.cpu()] = self.evals
         return v, mode

@@ -6,8 +6,9 @@
 
 The sampling loop is `flowfleet.flow.integrate` over a velocity function (x_t, t, step) -> v. The
 routed one (RoutedVelocity) runs the router on x_t (Paris' p(k | x_t, t); a prompt-aware router also
-reads the prompt) every `route_every` steps, keeps the top-k present experts per sample with renormalised
-weights, and runs each selected expert only on its own samples (flowfleet.sampling.routing). Anything with
+reads the prompt, and then guides the mixture: each guidance branch routed by its own posterior) every
+`route_every` steps, keeps the top-k present experts per sample and branch with renormalised weights, and
+runs each selected expert only on its own rows (flowfleet.sampling.routing). Anything with
 that signature can replace it (`sample(..., velocity_fn=...)`), e.g. a patch-parallel version of the same
 computation.
 
@@ -30,7 +31,7 @@ import torch
 
 from flowfleet.config import SamplingSettings
 from flowfleet.errors import FlowfleetError
-from flowfleet.flow import integrate, time_grid
+from flowfleet.flow import integrate, parse_strategy, time_grid
 from flowfleet.flow.sampler import VelocityFn
 from flowfleet.layout import INDEX_FILE, MODEL_VAE
 from flowfleet.models.files import load_model, read_dit_config
@@ -38,7 +39,14 @@ from flowfleet.sampling.cache import BlockCache
 from flowfleet.sampling.checksums import verify_weights
 from flowfleet.sampling.index import ModelIndex, SchedulerConfig, expert_folder, read_model_index
 from flowfleet.sampling.prompts import PromptEmbeddings
-from flowfleet.sampling.routing import Condition, Selection, present_probs, run_selected, select_experts
+from flowfleet.sampling.routing import (
+    Condition,
+    Selection,
+    draw_selection,
+    present_probs,
+    run_selected,
+    select_experts,
+)
 from flowfleet.sampling.store import ExpertStore
 from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.storage import RunRoot
@@ -70,45 +78,65 @@ class FleetOutput:
 class RoutedVelocity:
     """(x_t, t, step) -> v of the routed fleet, with classifier-free guidance on all channels.
 
-    The router sees x_t and t (paris §2.5), and the prompt when it is prompt-aware; either way one
-    router pass on the conditional rows serves the conditional and the unconditional rows. It runs on
-    every evaluation when route_every == 1 (Heun's corrector included) and otherwise on the first
-    evaluation of every route_every-th step, its selection being reused in between. What it runs: the
-    settings' k, guidance (SamplingConfig.guidance_at; every row of a call shares its t, as a sampling step's
-    do), route_every and cache.
+    The router sees x_t and t (paris §2.5), and the prompt when it is prompt-aware. Guided over the mixture (the
+    settings' guidance "mixture", with a router that reads the prompt), each branch of guidance is routed by its own
+    posterior, p(k | x_t, t, c) for the conditional rows and p(k | x_t, t, null) for the unconditional ones, each
+    with its own top-k (flowfleet.flow.guided_mixture); otherwise (guidance "expert", or a
+    prompt-blind router, whose two posteriors are one) the conditional rows' choice serves both. The router runs on
+    every evaluation when route_every == 1 (Heun's corrector included) and otherwise on the first evaluation of
+    every route_every-th step, its choice being reused in between; the trajectory strategy routes once, at the
+    first evaluation, and keeps that expert to the end. What it runs: the settings' strategy, k, guidance
+    (SamplingConfig.guidance_at; every row of a call shares its t, as a sampling step's do), route_every and cache.
     """
 
     def __init__(self, pipe: "FleetPipeline", cond: Condition, settings: SamplingSettings, trace: RoutingTrace):
         self.pipe, self.cond, self.trace = pipe, cond, trace
         self.settings, self.k, self.route_every = settings, settings.k, settings.route_every
+        self.kept = parse_strategy(settings.strategy).kept  # trajectory: one drawn expert, kept
         self.guided = pipe.guidance_applies(settings.cfg)  # at some step: the unconditional rows exist
+        # the unconditional branch's own posterior: only where it differs from the prompt's
+        self.mixture = self.guided and settings.guidance == "mixture" and pipe.router_sees_prompt and not self.kept
         self.cache_threshold = settings.cache
         self._cache: BlockCache | None = None  # built at the first call, when the batch is known
-        self._selection: Selection | None = None
+        self._selection: tuple[Selection, Selection | None] | None = None
         self._last_step = -1
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor, step: int) -> torch.Tensor:
-        selection = self.select(x, t, step)
+        selection, uncond = self.select(x, t, step)
         scale = self.settings.guidance_at(float(t[0]))
         guided = self.pipe.guidance_applies(scale)  # an unguided step runs no unconditional rows
         if self.cache_threshold > 0 and (self._cache is None or self._cache.rows != x.shape[0] * (1 + guided)):
             self._cache = BlockCache(self.cache_threshold, x.shape[0] * (1 + guided), self.trace.stats.cache)
-        return run_selected(self.pipe.experts, x, t, self.cond, selection, scale, guided, self.trace.stats, self._cache)
+        stats = self.trace.stats
+        return run_selected(self.pipe.experts, x, t, self.cond, selection, scale, guided, stats, self._cache, uncond)
 
-    def select(self, x: torch.Tensor, t: torch.Tensor, step: int) -> Selection:
-        """This evaluation's per-sample experts and weights (routing + trace, no expert runs); the
-        patch-parallel velocity (flowfleet.parallel.fleet) routes through here too."""
+    def select(self, x: torch.Tensor, t: torch.Tensor, step: int) -> tuple[Selection, Selection | None]:
+        """This evaluation's per-sample experts and weights (routing + trace, no expert runs): the conditional
+        branch's, and the unconditional branch's where guidance over the mixture routes it apart (else None: the
+        conditional's serves both). The patch-parallel velocity (flowfleet.parallel.fleet) routes through here too."""
         first_eval = step != self._last_step
-        selection = self._selection
-        reroute = selection is None or self.route_every == 1 or (first_eval and step % self.route_every == 0)
-        if selection is None or reroute:
-            probs = self.pipe.router_probs(x, t, self.cond)  # [B, P]
-            selection = self._selection = select_experts(probs, self.pipe.present, self.pipe.num_experts, self.k)
+        reroute = self._selection is None or (
+            not self.kept and (self.route_every == 1 or (first_eval and step % self.route_every == 0))
+        )
+        if self._selection is None or reroute:
+            self._selection = self._route(x, t)
             self.trace.router_calls += self.pipe.router is not None
         if first_eval:
-            self.trace.record(float(t[0]), selection, routed=reroute)
+            guided = self.pipe.guidance_applies(self.settings.guidance_at(float(t[0])))  # null rows at this step
+            uncond = self._selection[1] if guided else None
+            self.trace.record(float(t[0]), self._selection[0], routed=reroute, uncond=uncond)
             self._last_step = step
-        return selection
+        return self._selection
+
+    def _route(self, x: torch.Tensor, t: torch.Tensor) -> tuple[Selection, Selection | None]:
+        pipe = self.pipe
+        probs = pipe.router_probs(x, t, self.cond)  # [B, P]
+        if self.kept:  # the trajectory sampler: drawn once, at x_1, under the prompt
+            return draw_selection(probs, pipe.present, pipe.num_experts, x), None
+        select = functools.partial(select_experts, present=pipe.present, num_experts=pipe.num_experts, k=self.k)
+        if not self.mixture:
+            return select(probs), None
+        return select(probs), select(pipe.router_probs(x, t, self.cond, null=True))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -264,15 +292,24 @@ class FleetPipeline:
 
     @property
     def router_sees_prompt(self) -> bool:
-        """True for a prompt-aware router: p(k | x_t, t, prompt) instead of Paris' p(k | x_t, t)."""
+        """True for a router that reads the condition, p(k | x_t, t, prompt), instead of Paris' p(k | x_t, t): a DiT
+        router with text conditioning, or a router callable that says so (`reads_condition = True`)."""
         cfg = getattr(self.router, "cfg", None)
-        return bool(cfg is not None and cfg.uses_text)
+        if cfg is not None:
+            return bool(cfg.uses_text)
+        return bool(getattr(self.router, "reads_condition", False))
 
-    def router_probs(self, x: torch.Tensor, t: torch.Tensor, cond: Condition | None = None) -> torch.Tensor:
-        """p(k | x_t, t[, prompt]) over the present experts, [B, P] (renormalised when some are absent)."""
+    def router_probs(
+        self, x: torch.Tensor, t: torch.Tensor, cond: Condition | None = None, null: bool = False
+    ) -> torch.Tensor:
+        """p(k | x_t, t[, prompt]) over the present experts, [B, P] (renormalised when some are absent); null: the
+        prompt dropped, p(k | x_t, t, null), from a router that reads it (trained with condition dropout, as the
+        experts are: the unconditional branch's posterior of guidance over the mixture)."""
         if self.router is None:
             return torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
         kwargs = cond.kwargs() if cond is not None and self.router_sees_prompt else {}
+        if null and kwargs:
+            kwargs["drop"] = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
         return present_probs(self.router(x, t, **kwargs), self.present)
 
     def guidance_applies(self, cfg: float) -> bool:

@@ -20,6 +20,8 @@ class RoutingTrace:
     experts[i] [B, k] global ids of the experts each sample used at step i
     weights[i] [B, k] their weights (sum to 1 per sample)
     routed[i]  whether the router ran at step i (False: weights reused, --route-every)
+    uncond_experts[i], uncond_weights[i]  [B, k] the unconditional branch's own choice under guidance over the
+               mixture (its posterior without the prompt); None where the conditional choice served both
     """
 
     num_experts: int
@@ -28,15 +30,19 @@ class RoutingTrace:
     experts: list[torch.Tensor] = field(default_factory=list)
     weights: list[torch.Tensor] = field(default_factory=list)
     routed: list[bool] = field(default_factory=list)
+    uncond_experts: list[torch.Tensor | None] = field(default_factory=list)
+    uncond_weights: list[torch.Tensor | None] = field(default_factory=list)
     router_calls: int = 0
     stats: ExecutionStats = field(default_factory=ExecutionStats)
 
-    def record(self, t: float, selection: Selection, routed: bool) -> None:
+    def record(self, t: float, selection: Selection, routed: bool, uncond: Selection | None = None) -> None:
         self.times.append(float(t))
         self.probs.append(selection.probs.detach().float().cpu())
         self.experts.append(selection.experts.detach().cpu())
         self.weights.append(selection.weights.detach().float().cpu())
         self.routed.append(routed)
+        self.uncond_experts.append(None if uncond is None else uncond.experts.detach().cpu())
+        self.uncond_weights.append(None if uncond is None else uncond.weights.detach().float().cpu())
 
     @property
     def num_steps(self) -> int:
@@ -73,6 +79,8 @@ class RoutingTrace:
             experts=[e[rows] for e in self.experts],
             weights=[w[rows] for w in self.weights],
             routed=list(self.routed),
+            uncond_experts=[None if e is None else e[rows] for e in self.uncond_experts],
+            uncond_weights=[None if w is None else w[rows] for w in self.uncond_weights],
             router_calls=self.router_calls,
         )
 
@@ -85,6 +93,9 @@ class RoutingTrace:
             out.probs.append(torch.cat([tr.probs[i] for tr in traces]))
             out.experts.append(torch.cat([tr.experts[i] for tr in traces]))
             out.weights.append(torch.cat([tr.weights[i] for tr in traces]))
+            for mine, theirs in ((out.uncond_experts, "uncond_experts"), (out.uncond_weights, "uncond_weights")):
+                parts = [getattr(tr, theirs)[i] for tr in traces]
+                mine.append(None if any(p is None for p in parts) else torch.cat(parts))
         for tr in traces:
             out.router_calls += tr.router_calls
             out.stats.calls.update(tr.stats.calls)
@@ -94,6 +105,31 @@ class RoutingTrace:
             for k, sizes in tr.stats.batch_sizes.items():
                 out.stats.batch_sizes.setdefault(k, []).extend(sizes)
         return out
+
+    def image_step(self, s: int, i: int) -> dict[str, Any]:
+        """Step s of image i: {step, t, router_ran, experts, weights, probs[, uncond_experts, uncond_weights]}."""
+        record = {
+            "step": s,
+            "t": round(self.times[s], 6),
+            "router_ran": self.routed[s],
+            "experts": self.experts[s][i].tolist(),
+            "weights": [round(w, 6) for w in self.weights[s][i].tolist()],
+            "probs": [round(p, 6) for p in self.probs[s][i].tolist()],
+        }
+        experts, weights = self.uncond_experts[s], self.uncond_weights[s]
+        if experts is not None and weights is not None:
+            record.update(uncond_experts=experts[i].tolist(), uncond_weights=[round(w, 6) for w in weights[i].tolist()])
+        return record
+
+    def _uncond_json(self, i: int) -> dict[str, Any]:
+        """Step i's unconditional choice where it was routed apart (guidance over the mixture), else nothing."""
+        experts, weights = self.uncond_experts[i], self.uncond_weights[i]
+        if experts is None or weights is None:
+            return {}
+        return {
+            "uncond_experts": experts.tolist(),
+            "uncond_weights": [[round(w, 6) for w in row] for row in weights.tolist()],
+        }
 
     def to_json(self, loads: Counter[int] | None = None) -> dict[str, Any]:
         """routing.json: per-step, per-sample choices and a usage summary per expert."""
@@ -117,6 +153,7 @@ class RoutingTrace:
                 "experts": self.experts[i].tolist(),
                 "weights": [[round(w, 6) for w in row] for row in self.weights[i].tolist()],
                 "probs": [[round(p, 6) for p in row] for row in self.probs[i].tolist()],
+                **self._uncond_json(i),
             }
             for i in range(self.num_steps)
         ]

@@ -120,21 +120,9 @@ class Generation:
 
 
 def per_image_routing(trace: RoutingTrace) -> list[list[dict[str, Any]]]:
-    """The routing trace split per image: [image][step] -> {t, experts, weights, probs}."""
-    return [
-        [
-            {
-                "step": s,
-                "t": round(trace.times[s], 6),
-                "router_ran": trace.routed[s],
-                "experts": trace.experts[s][i].tolist(),
-                "weights": [round(w, 6) for w in trace.weights[s][i].tolist()],
-                "probs": [round(p, 6) for p in trace.probs[s][i].tolist()],
-            }
-            for s in range(trace.num_steps)
-        ]
-        for i in range(trace.num_samples)
-    ]
+    """The routing trace split per image: [image][step] -> {t, experts, weights, probs; uncond_experts and
+    uncond_weights where guidance over the mixture routed the unconditional branch apart}."""
+    return [[trace.image_step(s, i) for s in range(trace.num_steps)] for i in range(trace.num_samples)]
 
 
 @dataclass
