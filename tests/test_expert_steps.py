@@ -1,4 +1,5 @@
-"""train.expert_steps: the fleet's K x steps split equally or in proportion to the partitions' sizes."""
+"""train.expert_steps: the fleet's K x steps split equally or in proportion to the partitions' sizes; train.split
+batch: the batch split instead (DDM's compute matching)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 
 from flowfleet.config import ConfigError, RunConfig
 from flowfleet.errors import FlowfleetError
-from flowfleet.stages.train import train_all
+from flowfleet.stages.train import describe_matching, train_all
 from flowfleet.storage import RunRoot
-from flowfleet.train.specs import JobSpec, monolith_steps, split_steps
+from flowfleet.train.specs import JobSpec, job_cost, monolith_steps, split_steps
 from flowfleet.train.status import read_status
-from flowfleet.train.tasks import planned_steps
+from flowfleet.train.tasks import planned_batch, planned_steps
 
 
 def by_size(cfg: RunConfig, **changes) -> RunConfig:
@@ -67,3 +68,43 @@ def test_by_size_with_expert_overrides_is_refused():
     cfg = synthetic_config(k=2)
     with pytest.raises(ConfigError, match=r"train.expert_steps: by_size .*expert_overrides"):
         by_size(cfg, expert_overrides={1: {"depth": 2}})
+
+
+def split_batch(cfg: RunConfig, expert_steps: str = "equal", **train) -> RunConfig:
+    raw = cfg.to_dict()
+    raw["train"].update(split="batch", expert_steps=expert_steps, **train)
+    return RunConfig.from_dict(raw, where="test")
+
+
+@pytest.mark.parametrize("expert_steps, batches", [("equal", [4, 4, 4]), ("by_size", [2, 6, 4])])
+def test_ddm_split_gives_each_expert_all_the_steps_at_its_share_of_the_batch(run_root, expert_steps, batches):
+    """train.split batch (DDM's matching): every expert K x steps, at an equal share of the batch or its cluster's;
+    the fleet's FLOPs and so the monolith's steps are Paris' matching's; the trainer draws the share per step."""
+    paris = synthetic_config(k=3, steps=4, batch=12, monolith=True)
+    cfg = split_batch(paris, expert_steps)
+    root = RunRoot(str(run_root))
+    write_synthetic_run(root, cfg, per_cluster=[6, 18, 12])
+    experts = [JobSpec("expert", k) for k in range(3)]
+    assert [planned_steps(root, cfg, s) for s in experts] == [12, 12, 12]
+    assert [planned_batch(root, cfg, s) for s in experts] == batches and sum(batches) == 12
+    assert monolith_steps(cfg) == monolith_steps(paris)
+    line = describe_matching(root, cfg)
+    assert line.startswith("DDM's compute matching: each of the 3 experts") and "12 steps" in line
+    assert describe_matching(root, paris).startswith("Paris' compute matching: each of the 3 experts the monolith's")
+    # the fleet's FLOPs, counted job by job, equal the monolith's within one of its steps (else train-all refuses)
+    fleet = sum(job_cost(cfg, s, planned_steps(root, cfg, s), planned_batch(root, cfg, s)) for s in experts)
+    fleet += job_cost(cfg, JobSpec("router"))
+    step = job_cost(cfg, JobSpec("monolith"), steps=1)
+    assert abs(job_cost(cfg, JobSpec("monolith")) - fleet) < step
+    assert train_all(str(run_root), parallel=1, progress=False).ok
+    for k, b in enumerate(batches):
+        status = read_status(root, f"experts/{k}")
+        assert (status.step, status.samples_seen) == (12, 12 * b)
+
+
+def test_a_batch_share_that_grad_accum_does_not_divide_is_one_line(run_root):
+    cfg = split_batch(synthetic_config(k=3, steps=4, batch=12), grad_accum=3)  # shares of 4: not multiples of 3
+    root = RunRoot(str(run_root))
+    write_synthetic_run(root, cfg)
+    with pytest.raises(FlowfleetError, match=r"expert-0's share of 12 under train.split batch is 4, .*grad_accum 3"):
+        planned_batch(root, cfg, JobSpec("expert", 0))

@@ -37,9 +37,9 @@ from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
 from flowfleet.train.fanout import LocalFanout, ProcessJob, plan_slots
 from flowfleet.train.loop import Trainer, TrainOptions
-from flowfleet.train.specs import JobSpec, fleet_jobs, job_cost, launcher, router_spec
+from flowfleet.train.specs import JobSpec, compute_matching, fleet_jobs, job_cost, launcher, router_spec
 from flowfleet.train.status import JobStatus, job_finished, read_status
-from flowfleet.train.tasks import build_task, planned_steps
+from flowfleet.train.tasks import build_task, planned_batch, planned_steps
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ def train_all(
     their node dies (wait=False: return once they are submitted). A job that is done, live elsewhere (its
     status lease) or still held by a backend job submitted earlier is not started again."""
     root, cfg = _open(run_root)
+    log.info("train-all: %s", describe_matching(root, cfg))
     default = "cli" if isinstance(backend, BackendConfig) else backend
     places = {"cli": backend} if isinstance(backend, BackendConfig) else {}
     placed = place_jobs(cfg, fleet_jobs(cfg), default)
@@ -191,12 +192,37 @@ def train_all(
         outcome, todo = _todo(root, cfg)
         if todo:
             # longest first: shortest makespan
-            todo.sort(key=lambda s: job_cost(cfg, s, planned_steps(root, cfg, s)), reverse=True)
+            todo.sort(key=lambda s: _planned_cost(root, cfg, s), reverse=True)
             _run_placed(root, cfg, todo, placed, places, remotes, outcome, parallel, progress, wait)
     finally:
         for remote in remotes.values():
             remote.close()
     return outcome.in_order([s.name for s in fleet_jobs(cfg)])
+
+
+def _planned_cost(root: RunRoot, cfg: RunConfig, spec: JobSpec) -> int:
+    """A job's training FLOPs at its planned steps and batch."""
+    return job_cost(cfg, spec, planned_steps(root, cfg, spec), planned_batch(root, cfg, spec))
+
+
+def describe_matching(root: RunRoot, cfg: RunConfig) -> str:
+    """The run's compute-matching convention in one line with the FLOPs it gives: the fleet's (each expert's
+    planned steps x batch, and the router's) beside the monolith's. A compute-matched monolith whose FLOPs differ
+    from the fleet's by a step or more is a bug, refused here before anything trains."""
+    line = compute_matching(cfg)
+    experts = [JobSpec("expert", k) for k in range(cfg.cluster.k)]
+    try:
+        fleet = sum(_planned_cost(root, cfg, s) for s in experts)
+    except FlowfleetError:  # a by-size split before `cluster`: the shares are not known yet
+        return line
+    fleet += job_cost(cfg, router_spec(cfg))
+    if not (cfg.monolith.enabled and cfg.monolith.match_compute) or cfg.added:
+        return f"{line}; the fleet {fleet:.3g} training FLOPs"
+    monolith = job_cost(cfg, JobSpec("monolith"))
+    step = job_cost(cfg, JobSpec("monolith"), steps=1)
+    if abs(monolith - fleet) >= step:
+        raise FlowfleetError(f"monolith: {monolith:.6g} training FLOPs, the fleet's are {fleet:.6g} ({line})")
+    return f"{line}; the fleet (experts and router) {fleet:.3g} training FLOPs, the monolith {monolith:.3g}"
 
 
 def _todo(root: RunRoot, cfg: RunConfig) -> tuple[FleetOutcome, list[JobSpec]]:

@@ -147,8 +147,20 @@ def paris_router_config(cfg: RunConfig) -> DiTConfig:
 
 
 def prompt_router_config(cfg: RunConfig) -> DiTConfig:
-    """The run's router told the prompt too: p(k | x_t, t, prompt) from the caption's pooled text vector."""
-    return DiTConfig(**{**cfg.router.model_dump(), "conditioning": "pooled", "text_dim": cfg.encoders.text.width})
+    """The run's router told the prompt too, as the experts are told it: their conditioning (the caption's pooled
+    vector, or cross-attention to its tokens) and their condition dropout, so that one network gives both posteriors
+    of guidance over the mixture, p(k | x_t, t, prompt) and p(k | x_t, t, null) (DDM: a router that "uses the same
+    conditioning mechanisms as a DiT denoiser")."""
+    e = cfg.expert
+    told = dict(
+        conditioning=e.conditioning if e.uses_text else "pooled",
+        text_dim=cfg.encoders.text.width,
+        text_len=e.text_len if e.conditioning == "cross_attn" else 0,
+        add_pooled=e.add_pooled if e.conditioning == "cross_attn" else False,
+        cross_norm=e.cross_norm,
+        cond_dropout=e.cond_dropout if e.uses_text else cfg.router.cond_dropout,
+    )
+    return DiTConfig(**{**cfg.router.model_dump(), **told})
 
 
 def router_config(cfg: RunConfig, spec: JobSpec) -> DiTConfig:
@@ -161,13 +173,26 @@ def router_config(cfg: RunConfig, spec: JobSpec) -> DiTConfig:
 
 
 def split_steps(total: int, counts: list[int], j: int) -> int:
-    """Partition j's share of `total` steps split in proportion to the partitions' item counts: cumulative
-    floors, so that the shares add up to `total` exactly (the monolith's compute-matched steps stay exact)."""
+    """Partition j's share of `total` steps (or batch rows) split in proportion to the partitions' item counts:
+    cumulative floors, so that the shares add up to `total` exactly (the monolith's compute-matched steps stay
+    exact)."""
     n = sum(counts)
     if not 0 <= j < len(counts) or counts[j] <= 0 or n <= 0:
         raise FlowfleetError(f"partition {j}: no items among the partitions' counts {counts}")
     before = sum(counts[:j])
     return total * (before + counts[j]) // n - total * before // n
+
+
+def _expert_shares(cfg: RunConfig, spec: JobSpec, partition_counts: list[int] | None) -> tuple[list[int], int]:
+    """An expert's (shares of its clustering's partitions, its partition j): their item counts under
+    train.expert_steps by_size, else one each."""
+    assert spec.expert is not None
+    n, j = cfg.expert_origin(spec.expert)
+    if cfg.train.expert_steps == "by_size":
+        if partition_counts is None:
+            raise FlowfleetError(f"{spec.name}: train.expert_steps by_size needs its partitions' item counts")
+        return list(partition_counts), j
+    return [1] * (cfg.cluster.k if n == 0 else cfg.added[n - 1].k), j
 
 
 def job_steps(
@@ -176,14 +201,16 @@ def job_steps(
     match_compute: bool | None = None,
     partition_counts: list[int] | None = None,
 ) -> int:
-    """A job's optimiser steps. An expert's, when train.expert_steps is by_size, are its partition's share of
-    K x train.steps (`partition_counts`: the item counts of its clustering's partitions, from its manifest;
-    flowfleet.train.tasks.planned_steps reads them)."""
-    if spec.kind == "expert" and spec.expert is not None and cfg.train.expert_steps == "by_size":
-        if partition_counts is None:
-            raise FlowfleetError(f"{spec.name}: train.expert_steps by_size needs its partitions' item counts")
-        _, j = cfg.expert_origin(spec.expert)
-        return split_steps(len(partition_counts) * cfg.train.steps, partition_counts, j)
+    """A job's optimiser steps. An expert's: train.steps, or (train.expert_steps by_size) its partition's share of K x
+    train.steps, or (train.split batch, DDM's matching) all K x train.steps (`partition_counts`: the item counts of
+    its clustering's partitions, from its manifest; flowfleet.train.tasks.planned_steps reads them)."""
+    if spec.kind == "expert" and spec.expert is not None:
+        if cfg.train.split == "batch":
+            shares, _ = _expert_shares(cfg, spec, partition_counts)
+            return len(shares) * cfg.train.steps
+        if cfg.train.expert_steps == "by_size":
+            shares, j = _expert_shares(cfg, spec, partition_counts)
+            return split_steps(len(shares) * cfg.train.steps, shares, j)
     if spec.kind in ROUTERS:
         return cfg.router_train.steps
     if spec.kind == "monolith":
@@ -193,9 +220,37 @@ def job_steps(
     return cfg.train.steps
 
 
-def job_cost(cfg: RunConfig, spec: JobSpec, steps: int | None = None) -> int:
-    """Training FLOPs of a job (to start the longest jobs first); `steps`: its planned steps where
-    job_steps alone cannot tell them (an expert of a by-size split: flowfleet.train.tasks.planned_steps)."""
+def job_batch(cfg: RunConfig, spec: JobSpec, partition_counts: list[int] | None = None) -> int:
+    """A job's batch per optimiser step: train.batch_size (router_train's for a router), or for an expert under
+    train.split batch (DDM's matching) its share of it: equal, or (expert_steps by_size) its partition's share."""
+    if spec.kind in ROUTERS:
+        return cfg.router_train.batch_size
+    if spec.kind != "expert" or spec.expert is None or cfg.train.split != "batch":
+        return cfg.train.batch_size
+    shares, j = _expert_shares(cfg, spec, partition_counts)
+    batch = split_steps(cfg.train.batch_size, shares, j)
+    if batch < cfg.train.grad_accum or batch % cfg.train.grad_accum:
+        raise FlowfleetError(
+            f"train.batch_size: {spec.name}'s share of {cfg.train.batch_size} under train.split batch is {batch}, "
+            f"not a multiple of train.grad_accum {cfg.train.grad_accum}"
+        )
+    return batch
+
+
+def compute_matching(cfg: RunConfig) -> str:
+    """The run's compute-matching convention in one line, for the report, train-all and BENCHMARKS.md."""
+    k, b, s = cfg.cluster.k, cfg.train.batch_size, cfg.train.steps
+    share = "its cluster's share" if cfg.train.expert_steps == "by_size" else f"1/{k}"
+    if cfg.train.split == "batch":
+        return f"DDM's compute matching: each of the {k} experts {share} of the monolith's batch of {b}, {k * s} steps"
+    steps = f"{share} of {k} x {s} steps" if cfg.train.expert_steps == "by_size" else f"{s} steps"
+    return f"Paris' compute matching: each of the {k} experts the monolith's batch of {b}, for {steps}"
+
+
+def job_cost(cfg: RunConfig, spec: JobSpec, steps: int | None = None, batch_size: int | None = None) -> int:
+    """Training FLOPs of a job (to start the longest jobs first); `steps`, `batch_size`: its planned ones where
+    job_steps and the run's batch alone cannot tell them (an expert of a by-size split or of a split batch:
+    flowfleet.train.tasks.planned_steps, planned_batch)."""
     if spec.kind in ROUTERS:
         return train_flops(cfg.router, cfg.router_train.steps, cfg.router_train.batch_size)
     if spec.kind == "student":
@@ -204,4 +259,5 @@ def job_cost(cfg: RunConfig, spec: JobSpec, steps: int | None = None) -> int:
         model = cfg.expert_config(spec.expert)
     else:
         model = cfg.expert
-    return train_flops(model, job_steps(cfg, spec) if steps is None else steps, cfg.train.batch_size)
+    batch = cfg.train.batch_size if batch_size is None else batch_size
+    return train_flops(model, job_steps(cfg, spec) if steps is None else steps, batch)

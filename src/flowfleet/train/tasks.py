@@ -40,7 +40,7 @@ from flowfleet.models.init import load_expert_init
 from flowfleet.storage import RunRoot
 from flowfleet.train import preview
 from flowfleet.train.data import InMemoryData, check_compatible, model_fields, training_fields
-from flowfleet.train.specs import JobSpec, job_steps, router_config
+from flowfleet.train.specs import JobSpec, job_batch, job_steps, router_config
 from flowfleet.train.status import job_finished
 
 PREVIEW_COUNT = 8  # samples in an expert's grid
@@ -371,8 +371,20 @@ def planned_steps(
     contributed = contribution_of(cfg, spec)
     if contributed is not None:  # trained elsewhere: finished at the steps its signed manifest records
         return contributed.steps
+    return job_steps(cfg, spec, match_compute, partition_counts=_partition_counts(root, cfg, spec, shards))
+
+
+def planned_batch(root: RunRoot, cfg: RunConfig, spec: JobSpec, shards: ShardSet | None = None) -> int:
+    """job_batch of the run's job: an expert's share of the batch under train.split batch (DDM's matching), by
+    size read from its own partition's manifest as planned_steps reads it."""
+    return job_batch(cfg, spec, partition_counts=_partition_counts(root, cfg, spec, shards))
+
+
+def _partition_counts(root: RunRoot, cfg: RunConfig, spec: JobSpec, shards: ShardSet | None) -> list[int] | None:
+    """The item counts of an expert's clustering's partitions, where its share is by size; None where no share
+    reads them."""
     if spec.kind != "expert" or spec.expert is None or cfg.train.expert_steps != "by_size":
-        return job_steps(cfg, spec, match_compute)
+        return None
     n, j = cfg.expert_origin(spec.expert)
     folder = origin_partition(n, j)
     shards = shards or ShardSet(root, folder)
@@ -385,7 +397,7 @@ def planned_steps(
             f"{where}: no partition_counts (clustered by an older flowfleet); run `flowfleet cluster` again "
             "for train.expert_steps by_size"
         )
-    return job_steps(cfg, spec, partition_counts=counts)
+    return list(counts)
 
 
 def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: bool | None = None) -> TrainTask:
@@ -410,7 +422,8 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
         p = cfg.train.augment_p
         check_compatible(shards.manifest(), model, data_where=shards.url, model_where="run.yaml expert", augment_p=p)
         data = InMemoryData.load(shards, training_fields(model, p))
-        return FlowTask(spec, cfg, model, cfg.train, planned_steps(root, cfg, spec, shards=shards), data)
+        train = cfg.train.model_copy(update={"batch_size": planned_batch(root, cfg, spec, shards)})  # DDM's split
+        return FlowTask(spec, cfg, model, train, planned_steps(root, cfg, spec, shards=shards), data)
 
     shards = open_complete(root, DATA, f"flowfleet prepare {root.url}")
     if spec.kind == "student":

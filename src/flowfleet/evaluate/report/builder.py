@@ -6,6 +6,7 @@ import json
 import posixpath
 from typing import Any
 
+from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate import views
 from flowfleet.evaluate.report.parts import (
     EVALUATION_FILE,
@@ -170,9 +171,12 @@ class ReportBuilder(QualitySections):
                 ]
             )
         train = (run_yaml(self.root) or {}).get("train") or {}
+        matching = self._matching()
+        if matching:
+            s.notes.append(f"{matching} (train.split {train.get('split', 'steps')}).")
         if train.get("expert_steps") == "by_size":
             s.notes.append(
-                f"The experts share K x {train.get('steps', '?')} steps in proportion to their clusters' sizes "
+                "The experts share the fleet's budget in proportion to their clusters' sizes "
                 "(train.expert_steps by_size): each passes over its data as often as the monolith over all of it."
             )
         s.images.append(
@@ -281,6 +285,16 @@ class ReportBuilder(QualitySections):
         )
         return s
 
+    def _matching(self) -> str | None:
+        """The run's compute-matching convention in one line (train.split), or None where run.yaml does not load."""
+        from flowfleet.config import load_run_config
+        from flowfleet.train.specs import compute_matching
+
+        try:
+            return compute_matching(load_run_config(self.root))
+        except FlowfleetError:
+            return None
+
     def section_diagnostics(self) -> Section:
         s = Section("diagnostics", TITLES["diagnostics"])
         if self._needs_evaluation(s):
@@ -296,7 +310,11 @@ class ReportBuilder(QualitySections):
                 self._plot(
                     "router_accuracy.png",
                     views.router_accuracy_png(
-                        acc["t_buckets"], acc["accuracy"], acc.get("chance"), heldout=held["accuracy"] if held else None
+                        acc["t_buckets"],
+                        acc["accuracy"],
+                        acc.get("chance"),
+                        heldout=held["accuracy"] if held else None,
+                        heldout_without_prompt=(held.get("without_prompt") or {}).get("accuracy") if held else None,
                     ),
                     caption,
                 )
