@@ -73,6 +73,12 @@ def test_prompt_aware_router_reads_the_prompt_where_x_t_says_nothing(tmp_path):
     aware_rep, blind_rep = root.read_json("router", "report.json"), root.read_json("router-paris", "report.json")
     assert aware_rep["accuracy"][-1] >= 0.95
     assert blind_rep["accuracy"][-1] <= 0.75
+    # ... and the prompt-aware one, its prompt dropped (the null posterior of guidance over the mixture), is the
+    # blind router again there: trained with condition dropout, one network gives both; the table only for it
+    without = aware_rep["without_prompt"]
+    assert set(without) == set(aware_rep) - {"without_prompt", "note"} and without["items"] == aware_rep["items"]
+    assert without["accuracy"][-1] <= 0.75 and "without_prompt" not in blind_rep
+    assert without["accuracy"][0] >= 0.95  # near the data the image alone tells the cluster
 
 
 def test_router_prompt_trains_a_prompt_aware_router_beside_paris_one():

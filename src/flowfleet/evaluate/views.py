@@ -115,8 +115,10 @@ def router_accuracy_png(
     chance: float | None,
     title: str = "router accuracy per t-bucket",
     heldout: Sequence[float] | None = None,
+    heldout_without_prompt: Sequence[float] | None = None,
 ) -> bytes:
-    """Accuracy per t bucket on the data items (bars), and on held-out items (a line) when given."""
+    """Accuracy per t bucket on the data items (bars), and on held-out items (a line) when given; a router that
+    reads the prompt: also on the held-out items with the prompt dropped (a dashed line)."""
     fig = _figure(5.5, 3.4)
     ax = fig.add_subplot(1, 1, 1)
     centres = [(lo + hi) / 2 for lo, hi in buckets]
@@ -124,6 +126,9 @@ def router_accuracy_png(
     ax.bar(centres, accuracy, width=widths, color="tab:blue", label="training items")
     if heldout is not None:
         ax.plot(centres, heldout, color="tab:orange", marker="o", markersize=4, label="held-out items")
+    if heldout_without_prompt is not None:
+        ax.plot(centres, heldout_without_prompt, color="tab:green", linestyle="--", marker="s", markersize=3,
+                label="held-out items, the prompt dropped")  # fmt: skip
     if chance is not None:
         ax.axhline(chance, color="gray", linestyle="--", linewidth=1, label="largest cluster share")
     if chance is not None or heldout is not None:

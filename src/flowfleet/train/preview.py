@@ -140,7 +140,27 @@ def router_accuracy(
 ) -> dict:
     """Accuracy of argmax p(k | x_t, t[, prompt]) against the cluster id, per t-bucket (t uniform inside
     each of T_BUCKETS buckets, fresh noise), plus the confusion matrix over all buckets. `cond`: the
-    items' prompt keywords (condition_kwargs), for a prompt-aware router."""
+    items' prompt keywords (condition_kwargs), for a prompt-aware router; its report then holds the same table
+    with the prompt dropped ("without_prompt": p(k | x_t, t, null), the unconditional branch's posterior of
+    guidance over the mixture), on the same noise and times."""
+    report = _router_accuracy(model, latents, clusters, num_clusters, seed, device, batch_size, cond or {})
+    if cond:
+        null = {**cond, "drop": torch.ones(latents.shape[0], dtype=torch.bool)}
+        without = _router_accuracy(model, latents, clusters, num_clusters, seed, device, batch_size, null)
+        report["without_prompt"] = without
+    return report
+
+
+def _router_accuracy(
+    model: torch.nn.Module,
+    latents: torch.Tensor,
+    clusters: torch.Tensor,
+    num_clusters: int,
+    seed: int,
+    device: torch.device,
+    batch_size: int,
+    cond: dict[str, torch.Tensor],
+) -> dict:
     gen = torch.Generator().manual_seed(seed)
     correct = torch.zeros(T_BUCKETS, dtype=torch.long)
     confusion = torch.zeros(num_clusters, num_clusters, dtype=torch.long)  # [true, predicted]
@@ -153,7 +173,7 @@ def router_accuracy(
             t = (b + torch.rand(m, generator=gen)) / T_BUCKETS
             eps = torch.randn(x0.shape, generator=gen)
             x_t = interpolate(x0, eps, t)
-            kw = {name: v[start : start + batch_size].to(device) for name, v in (cond or {}).items()}
+            kw = {name: v[start : start + batch_size].to(device) for name, v in cond.items()}
             pred = model(x_t.to(device), t.to(device), **kw).argmax(dim=1).cpu()
             correct[b] += (pred == k).sum()
             confusion += torch.bincount(k * num_clusters + pred, minlength=num_clusters**2).reshape(
@@ -178,7 +198,12 @@ def router_png(report: dict, title: str) -> bytes:
     fig.suptitle(title, fontsize=9)
     ax = fig.add_subplot(1, 2, 1)
     centres = [(lo + hi) / 2 for lo, hi in report["t_buckets"]]
-    ax.bar(centres, report["accuracy"], width=0.09)
+    without = report.get("without_prompt")
+    if without is None:
+        ax.bar(centres, report["accuracy"], width=0.09)
+    else:  # a router that reads the prompt: with it and without it, side by side
+        ax.bar([c - 0.0225 for c in centres], report["accuracy"], width=0.045, label="with the prompt")
+        ax.bar([c + 0.0225 for c in centres], without["accuracy"], width=0.045, label="without it")
     ax.axhline(report["chance"], color="gray", linestyle="--", linewidth=1, label="largest cluster share")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)

@@ -150,12 +150,21 @@ def router_accuracy_table(routers: dict[str, dict[str, Any]], kinds: dict[str, s
         header=["router", "sees", *[f"t {lo:.1f}-{hi:.1f}" for lo, hi in buckets], "overall", "chance"],
         rows=[
             [
-                name,
-                kinds.get(name, ""),
-                *[fmt(a) for a in rep["accuracy"]],
-                fmt(rep.get("overall_accuracy")),
-                fmt(rep.get("chance")),
+                label,
+                sees,
+                *[fmt(a) for a in table["accuracy"]],
+                fmt(table.get("overall_accuracy")),
+                fmt(table.get("chance")),
             ]
             for name, rep in routers.items()
+            for label, sees, table in _with_and_without_prompt(name, kinds.get(name, ""), rep)
         ],
     )
+
+
+def _with_and_without_prompt(name: str, sees: str, rep: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """A router's table, and for one that reads the prompt its table with the prompt dropped as a row of its own."""
+    rows = [(name, sees, rep)]
+    if rep.get("without_prompt"):
+        rows.append((f"{name}, the prompt dropped", "x_t, t (null prompt)", rep["without_prompt"]))
+    return rows
