@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -581,6 +582,49 @@ def test_a_comparison_router_is_evaluated_as_one_more_row_of_the_same_experts(fl
             assert (a["prompts"] == b["prompts"]).all()  # the same prompts and noise ...
             assert not np.array_equal(a["images"], b["images"])  # ... routed otherwise: other images
     assert runs["top1+router-prompt"]["usage"] != runs["top1"]["usage"]
+
+
+def test_guidance_rules_are_rows_of_their_own_and_one_model_under_a_prompt_blind_router(fleet, tmp_path):
+    """evaluate guidance_rules=("mixture", "expert"): every fleet row under each rule, STRATEGY.RULE[+ROUTER]; under
+    the prompt-reading comparison router two fields, under the run's prompt-blind router one model (sampled once);
+    the trajectory strategy draws one expert and keeps it (one rule too)."""
+    import shutil
+
+    from fixtures.random_fleet import randomize_
+
+    from flowfleet.config import load_run_config
+    from flowfleet.models.dit import DiTRouter
+    from flowfleet.models.files import save_model
+    from flowfleet.stages.evaluate import evaluate
+    from flowfleet.train.specs import JobSpec, router_config
+
+    run = RunRoot(str(shutil.copytree(fleet.url, tmp_path / "run")))
+    aware = router_config(load_run_config(run), JobSpec("router-prompt"))
+    # weights of sd 0.5: a random router whose choice the prompt moves (at 0.1 it hardly does)
+    save_model(randomize_(DiTRouter.from_dit_config(aware), seed=11, std=0.5), run, "router-prompt", "final")
+    run.write_json(
+        {"job": "router-prompt", "state": "done", "step": 1, "total_steps": 1}, "router-prompt", "status.json"
+    )
+    opts = options(strategies=("top1", "trajectory"), monolith=False, routers=("router-prompt",), sampling={"cfg": 3.0})
+    result = evaluate(
+        run.url_of("model"), run.url, replace(opts, guidance_rules=("mixture", "expert")), extractor=SmallFeatures()
+    )
+    runs = result["runs"]
+    assert list(runs) == [
+        "top1.mixture", "top1.expert", "trajectory.mixture", "trajectory.expert",
+        "top1.mixture+router-prompt", "top1.expert+router-prompt", "trajectory.mixture+router-prompt",
+        "trajectory.expert+router-prompt",
+    ]  # fmt: skip
+    assert runs["top1.expert"]["same_as"] == "top1.mixture"  # Paris' router: one posterior, one field
+    assert runs["trajectory.expert+router-prompt"]["same_as"] == "trajectory.mixture+router-prompt"
+    assert runs["top1.expert+router-prompt"]["same_as"] is None
+    with np.load(run.url_of("reports", runs["top1.mixture+router-prompt"]["samples"])) as a:
+        with np.load(run.url_of("reports", runs["top1.expert+router-prompt"]["samples"])) as b:
+            assert (a["prompts"] == b["prompts"]).all() and not np.array_equal(a["images"], b["images"])
+    with pytest.raises(
+        FlowfleetError, match=r"^--guidance-rules: 'both' is not a guidance rule \(one of mixture, expert\)$"
+    ):
+        evaluate(run.url_of("model"), run.url, options(guidance_rules=("both",)), extractor=SmallFeatures())
 
 
 def test_another_fleet_in_the_same_latent_space_is_one_more_row_with_the_same_prompts_and_noise(

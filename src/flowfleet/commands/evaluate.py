@@ -43,7 +43,7 @@ def _register_evaluate(sub: argparse._SubParsersAction) -> None:
         "--strategies",
         default="top1,top2,full",
         metavar="LIST",
-        help="comma-separated: top1, top2, topk:K, full (default top1,top2,full); '' for none",
+        help="comma-separated: top1, top2, topk:K, full, trajectory (default top1,top2,full); '' for none",
     )
     p.add_argument("--monolith", action="store_true", help="also evaluate RUN_ROOT/monolith/final")
     p.add_argument(
@@ -60,6 +60,13 @@ def _register_evaluate(sub: argparse._SubParsersAction) -> None:
         metavar="NAME=FOLDER",
         help="another assembled fleet in the same latent space and text encoder (e.g. one of caption clusters): each "
         "strategy again sampled by it, as the row STRATEGY@NAME, with the same prompts and noise (repeatable)",
+    )
+    p.add_argument(
+        "--guidance-rules",
+        default="",
+        metavar="LIST",
+        help="guidance rules to compare (mixture, expert): each fleet row again under each, as the row STRATEGY.RULE "
+        "(default: the fleet's own rule, or --guidance)",
     )
     add_sampling(p, without=EVALUATION_OWN)
     p.add_argument(
@@ -205,6 +212,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         monolith=args.monolith,
         routers=_strategies(args.routers),
         fleets=_fleets(args.fleet),
+        guidance_rules=_strategies(args.guidance_rules),
         seed=args.seed,
         batch_size=args.batch_size,
         sampling=sampling_choices(args, without=EVALUATION_OWN),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 from flowfleet.config import SamplingConfig
 from flowfleet.errors import FlowfleetError
@@ -30,6 +30,10 @@ class EvaluateOptions:
     # Other fleets that share the run's latent space and text encoder, as (NAME, model folder): each strategy
     # again sampled by that fleet, as the row "<strategy>@<NAME>" (e.g. a fleet of caption clusters).
     fleets: tuple[tuple[str, str], ...] = ()
+    # Guidance rules (config.SamplingConfig.guidance: mixture, expert) to compare: every fleet row again under each,
+    # as the row "<strategy>.<rule>[+<router>|@<NAME>]" (a prompt-blind router's rows are one model: sampled once).
+    # Empty: the sampling settings' rule (each fleet's own), rows without the suffix.
+    guidance_rules: tuple[str, ...] = ()
     seed: int = 0
     batch_size: int = 250  # samples per sampling batch
     # The sampling settings every model takes (config.SamplingSettings by name: steps, cfg, cache, ...; unset: each
@@ -83,6 +87,14 @@ class EvaluateOptions:
                 raise FlowfleetError(f"--fleet: name {name!r} must be letters, digits, '-' or '_' (NAME=FOLDER)")
         if len(set(names)) != len(names):
             raise FlowfleetError(f"--fleet: repeated names in {','.join(names)}")
+        rules = get_args(SamplingConfig.model_fields["guidance"].annotation)
+        for rule in self.guidance_rules:
+            if rule not in rules:
+                raise FlowfleetError(f"--guidance-rules: {rule!r} is not a guidance rule (one of {', '.join(rules)})")
+        if len(set(self.guidance_rules)) != len(self.guidance_rules):
+            raise FlowfleetError(f"--guidance-rules: repeated names in {','.join(self.guidance_rules)}")
+        if self.guidance_rules and "guidance" in self.sampling:
+            raise FlowfleetError("--guidance-rules: give either rules to compare or one --guidance, not both")
         if len(set(self.strategies)) != len(self.strategies):
             raise FlowfleetError(f"--strategies: repeated names in {','.join(self.strategies)}")
         fixed = sorted(set(self.sampling) & {"strategy", "seed"})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import posixpath
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -37,7 +37,7 @@ from flowfleet.evaluate.reference import (
 )
 from flowfleet.evaluate.report import EVALUATION_FILE
 from flowfleet.evaluate.views import captioned_grid_png
-from flowfleet.flow import parse_strategy, same_as_earlier
+from flowfleet.flow import parse_strategy
 from flowfleet.layout import (
     ASSIGNMENTS,
     CENTROIDS,
@@ -90,24 +90,25 @@ def evaluate(
     t_start = time.perf_counter()
     ev = _Evaluation.open(model_dir, reference, options, extractor)  # every check before heavy work
     pipe = FleetPipeline.from_pretrained(model_dir, device=ev.device)
-    models = [(s, "fleet", pipe, s) for s in options.strategies]
+    models = [Row(s, "fleet", pipe, s) for s in options.strategies]
     monolith = monolith_pipeline(ev.root, pipe, ev.device) if options.monolith else None
-    if monolith is not None:
-        models.insert(0, (MONOLITH, "monolith", monolith, "top1"))
     for router in options.routers:  # the same experts, another of the run's routers
         routed = pipe.with_router(comparison_router(ev.root, ev.cfg, router, ev.device))
-        models += [(f"{s}+{router}", "fleet", routed, s) for s in options.strategies]
+        models += [Row(s, "fleet", routed, s, f"+{router}") for s in options.strategies]
     for name, folder in options.fleets:  # another fleet in the same latent space, the same encoders shared
         other = FleetPipeline.from_pretrained(
             folder, device=ev.device, text_encoder=pipe.text_encoder, latent_decoder=pipe.latent_decoder
         )
-        models += [(f"{s}@{name}", "fleet", other, s) for s in options.strategies]
-    same = same_as_earlier(options.strategies, len(pipe.present))  # e.g. top2 of 2 experts IS full
-    for name, kind, p, strategy in models:
-        if kind == "fleet" and name in same:  # same weights, same prompts and noise: same samples
-            ev.same_model(name, same[name])
+        models += [Row(s, "fleet", other, s, f"@{name}") for s in options.strategies]
+    models = [row.guided(rule) for row in models for rule in options.guidance_rules or (None,)]
+    if monolith is not None:
+        models.insert(0, Row(MONOLITH, "monolith", monolith, "top1"))
+    same = same_models(models, options.sampling)  # e.g. top2 of 2 experts IS full; a prompt-blind router guides one way
+    for row in models:
+        if row.name in same:  # same weights, same prompts and noise: same samples
+            ev.same_model(row.name, same[row.name])
         else:
-            ev.run_model(name, kind, p, strategy)
+            ev.run_model(row.name, row.kind, row.pipe, row.strategy, **row.choices)
     if options.repeats > 1:
         t0 = time.perf_counter()
         ev.draws = _redraw(ev, model_dir, reference, extractor, models, same)
@@ -206,6 +207,54 @@ class JudgedDraw:
             hits = judged_hits(ev.judge, out.prompts, accuracy.get("predicted"))
             shown = {"images": out.images.float().cpu(), "prompts": list(out.prompts), "hits": hits}
         return {**scores, "per_class": accuracy["per_class"], "n": accuracy["n"], **shown}
+
+
+@dataclass
+class Row:
+    """One model an evaluation samples: a strategy of a fleet (routed by its own or a comparison router, or another
+    fleet's), or the monolith; `choices`: sampling settings of its own (a guidance rule). Its name: the strategy,
+    .RULE when guidance rules are compared, then +ROUTER or @FLEET."""
+
+    base: str  # the strategy (or "monolith")
+    kind: str  # "fleet" | "monolith"
+    pipe: FleetPipeline
+    strategy: str
+    suffix: str = ""  # +ROUTER, @FLEET
+    choices: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        rule = self.choices.get("guidance")
+        return f"{self.base}{f'.{rule}' if rule else ''}{self.suffix}"
+
+    def guided(self, rule: str | None) -> "Row":
+        """This row under guidance rule `rule` (None: the settings' own)."""
+        return self if rule is None else replace(self, choices={**self.choices, "guidance": rule})
+
+    def same_key(self, sampling: dict[str, Any]) -> tuple[Any, ...]:
+        """What decides this row's samples beyond the draw and the evaluation's `sampling` settings: the pipeline,
+        the experts per sample, whether they are kept, and the guidance rule where it matters (a router that reads
+        the prompt, a strategy that reroutes)."""
+        strategy = parse_strategy(self.strategy)
+        rule = {**sampling, **self.choices}.get("guidance", self.pipe.scheduler.guidance)
+        matters = self.pipe.router_sees_prompt and not strategy.kept
+        return (id(self.pipe), strategy.resolve_k(len(self.pipe.present)), strategy.kept, rule if matters else None)
+
+
+def same_models(rows: Sequence[Row], sampling: dict[str, Any]) -> dict[str, str]:
+    """Each fleet row that samples exactly what an earlier one does -> that earlier row's name (top-k with k >= K is
+    the full ensemble; under a prompt-blind router both guidance rules are one field)."""
+    first: dict[tuple[Any, ...], str] = {}
+    same = {}
+    for row in rows:
+        if row.kind != "fleet":
+            continue
+        key = row.same_key(sampling)
+        if key in first:
+            same[row.name] = first[key]
+        else:
+            first[key] = row.name
+    return same
 
 
 def judged_hits(judge: Any, prompts: Sequence[str], predicted: Sequence[str] | None) -> list[bool | None]:
@@ -416,10 +465,11 @@ class _Evaluation:
         n, batch = self.options.n, self.options.batch_size
         return pipe(self.prompts, n, labels=self.labels, settings=settings, batch_size=batch, progress=progress)
 
-    def run_model(self, name: str, kind: str, pipe, strategy: str) -> ModelRun:
+    def run_model(self, name: str, kind: str, pipe, strategy: str, **choices: Any) -> ModelRun:
         """Sample options.n images from one model (a strategy of the fleet, or the monolith) at each scale of
         the guidance sweep (or the one scale asked for); score each; keep the chosen scale's samples for the
-        grid, routing heatmap, usage, adherence and diagnostics."""
+        grid, routing heatmap, usage, adherence and diagnostics. choices: the row's own settings (its guidance
+        rule)."""
         o = self.options
         run = ModelRun(name, kind)
         drawn = []  # (settings, pipeline output, images, scores) per scale
@@ -428,7 +478,7 @@ class _Evaluation:
         # chosen scale. Without one, FID is what chooses, at every scale.
         fid_each = self.judge_fd is None or len(scales) == 1
         for scale in scales:
-            settings = self.settings_for(pipe, strategy, cfg=scale)
+            settings = self.settings_for(pipe, strategy, **choices, cfg=scale)
             log.info(f"evaluate: {name}: sampling {o.n} images ({settings.describe()})")
             t0 = time.perf_counter()
             out = self.sample(pipe, settings, name)
@@ -593,7 +643,7 @@ def _redraw(
     model_dir: str,
     reference: str | None,
     extractor: torch.nn.Module | None,
-    models: list[tuple[str, str, Any, str]],
+    models: list[Row],
     same: dict[str, str],
 ) -> dict[str, Any]:
     """Every model again at its chosen scale in draws 1 .. repeats - 1 (seed + r: other prompts and noise,
@@ -621,13 +671,15 @@ def _redraw(
         for k in out["floor"]:
             out["floor"][k].append(again.floor.get(k))
         scored: dict[str, dict[str, Any]] = {}
-        for name, _, pipe, strategy in models:
+        for row in models:
+            name = row.name
             if name in same:  # the same weights as an earlier row: the same samples
                 scored[name] = scored[same[name]]
             else:
                 cfg = ev.runs[name].cfg
                 log.info(f"evaluate: {name}: draw {r + 1} of {o.repeats} (seed {drawn.seed}, cfg {cfg})")
-                got = again.sample(pipe, again.settings_for(pipe, strategy, cfg=cfg), f"{name} draw {r + 1}")
+                settings = again.settings_for(row.pipe, row.strategy, **row.choices, cfg=cfg)
+                got = again.sample(row.pipe, settings, f"{name} draw {r + 1}")
                 scores = again._score(got.images.float().cpu(), got.prompts, name, with_fid=again.judge_fd is None)
                 scored[name] = values(scores)
             for k, v in scored[name].items():
