@@ -19,6 +19,26 @@ call (the folder's loading included, the same in both).
     .venv/bin/python benchmarks/threads.py --model runs/demo/model --out runs/bench/threads.json
 
 The machine's topology (logical CPUs, physical cores, SMT) is printed with the figures.
+
+--beside: the commands a user starts by hand, each a fresh `flowfleet ...` process timed whole, alone and beside
+--loads busy processes (`python -c "while True: pass"`, one per number), under each --settings:
+
+    defaults   FLOWFLEET_THREADS=static: the rule of workload and SMT alone (on CPUs that are not SMT siblings:
+               torch's defaults, idle threads that spin, one thread per CPU)
+    PASSIVE    the same with OMP_WAIT_POLICY=PASSIVE set by hand (idle threads sleep)
+    policy     flowfleet's own: it reads the load, the quota and the topology when it starts, and its long loops
+               follow the load between steps (flowfleet.threads)
+
+    prepare    `flowfleet prepare` of 1000 emoji, 300 autoencoder steps, 100 held out (a fresh run root each time)
+    train      `flowfleet train-expert RUN --expert 0` on that run clustered (--train-steps steps per expert)
+    generate   `flowfleet generate MODEL --n 64`
+    evaluate   `flowfleet evaluate MODEL --n 100 --strategies top2` (no sweep, no diagnostics)
+    serve      `flowfleet serve MODEL`, then 8 requests of 4 images one after the other (the time to answer them)
+
+    .venv/bin/python benchmarks/threads.py --beside --model runs/demo/model --out runs/bench/threads-beside.json
+    .venv/bin/python benchmarks/threads.py --beside --commands prepare --loads 0,1 --settings defaults,policy
+
+It prints each time and its ratio to the same setting alone, and writes them all with --out.
 """
 
 from __future__ import annotations
@@ -98,6 +118,127 @@ def child(code: str, args: list[str], extra: dict[str, str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+BUSY = "while True: pass"
+BESIDE_SETTINGS = {  # name -> the command's extra environment
+    "defaults": {"FLOWFLEET_THREADS": "static"},
+    "PASSIVE": {"FLOWFLEET_THREADS": "static", "OMP_WAIT_POLICY": "PASSIVE"},
+    "policy": {},
+}
+PREPARE_SETS = ("data.limit=1000", "encoders.latent.autoencoder.steps=300", "data.holdout=100")
+
+
+def flowfleet(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flowfleet.cli", "-q", *args]
+
+
+def run_cli(cmd: list[str], extra: dict[str, str]) -> float:
+    """Wall seconds of one command (a fresh process), or an exit naming it when it fails."""
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=clean_env(extra), capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({extra}):\n{done.stderr[-2000:]}")
+    return time.perf_counter() - t0
+
+
+class Beside:
+    """The --beside commands on their inputs, made once under OUT_DIR: a prepared and clustered emoji run."""
+
+    def __init__(self, work: Path, model: Path, train_steps: int):
+        self.work, self.model, self.train_steps = work, model, train_steps
+        self.prepared = work / "prepared"
+        if not (self.prepared / "partitions").exists():
+            shutil.rmtree(self.prepared, ignore_errors=True)
+            self.init(self.prepared)
+            run_cli(flowfleet("prepare", str(self.prepared), "--no-progress"), BESIDE_SETTINGS["defaults"])
+            run_cli(flowfleet("cluster", str(self.prepared)), BESIDE_SETTINGS["defaults"])
+
+    def init(self, root: Path) -> None:
+        sets = [x for s in (*PREPARE_SETS, f"train.steps={self.train_steps}") for x in ("--set", s)]
+        run_cli(flowfleet("init", str(root), "--preset", "emoji", *sets), BESIDE_SETTINGS["defaults"])
+
+    def time(self, command: str, extra: dict[str, str]) -> float:
+        if command == "prepare":
+            root = self.work / "prepare"
+            shutil.rmtree(root, ignore_errors=True)
+            self.init(root)
+            return run_cli(flowfleet("prepare", str(root), "--no-progress"), extra)
+        if command == "train":
+            shutil.rmtree(self.prepared / "experts" / "0", ignore_errors=True)
+            return run_cli(flowfleet("train-expert", str(self.prepared), "--expert", "0", "--no-progress"), extra)
+        if command == "generate":
+            return run_cli(
+                flowfleet("generate", str(self.model), "--n", "64", "--out", str(self.work / "g.png")), extra
+            )
+        if command == "evaluate":
+            copy = self.work / "model"
+            shutil.copytree(self.model, copy, dirs_exist_ok=True)
+            args = ["evaluate", str(copy), "--reference", str(self.model.parent), "--n", "100", "--strategies", "top2"]
+            return run_cli(flowfleet(*args, "--no-diagnostics"), extra)
+        if command == "serve":
+            return serve_requests(self.model, extra)
+        raise SystemExit(f"--commands: unknown command {command!r}")
+
+
+def serve_requests(model: Path, extra: dict[str, str], requests: int = 8) -> float:
+    """`flowfleet serve MODEL`, then `requests` requests of 4 images one after the other: seconds to answer them."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        flowfleet("serve", str(model), "--no-ui", "--port", str(port)), env=clean_env(extra), stderr=subprocess.DEVNULL
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/api/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        body = {"prompt": "a handwritten digit seven", "n": 4, "seed": 0}
+        httpx.post(f"{url}/api/generate", json=body, timeout=600)  # warm-up: the experts loaded
+        t0 = time.perf_counter()
+        for i in range(requests):
+            httpx.post(f"{url}/api/generate", json={**body, "seed": i}, timeout=600).raise_for_status()
+        return time.perf_counter() - t0
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def beside(a: argparse.Namespace) -> dict:
+    """Every --commands under every --settings alone and beside each --loads busy processes: wall seconds."""
+    from flowfleet.threads import CpuTopology
+
+    topo = CpuTopology.read()
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    harness = Beside(work, Path(a.model).resolve(), a.train_steps)
+    loads = [int(x) for x in a.loads.split(",")]
+    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "seconds": {}}
+    out["machine"] = f"{platform.machine()}: {topo.cpus} CPUs, {topo.cores} cores, smt {topo.smt}"
+    print(out["machine"], flush=True)
+    for command in a.commands.split(","):
+        for load in loads:
+            busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(load)]
+            try:
+                for name in a.settings.split(","):
+                    seconds = harness.time(command, BESIDE_SETTINGS[name])
+                    out["seconds"].setdefault(command, {}).setdefault(name, {})[str(load)] = round(seconds, 2)
+                    alone = out["seconds"][command][name].get("0")
+                    ratio = f" ({seconds / alone:.2f}x alone)" if alone and load else ""
+                    print(f"{command:<9} {name:<9} beside {load} busy: {seconds:7.1f} s{ratio}", flush=True)
+            finally:
+                for proc in busy:
+                    proc.kill()
+                    proc.wait()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="runs/demo/model", help="an assembled model folder (default runs/demo/model)")
@@ -107,7 +248,20 @@ def main() -> None:
     p.add_argument("--stage-repeats", type=int, default=3, help="timed calls of each stage (default 3)")
     p.add_argument("--prompt", default="a handwritten digit seven")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--beside", action="store_true", help="the commands alone and beside busy processes (see above)")
+    p.add_argument("--commands", default="prepare,train,generate,evaluate,serve", help="--beside: which commands")
+    p.add_argument("--loads", default="0,1,2,4", help="--beside: busy processes beside each command (0: alone)")
+    p.add_argument("--settings", default="defaults,PASSIVE,policy", help="--beside: the thread settings compared")
+    p.add_argument("--train-steps", type=int, default=300, help="--beside: train.steps of the training job's run")
+    p.add_argument("--work", default="runs/bench/threads-beside", help="--beside: the runs it makes")
     a = p.parse_args()
+    if a.beside:
+        result = beside(a)
+        print(json.dumps(result, indent=1))
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(result, indent=1))
+        return
 
     from flowfleet.threads import CpuTopology
 

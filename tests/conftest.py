@@ -16,6 +16,10 @@ os.environ["FLOWFLEET_CACHE"] = tempfile.mkdtemp(prefix="flowfleet-test-cache-")
 # the GPUs. Set before anything initialises CUDA; the suite's child processes inherit it.
 if os.environ.get("FLOWFLEET_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# The thread policy reads the machine's load (flowfleet.threads); the suite's decisions and thread counts must not
+# follow the load of the box it runs on (its own workers among it): the rule of workload and SMT alone, in the
+# suite's processes and the commands they start. tests/test_threads.py gives the policy loads of its own.
+os.environ["FLOWFLEET_THREADS"] = "static"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

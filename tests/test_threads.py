@@ -1,6 +1,8 @@
 """The CPU thread policy (flowfleet.threads): idle OpenMP threads sleep where they would take a core someone else
-needs (processes sharing the cores, SMT siblings), the runtime's defaults stand where one process has the machine,
-and a variable the user set is never changed."""
+needs (processes sharing the cores, SMT siblings, other runnable work, a cgroup quota), a process alone runs as many
+threads as CPUs nobody else wants and follows the load between steps, the runtime's defaults stand where one
+process has the machine, and a variable the user set is never changed. Loads, quotas and topologies come from fake
+/proc, cgroup and sysfs trees (the suite itself runs under FLOWFLEET_THREADS=static: conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,12 @@ import os
 import pytest
 
 from flowfleet import threads
-from flowfleet.threads import CpuTopology, sleeping_threads, thread_env
+from flowfleet.threads import CpuTopology, MachineLoad, ThreadGovernor, choose, read_quota, sleeping_threads, thread_env
 from flowfleet.train.fanout import plan_slots
 
 CORE_PER_THREAD = CpuTopology(cpus=2, cores=2)
 SMT = CpuTopology(cpus=2, cores=1)
+IDLE = MachineLoad()
 
 
 def fake_sysfs(tmp_path, siblings: dict[int, str]):
@@ -46,12 +49,20 @@ def test_the_rule():
 
 
 def test_the_users_own_setting_wins():
-    assert thread_env("alone", {}, CORE_PER_THREAD) == {}
-    assert thread_env("alone", {}, SMT) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert thread_env("shared", {}, CORE_PER_THREAD) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert thread_env("alone", {}, CORE_PER_THREAD, IDLE) == {}
+    assert thread_env("alone", {}, SMT, IDLE) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert thread_env("shared", {}, CORE_PER_THREAD, IDLE) == {"OMP_WAIT_POLICY": "PASSIVE"}
     for given in ("ACTIVE", "PASSIVE"):
-        assert thread_env("shared", {"OMP_WAIT_POLICY": given}, SMT) == {}
-        assert thread_env("alone", {"OMP_WAIT_POLICY": given}, SMT) == {}
+        assert thread_env("shared", {"OMP_WAIT_POLICY": given}, SMT, IDLE) == {}
+        assert thread_env("alone", {"OMP_WAIT_POLICY": given}, SMT, IDLE) == {}
+    busy = MachineLoad(others=1)
+    assert thread_env("alone", {}, CORE_PER_THREAD, busy) == {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "OMP_NUM_THREADS": "1",
+        "FLOWFLEET_THREADS_CEILING": "2",
+    }
+    assert thread_env("alone", {"OMP_NUM_THREADS": "2"}, CORE_PER_THREAD, busy) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert thread_env("alone", {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"}, CORE_PER_THREAD, busy) == {}
 
 
 @pytest.mark.parametrize(
@@ -68,6 +79,7 @@ def test_every_command_runs_under_the_rule_for_a_process_alone(monkeypatch, tmp_
     from flowfleet.cli import main
 
     monkeypatch.setattr(threads.CpuTopology, "read", classmethod(lambda cls, *a, **k: topology))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     if user is None:
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     else:
@@ -86,3 +98,128 @@ def test_train_all_jobs_side_by_side_sleep_a_lone_job_does_not(monkeypatch):
     assert "OMP_WAIT_POLICY" not in alone.env() and alone.env()["OMP_NUM_THREADS"] == "2"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice reaches every job
     assert {s.env()["OMP_WAIT_POLICY"] for s in side_by_side} == {"ACTIVE"}
+
+
+# --------------------------------------------------------------------------------------------------
+#                                 The load, the quota, the decision
+# --------------------------------------------------------------------------------------------------
+
+
+def fake_proc(tmp_path, running: int, own_states: str = "R", cgroup: str = "0::/user.slice/job\n"):
+    """A /proc with /proc/stat's procs_running, this process's threads (one per letter of own_states) and its
+    cgroup line."""
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True, exist_ok=True)
+    (proc / "stat").write_text(f"cpu  10 0 5 100 0 0 0 0 0 0\nprocs_running {running}\nprocs_blocked 0\n")
+    for i, state in enumerate(own_states):
+        task = proc / "self" / "task" / str(100 + i)
+        task.mkdir(parents=True, exist_ok=True)
+        (task / "stat").write_text(f"{100 + i} (python (a) b) {state} 1 2 3\n")  # a name with ") " in it
+    (proc / "self" / "cgroup").write_text(cgroup)
+    return proc
+
+
+def test_other_runnable_threads_are_read_without_this_processes_own(tmp_path):
+    proc = fake_proc(tmp_path, running=4, own_states="RSR")  # 4 runnable, 2 of them this process's
+    load = MachineLoad.read(proc, tmp_path / "no-cgroup", sleep=lambda s: None)
+    assert load == MachineLoad(others=2.0, quota=None)
+    idle = fake_proc(tmp_path / "idle", running=1, own_states="RS")
+    assert MachineLoad.read(idle, tmp_path, sleep=lambda s: None).others == 0.0
+    # no /proc (another OS): an idle machine
+    assert MachineLoad.read(tmp_path / "nothing", tmp_path, sleep=lambda s: None) == MachineLoad()
+
+
+def test_the_cgroup_quota_is_the_tightest_of_the_cgroup_and_those_above_it(tmp_path):
+    cg = tmp_path / "cg"
+    for folder, value in (("", "max 100000"), ("user.slice", "150000 100000"), ("user.slice/job", "max 100000")):
+        (cg / folder).mkdir(parents=True, exist_ok=True)
+        (cg / folder / "cpu.max").write_text(value + "\n")
+    proc = fake_proc(tmp_path, running=1)
+    assert read_quota(proc, cg) == 1.5  # v2: the parent's 1.5 CPUs bind the job's unlimited cgroup
+    (cg / "user.slice" / "cpu.max").write_text("max 100000\n")
+    assert read_quota(proc, cg) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "docker" / "c1").mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "docker" / "c1" / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu,cpuacct" / "docker" / "c1" / "cpu.cfs_period_us").write_text("100000\n")
+    proc_v1 = fake_proc(tmp_path / "p1", running=1, cgroup="12:cpu,cpuacct:/docker/c1\n11:memory:/docker/c1\n")
+    assert read_quota(proc_v1, v1) == 0.5
+    assert read_quota(tmp_path / "nothing", v1) is None
+
+
+@pytest.mark.parametrize(
+    "workload, topology, load, sleep, threads",
+    [
+        ("alone", CORE_PER_THREAD, MachineLoad(0.0), False, None),  # the machine to itself: torch's defaults
+        ("alone", CORE_PER_THREAD, MachineLoad(0.4), False, None),  # a reading in passing is not a busy CPU
+        ("alone", CORE_PER_THREAD, MachineLoad(1.0), True, 1),  # one busy process: the CPU left, asleep
+        ("alone", CORE_PER_THREAD, MachineLoad(4.0), True, 1),  # a load of twice the cores: one thread
+        ("alone", CpuTopology(8, 8), MachineLoad(3.0), True, 5),  # 8 CPUs, 3 wanted: the 5 others
+        ("alone", CpuTopology(8, 8), MachineLoad(0.0, quota=2.5), True, 2),  # a container's quota of 2.5 CPUs
+        ("alone", CpuTopology(8, 8), MachineLoad(0.0, quota=16.0), False, None),  # a quota above the CPUs
+        ("alone", SMT, MachineLoad(0.0), True, None),  # SMT siblings: asleep, the default count
+        ("shared", CORE_PER_THREAD, MachineLoad(3.0), True, None),  # train-all's jobs: their budgets stand
+    ],
+)
+def test_the_decision_from_load_quota_and_topology(workload, topology, load, sleep, threads):
+    choice = choose(workload, topology, load)
+    assert (choice.sleep, choice.threads) == (sleep, threads)
+    assert "\n" not in choice.describe() and choice.why
+
+
+def test_the_command_line_reads_the_load_unless_static(monkeypatch, tmp_path):
+    """flowfleet COMMAND on a busy box: its idle threads sleep and it runs the CPU left; FLOWFLEET_THREADS=static
+    (the suite's) and the user's own variables keep it out."""
+    from flowfleet.cli import main
+
+    monkeypatch.setattr(threads.CpuTopology, "read", classmethod(lambda cls, *a, **k: CORE_PER_THREAD))
+    monkeypatch.setattr(threads.MachineLoad, "read", classmethod(lambda cls, *a, **k: MachineLoad(others=1.0)))
+    for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "FLOWFLEET_THREADS_CEILING"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["-q", "init", str(tmp_path / "static"), "--preset", "mnist-tiny"]) == 0
+    assert "OMP_WAIT_POLICY" not in os.environ and "OMP_NUM_THREADS" not in os.environ  # static: an idle box
+    monkeypatch.setenv("FLOWFLEET_THREADS", "auto")
+    assert main(["-q", "init", str(tmp_path / "auto"), "--preset", "mnist-tiny"]) == 0
+    assert (os.environ["OMP_WAIT_POLICY"], os.environ["OMP_NUM_THREADS"]) == ("PASSIVE", "1")
+    assert os.environ["FLOWFLEET_THREADS_CEILING"] == "2"
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_governor_follows_the_load_between_steps_within_its_ceiling(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: state["threads"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: state.update(threads=n))
+    state, loads, clock = {"threads": 2}, iter([1.0, 1.0, 4.0, 0.0]), FakeClock()
+    governor = ThreadGovernor({}, CORE_PER_THREAD, lambda: MachineLoad(next(loads)), every_s=2.0, clock=clock)
+    assert governor.active and governor.ceiling == 2
+    assert governor.step() == "1 of 2 threads (1 other runnable threads on its 2 CPUs)" and state["threads"] == 1
+    clock.now = 1.0
+    assert governor.step() is None  # not read again before every_s
+    clock.now = 2.5
+    assert governor.step() is None and state["threads"] == 1  # still busy: unchanged
+    clock.now = 5.0
+    assert governor.step() is None and state["threads"] == 1  # busier: still one
+    clock.now = 7.5
+    assert governor.step() == "2 of 2 threads (nothing else wants its CPUs)" and state["threads"] == 2  # back up
+    # the policy's own OMP_NUM_THREADS (busy at the start) may go back up to its ceiling; the user's never moves
+    assert ThreadGovernor({"OMP_NUM_THREADS": "1", "FLOWFLEET_THREADS_CEILING": "2"}, CORE_PER_THREAD).ceiling == 2
+    assert not ThreadGovernor({"OMP_NUM_THREADS": "2"}, CORE_PER_THREAD).active
+    assert not ThreadGovernor({"FLOWFLEET_THREADS": "static"}, CORE_PER_THREAD).active
+
+
+def test_a_jobs_budget_from_train_all_is_its_own(monkeypatch):
+    """train-all's job env: its budget, never the ceiling of the command that started it."""
+    monkeypatch.setattr(threads.CpuTopology, "read", classmethod(lambda cls, *a, **k: CORE_PER_THREAD))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("FLOWFLEET_THREADS_CEILING", "2")
+    (alone,) = plan_slots(5, 1, cpus=2, gpus=0)
+    env = alone.env()
+    assert env["OMP_NUM_THREADS"] == "2" and "FLOWFLEET_THREADS_CEILING" not in env

@@ -244,7 +244,7 @@ def run_status(args: argparse.Namespace) -> int:
     """table of every job's state from its status file
 
     One table of all jobs of the run from their status.json: state, step/total, progress, age of the heartbeat, last
-    loss.
+    loss, host, a CPU job's thread setting (as the machine's load last changed it).
     """
 
     from rich.console import Console
@@ -261,7 +261,7 @@ def run_status(args: argparse.Namespace) -> int:
         return 0
     colours = {"done": "green", "running": "cyan", "failed": "red", "stopped": "yellow", "pending": "dim"}
     table = Table(title=f"jobs of {args.run_root}")
-    for col in ("job", "state", "step", "progress", "heartbeat", "last loss", "host", "backend", "message"):
+    for col in ("job", "state", "step", "progress", "heartbeat", "last loss", "host", "threads", "backend", "message"):
         table.add_column(col, justify="right" if col in ("step", "progress", "last loss") else "left", overflow="fold")
     now = time.time()
     for r in rows:
@@ -277,6 +277,7 @@ def run_status(args: argparse.Namespace) -> int:
             _age(r.heartbeat_age(now)),
             "-" if r.last_loss is None else f"{r.last_loss:.4f}",
             f"{r.host}:{r.pid}" if r.host else "-",
+            r.threads or "-",
             backends.get(r.job, "local" if r.host else "-"),
             r.message,
         )

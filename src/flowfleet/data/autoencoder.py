@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from flowfleet.config import AutoencoderConfig
 from flowfleet.models.files import WEIGHTS_NAME, ModelFileError, save_model
 from flowfleet.storage import RunRoot
+from flowfleet.threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ def train_autoencoder(images: torch.Tensor, cfg: AutoencoderConfig, progress: bo
     x_all = pad(images, cfg.side(size))
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc="autoencoder", unit="step", disable=not progress, dynamic_ncols=True)
+    governor = ThreadGovernor()  # the CPU's thread count follows its load between steps
     for _ in bar:
+        governor.step()
         x = x_all[torch.randint(0, n, (min(cfg.batch_size, n),), generator=gen)]
         posterior = vae.encode(x).latent_dist
         recon = vae.decode(posterior.sample(gen)).sample

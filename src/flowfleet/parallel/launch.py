@@ -26,7 +26,7 @@ import torch
 
 from flowfleet.distributed import init_process_group, shutdown  # the world itself; this module only starts ranks
 from flowfleet.errors import FlowfleetError
-from flowfleet.threads import thread_env
+from flowfleet.threads import CEILING, thread_env
 
 
 def relaunch_torchrun(nproc: int, argv: Sequence[str], threads_per_rank: int = 1) -> int:
@@ -39,6 +39,8 @@ def relaunch_torchrun(nproc: int, argv: Sequence[str], threads_per_rank: int = 1
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    if os.environ.pop(CEILING, None) is not None:  # the count the policy chose for this process: not the ranks'
+        del os.environ["OMP_NUM_THREADS"]
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
     os.environ.update(thread_env("shared"))  # the ranks share this machine's cores: their idle threads sleep
     # What `torchrun --standalone` sets up: a c10d rendezvous on a free local port.

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Protocol
 
-from flowfleet.threads import Workload, thread_env
+from flowfleet.threads import CEILING, Workload, thread_env
 
 
 @dataclass
@@ -67,6 +67,7 @@ class Slot:
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
+        env.pop(CEILING, None)  # the job's budget below is fixed: no governor follows the load in it
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
         env.update(thread_env(self.workload, env))
         if self.gpu is not None:

@@ -34,6 +34,7 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.layout import FINAL, JOB_REPORT, SAMPLES
 from flowfleet.models.files import save_model
 from flowfleet.storage import RunRoot
+from flowfleet.threads import ThreadGovernor
 from flowfleet.train.checkpoint import Checkpoint, CheckpointStore, flatten_state, unflatten_state
 from flowfleet.train.data import ResumableSampler, derive_seed
 from flowfleet.train.ema import EMA
@@ -195,8 +196,13 @@ class Trainer:
             disable=True if not (island.is_main and self.options.progress) else None,
         )
         state, message = "failed", ""
+        governor = ThreadGovernor() if island.device.type == "cpu" else None  # the CPU's threads follow its load
+        if governor is not None and island.is_main:
+            st.rank0().lease.update(threads=governor.setting)
         try:
             while st.step < task.total_steps:
+                if governor is not None and (changed := governor.step()) and island.is_main:
+                    st.rank0().lease.update(threads=changed)
                 if self._step(st, sampler, bar):
                     state = "stopped"
                     message = (

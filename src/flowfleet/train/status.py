@@ -44,6 +44,7 @@ class JobStatus:
     heartbeat: float = 0.0
     last_loss: float | None = None
     message: str = ""
+    threads: str = ""  # a CPU job's thread setting as it last changed (flowfleet.threads.ThreadGovernor)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
