@@ -22,8 +22,8 @@ or inside each expert) and STRATEGY.RULE+router-paris (Paris' router, where both
 
 --set KEY=VALUE changes both copies' run.yaml (a lever: expert.hidden_size=32 with --steps 5618 for the capacity
 curve, under --tag). Appends one JSON line per run to OUT/claim.jsonl; --table prints, per row, classifier FD (mean
-± sd over seeds of each seed's mean over its draws), its ratio to the monolith draw by draw, prompt (category) and
-subcategory accuracy, and the seeds behind it.
+± sd over seeds of each seed's mean over its draws; one seed: over its draws), its ratio to the monolith draw by
+draw, prompt (category) and subcategory accuracy, and the seeds behind it.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import yaml
-from fleet_runs import judge_options, keep_record, set_budget  # benchmarks/ is the script's folder
+from fleet_budget import min_accuracy  # benchmarks/ is the script's folder
+from fleet_runs import judge_options, keep_record, set_budget
 
-PARTS = ("data", "eval", "autoencoder", "clusters", "partitions")
+PARTS = ("data", "eval", "autoencoder", "clusters", "partitions", "reports/digit_classifier")
 SHARED_JOBS = ("router", "router-paris", "monolith")  # the batch run's, copied from the steps run
 PROMPT_ROUTER = ("router.conditioning=pooled", "router.text_dim=384", "router_baseline=true", "router_prompt=false")
 MATCHING = {"steps": "Paris' (each expert the monolith's batch)", "batch": "DDM's (each expert a share of the batch)"}
@@ -52,7 +53,7 @@ def copy_prepared(src: Path, run: Path, steps: int, seed: int, sets: list[str]) 
     run.mkdir(parents=True)
     for name in PARTS:
         if (src / name).is_dir():
-            shutil.copytree(src / name, run / name)
+            shutil.copytree(src / name, run / name)  # (the digits' judge, trained once per run, in reports/)
     raw = yaml.safe_load((src / "run.yaml").read_text())
     set_budget(raw, steps, seed, [*PROMPT_ROUTER, *sets])
     (run / "run.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -84,7 +85,7 @@ def evaluate_run(run: Path, a: argparse.Namespace) -> dict:
         guidance_rules=("mixture", "expert"),
         cfg_sweep=tuple(float(c) for c in a.cfg.split(",")),
         repeats=a.repeats,
-        min_accuracy=0.0,  # the emoji judge reads 0.86 of real emoji right: every scale counts (the demo's bar)
+        min_accuracy=min_accuracy(run),
     )
     return evaluate(str(run / "model"), str(run), options)
 
@@ -177,6 +178,11 @@ def spread(values: list[float], digits: int = 2) -> str:
     return f"{statistics.fmean(values):.{digits}f} ± {sd:.{digits}f}"
 
 
+def per_seed_means(draws: list[list[float]]) -> list[float]:
+    """Each seed's mean over its draws; with one seed, its draws (so that the spread is the draws')."""
+    return list(draws[0]) if len(draws) == 1 else [statistics.fmean(d) for d in draws]
+
+
 def table(lines: list[dict], tag: str) -> str:
     """Markdown: one row per (model, matching) over the seeds of the lines with this tag."""
     lines = [line for line in lines if line.get("tag", "") == tag]
@@ -197,13 +203,14 @@ def table(lines: list[dict], tag: str) -> str:
         rows = [line["rows"][name] for line in per_seed]
         if any(r.get("same_as") for r in rows):
             continue  # one model as an earlier row
-        fd = [statistics.fmean(r["classifier_fd"]) for r in rows]
-        ratio = [
-            statistics.fmean(x / m for x, m in zip(r["classifier_fd"], line["rows"]["monolith"]["classifier_fd"]))
+        # per seed its mean over the draws (one seed: the draws themselves); ratios draw by draw
+        ratios = [
+            [x / m for x, m in zip(r["classifier_fd"], line["rows"]["monolith"]["classifier_fd"])]
             for r, line in zip(rows, per_seed)
         ]
-        acc = [statistics.fmean(r["prompt_accuracy"]) for r in rows]
-        sub = [statistics.fmean(r["subcategory_accuracy"]) for r in rows if r.get("subcategory_accuracy")]
+        fd, ratio = per_seed_means([r["classifier_fd"] for r in rows]), per_seed_means(ratios)
+        acc = per_seed_means([r["prompt_accuracy"] for r in rows])
+        sub = per_seed_means([r["subcategory_accuracy"] for r in rows if r.get("subcategory_accuracy")])
         cfgs = "/".join(sorted({f"{r['cfg']:g}" for r in rows}))
         draws = len(rows[0]["classifier_fd"])
         label = MONOLITH_LABEL if name == "monolith" else LABELS.get(name, name)
@@ -213,9 +220,10 @@ def table(lines: list[dict], tag: str) -> str:
             f"{spread(sub, 3) if sub else ''} |"
         )
         monolith_done |= name == "monolith"
-    floors = [statistics.fmean(line["floor"]["classifier_fd"]) for line in lines if line["matching"] == "steps"]
-    if floors:
-        out.append(f"| real held-out images (the floor) | | {len(floors)} | | {spread(floors)} | | | |")
+    floor_draws = [line["floor"]["classifier_fd"] for line in lines if line["matching"] == "steps"]
+    if floor_draws:
+        seeds = f"{len(floor_draws)} × {len(floor_draws[0])}"
+        out.append(f"| real held-out images (the floor) | | {seeds} | | {spread(per_seed_means(floor_draws))} | | | |")
     return "\n".join(out)
 
 
