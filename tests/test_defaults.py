@@ -27,10 +27,21 @@ from flowfleet.stages.evaluate import EvaluateOptions
 from flowfleet.stages.generate import generate
 
 # a model folder whose scheduler differs from SamplingConfig's defaults in every field
-FOLDER_SETTINGS = dict(steps=7, sampler="heun", cfg=3.5, cfg_max_t=0.6, shift=2.0, strategy="top1", route_every=2)
+FOLDER_SETTINGS = dict(
+    steps=7, sampler="heun", cfg=3.5, cfg_max_t=0.6, shift=2.0, strategy="top1", guidance="expert", route_every=2
+)
 # a call's choices, each unlike the folder's and the defaults
 CHOICES = dict(
-    steps=3, sampler="euler", cfg=2.0, cfg_max_t=0.5, shift=1.5, strategy="full", route_every=1, seed=4, cache=0.1
+    steps=3,
+    sampler="euler",
+    cfg=2.0,
+    cfg_max_t=0.5,
+    shift=1.5,
+    strategy="full",
+    guidance="mixture",
+    route_every=1,
+    seed=4,
+    cache=0.1,
 )
 
 

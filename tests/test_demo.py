@@ -149,8 +149,8 @@ def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
 
 def test_the_emoji_demo_smoke_runs_every_stage(tmp_path, monkeypatch):
     """`flowfleet demo --data emoji` on a tiny fake set of both art styles: the set's licences in the run, the
-    emoji judge's category and subcategory accuracy for every model, Paris' router with the prompt-aware one beside
-    it, the named prompts' grid."""
+    emoji judge's category and subcategory accuracy for every model, the fleet's prompt-reading router with Paris'
+    beside it, the named prompts' grid, a sample file per evaluated row."""
     from fixtures.emoji_packages import fake_packages, many_entries
 
     from flowfleet.data.sources.emoji import CACHE_FILE, NOTICE_FILE, convert_emoji
@@ -162,7 +162,7 @@ def test_the_emoji_demo_smoke_runs_every_stage(tmp_path, monkeypatch):
     out = tmp_path / "demo-emoji"
     demo(str(out), size="smoke", data="emoji", progress=False)
     evaluation = json.loads((out / "reports" / "evaluation.json").read_text())
-    assert list(evaluation["runs"]) == ["monolith", "top2", "top2+router-prompt"]  # the prompt-aware one beside Paris'
+    assert list(evaluation["runs"]) == ["monolith", "top2", "top2+router-paris"]  # DDM's recipe, Paris' router beside
     judge = evaluation["prompt_accuracy"]["classifier"]
     assert judge["judge"] == "emoji category classifier" and len(judge["sha256"]) == 64
     for run in evaluation["runs"].values():
@@ -170,7 +170,10 @@ def test_the_emoji_demo_smoke_runs_every_stage(tmp_path, monkeypatch):
         with np.load(out / "reports" / run["samples"]) as npz:
             assert npz["images"].shape[0] == evaluation["n"] == len(npz["prompts"])
             assert npz["images"].shape[-1] == 3 and all(p.endswith(" style") for p in npz["prompts"])
-    assert "subcategory accuracy" in (out / "reports" / "report.html").read_text()
+    html = (out / "reports" / "report.html").read_text()
+    assert "subcategory accuracy" in html and "DDM&#39;s regime" in html and "+router-paris: Paris&#39; regime" in html
+    for name in ("monolith", "top2", "top2+router-paris"):  # the images and prompts of every row
+        assert (out / "reports" / "samples" / f"{name}.npz").exists()
     assert "CC-BY-4.0" in (out / "data" / "NOTICE.md").read_text()
     for name in ("monolith", "top1", "top2", "full"):  # the named prompts' grid of every strategy
         assert (out / "reports" / "showcase" / f"{name}.png").exists()
@@ -212,19 +215,23 @@ def test_demo_plans_validate_and_quick_is_smaller():
         demo_plan("huge")
 
 
-def test_the_emoji_demo_plan_is_paris_on_content_clusters():
+def test_the_emoji_demo_plan_is_ddms_recipe_on_content_clusters_beside_paris_router():
     full = demo_plan("full", data="emoji")
     c = full.config
     assert c.data.source == "emoji" and c.data.holdout >= 500 and c.data.limit is None  # every image: 6572 to train
-    # Paris' regime: K >= 4 clusters of image features (of content: no caption residual), none under 5 %, a router
-    # blind to the prompt and top-2; the prompt-aware router beside it as the comparison
+    # K >= 4 clusters of image features (of content: no caption residual), none under 5 %, top-2, as Paris; DDM's
+    # recipe on them: a router that reads the prompt as the experts do (their conditioning and condition dropout),
+    # guidance over the mixture, every expert all the steps at its share of the batch; Paris' router beside it
     assert c.cluster.k >= 4 and c.cluster.features == "semantic" and not c.cluster.caption_residual
     assert c.cluster.min_share >= 0.05 and c.encoders.semantic.name == "inception"
-    assert not c.router.uses_text and c.sampling.strategy == "top2" and c.router_prompt
-    assert full.evaluation.routers == ("router-prompt",) and full.evaluation.monolith
+    assert c.router.conditioning == c.expert.conditioning and c.router.cond_dropout == c.expert.cond_dropout > 0
+    assert c.sampling.strategy == "top2" and c.sampling.guidance == "mixture" and c.train.split == "batch"
+    assert c.router_baseline and not c.router_prompt
+    assert full.evaluation.routers == ("router-paris",) and full.evaluation.monolith
     assert c.encoders.latent.name == "autoencoder" and c.data.channels == 3
     assert all(p.endswith((", Noto style", ", Twemoji style")) for p in full.data.showcase)
-    assert demo_plan("full", data="emoji", prompt_router=False).evaluation.routers == ()
+    # the fleet's router already reads the prompt: --prompt-router adds nothing, Paris' row stays
+    assert demo_plan("full", data="emoji", prompt_router=True).evaluation.routers == ("router-paris",)
     with pytest.raises(ValueError, match="unknown demo data 'faces'"):
         demo_plan("full", data="faces")
 

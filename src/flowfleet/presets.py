@@ -2,8 +2,10 @@
 
 emoji / emoji-tiny    the built-in emoji (flowfleet.data.sources.emoji: 7572 in two art styles, `flowfleet fetch-data
                       --set emoji`) at 32 px in the latent of an autoencoder prepare trains, K = 4 clusters of
-                      Inception features (power-normalised, none under 15 %), Paris' prompt-blind router, top-2;
-                      the set's 1000 held-out emoji held out (tiny: 16 px pixels)
+                      Inception features (power-normalised, none under 15 %); DDM's recipe: a router that reads the
+                      prompt as the experts do, guidance over the mixture, each expert all the steps at its share of
+                      the batch (Paris' prompt-blind router beside it), top-2; the set's 1000 held-out emoji held out
+                      (tiny: 16 px pixels)
 mnist / mnist-tiny    the built-in digits (flowfleet.data.sources.mnist: the 10,000 once fetched, else MNIST-5k) at
                       28 px in the 8 x 8 x 4 latent of an autoencoder prepare trains (tiny:
                       16 px pixels), K = 4 clusters of image features, Paris' prompt-blind router, top-2; the
@@ -45,6 +47,8 @@ def _builtin(
     expert_steps: str = "equal",
     cfg_max_t: float = 1.0,
     patch: int | None = None,
+    router_reads_prompt: bool = False,
+    split: str = "steps",
     **data: Any,
 ) -> dict[str, Any]:
     """The built-in sources' recipe, chosen by measurement on MNIST-5k (the probes mnist_recipe.py and
@@ -61,9 +65,12 @@ def _builtin(
     digit), a router that sees only (x_t, t), top-2 sampling, and the last 1000 digits held out of training
     as the evaluation's reference."""
     latent, patch, latent_encoder = _space(size, channels, patch, autoencoder)
-    expert = _dit(hidden, 4, 4, patch, latent, conditioning="pooled", text_dim=384, cond_dropout=0.1)
-    # Paris §2.5: p(k | x_t, t), blind to the prompt
-    router = _dit(router_hidden, 2, 2, patch, latent, num_outputs=k, conditioning="none")
+    condition = dict(conditioning="pooled", text_dim=384, cond_dropout=0.1)
+    expert = _dit(hidden, 4, 4, patch, latent, **condition)
+    # Paris §2.5: p(k | x_t, t), blind to the prompt; or (router_reads_prompt, DDM's) told the prompt as the experts
+    # are, with their condition dropout: p(k | x_t, t, prompt) and p(k | x_t, t, null), Paris' beside it to compare
+    told = condition if router_reads_prompt else dict(conditioning="none")
+    router = _dit(router_hidden, 2, 2, patch, latent, num_outputs=k, **told)
     cluster: dict[str, Any] = dict(
         k=k,
         fine_k=fine_k or min(64, 8 * k),
@@ -80,8 +87,9 @@ def _builtin(
         cluster=cluster,
         expert=expert,
         router=router,
-        **_schedules(steps, router_steps, expert_steps, batch, lr, router_lr, grad_clip),
-        sampling=dict(steps=20, cfg=3.0, strategy="top2", cfg_max_t=cfg_max_t),
+        router_baseline=router_reads_prompt,
+        **_schedules(steps, router_steps, expert_steps, split, batch, lr, router_lr, grad_clip),
+        sampling=dict(steps=20, cfg=3.0, strategy="top2", cfg_max_t=cfg_max_t, guidance="mixture"),
     )
 
 
@@ -117,6 +125,7 @@ def _schedules(
     steps: int,
     router_steps: int,
     expert_steps: str,
+    split: str,
     batch: int,
     lr: float,
     router_lr: float,
@@ -128,6 +137,7 @@ def _schedules(
         train=dict(
             steps=steps,
             expert_steps=expert_steps,
+            split=split,
             batch_size=batch,
             lr=lr,
             grad_clip=grad_clip,
@@ -227,6 +237,13 @@ def _emoji(source: str, holdout: int = 0, **data: Any) -> dict[str, Any]:
         cluster_power=0.5,
         fine_k=128,
         min_share=0.15,
+        # DDM's recipe, measured best of the six (BENCHMARKS.md, "Guidance over the mixture"): with clusters of
+        # content the expert that holds a prompted emoji is a fact about the prompt, so the router reads it as the
+        # experts do and the fleet is guided over the mixture (each branch by its own posterior), and every expert
+        # trains all the steps at its share of the batch; Paris' prompt-blind router is trained beside it (the
+        # comparison rows +router-paris). Top-2 classifier FD 1.64x the monolith's (Paris) -> 1.08x
+        router_reads_prompt=True,
+        split="batch",
         **data,
     )
 
@@ -325,7 +342,7 @@ PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
     "mnist": _digits,
     "emoji": lambda: _emoji("emoji", holdout=1000),
     "images": lambda: _emoji("folder", path="/path/to/your/images"),
-    "emoji-tiny": lambda: _tiny_of("emoji", 3, semantic=_pixel_features()),
+    "emoji-tiny": lambda: _tiny_of("emoji", 3, semantic=_pixel_features(), router_reads_prompt=True, split="batch"),
     "mnist-tiny": lambda: _tiny_of("mnist", 1, limit=384, semantic=_pixel_features()),
     "shapes": lambda: _builtin(
         "shapes", size=32, channels=3, k=4, steps=1500, router_steps=600, batch=64, text_len=16, count=4000

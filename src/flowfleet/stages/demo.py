@@ -27,6 +27,10 @@ router that also reads the prompt (router-prompt/, run.yaml router_prompt; the s
 fleet's own router, and its model folder, stay Paris'. It adds about a minute (a second router and its
 evaluation), which would take the default demo past ten minutes, so it is an option.
 
+`--data emoji` runs the emoji preset, DDM's recipe: the fleet's own router reads the prompt as the experts do, the
+fleet is guided over the mixture, every expert trains all the steps at its share of the batch; Paris' prompt-blind
+router is trained beside it and evaluated as the row top2+router-paris (the papers' regime, for comparison).
+
 `--caption-fleet` adds the regime the demo used to run, a second comparison beyond Paris: a fleet whose clusters
 are the captions' (cluster.features: text), routed by the prompt, trained in OUT/caption-fleet/ (a run root of its
 own: the demo's data/ and autoencoder/ copied, no monolith) at the same expert steps, and evaluated with the
@@ -69,6 +73,7 @@ from flowfleet.layout import (
     CLUSTER_REPORT,
     DATA,
     MODEL,
+    PARIS_ROUTER,
     PROMPT_ROUTER,
     REPORTS,
     RUN_FILE,
@@ -160,9 +165,10 @@ DEMO_DATA = {
         # ten minutes on two cores leave the sweep's one draw (a second: 596 s of the 600 on an AMD EPYC 2-core,
         # BENCHMARKS.md "The emoji demo"); benchmarks/fleet_budget.py --repeats 5 gives the spread
         1,
-        # Clusters of content: a prompt-blind router cannot know at t = 1 which experts hold the prompt, so the
-        # comparison beside Paris' router is part of the demo (BENCHMARKS.md, "The emoji demo")
-        True,
+        # Clusters of content: a prompt-blind router cannot know at t = 1 which experts hold the prompt, so the emoji
+        # preset's own router reads it (DDM's recipe) and Paris' is the comparison beside it, always (router_baseline;
+        # BENCHMARKS.md, "Guidance over the mixture"): no prompt-aware comparison router to add
+        False,
     ),
 }
 
@@ -192,7 +198,13 @@ def demo_plan(size: DemoSize = "full", *, prompt_router: bool | None = None, dat
     prompt_router = spec.prompt_router if prompt_router is None else prompt_router
     raw = PRESETS[spec.smoke_preset if size == "smoke" else spec.preset]()
     raw["name"] = spec.run_name + {"full": "", "quick": "-quick", "smoke": "-smoke"}[size]
-    raw["router_prompt"] = prompt_router
+    # The comparison router's rows: where the fleet's own router reads the prompt (the emoji's DDM recipe), Paris'
+    # prompt-blind router beside it (the preset's router_baseline); where it is Paris', the prompt-aware one on ask.
+    reads = raw["router"].get("conditioning", "none") != "none"
+    raw["router_prompt"] = prompt_router and not reads
+    compared = (
+        (PARIS_ROUTER,) if reads and raw.get("router_baseline") else COMPARED_ROUTERS if raw["router_prompt"] else ()
+    )
     fid = FIDSettings(resize=DEMO_INCEPTION_SIZE, batch_size=100)
     sweep: tuple[float, ...] = spec.sweep
     if size == "smoke":  # 16 x 16 digits, hidden-64 experts: the whole path in about a minute
@@ -219,7 +231,7 @@ def demo_plan(size: DemoSize = "full", *, prompt_router: bool | None = None, dat
         evaluation,
         strategies=EVALUATED,
         monolith=True,
-        routers=COMPARED_ROUTERS if prompt_router else (),
+        routers=compared,
         cfg_sweep=sweep,
         min_accuracy=spec.min_accuracy,
         save_cfg=True,

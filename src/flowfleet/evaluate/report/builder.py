@@ -175,8 +175,9 @@ class ReportBuilder(QualitySections):
         if matching:
             s.notes.append(f"{matching} (train.split {train.get('split', 'steps')}).")
         if train.get("expert_steps") == "by_size":
+            shared = "the batch" if train.get("split") == "batch" else f"K x {train.get('steps', '?')} steps"
             s.notes.append(
-                "The experts share the fleet's budget in proportion to their clusters' sizes "
+                f"The experts share {shared} in proportion to their clusters' sizes "
                 "(train.expert_steps by_size): each passes over its data as often as the monolith over all of it."
             )
         s.images.append(

@@ -7,7 +7,7 @@ from typing import Any
 
 from flowfleet.data.sources import describe_source
 from flowfleet.evaluate import views
-from flowfleet.evaluate.report.parts import TITLES, BuilderBase, Section, Table, fmt
+from flowfleet.evaluate.report.parts import TITLES, BuilderBase, Section, Table, fmt, run_yaml
 from flowfleet.evaluate.report.tables import draws_table, one_draw
 
 
@@ -145,7 +145,11 @@ class QualitySections(BuilderBase):
             s.notes.append(reference)
 
     def _model_notes(self, s: Section, runs: dict[str, Any]) -> None:
-        """Which rows are another fleet, and which sample the same experts as an earlier row."""
+        """The regime of each row, which rows are another fleet, and which sample the same experts as an earlier
+        row."""
+        regime = self._regime()
+        if regime:
+            s.notes.append(regime)
         fleets = self.evaluation.get("fleets") or {}
         if fleets:
             s.notes.append(
@@ -158,6 +162,28 @@ class QualitySections(BuilderBase):
                     f"{name} selects the same experts with the same weights as {r['same_as']} "
                     f"(k is at least the number of experts): its samples are {r['same_as']}'s."
                 )
+
+    def _regime(self) -> str:
+        """Which regime the fleet's rows come from: Paris' (a router blind to the prompt) or DDM's (a router that reads
+        it, the fleet guided over the mixture or inside each expert), each comparison router's, and the run's compute
+        matching."""
+        raw = run_yaml(self.root) or {}
+        router = (raw.get("router") or {}).get("conditioning", "none")
+        sampling = self.evaluation.get("sampling") or {}
+        guided = "inside each expert" if sampling.get("guidance") == "expert" else "over the mixture"
+        own = (
+            f"DDM's regime: the fleet's router reads the prompt, p(k | x_t, t, prompt), the fleet guided {guided}"
+            if router != "none"
+            else "Paris' regime: the fleet's router is blind to the prompt, p(k | x_t, t)"
+        )
+        rows = [own]
+        if raw.get("router_baseline"):
+            rows.append("rows +router-paris: Paris' regime, the same experts routed by p(k | x_t, t)")
+        if raw.get("router_prompt"):
+            rows.append(f"rows +router-prompt: the same experts routed by p(k | x_t, t, prompt), guided {guided}")
+        if any("." in name for name in self.evaluation.get("runs") or {}):
+            rows.append("rows STRATEGY.RULE: guided over the mixture (mixture) or inside each expert (expert)")
+        return "Regime: " + "; ".join(rows) + "."
 
     def _guidance_sweep(self, s: Section, runs: dict[str, Any], split: dict[str, Any]) -> None:
         """The guidance sweep's note and plot (each model's figures at every scale, the chosen one marked)."""
