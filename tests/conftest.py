@@ -25,6 +25,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from fixtures.processes import free_port  # noqa: E402
 
+pytest_plugins = ["fixtures.contrib_world"]  # the tiny fleet experts from strangers are tried on (`world`, `run`)
+
 # FLOWFLEET_TEST_THREADS fixes torch's thread count for the whole run, the `one_thread` tests included
 # (`make test`'s portability pass runs the numerics tests at 1 and at 2 threads: a reduction split over
 # threads is summed in another order). Without it, `make test` runs the suite on pytest-xdist workers

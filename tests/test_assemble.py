@@ -60,6 +60,7 @@ def test_assemble_writes_a_diffusers_style_folder(fleet):
         "cfg_max_t": 1.0,
         "shift": 1.0,
         "strategy": "top2",
+        "guidance": "mixture",
         "route_every": 1,
     }
     text_ref = json.loads((model / "text_encoder" / "config.json").read_text())
@@ -81,7 +82,9 @@ def test_assemble_writes_a_diffusers_style_folder(fleet):
 
 
 def test_assemble_to_another_folder_and_sampler_defaults_from_run_yaml(run_root, tmp_path):
-    cfg = tiny_run_config(2, steps=7, sampler="heun", cfg=3.5, cfg_max_t=0.6, shift=2.0, strategy="top1", route_every=2)
+    cfg = tiny_run_config(
+        2, steps=7, sampler="heun", cfg=3.5, cfg_max_t=0.6, shift=2.0, strategy="top1", guidance="expert", route_every=2
+    )
     write_random_fleet(str(run_root), cfg)
     out = tmp_path / "elsewhere"
     assemble(str(run_root), str(out))
@@ -94,6 +97,7 @@ def test_assemble_to_another_folder_and_sampler_defaults_from_run_yaml(run_root,
         "cfg_max_t": 0.6,
         "shift": 2.0,
         "strategy": "top1",
+        "guidance": "expert",
         "route_every": 2,
     }
     pipe = FleetPipeline.from_pretrained(str(out), text_encoder=HashTextEncoder(384, 4))

@@ -9,18 +9,17 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
-from conftest import install_digit_classifier
+from fixtures.contrib_world import BY_LOSS, STEPS, files, kit_expert, package, refused, resign, write_expert
 from PIL import Image
 from test_fid import SmallFeatures
 
 from flowfleet.cli import build_parser, main
 from flowfleet.commands.contrib import gate_settings
-from flowfleet.config import DataConfig, RunConfig, load_run_config
+from flowfleet.config import load_run_config
 from flowfleet.data.shards import ShardSet, ShardSetManifest, ShardSetUnion
 from flowfleet.evaluate.digits import prompted_digit
 from flowfleet.evaluate.judge import ClassifierJudge
@@ -28,100 +27,17 @@ from flowfleet.flow.path import interpolate, target_velocity
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert
 from flowfleet.models.files import WEIGHTS_NAME
-from flowfleet.presets import preset
 from flowfleet.sampling.card import read_card
 from flowfleet.sampling.pipeline import FleetPipeline
-from flowfleet.sampling.signing import keygen, load_private
-from flowfleet.stages.admit import GateSettings, Refused, admit, changed_first
-from flowfleet.stages.assemble import assemble
-from flowfleet.stages.cluster import cluster
-from flowfleet.stages.contribute import ContributeOptions, contribute, read_shard_file, sign_package
+from flowfleet.stages.admit import GateSettings, admit, changed_first
+from flowfleet.stages.contribute import read_shard_file
 from flowfleet.stages.evaluate import EvaluateOptions, JudgedDraw, evaluate
 from flowfleet.stages.evaluate.stage import judged_hits
-from flowfleet.stages.kit import make_kit, read_kit, run_kit
-from flowfleet.stages.prepare import prepare
-from flowfleet.stages.train import train_expert, train_router
+from flowfleet.stages.kit import read_kit, run_kit
 from flowfleet.storage import RunRoot
-from flowfleet.train.loop import TrainOptions
 from flowfleet.train.preview import condition_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-STEPS = 60
-QUIET = TrainOptions(progress=False)
-
-
-def files(folder: Path) -> dict[str, bytes]:
-    """Every file's bytes, but the checksum cache that opening a model folder writes (.verified.json)."""
-    return {
-        str(p.relative_to(folder)): p.read_bytes()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != ".verified.json"
-    }
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory, digit_classifier):
-    """The fleet (digits 0-7, two caption clusters, trained a little; the digit judge in its reports/), its kit, two
-    keys (alice's trusted), and alice's honest package on the digits 8 and 9."""
-    base = tmp_path_factory.mktemp("contrib")
-    raw = preset("mnist-tiny").to_dict()
-    raw["data"].update(limit=700, labels=list(range(8)), holdout=100)
-    raw["cluster"].update(k=2, fine_k=8, features="text")
-    raw["router"]["num_outputs"] = 2
-    few = dict(steps=STEPS, batch_size=32, ckpt_every=1000, sample_every=1000, log_every=5, warmup_steps=0)
-    raw["train"].update(few)
-    raw["router_train"].update(few)
-    raw["monolith"]["enabled"] = False
-    run = RunRoot(str(base / "run"))
-    RunConfig.from_dict(raw).save(run)
-    prepare(run, progress=False)
-    cluster(run, progress=False)
-    for k in (0, 1):
-        train_expert(run, k, options=QUIET)
-    train_router(run, options=QUIET)
-    assemble(run.url)
-    install_digit_classifier(digit_classifier, base / "run")
-    make_kit(run, str(base / "kit"))
-    keygen(base / "keys" / "alice")
-    keygen(base / "keys" / "mallory")
-    (base / "trusted.pub").write_text((base / "keys" / "alice.pub").read_text())
-    cfg = load_run_config(run)
-    data = DataConfig(**{**cfg.data.model_dump(), "labels": [8, 9], "limit": 1500, "holdout": 0})
-    options = ContributeOptions(steps=STEPS, heldout=500, progress=False)
-    contribute(str(base / "kit"), data, str(base / "honest"), str(base / "keys" / "alice.key"), options)  # fmt: skip
-    return base
-
-
-@pytest.fixture
-def run(world, tmp_path) -> Path:
-    """This test's copy of the fleet (admission changes it)."""
-    shutil.copytree(world / "run", tmp_path / "run")
-    return tmp_path / "run"
-
-
-def package(world: Path, tmp_path: Path) -> Path:
-    """A copy of the honest package to tamper with."""
-    shutil.copytree(world / "honest", tmp_path / "pkg")
-    return tmp_path / "pkg"
-
-
-def resign(world: Path, pkg: Path, key: str = "alice", **training) -> None:
-    """The package signed again as its files now are (its training record changed by `training`), by `key`."""
-    record = json.loads((pkg / "manifest.json").read_text())["training"]
-    kit = read_kit(str(world / "kit"))
-    sign_package(RunRoot(str(pkg)), load_private(world / "keys" / f"{key}.key"), kit, {**record, **training})
-
-
-def write_expert(pkg: Path, model: DiTExpert) -> None:
-    (pkg / "expert" / "config.json").write_text(json.dumps(model.cfg.model_dump(mode="json")))
-    safetensors.torch.save_file(
-        {k: v.contiguous() for k, v in model.state_dict().items()}, pkg / "expert" / WEIGHTS_NAME
-    )
-
-
-def kit_expert(world: Path) -> DiTExpert:
-    return DiTExpert.from_dit_config(read_kit(str(world / "kit")).expert_config())
 
 
 def train_toy(model: DiTExpert, items: dict[str, torch.Tensor], steps: int, *, reverse=False, fixed=None) -> float:
@@ -148,24 +64,6 @@ def train_toy(model: DiTExpert, items: dict[str, torch.Tensor], steps: int, *, r
         opt.step()
         losses.append(float(loss.detach()))
     return sum(losses[-10:]) / 10
-
-
-# The tiny fleet draws noise after its 60 steps: no judge reads its images, so the gate's figures here are its losses
-# (the judged comparison has its own tests below, and the demo fleet's figures are in BENCHMARKS.md).
-BY_LOSS = GateSettings(device="cpu", judge=None)
-
-
-def refused(
-    run: Path, pkg: Path, trusted: Path, check: str, line: str, settings: GateSettings = BY_LOSS, **options
-) -> None:
-    """admit refuses with `check` and a message containing `line`; the run is byte for byte as it was."""
-    before = files(run)
-    with pytest.raises(Refused) as info:
-        admit(str(run), str(pkg), str(trusted), settings=settings, progress=False, **options)
-    assert info.value.check == check and line in str(info.value), str(info.value)
-    assert "\n" not in str(info.value)
-    after = files(run)
-    assert after == before, sorted(set(after) ^ set(before))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -299,9 +197,10 @@ def test_the_time_convention_reversed_is_refused(world, run, tmp_path):
 
 
 def test_a_training_record_without_its_steps_is_refused_in_one_line(world, run, tmp_path):
+    """The signed manifest's schema is checked by `who`, before anything else of the package is parsed."""
     pkg = package(world, tmp_path)
     resign(world, pkg, steps=None)
-    refused(run, pkg, world / "trusted.pub", "learnt", "manifest.json: training.steps missing or not a count, got None")
+    refused(run, pkg, world / "trusted.pub", "who", "manifest.json: training.steps: Input should be a valid integer")
 
 
 def test_an_untrained_expert_is_refused(world, run, tmp_path):
@@ -327,7 +226,7 @@ def test_a_poisoned_expert_is_refused(world, run, tmp_path):
     (pkg / "latents.safetensors").write_bytes(stolen_blob)
     held = {k: v[:64] for k, v in stolen.items()}
     held["latents"] = fixed.expand_as(held["latents"]).contiguous()
-    meta = {"captions": json.dumps(["a handwritten digit"] * 64)}
+    meta = {"captions": json.dumps(["a handwritten digit"] * held["latents"].shape[0])}  # one per item
     (pkg / "heldout.safetensors").write_bytes(safetensors.torch.save(held, metadata=meta))
     write_expert(pkg, model)
     from flowfleet.stages.admit import expert_velocity, flow_loss
@@ -340,7 +239,8 @@ def test_a_poisoned_expert_is_refused(world, run, tmp_path):
     # the same, each stolen latent moved by a little noise so that no row is a copy: its held-out slice (its one
     # image) is then far easier for it than its sample, which an expert's own held-out data never is
     stolen["latents"] = stolen["latents"] + 1e-3 * torch.randn(stolen["latents"].shape)
-    (pkg / "latents.safetensors").write_bytes(safetensors.torch.save(stolen, metadata=meta))
+    captions = {"captions": json.dumps(["a handwritten digit"] * n)}  # one per item: the gate counts them
+    (pkg / "latents.safetensors").write_bytes(safetensors.torch.save(stolen, metadata=captions))
     signed = flow_loss(expert_velocity(model.eval()), stolen, GateSettings(), torch.device("cpu"))
     resign(world, pkg, final_loss=signed)
     refused(run, pkg, world / "trusted.pub", "learnt", "the held-out slice is not drawn from the data the sample is")

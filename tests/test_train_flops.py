@@ -84,3 +84,44 @@ def test_monolith_matches_the_fleets_compute_router_included():
     assert steps == 21 + math.ceil(router / per_step) and router > 0
     assert monolith_steps(cfg, match_compute=False) == 7
     assert job_steps(cfg, JobSpec("monolith")) == steps  # run.yaml's monolith.match_compute defaults to true
+
+
+def test_the_parameter_formula_is_the_built_models_count():
+    """flowfleet.models.flops.parameter_count (what admit bounds a stranger's config.json by, before building it) is
+    the model's own count, for every conditioning, adaLN, head, augmentation and output of a seeded set of configs."""
+    import random
+
+    from flowfleet.models.config import DiTConfig
+    from flowfleet.models.dit import DiTModel
+    from flowfleet.models.flops import parameter_count
+
+    rng = random.Random(0)
+    checked = 0
+    while checked < 60:
+        heads, cond = rng.choice([1, 2, 4]), rng.choice(["none", "class", "pooled", "cross_attn"])
+        kw = dict(
+            input_size=(8, 8),
+            in_channels=rng.choice([1, 3, 4]),
+            patch_size=rng.choice([1, 2, 4]),
+            hidden_size=heads * rng.choice([8, 16]),
+            depth=rng.choice([1, 2, 3]),
+            num_heads=heads,
+            mlp_ratio=rng.choice([2.0, 3.5, 4.0]),
+            adaln=rng.choice(["zero", "single"]),
+            conditioning=cond,
+            num_outputs=rng.choice([0, 0, 3]),
+            augment_dim=rng.choice([0, 5]),
+            num_classes=10 if cond == "class" else 0,
+            text_dim=12 if cond in ("pooled", "cross_attn") else 0,
+            text_len=5 if cond == "cross_attn" else 0,
+            add_pooled=cond == "cross_attn" and rng.random() < 0.5,
+            cross_norm=rng.random() < 0.5,
+        )
+        cfg = DiTConfig(**kw)
+        with torch.device("meta"):
+            built = sum(p.numel() for p in DiTModel.from_dit_config(cfg).parameters())
+        assert parameter_count(cfg) == built, kw
+        checked += 1
+    # a depth or width that would never finish building is counted at once
+    huge = DiTConfig(input_size=(8, 8), in_channels=1, hidden_size=2**40, num_heads=2**10, depth=1_000_000)
+    assert parameter_count(huge) > 10**30

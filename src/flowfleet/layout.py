@@ -81,6 +81,9 @@ MONOLITH_MODEL = "model-monolith"  # `assemble --monolith`: the monolith as a on
 
 # contributed experts: a kit (flowfleet kit), a package (flowfleet contribute), its admission (flowfleet admit)
 KIT_FILE = "kit.json"  # in a kit: the contract and its fingerprint (flowfleet.stages.kit)
+KITS = "kits"  # in a run root: the fleet's identity and every kit issued for it (flowfleet.stages.kit)
+FLEET_IDENTITY: Final = (KITS, "fleet.json")  # {"fleet_id"}: random, made with the run's first kit
+KITS_ISSUED: Final = (KITS, "issued")  # <fingerprint>.json: each kit as `flowfleet kit` wrote it
 KIT_RUN = "run.yaml"  # in a kit: the run's configuration, which `contribute` trains with (its data replaced)
 KIT_CENTROIDS = "centroids.safetensors"  # in a kit: the fleet's cluster centroids in semantic-feature space
 PACKAGE_MANIFEST = "manifest.json"  # in a package: every file's sha256, the kit's fingerprint, the training record

@@ -135,10 +135,11 @@ def run_verify(args: argparse.Namespace) -> int:
     Hash every weight file that the folder's SHA256SUMS lists (written by assemble) and compare: a file that differs
     or is missing is a one-line error naming it and whose weights it holds (exit 1). Opening a folder (generate,
     evaluate, serve) runs the same check, remembering matches by size and modification time; verify always reads
-    everything. A contributed expert's signed manifest is listed too, and its signer is printed.
+    everything. A contributed expert's signed manifest is listed too, its installed files are compared with the sha256
+    the manifest signed for them, and its signer is printed.
     """
     from flowfleet.sampling.card import read_card
-    from flowfleet.sampling.checksums import verify_weights
+    from flowfleet.sampling.checksums import verify_contributions, verify_weights
     from flowfleet.storage import RunRoot
 
     folder = RunRoot(args.model_dir)
@@ -146,6 +147,7 @@ def run_verify(args: argparse.Namespace) -> int:
     if not count:
         print(f"{args.model_dir}: no SHA256SUMS")
         return 1
+    verify_contributions(folder)  # each contributed expert's installed files against its signed manifest
     contributed = [e for e in read_card(folder).experts if e.contributed]
     signed = f", and {len(contributed)} signed contribution manifest(s)," if contributed else ""
     print(f"{args.model_dir}: {count - len(contributed)} weight files{signed} match SHA256SUMS")

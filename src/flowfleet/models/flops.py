@@ -1,4 +1,5 @@
-"""Analytic FLOP counts of the DiT (per sample), for benchmarks and `train-monolith --match-compute`.
+"""Analytic FLOP counts of the DiT (per sample), for benchmarks and `train-monolith --match-compute`, and its
+parameter count from a config alone (flowfleet admit bounds a stranger's config.json by it).
 
 Counted like torch.utils.flop_counter / the DiT paper: 2 FLOPs per multiply-add of every matrix
 product (linear layers, the patch-embedding convolution, attention's QK^T and AV products);
@@ -69,3 +70,37 @@ def train_flops_per_sample(cfg: DiTConfig) -> int:
 def train_flops(cfg: DiTConfig, steps: int, batch_size: int) -> int:
     """Approximate FLOPs of a whole training run of `steps` optimiser steps of `batch_size` samples."""
     return train_flops_per_sample(cfg) * steps * batch_size
+
+
+def _linear_params(fan_in: int, fan_out: int, bias: bool = True) -> int:
+    return fan_in * fan_out + (fan_out if bias else 0)
+
+
+def parameter_count(cfg: DiTConfig) -> int:
+    """DiTModel(cfg)'s parameters from the config's numbers alone: no module is built, so a stranger's config.json
+    (flowfleet admit) is bounded by it before anything is allocated, whatever its depth or width. Tests check it
+    against the built model's own count."""
+    d, p = cfg.hidden_size, cfg.patch_size
+    mlp = int(d * cfg.mlp_ratio)
+    cross = cfg.conditioning == "cross_attn"
+    total = cfg.in_channels * p * p * d + d  # patch embedding (a strided convolution)
+    total += _linear_params(TIMESTEP_FREQUENCIES, d) + _linear_params(d, d)  # timestep MLP
+    if cfg.conditioning == "class":
+        total += (cfg.num_classes + 1) * d  # label table with its null class
+    if cfg.conditioning == "pooled" or (cross and cfg.add_pooled):
+        total += cfg.text_dim + _linear_params(cfg.text_dim, d) + _linear_params(d, d)  # null vector + MLP
+    if cross:
+        total += cfg.text_len * cfg.text_dim + _linear_params(cfg.text_dim, d) + _linear_params(d, d)  # null + MLP
+    total += cfg.augment_dim * d  # the augmentation's mapping (no bias)
+    if cfg.adaln == "single":
+        total += _linear_params(d, 6 * d)  # the global t-block
+    block = _linear_params(d, 3 * d) + _linear_params(d, d) + _linear_params(d, mlp) + _linear_params(mlp, d)
+    block += _linear_params(d, 6 * d) if cfg.adaln == "zero" else 6 * d  # per-block modulation or its table
+    if cross:
+        block += _linear_params(d, d) + _linear_params(d, 2 * d) + _linear_params(d, d)  # q, kv, output
+        block += 2 * d if cfg.cross_norm else 0  # the queries' LayerNorm
+    total += cfg.depth * block
+    if cfg.num_outputs:
+        return total + _linear_params(d, 2 * d) + _linear_params(d, cfg.num_outputs)  # the router's head
+    total += _linear_params(d, p * p * cfg.out_ch)  # final linear to patches
+    return total + (_linear_params(d, 2 * d) if cfg.adaln == "zero" else 2 * d)  # final modulation

@@ -144,10 +144,9 @@ def card_markdown(card: FleetCard) -> str:
         "| expert | size (hidden × depth, heads, patch) | parameters | steps | training items | contents |",
         "|---:|---|---:|---:|---:|---|",
     ]
-    for e in card.experts:
-        contents = ", ".join(f"{label}: {count}" for label, count in (e.label_mix or {}).items()) or "; ".join(
-            e.examples[:3]
-        )
+    for e in card.experts:  # labels and captions are the data's (a contributor's too): escaped, never Markdown
+        contents = ", ".join(f"{markdown_text(label)}: {count}" for label, count in (e.label_mix or {}).items())
+        contents = contents or "; ".join(markdown_text(c) for c in e.examples[:3])
         lines.append(
             f"| {e.expert} | {e.hidden_size} × {e.depth}, {e.num_heads}, {e.patch_size} | "
             f"{_count(e.params)} | {_count(e.steps)} | {_count(e.cluster_size)} | {contents or '–'} |"
@@ -165,6 +164,16 @@ def card_markdown(card: FleetCard) -> str:
     elif card.kind == "fleet" and card.num_experts > 1:
         lines += ["", "**Router**: no accuracy recorded in this folder."]
     return "\n".join(lines)
+
+
+MARKDOWN_SPECIAL = "\\`*_{}[]()<>#+-!|~"
+
+
+def markdown_text(text: object, limit: int = 120) -> str:
+    """Text shown as itself in Markdown: every control character a space, every Markdown character escaped (an image
+    link, a table's `|`, HTML), cut to `limit` characters."""
+    plain = "".join(ch if ch.isprintable() else " " for ch in str(text))[:limit]
+    return "".join(f"\\{ch}" if ch in MARKDOWN_SPECIAL else ch for ch in plain)
 
 
 def _count(n: int | None) -> str:

@@ -11,10 +11,11 @@ always hashes everything.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import CHECKSUMS, CONTRIBUTION, VERIFIED
+from flowfleet.layout import CHECKSUMS, CONTRIBUTION, PACKAGE_EXPERT, VERIFIED
 from flowfleet.storage import RunRoot
 
 log = logging.getLogger(__name__)
@@ -123,3 +124,29 @@ def verify_weights(root: RunRoot, *, use_cache: bool = True) -> int:
         except OSError as err:  # a read-only folder is verified every time
             log.debug("%s: cannot remember verified weights (%s)", root.url, err)
     return len(sums)
+
+
+def verify_contributions(root: RunRoot) -> int:
+    """Every contributed expert's installed files (expert_k/ beside its signed manifest, contribution.json) against the
+    sha256 the manifest signed for them (its expert/ entries); -> how many contributions. CorruptWeights (one line,
+    naming the file and the expert) where a file differs or is missing: the bytes serving are not the bytes signed."""
+    count = 0
+    for name in root.ls():
+        if not (name.startswith("expert_") and root.exists(name, CONTRIBUTION)):
+            continue
+        count += 1
+        try:
+            signed = json.loads(root.read_bytes(name, CONTRIBUTION)).get("files") or {}
+        except (ValueError, AttributeError):
+            raise CorruptWeights(f"{root.url_of(name, CONTRIBUTION)}: not a signed manifest") from None
+        expected = {rel.split("/", 1)[1]: sha for rel, sha in signed.items() if rel.startswith(PACKAGE_EXPERT + "/")}
+        for file, want in sorted(expected.items()):
+            if not root.exists(name, file):
+                raise CorruptWeights(f"{root.url_of(name, file)}: missing ({_owner(name)}'s signed file)")
+            got = sha256_of(root, f"{name}/{file}")
+            if got != want:
+                raise CorruptWeights(
+                    f"{root.url_of(name, file)}: sha256 {got[:12]}... is not the {want[:12]}... its signed manifest "
+                    f"({CONTRIBUTION}) gives: {_owner(name)}'s installed bytes are not the contributor's"
+                )
+    return count

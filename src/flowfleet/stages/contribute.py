@@ -9,7 +9,7 @@ then packed:
       latents.safetensors    a capped, seeded sample of the prepared items (latents, text, features, captions):
                              what the fleet's router learns the new expert's share from
       heldout.safetensors    prepared items the expert never trained on (data.holdout): the gate's test set
-      manifest.json          every file's sha256, the kit's fingerprint, the training record
+      manifest.json          every file's sha256, the kit's fingerprint and its fleet's identity, the training record
       manifest.sig           the contributor's Ed25519 signature over manifest.json
       signer.pub             the contributor's public key (the fleet trusts it only if its owner lists it)
 
@@ -59,7 +59,7 @@ from flowfleet.train.loop import TrainOptions
 log = logging.getLogger(__name__)
 
 SKIPPED_FIELDS = ("aug_latents", "aug_params")  # augmented copies stay with the contributor
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: the kit's fleet identity signed (a package of format 1 predates it)
 PACKAGE_OWN = (PACKAGE_MANIFEST, PACKAGE_SIGNATURE, PACKAGE_SIGNER)  # the files the manifest cannot list
 
 
@@ -113,7 +113,7 @@ def contribute(
     kit_root = RunRoot(kit_dir)
     kit = read_kit(kit_root)
     work_root = RunRoot(options.work or out.rstrip("/") + ".work")
-    progress, sample_cap = options.progress, options.sample_cap
+    progress, sample_cap = options.progress, min(options.sample_cap, kit.sample_rows)  # the kit's cap: admit's
     cfg = contribution_config(kit_root, kit, data, options.steps, options.heldout)
     cfg.save(work_root)
     for name in kit.latent_weights:  # the fleet's latent space, frozen (prepare trains none)
@@ -146,6 +146,7 @@ def sign_package(pkg: RunRoot, key: Ed25519PrivateKey, kit: Kit, training: dict[
     record = {
         "format": MANIFEST_FORMAT,
         "kit": kit.fingerprint,
+        "fleet_id": kit.fleet_id,
         "fleet": kit.run_name,
         "time_convention": TIME_CONVENTION,
         "files": files,

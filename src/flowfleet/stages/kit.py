@@ -9,24 +9,36 @@
       centroids.safetensors  the fleet's cluster centroids in semantic-feature space: is a contributor's data new?
 
 The fingerprint is the sha256 of kit.json's contract (everything but the fingerprint), which names the latent
-encoder's weight hashes: an expert trained with another latent space, time convention or architecture limit
-carries another fingerprint, and `admit` refuses it. The same run gives the same fingerprint every time, so a
-fleet's owner recomputes it rather than trusting the package's.
+encoder's weight hashes and the fleet's identity: a random id made with the run's first kit (RUN_ROOT/kits/
+fleet.json), so that a kit of another fleet with the same name and configuration is another kit. Every kit issued is
+kept in the run (RUN_ROOT/kits/issued/<fingerprint>.json, its caps included): `admit` takes a package made from one
+of them only, its caps as issued, and recomputes the rest of the contract from the run as it is now.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from flowfleet.config import EXPERT_OVERRIDABLE, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION
-from flowfleet.layout import AUTOENCODER, AUTOENCODER_RECIPE, CENTROIDS, KIT_CENTROIDS, KIT_FILE, KIT_RUN, RUN_FILE
+from flowfleet.layout import (
+    AUTOENCODER,
+    AUTOENCODER_RECIPE,
+    CENTROIDS,
+    FLEET_IDENTITY,
+    KIT_CENTROIDS,
+    KIT_FILE,
+    KIT_RUN,
+    KITS_ISSUED,
+    RUN_FILE,
+)
+from flowfleet.models import flops
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.files import validated
 from flowfleet.storage import RunRoot
@@ -34,6 +46,7 @@ from flowfleet.storage import RunRoot
 OBJECTIVES = ("fm", "ddpm")  # what a fleet's experts may learn: flow matching, or DDPM's noise (converted)
 DTYPES = ("float32", "bfloat16", "float16")
 PARAMS_HEADROOM = 4  # the default cap: four times the run's expert (a contributor's bigger machine)
+SAMPLE_ROWS = 1024  # the default cap of a package's sample and held-out slice (contribute's --sample)
 
 
 class Kit(BaseModel):
@@ -56,6 +69,8 @@ class Kit(BaseModel):
     overridable: list[str] = Field(default_factory=lambda: list(EXPERT_OVERRIDABLE))
     max_params: int = Field(ge=1)
     dtypes: list[str] = Field(default_factory=lambda: list(DTYPES))
+    fleet_id: str = ""  # the fleet's random identity (RUN_ROOT/kits/fleet.json)
+    sample_rows: int = Field(SAMPLE_ROWS, ge=2)  # the most items a package's sample and its held-out slice hold
     fingerprint: str = ""
 
     def contract(self) -> dict[str, Any]:
@@ -70,16 +85,44 @@ class Kit(BaseModel):
 
 
 def parameter_count(cfg: DiTConfig) -> int:
-    """An expert's parameters, counted on the meta device: nothing is allocated, so any config.json is cheap."""
-    from flowfleet.models.dit import DiTExpert
-
-    with torch.device("meta"):
-        model = DiTExpert.from_dit_config(cfg)
-    return sum(p.numel() for p in model.parameters())
+    """An expert's parameters, from its config's numbers (flowfleet.models.flops): nothing is built or allocated, so
+    any config.json is cheap."""
+    return flops.parameter_count(cfg)
 
 
-def run_kit(root: RunRoot, cfg: RunConfig, max_params: int | None = None) -> Kit:
-    """The run's kit, fingerprinted (nothing written)."""
+def fleet_id(root: RunRoot, create: bool = False) -> str:
+    """The fleet's random identity, made (create) with its first kit; "" where the run has none yet."""
+    if root.exists(*FLEET_IDENTITY):
+        raw = root.read_json(*FLEET_IDENTITY)
+        if isinstance(raw, dict) and isinstance(raw.get("fleet_id"), str) and raw["fleet_id"]:
+            return raw["fleet_id"]
+        raise FlowfleetError(f"{root.url_of(*FLEET_IDENTITY)}: not a fleet identity (no 'fleet_id')")
+    if not create:
+        return ""
+    made = secrets.token_hex(16)
+    root.write_json({"fleet_id": made}, *FLEET_IDENTITY)
+    return made
+
+
+def issued_kit(root: RunRoot, fingerprint: str) -> Kit | None:
+    """The kit the run issued under this fingerprint (RUN_ROOT/kits/issued/), or None where it issued none."""
+    if not (len(fingerprint) == 64 and all(c in "0123456789abcdef" for c in fingerprint)):
+        return None
+    name = f"{fingerprint}.json"
+    if not root.exists(*KITS_ISSUED, name):
+        return None
+    return validated(Kit, root.read_json(*KITS_ISSUED, name), root.url_of(*KITS_ISSUED, name), FlowfleetError)
+
+
+def run_kit(
+    root: RunRoot,
+    cfg: RunConfig,
+    max_params: int | None = None,
+    sample_rows: int = SAMPLE_ROWS,
+    *,
+    create: bool = False,
+) -> Kit:
+    """The run's kit, fingerprinted (nothing written but, with create, the fleet's identity where it has none)."""
     weights = {}
     if cfg.encoders.latent.name == "autoencoder":
         if not root.exists(AUTOENCODER):
@@ -98,17 +141,22 @@ def run_kit(root: RunRoot, cfg: RunConfig, max_params: int | None = None) -> Kit
         semantic_encoder=cfg.encoders.semantic.model_dump(mode="json"),
         expert=cfg.expert.model_dump(mode="json"),
         max_params=max_params or PARAMS_HEADROOM * parameter_count(cfg.expert),
+        fleet_id=fleet_id(root, create),
+        sample_rows=sample_rows,
     )
     kit.fingerprint = kit.compute_fingerprint()
     return kit
 
 
-def make_kit(run_root: str | RunRoot, out: str | RunRoot, *, max_params: int | None = None) -> Kit:
-    """Write the run's kit to `out` (see the module docstring); -> the kit."""
+def make_kit(
+    run_root: str | RunRoot, out: str | RunRoot, *, max_params: int | None = None, sample_rows: int = SAMPLE_ROWS
+) -> Kit:
+    """Write the run's kit to `out` (see the module docstring), and keep it in the run as issued; -> the kit."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     dest = out if isinstance(out, RunRoot) else RunRoot(out)
     cfg = load_run_config(root)
-    kit = run_kit(root, cfg, max_params)
+    kit = run_kit(root, cfg, max_params, sample_rows, create=True)
+    root.write_json(kit.model_dump(mode="json"), *KITS_ISSUED, f"{kit.fingerprint}.json")
     for name in kit.latent_weights:
         dest.write_bytes(root.read_bytes(AUTOENCODER, name), AUTOENCODER, name)
     if root.exists(*CENTROIDS):
