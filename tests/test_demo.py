@@ -19,9 +19,10 @@ from flowfleet.train.specs import monolith_steps
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small models on a shared 2-core box
 
 
-def check_run(path, *, strategies=("top2",), fleets=(), prompt_router=True) -> dict:
+def check_run(path, *, strategies=("top2",), fleets=(), prompt_router=True, paris=True) -> dict:
     """The demo's outputs: a report with every section filled, an evaluation of every model (prompt_router: the
-    run was made with --prompt-router)."""
+    run was made with --prompt-router; paris: the fleet's router is Paris', as the tiny preset's, else it reads the
+    prompt, as the full and quick demos' do)."""
     from test_report import parse  # the report test's headless HTML check
 
     html = (path / "reports" / "report.html").read_text()
@@ -32,11 +33,12 @@ def check_run(path, *, strategies=("top2",), fleets=(), prompt_router=True) -> d
     for section in ("clusters", "training", "samples", "routing", "fid", "diagnostics"):
         assert page.images.get(section), f"section {section} has no image"
     evaluation = json.loads((path / "reports" / "evaluation.json").read_text())
-    # Paris' claim (top-2 against the monolith), then "beyond Paris": the same experts routed with the prompt
+    # the claim (top-2 against the monolith), then the same experts routed by the comparison router
+    compared = "router-prompt" if paris else "router-paris"
     assert list(evaluation["runs"]) == [
         "monolith",
         *strategies,
-        *(f"{s}+router-prompt" for s in strategies if prompt_router),
+        *(f"{s}+{compared}" for s in strategies if prompt_router),
         *(f"{s}@{f}" for f in fleets for s in strategies),  # --caption-fleet: another fleet, its own rows
     ]
     assert all(v > 0 for v in evaluation["fid"]["scores"].values())
@@ -49,11 +51,12 @@ def check_run(path, *, strategies=("top2",), fleets=(), prompt_router=True) -> d
             assert npz["images"].shape[0] == evaluation["n"] == len(npz["prompts"])
             assert all("handwritten digit" in p for p in npz["prompts"])
     assert "prompt accuracy" in html and "classifier FD" in html and "precision" in html
-    # The fleet's router is Paris': it sees (x_t, t) and nothing else. Both routers' accuracy per t-bucket (from
-    # their training reports) is in the report: Paris' and the prompt-aware comparison router's.
-    assert "p(k | x_t, t) (Paris)" in html and ("p(k | x_t, t, prompt)" in html) == prompt_router
+    # Both routers' accuracy per t-bucket (from their training reports) is in the report: the fleet's, which sees
+    # (x_t, t) alone (Paris') or the prompt too, and the comparison router's
+    fleets_own, other = ("p(k | x_t, t) (Paris)", "p(k | x_t, t, prompt)")[:: 1 if paris else -1]
+    assert fleets_own in html and (other in html) == prompt_router
     router = json.loads((path / "model" / "router" / "config.json").read_text())
-    assert router["conditioning"] == "none" and router["text_dim"] == 0
+    assert (router["conditioning"] == "none") == paris and (router["text_dim"] == 0) == paris
     # judged against held-out digits, beside real ones scored like a model, at each model's swept scale
     split = evaluation["reference_split"]
     assert split["held_out"] and split["floor"]["n"] == evaluation["n"] and split["floor"]["classifier_fd"] > 0
@@ -189,23 +192,27 @@ def test_demo_refuses_an_out_folder_of_another_run(tmp_path):
 
 def test_demo_plans_validate_and_quick_is_smaller():
     full, quick = demo_plan("full"), demo_plan("quick")
-    # Paris at small scale: K >= 4 clusters of image features, a router blind to the prompt, top-2
+    # K >= 4 clusters of image features as Paris', top-2; DDM's recipe on them: a router that reads the prompt as the
+    # experts do, guidance over the mixture, every expert all the steps at its share of the batch
     for plan in (full, quick):
         c = plan.config
         assert c.cluster.k >= 4 and c.cluster.features == "semantic" and c.encoders.semantic.name == "inception"
         # ... less what the caption predicts of them: every expert holds every digit (docs/training.md)
         assert c.cluster.caption_residual
-        assert not c.router.uses_text and c.sampling.strategy == "top2"
-        # the "beyond Paris" row of a prompt-aware router is an option (--prompt-router), as the caption fleet is
-        assert not c.router_prompt and plan.evaluation.routers == ()
+        assert c.router.conditioning == c.expert.conditioning and c.sampling.strategy == "top2"
+        assert c.sampling.guidance == "mixture" and c.train.split == "batch"
+        # Paris' router beside it is an option (--prompt-router: the comparison router), as the caption fleet is
+        assert not c.router_baseline and not c.router_prompt and plan.evaluation.routers == ()
         assert c.train.expert_steps == "by_size"  # each expert passes over its digits as often as the monolith
         assert len(plan.evaluation.cfg_sweep) >= 5 and plan.evaluation.save_cfg
         assert plan.evaluation.repeats >= 3  # figures with their spread over evaluation draws
         # Paris' experts work in a VAE latent: here an autoencoder prepare trains, 8 x 8 x 4, 2 x 2 patches
         assert c.encoders.latent.name == "autoencoder" and c.latent_shape == (4, 8, 8) and c.expert.patch_size == 2
-    beyond = demo_plan("full", prompt_router=True)
-    assert beyond.config.router_prompt and beyond.evaluation.routers == ("router-prompt",)
-    assert beyond.config.router_train == full.config.router_train  # the same recipe as Paris' router
+    beside = demo_plan("full", prompt_router=True)
+    assert beside.config.router_baseline and beside.evaluation.routers == ("router-paris",)
+    assert beside.config.router_train == full.config.router_train  # the same recipe as the fleet's router
+    tiny = demo_plan("smoke", prompt_router=True)  # the tiny preset keeps Paris' router: the prompt-aware one beside
+    assert not tiny.config.router.uses_text and tiny.evaluation.routers == ("router-prompt",)
     assert quick.config.encoders.latent.autoencoder.steps < full.config.encoders.latent.autoencoder.steps
     assert full.config.data.source == "mnist" and full.config.data.limit is None  # all 5000 digits
     assert full.config.data.holdout == 1000  # the digit judge's validation digits: no model trains on them
@@ -242,4 +249,4 @@ def test_demo_quick_through_the_cli(tmp_path, capsys, digit_classifier):
     install_digit_classifier(digit_classifier, out)
     assert main(["demo", "--out", str(out), "--quick"]) == 0
     assert "open" in capsys.readouterr().out
-    check_run(out, prompt_router=False)
+    check_run(out, prompt_router=False, paris=False)

@@ -120,7 +120,7 @@ class DemoData:
     sweep: tuple[float, ...]
     min_accuracy: float
     repeats: int  # evaluation draws of the full demo
-    prompt_router: bool  # the prompt-aware comparison router's row by default (`--prompt-router`)
+    prompt_router: bool  # the comparison router's row by default (`--prompt-router`): Paris' beside a prompt router
 
 
 DEMO_DATA = {
@@ -166,9 +166,9 @@ DEMO_DATA = {
         # BENCHMARKS.md "The emoji demo"); benchmarks/fleet_budget.py --repeats 5 gives the spread
         1,
         # Clusters of content: a prompt-blind router cannot know at t = 1 which experts hold the prompt, so the emoji
-        # preset's own router reads it (DDM's recipe) and Paris' is the comparison beside it, always (router_baseline;
-        # BENCHMARKS.md, "Guidance over the mixture"): no prompt-aware comparison router to add
-        False,
+        # preset's own router reads it (DDM's recipe) and Paris' is shown beside it by default (BENCHMARKS.md,
+        # "Guidance over the mixture")
+        True,
     ),
 }
 
@@ -198,13 +198,12 @@ def demo_plan(size: DemoSize = "full", *, prompt_router: bool | None = None, dat
     prompt_router = spec.prompt_router if prompt_router is None else prompt_router
     raw = PRESETS[spec.smoke_preset if size == "smoke" else spec.preset]()
     raw["name"] = spec.run_name + {"full": "", "quick": "-quick", "smoke": "-smoke"}[size]
-    # The comparison router's rows: where the fleet's own router reads the prompt (the emoji's DDM recipe), Paris'
-    # prompt-blind router beside it (the preset's router_baseline); where it is Paris', the prompt-aware one on ask.
+    # The comparison router's rows (prompt_router: on ask, or the data's default): where the fleet's own router reads
+    # the prompt (the built-in presets: DDM's recipe), Paris' prompt-blind router beside it; where it is Paris' (the
+    # tiny presets), a prompt-aware one
     reads = raw["router"].get("conditioning", "none") != "none"
-    raw["router_prompt"] = prompt_router and not reads
-    compared = (
-        (PARIS_ROUTER,) if reads and raw.get("router_baseline") else COMPARED_ROUTERS if raw["router_prompt"] else ()
-    )
+    raw["router_baseline"], raw["router_prompt"] = prompt_router and reads, prompt_router and not reads
+    compared = (PARIS_ROUTER,) if raw["router_baseline"] else COMPARED_ROUTERS if raw["router_prompt"] else ()
     fid = FIDSettings(resize=DEMO_INCEPTION_SIZE, batch_size=100)
     sweep: tuple[float, ...] = spec.sweep
     if size == "smoke":  # 16 x 16 digits, hidden-64 experts: the whole path in about a minute

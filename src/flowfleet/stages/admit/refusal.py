@@ -12,8 +12,9 @@ class Refused(FlowfleetError):
     """The gate's answer to a package it does not admit: one line, the check, the file or field, why."""
 
     def __init__(self, check: str, message: str):
-        one_line = " ".join(message.split("\n"))
-        super().__init__(f"refused ({check}): {one_line}")
+        # one line of printable characters whatever reached the message (a schema's "got ..." quotes the package)
+        printable = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in message.replace("\n", " "))
+        super().__init__(f"refused ({check}): {printable}")
         self.check = check
 
 

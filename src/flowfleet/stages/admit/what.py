@@ -66,7 +66,7 @@ def what(gate: Gate) -> None:
     for name, tensor in tensors.items():
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in kit.dtypes:
-            raise Refused("what", f"{WEIGHTS}: tensor {name} is {dtype}; the kit takes {kit.dtypes}")
+            raise Refused("what", f"{WEIGHTS}: tensor {shown(name)} is {dtype}; the kit takes {kit.dtypes}")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise Refused("what", f"{WEIGHTS}: tensor {name} holds NaN or inf")
+            raise Refused("what", f"{WEIGHTS}: tensor {shown(name)} holds NaN or inf")
     gate.expert_cfg, gate.tensors = cfg, tensors
