@@ -172,7 +172,6 @@ def train_all(
     their node dies (wait=False: return once they are submitted). A job that is done, live elsewhere (its
     status lease) or still held by a backend job submitted earlier is not started again."""
     root, cfg = _open(run_root)
-    log.info("train-all: %s", describe_matching(root, cfg))
     default = "cli" if isinstance(backend, BackendConfig) else backend
     places = {"cli": backend} if isinstance(backend, BackendConfig) else {}
     placed = place_jobs(cfg, fleet_jobs(cfg), default)
@@ -184,6 +183,7 @@ def train_all(
             raise FlowfleetError("--no-wait: only for jobs on Slurm or Ray (local jobs end with train-all)")
         if any(p.kind == "ray" and not (p.address or os.environ.get("RAY_ADDRESS")) for p in places.values()):
             raise FlowfleetError("--no-wait: give --address; a Ray cluster train-all starts for itself ends with it")
+    log.info("train-all: %s", describe_matching(root, cfg))  # (after the options' checks: an error is one line)
     remotes: dict[str, RemoteBackend] = {}
     try:
         for name, config in places.items():
