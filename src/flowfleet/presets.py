@@ -214,8 +214,9 @@ def _digits(**changes: Any) -> dict[str, Any]:
         # DDM's recipe, measured best on the emoji and on the digits (BENCHMARKS.md, "Guidance over the mixture"):
         # the router reads the prompt as the experts do (their conditioning and condition dropout) and the fleet is
         # guided over the mixture, each branch by its own posterior; every expert trains all K x train.steps steps
-        # at its cluster's share of the batch. Top-2's classifier FD over the monolith's at the same FLOPs: the
-        # emoji 1.59x (Paris) -> 1.07x, the digits 1.41x -> 1.16x (seed 0)
+        # at its cluster's share of the batch. Top-2's classifier FD over the monolith's at the same FLOPs, three
+        # seeds: the emoji 1.59x (Paris' recipe) -> 1.07x; the digits 1.29x -> 1.25x (little: each of their clusters
+        # holds every digit, so the prompt seldom decides the expert; one recipe for both)
         router_reads_prompt=True,
         split="batch",
     )
