@@ -77,6 +77,7 @@ def test_expert_job_writes_everything_the_contract_lists(tmp_path):
         "last_loss",
         "message",
         "threads",
+        "diloco",  # (null but for a DiLoCo worker)
     }
     assert on_disk["threads"] == f"{torch.get_num_threads()} threads (fixed)"  # the suite's static policy
     assert on_disk["job"] == "expert-0" and on_disk["state"] == "done" == status.state

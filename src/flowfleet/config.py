@@ -229,6 +229,24 @@ class MonolithConfig(_Strict):
     match_compute: bool = True  # steps so that training FLOPs equal the fleet's (experts + router)
 
 
+class DiLoCoConfig(_Strict):
+    """One model trained by K isolated workers that exchange only through the run root (DiLoCo, Douillard et al.
+    2023): each trains the `expert` architecture on a random 1/K of all the data with the inner optimiser for
+    `sync_every` steps, writes its pseudo-gradient (the round's start weights minus its own), and applies the outer
+    Nesterov step of the workers' mean, identically on every worker (flowfleet.train.diloco)."""
+
+    workers: int = Field(4, ge=1)
+    steps: int | None = Field(None, ge=1)  # each worker's inner steps; default train.steps (an expert's)
+    sync_every: int = Field(100, ge=1)  # H: inner steps per round (the last round may be shorter)
+    inner: Literal["adamw", "sgd"] = "adamw"  # sgd with outer_lr 1 and no momentum: local SGD (FedAvg)
+    outer_lr: float = Field(0.7, gt=0)  # DiLoCo's 0.7, momentum 0.9, Nesterov
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    # How long a worker waits at a round's end for the others' pseudo-gradients before it goes on with those
+    # present (a lost or late worker), seconds.
+    round_timeout_s: float = Field(600.0, gt=0)
+
+
 class SamplingConfig(_Strict):
     """How a fleet samples: every sampling setting, declared here once with its default and its check.
 
@@ -458,6 +476,9 @@ class RunConfig(_Strict):
     train: TrainConfig = TrainConfig()
     router_train: TrainConfig = TrainConfig(lr=5e-5, schedule="cosine")
     monolith: MonolithConfig = MonolithConfig()
+    # Also train one model by DiLoCo over the run root (train-all runs its workers beside the fleet's jobs):
+    # the low-communication alternative to a fleet for machines without a fast network.
+    diloco: DiLoCoConfig | None = None
     # Also train Paris' prompt-blind router p(k | x_t, t) in router-paris/, beside a prompt-aware
     # `router`, so that evaluate and report compare the two.
     router_baseline: bool = False

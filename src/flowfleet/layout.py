@@ -9,12 +9,13 @@
       clusters/                         cluster       assignments.safetensors, centroids.safetensors,
                                                       report.json, preview-<k>.png
       partitions/<k>/                   cluster       expert k's items (shards)
-      experts/<k>/  router/  router-paris/  monolith/
+      experts/<k>/  router/  router-paris/  monolith/  diloco/worker-<w>/
                                         train-*       one job each: status.json, metrics.jsonl, train.log,
                                                       checkpoints/, final/ (the EMA weights), samples/,
                                                       report.json (routers)
       backends/                         train-all     submissions.json (job -> backend job id), slurm/*.sbatch
-      model/  model-monolith/           assemble      diffusers-style model folders
+      diloco/rounds/<r>/                train-diloco  worker-<w>.safetensors (a pseudo-gradient), decision.json
+      model/  model-monolith/           assemble      diffusers-style model folders (model-diloco/: DiLoCo's)
       reports/                          evaluate      evaluation.json, samples/, FID reference statistics,
                                         report        report.html, plots/, showcase/, timings.json
 
@@ -56,6 +57,9 @@ PROMPT_ROUTER: Final = "router-prompt"  # a prompt-aware router, trained beside 
 ROUTERS = (ROUTER, PARIS_ROUTER, PROMPT_ROUTER)
 MONOLITH: Final = "monolith"  # the compute-matched single-model baseline
 STUDENT: Final = "student"  # `distill`: one DiT trained on the fleet's guided velocity
+DILOCO: Final = "diloco"  # run.yaml diloco: one model by K workers that exchange through the run root
+DILOCO_ROUNDS: Final = (DILOCO, "rounds")  # rounds/<r>/: each worker's pseudo-gradient, the round's decision
+DILOCO_DECISION = "decision.json"  # in a round's folder: the workers whose pseudo-gradients it averages
 REFLOW_PAIRS = (STUDENT, "reflow-pairs.safetensors")  # distill method reflow: the teacher's (noise, sample) pairs
 
 # inside a job folder
@@ -78,6 +82,7 @@ INDEX_FILE = "model_index.json"  # the model folder's index (flowfleet.sampling.
 CHECKSUMS = "SHA256SUMS"  # the model folder's weight checksums, sha256sum's format (flowfleet.sampling.checksums)
 VERIFIED = ".verified.json"  # weight files whose checksum matched, by size and mtime (the check's cache)
 MONOLITH_MODEL = "model-monolith"  # `assemble --monolith`: the monolith as a one-expert model
+DILOCO_MODEL = "model-diloco"  # `assemble --diloco`: DiLoCo's model as a one-expert model
 
 # contributed experts: a kit (flowfleet kit), a package (flowfleet contribute), its admission (flowfleet admit)
 KIT_FILE = "kit.json"  # in a kit: the contract and its fingerprint (flowfleet.stages.kit)
@@ -140,3 +145,13 @@ def expert_job(k: int) -> str:
 def partition(k: int) -> str:
     """Expert k's partition of data/ (what its job reads, and nothing else)."""
     return f"{PARTITIONS}/{k}"
+
+
+def diloco_worker(w: int) -> str:
+    """DiLoCo worker w's job folder (run.yaml diloco)."""
+    return f"{DILOCO}/worker-{w}"
+
+
+def diloco_round(r: int) -> tuple[str, str]:
+    """Round r's folder (0-based): each worker's pseudo-gradient of the round and the round's decision."""
+    return (*DILOCO_ROUNDS, f"{r:06d}")

@@ -191,6 +191,37 @@ class RunRoot:
             return
         with_retries(lambda: self.fs.pipe_file(p, data), what=f"write {self.url_of(*parts)}")
 
+    def create_bytes(self, data: bytes, *parts: str) -> bool:
+        """Write the file only where none is: -> True if this call created it, False if one was there (its bytes
+        untouched). Of writers racing on one name exactly one wins: a hard link on a local disk, a conditional PUT
+        (If-None-Match) on S3. Elsewhere the check and the write are two requests, and the race is not excluded."""
+        p = self.path(*parts)
+        self._opened.pop(p, None)
+        if self.is_local:
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(p), prefix=".tmp-" + os.path.basename(p))
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, p)  # atomic, and refused where the name exists
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+        if "s3" in self.fs.protocol:
+            try:
+                with_retries(lambda: self.fs.pipe_file(p, data, mode="create"), what=f"write {self.url_of(*parts)}")
+                return True
+            except FileExistsError:
+                return False
+        if self.exists(*parts):
+            return False
+        self.write_bytes(data, *parts)
+        return True
+
     def remove(self, *parts: str, recursive: bool = False) -> None:
         self._opened.clear()
         if self.exists(*parts):

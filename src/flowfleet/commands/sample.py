@@ -49,6 +49,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="assemble the distilled student (student/final, `flowfleet distill`) the same way "
         "(default --out RUN_ROOT/model-student), sampled without guidance",
     )
+    p.add_argument(
+        "--diloco",
+        action="store_true",
+        help="assemble the model DiLoCo's workers trained (run.yaml diloco; diloco/worker-W/final, equal on every "
+        "worker) the same way (default --out RUN_ROOT/model-diloco)",
+    )
 
     p = add_command(sub, "verify", run_verify)
     add_model_dir(p)
@@ -115,6 +121,7 @@ def run_assemble(args: argparse.Namespace) -> int:
         allow_partial=args.allow_partial,
         monolith=args.monolith,
         student=args.student,
+        diloco=args.diloco,
         router=args.router,
         progress=True,
     )
@@ -122,8 +129,8 @@ def run_assemble(args: argparse.Namespace) -> int:
         log.warning("assemble: warning: %s", w)
     if args.student:
         print(f"wrote {result.out}: the distilled student as a one-expert model")
-    elif args.monolith:
-        print(f"wrote {result.out}: the monolith as a one-expert model")
+    elif args.monolith or args.diloco:
+        print(f"wrote {result.out}: the {'monolith' if args.monolith else 'DiLoCo model'} as a one-expert model")
     else:
         print(f"wrote {result.out}: experts {result.present} of K = {result.num_experts} + router")
     return 0

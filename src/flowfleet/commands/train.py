@@ -1,4 +1,4 @@
-"""Training jobs: `train-expert`, `train-router`, `train-monolith`, `train-all`, `status`."""
+"""Training jobs: `train-expert`, `train-router`, `train-monolith`, `train-diloco`, `train-all`, `status`."""
 
 from __future__ import annotations
 
@@ -52,6 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="set the steps so its training FLOPs equal the fleet's: the K experts' and the router's "
         "(default: run.yaml monolith.match_compute)",
     )
+    _job_options(p)
+
+    p = add_command(sub, "train-diloco", run_diloco, epilog=_RESUME)
+    add_run_root(p)
+    p.add_argument("--worker", type=int, required=True, metavar="W", help="DiLoCo worker number, 0..W-1")
     _job_options(p)
 
     _register_train_all(sub)
@@ -166,6 +171,21 @@ def run_monolith(args: argparse.Namespace) -> int:
     return _report(train_monolith(args.run_root, match_compute=args.match_compute, options=_options(args)))
 
 
+def run_diloco(args: argparse.Namespace) -> int:
+    """train DiLoCo worker w of one model (run.yaml diloco)
+
+    Train worker W of run.yaml diloco: the expert architecture on a random 1/W of RUN_ROOT/data, diloco.sync_every
+    inner steps per round; at each round's end it writes its pseudo-gradient to diloco/rounds/<r>/, waits for the
+    other workers' (up to diloco.round_timeout_s, then goes on with those present) and applies the outer Nesterov step
+    of their mean. The workers share nothing but the run root: start one per machine, on any backend. Writes
+    diloco/worker-W/; `flowfleet assemble --diloco` makes the model folder.
+    """
+
+    from flowfleet.stages.train import train_diloco
+
+    return _report(train_diloco(args.run_root, args.worker, options=_options(args)))
+
+
 _BACKEND_OPTIONS = {
     "cpus_per_job": "--cpus-per-job",
     "gpus_per_job": "--gpus-per-job",
@@ -240,11 +260,25 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h ago"
 
 
+def _rounds(diloco: dict | None) -> str:
+    """A DiLoCo worker's rounds for the status table: '2/3, 1 short, 1.2 MB out, 1.2 MB in'."""
+    if not diloco:
+        return "-"
+    short = len(diloco.get("short_rounds", []))
+    out, back = diloco.get("bytes_written", 0) / 1e6, diloco.get("bytes_read", 0) / 1e6
+    return (
+        f"{diloco['round']}/{diloco['rounds']}"
+        + (f", {short} short" if short else "")
+        + (f", {out:.1f} MB out, {back:.1f} MB in")
+    )
+
+
 def run_status(args: argparse.Namespace) -> int:
     """table of every job's state from its status file
 
     One table of all jobs of the run from their status.json: state, step/total, progress, age of the heartbeat, last
-    loss, host, a CPU job's thread setting (as the machine's load last changed it).
+    loss, host, a CPU job's thread setting (as the machine's load last changed it); for DiLoCo's workers their rounds,
+    the rounds that went on without a worker, and the bytes each wrote and read.
     """
 
     from rich.console import Console
@@ -261,7 +295,11 @@ def run_status(args: argparse.Namespace) -> int:
         return 0
     colours = {"done": "green", "running": "cyan", "failed": "red", "stopped": "yellow", "pending": "dim"}
     table = Table(title=f"jobs of {args.run_root}")
-    for col in ("job", "state", "step", "progress", "heartbeat", "last loss", "host", "threads", "backend", "message"):
+    cols = ["job", "state", "step", "progress", "heartbeat", "last loss", "host", "threads", "backend", "message"]
+    rounds = any(r.diloco for r in rows)
+    if rounds:
+        cols.insert(4, "rounds")
+    for col in cols:
         table.add_column(col, justify="right" if col in ("step", "progress", "last loss") else "left", overflow="fold")
     now = time.time()
     for r in rows:
@@ -269,17 +307,19 @@ def run_status(args: argparse.Namespace) -> int:
         if state == "running" and not r.is_live(now=now):
             state = "running?"  # heartbeat stale: the process probably died
         frac = r.step / r.total_steps if r.total_steps else 0.0
-        table.add_row(
+        cells = [
             r.job,
             f"[{colours.get(r.state, 'white')}]{state}[/]",
             f"{r.step}/{r.total_steps}",
             f"{100 * frac:.0f}%",
+            *([_rounds(r.diloco)] if rounds else []),
             _age(r.heartbeat_age(now)),
             "-" if r.last_loss is None else f"{r.last_loss:.4f}",
             f"{r.host}:{r.pid}" if r.host else "-",
             r.threads or "-",
             backends.get(r.job, "local" if r.host else "-"),
             r.message,
-        )
+        ]
+        table.add_row(*cells)
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     return 0

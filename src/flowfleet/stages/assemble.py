@@ -23,6 +23,7 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.layout import (
     AUTOENCODER,
+    DILOCO_MODEL,
     EXPERTS,
     FINAL,
     MODEL,
@@ -60,7 +61,7 @@ from flowfleet.sampling.index import (
     expert_folder,
 )
 from flowfleet.storage import RunRoot
-from flowfleet.train.specs import JobKind, JobSpec, router_of_folder
+from flowfleet.train.specs import JobKind, JobSpec, diloco_jobs, router_of_folder
 from flowfleet.train.status import JobStatus, job_finished
 
 
@@ -163,6 +164,7 @@ def assemble(
     allow_partial: bool = False,
     monolith: bool = False,
     student: bool = False,
+    diloco: bool = False,
     router: str = "router",
     progress: bool = False,
 ) -> AssembleResult:
@@ -171,9 +173,14 @@ def assemble(
     or "router-prompt", a prompt-aware one).
     monolith=True: the monolith alone as a one-expert model with no router (default out RUN_ROOT/model-monolith),
     which generate and evaluate open like a fleet; student=True: the distilled student the same way
-    (default out RUN_ROOT/model-student)."""
+    (default out RUN_ROOT/model-student); diloco=True: the model of run.yaml diloco's workers (their final/ folders
+    are equal: the first finished one's, default out RUN_ROOT/model-diloco)."""
     root = RunRoot(run_root)
     run = load_run_config(root)
+    if sum([monolith, student, diloco]) > 1:
+        raise FlowfleetError("assemble: one of --monolith, --student, --diloco")
+    if diloco:
+        return _assemble_single(root, run, _diloco_job(root, run), out, progress)
     if monolith or student:
         return _assemble_single(root, run, STUDENT if student else MONOLITH, out, progress)
     num_experts = run.num_experts
@@ -230,19 +237,31 @@ def assemble(
     return AssembleResult(out_root.url, num_experts, present, missing, warnings)
 
 
+def _diloco_job(root: RunRoot, run: RunConfig) -> str:
+    """The folder of the first DiLoCo worker that finished (every worker's final/ holds the same outer weights)."""
+    if run.diloco is None:
+        raise FlowfleetError(f"{root.url_of(RUN_FILE)}: no diloco block; nothing for --diloco to assemble")
+    workers = diloco_jobs(run)
+    for spec in workers:
+        if job_finished(root, spec.dir)[0]:
+            return spec.dir
+    return workers[0].dir  # unfinished: _assemble_single says why, and how to train it
+
+
 def _assemble_single(root: RunRoot, run: RunConfig, job: str, out: str | None, progress: bool) -> AssembleResult:
     """The monolith or the distilled student as a one-expert model with no router (model-monolith/,
     model-student/); the student samples without guidance (it learned the guided velocity)."""
     ok, why, status = job_finished(root, job)
     if not ok or status is None:
-        how = f"flowfleet distill {root.url}" if job == STUDENT else _command(job, root)
+        how = f"flowfleet distill {root.url}" if job == STUDENT else _command(job, root, run)
         raise FlowfleetError(f"{job}: not finished ({why}); train it with `{how}`")
     cfg = _read_config(job, root, job, FINAL)
     check_expert(job, root.url_of(job, FINAL, "config.json"), cfg, run)
     source: dict[str, Any] = {job: {"step": status.step, "samples_seen": status.samples_seen}}
     if job == STUDENT and run.distill is not None:
         source[job]["distill"] = run.distill.model_dump(mode="json")
-    out_root = RunRoot(out) if out else RunRoot(root.url_of(STUDENT_MODEL if job == STUDENT else MONOLITH_MODEL))
+    default = STUDENT_MODEL if job == STUDENT else MONOLITH_MODEL if job == MONOLITH else DILOCO_MODEL
+    out_root = RunRoot(out) if out else RunRoot(root.url_of(default))
     kind: ModelKind = "student" if job == STUDENT else "monolith"
     card = _fleet_card(root, run, kind, [0], {0: status.step}, None)
     _write_model(
@@ -302,9 +321,10 @@ def _fleet_card(
     return card, previews
 
 
-def _command(job: str, root: RunRoot) -> str:
-    """The CLI command that trains one of the run's jobs (router, router-paris, monolith)."""
-    return "flowfleet " + " ".join(JobSpec(cast(JobKind, job)).cli_args(root.url))
+def _command(job: str, root: RunRoot, run: RunConfig | None = None) -> str:
+    """The CLI command that trains one of the run's jobs (router, router-paris, monolith, a DiLoCo worker's folder)."""
+    spec = next((s for s in diloco_jobs(run) if s.dir == job), None) if run else None
+    return "flowfleet " + " ".join((spec or JobSpec(cast(JobKind, job))).cli_args(root.url))
 
 
 def _write_model(

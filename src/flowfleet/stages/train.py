@@ -3,6 +3,7 @@
 train_expert(run_root, k)        expert k on partitions/k only (an isolated job; DDP under torchrun)
 train_router(run_root)           the router on data/ + clusters/assignments.safetensors
 train_monolith(run_root)         the baseline on data/ (match_compute: FLOPs = the experts' + the router's)
+train_diloco(run_root, w)        DiLoCo worker w of run.yaml diloco (flowfleet.train.diloco)
 train_all(run_root, parallel=N)  all of them where run.yaml places them or on `backend` (local processes,
                                  Slurm or Ray jobs), skipping finished jobs and jobs a backend still holds
 job_status(run_root)             every job's status.json (pending when never started)
@@ -35,6 +36,7 @@ from flowfleet.config import BackendConfig, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
+from flowfleet.train.diloco import DiLoCoTrainer
 from flowfleet.train.fanout import LocalFanout, ProcessJob, plan_slots
 from flowfleet.train.loop import Trainer, TrainOptions
 from flowfleet.train.specs import JobSpec, compute_matching, fleet_jobs, job_cost, launcher, router_spec
@@ -55,7 +57,8 @@ def train_job(
     """Train one job to its total steps (resuming from its newest checkpoint); -> final status."""
     root, cfg = _open(run_root)
     task = build_task(root, cfg, spec, match_compute=match_compute)
-    return Trainer(task, root, options).run()
+    trainer = DiLoCoTrainer if spec.kind == "diloco" else Trainer
+    return trainer(task, root, options).run()
 
 
 def train_expert(run_root: str | RunRoot, k: int, *, options: TrainOptions | None = None) -> JobStatus:
@@ -76,6 +79,10 @@ def train_monolith(
     run_root: str | RunRoot, *, match_compute: bool | None = None, options: TrainOptions | None = None
 ) -> JobStatus:
     return train_job(run_root, JobSpec("monolith"), options=options, match_compute=match_compute)
+
+
+def train_diloco(run_root: str | RunRoot, w: int, *, options: TrainOptions | None = None) -> JobStatus:
+    return train_job(run_root, JobSpec("diloco", worker=w), options=options)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -340,9 +347,15 @@ def _train_locally(
     bar: _StepProgress,
     on_poll,
 ) -> None:
-    """The jobs as processes on this machine, `parallel` at a time (flowfleet.train.fanout)."""
+    """The jobs as processes on this machine, `parallel` at a time (flowfleet.train.fanout); then DiLoCo's workers,
+    all at once (each round waits for every worker), the cores shared out among them."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    slots = plan_slots(len(todo), parallel, os.cpu_count() or 1, gpus)
+    cpus = os.cpu_count() or 1
+    workers = [s for s in todo if s.kind == "diloco"]
+    others = [s for s in todo if s.kind != "diloco"]
+    phases = [(others, plan_slots(len(others), parallel, cpus, gpus))] if others else []
+    if workers:
+        phases.append((workers, plan_slots(len(workers), len(workers), cpus, gpus)))
     logs_tmp = None if root.is_local else tempfile.TemporaryDirectory(prefix="flowfleet-logs-")
     url = root.url_of()
 
@@ -353,14 +366,11 @@ def _train_locally(
         assert logs_tmp is not None  # a remote run root's logs are written locally, then uploaded
         return Path(logs_tmp.name) / spec.dir / LOG_FILE
 
-    # A fork cannot use CUDA once its parent has asked torch about GPUs, which the forkserver's preloaded imports
-    # do: on a GPU machine every job starts as a fresh process (measured: "Cannot re-initialize CUDA in forked
-    # subprocess" in every job otherwise).
-    jobs = [ProcessJob(s.name, s.command(url, launcher()), log_path(s), forkable=not gpus) for s in todo]
     specs = {s.name: s for s in todo}
+    threads = {s.name: slots[0].threads for group, slots in phases for s in group}
 
     def started(job: ProcessJob, pid: int) -> None:
-        bar.bar.write(f"{job.name}: started (pid {pid}, {slots[0].threads} threads), log {job.log}")
+        bar.bar.write(f"{job.name}: started (pid {pid}, {threads[job.name]} threads), log {job.log}")
 
     def exited(job) -> None:
         status = read_status(root, specs[job.name].dir)
@@ -376,13 +386,19 @@ def _train_locally(
         if logs_tmp is not None:
             root.write_bytes(job.log.read_bytes(), specs[job.name].dir, LOG_FILE)
 
-    log.info(f"train-all: {len(todo)} job(s), {len(slots)} at a time")
-    # every job imports the same modules: the forkserver does it once (flowfleet.train.fanout)
-    fanout = LocalFanout(
-        slots, on_start=started, on_exit=exited, on_poll=on_poll, preload=("flowfleet.cli", "flowfleet.stages.train")
-    )
     try:
-        fanout.run(jobs)
+        for group, slots in phases:
+            log.info(f"train-all: {len(group)} job(s), {len(slots)} at a time")
+            # A fork cannot use CUDA once its parent has asked torch about GPUs, which the forkserver's preloaded
+            # imports do: on a GPU machine every job starts as a fresh process (measured: "Cannot re-initialize CUDA
+            # in forked subprocess" in every job otherwise).
+            jobs = [ProcessJob(s.name, s.command(url, launcher()), log_path(s), forkable=not gpus) for s in group]
+            # every job imports the same modules: the forkserver does it once (flowfleet.train.fanout)
+            preload = ("flowfleet.cli", "flowfleet.stages.train")
+            fanout = LocalFanout(slots, on_start=started, on_exit=exited, on_poll=on_poll, preload=preload)
+            fanout.run(jobs)
+            if fanout.stopped:
+                break
     finally:
         if logs_tmp is not None:
             logs_tmp.cleanup()

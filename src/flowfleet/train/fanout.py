@@ -175,6 +175,11 @@ class LocalFanout:
     def request_stop(self) -> None:
         self._stop = True
 
+    @property
+    def stopped(self) -> bool:
+        """A stop was asked for (SIGTERM, SIGINT or request_stop)."""
+        return self._stop
+
     def run(self, jobs: list[ProcessJob]) -> list[ProcessOutcome]:
         if threading.current_thread() is not threading.main_thread():
             return self._run(jobs)

@@ -257,11 +257,7 @@ class Trainer:
             net=model,
             amp=amp,
             micro=tc.batch_size // chunks,
-            # fused: one kernel over every parameter instead of a dozen small ops per parameter tensor (the demo's
-            # expert steps 12 % faster on a CPU core; BENCHMARKS.md, "Training step")
-            opt=torch.optim.AdamW(
-                model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=dev.type in ("cpu", "cuda")
-            ),
+            opt=self._optimizer(model, dev),
             scaler=torch.amp.GradScaler(dev.type, enabled=amp == torch.float16),
             ema=EMA(model, tc.ema_decay, tc.ema_warmup) if island.is_main else None,
         )
@@ -296,6 +292,30 @@ class Trainer:
             )
         return st
 
+    def _optimizer(self, model: torch.nn.Module, dev: torch.device) -> torch.optim.Optimizer:
+        """The job's optimiser: AdamW. fused: one kernel over every parameter instead of a dozen small ops per
+        parameter tensor (the demo's expert steps 12 % faster on a CPU core; BENCHMARKS.md, "Training step")."""
+        tc = self.task.train_cfg
+        return torch.optim.AdamW(
+            model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=dev.type in ("cpu", "cuda")
+        )
+
+    # Hooks of a trainer with an outer loop (flowfleet.train.diloco): nothing here.
+    def _after_update(self, st: _State) -> bool:
+        """After each optimiser step, before its bookkeeping: -> a checkpoint is due now."""
+        return False
+
+    def _checkpoint_extras(self, st: _State) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        """More tensor files and state.json fields of a checkpoint."""
+        return {}, {}
+
+    def _restore_extras(self, st: _State, ckpt: Checkpoint) -> None:
+        """Restore what _checkpoint_extras saved."""
+
+    def _final_model(self, st: _State) -> torch.nn.Module:
+        """What final/ holds: the EMA weights."""
+        return st.rank0().ema.module.eval()
+
     def sampler(self) -> ResumableSampler:
         return ResumableSampler(len(self.task.data), derive_seed(self.task.train_cfg.seed, _DATA_STREAM))
 
@@ -306,6 +326,7 @@ class Trainer:
         loss, extras, stop = self._forward_backward(st, sampler.take(st.position, tc.batch_size), lr)
         st.step, st.position = st.step + 1, st.position + tc.batch_size
         self._update(st, loss, extras)
+        due = self._after_update(st)
         bar.update(1)
         if st.island.is_main:
             st.rank0().lease.update(step=st.step, samples_seen=st.position)
@@ -313,7 +334,7 @@ class Trainer:
                 self._log(st, bar, lr)
             if st.step % tc.sample_every == 0 or st.step == total:
                 self._preview(st)
-        if stop or (st.bad == 0 and st.step % tc.ckpt_every == 0) or st.step == total:
+        if stop or due or (st.bad == 0 and st.step % tc.ckpt_every == 0) or st.step == total:
             self._checkpoint(st)
         return stop
 
@@ -400,6 +421,7 @@ class Trainer:
                 torch.cuda.set_rng_state_all(cuda)
         st.step, st.bad = ckpt.step, int(ckpt.state.get("bad_steps", 0))
         st.position = int(ckpt.state["data_position"]["samples"])
+        self._restore_extras(st, ckpt)
         if ckpt.state["data_position"].get("num_items") != len(self.task.data):
             log.warning(
                 "%s: the data changed since %s (%s -> %d items); continuing with the new data",
@@ -415,6 +437,7 @@ class Trainer:
             rng = {"torch": torch.get_rng_state()}
             if torch.cuda.is_available():
                 rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+            extra_tensors, extra_state = self._checkpoint_extras(st)
             ckpt = Checkpoint(
                 step=st.step,
                 tensors={
@@ -422,8 +445,10 @@ class Trainer:
                     "ema": cpu_state(st.rank0().ema.state_dict()),
                     "optimizer": opt_tensors,
                     "rng": rng,
+                    **extra_tensors,
                 },
                 state={
+                    **extra_state,
                     "job": self.task.name,
                     "total_steps": self.task.total_steps,
                     "samples_seen": st.position,
@@ -467,7 +492,7 @@ class Trainer:
 
     def _finish(self, st: _State) -> None:
         """final/ (the EMA weights as a model folder), then the task's report."""
-        model = st.rank0().ema.module.eval()
+        model = self._final_model(st)
         save_model(model, self.root, self.task.spec.dir, FINAL)
         report = self.task.report(model, st.island.device)
         if report is not None:

@@ -8,6 +8,8 @@ its steps and cost); flowfleet.train.tasks turns one into a TrainTask ready to t
     router-prompt the same router told the prompt too         (run.yaml router_prompt: the comparison "beyond
                                                              Paris" for a run whose router is Paris')
     monolith      DiTExpert architecture on all of data/     flow matching; the evaluation baseline
+    diloco w      DiTExpert on a random 1/W of data/         flow matching; W workers of one model that exchange
+                                                             pseudo-gradients through the run root (DiLoCo)
     student       one DiT on the fleet's guided velocity     `flowfleet distill` (not a fleet job)
 
 A job's command line is built here once (JobSpec.command) and used by every backend: the local fan-out,
@@ -27,6 +29,7 @@ from flowfleet.layout import (
     PARIS_ROUTER,
     PROMPT_ROUTER,
     ROUTERS,
+    diloco_worker,
     expert_job,
     router_job,
 )
@@ -34,7 +37,7 @@ from flowfleet.models.config import DiTConfig
 from flowfleet.models.flops import train_flops, train_flops_per_sample
 
 # all but expert: also their folders
-JobKind = Literal["expert", "router", "router-paris", "router-prompt", "monolith", "student"]
+JobKind = Literal["expert", "router", "router-paris", "router-prompt", "monolith", "student", "diloco"]
 CLI_MODULE = "flowfleet.cli"  # every job runs `python -m flowfleet.cli ARGS`
 
 
@@ -59,11 +62,14 @@ class JobSpec:
     expert: int | None = None
     without: tuple[int, ...] = ()  # routers: the removed experts whose data they leave out
     num_experts: int | None = None  # routers of a fleet grown by add-expert: their outputs
+    worker: int | None = None  # diloco: which worker
 
     @property
     def name(self) -> str:
         if self.kind == "expert":
             return f"expert-{self.expert}"
+        if self.kind == "diloco":
+            return f"diloco-{self.worker}"
         return router_job(self.kind, self.without, self.num_experts) if self.kind in ROUTERS else self.kind
 
     @property
@@ -71,6 +77,8 @@ class JobSpec:
         """The job's folder in the run root (flowfleet.layout)."""
         if self.kind == "expert" and self.expert is not None:
             return expert_job(self.expert)
+        if self.kind == "diloco" and self.worker is not None:
+            return diloco_worker(self.worker)
         return self.name
 
     def cli_args(self, run_root: str) -> list[str]:
@@ -79,6 +87,8 @@ class JobSpec:
             raise FlowfleetError("student: trained by `flowfleet distill`, not as a job of train-all")
         if self.kind == "expert":
             return ["train-expert", run_root, "--expert", str(self.expert)]
+        if self.kind == "diloco":
+            return ["train-diloco", run_root, "--worker", str(self.worker)]
         if self.kind == "router-paris":
             return ["train-router", run_root, "--paris"]
         if self.kind == "router-prompt":
@@ -113,12 +123,18 @@ def router_of_folder(cfg: RunConfig, router: str) -> JobSpec:
     return router_spec(cfg, paris=router == PARIS_ROUTER, prompt=router == PROMPT_ROUTER)
 
 
+def diloco_jobs(cfg: RunConfig) -> list[JobSpec]:
+    """The workers of run.yaml diloco (none without it)."""
+    return [JobSpec("diloco", worker=w) for w in range(cfg.diloco.workers)] if cfg.diloco else []
+
+
 def fleet_jobs(cfg: RunConfig) -> list[JobSpec]:
-    """Every training job of a run: the fleet's experts, its routers, and the monolith when enabled."""
+    """Every training job of a run: the fleet's experts, its routers, the monolith when enabled, DiLoCo's workers
+    when run.yaml has diloco."""
     jobs = [JobSpec("expert", k) for k in cfg.fleet_experts] + run_routers(cfg)
     if cfg.monolith.enabled:
         jobs.append(JobSpec("monolith"))
-    return jobs
+    return jobs + diloco_jobs(cfg)
 
 
 def fleet_flops(cfg: RunConfig) -> int:
@@ -217,6 +233,8 @@ def job_steps(
         return monolith_steps(cfg, match_compute)
     if spec.kind == "student":
         return cfg.distill.steps if cfg.distill else cfg.train.steps
+    if spec.kind == "diloco" and cfg.diloco and cfg.diloco.steps:
+        return cfg.diloco.steps
     return cfg.train.steps
 
 

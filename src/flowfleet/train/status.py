@@ -45,6 +45,9 @@ class JobStatus:
     last_loss: float | None = None
     message: str = ""
     threads: str = ""  # a CPU job's thread setting as it last changed (flowfleet.threads.ThreadGovernor)
+    # a DiLoCo worker's rounds: {"round", "rounds", "bytes_written", "bytes_read", "short_rounds": [{"round",
+    # "workers", "missing"}]} (flowfleet.train.diloco)
+    diloco: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

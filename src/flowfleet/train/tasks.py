@@ -39,11 +39,12 @@ from flowfleet.models.files import load_model
 from flowfleet.models.init import load_expert_init
 from flowfleet.storage import RunRoot
 from flowfleet.train import preview
-from flowfleet.train.data import InMemoryData, check_compatible, model_fields, training_fields
+from flowfleet.train.data import InMemoryData, check_compatible, derive_seed, model_fields, training_fields
 from flowfleet.train.specs import JobSpec, job_batch, job_steps, router_config
 from flowfleet.train.status import job_finished
 
 PREVIEW_COUNT = 8  # samples in an expert's grid
+_SHARE_STREAM = 2  # derive_seed tag of the DiLoCo workers' shares of the data
 ROUTER_EVAL_ITEMS = 512  # items the router's accuracy is measured on
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,25 @@ class FlowTask(TrainTask):
             captions,
             title,
         )
+
+
+class WorkerTask(FlowTask):
+    """A DiLoCo worker (run.yaml diloco): the monolith's flow matching on its random share of the data. Every worker
+    starts from the same weights, those of train.seed (the outer model's first round), while its train_cfg.seed,
+    which draws its data order and noise, is its own."""
+
+    def build_model(self) -> DiTModel:
+        with torch.random.fork_rng():
+            torch.manual_seed(self.run.train.seed)
+            return super().build_model()
+
+
+def worker_share(n: int, workers: int, w: int, seed: int) -> torch.Tensor:
+    """[N] bool: worker w's random 1/workers of n items (a permutation of train.seed, dealt out in turn)."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(seed, _SHARE_STREAM)))
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[order[w::workers]] = True
+    return keep
 
 
 class DistillTask(FlowTask):
@@ -400,6 +420,20 @@ def _partition_counts(root: RunRoot, cfg: RunConfig, spec: JobSpec, shards: Shar
     return list(counts)
 
 
+def _worker_task(cfg: RunConfig, spec: JobSpec, data: InMemoryData) -> WorkerTask:
+    """DiLoCo worker `spec.worker` on its share of `data` (all of data/)."""
+    if cfg.diloco is None:
+        raise FlowfleetError(f"{spec.name}: run.yaml has no diloco block")
+    workers, w = cfg.diloco.workers, spec.worker
+    if w is None or not 0 <= w < workers:
+        raise FlowfleetError(f"--worker {w}: run.yaml diloco.workers is {workers} (0..{workers - 1})")
+    if len(data) < workers:
+        raise FlowfleetError(f"{data.where}: {len(data)} items for {workers} DiLoCo workers")
+    share = data.select(worker_share(len(data), workers, w, cfg.train.seed))
+    train = cfg.train.model_copy(update={"seed": derive_seed(cfg.train.seed, _SHARE_STREAM, w)})
+    return WorkerTask(spec, cfg, cfg.expert, train, job_steps(cfg, spec), share)
+
+
 def build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: bool | None = None) -> TrainTask:
     """The job `spec` of the run, its data loaded."""
     task = _build_task(root, cfg, spec, match_compute=match_compute)
@@ -452,13 +486,15 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
             strategy=cfg.distill.teacher,
             teacher_cfg=teacher_cfg,
         )
-    if spec.kind == "monolith":
+    if spec.kind in ("monolith", "diloco"):
         p = cfg.train.augment_p
         check_compatible(
             shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert", augment_p=p
         )
         data = InMemoryData.load(shards, training_fields(cfg.expert, p))
-        return FlowTask(spec, cfg, cfg.expert, cfg.train, job_steps(cfg, spec, match_compute), data)
+        if spec.kind == "monolith":
+            return FlowTask(spec, cfg, cfg.expert, cfg.train, job_steps(cfg, spec, match_compute), data)
+        return _worker_task(cfg, spec, data)
 
     router = router_config(cfg, spec)
     check_compatible(shards.manifest(), router, data_where=shards.url, model_where="run.yaml router")
