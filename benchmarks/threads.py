@@ -31,14 +31,17 @@ The machine's topology (logical CPUs, physical cores, SMT) is printed with the f
 
     prepare    `flowfleet prepare` of 1000 emoji, 300 autoencoder steps, 100 held out (a fresh run root each time)
     train      `flowfleet train-expert RUN --expert 0` on that run clustered (--train-steps steps per expert)
-    generate   `flowfleet generate MODEL --n 64`
+    generate   `flowfleet generate MODEL --n 64 --prompt PROMPT`
     evaluate   `flowfleet evaluate MODEL --n 100 --strategies top2` (no sweep, no diagnostics)
     serve      `flowfleet serve MODEL`, then 8 requests of 4 images one after the other (the time to answer them)
 
     .venv/bin/python benchmarks/threads.py --beside --model runs/demo/model --out runs/bench/threads-beside.json
     .venv/bin/python benchmarks/threads.py --beside --commands prepare --loads 0,1 --settings defaults,policy
 
-It prints each time and its ratio to the same setting alone, and writes them all with --out.
+Each command runs once untimed first (its files read into the page cache, so that the first setting timed pays no
+cold start). It prints each time and its ratio to the same setting alone, and writes them all with --out; a command
+still running after --cap-times its time alone is stopped and recorded as '>CAP' (torch's defaults beside busy
+processes can take many times that).
 """
 
 from __future__ import annotations
@@ -104,7 +107,8 @@ SETTINGS = {  # name -> (extra environment, code run before torch loads)
 
 
 def clean_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_", "GOMP_", "KMP_"))}
+    ours = ("OMP_", "MKL_", "GOMP_", "KMP_", "FLOWFLEET_THREADS")  # the settings each child is given, none inherited
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra)
     return env
 
@@ -120,9 +124,9 @@ def child(code: str, args: list[str], extra: dict[str, str]) -> dict:
 
 BUSY = "while True: pass"
 BESIDE_SETTINGS = {  # name -> the command's extra environment
-    "defaults": {"FLOWFLEET_THREADS": "static"},
-    "PASSIVE": {"FLOWFLEET_THREADS": "static", "OMP_WAIT_POLICY": "PASSIVE"},
     "policy": {},
+    "PASSIVE": {"FLOWFLEET_THREADS": "static", "OMP_WAIT_POLICY": "PASSIVE"},
+    "defaults": {"FLOWFLEET_THREADS": "static"},
 }
 PREPARE_SETS = ("data.limit=1000", "encoders.latent.autoencoder.steps=300", "data.holdout=100")
 
@@ -131,10 +135,17 @@ def flowfleet(*args: str) -> list[str]:
     return [sys.executable, "-m", "flowfleet.cli", "-q", *args]
 
 
-def run_cli(cmd: list[str], extra: dict[str, str]) -> float:
-    """Wall seconds of one command (a fresh process), or an exit naming it when it fails."""
+class TooSlow(Exception):
+    """A command stopped at the benchmark's cap (its time is at least the cap)."""
+
+
+def run_cli(cmd: list[str], extra: dict[str, str], cap_s: float | None = None) -> float:
+    """Wall seconds of one command (a fresh process), or an exit naming it when it fails; TooSlow past `cap_s`."""
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, env=clean_env(extra), capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run(cmd, env=clean_env(extra), capture_output=True, text=True, check=False, timeout=cap_s)
+    except subprocess.TimeoutExpired:
+        raise TooSlow from None
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({extra}):\n{done.stderr[-2000:]}")
     return time.perf_counter() - t0
@@ -143,8 +154,8 @@ def run_cli(cmd: list[str], extra: dict[str, str]) -> float:
 class Beside:
     """The --beside commands on their inputs, made once under OUT_DIR: a prepared and clustered emoji run."""
 
-    def __init__(self, work: Path, model: Path, train_steps: int):
-        self.work, self.model, self.train_steps = work, model, train_steps
+    def __init__(self, work: Path, model: Path, train_steps: int, prompt: str, cap_s: float | None = None):
+        self.work, self.model, self.train_steps, self.prompt, self.cap_s = work, model, train_steps, prompt, cap_s
         self.prepared = work / "prepared"
         if not (self.prepared / "partitions").exists():
             shutil.rmtree(self.prepared, ignore_errors=True)
@@ -161,26 +172,28 @@ class Beside:
             root = self.work / "prepare"
             shutil.rmtree(root, ignore_errors=True)
             self.init(root)
-            return run_cli(flowfleet("prepare", str(root), "--no-progress"), extra)
+            return run_cli(flowfleet("prepare", str(root), "--no-progress"), extra, self.cap_s)
         if command == "train":
             shutil.rmtree(self.prepared / "experts" / "0", ignore_errors=True)
-            return run_cli(flowfleet("train-expert", str(self.prepared), "--expert", "0", "--no-progress"), extra)
+            args = ["train-expert", str(self.prepared), "--expert", "0", "--no-progress"]
+            return run_cli(flowfleet(*args), extra, self.cap_s)
         if command == "generate":
-            return run_cli(
-                flowfleet("generate", str(self.model), "--n", "64", "--out", str(self.work / "g.png")), extra
-            )
+            out = str(self.work / "g.png")
+            args = ["generate", str(self.model), "--n", "64", "--prompt", self.prompt, "--out", out]
+            return run_cli(flowfleet(*args), extra, self.cap_s)
         if command == "evaluate":
             copy = self.work / "model"
             shutil.copytree(self.model, copy, dirs_exist_ok=True)
             args = ["evaluate", str(copy), "--reference", str(self.model.parent), "--n", "100", "--strategies", "top2"]
-            return run_cli(flowfleet(*args, "--no-diagnostics"), extra)
+            return run_cli(flowfleet(*args, "--no-diagnostics"), extra, self.cap_s)
         if command == "serve":
-            return serve_requests(self.model, extra)
+            return serve_requests(self.model, extra, cap_s=self.cap_s)
         raise SystemExit(f"--commands: unknown command {command!r}")
 
 
-def serve_requests(model: Path, extra: dict[str, str], requests: int = 8) -> float:
-    """`flowfleet serve MODEL`, then `requests` requests of 4 images one after the other: seconds to answer them."""
+def serve_requests(model: Path, extra: dict[str, str], requests: int = 8, cap_s: float | None = None) -> float:
+    """`flowfleet serve MODEL`, then `requests` requests of 4 images one after the other: seconds to answer them
+    (TooSlow once they pass `cap_s`)."""
     import socket
 
     import httpx
@@ -203,7 +216,13 @@ def serve_requests(model: Path, extra: dict[str, str], requests: int = 8) -> flo
         httpx.post(f"{url}/api/generate", json=body, timeout=600)  # warm-up: the experts loaded
         t0 = time.perf_counter()
         for i in range(requests):
-            httpx.post(f"{url}/api/generate", json={**body, "seed": i}, timeout=600).raise_for_status()
+            left = None if cap_s is None else cap_s - (time.perf_counter() - t0)
+            if left is not None and left <= 0:
+                raise TooSlow
+            try:
+                httpx.post(f"{url}/api/generate", json={**body, "seed": i}, timeout=left or 600).raise_for_status()
+            except httpx.TimeoutException:
+                raise TooSlow from None
         return time.perf_counter() - t0
     finally:
         server.terminate()
@@ -217,21 +236,35 @@ def beside(a: argparse.Namespace) -> dict:
     topo = CpuTopology.read()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    harness = Beside(work, Path(a.model).resolve(), a.train_steps)
+    harness = Beside(work, Path(a.model).resolve(), a.train_steps, a.prompt)
     loads = [int(x) for x in a.loads.split(",")]
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "seconds": {}}
     out["machine"] = f"{platform.machine()}: {topo.cpus} CPUs, {topo.cores} cores, smt {topo.smt}"
     print(out["machine"], flush=True)
     for command in a.commands.split(","):
+        harness.cap_s = None
+        harness.time(command, BESIDE_SETTINGS["defaults"])  # untimed: files in the page cache for every setting
         for load in loads:
             busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(load)]
             try:
                 for name in a.settings.split(","):
-                    seconds = harness.time(command, BESIDE_SETTINGS[name])
-                    out["seconds"].setdefault(command, {}).setdefault(name, {})[str(load)] = round(seconds, 2)
+                    alone = out["seconds"].get(command, {}).get(name, {}).get("0")
+                    harness.cap_s = max(a.cap_times * alone, 30.0) if isinstance(alone, float) else None
+                    try:
+                        seconds: float | str = round(harness.time(command, BESIDE_SETTINGS[name]), 2)
+                    except TooSlow:
+                        seconds = f">{harness.cap_s:g}"  # stopped at the cap: at least that long
+                    timed_at = out["seconds"].setdefault(command, {}).setdefault(name, {})
+                    key = str(load) if str(load) not in timed_at else f"{load}#{len(timed_at)}"  # a setting again
+                    timed_at[key] = seconds
                     alone = out["seconds"][command][name].get("0")
-                    ratio = f" ({seconds / alone:.2f}x alone)" if alone and load else ""
-                    print(f"{command:<9} {name:<9} beside {load} busy: {seconds:7.1f} s{ratio}", flush=True)
+                    timed = isinstance(seconds, float)
+                    shown = f"{seconds:7.1f} s" if timed else f"{seconds} s (stopped)"
+                    ratio = f" ({seconds / alone:.2f}x alone)" if timed and isinstance(alone, float) and load else ""
+                    print(f"{command:<9} {name:<9} beside {load} busy: {shown}{ratio}", flush=True)
+                    if a.out:  # what is measured so far, should the run be stopped
+                        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+                        Path(a.out).write_text(json.dumps(out, indent=1))
             finally:
                 for proc in busy:
                     proc.kill()
@@ -251,9 +284,16 @@ def main() -> None:
     p.add_argument("--beside", action="store_true", help="the commands alone and beside busy processes (see above)")
     p.add_argument("--commands", default="prepare,train,generate,evaluate,serve", help="--beside: which commands")
     p.add_argument("--loads", default="0,1,2,4", help="--beside: busy processes beside each command (0: alone)")
-    p.add_argument("--settings", default="defaults,PASSIVE,policy", help="--beside: the thread settings compared")
+    p.add_argument("--settings", default="policy,PASSIVE,defaults", help="--beside: the thread settings compared")
     p.add_argument("--train-steps", type=int, default=300, help="--beside: train.steps of the training job's run")
     p.add_argument("--work", default="runs/bench/threads-beside", help="--beside: the runs it makes")
+    p.add_argument(
+        "--cap-times",
+        type=float,
+        default=8.0,
+        help="--beside: stop a command beside busy processes after this many times its time alone, at least 30 s "
+        "(recorded as '>CAP')",
+    )
     a = p.parse_args()
     if a.beside:
         result = beside(a)

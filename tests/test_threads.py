@@ -11,7 +11,16 @@ import os
 import pytest
 
 from flowfleet import threads
-from flowfleet.threads import CpuTopology, MachineLoad, ThreadGovernor, choose, read_quota, sleeping_threads, thread_env
+from flowfleet.threads import (
+    CpuTopology,
+    MachineLoad,
+    ThreadGovernor,
+    choose,
+    free_cpus,
+    read_quota,
+    sleeping_threads,
+    thread_env,
+)
 from flowfleet.train.fanout import plan_slots
 
 CORE_PER_THREAD = CpuTopology(cpus=2, cores=2)
@@ -56,9 +65,10 @@ def test_the_users_own_setting_wins():
         assert thread_env("shared", {"OMP_WAIT_POLICY": given}, SMT, IDLE) == {}
         assert thread_env("alone", {"OMP_WAIT_POLICY": given}, SMT, IDLE) == {}
     busy = MachineLoad(others=1)
-    assert thread_env("alone", {}, CORE_PER_THREAD, busy) == {
+    assert thread_env("alone", {}, CORE_PER_THREAD, busy) == {"OMP_WAIT_POLICY": "PASSIVE"}  # its loops: free_cpus
+    assert thread_env("alone", {}, CpuTopology(8, 8), MachineLoad(0.0, quota=2.0)) == {
         "OMP_WAIT_POLICY": "PASSIVE",
-        "OMP_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "2",
         "FLOWFLEET_THREADS_CEILING": "2",
     }
     assert thread_env("alone", {"OMP_NUM_THREADS": "2"}, CORE_PER_THREAD, busy) == {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -152,9 +162,9 @@ def test_the_cgroup_quota_is_the_tightest_of_the_cgroup_and_those_above_it(tmp_p
     [
         ("alone", CORE_PER_THREAD, MachineLoad(0.0), False, None),  # the machine to itself: torch's defaults
         ("alone", CORE_PER_THREAD, MachineLoad(0.4), False, None),  # a reading in passing is not a busy CPU
-        ("alone", CORE_PER_THREAD, MachineLoad(1.0), True, 1),  # one busy process: the CPU left, asleep
-        ("alone", CORE_PER_THREAD, MachineLoad(4.0), True, 1),  # a load of twice the cores: one thread
-        ("alone", CpuTopology(8, 8), MachineLoad(3.0), True, 5),  # 8 CPUs, 3 wanted: the 5 others
+        ("alone", CORE_PER_THREAD, MachineLoad(1.0), True, None),  # one busy process: asleep, every CPU
+        ("alone", CORE_PER_THREAD, MachineLoad(4.0), True, None),  # a load of twice the cores: the same
+        ("alone", CpuTopology(8, 8), MachineLoad(3.0), True, None),  # 8 CPUs, 3 wanted: asleep
         ("alone", CpuTopology(8, 8), MachineLoad(0.0, quota=2.5), True, 2),  # a container's quota of 2.5 CPUs
         ("alone", CpuTopology(8, 8), MachineLoad(0.0, quota=16.0), False, None),  # a quota above the CPUs
         ("alone", SMT, MachineLoad(0.0), True, None),  # SMT siblings: asleep, the default count
@@ -165,6 +175,50 @@ def test_the_decision_from_load_quota_and_topology(workload, topology, load, sle
     choice = choose(workload, topology, load)
     assert (choice.sleep, choice.threads) == (sleep, threads)
     assert "\n" not in choice.describe() and choice.why
+
+
+@pytest.mark.parametrize(
+    "topology, load, threads",
+    [
+        (CORE_PER_THREAD, MachineLoad(0.0), 2),  # nobody else: every CPU
+        (CORE_PER_THREAD, MachineLoad(0.4), 2),  # a reading in passing
+        (CORE_PER_THREAD, MachineLoad(1.0), 1),  # one busy process: the CPU left
+        (CORE_PER_THREAD, MachineLoad(4.0), 1),  # twice the cores wanted: at least one
+        (CpuTopology(8, 8), MachineLoad(3.0), 5),  # 8 CPUs, 3 wanted: the 5 others
+        (CpuTopology(8, 8), MachineLoad(1.0, quota=2.5), 1),  # a quota of 2.5 CPUs, one of them wanted
+    ],
+)
+def test_a_long_loop_of_small_steps_runs_the_cpus_nobody_else_wants(topology, load, threads):
+    assert free_cpus(topology, load) == threads
+
+
+SET_BEFORE_TORCH = """
+import os, sys
+import flowfleet.threads as t
+t.MachineLoad.read = classmethod(lambda cls, *a, **k: t.MachineLoad(others=1.0))  # a busy box
+apply, seen = t.apply_thread_policy, {}
+def spy(workload):
+    seen["torch loaded"] = "torch" in sys.modules
+    return apply(workload)
+import flowfleet.cli as cli
+cli.apply_thread_policy = spy
+cli.main(["-q", "init", sys.argv[1], "--preset", "mnist-tiny"])
+print(seen["torch loaded"], "torch" in sys.modules, os.environ.get("OMP_WAIT_POLICY"))
+"""
+
+
+def test_the_command_line_sets_the_policy_before_torch_loads(tmp_path):
+    """OpenMP reads its variables once, when torch's library loads: a variable set after that is not read (the
+    parser's options import torch), so the command line sets them first of all."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "FLOWFLEET_THREADS"))}
+    done = subprocess.run(
+        [sys.executable, "-c", SET_BEFORE_TORCH, str(tmp_path / "r")], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "PASSIVE"]  # set before torch, which the command then loaded
 
 
 def test_the_command_line_reads_the_load_unless_static(monkeypatch, tmp_path):
@@ -180,8 +234,7 @@ def test_the_command_line_reads_the_load_unless_static(monkeypatch, tmp_path):
     assert "OMP_WAIT_POLICY" not in os.environ and "OMP_NUM_THREADS" not in os.environ  # static: an idle box
     monkeypatch.setenv("FLOWFLEET_THREADS", "auto")
     assert main(["-q", "init", str(tmp_path / "auto"), "--preset", "mnist-tiny"]) == 0
-    assert (os.environ["OMP_WAIT_POLICY"], os.environ["OMP_NUM_THREADS"]) == ("PASSIVE", "1")
-    assert os.environ["FLOWFLEET_THREADS_CEILING"] == "2"
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and "OMP_NUM_THREADS" not in os.environ  # asleep, every CPU
 
 
 class FakeClock:

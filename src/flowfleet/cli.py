@@ -66,12 +66,14 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # First of all, before torch loads (the parser's options import it, and OpenMP reads its variables once, when its
+    # library loads): this process has the machine to itself (a command that starts processes sharing its cores,
+    # train-all or --nproc, sets their policy: flowfleet.threads).
+    _, policy = apply_thread_policy("alone")
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose, args.quiet)
+    logging.getLogger("flowfleet.threads").debug("%s", policy)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # to relaunch the same command (generate --nproc)
-    # Before a command loads torch: this process has the machine to itself (a command that starts processes
-    # sharing its cores, train-all or --nproc, sets their policy: flowfleet.threads).
-    apply_thread_policy("alone")
 
     try:
         return int(args.func(args) or 0)

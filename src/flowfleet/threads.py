@@ -2,17 +2,23 @@
 
     alone    a command started by hand (generate, evaluate, serve, prepare, demo, a training job): torch's defaults
              where the machine is idle (idle threads that spin briefly before they sleep, one per CPU); where it is
-             not, idle threads sleep and the process runs as many threads as CPUs nobody else wants (at least one):
-             other runnable threads on its CPUs, a cgroup's CPU quota below its CPUs, two of its CPUs SMT siblings
+             not (other runnable threads on its CPUs, two of its CPUs SMT siblings), idle threads sleep and it keeps a
+             thread per CPU it may use (a cgroup's CPU quota below its CPUs: that many), while its long loops of small
+             steps (the trainer's, the autoencoder's) run as many threads as CPUs nobody else wants, at least one
     shared   it runs beside other processes of the same command on the same cores (train-all's concurrent jobs, the
              CPU ranks of `--nproc N`): idle threads sleep (OMP_WAIT_POLICY=PASSIVE), each its thread budget
 
 A spinning thread holds its core. That is what makes the next parallel region start at once when the process has
 the core to itself, and what slows whoever else needs it: another process on the same core, or the other hardware
 thread of an SMT core; and a process whose threads outnumber the cores left to it waits, region after region, for
-its last thread to be scheduled. On a 2-core Xeon the demo fleet samples 3-4x faster with spinning threads than
-with sleeping ones when it has the machine; beside one busy process, `prepare`'s autoencoder took 3.8x its time
-alone under torch's defaults (BENCHMARKS.md, "CPU threads").
+its last thread to be scheduled. That last cost depends on the work: a loop of small steps (an autoencoder's
+convolutions, a small expert's training step) meets a barrier every few hundred microseconds and runs fastest on the
+CPUs left to it, while sampling's larger operations keep their threads busy between barriers and, the scheduler
+sharing the cores by thread, run fastest on every CPU (beside one busy process on 2 cores, `prepare` took 1.26x its
+time alone on one thread, 2.3x on two sleeping ones; `generate` of 64 images 1.9x on one thread, 1.0x on two sleeping
+ones). On a 2-core Xeon the demo fleet samples 3-4x faster with spinning threads than with sleeping ones when it
+has the machine; beside one busy process, `prepare` took 3.1x its time alone under torch's defaults (BENCHMARKS.md,
+"CPU threads").
 
 OpenMP reads its wait policy once, when torch loads, so that part is decided before: by the command line (cli.py)
 for its own process from what the machine is doing then, and by whoever starts shared processes for theirs
@@ -208,12 +214,17 @@ class ThreadChoice:
         return f"{count}, idle threads {'sleep' if self.sleep else 'spin'} ({self.why})"
 
 
+def usable_cpus(topology: CpuTopology, load: MachineLoad) -> int:
+    """The CPUs a process may use: its affinity's, or fewer under a cgroup quota (at least 1)."""
+    return topology.cpus if load.quota is None else max(1, min(topology.cpus, math.floor(load.quota)))
+
+
 def choose(workload: Workload, topology: CpuTopology, load: MachineLoad = MachineLoad()) -> ThreadChoice:
-    """The rule: idle threads sleep where they would take a core someone else needs, and a process alone runs as many
-    threads as CPUs nobody else wants (between 1 and the CPUs its affinity and quota allow) where that is fewer."""
+    """The rule as a process starts: idle threads sleep where they would take a core someone else needs, and a process
+    alone runs a thread per CPU its affinity and quota allow (its long loops then follow free_cpus)."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload: expected one of {', '.join(WORKLOADS)}, got {workload!r}")
-    usable = topology.cpus if load.quota is None else max(1, min(topology.cpus, math.floor(load.quota)))
+    usable = usable_cpus(topology, load)
     reasons = []
     if workload == "shared":
         reasons.append("beside other processes of the same command")
@@ -223,10 +234,15 @@ def choose(workload: Workload, topology: CpuTopology, load: MachineLoad = Machin
         reasons.append(f"{load.others:g} other runnable threads on its {topology.cpus} CPUs")
     if load.quota is not None and load.quota < topology.cpus:
         reasons.append(f"a cgroup quota of {load.quota:g} CPUs")
-    threads = None
-    if workload == "alone" and (load.others >= BUSY or usable < topology.cpus):
-        threads = max(1, min(usable, math.floor(usable - load.others + 0.5)))
+    threads = usable if workload == "alone" and usable < topology.cpus else None
     return ThreadChoice(bool(reasons), threads, usable, "; ".join(reasons) or "nothing else wants its CPUs")
+
+
+def free_cpus(topology: CpuTopology, load: MachineLoad) -> int:
+    """The CPUs nobody else wants, between 1 and those the affinity and quota allow: the threads of a long loop of
+    small steps, whose every barrier would otherwise wait for a thread the scheduler gave someone else's turn."""
+    usable = usable_cpus(topology, load)
+    return max(1, min(usable, math.floor(usable - load.others + 0.5)))
 
 
 def sleeping_threads(workload: Workload, topology: CpuTopology, load: MachineLoad = MachineLoad()) -> bool:
@@ -261,16 +277,16 @@ def thread_env(
     return added
 
 
-def apply_thread_policy(workload: Workload) -> dict[str, str]:
-    """Set this process's variables (before torch loads: later, only processes it starts see them); returns what was
-    set. One line at debug level says what the policy chose and why."""
+def apply_thread_policy(workload: Workload) -> tuple[dict[str, str], str]:
+    """Set this process's variables; -> what was set, and one line saying what the policy chose and why (for the
+    caller to log once its logging is configured). Only before torch loads: OpenMP reads them once, when its library
+    loads, so a variable set later reaches only the processes this one starts."""
     environ = os.environ
     topology = CpuTopology.read()
     load = MachineLoad.read() if follows_load(environ) else MachineLoad()
     added = thread_env(workload, environ, topology, load)
     environ.update(added)
-    log.debug("CPU threads (%s): %s; set %s", workload, choose(workload, topology, load).describe(), added or "nothing")
-    return added
+    return added, f"CPU threads ({workload}): {choose(workload, topology, load).describe()}; set {added or 'nothing'}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -279,9 +295,10 @@ def apply_thread_policy(workload: Workload) -> dict[str, str]:
 
 
 class ThreadGovernor:
-    """Between the steps of a long loop, torch's thread count follows the machine's load: as many threads as CPUs
-    nobody else wants, never more than the count it started with (or that the policy may go back up to), never
-    fewer than 1. Idle threads' wait policy cannot change once torch has loaded; fewer threads leave none to spin.
+    """Between the steps of a long loop of small steps (the trainer's, the autoencoder's), torch's thread count follows
+    the machine's load: as many threads as CPUs nobody else wants (free_cpus), never more than the count it started
+    with (or that the policy may go back up to), never fewer than 1. Idle threads' wait policy cannot change once torch
+    has loaded; fewer threads leave none to spin.
 
         governor = ThreadGovernor()
         for step in ...:
@@ -317,8 +334,9 @@ class ThreadGovernor:
         self._last = now
         import torch
 
-        choice = choose("alone", self.topology, self.read_load())
-        wanted = min(self.ceiling, choice.threads or self.ceiling)
+        load = self.read_load()
+        choice = choose("alone", self.topology, load)
+        wanted = min(self.ceiling, free_cpus(self.topology, load))
         if wanted == torch.get_num_threads():
             return None
         torch.set_num_threads(wanted)

@@ -44,7 +44,6 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.layout import AUTOENCODER, AUTOENCODER_RECIPE, DATA, EVAL_DATA, MANIFEST, NOTICE, data_part
 from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.storage import RunRoot
-from flowfleet.threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -497,11 +496,9 @@ class _Encoding:
         bar = tqdm(total=stop, initial=start, unit="img", desc=desc, disable=not self.progress, dynamic_ncols=True)
         last_pos = start
         checked_shape = False
-        governor = ThreadGovernor()  # the CPU's thread count follows its load between batches
         for entry in _decoded(items, start, d.image_size, d.channels, bad, d.labels):
             batch.append(entry)
-            if len(batch) == d.batch_size:
-                governor.step()
+            if len(batch) == d.batch_size:  # (the encoders' large operations keep every thread: flowfleet.threads)
                 checked_shape = _encode_into(rows, enc, batch, self.cfg, checked_shape, keep_images, augment)
                 batch = []
                 while len(rows) >= d.shard_size:
