@@ -21,41 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(sub, "assemble", run_assemble)
-    add_run_root(p)
-    p.add_argument("--out", metavar="DIR", default=None, help="model folder to write (default: RUN_ROOT/model)")
-    p.add_argument(
-        "--allow-partial",
-        action="store_true",
-        help="leave out experts that are not finished (with a warning) instead of refusing; the "
-        "router's probabilities are renormalised over the experts present",
-    )
-    p.add_argument(
-        "--router",
-        default=ROUTER,
-        choices=ROUTERS,
-        help="which trained router the fleet uses: the run's (default) or router-paris, Paris' "
-        "prompt-blind baseline (run.yaml router_baseline)",
-    )
-    p.add_argument(
-        "--monolith",
-        action="store_true",
-        help="assemble the compute-matched monolith (monolith/final) instead, as a one-expert model "
-        "with no router (default --out RUN_ROOT/model-monolith); generate and evaluate open it like a fleet",
-    )
-    p.add_argument(
-        "--student",
-        action="store_true",
-        help="assemble the distilled student (student/final, `flowfleet distill`) the same way "
-        "(default --out RUN_ROOT/model-student), sampled without guidance",
-    )
-    p.add_argument(
-        "--diloco",
-        action="store_true",
-        help="assemble the model DiLoCo's workers trained (run.yaml diloco; diloco/worker-W/final, equal on every "
-        "worker) the same way (default --out RUN_ROOT/model-diloco)",
-    )
-
+    _register_assemble(sub)
     p = add_command(sub, "verify", run_verify)
     add_model_dir(p)
 
@@ -102,6 +68,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=None, metavar="B", help="samples per batch (default: all)")
     add_device(p)
     add_parallel(p)
+
+
+def _register_assemble(sub: argparse._SubParsersAction) -> None:
+    p = add_command(sub, "assemble", run_assemble)
+    add_run_root(p)
+    p.add_argument("--out", metavar="DIR", default=None, help="model folder to write (default: RUN_ROOT/model)")
+    p.add_argument(
+        "--allow-partial",
+        action="store_true",
+        help="leave out experts that are not finished (with a warning) instead of refusing; the "
+        "router's probabilities are renormalised over the experts present",
+    )
+    p.add_argument(
+        "--router",
+        default=ROUTER,
+        choices=ROUTERS,
+        help="which trained router the fleet uses: the run's (default) or router-paris, Paris' "
+        "prompt-blind baseline (run.yaml router_baseline)",
+    )
+    p.add_argument(
+        "--monolith",
+        action="store_true",
+        help="assemble the compute-matched monolith (monolith/final) instead, as a one-expert model "
+        "with no router (default --out RUN_ROOT/model-monolith); generate and evaluate open it like a fleet",
+    )
+    p.add_argument(
+        "--student",
+        action="store_true",
+        help="assemble the distilled student (student/final, `flowfleet distill`) the same way "
+        "(default --out RUN_ROOT/model-student), sampled without guidance",
+    )
+    p.add_argument(
+        "--diloco",
+        action="store_true",
+        help="assemble the model DiLoCo's workers trained (run.yaml diloco; diloco/worker-W/final, equal on every "
+        "worker) the same way (default --out RUN_ROOT/model-diloco)",
+    )
 
 
 def run_assemble(args: argparse.Namespace) -> int:
