@@ -152,6 +152,6 @@ def diloco_worker(w: int) -> str:
     return f"{DILOCO}/worker-{w}"
 
 
-def diloco_round(r: int) -> tuple[str, str]:
+def diloco_round(r: int) -> tuple[str, ...]:
     """Round r's folder (0-based): each worker's pseudo-gradient of the round and the round's decision."""
     return (*DILOCO_ROUNDS, f"{r:06d}")

@@ -30,7 +30,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import safetensors.torch
 import torch
@@ -38,6 +38,7 @@ import torch
 from flowfleet.config import DiLoCoConfig
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import DILOCO_DECISION, diloco_round
+from flowfleet.models.dit import DiTModel
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import Checkpoint, flatten_state, unflatten_state
 from flowfleet.train.ema import EMA
@@ -123,8 +124,8 @@ class Rounds:
 class OuterLoop:
     """θ_r (a copy of the model whose parameters are the outer weights), its SGD, its EMA and the round count."""
 
-    def __init__(self, model: torch.nn.Module, cfg: DiLoCoConfig, ema_decay: float, ema_warmup: bool):
-        self.model = copy.deepcopy(model).requires_grad_(True)
+    def __init__(self, model: DiTModel, cfg: DiLoCoConfig, ema_decay: float, ema_warmup: bool):
+        self.model: DiTModel = copy.deepcopy(model).requires_grad_(True)
         momentum = cfg.outer_momentum
         self.opt = torch.optim.SGD(
             self.model.parameters(), lr=cfg.outer_lr, momentum=momentum, nesterov=cfg.nesterov and momentum > 0
@@ -206,7 +207,7 @@ class DiLoCoTrainer(Trainer):
 
     def _outer(self, st: _State) -> OuterLoop:
         tc = self.task.train_cfg
-        return OuterLoop(st.model, self.cfg, tc.ema_decay, tc.ema_warmup)
+        return OuterLoop(cast(DiTModel, st.model), self.cfg, tc.ema_decay, tc.ema_warmup)  # (the task built it)
 
     # -- the round -------------------------------------------------------------------------------------
 
@@ -319,7 +320,7 @@ class DiLoCoTrainer(Trainer):
         self.rounds.traffic = Traffic(int(traffic.get("written", 0)), int(traffic.get("read", 0)))
         self.short = list(ckpt.state.get("diloco_short_rounds", []))
 
-    def _final_model(self, st: _State) -> torch.nn.Module:
+    def _final_model(self, st: _State) -> DiTModel:
         assert self.outer is not None
         if self.outer.round != self.total_rounds:
             raise FlowfleetError(f"{self.task.name}: {self.outer.round} of {self.total_rounds} rounds applied")

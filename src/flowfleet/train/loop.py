@@ -32,6 +32,7 @@ from flowfleet.config import TrainConfig
 from flowfleet.distributed import DistContext, join_from_env
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import FINAL, JOB_REPORT, SAMPLES
+from flowfleet.models.dit import DiTModel
 from flowfleet.models.files import save_model
 from flowfleet.storage import RunRoot
 from flowfleet.threads import ThreadGovernor
@@ -312,7 +313,7 @@ class Trainer:
     def _restore_extras(self, st: _State, ckpt: Checkpoint) -> None:
         """Restore what _checkpoint_extras saved."""
 
-    def _final_model(self, st: _State) -> torch.nn.Module:
+    def _final_model(self, st: _State) -> DiTModel:
         """What final/ holds: the EMA weights."""
         return st.rank0().ema.module.eval()
 
