@@ -148,3 +148,31 @@ def test_storage_block_of_run_yaml_applies_to_every_write(s3_url, s3_endpoint):
     key = explicit.path("plain.json").split("/", 1)[1]
     head = boto3.client("s3", endpoint_url=s3_endpoint).head_object(Bucket=s3_url[5:], Key=key)
     assert head.get("ServerSideEncryption") is None
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_create_bytes_writes_once_whoever_races(where, tmp_path, request):
+    """One of the writers racing on a name wins (a hard link on a disk, a conditional PUT on S3); the others leave
+    its bytes as they are, and no temporary file stays."""
+    import threading
+
+    url = str(tmp_path / "root") if where == "local" else f"{request.getfixturevalue('s3_url')}/root"
+    root = RunRoot(url)
+    won: list[int] = []
+    go = threading.Barrier(4)
+
+    def race(i: int) -> None:
+        go.wait()
+        if RunRoot(url).create_bytes(f"writer {i}".encode(), "rounds", "decision.json"):
+            won.append(i)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1
+    assert root.read_bytes("rounds", "decision.json") == f"writer {won[0]}".encode()
+    assert not root.create_bytes(b"late", "rounds", "decision.json")
+    assert root.read_bytes("rounds", "decision.json") == f"writer {won[0]}".encode()
+    assert root.ls("rounds") == ["decision.json"]

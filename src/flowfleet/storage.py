@@ -60,6 +60,21 @@ def with_retries(fn: Callable[[], T], *, what: str, attempts: int = 5, base_dela
     raise AssertionError("unreachable")
 
 
+def _temp_beside(path: str, data: bytes) -> str:
+    """`data` in a new hidden file in `path`'s folder, flushed to disk: -> its path (removed again if writing fails)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-" + os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
 def _machine_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
     """`options` plus what this machine's environment adds: AWS_ENDPOINT_URL for s3:// (passed on
     explicitly: older botocore releases do not read that variable themselves)."""
@@ -176,17 +191,11 @@ class RunRoot:
         p = self.path(*parts)
         self._opened.pop(p, None)
         if self.is_local:
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(p), prefix=".tmp-" + os.path.basename(p))
+            tmp = _temp_beside(p, data)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.replace(tmp, p)
             except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                os.unlink(tmp)
                 raise
             return
         with_retries(lambda: self.fs.pipe_file(p, data), what=f"write {self.url_of(*parts)}")
@@ -198,13 +207,8 @@ class RunRoot:
         p = self.path(*parts)
         self._opened.pop(p, None)
         if self.is_local:
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(p), prefix=".tmp-" + os.path.basename(p))
+            tmp = _temp_beside(p, data)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.link(tmp, p)  # atomic, and refused where the name exists
                 return True
             except FileExistsError:
