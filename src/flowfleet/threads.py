@@ -8,17 +8,17 @@
     shared   it runs beside other processes of the same command on the same cores (train-all's concurrent jobs, the
              CPU ranks of `--nproc N`): idle threads sleep (OMP_WAIT_POLICY=PASSIVE), each its thread budget
 
-A spinning thread holds its core. That is what makes the next parallel region start at once when the process has
-the core to itself, and what slows whoever else needs it: another process on the same core, or the other hardware
-thread of an SMT core; and a process whose threads outnumber the cores left to it waits, region after region, for
-its last thread to be scheduled. That last cost depends on the work: a loop of small steps (an autoencoder's
-convolutions, a small expert's training step) meets a barrier every few hundred microseconds and runs fastest on the
-CPUs left to it, while sampling's larger operations keep their threads busy between barriers and, the scheduler
-sharing the cores by thread, run fastest on every CPU (beside one busy process on 2 cores, `prepare` took 1.26x its
-time alone on one thread, 2.3x on two sleeping ones; `generate` of 64 images 1.9x on one thread, 1.0x on two sleeping
-ones). On a 2-core Xeon the demo fleet samples 3-4x faster with spinning threads than with sleeping ones when it
-has the machine; beside one busy process, `prepare` took 3.1x its time alone under torch's defaults (BENCHMARKS.md,
-"CPU threads").
+A spinning thread holds its core. That is what makes the next parallel region start at once when the process has the
+core to itself, and what slows whoever else needs it: another process on the same core, or the other hardware thread of
+an SMT core; and a process whose threads outnumber the cores left to it waits, region after region, for its last thread
+to be scheduled. That last cost depends on the work: a loop of small steps (an autoencoder's convolutions, a small
+expert's training step) meets a barrier every few hundred microseconds and runs fastest on the CPUs left to it, while
+sampling's larger operations keep their threads busy between barriers and, the scheduler sharing the cores by thread,
+run fastest on every CPU (beside one busy process on 2 cores, the emoji autoencoder's step took 0.12 s on one thread and
+0.23 s on two sleeping ones; `generate` of 64 images took its time alone on two sleeping ones, where one thread samples
+the demo fleet 1.56x slower than two even on an idle machine). On a 2-core Xeon the demo fleet samples 3-4x faster with
+spinning threads than with sleeping ones when it has the machine; beside one busy process, `prepare` took 3.1x its time
+alone under torch's defaults (BENCHMARKS.md, "CPU threads").
 
 OpenMP reads its wait policy once, when torch loads, so that part is decided before: by the command line (cli.py)
 for its own process from what the machine is doing then, and by whoever starts shared processes for theirs
