@@ -335,11 +335,10 @@ class ThreadGovernor:
         import torch
 
         load = self.read_load()
-        choice = choose("alone", self.topology, load)
         wanted = min(self.ceiling, free_cpus(self.topology, load))
         if wanted == torch.get_num_threads():
             return None
         torch.set_num_threads(wanted)
-        self.setting = f"{wanted} of {self.ceiling} threads ({choice.why})"
+        self.setting = f"{wanted} of {self.ceiling} threads ({choose('alone', self.topology, load).why})"
         log.debug("CPU threads: %s", self.setting)
         return self.setting

@@ -249,8 +249,9 @@ def _diloco_job(root: RunRoot, run: RunConfig) -> str:
 
 
 def _assemble_single(root: RunRoot, run: RunConfig, job: str, out: str | None, progress: bool) -> AssembleResult:
-    """The monolith or the distilled student as a one-expert model with no router (model-monolith/,
-    model-student/); the student samples without guidance (it learned the guided velocity)."""
+    """The monolith, the distilled student or DiLoCo's model (`job`: its job folder) as a one-expert model with no
+    router (model-monolith/, model-student/, model-diloco/); the student samples without guidance (it learned the
+    guided velocity)."""
     ok, why, status = job_finished(root, job)
     if not ok or status is None:
         how = f"flowfleet distill {root.url}" if job == STUDENT else _command(job, root, run)

@@ -42,7 +42,7 @@ from flowfleet.models.dit import DiTModel
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import Checkpoint, flatten_state, unflatten_state
 from flowfleet.train.ema import EMA
-from flowfleet.train.loop import Trainer, TrainOptions, _State
+from flowfleet.train.loop import Trainer, TrainOptions, _State, cpu_state
 from flowfleet.train.tasks import TrainTask
 
 POLL_LOCAL_S = 0.1  # how often a waiting worker lists the round's folder: a local disk
@@ -157,8 +157,8 @@ class OuterLoop:
     def state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
         skeleton, tensors = flatten_state(self.opt.state_dict())
         files = {
-            "outer": {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()},
-            "outer_ema": {k: v.detach().cpu().contiguous() for k, v in self.ema.state_dict().items()},
+            "outer": cpu_state(self.model.state_dict()),
+            "outer_ema": cpu_state(self.ema.state_dict()),
             "outer_optimizer": tensors,
         }
         return files, {"outer_round": self.round, "outer_optimizer": skeleton}
@@ -243,7 +243,7 @@ class DiLoCoTrainer(Trainer):
             decided = self._wait(r)
         elif self.me not in decided.workers:
             log.warning("%s: round %d was decided without it (late); adopts it", self.task.name, r)
-        self._apply(st, decided, own if self.me in decided.workers else None)
+        self._apply(st, decided, own)
         return True
 
     def _wait(self, r: int) -> Decision:
