@@ -39,6 +39,34 @@ def test_ema_follows_the_warmed_up_decay_exactly():
     assert not any(p.requires_grad for p in ema.module.parameters())
 
 
+def test_ema_update_is_averaged_models_own_bit_for_bit():
+    """The cached-list update against torch's AveragedModel.update_parameters with the same lerp, on a model with a
+    buffer, across a load_state_dict and a .to() of both (the lists must follow the modules' tensors)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    ema = EMA(model, decay=0.9, warmup=True)
+
+    def lerp(ema_params, params, n):
+        torch._foreach_lerp_(ema_params, params, 1.0 - ema_decay_at(0.9, int(n), True))
+
+    reference = AveragedModel(model, multi_avg_fn=lerp)
+    for step in range(8):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+            model[1].running_mean.add_(1.0)  # a buffer: copied, not averaged
+        ema.update(model)
+        reference.update_parameters(model)
+        for (name, ours), theirs in zip(ema.state_dict().items(), reference.state_dict().values()):
+            assert torch.equal(ours, theirs), (step, name)
+        if step == 3:
+            ema.load_state_dict(reference.state_dict())
+            model.to(torch.float64).to(torch.float32)  # new tensors behind the same parameters
+    assert int(ema.state_dict()["n_averaged"]) == 8
+
+
 def test_sampler_is_a_pure_function_of_the_position():
     a, b = ResumableSampler(10, seed=3), ResumableSampler(10, seed=3)
     whole = a.take(0, 35)  # three and a half epochs

@@ -190,6 +190,13 @@ class FleetPipeline:
         # each distinct prompt encoded once, alone (flowfleet.sampling.prompts)
         self.prompts = PromptEmbeddings(encoder) if encoder is not None else None
 
+    def share_prompts(self, other: "FleetPipeline") -> None:
+        """Keep prompt embeddings with another pipeline of the same text encoder (an evaluation's fleet and its
+        monolith): a prompt both sample is encoded once. The embeddings are the same either way."""
+        if other.text_encoder is not self.text_encoder:
+            raise ValueError("share_prompts: the pipelines have different text encoders")
+        self.prompts = other.prompts
+
     @property
     def num_experts(self) -> int:
         return self.experts.num_experts

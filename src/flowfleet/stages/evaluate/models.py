@@ -78,6 +78,7 @@ def monolith_pipeline(root: RunRoot, fleet: FleetPipeline, device: torch.device)
     pipe = FleetPipeline.from_pretrained(
         folder.url, device=device, text_encoder=fleet.text_encoder, latent_decoder=fleet.latent_decoder
     )
+    pipe.share_prompts(fleet)
     if tuple(pipe.latent_shape) != tuple(fleet.latent_shape):
         raise FlowfleetError(
             f"{folder.url}: latent shape {tuple(pipe.latent_shape)} differs from the fleet's "

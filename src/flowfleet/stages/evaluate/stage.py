@@ -99,6 +99,7 @@ def evaluate(
         other = FleetPipeline.from_pretrained(
             folder, device=ev.device, text_encoder=pipe.text_encoder, latent_decoder=pipe.latent_decoder
         )
+        other.share_prompts(pipe)
         models += [Row(s, "fleet", other, s, f"@{name}") for s in options.strategies]
     models = [row.guided(rule) for row in models for rule in options.guidance_rules or (None,)]
     if monolith is not None:
