@@ -97,6 +97,58 @@ def test_prepare_trains_the_autoencoder_on_training_images_and_encodes_with_it(t
     assert to_uint8(enc.decode(held["latents"][:1])).shape == held["images"][:1].shape
 
 
+def test_the_encoders_beside_the_autoencoder_give_the_shards_of_a_prepare_without_them(tmp_path, caplog, monkeypatch):
+    """prepare with the semantic and text encoders in a process beside the autoencoder's training: data/ and eval/
+    equal those of a prepare that encodes everything after it, field by field (both on one thread: the same
+    batches through the same encoders); a process stopped early leaves prepare to encode the rest."""
+    from flowfleet.stages import prepare_beside
+
+    real_finish = prepare_beside.EncodersBeside.finish
+
+    def finish_when_done(self):  # this autoencoder trains in a blink: let the process finish every item first
+        self.process.wait()
+        return real_finish(self)
+
+    def run(name: str, **ae) -> RunRoot:
+        root = ae_run(tmp_path / name, **ae)
+        raw = load_run_config(root).to_dict()
+        raw["encoders"]["text"] = {"name": "minilm", "max_length": 8}  # the captions too
+        raw["encoders"]["semantic"] = {"name": "inception", "image_size": 75}
+        RunConfig.from_dict(raw).save(root)
+        return root
+
+    alone, beside = run("alone"), run("beside")
+    prepare(alone, progress=False, beside=False)
+    with caplog.at_level("INFO", logger="flowfleet.stages.prepare"), monkeypatch.context() as patch:
+        patch.setattr(prepare_beside.EncodersBeside, "finish", finish_when_done)
+        prepare(beside, progress=False, beside=True)
+    assert "64 items' features and captions encoded beside the autoencoder" in caplog.text  # all 48 + 16
+    for folder in ("data", "eval"):
+        a, b = ShardSet(alone, folder), ShardSet(beside, folder)
+        fields = a.manifest().fields
+        assert fields == b.manifest().fields and {"features", "text_pooled", "latents"} <= set(fields)
+        ta, tb = a.load(list(fields)), b.load(list(fields))
+        for key in fields:
+            assert torch.equal(ta[key], tb[key]), (folder, key)
+
+    # a process that finished nothing (killed as it starts): prepare encodes every item itself
+    stopped = run("stopped")
+    real_start = prepare_beside.EncodersBeside.start
+
+    def start_and_kill(*args, **kwargs):
+        started = real_start(*args, **kwargs)
+        started.process.kill()
+        started.process.wait()
+        return started
+
+    with caplog.at_level("INFO", logger="flowfleet.stages.prepare"), monkeypatch.context() as patch:
+        patch.setattr(prepare_beside.EncodersBeside, "start", start_and_kill)
+        prepare(stopped, progress=False, beside=True)
+    assert "0 items' features and captions encoded beside the autoencoder" in caplog.text
+    ta, tb = ShardSet(alone, "data").load(["features"]), ShardSet(stopped, "data").load(["features"])
+    assert torch.equal(ta["features"], tb["features"])
+
+
 def test_a_changed_autoencoder_is_refused_and_restart_retrains_it(tmp_path):
     root = ae_run(tmp_path / "run")
     prepare(root, progress=False)

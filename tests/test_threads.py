@@ -263,6 +263,11 @@ def test_the_governor_follows_the_load_between_steps_within_its_ceiling(monkeypa
     assert governor.step() is None and state["threads"] == 1  # busier: still one
     clock.now = 7.5
     assert governor.step() == "2 of 2 threads (nothing else wants its CPUs)" and state["threads"] == 2  # back up
+    clock.now = 10.0
+    loads = iter([1.0])
+    assert governor.step() is not None and state["threads"] == 1
+    governor.restore()  # the loop's end: the process's next work gets the count the loop started with
+    assert state["threads"] == 2
     # the policy's own OMP_NUM_THREADS (busy at the start) may go back up to its ceiling; the user's never moves
     assert ThreadGovernor({"OMP_NUM_THREADS": "1", "FLOWFLEET_THREADS_CEILING": "2"}, CORE_PER_THREAD).ceiling == 2
     assert not ThreadGovernor({"OMP_NUM_THREADS": "2"}, CORE_PER_THREAD).active

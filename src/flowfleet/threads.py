@@ -323,7 +323,8 @@ class ThreadGovernor:
         self.ceiling = int(environ[CEILING]) if CEILING in environ else torch.get_num_threads()
         self.read_load, self.every_s, self.clock = read_load, every_s, clock
         self._last = -math.inf
-        self.setting = f"{torch.get_num_threads()} threads" + ("" if self.active else " (fixed)")
+        self.started = torch.get_num_threads()
+        self.setting = f"{self.started} threads" + ("" if self.active else " (fixed)")
 
     def step(self) -> str | None:
         """Read the load if it is time and set torch's thread count where it should change; -> the new setting in
@@ -342,3 +343,10 @@ class ThreadGovernor:
         self.setting = f"{wanted} of {self.ceiling} threads ({choose('alone', self.topology, load).why})"
         log.debug("CPU threads: %s", self.setting)
         return self.setting
+
+    def restore(self) -> None:
+        """Back to the count it started with, at its loop's end: what the process runs next is not that loop."""
+        if self.active:
+            import torch
+
+            torch.set_num_threads(self.started)

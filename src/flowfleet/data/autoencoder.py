@@ -76,18 +76,21 @@ def train_autoencoder(images: torch.Tensor, cfg: AutoencoderConfig, progress: bo
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc="autoencoder", unit="step", disable=not progress, dynamic_ncols=True)
     governor = ThreadGovernor()  # the CPU's thread count follows its load between steps
-    for _ in bar:
-        governor.step()
-        x = x_all[torch.randint(0, n, (min(cfg.batch_size, n),), generator=gen)]
-        posterior = vae.encode(x).latent_dist
-        recon = vae.decode(posterior.sample(gen)).sample
-        rec = F.l1_loss(recon, x) + F.mse_loss(recon, x)
-        loss = rec + cfg.kl_weight * posterior.kl().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        bar.set_postfix(rec=f"{rec.item():.4f}", refresh=False)
+    try:
+        for _ in bar:
+            governor.step()
+            x = x_all[torch.randint(0, n, (min(cfg.batch_size, n),), generator=gen)]
+            posterior = vae.encode(x).latent_dist
+            recon = vae.decode(posterior.sample(gen)).sample
+            rec = F.l1_loss(recon, x) + F.mse_loss(recon, x)
+            loss = rec + cfg.kl_weight * posterior.kl().mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            bar.set_postfix(rec=f"{rec.item():.4f}", refresh=False)
+    finally:
+        governor.restore()  # (the encoding after it has large operations: every thread)
     vae.eval()
     with torch.no_grad():
         z = torch.cat([vae.encode(b).latent_dist.mean for b in x_all.split(256)])

@@ -467,3 +467,19 @@ def build_text_encoder(cfg: TextEncoderConfig, device: torch.device | str = "cpu
     if cfg.name == "clip":
         return ClipText(cfg, torch.device(device))
     raise EncoderError(f"encoders.text.name: unknown {cfg.name!r}")
+
+
+def encode_meaning(
+    semantic: SemanticEncoder, text: TextEncoder | None, images: torch.Tensor, captions: list[str]
+) -> dict[str, torch.Tensor]:
+    """The shard fields of a batch that need no latent space: semantic features and the captions' embeddings."""
+    out = {"features": semantic.encode(images).float().cpu()}  # [b, F]
+    if text is not None:
+        # Captions repeat a lot (MNIST has ten): encode each distinct one once.
+        unique = list(dict.fromkeys(captions))
+        emb = text.encode(unique)
+        pick = torch.tensor([unique.index(c) for c in captions])
+        out["text_tokens"] = emb.tokens.cpu()[pick].half()  # [b, L, T]
+        out["text_mask"] = emb.mask.cpu()[pick].to(torch.uint8)  # [b, L]
+        out["text_pooled"] = emb.pooled.cpu()[pick].float()  # [b, T]
+    return out

@@ -85,7 +85,7 @@ from flowfleet.stages.assemble import assemble
 from flowfleet.stages.cluster import cluster
 from flowfleet.stages.evaluate import EvaluateOptions, evaluate
 from flowfleet.stages.generate import generate
-from flowfleet.stages.prepare import prepare, prepare_autoencoder
+from flowfleet.stages.prepare import prepare
 from flowfleet.stages.train import train_all
 from flowfleet.storage import RunRoot
 
@@ -347,8 +347,7 @@ def _demo(out: str, plan: DemoPlan, with_caption_fleet: bool, progress: bool) ->
     if plan.config.data.source == "emoji":  # the set and its judge, once per machine (the cache)
         stage("fetch", lambda: fetch_emoji(progress=progress))
         stage("judge", lambda: EmojiJudge.load_or_train(progress=progress))
-    if plan.config.encoders.latent.name == "autoencoder":
-        stage("autoencoder", lambda: prepare_autoencoder(root, progress=progress))
+    # (a run-trained latent space: prepare trains it, the semantic and text encoders beside it)
     stage("prepare", lambda: prepare(root, progress=progress))
     # (like prepare and train-all, a stage finished earlier takes no time: every stage is in timings.json)
     stage("cluster", lambda: None if root.exists(*CLUSTER_REPORT) else cluster(root, progress=progress))

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from flowfleet.config import AugmentConfig, RunConfig, load_run_config
 from flowfleet.data.augment import draw_params, transform
 from flowfleet.data.autoencoder import save_autoencoder, train_autoencoder
+from flowfleet.data.decoding import MAX_LISTED, BadInput, decode_items
 from flowfleet.data.encoders import (
     LatentEncoder,
     SemanticEncoder,
@@ -33,22 +34,27 @@ from flowfleet.data.encoders import (
     build_latent_encoder,
     build_semantic_encoder,
     build_text_encoder,
+    encode_meaning,
     run_latent_encoder,
 )
-from flowfleet.data.images import ImageDecodeError, open_image, to_tensor, to_uint8
+from flowfleet.data.images import to_uint8
 from flowfleet.data.shards import ShardSet, ShardSetManifest
-from flowfleet.data.sources import RawItem, Source, build_source
+from flowfleet.data.sources import Source, build_source
 from flowfleet.data.sources.mnist import switch_hint
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import AUTOENCODER, AUTOENCODER_RECIPE, DATA, EVAL_DATA, MANIFEST, NOTICE, data_part
 from flowfleet.sampling.views import image_grid, png_bytes
+from flowfleet.stages.prepare_beside import EncodersBeside, Found, Span
 from flowfleet.storage import RunRoot
+from flowfleet.threads import CpuTopology, MachineLoad, read_quota, usable_cpus
 
 log = logging.getLogger(__name__)
 
 PREVIEW = "preview.png"  # data/preview.png
-MAX_LISTED = 1000  # skipped items listed by key in the manifest (all are counted)
+# The shortest autoencoder training beside which the semantic and text encoders run in a process of their own (its
+# start costs a few seconds of imports; the emoji demo trains 800 steps, its quick run 200)
+BESIDE_MIN_STEPS = 100
 
 
 @dataclass
@@ -110,26 +116,24 @@ class _Rows:
 
 
 def encode_batch(
-    enc: Encoders, images: torch.Tensor, captions: list[str], labels: list[int], keep_images: bool = False
+    enc: Encoders,
+    images: torch.Tensor,
+    captions: list[str],
+    labels: list[int],
+    keep_images: bool = False,
+    known: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One batch through the encoders, as the shard fields (CPU tensors in the shard dtypes). keep_images:
     also the images themselves as uint8 (eval/ of a latent-space run: the reference stays real images, not
-    the latent decoder's reconstructions)."""
+    the latent decoder's reconstructions). known: the batch's encode_meaning fields, encoded already (beside the
+    autoencoder's training: flowfleet.stages.prepare_beside)."""
     out = {
         "latents": enc.latent.encode(images).float().cpu(),  # [b, c, h, w]
-        "features": enc.semantic.encode(images).float().cpu(),  # [b, F]
         "labels": torch.tensor(labels, dtype=torch.int64),  # [b]
     }
+    out.update(known if known is not None else encode_meaning(enc.semantic, enc.text, images, captions))
     if keep_images:
         out["images"] = to_uint8(images).cpu()  # [b, C, S, S]
-    if enc.text is not None:
-        # Captions repeat a lot (MNIST has ten): encode each distinct one once.
-        unique = list(dict.fromkeys(captions))
-        emb = enc.text.encode(unique)
-        pick = torch.tensor([unique.index(c) for c in captions])
-        out["text_tokens"] = emb.tokens.cpu()[pick].half()  # [b, L, T]
-        out["text_mask"] = emb.mask.cpu()[pick].to(torch.uint8)  # [b, L]
-        out["text_pooled"] = emb.pooled.cpu()[pick].float()  # [b, T]
     return out
 
 
@@ -168,58 +172,6 @@ def _first_difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") ->
     return ""
 
 
-@dataclass
-class _BadInput:
-    """Skipped items and missing captions: what the manifest says up to `start`, plus what this run saw
-    (by source position, so that a shard's manifest counts exactly the items before its end)."""
-
-    listed: list[dict[str, Any]]  # {"key", "reason", "pos"}, at most MAX_LISTED
-    skipped_before: int
-    missing_before: int
-    skipped_pos: list[int] = field(default_factory=list)
-    missing_pos: list[int] = field(default_factory=list)
-
-    def skip(self, key: str, reason: str, pos: int) -> None:
-        self.skipped_pos.append(pos)
-        if len(self.listed) < MAX_LISTED:
-            self.listed.append({"key": key, "reason": reason, "pos": pos})
-
-    def positions(self) -> dict[str, Any]:
-        """What `prepare --merge` needs of a part: every skipped item and missing caption by position."""
-        return {"skipped": self.listed, "skipped_pos": self.skipped_pos, "missing_pos": self.missing_pos}
-
-    def record(self, end: int | None = None) -> dict[str, Any]:
-        """Manifest keys for the items before source position `end` (all when None)."""
-        before = (lambda p: p < end) if end is not None else (lambda p: True)  # noqa: E731
-        return {
-            "skipped": [s for s in self.listed if before(s["pos"])],
-            "skipped_count": self.skipped_before + sum(map(before, self.skipped_pos)),
-            "missing_captions": self.missing_before + sum(map(before, self.missing_pos)),
-        }
-
-
-def _decoded(
-    items: Iterator[RawItem], start: int, size: int, channels: int, bad: _BadInput, labels: list[int] | None = None
-) -> Iterator[tuple[int, torch.Tensor, str, int]]:
-    """(source position after the item, image [C, S, S], caption, label) for every usable item (with
-    `labels`, only the items of those labels: the others are passed over, not counted as bad)."""
-    for pos, item in enumerate(items, start):
-        if labels is not None and item.label not in labels:
-            continue
-        if item.error is None:
-            try:
-                image = to_tensor(open_image(item.image), size, channels)
-            except ImageDecodeError as err:
-                item.error = str(err)
-        if item.error is not None:
-            bad.skip(item.key, item.error, pos)
-            continue
-        caption = (item.caption or "").strip()
-        if not caption:
-            bad.missing_pos.append(pos)
-        yield pos + 1, image, caption, item.label
-
-
 def parse_part(text: str) -> tuple[int, int]:
     """'i/N' (0 <= i < N) -> (i, N); a one-line error otherwise."""
     try:
@@ -246,9 +198,13 @@ def prepare(
     restart: bool = False,
     progress: bool = True,
     part: tuple[int, int] | None = None,
+    beside: bool | None = None,
 ) -> ShardSetManifest:
     """Encode the run's source into RUN_ROOT/data/ (and its held-out items into eval/ when data.holdout is
     set); resumes an interrupted run. Returns data/'s manifest.
+
+    beside: where the run's autoencoder trains first, run the semantic and text encoders beside it in a process of
+    their own (flowfleet.stages.prepare_beside); None: on a CPU of two or more cores, for BESIDE_MIN_STEPS or more.
 
     part=(i, N): encode only slice i of N of the training items into data-parts/<i>-of-<N>/ (resumable the
     same way), for N machines or jobs; `merge_parts(run_root, N)` then writes data/ (and eval/) from them."""
@@ -257,7 +213,9 @@ def prepare(
     source = build_source(cfg.data, cfg.storage.options)
     recipe = _recipe(cfg, source)
     split = _Split.of(cfg, source)
-    encoders = _LazyEncoders(root, cfg, source, split, device, restart=restart, progress=progress, part=part)
+    encoders = _LazyEncoders(
+        root, cfg, source, split, device, restart=restart, progress=progress, part=part, beside=beside
+    )
     if part is None:
         manifest = _Encoding(
             root, cfg, source, recipe, encoders, DATA, 0, split.train_stop, None, restart, progress
@@ -308,19 +266,52 @@ class _Split:
 
 class _LazyEncoders:
     """The run's encoders, built on first use (a complete data/ and eval/ need none); a run-trained
-    latent space is trained first when RUN_ROOT/autoencoder/ does not hold it yet."""
+    latent space is trained first when RUN_ROOT/autoencoder/ does not hold it yet, on a CPU with the semantic and
+    text encoders beside it (flowfleet.stages.prepare_beside: `found`, what they finished)."""
 
     def __init__(self, root: RunRoot, cfg: RunConfig, source: Source, split: "_Split", device: str | None, **kw):
         self.root, self.cfg, self.source, self.split, self.device = root, cfg, source, split, device
+        self.beside: bool | None = kw.pop("beside", None)  # None: where it pays (BESIDE_MIN_STEPS, two CPUs)
         self.train_kw = kw  # restart, progress, part
         self._built: Encoders | None = None
+        self.found: Found | None = None
 
     def get(self) -> Encoders:
         if self._built is None:
             if self.cfg.encoders.latent.name == "autoencoder":
-                ensure_autoencoder(self.root, self.cfg, self.source, self.split, **self.train_kw)
+                beside = self._start_beside()
+                try:
+                    ensure_autoencoder(self.root, self.cfg, self.source, self.split, **self.train_kw)
+                finally:
+                    if beside is not None:
+                        self.found = beside.finish()
+                        log.info(
+                            "prepare: %d items' features and captions encoded beside the autoencoder", len(self.found)
+                        )
             self._built = build_encoders(self.cfg, resolve_device(self.device), self.root)
         return self._built
+
+    def _start_beside(self) -> EncodersBeside | None:
+        """The encoders' process beside an autoencoder about to train here, on a CPU of two or more cores, for a
+        training long enough to repay the process's start (a few seconds of imports)."""
+        trained = self.root.exists(AUTOENCODER, AUTOENCODER_RECIPE) and not self.train_kw.get("restart")
+        if trained or self.train_kw.get("part") is not None or self.beside is False:
+            return None
+        usable = usable_cpus(CpuTopology.read(), MachineLoad(quota=read_quota()))
+        if self.beside is None and (
+            usable < 2
+            or self.cfg.encoders.latent.autoencoder.steps < BESIDE_MIN_STEPS
+            or resolve_device(self.device).type != "cpu"
+        ):
+            return None
+        spans: list[Span] = [(0, self.split.train_stop)]
+        if (
+            self.split.train_stop is not None
+            and self.split.size is not None
+            and self.split.size > self.split.train_stop
+        ):
+            spans.append((self.split.train_stop, self.split.size))  # eval/'s items
+        return EncodersBeside.start(self.root.url_of(), spans, max(1, usable // 2))
 
 
 def _autoencoder_recipe(cfg: RunConfig, source: Source, split: "_Split") -> dict[str, Any]:
@@ -374,9 +365,9 @@ def ensure_autoencoder(
         )
     d = cfg.data
     stop = min(split.train_stop, ae.train_items) if split.train_stop is not None else ae.train_items
-    bad = _BadInput([], 0, 0)
+    bad = BadInput([], 0, 0)
     items = itertools.islice(source.items(0), stop)
-    images = [image for _, image, _, _ in _decoded(items, 0, d.image_size, d.channels, bad, d.labels)]
+    images = [image for _, image, _, _ in decode_items(items, 0, d.image_size, d.channels, bad, d.labels)]
     if not images:
         raise FlowfleetError(f"data.source: {d.source} {d.path or ''} gave no usable image to train the autoencoder")
     log.info("autoencoder: training on %d images (%d skipped)", len(images), len(bad.skipped_pos))
@@ -456,9 +447,9 @@ class _Encoding:
             )  # (a part's recipe names its slice: another --part i/N is another folder)
         return old
 
-    def _bad_input(self, manifest: ShardSetManifest, start: int) -> _BadInput:
+    def _bad_input(self, manifest: ShardSetManifest, start: int) -> BadInput:
         """The skipped items and missing captions the manifest records before source position `start`."""
-        bad = _BadInput(
+        bad = BadInput(
             [s for s in manifest.extra.get("skipped", []) if s["pos"] < start],
             int(manifest.extra.get("skipped_count", 0)),
             int(manifest.extra.get("missing_captions", 0)),
@@ -470,7 +461,7 @@ class _Encoding:
         return bad
 
     def _encode_items(
-        self, shards: ShardSet, manifest: ShardSetManifest, enc: Encoders, bad: _BadInput, start: int
+        self, shards: ShardSet, manifest: ShardSetManifest, enc: Encoders, bad: BadInput, start: int
     ) -> None:
         """Decode, encode in batches of data.batch_size and write shards of data.shard_size, from `start` on."""
         d, stop = self.cfg.data, self.stop
@@ -496,10 +487,12 @@ class _Encoding:
         bar = tqdm(total=stop, initial=start, unit="img", desc=desc, disable=not self.progress, dynamic_ncols=True)
         last_pos = start
         checked_shape = False
-        for entry in _decoded(items, start, d.image_size, d.channels, bad, d.labels):
+        for entry in decode_items(items, start, d.image_size, d.channels, bad, d.labels):
             batch.append(entry)
             if len(batch) == d.batch_size:  # (the encoders' large operations keep every thread: flowfleet.threads)
-                checked_shape = _encode_into(rows, enc, batch, self.cfg, checked_shape, keep_images, augment)
+                checked_shape = _encode_into(
+                    rows, enc, batch, self.cfg, checked_shape, keep_images, augment, self.encoders.found
+                )
                 batch = []
                 while len(rows) >= d.shard_size:
                     write(rows, d.shard_size)
@@ -507,13 +500,13 @@ class _Encoding:
             last_pos = entry[0]
             bar.set_postfix(skipped=bad.skipped_before + len(bad.skipped_pos), refresh=False)
         if batch:
-            _encode_into(rows, enc, batch, self.cfg, checked_shape, keep_images, augment)
+            _encode_into(rows, enc, batch, self.cfg, checked_shape, keep_images, augment, self.encoders.found)
         while len(rows):
             write(rows, min(d.shard_size, len(rows)))
         bar.close()
 
     def _finish(
-        self, shards: ShardSet, manifest: ShardSetManifest, enc: Encoders, bad: _BadInput, seconds: float
+        self, shards: ShardSet, manifest: ShardSetManifest, enc: Encoders, bad: BadInput, seconds: float
     ) -> ShardSetManifest:
         """The manifest marked complete, with what was skipped; data/ and eval/ also get their preview. A set with
         no usable item is an error naming the first skipped one."""
@@ -562,7 +555,7 @@ def merge_parts(run_root: str | RunRoot, n: int, *, progress: bool = True) -> Sh
             diff = _first_difference(made, recipe) or "recipe"
             raise FlowfleetError(f"{where}: prepared with a different {diff} than run.yaml says")
         parts.append((sset, m))
-    bad = _BadInput([], 0, 0)
+    bad = BadInput([], 0, 0)
     for _, m in parts:
         bad.listed += m.extra.get("skipped", [])
         bad.skipped_pos += m.extra.get("skipped_pos", [])
@@ -627,9 +620,11 @@ def _encode_into(
     checked_shape: bool,
     keep_images: bool = False,
     augment: AugmentConfig | None = None,
+    found: Found | None = None,
 ) -> bool:
     ends, images, captions, labels = zip(*batch)
-    tensors = encode_batch(enc, torch.stack(images), list(captions), list(labels), keep_images)
+    known = found.take(list(ends)) if found is not None else None
+    tensors = encode_batch(enc, torch.stack(images), list(captions), list(labels), keep_images, known)
     if augment is not None:
         tensors.update(encode_copies(enc, torch.stack(images), [end - 1 for end in ends], augment))
     if not checked_shape and tuple(tensors["latents"].shape[1:]) != cfg.latent_shape:

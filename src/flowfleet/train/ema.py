@@ -20,8 +20,6 @@ def ema_decay_at(decay: float, updates: int, warmup: bool) -> float:
 M = TypeVar("M", bound=nn.Module)
 
 
-
-
 @dataclass(frozen=True)
 class _Lists:
     """The averaged copy's parameters beside the trained model's, in module order, and where each buffer of both
