@@ -193,6 +193,28 @@ def test_a_monolith_folder_is_served_as_one_model(fleet_model):
         svc.check(GenerateRequest(prompt="a seven", strategy="topk", k=2))
 
 
+def test_the_batchers_worker_follows_the_load_before_each_batch(fleet_model, monkeypatch):
+    """On a CPU the batcher's worker holds a ThreadGovernor made in its own thread (OpenMP's thread count is per
+    thread) and steps it before every batch: a request's batch is a loop of small steps."""
+    from flowfleet.serve import service as service_module
+
+    made, steps = [], []
+
+    class Governor:
+        def __init__(self):
+            made.append(threading.current_thread().name)
+
+        def step(self):
+            steps.append(threading.current_thread().name)
+
+    monkeypatch.setattr(service_module, "ThreadGovernor", Governor)
+    svc = service(fleet_model)
+    for seed in (1, 2):
+        svc.generate(GenerateRequest(prompt="a seven", steps=2, n=1, seed=seed))
+    svc.batcher.close()
+    assert made == ["flowfleet-batcher"] and steps == ["flowfleet-batcher"] * 2
+
+
 def test_serve_cli_refuses_bad_options_and_folders_in_one_line(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "nowhere")]) == 1
     err = capsys.readouterr().err.strip()

@@ -33,6 +33,7 @@ from flowfleet.sampling.pipeline import TEXT_CONDITIONING, FleetPipeline
 from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.sampling.views import to_pil
 from flowfleet.serve.batcher import Batcher, BatchJob
+from flowfleet.threads import ThreadGovernor
 
 if TYPE_CHECKING:  # torch.distributed only for --nproc
     from flowfleet.serve.parallel import ParallelServing
@@ -163,7 +164,14 @@ class FleetService:
         self.counts = {"served": 0, "refused_busy": 0, "bad_request": 0, "failed": 0}
         self.admitted = 0  # images of the requests holding a place now (sampling and waiting)
         self.replica: str | None = None  # under Ray Serve (flowfleet.serve.ray_serve): this replica's id
-        take_threads = (lambda: torch.set_num_threads(threads)) if threads else None
+        self._governor: ThreadGovernor | None = None
+
+        def take_threads() -> None:  # in the batcher's worker, whose thread count is its own (OpenMP's is per thread)
+            if threads:
+                torch.set_num_threads(threads)
+            if pipe.device.type == "cpu":  # a request's batch is a loop of small steps: it follows the load
+                self._governor = ThreadGovernor()
+
         self.batcher = (
             Batcher(self._sample_batch, limits.batch_window_ms / 1000, limits.max_batch, on_start=take_threads)
             if parallel is None
@@ -319,6 +327,8 @@ class FleetService:
     def _sample_batch(self, jobs: Sequence[BatchJob]) -> list[_Drawn]:
         """The batcher's call: every job's samples in one batch (one settings but the seed), each job's own
         noise and conditioning, split back per job."""
+        if self._governor is not None:
+            self._governor.step()  # (reads the load at most every FOLLOW_EVERY_S)
         samples: list[_Sample] = [job.payload for job in jobs]
         settings = samples[0].settings
         total = sum(s.n for s in samples)
