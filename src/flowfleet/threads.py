@@ -255,6 +255,12 @@ def follows_load(environ: Mapping[str, str]) -> bool:
     return environ.get("FLOWFLEET_THREADS", "auto") != STATIC
 
 
+def loops_follow_load(environ: Mapping[str, str]) -> bool:
+    """Whether a long loop's ThreadGovernor follows the load: not under FLOWFLEET_THREADS=static, nor where the user
+    set OMP_NUM_THREADS (the policy's own, which names its CEILING, may move)."""
+    return follows_load(environ) and not ("OMP_NUM_THREADS" in environ and CEILING not in environ)
+
+
 def thread_env(
     workload: Workload,
     environ: Mapping[str, str] | None = None,
@@ -317,8 +323,7 @@ class ThreadGovernor:
         import torch
 
         environ = os.environ if environ is None else environ
-        users = "OMP_NUM_THREADS" in environ and CEILING not in environ
-        self.active = follows_load(environ) and not users
+        self.active = loops_follow_load(environ)
         self.topology = topology or CpuTopology.read()
         self.ceiling = int(environ[CEILING]) if CEILING in environ else torch.get_num_threads()
         self.read_load, self.every_s, self.clock = read_load, every_s, clock

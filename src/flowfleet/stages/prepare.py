@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +48,7 @@ from flowfleet.layout import AUTOENCODER, AUTOENCODER_RECIPE, DATA, EVAL_DATA, M
 from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.stages.prepare_beside import EncodersBeside, Found, Span
 from flowfleet.storage import RunRoot
-from flowfleet.threads import CpuTopology, MachineLoad, read_quota, usable_cpus
+from flowfleet.threads import CpuTopology, MachineLoad, loops_follow_load, read_quota, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +303,7 @@ class _LazyEncoders:
             usable < 2
             or self.cfg.encoders.latent.autoencoder.steps < BESIDE_MIN_STEPS
             or resolve_device(self.device).type != "cpu"
+            or not loops_follow_load(os.environ)  # the training would keep every thread beside the process
         ):
             return None
         spans: list[Span] = [(0, self.split.train_stop)]
