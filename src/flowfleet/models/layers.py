@@ -110,7 +110,7 @@ class DiTBlock(nn.Module):
         super().__init__()
         self.adaln = adaln
         # on the attention and MLP outputs; identity in eval(). At p = 0 none at all: a training-mode Dropout(0) still
-        # copies its input (two clones a block, ~10 % of a small expert's CPU step), to the same values
+        # copies its input (two clones a block) to the same values
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.attn = SelfAttention(dim, num_heads)
