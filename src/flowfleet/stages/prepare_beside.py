@@ -123,8 +123,6 @@ def _read(folder: Path) -> Found:
 def encode_spans(root_url: str, spans: list[Span], folder: Path) -> int:
     """Every usable item of `spans` through the run's semantic and text encoders, in prepare's batches, into
     folder/chunk-NNNNN.safetensors; -> the items written."""
-    from safetensors.torch import save_file
-
     from flowfleet.config import load_run_config
     from flowfleet.data.decoding import BadInput, decode_items
     from flowfleet.data.encoders import build_semantic_encoder, build_text_encoder, encode_meaning
@@ -136,29 +134,48 @@ def encode_spans(root_url: str, spans: list[Span], folder: Path) -> int:
     source = build_source(d, cfg.storage.options)
     semantic = build_semantic_encoder(cfg.encoders.semantic, torch.device("cpu"))
     text = build_text_encoder(cfg.encoders.text, torch.device("cpu"))
-    written, n_chunk = 0, 0
+    chunks = _ChunkWriter(folder)
     for start, stop in spans:
         items = source.items(start)
         if stop is not None:
             items = itertools.islice(items, max(stop - start, 0))
         decoded = decode_items(items, start, d.image_size, d.channels, BadInput([], 0, 0), d.labels)
-        while batches := [
-            b for b in (list(itertools.islice(decoded, d.batch_size)) for _ in range(CHUNK_BATCHES)) if b
-        ]:
-            fields: dict[str, list[torch.Tensor]] = {}
-            ends: list[int] = []
-            for batch in batches:
-                batch_ends, images, captions, _ = zip(*batch)
-                for k, v in encode_meaning(semantic, text, torch.stack(images), list(captions)).items():
-                    fields.setdefault(k, []).append(v)
-                ends += batch_ends
-            tensors = {k: torch.cat(v).contiguous() for k, v in fields.items()}
-            tensors["ends"] = torch.tensor(ends, dtype=torch.int64)
-            path = folder / f"chunk-{n_chunk:05d}.safetensors"
-            save_file(tensors, str(path.with_suffix(".tmp")))
-            os.replace(path.with_suffix(".tmp"), path)  # whole, or not there
-            n_chunk, written = n_chunk + 1, written + len(ends)
-    return written
+        while batch := list(itertools.islice(decoded, d.batch_size)):  # prepare's batches, from the span's start
+            ends, images, captions, _ = zip(*batch)
+            chunks.add(list(ends), encode_meaning(semantic, text, torch.stack(images), list(captions)))
+        chunks.flush()  # (a span's last batches)
+    return chunks.written
+
+
+class _ChunkWriter:
+    """Rows gathered CHUNK_BATCHES batches at a time into folder/chunk-NNNNN.safetensors, each file written whole."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.files, self.written = folder, 0, 0
+        self.ends: list[int] = []
+        self.fields: dict[str, list[torch.Tensor]] = {}
+        self.batches = 0
+
+    def add(self, ends: list[int], fields: dict[str, torch.Tensor]) -> None:
+        self.ends += ends
+        for k, v in fields.items():
+            self.fields.setdefault(k, []).append(v)
+        self.batches += 1
+        if self.batches == CHUNK_BATCHES:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.ends:
+            return
+        tensors = {k: torch.cat(v).contiguous() for k, v in self.fields.items()}
+        tensors["ends"] = torch.tensor(self.ends, dtype=torch.int64)
+        path = self.folder / f"chunk-{self.files:05d}.safetensors"
+        save_file(tensors, str(path.with_suffix(".tmp")))
+        os.replace(path.with_suffix(".tmp"), path)  # whole, or not there
+        self.files, self.written = self.files + 1, self.written + len(self.ends)
+        self.ends, self.fields, self.batches = [], {}, 0
 
 
 def main(argv: list[str] | None = None) -> None:
