@@ -257,11 +257,18 @@ class _Split:
             raise FlowfleetError(f"data.holdout: {d.holdout} held-out items leave none of the {size} to train on")
         return cls(size, size - d.holdout)
 
+    @property
+    def eval_span(self) -> tuple[int, int] | None:
+        """Source positions [train_stop, size) of the held-out items; None without data.holdout."""
+        if self.size is None or self.train_stop is None or self.train_stop >= self.size:
+            return None
+        return self.train_stop, self.size
+
     def encode_eval(self, root, cfg, source, recipe, encoders, restart: bool, progress: bool) -> None:
         """eval/: the held-out items, prepared like data/ (no training job reads them)."""
-        if cfg.data.holdout and self.size is not None and self.train_stop is not None:
+        if self.eval_span is not None:
             recipe = {**{k: v for k, v in recipe.items() if k != "augment"}, "split": "eval"}  # (no copies)
-            eval_items = (EVAL_DATA, self.train_stop, self.size)
+            eval_items = (EVAL_DATA, *self.eval_span)
             _Encoding(root, cfg, source, recipe, encoders, *eval_items, restart=restart, progress=progress).run()
 
 
@@ -307,12 +314,8 @@ class _LazyEncoders:
         ):
             return None
         spans: list[Span] = [(0, self.split.train_stop)]
-        if (
-            self.split.train_stop is not None
-            and self.split.size is not None
-            and self.split.size > self.split.train_stop
-        ):
-            spans.append((self.split.train_stop, self.split.size))  # eval/'s items
+        if self.split.eval_span is not None:
+            spans.append(self.split.eval_span)  # eval/'s items
         return EncodersBeside.start(self.root.url_of(), spans, max(1, usable // 2))
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import os
 import subprocess
 import sys
 import tempfile
@@ -66,9 +65,10 @@ class EncodersBeside:
 
     @classmethod
     def start(cls, root_url: str, spans: list[Span], threads: int) -> "EncodersBeside":
+        from flowfleet.train.fanout import Slot
+
         folder = tempfile.TemporaryDirectory(prefix="flowfleet-beside-")
-        wanted = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE", "FLOWFLEET_THREADS": "static"}
-        env = {**os.environ, **{k: v for k, v in wanted.items() if k not in os.environ}}  # the user's variables win
+        env = Slot(threads, shared=True).env()  # a budget of threads beside the training's, idle ones asleep
         text = ",".join(f"{a}:{'' if b is None else b}" for a, b in spans)
         log_file = open(Path(folder.name) / "log.txt", "wb")
         cmd = [sys.executable, "-m", "flowfleet.stages.prepare_beside", root_url, text, folder.name]
@@ -165,15 +165,15 @@ class _ChunkWriter:
             self.flush()
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
+
+        from flowfleet.storage import RunRoot
 
         if not self.ends:
             return
         tensors = {k: torch.cat(v).contiguous() for k, v in self.fields.items()}
         tensors["ends"] = torch.tensor(self.ends, dtype=torch.int64)
-        path = self.folder / f"chunk-{self.files:05d}.safetensors"
-        save_file(tensors, str(path.with_suffix(".tmp")))
-        os.replace(path.with_suffix(".tmp"), path)  # whole, or not there
+        RunRoot(str(self.folder)).write_bytes(save(tensors), f"chunk-{self.files:05d}.safetensors")  # whole, or not
         self.files, self.written = self.files + 1, self.written + len(self.ends)
         self.ends, self.fields, self.batches = [], {}, 0
 
