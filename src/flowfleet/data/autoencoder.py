@@ -30,6 +30,8 @@ from flowfleet.threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
+MSE_SUBSET = 1024  # images decoded for the logged reconstruction error
+
 
 def build_autoencoder(cfg: AutoencoderConfig, channels: int, image_size: int):
     """An untrained AutoencoderKL of `cfg`'s shape for images [B, channels, side, side] (side = pad_to)."""
@@ -93,23 +95,28 @@ def train_autoencoder(images: torch.Tensor, cfg: AutoencoderConfig, progress: bo
         governor.restore()  # (the encoding after it has large operations: every thread)
     vae.eval()
     with torch.no_grad():
-        z = torch.cat([vae.encode(b).latent_dist.mean for b in x_all.split(256)])
+        z = torch.cat([vae.encode(b).latent_dist.mean for b in x_all.split(256)])  # [N, c, h, w]: the scale's
+        # The logged reconstruction error is read on an evenly spread subset: decoding all of the emoji's 6572
+        # takes 6 s of the demo's critical path, every 7th of them 1 s for the same figure within 1 % (the demo's
+        # autoencoder: 0.0325 on 939 against 0.0328 on all)
+        every = -(-n // MSE_SUBSET)
         mse = float(
             torch.cat(
                 [
                     F.mse_loss(crop(vae.decode(zb).sample, size), xb, reduction="none").flatten(1).mean(1)
-                    for zb, xb in zip(z.split(256), images.split(256))
+                    for zb, xb in zip(z[::every].split(256), images[::every].split(256))
                 ]
             ).mean()
         )
     # diffusers' own field for the latents' scale; `_image_size` (a private key diffusers keeps) for the crop
     vae.register_to_config(scaling_factor=float(1.0 / z.std()), _image_size=size)
     log.info(
-        "autoencoder: %d steps on %d images in %.0f s, reconstruction MSE %.4f, latent std %.3f",
+        "autoencoder: %d steps on %d images in %.0f s, reconstruction MSE %.4f (%d of them), latent std %.3f",
         cfg.steps,
         n,
         time.perf_counter() - t0,
         mse,
+        len(range(0, n, every)),
         float(z.std()),
     )
     return vae

