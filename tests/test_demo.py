@@ -153,7 +153,7 @@ def test_demo_smoke_runs_every_stage_and_resumes(tmp_path, digit_classifier):
 def test_the_emoji_demo_smoke_runs_every_stage(tmp_path, monkeypatch):
     """`flowfleet demo --data emoji` on a tiny fake set of both art styles: the set's licences in the run, the
     emoji judge's category and subcategory accuracy for every model, the fleet's prompt-reading router with Paris'
-    beside it, the named prompts' grid, a sample file per evaluated row."""
+    beside it (--prompt-router), the named prompts' grid, a sample file per evaluated row."""
     from fixtures.emoji_packages import fake_packages, many_entries
 
     from flowfleet.data.sources.emoji import CACHE_FILE, NOTICE_FILE, convert_emoji
@@ -163,7 +163,7 @@ def test_the_emoji_demo_smoke_runs_every_stage(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWFLEET_CACHE", str(cache))
     convert_emoji(tarballs, cache / CACHE_FILE, cache / NOTICE_FILE, arts=arts, held_out=16, progress=False)
     out = tmp_path / "demo-emoji"
-    demo(str(out), size="smoke", data="emoji", progress=False)
+    demo(str(out), size="smoke", data="emoji", with_prompt_router=True, progress=False)
     evaluation = json.loads((out / "reports" / "evaluation.json").read_text())
     assert list(evaluation["runs"]) == ["monolith", "top2", "top2+router-paris"]  # DDM's recipe, Paris' router beside
     judge = evaluation["prompt_accuracy"]["classifier"]
@@ -222,23 +222,24 @@ def test_demo_plans_validate_and_quick_is_smaller():
         demo_plan("huge")
 
 
-def test_the_emoji_demo_plan_is_ddms_recipe_on_content_clusters_beside_paris_router():
+def test_the_emoji_demo_plan_is_ddms_recipe_on_content_clusters_paris_router_on_ask():
     full = demo_plan("full", data="emoji")
     c = full.config
     assert c.data.source == "emoji" and c.data.holdout >= 500 and c.data.limit is None  # every image: 6572 to train
     # K >= 4 clusters of image features (of content: no caption residual), none under 5 %, top-2, as Paris; DDM's
     # recipe on them: a router that reads the prompt as the experts do (their conditioning and condition dropout),
-    # guidance over the mixture, every expert all the steps at its share of the batch; Paris' router beside it
+    # guidance over the mixture, every expert all the steps at its share of the batch; Paris' router beside it on ask
     assert c.cluster.k >= 4 and c.cluster.features == "semantic" and not c.cluster.caption_residual
     assert c.cluster.min_share >= 0.05 and c.encoders.semantic.name == "inception"
     assert c.router.conditioning == c.expert.conditioning and c.router.cond_dropout == c.expert.cond_dropout > 0
     assert c.sampling.strategy == "top2" and c.sampling.guidance == "mixture" and c.train.split == "batch"
-    assert c.router_baseline and not c.router_prompt
-    assert full.evaluation.routers == ("router-paris",) and full.evaluation.monolith
+    assert not c.router_baseline and not c.router_prompt
+    assert full.evaluation.routers == () and full.evaluation.monolith
     assert c.encoders.latent.name == "autoencoder" and c.data.channels == 3
     assert all(p.endswith((", Noto style", ", Twemoji style")) for p in full.data.showcase)
-    # the fleet's router already reads the prompt: --prompt-router adds nothing, Paris' row stays
-    assert demo_plan("full", data="emoji", prompt_router=True).evaluation.routers == ("router-paris",)
+    # the fleet's router already reads the prompt: --prompt-router adds Paris' prompt-blind one and its row
+    beside = demo_plan("full", data="emoji", prompt_router=True)
+    assert beside.config.router_baseline and beside.evaluation.routers == ("router-paris",)
     with pytest.raises(ValueError, match="unknown demo data 'faces'"):
         demo_plan("full", data="faces")
 

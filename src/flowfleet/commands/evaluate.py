@@ -164,10 +164,9 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prompt-router",
         action="store_true",
-        default=None,
         help="also train the comparison router and evaluate top-2 routed by it: Paris' prompt-blind router beside the "
-        "fleet's, which reads the prompt (OUT/router-paris/, the row top2+router-paris; about 80 s more; on by "
-        "default for --data emoji)",
+        "fleet's, which reads the prompt (OUT/router-paris/, the row top2+router-paris; about a minute more on the "
+        "digits, 11 s on the emoji)",
     )
     add_progress(p)
 

@@ -25,12 +25,12 @@ noisy latent and the prompt as the experts do, p(k | x_t, t, prompt), and the fl
 
 `--prompt-router` adds the comparison to the evaluation and the report: top-2 of the same experts routed by Paris'
 prompt-blind router (router-paris/, run.yaml router_baseline; the same recipe as the fleet's router), the row
-top2+router-paris; the fleet's own router, and its model folder, stay the prompt-reading one. It adds about a minute
-(a second router and its evaluation), which would take the default digits demo past ten minutes, so it is an option
-there; the emoji demo has it by default. (The tiny test preset keeps Paris' router, and the flag then adds a
-prompt-aware one.)
+top2+router-paris; the fleet's own router, and its model folder, stay the prompt-reading one. It adds a second
+router and its evaluation (about a minute on the digits, 11 s on the emoji: BENCHMARKS.md), which takes the
+digits demo past ten minutes and leaves the emoji's no margin under them on a 170 GFLOP/s box, so it is an
+option. (The tiny test preset keeps Paris' router, and the flag then adds a prompt-aware one.)
 
-`--data emoji` runs the emoji preset, the same recipe on clusters of content, with Paris' router beside it.
+`--data emoji` runs the emoji preset, the same recipe on clusters of content.
 
 `--caption-fleet` adds the regime the demo used to run, a second comparison: a fleet whose clusters
 are the captions' (cluster.features: text), routed by the prompt, trained in OUT/caption-fleet/ (a run root of its
@@ -121,7 +121,6 @@ class DemoData:
     sweep: tuple[float, ...]
     min_accuracy: float
     repeats: int  # evaluation draws of the full demo
-    prompt_router: bool  # the comparison router's row by default (`--prompt-router`): Paris' beside a prompt router
 
 
 DEMO_DATA = {
@@ -139,7 +138,6 @@ DEMO_DATA = {
         # at n = 300 the classifier FD of one draw moves by ~6 points with its prompts, noise and reference split
         # (BENCHMARKS.md, "How much of an FD is the draw")
         5,
-        False,  # it would take the demo past ten minutes: an option
     ),
     "emoji": DemoData(
         "emoji",
@@ -166,10 +164,6 @@ DEMO_DATA = {
         # ten minutes on two cores leave the sweep's one draw (a second: 596 s of the 600 on an AMD EPYC 2-core,
         # BENCHMARKS.md "The emoji demo"); benchmarks/fleet_budget.py --repeats 5 gives the spread
         1,
-        # Clusters of content: a prompt-blind router cannot know at t = 1 which experts hold the prompt, so the emoji
-        # preset's own router reads it (DDM's recipe) and Paris' is shown beside it by default (BENCHMARKS.md,
-        # "Guidance over the mixture")
-        True,
     ),
 }
 
@@ -187,21 +181,21 @@ class DemoPlan:
 DemoSize = Literal["full", "quick", "smoke"]
 
 
-def demo_plan(size: DemoSize = "full", *, prompt_router: bool | None = None, data: str = "digits") -> DemoPlan:
+def demo_plan(size: DemoSize = "full", *, prompt_router: bool = False, data: str = "digits") -> DemoPlan:
     """full: `flowfleet demo`; quick: `flowfleet demo --quick`; smoke: the test suite's (mnist-tiny sized).
-    prompt_router: also train the prompt-aware comparison router and evaluate top-2 with it (`--prompt-router`;
-    None: the data's default, on for the emoji). data: the built-in set, "digits" or "emoji" (`--data`)."""
+    prompt_router: also train the comparison router and evaluate top-2 with it (`--prompt-router`). data: the
+    built-in set, "digits" or "emoji" (`--data`)."""
     if size not in ("full", "quick", "smoke"):
         raise ValueError(f"unknown demo size {size!r}")
     if data not in DEMO_DATA:
         raise ValueError(f"unknown demo data {data!r} (expected one of {', '.join(DEMO_DATA)})")
     spec = DEMO_DATA[data]
-    prompt_router = spec.prompt_router if prompt_router is None else prompt_router
     raw = PRESETS[spec.smoke_preset if size == "smoke" else spec.preset]()
     raw["name"] = spec.run_name + {"full": "", "quick": "-quick", "smoke": "-smoke"}[size]
-    # The comparison router's rows (prompt_router: on ask, or the data's default): where the fleet's own router reads
-    # the prompt (the built-in presets: DDM's recipe), Paris' prompt-blind router beside it; where it is Paris' (the
-    # tiny presets), a prompt-aware one
+    # The comparison router's rows (prompt_router: on ask; a router and an evaluated row more, 11 of the emoji demo's
+    # 239 s, BENCHMARKS.md "The demo and training"): where the fleet's own router reads the prompt (the built-in
+    # presets: DDM's recipe), Paris' prompt-blind router beside it; where it is Paris' (the tiny presets), a
+    # prompt-aware one
     reads = raw["router"].get("conditioning", "none") != "none"
     raw["router_baseline"], raw["router_prompt"] = prompt_router and reads, prompt_router and not reads
     compared = (PARIS_ROUTER,) if raw["router_baseline"] else COMPARED_ROUTERS if raw["router_prompt"] else ()
@@ -317,14 +311,13 @@ def demo(
     size: DemoSize | None = None,
     data: str = "digits",
     with_caption_fleet: bool = False,
-    with_prompt_router: bool | None = None,
+    with_prompt_router: bool = False,
     progress: bool = True,
 ) -> DemoResult:
     """Run (or resume) the demo in `out`; returns where the report is. `size` overrides `quick`; data: the built-in
     set ("digits" or "emoji", which is fetched first where it is not in the cache);
     with_caption_fleet: also train and evaluate the caption-cluster fleet (`--caption-fleet`);
-    with_prompt_router: also the prompt-aware comparison router's row (`--prompt-router`; None: the data's default,
-    on for the emoji)."""
+    with_prompt_router: also the comparison router's row (`--prompt-router`)."""
     plan = demo_plan(size or ("quick" if quick else "full"), prompt_router=with_prompt_router, data=data)
     return _demo(out, plan, with_caption_fleet, progress)
 
