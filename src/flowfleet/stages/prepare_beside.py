@@ -82,6 +82,8 @@ class EncodersBeside:
 
     def finish(self) -> Found:
         """Stop the process (it may be done already) and read every file it finished."""
+        from flowfleet.train.fanout import last_line
+
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -94,10 +96,10 @@ class EncodersBeside:
             found = _read(Path(self.folder.name))
             code = self.process.returncode
             if code not in (0, -15):  # done, or stopped by us
-                last = (Path(self.folder.name) / "log.txt").read_text(errors="replace").strip().splitlines()
+                last = last_line((Path(self.folder.name) / "log.txt").read_text(errors="replace"))
                 log.warning(
                     "prepare: the encoders beside the autoencoder failed (%s); prepare encodes what they did not",
-                    last[-1] if last else f"exit code {code}",
+                    last or f"exit code {code}",
                 )
             return found
         finally:
@@ -151,7 +153,9 @@ class _ChunkWriter:
     """Rows gathered CHUNK_BATCHES batches at a time into folder/chunk-NNNNN.safetensors, each file written whole."""
 
     def __init__(self, folder: Path):
-        self.folder, self.files, self.written = folder, 0, 0
+        from flowfleet.storage import RunRoot
+
+        self.root, self.files, self.written = RunRoot(str(folder)), 0, 0
         self.ends: list[int] = []
         self.fields: dict[str, list[torch.Tensor]] = {}
         self.batches = 0
@@ -167,13 +171,11 @@ class _ChunkWriter:
     def flush(self) -> None:
         from safetensors.torch import save
 
-        from flowfleet.storage import RunRoot
-
         if not self.ends:
             return
         tensors = {k: torch.cat(v).contiguous() for k, v in self.fields.items()}
         tensors["ends"] = torch.tensor(self.ends, dtype=torch.int64)
-        RunRoot(str(self.folder)).write_bytes(save(tensors), f"chunk-{self.files:05d}.safetensors")  # whole, or not
+        self.root.write_bytes(save(tensors), f"chunk-{self.files:05d}.safetensors")  # whole, or not
         self.files, self.written = self.files + 1, self.written + len(self.ends)
         self.ends, self.fields, self.batches = [], {}, 0
 
