@@ -46,18 +46,17 @@ def run_figures(run: Path, models: list[str]) -> dict:
         "floor": floor,
         "ratio": {m: [t / mono for t, mono in zip(fd[m], fd["monolith"])] for m in models},
         "monolith_over_floor": [m / f for m, f in zip(fd["monolith"], floor)],
-        "sweep": ev["runs"][models[0]]["sweep"],  # the draw the scales were chosen on: every scale's figures
+        "sweep": ev["runs"][models[0]]["sweep"],  # the draw the scales were chosen on (validation): every scale's
     }
 
 
 def sweep_rows(rows: list[dict]) -> list[dict]:
-    """The first model's sweep at each scale, mean over the runs: prompt accuracy, classifier FD, precision, recall."""
-    sweeps = [r["sweep"] for r in rows]
+    """The first model's sweep at each scale every run sampled (a sweep past its edge adds scales of its own), mean
+    over the runs: prompt accuracy, classifier FD, precision, recall."""
+    sweeps = [{point["cfg"]: point for point in r["sweep"]} for r in rows]
     keys = ("prompt_accuracy", "classifier_fd", "precision", "recall")
-    return [
-        {"cfg": point["cfg"], **{k: statistics.fmean(s[i][k] for s in sweeps) for k in keys}}
-        for i, point in enumerate(sweeps[0])
-    ]
+    common = sorted(set.intersection(*(set(s) for s in sweeps)))
+    return [{"cfg": c, **{k: statistics.fmean(s[c][k] for s in sweeps) for k in keys}} for c in common]
 
 
 def accuracy_range(values: list[float] | None) -> str:

@@ -134,7 +134,7 @@ def score_fleet(
     rows = (*strategies, *(f"{s}+{r}" for r in routers for s in strategies), *(["monolith"] if monolith else []))
     for name in rows:
         r = result["runs"][name]
-        keys = ("cfg", "classifier_fd", "precision", "recall", "fid", "subcategory_accuracy", "sweep")
+        keys = ("cfg", "classifier_fd", "precision", "recall", "fid", "subcategory_accuracy", "sweep", "chosen_on")
         rec[name] = {k: r.get(k) for k in keys}
         rec[name]["accuracy"] = result["prompt_accuracy"]["scores"][name]["accuracy"]
     if result.get("draws"):  # repeats > 1: every draw's scores at the chosen scales

@@ -78,10 +78,11 @@ def test_evaluate_options_and_the_command_line_share_every_default():
     library = {f.name: f.default for f in dataclasses.fields(EvaluateOptions) if f.default is not dataclasses.MISSING}
     cli = cli_defaults("evaluate")
     for k, v in cli.items():  # a list option's default is its comma-separated text (--strategies top1,top2,full)
-        if isinstance(library.get(k), tuple) and isinstance(v, str):
-            cli[k] = tuple(x for x in v.split(",") if x)
+        if isinstance(library.get(k), tuple) and isinstance(v, str):  # (numbers as the library's: --cfg-bounds 1,16)
+            kind = type(library[k][0]) if library[k] else str
+            cli[k] = tuple(kind(x) for x in v.split(",") if x)
     common = shared(library, cli)
-    assert {"n", "seed", "strategies", "repeats", "min_accuracy"} <= set(common)
+    assert {"n", "seed", "strategies", "repeats", "min_accuracy", "cfg_bounds", "cfg_extend"} <= set(common)
     assert {k: library[k] for k in common} == {k: cli[k] for k in common}
     unset = build_parser().parse_args(["evaluate", "DIR"])  # no sampling option given: every model's own
     assert sampling_choices(unset, without=EVALUATION_OWN) == EvaluateOptions().sampling == {}

@@ -467,7 +467,7 @@ def test_precision_and_recall_of_same_and_of_disjoint_sets():
         precision_recall(real, torch.randn(10, 4))
 
 
-def test_evaluate_against_held_out_items_sweeps_guidance_and_saves_each_folders_choice(tmp_path):
+def test_evaluate_against_held_out_items_sweeps_guidance_and_saves_each_folders_choice(tmp_path, caplog):
     """With data.holdout the reference and the real floor come from eval/, disjoint; every model is sampled
     at each swept scale, its row is the chosen scale's, and --save-cfg writes it to the model folders."""
     from fixtures.random_fleet import randomize_, write_random_fleet
@@ -491,7 +491,14 @@ def test_evaluate_against_held_out_items_sweeps_guidance_and_saves_each_folders_
     root.write_json({"job": "monolith", "state": "done", "step": 1, "total_steps": 1}, "monolith", "status.json")
     assemble(root.url)
     opts = options(strategies=("top1", "top2"), ref_n=None, cfg_sweep=(1.0, 4.0), save_cfg=True, diagnostics=False)
-    result = evaluate(root.url_of("model"), root.url, opts, extractor=SmallFeatures())
+    with caplog.at_level(logging.WARNING, logger="flowfleet"):
+        result = evaluate(root.url_of("model"), root.url, opts, extractor=SmallFeatures())
+    # a run with one held-out set (no data.validation): it works, and says that its choices read its figures' images
+    said = [r.getMessage() for r in caplog.records if "validation split" in r.getMessage()]
+    assert said == [
+        f"evaluate: {root.url} has no validation split (run.yaml data.validation): the guidance scale is chosen on "
+        "the images it reports"
+    ]
 
     split = result["reference_split"]
     assert (
@@ -510,7 +517,8 @@ def test_evaluate_against_held_out_items_sweeps_guidance_and_saves_each_folders_
     assert split["floor"]["fid"] == frechet_distance(stats(drawn.reference), stats(drawn.floor))
     for name in ("monolith", "top1", "top2"):
         run = result["runs"][name]
-        assert [r["cfg"] for r in run["sweep"]] == [1.0, 4.0], name
+        scales = [r["cfg"] for r in run["sweep"]]  # (sorted; past 4 where the best was there: extend_sweep)
+        assert scales[:2] == [1.0, 4.0] and scales == sorted(scales) and run["chosen_on"] == "test", name
         best = min(run["sweep"], key=lambda r: r["fid"])  # no judge on this data: the lowest FID
         assert run["cfg"] == best["cfg"] and run["fid"] == best["fid"], name
     assert read_model_index(root.url_of("model")).scheduler.cfg == result["runs"]["top2"]["cfg"]  # the default top2
@@ -763,3 +771,163 @@ def test_evaluate_reports_each_experts_loss_on_training_and_held_out_items_of_it
     page = (tmp_path / "run/reports/report.html").read_text()
     assert "do the experts generalise?" in page and "expert held-out" in page
     assert "and 20 held-out items" in page
+
+
+# ------------------------------------------------------------------------------------------------
+#                        Choices on the validation split, figures on the test split
+# ------------------------------------------------------------------------------------------------
+
+
+def split_run(path, noise: str | None = None) -> RunRoot:
+    """A finished-looking run (random fleet and monolith) holding 40 items out of training, half of them the
+    validation split, half the test split; noise: that split's reference images (its items of eval/, a pixel
+    space: the latents are the images) replaced by noise."""
+    from fixtures.random_fleet import randomize_, write_random_fleet
+    from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+
+    from flowfleet.data.shards import ShardSet, ShardSetManifest
+    from flowfleet.evaluate.reference import HeldOutSplits
+    from flowfleet.models.dit import DiTExpert
+    from flowfleet.models.files import save_model
+    from flowfleet.stages.assemble import assemble
+
+    raw = synthetic_config(k=2, size=8, monolith=True).to_dict()
+    raw["data"].update(holdout=40, validation=0.5)
+    cfg = RunConfig.from_dict(raw)
+    root = RunRoot(str(path))
+    write_synthetic_run(root, cfg, per_cluster=8)
+    write_random_fleet(root.url, cfg)
+    save_model(randomize_(DiTExpert.from_dit_config(cfg.expert), seed=7), root, "monolith", "final")
+    root.write_json({"job": "monolith", "state": "done", "step": 1, "total_steps": 1}, "monolith", "status.json")
+    assemble(root.url)
+    if noise is not None:
+        held = ShardSet(root, "eval")
+        old = held.manifest()
+        fields, captions = held.load(list(old.fields), with_captions=True)
+        items = HeldOutSplits.of(cfg, old.count).items(noise)
+        gen = torch.Generator().manual_seed(5)
+        fields["latents"][items] = torch.rand(items.numel(), *fields["latents"].shape[1:], generator=gen) * 2 - 1
+        manifest = ShardSetManifest(extra=old.extra)
+        for start in range(0, old.count, 10):  # (the same shards, overwritten)
+            rows = slice(start, start + 10)
+            held.append(manifest, {f: v[rows] for f, v in fields.items()}, captions[rows])
+        manifest.complete = True
+        held.write_manifest(manifest)
+    return root
+
+
+def scores_of(result) -> tuple[dict, dict, dict]:
+    """(each row's choice with the validation records it read, each row's test figures, the test floor)."""
+    runs = result["runs"]
+    choices = {name: (r["cfg"], r["chosen_on"], r["sweep"]) for name, r in runs.items()}
+    figures = {name: (r["fid"], result["draws"]["runs"][name]["fid"]) for name, r in runs.items()}
+    return choices, figures, result["reference_split"]["floor"]
+
+
+def test_the_choices_read_only_the_validation_split_and_the_figures_only_the_test_split(tmp_path):
+    """With data.validation every guidance scale is chosen on the validation split's draw and every figure comes
+    from the test split: test images replaced by noise leave every choice (and every record it read) unchanged while
+    the figures change; validation images replaced by noise change the records the choices read, and leave the test
+    floor and every row whose choice stands exactly as they were."""
+    from flowfleet.stages.evaluate import evaluate
+
+    opts = options(strategies=("top1", "top2"), ref_n=None, cfg_sweep=(1.0, 2.0, 4.0), repeats=2, diagnostics=False)
+
+    def run(name, noise=None):
+        root = split_run(tmp_path / name, noise)
+        return evaluate(root.url_of("model"), root.url, opts, extractor=SmallFeatures())
+
+    clean = run("clean")
+    assert clean["guidance"]["chosen_on"] == "validation" and clean["reference_split"]["split"] == "test"
+    assert clean["validation_split"]["items"] == clean["reference_split"]["items"] == 20
+    choices, figures, floor = scores_of(clean)
+    assert all(on == "validation" for _, on, _ in choices.values())
+
+    noisy_test = scores_of(run("noisy-test", "test"))
+    assert noisy_test[0] == choices  # every choice, and every validation record, to the bit
+    for name in figures:
+        assert noisy_test[1][name][0] != figures[name][0], name  # the test figures moved
+    assert noisy_test[2]["fid"] != floor["fid"]
+
+    noisy_validation = scores_of(run("noisy-validation", "validation"))
+    for name, (cfg, _, records) in choices.items():
+        assert noisy_validation[0][name][2] != records, name  # the records the choice reads moved
+        if noisy_validation[0][name][0] == cfg:  # the same choice: the same figures, every draw
+            assert noisy_validation[1][name] == figures[name], name
+    assert noisy_validation[2] == floor  # the test split's own floor: untouched
+
+
+def test_a_sweep_whose_best_scale_sits_at_an_edge_goes_further_until_it_lies_inside(tmp_path, monkeypatch):
+    """The sweep 1 / 2 of a model whose validation FID is least at 5: 4 is sampled (the best, 2, was the edge),
+    then 8, and 4 lies inside: chosen, nothing said. With the bound at 6 and an FID that keeps falling: 4, then 6
+    (the bound), where it stops and says so in evaluation.json and the report."""
+    from flowfleet.stages.evaluate import evaluate
+    from flowfleet.stages.evaluate.stage import _Evaluation
+
+    real = _Evaluation._draw
+    shape = {"fid": lambda c: (c - 5.0) ** 2}
+
+    def shaped(self, name, pipe, strategy, scale, with_fid, sweep, **choices):
+        drawn = real(self, name, pipe, strategy, scale, with_fid, sweep, **choices)
+        if self.split_name == "validation":  # the choices' draw: a known distance per scale
+            drawn[3]["fid"] = shape["fid"](scale)
+        return drawn
+
+    monkeypatch.setattr(_Evaluation, "_draw", shaped)
+    root = split_run(tmp_path / "run")
+    opts = options(strategies=("top2",), monolith=False, ref_n=None, cfg_sweep=(1.0, 2.0), diagnostics=False)
+    result = evaluate(root.url_of("model"), root.url, opts, extractor=SmallFeatures())
+    run = result["runs"]["top2"]
+    assert [r["cfg"] for r in run["sweep"]] == [1.0, 2.0, 4.0, 8.0] and run["cfg"] == 4.0
+    assert run["sweep_stop"] is None and run["chosen_on"] == "validation"
+
+    shape["fid"] = lambda c: -c
+    result = evaluate(root.url_of("model"), root.url, replace(opts, cfg_bounds=(1.0, 6.0)), extractor=SmallFeatures())
+    run = result["runs"]["top2"]
+    assert [r["cfg"] for r in run["sweep"]] == [1.0, 2.0, 4.0, 6.0] and run["cfg"] == 6.0
+    assert run["sweep_stop"] == "the best scale is the bound 6.0"
+    assert result["guidance"]["bounds"] == [1.0, 6.0]
+    write_report(root)
+    assert "The sweep stopped at its bound: top2: the best scale is the bound 6.0." in (
+        root.url_of("reports", "report.html") and open(root.url_of("reports", "report.html")).read()
+    )
+
+
+def test_extend_sweep_steps_past_an_edge_by_the_neighbours_ratio_within_its_bounds():
+    from flowfleet.stages.evaluate.pieces import extend_sweep
+
+    assert extend_sweep([1.0, 2.0, 4.0], 4.0, (1.0, 16.0), 0, 4) == (8.0, None)
+    assert extend_sweep([2.0, 4.0, 8.0], 2.0, (1.0, 16.0), 0, 4) == (1.0, None)
+    assert extend_sweep([1.25, 1.5, 2.0], 1.25, (1.0, 16.0), 0, 4)[0] == pytest.approx(1.25 * 1.25 / 1.5)
+    assert extend_sweep([4.5, 8.0], 8.0, (1.0, 12.0), 0, 4) == (12.0, None)  # clipped to the bound
+    assert extend_sweep([1.0, 2.0, 4.0], 2.0, (1.0, 16.0), 0, 4) == (None, None)  # inside: done
+    assert extend_sweep([1.0, 2.0], 1.0, (1.0, 16.0), 0, 4) == (None, "the best scale is the bound 1.0")
+    assert extend_sweep([1.0, 2.0], 2.0, (1.0, 16.0), 4, 4) == (
+        None,
+        "the best scale is the sweep's highest after 4 added scales",
+    )
+    assert extend_sweep([3.0], 3.0, (1.0, 16.0), 0, 4) == (None, None)  # one scale: no sweep
+
+
+def test_held_out_splits_are_disjoint_fixed_and_refuse_a_split_too_small():
+    from fixtures.synthetic_run import synthetic_config
+
+    from flowfleet.evaluate.reference import HeldOutSplits
+
+    raw = synthetic_config(k=2, size=8).to_dict()
+    raw["data"].update(holdout=100, validation=0.3)
+    cfg = RunConfig.from_dict(raw)
+    splits = HeldOutSplits.of(cfg, 100)
+    val, test = set(splits.items("validation").tolist()), set(splits.items("test").tolist())
+    assert len(val) == 30 and len(test) == 70 and not val & test and val | test == set(range(100))
+    again = HeldOutSplits.of(cfg, 100)  # fixed: every evaluation of the run reads the same split
+    assert torch.equal(again.validation, splits.validation) and torch.equal(again.test, splits.test)
+    assert HeldOutSplits.of(cfg, None).shared  # nothing held out
+    raw["data"]["validation"] = 0.0
+    assert HeldOutSplits.of(RunConfig.from_dict(raw), 100).shared  # a run from before the two splits
+    raw["data"].update(holdout=3, validation=0.5)
+    with pytest.raises(FlowfleetError, match=r"data.validation: 0.5 of the 3 held-out items .* fewer than 2"):
+        HeldOutSplits.of(RunConfig.from_dict(raw), 3)
+    raw["data"]["validation"] = 1.0
+    with pytest.raises(FlowfleetError, match="data.validation"):
+        RunConfig.from_dict(raw)

@@ -62,6 +62,10 @@ class DataConfig(_Strict):
     # The last `holdout` items (of those within `limit`) are prepared into eval/ instead of data/: the
     # evaluation's reference and real-vs-real floor, which no expert, router or monolith trains on.
     holdout: int = Field(0, ge=0)
+    # The share of the held-out items that form the validation split, on which evaluate makes its choices (the
+    # guidance scale); the rest are the test split its figures come from (flowfleet.evaluate.reference.HeldOutSplits).
+    # 0: one held-out set, which the choices and the figures share.
+    validation: float = Field(0.0, ge=0.0, lt=1.0)
     labels: list[int] | None = None  # keep only the items with these class labels (sources that have labels)
     # shapes only: how many images to draw (None: 4000). Any other source has no count (data.limit takes a prefix):
     # there it is read as None, so a run.yaml written by an older flowfleet (count: 4000 everywhere) still loads

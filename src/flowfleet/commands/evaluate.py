@@ -83,8 +83,23 @@ def _add_scoring(p: argparse.ArgumentParser) -> None:
         "--cfg-sweep",
         default="",
         metavar="LIST",
-        help="guidance scales to sample every model at, e.g. 1,2,3,4.5,6,8; each model's row is its scale with "
-        "the lowest classifier FD (FID without a judge) among those reaching --min-accuracy",
+        help="guidance scales to sample every model at, e.g. 1,2,3,4.5,6,8, on the run's validation split "
+        "(run.yaml data.validation); each model's row is its scale with the lowest classifier FD (FID without a "
+        "judge) among those reaching --min-accuracy, scored on the test split",
+    )
+    p.add_argument(
+        "--cfg-bounds",
+        default="1,16",
+        metavar="LOW,HIGH",
+        help="where the best scale lies at an edge of the sweep, it goes one scale further (by its neighbour's "
+        "ratio) until the best lies inside, within these scales (default 1,16)",
+    )
+    p.add_argument(
+        "--cfg-extend",
+        type=int,
+        default=4,
+        metavar="N",
+        help="at most N scales added past the sweep's edges (default 4; 0: the sweep as given)",
     )
     p.add_argument(
         "--min-accuracy",
@@ -182,6 +197,14 @@ def _scales(text: str) -> tuple[float, ...]:
         raise FlowfleetError(f"--cfg-sweep: expected comma-separated numbers, got {text!r}") from None
 
 
+def _bounds(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(s) for s in text.split(","))
+    except ValueError:
+        raise FlowfleetError(f"--cfg-bounds: expected LOW,HIGH (e.g. 1,16), got {text!r}") from None
+    return low, high
+
+
 def _fleets(items: list[str]) -> tuple[tuple[str, str], ...]:
     out = []
     for item in items:
@@ -219,6 +242,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
         ref_n=args.ref_n,
         cfg_sweep=_scales(args.cfg_sweep),
         min_accuracy=args.min_accuracy,
+        cfg_bounds=_bounds(args.cfg_bounds),
+        cfg_extend=args.cfg_extend,
         repeats=args.repeats,
         save_cfg=args.save_cfg,
         diagnostics=not args.no_diagnostics,

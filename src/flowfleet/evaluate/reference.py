@@ -27,6 +27,47 @@ def open_reference(reference: str) -> tuple[RunRoot, RunConfig, ShardSetUnion]:
     return root, cfg, ShardSetUnion(sets)
 
 
+VALIDATION, TEST = "validation", "test"  # the held-out splits: evaluate's choices, and the figures it reports
+SPLIT_SEED = 0  # the draw of eval/'s items into the two splits: fixed, so that every evaluation of a run agrees
+VALIDATION_SEED = 1_000_003  # added to an evaluation's seed for its validation draw: prompts and noise of its own
+
+
+@dataclass(frozen=True)
+class HeldOutSplits:
+    """Which of eval/'s items form the validation split (what evaluate's choices read: the guidance scale) and
+    which the test split (what its figures are computed on): a seeded draw of data.validation's share of them for
+    validation, the rest for test, disjoint, each in eval/'s order. `shared`: data.validation is 0 or nothing is
+    held out, so the choices and the figures read one set (runs prepared before the two splits existed)."""
+
+    validation: torch.Tensor | None  # [v] eval/ item indices; None: the whole reference set (shared)
+    test: torch.Tensor | None
+
+    @classmethod
+    def of(cls, cfg: RunConfig, count: int | None) -> "HeldOutSplits":
+        """count: eval/'s items (None: the run holds none out)."""
+        share = cfg.data.validation
+        if not share or not count:
+            return cls(None, None)
+        size = round(share * count)
+        if size < 2 or count - size < 2:
+            raise FlowfleetError(
+                f"data.validation: {share} of the {count} held-out items (data.holdout) leaves a split of fewer "
+                "than 2 items"
+            )
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(SPLIT_SEED))
+        return cls(order[:size].sort().values, order[size:].sort().values)
+
+    @property
+    def shared(self) -> bool:
+        return self.validation is None
+
+    def items(self, split: str) -> torch.Tensor | None:
+        """The reference set's items of `split` (VALIDATION or TEST); None: all of them."""
+        if split not in (VALIDATION, TEST):
+            raise ValueError(f"split: expected {VALIDATION!r} or {TEST!r}, got {split!r}")
+        return self.validation if split == VALIDATION else self.test
+
+
 def held_out_data(root: RunRoot, cfg: RunConfig) -> ShardSetUnion | None:
     """eval/: the items prepare held out of training (data.holdout), or None when the run has none."""
     if not cfg.data.holdout:
@@ -39,15 +80,20 @@ class ReferenceSplit:
     """Which real items a generated set of n is compared with: `reference` (FID, classifier FD, precision
     and recall) and, disjoint from it, `floor` — n real items scored exactly like a model, the distance a
     perfect model would still show at this n. Both are drawn (seeded) from eval/ when the run holds items
-    out of training, else from data/ (then the reference includes training items: `held_out` False)."""
+    out of training, else from data/ (then the reference includes training items: `held_out` False); `pool`: only
+    from these items of it (one of HeldOutSplits)."""
 
     held_out: bool
     floor: torch.Tensor  # [floor_n] item indices of the reference set
     reference: torch.Tensor  # [ref_n]
 
     @classmethod
-    def draw(cls, count: int, n: int, ref_n: int | None, seed: int, held_out: bool) -> "ReferenceSplit":
+    def draw(
+        cls, count: int, n: int, ref_n: int | None, seed: int, held_out: bool, pool: torch.Tensor | None = None
+    ) -> "ReferenceSplit":
         where = "eval/ (the held-out items)" if held_out else "data/"
+        if pool is not None:
+            where, count = f"the {int(pool.numel())} items of its split in eval/", int(pool.numel())
         if ref_n is None:  # the floor set first (n items, at most half), the rest is the reference
             floor_n = min(n, count // 2)
             ref_n = min(count - floor_n, 10_000)
@@ -57,6 +103,8 @@ class ReferenceSplit:
             floor_n = min(n, count - ref_n)
             floor_n = floor_n if floor_n >= 2 else 0
         order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+        if pool is not None:
+            order = pool[order]
         return cls(held_out, order[:floor_n], order[floor_n : floor_n + ref_n])
 
     def key(self, data_key: str) -> str:

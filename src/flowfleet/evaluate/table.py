@@ -62,9 +62,15 @@ def print_table(result: dict[str, Any]) -> None:
     Console().print(table)
     guidance = result.get("guidance")
     if guidance:
+        on = (
+            "the validation split"
+            if guidance.get("chosen_on") == "validation"
+            else "the draw shown (no validation split)"
+        )
         Console().print(
-            f"cfg: each model's scale among {guidance['sweep']} with the lowest classifier FD (FID without a judge) "
-            f"of those with prompt accuracy >= {guidance['min_accuracy']}"
+            f"cfg: each model's scale, swept from {guidance['sweep']} on {on}, with the lowest classifier FD (FID "
+            f"without a judge) of those with prompt accuracy >= {guidance['min_accuracy']}; the figures are the "
+            f"{split.get('split') or 'reference'} split's"
         )
     if digits:
         clf = digits.get("classifier") or {}

@@ -202,7 +202,9 @@ def demo_plan(size: DemoSize = "full", *, prompt_router: bool = False, data: str
     fid = FIDSettings(resize=DEMO_INCEPTION_SIZE, batch_size=100)
     sweep: tuple[float, ...] = spec.sweep
     if size == "smoke":  # 16 x 16 digits, hidden-64 experts: the whole path in about a minute
-        raw["data"].update(limit=64, holdout=24, shard_size=32)
+        # 40 digits to train, 24 + 24 held out (validation, test); the tests' fake emoji set is smaller
+        held = 48 if data == "digits" else 24
+        raw["data"].update(limit=40 + held, holdout=held, validation=0.5, shard_size=32)
         raw["cluster"].update(k=2, fine_k=8)
         raw["router"]["num_outputs"] = 2
         raw["train"]["expert_steps"] = PRESETS["mnist"]()["train"]["expert_steps"]  # the full demo's split

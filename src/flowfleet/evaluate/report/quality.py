@@ -195,11 +195,24 @@ class QualitySections(BuilderBase):
         }
         if not sweeps:
             return
-        s.notes.append(
-            f"Guidance sweep: every model sampled at scales {guidance.get('sweep')}; its row above is the scale "
-            f"with the lowest classifier FD among those with prompt accuracy >= {guidance.get('min_accuracy')} "
-            "(the most accurate when none reaches it), the large dot in the plot."
+        on = guidance.get("chosen_on")
+        where = (
+            "on the validation split (held-out images, prompts and noise of its own); the figures above are the "
+            "test split's, at the chosen scale"
+            if on == "validation"
+            else "on the same draw as the figures above (the run has no validation split: run.yaml data.validation)"
         )
+        s.notes.append(
+            f"Guidance sweep: every model sampled at scales {guidance.get('sweep')} {where}; its row above is the "
+            f"scale with the lowest classifier FD among those with prompt accuracy >= {guidance.get('min_accuracy')} "
+            "(the most accurate when none reaches it), the large dot in the plot. Where the best lay at an edge, the "
+            f"sweep went one scale further, within {guidance.get('bounds')}."
+        )
+        stops = [
+            f"{name}: {r['sweep_stop']}" for name, r in runs.items() if r.get("sweep_stop") and not r.get("same_as")
+        ]
+        if stops:
+            s.notes.append("The sweep stopped at its bound: " + "; ".join(stops) + ".")
         floor = split.get("floor") or {}
         s.images.append(self._plot("guidance.png", views.guidance_sweep_png(sweeps, floor), "guidance sweep per model"))
 

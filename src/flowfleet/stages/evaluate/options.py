@@ -42,10 +42,15 @@ class EvaluateOptions:
     ref_n: int | None = None  # reference images; None: all of the reference set up to 10,000 (floor set apart)
     # Guidance sweep: each model is sampled at every scale; its row is the scale with the best classifier
     # FD (FID without a judge) among those with prompt accuracy >= min_accuracy (the most accurate if none).
+    # The sweep is sampled on the validation split where the run has one (data.validation), with prompts and noise
+    # of its own; the row's figures are the test split's at the chosen scale (pieces.extend_sweep: a choice at the
+    # sweep's edge samples one scale further, within cfg_bounds and at most cfg_extend more scales).
     cfg_sweep: tuple[float, ...] = ()
     min_accuracy: float = 0.95
-    # Evaluation draws: after the sweep, every model is sampled again at its chosen scale repeats - 1 times,
-    # draw r with seed + r (other prompts and noise, and another split of the reference and the real floor).
+    cfg_bounds: tuple[float, float] = (1.0, 16.0)
+    cfg_extend: int = 4
+    # Evaluation draws: every model is sampled at its chosen scale `repeats` times on the test split, draw r with
+    # seed + r (other prompts and noise, and another split of the reference and the real floor).
     # At a few hundred samples a Fréchet distance moves by several points from draw to draw; the report gives
     # each figure's mean and sd over the draws, and the fleet's ratio to the monolith draw by draw.
     repeats: int = 1
@@ -105,6 +110,11 @@ class EvaluateOptions:
             raise FlowfleetError("--cfg-sweep: give either a sweep or one --cfg, not both")
         if any(c < 0 for c in self.cfg_sweep) or len(set(self.cfg_sweep)) != len(self.cfg_sweep):
             raise FlowfleetError(f"--cfg-sweep: scales must be distinct and >= 0, got {list(self.cfg_sweep)}")
+        lo, hi = self.cfg_bounds
+        if not 0 <= lo <= hi:
+            raise FlowfleetError(f"--cfg-bounds: expected 0 <= LOW <= HIGH, got {lo},{hi}")
+        if self.cfg_extend < 0:
+            raise FlowfleetError(f"--cfg-extend: must be >= 0, got {self.cfg_extend}")
         if self.save_cfg and not self.cfg_sweep:
             raise FlowfleetError("--save-cfg: needs --cfg-sweep (the scale it saves is the sweep's choice)")
 
@@ -131,7 +141,11 @@ class ModelRun:
     cfg: float | None = None  # the guidance scale of this row (the sweep's choice when there is a sweep)
     precision: float | None = None  # in the judge's feature space (Kynkäänniemi et al.), vs the reference
     recall: float | None = None
-    sweep: list[dict[str, Any]] = field(default_factory=list)  # one score record per guidance scale
+    # one score record per guidance scale, sorted by scale, on the split named by `chosen_on`: "validation", or
+    # "test" where the run has no validation split (the choice and the figures then read the same draw)
+    sweep: list[dict[str, Any]] = field(default_factory=list)
+    chosen_on: str | None = None
+    sweep_stop: str | None = None  # why the sweep stopped with its best scale at an edge (its bound); None: inside
     cache_saved: float = 0.0  # share of block evaluations the first-block cache skipped (--cache)
 
     def to_json(self) -> dict[str, Any]:

@@ -40,6 +40,26 @@ def choose_scale(records: Sequence[dict[str, Any]], min_accuracy: float) -> int:
     return min(range(len(records)), key=lambda i: (-records[i]["prompt_accuracy"], distance(records[i])))
 
 
+def extend_sweep(
+    scales: Sequence[float], chosen: float, bounds: tuple[float, float], added: int, most: int
+) -> tuple[float | None, str | None]:
+    """The next scale to sample when the chosen one sits at an edge of the sorted `scales`, one step past it as far
+    again (by ratio) as its neighbour lies inside, clipped to `bounds`: (scale, None). (None, why) when it cannot go
+    on: the edge is the bound, or `most` scales were added already; (None, None) when the choice lies inside."""
+    if len(scales) < 2 or scales[0] < chosen < scales[-1]:
+        return None, None
+    lo, hi = bounds
+    upper = chosen == scales[-1]
+    if (upper and chosen >= hi) or (not upper and chosen <= lo):
+        return None, f"the best scale is the bound {hi if upper else lo}"
+    if added >= most:
+        return None, f"the best scale is the sweep's {'highest' if upper else 'lowest'} after {most} added scales"
+    inside = scales[-2] if upper else scales[1]
+    if upper:
+        return (min(hi, chosen * chosen / inside) if inside > 0 else hi), None
+    return max(lo, chosen * chosen / inside), None
+
+
 def describe_scores(scores: dict[str, Any]) -> str:
     parts = [f"FID {scores['fid']:.2f}"] if "fid" in scores else []
     if "prompt_accuracy" in scores:

@@ -1,5 +1,6 @@
-"""The stage itself: open the fleet, the monolith and the reference; sample every model over the guidance sweep;
-score it; draw it again (evaluate --repeats); write reports/evaluation.json and the sample files."""
+"""The stage itself: open the fleet, the monolith and the reference; choose every model's guidance scale by a sweep on
+the validation split; score it at that scale on the test split, draw by draw (evaluate --repeats); write
+reports/evaluation.json and the sample files."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
 from flowfleet.evaluate.judge import load_judge
 from flowfleet.evaluate.precision_recall import precision_recall
 from flowfleet.evaluate.reference import (
+    TEST,
+    VALIDATION,
+    VALIDATION_SEED,
+    HeldOutSplits,
     ReferenceSplit,
     data_fingerprint,
     features_are_fid_features,
@@ -57,6 +62,7 @@ from flowfleet.stages.evaluate.options import EvaluateOptions, ModelRun
 from flowfleet.stages.evaluate.pieces import (
     choose_scale,
     describe_scores,
+    extend_sweep,
     generated_features,
     samples_npz,
     stats_of,
@@ -88,7 +94,8 @@ def evaluate(
     extractor: any uint8 [B, C, H, W] -> [B, D] module with `num_features` to use instead of the
     Inception (torchmetrics' custom-extractor contract; tests use a cheap one)."""
     t_start = time.perf_counter()
-    ev = _Evaluation.open(model_dir, reference, options, extractor)  # every check before heavy work
+    ev = _Evaluation.open(model_dir, reference, options, extractor)  # every check before heavy work; the test split
+    choices = ev.choice_draw(model_dir, reference, extractor)  # the validation split's draw (None: nothing to choose)
     pipe = FleetPipeline.from_pretrained(model_dir, device=ev.device)
     models = [Row(s, "fleet", pipe, s) for s in options.strategies]
     monolith = monolith_pipeline(ev.root, pipe, ev.device) if options.monolith else None
@@ -109,7 +116,10 @@ def evaluate(
         if row.name in same:  # same weights, same prompts and noise: same samples
             ev.same_model(row.name, same[row.name])
         else:
-            ev.run_model(row.name, row.kind, row.pipe, row.strategy, **row.choices)
+            sweep = choices.sweep(row.name, row.pipe, row.strategy, **row.choices) if choices else None
+            ev.run_model(row.name, row.kind, row.pipe, row.strategy, sweep, **row.choices)
+    if choices is not None:
+        ev.validation = choices.describe_split() if choices is not ev else None
     if options.repeats > 1:
         t0 = time.perf_counter()
         ev.draws = _redraw(ev, model_dir, reference, extractor, models, same)
@@ -242,6 +252,20 @@ class Row:
         return (id(self.pipe), strategy.resolve_k(len(self.pipe.present)), strategy.kept, rule if matters else None)
 
 
+@dataclass
+class Sweep:
+    """One model's guidance sweep on one draw: every scale's scores (sorted by scale), the chosen scale, why it
+    stopped at an edge (None: the best lies inside), the chosen scale's samples, the time it took."""
+
+    chosen_on: str  # the split of the draw: VALIDATION, or TEST where the run has no validation split
+    records: list[dict[str, Any]] = field(default_factory=list)
+    cfg: float | None = None
+    stop: str | None = None
+    chosen: tuple[Any, Any, torch.Tensor, dict[str, Any]] | None = None  # (settings, output, images, scores)
+    sampling_s: float = 0.0
+    fid_s: float = 0.0
+
+
 def same_models(rows: Sequence[Row], sampling: dict[str, Any]) -> dict[str, str]:
     """Each fleet row that samples exactly what an earlier one does -> that earlier row's name (top-k with k >= K is
     the full ensemble; under a prompt-blind router both guidance rules are one field)."""
@@ -284,7 +308,10 @@ class _Evaluation:
         options: EvaluateOptions,
         device: torch.device,
         conditioning: str,
+        split: str | None = TEST,
     ):
+        """split: which of the held-out splits (HeldOutSplits) this draw's reference and floor come from: TEST (the
+        figures'), VALIDATION (the choices'), or None: all of the reference set."""
         self.model_url, self.root, self.cfg, self.data, self.options = model_url, root, cfg, data, options
         self.device = device
         # reports/ for the run's model/, reports/<folder>/ for another model folder of the run
@@ -302,9 +329,11 @@ class _Evaluation:
         self.ref_latents = self.latents if self.ref_data is data else self.ref_data.load(["latents"])["latents"]
         # a latent-space run's eval/ keeps the real images: the reference is never the decoder's reconstruction
         self.ref_images = self.ref_data.load(["images"]).get("images") if self.ref_data is not data else None
-        self.split = ReferenceSplit.draw(
-            self.ref_latents.shape[0], options.n, options.ref_n, options.seed, self.ref_data is not data
-        )
+        held = self.ref_data is not data
+        self.splits = HeldOutSplits.of(cfg, self.ref_latents.shape[0] if held else None)
+        self.split_name = TEST if split is None or self.splits.shared else split
+        pool = None if split is None else self.splits.items(split)
+        self.split = ReferenceSplit.draw(self.ref_latents.shape[0], options.n, options.ref_n, options.seed, held, pool)
         self.ref_n = int(self.split.reference.numel())
         self.floor: dict[str, Any] = {"n": int(self.split.floor.numel())}  # the real floor's scores
         text = conditioning in ("pooled", "cross_attn")
@@ -323,6 +352,7 @@ class _Evaluation:
         self.diagnostics: dict[str, Any] = {"usage": {}, "alignment": {}, "disagreement": {}}
         self.timings: dict[str, float] = {}
         self.draws: dict[str, Any] | None = None  # options.repeats > 1: every draw's scores (_redraw)
+        self.validation: dict[str, Any] | None = None  # the validation draw the choices were made on (describe_split)
 
     @classmethod
     def open(
@@ -332,8 +362,10 @@ class _Evaluation:
         options: EvaluateOptions,
         extractor: torch.nn.Module | None,
         inception: bool = True,
+        split: str = TEST,
     ) -> "_Evaluation":
-        """inception False: no Inception reference or floor FID (a draw scored by the judge alone)."""
+        """inception False: no Inception reference or floor FID (a draw scored by the judge alone); split: the
+        held-out split of its reference images (TEST or VALIDATION)."""
         options.validate()
         model_root = RunRoot(model_dir)
         index = read_model_index(model_root)  # one-line error when DIR is not an assembled fleet
@@ -361,9 +393,41 @@ class _Evaluation:
                 raise FlowfleetError(f"--routers: {why}")
         for _, folder in options.fleets:
             check_other_fleet(model_root, index, RunRoot(folder), options.strategies)
-        ev = cls(model_root.url, root, cfg, data, options, resolve_device(options.device), index.conditioning)
+        ev = cls(model_root.url, root, cfg, data, options, resolve_device(options.device), index.conditioning, split)
         ev._open_fid(extractor, inception)
         return ev
+
+    def choice_draw(
+        self, model_dir: str, reference: str | None, extractor: torch.nn.Module | None
+    ) -> "_Evaluation | None":
+        """The draw the guidance sweep chooses on: the validation split's, with prompts and noise of its own (seed +
+        VALIDATION_SEED); this draw itself where the run has no validation split (said in one line); None when the
+        evaluation has nothing to choose (one scale or none)."""
+        o = self.options
+        if len(o.cfg_sweep) < 2:
+            return None
+        if self.splits.shared:
+            why = (
+                "has no validation split (run.yaml data.validation)"
+                if self.split.held_out
+                else "holds no items out of training (run.yaml data.holdout)"
+            )
+            log.warning(f"evaluate: {self.root.url} {why}: the guidance scale is chosen on the images it reports")
+            return self
+        drawn = replace(o, seed=o.seed + VALIDATION_SEED, repeats=1, diagnostics=False, save_cfg=False)
+        # Inception only where no judge's features choose
+        return _Evaluation.open(model_dir, reference, drawn, extractor, self.judge_fd is None, VALIDATION)
+
+    def describe_split(self) -> dict[str, Any]:
+        """evaluation.json's record of this draw's split: its items, reference, floor and seed."""
+        pool = self.splits.items(self.split_name)
+        return {
+            "split": self.split_name,
+            "items": None if pool is None else int(pool.numel()),
+            "seed": self.options.seed,
+            "reference_images": self.ref_n,
+            "floor": self.floor,
+        }
 
     def _open_fid(self, extractor: torch.nn.Module | None, inception: bool = True, named: bool = True) -> None:
         """The feature network and the (cached) reference statistics; the real floor's FID (inception False:
@@ -466,44 +530,83 @@ class _Evaluation:
         n, batch = self.options.n, self.options.batch_size
         return pipe(self.prompts, n, labels=self.labels, settings=settings, batch_size=batch, progress=progress)
 
-    def run_model(self, name: str, kind: str, pipe, strategy: str, **choices: Any) -> ModelRun:
-        """Sample options.n images from one model (a strategy of the fleet, or the monolith) at each scale of
-        the guidance sweep (or the one scale asked for); score each; keep the chosen scale's samples for the
-        grid, routing heatmap, usage, adherence and diagnostics. choices: the row's own settings (its guidance
-        rule)."""
+    def sweep(self, name: str, pipe: Any, strategy: str, **choices: Any) -> "Sweep":
+        """Sample this draw at every scale of the guidance sweep, and one scale further while the best sits at an
+        edge (pieces.extend_sweep); score each and choose (pieces.choose_scale). With a judge its classifier FD
+        chooses (no Inception); without one, FID. choices: the row's own settings (its guidance rule)."""
+        o = self.options
+        fid_each = self.judge_fd is None
+        records: dict[float, dict[str, Any]] = {}
+        drawn: dict[float, tuple[Any, Any, torch.Tensor, dict[str, Any]]] = {}
+        sweep = Sweep(self.split_name)
+        todo: list[float] = list(o.cfg_sweep)
+        while todo:
+            scale = todo.pop(0)
+            settings, out, images, scores = self._draw(name, pipe, strategy, scale, fid_each, sweep, **choices)
+            records[scale] = {"cfg": settings.cfg, **{k: v for k, v in scores.items() if not k.startswith("_")}}
+            drawn[scale] = (settings, out, images, scores)
+            if todo:
+                continue
+            scales = sorted(records)
+            chosen = scales[choose_scale([records[c] for c in scales], o.min_accuracy)]
+            further, sweep.stop = extend_sweep(
+                scales, chosen, o.cfg_bounds, len(records) - len(o.cfg_sweep), o.cfg_extend
+            )
+            if further is not None and further not in records:
+                log.info(
+                    f"evaluate: {name}: the best scale {chosen} is the sweep's edge on the {self.split_name} split"
+                )
+                todo.append(further)
+        if sweep.stop:
+            log.warning(f"evaluate: {name}: {sweep.stop} ({self.split_name} split)")
+        sweep.records, sweep.cfg = [records[c] for c in scales], chosen
+        sweep.chosen = drawn[chosen]
+        return sweep
+
+    def _draw(
+        self, name: str, pipe: Any, strategy: str, scale: float | None, with_fid: bool, sweep: "Sweep", **choices: Any
+    ) -> tuple[Any, Any, torch.Tensor, dict[str, Any]]:
+        """One model's samples of this draw at one guidance scale, scored: (settings, output, images, scores)."""
+        settings = self.settings_for(pipe, strategy, **choices, cfg=scale)
+        log.info(f"evaluate: {name}: sampling {self.options.n} images ({settings.describe()}, {self.split_name} split)")
+        t0 = time.perf_counter()
+        out = self.sample(pipe, settings, name)
+        sweep.sampling_s += time.perf_counter() - t0
+        images = out.images.float().cpu()  # [n, C, H, W] in [-1, 1]
+        t0 = time.perf_counter()
+        scores = self._score(images, out.prompts, name, with_fid=with_fid)
+        sweep.fid_s += time.perf_counter() - t0
+        scores["cache_saved"] = out.trace.stats.cache.saved  # blocks skipped by --cache (0 without it)
+        log.info(f"evaluate: {name}: cfg {settings.cfg}: " + describe_scores(scores))
+        return settings, out, images, scores
+
+    def run_model(self, name: str, kind: str, pipe, strategy: str, sweep: "Sweep | None" = None, **choices: Any):
+        """Sample options.n images from one model (a strategy of the fleet, or the monolith) at its scale (the
+        sweep's choice, else the one scale asked for) and score them; keep the samples for the grid, routing
+        heatmap, usage, adherence and diagnostics. A sweep made on this very draw (a run without a validation
+        split) gives its chosen samples. choices: the row's own settings (its guidance rule)."""
         o = self.options
         run = ModelRun(name, kind)
-        drawn = []  # (settings, pipeline output, images, scores) per scale
-        scales = o.cfg_sweep or (o.sampling.get("cfg"),)
-        # With a judge the sweep chooses by its classifier FD: Inception FID (the costlier network) only for the
-        # chosen scale. Without one, FID is what chooses, at every scale.
-        fid_each = self.judge_fd is None or len(scales) == 1
-        for scale in scales:
-            settings = self.settings_for(pipe, strategy, **choices, cfg=scale)
-            log.info(f"evaluate: {name}: sampling {o.n} images ({settings.describe()})")
-            t0 = time.perf_counter()
-            out = self.sample(pipe, settings, name)
-            run.sampling_s += time.perf_counter() - t0
-            images = out.images.float().cpu()  # [n, C, H, W] in [-1, 1]
-            t0 = time.perf_counter()
-            scores = self._score(images, out.prompts, name, with_fid=fid_each)
-            run.fid_s += time.perf_counter() - t0
-            cache = out.trace.stats.cache  # blocks skipped by --cache (0 without it)
-            scores["cache_saved"] = cache.saved
-            run.sweep.append({"cfg": settings.cfg, **{k: v for k, v in scores.items() if not k.startswith("_")}})
-            log.info(f"evaluate: {name}: cfg {settings.cfg}: " + describe_scores(scores))
-            drawn.append((settings, out, images, scores))
-        chosen = choose_scale(run.sweep, o.min_accuracy)
-        settings, out, images, scores = drawn[chosen]
-        if not fid_each:
+        taken = Sweep(self.split_name)  # this draw's own sampling
+        if sweep is not None and sweep.chosen_on == self.split_name and sweep.chosen is not None:
+            settings, out, images, scores = sweep.chosen
+        else:
+            scale = sweep.cfg if sweep is not None else (o.cfg_sweep[0] if o.cfg_sweep else o.sampling.get("cfg"))
+            settings, out, images, scores = self._draw(name, pipe, strategy, scale, True, taken, **choices)
+        if "fid" not in scores:  # (a judge chose on this draw: Inception FID, the costlier network, only now)
             t0 = time.perf_counter()
             fid, ref = self._fid_reference()
             stats, scores["_fid_features"] = generated_features(fid, images, name)
-            scores["fid"] = run.sweep[chosen]["fid"] = fid.score(stats, ref)
-            run.fid_s += time.perf_counter() - t0
+            scores["fid"] = fid.score(stats, ref)
+            taken.fid_s += time.perf_counter() - t0
+            if sweep is not None:  # the chosen record is this draw's: it gets the FID too
+                next(r for r in sweep.records if r["cfg"] == settings.cfg)["fid"] = scores["fid"]
+        if sweep is not None:
+            run.sweep, run.chosen_on, run.sweep_stop = sweep.records, sweep.chosen_on, sweep.stop
+            run.sampling_s, run.fid_s = sweep.sampling_s, sweep.fid_s
+        run.sampling_s += taken.sampling_s
+        run.fid_s += taken.fid_s
         self.settings = settings
-        if len(drawn) == 1:
-            run.sweep = []  # one scale: nothing was swept
         run.cfg, run.fid, feats = settings.cfg, scores["fid"], scores["_fid_features"]
         run.cache_saved = scores["cache_saved"]
         run.classifier_fd, run.precision, run.recall = (scores.get(k) for k in ("classifier_fd", "precision", "recall"))
@@ -611,11 +714,24 @@ class _Evaluation:
             "reference_split": {
                 "set": EVAL_DATA if self.split.held_out else DATA,
                 "held_out": self.split.held_out,
+                "split": self.split_name if self.split.held_out else None,  # TEST: the held-out split the figures read
+                "items": None if (pool := self.splits.items(self.split_name)) is None else int(pool.numel()),
                 "source": self.data.manifest().extra.get("source"),  # what prepare read (flowfleet.data.sources)
                 "reference_images": self.ref_n,
                 "floor": self.floor,
             },
-            "guidance": {"sweep": list(o.cfg_sweep), "min_accuracy": o.min_accuracy} if o.cfg_sweep else None,
+            "validation_split": self.validation,  # the choices' draw (None: no choice, or made on the figures' own)
+            "guidance": (
+                {
+                    "sweep": list(o.cfg_sweep),
+                    "min_accuracy": o.min_accuracy,
+                    "bounds": list(o.cfg_bounds),
+                    "extend": o.cfg_extend,
+                    "chosen_on": self.validation["split"] if self.validation else self.split_name,
+                }
+                if o.cfg_sweep
+                else None
+            ),
             "runs": {name: r.to_json() for name, r in self.runs.items()},
             "fleets": {name: RunRoot(folder).url for name, folder in o.fleets} or None,
             "adherence": self.adherence or None,
