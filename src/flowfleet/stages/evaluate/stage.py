@@ -414,7 +414,10 @@ class _Evaluation:
             )
             log.warning(f"evaluate: {self.root.url} {why}: the guidance scale is chosen on the images it reports")
             return self
-        drawn = replace(o, seed=o.seed + VALIDATION_SEED, repeats=1, diagnostics=False, save_cfg=False)
+        # every item of the split is the choice's reference: a choice needs no real floor
+        pool = self.splits.items(VALIDATION)
+        ref_n = None if pool is None else min(o.ref_n or int(pool.numel()), int(pool.numel()))
+        drawn = replace(o, seed=o.seed + VALIDATION_SEED, ref_n=ref_n, repeats=1, diagnostics=False, save_cfg=False)
         # Inception only where no judge's features choose
         return _Evaluation.open(model_dir, reference, drawn, extractor, self.judge_fd is None, VALIDATION)
 
