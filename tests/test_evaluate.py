@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 from dataclasses import replace
 
@@ -931,3 +932,39 @@ def test_held_out_splits_are_disjoint_fixed_and_refuse_a_split_too_small():
     raw["data"]["validation"] = 1.0
     with pytest.raises(FlowfleetError, match="data.validation"):
         RunConfig.from_dict(raw)
+
+
+def test_the_summary_prints_every_header_and_figure_whole_in_80_columns():
+    """The demo's summary in an 80-column log: the widest rows the demo makes (a comparison router's, another
+    fleet's), every column of a judged evaluation, nothing cut."""
+    from rich.console import Console
+
+    from flowfleet.evaluate.table import WIDTH, print_table
+
+    run = {
+        "cfg": 4.5,
+        "prompt_accuracy": 0.7133,
+        "confidence": 0.6761,
+        "classifier_fd": 124.567,
+        "precision": 0.943,
+        "recall": 0.504,
+        "fid": 1275.45,
+        "sampling_s": 14.9,
+    }
+    names = ("monolith", "top2", "top2+router-prompt", "top2.mixture+router-paris", "top2@caption")
+    result = {
+        "fid": {"reference_images": 400, "generated_images": 300, "extractor": "default_1-75", "resize": 75},
+        "reference_split": {"held_out": True, "split": "test", "floor": {"n": 300, "classifier_fd": 29.93, "fid": 1}},
+        "runs": {name: run for name in names},
+        "prompt_accuracy": {"classifier": {"judge": "emoji category classifier", "val_accuracy": 0.861}},
+        "guidance": {"sweep": [4.5, 8.0], "min_accuracy": 0.0, "chosen_on": "validation"},
+        "diagnostics": {"alignment": {"top2": {"assigned_is_dominant": 0.587}}},
+    }
+    console = Console(width=WIDTH, record=True, file=io.StringIO())
+    print_table(result, console)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= WIDTH and "…" not in text
+    headers = ("model", "cfg", "accuracy", "class. FD", "precision", "recall", "FID", "confidence", "in cluster")
+    for word in (*headers, "sampling s", *names, "real images", "0.713", "124.57", "1275.5", "0.676", "0.587"):
+        assert word in text, word
+    assert "on the validation split" in text and "(the test split)" in text
