@@ -28,6 +28,29 @@ def test_auto_is_the_ranks_gpu_round_robin_else_the_cpu(monkeypatch):
     assert resolve_device("cpu") == torch.device("cpu") and resolve_device("cuda:1") == torch.device("cuda", 1)
 
 
+def test_cuda_without_an_index_is_the_ranks_own_gpu_that_set_device_takes(monkeypatch):
+    """`--device cuda` under torchrun: each rank its local GPU, with the index torch.cuda.set_device needs (a bare
+    'cuda' device has none, and would put every rank on the first GPU)."""
+    fake_gpus(monkeypatch, 2)
+    assert [resolve_device("cuda", rank) for rank in range(3)] == [
+        torch.device("cuda", 0),
+        torch.device("cuda", 1),
+        torch.device("cuda", 0),
+    ]
+    assert all(resolve_device("cuda", rank).index is not None for rank in range(2))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    chosen = []
+
+    def joined(*args, **kwargs):  # the group formed: the rank's device was set before it
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: chosen.append(torch.device(device)))
+    monkeypatch.setattr(torch.distributed, "init_process_group", joined)
+    with pytest.raises(FlowfleetError, match="stop here"):
+        init_process_group(1, 2, device="cuda", local_rank=1)
+    assert chosen == [torch.device("cuda", 1)]
+
+
 @pytest.mark.parametrize(
     "gpus, name, message",
     [
