@@ -66,6 +66,7 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/python .ci/function_lengths.py src 80
+	$(BIN)/python .ci/doc_paths.py README.md BENCHMARKS.md docs
 	$(PYTEST) -n auto --maxprocesses=4 --dist loadfile
 	$(PORTABLE) FLOWFLEET_TEST_THREADS=1 $(PYTEST) -m "numerics and not slow" -n auto --maxprocesses=4 --dist loadfile
 	$(PORTABLE) FLOWFLEET_TEST_THREADS=2 $(PYTEST) -m "numerics and not slow" -p no:xdist

@@ -51,7 +51,7 @@ def _builtin(
     **data: Any,
 ) -> dict[str, Any]:
     """The built-in sources' recipe, chosen by measurement on MNIST-5k (the probes mnist_recipe.py and
-    expert_space.py, docs/benchmarks-history.md): a DiT of depth 4 on 16 tokens (hidden 128, or `hidden`) with
+    expert_space.py, since retired): a DiT of depth 4 on 16 tokens (hidden 128, or `hidden`) with
     the exact GELU (DiT's tanh approximation of it is slower as an op on a CPU), conditioned on the caption's
     pooled MiniLM vector; AdamW (2e-3, or `lr`) with 100 warm-up steps, batch 64 (or `batch`), logit-normal t, an
     EMA that warms up; 20 Euler steps at CFG 3 (the evaluation's guidance sweep picks each model's scale).
