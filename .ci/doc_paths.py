@@ -3,8 +3,8 @@
 A repository path is a link target (`[text](docs/x.md)`, read from the page's folder) or a word in backticks, less
 anything from `:` or `#` on (`file.py:42`), whose first part is a top-level entry git tracks (`src/`,
 `benchmarks/x.py`, `Makefile`), or a module or folder of the package (`flow/path.py`, `stages/evaluate/`: the docs name
-them from src/flowfleet/). Run folders (`runs/demo/model`, `data/manifest.json`), commands and URLs are not. Prints one line per path that does
-not exist, `FILE:LINE: PATH`, and exits 1; silent and 0 otherwise.
+them from src/flowfleet/). Run folders (`runs/demo/model`, `data/manifest.json`), commands and URLs are not.
+Prints one line per path that does not exist, `FILE:LINE: PATH`, and exits 1; silent and 0 otherwise.
 
     python .ci/doc_paths.py README.md BENCHMARKS.md docs
 """
@@ -74,7 +74,9 @@ def pages(args: list[str]) -> list[Path]:
 
 def main() -> int:
     repo = Path.cwd()
-    bad = [line for page in pages(sys.argv[1:] or ["README.md", "BENCHMARKS.md", "docs"]) for line in missing(page, repo)]
+    bad = [
+        line for page in pages(sys.argv[1:] or ["README.md", "BENCHMARKS.md", "docs"]) for line in missing(page, repo)
+    ]
     for line in bad:
         print(line)
     return 1 if bad else 0
