@@ -76,9 +76,8 @@ def _register_evaluate(sub: argparse._SubParsersAction) -> None:
     add_device(p)
 
 
-def _add_scoring(p: argparse.ArgumentParser) -> None:
-    """evaluate's options of how the models are scored: the guidance sweep, the draws, the reference, the
-    feature networks, the judge."""
+def _add_sweep(p: argparse.ArgumentParser) -> None:
+    """evaluate's options of the guidance sweep: its scales, how far past an edge it goes, what a scale must reach."""
     p.add_argument(
         "--cfg-sweep",
         default="",
@@ -108,13 +107,19 @@ def _add_scoring(p: argparse.ArgumentParser) -> None:
         metavar="A",
         help="prompt accuracy a swept scale must reach to be chosen (default 0.95)",
     )
+
+
+def _add_scoring(p: argparse.ArgumentParser) -> None:
+    """evaluate's options of how the models are scored: the guidance sweep, the draws, the reference, the
+    feature networks, the judge."""
+    _add_sweep(p)
     p.add_argument(
         "--repeats",
         type=int,
         default=1,
         metavar="R",
-        help="evaluation draws: every model again at its chosen scale with seeds --seed+1 .. --seed+R-1 (other "
-        "prompts and noise, another reference and floor split); the report gives each figure's mean and sd "
+        help="evaluation draws on the test split: every model at its chosen scale with seeds --seed .. --seed+R-1 "
+        "(other prompts and noise, another reference and floor split); the report gives each figure's mean and sd "
         "(default 1)",
     )
     p.add_argument(
