@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowfleet.device import resolve_device
+from flowfleet.device import peak_flops, peak_memory, resolve_device
 from flowfleet.distributed import init_process_group
 from flowfleet.errors import FlowfleetError
 
@@ -78,3 +78,37 @@ def test_more_ranks_on_a_node_than_gpus_is_a_one_line_error_before_nccl(monkeypa
         "rank 1: 2 ranks on this node share 1 GPU(s), and NCCL needs one GPU per rank: start at most 1 per node, "
         "or pass --device cpu"
     )
+
+
+@pytest.mark.parametrize(
+    "name, precision, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H200", "fp32", 494.7),
+        ("NVIDIA A100-SXM4-80GB", "fp16", 312.0),
+        ("NVIDIA L40S", "bf16", 362.05),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("Tesla V100-SXM2-16GB", "fp32", 15.7),
+        ("NVIDIA GeForce RTX 4090", "bf16", None),  # not listed: no MFU rather than a guess
+        ("NVIDIA L40", "bf16", None),  # (not the L4's)
+    ],
+)
+def test_a_gpus_peak_is_its_data_sheets_at_the_training_precision(monkeypatch, name, precision, tflops):
+    monkeypatch.delenv("FLOWFLEET_PEAK_TFLOPS", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    peak = peak_flops(torch.device("cuda", 0), precision)
+    assert peak == (None if tflops is None else tflops * 1e12)
+
+
+def test_a_stated_peak_serves_any_device_and_a_cpu_has_none_otherwise(monkeypatch):
+    monkeypatch.delenv("FLOWFLEET_PEAK_TFLOPS", raising=False)
+    assert peak_flops(torch.device("cpu"), "fp32") is None
+    monkeypatch.setenv("FLOWFLEET_PEAK_TFLOPS", "2.5")
+    assert peak_flops(torch.device("cpu"), "fp32") == 2.5e12
+    for bad, message in (("fast", "expected a number of TFLOP/s, got 'fast'"), ("0", "must be > 0, got 0")):
+        monkeypatch.setenv("FLOWFLEET_PEAK_TFLOPS", bad)
+        with pytest.raises(FlowfleetError, match=f"FLOWFLEET_PEAK_TFLOPS: {message}"):
+            peak_flops(torch.device("cpu"), "fp32")
+    held = torch.ones(64, 1024, 1024)  # 256 MiB held at once: the process's peak is at least that
+    assert peak_memory(torch.device("cpu")) >= held.numel() * 4

@@ -165,9 +165,11 @@ def test_train_all_runs_every_job_then_status_shows_them_done(tmp_path, capsys):
     table = capsys.readouterr().out
     for job in ("expert-0", "expert-1", "router"):
         row = next(line for line in table.splitlines() if job in line)
-        assert "done" in row and "2/2" in row and "100%" in row
+        assert "done" in row and "2/2" in row and "100%" in row and " s/step" in row  # its speed (no peak: no MFU)
     assert main(["status", str(tmp_path / "r"), "--json"]) == 0
-    assert [s["state"] for s in json.loads(capsys.readouterr().out)] == ["done"] * 3
+    jobs = json.loads(capsys.readouterr().out)
+    assert [s["state"] for s in jobs] == ["done"] * 3
+    assert all(s["step_s"] > 0 and s["model_tflops"] > 0 and s["peak_memory_gib"] > 0 for s in jobs)
 
     t0 = time.monotonic()
     assert main(["train-all", str(tmp_path / "r"), "--no-progress"]) == 0  # nothing left to do

@@ -59,7 +59,8 @@ def assert_bit_identical(a: dict, b: dict) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_expert_job_writes_everything_the_contract_lists(tmp_path):
+def test_expert_job_writes_everything_the_contract_lists(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWFLEET_PEAK_TFLOPS", "0.5")  # the device's peak as its owner states it: MFU against it
     root = make_run(tmp_path / "r", steps=4, train=dict(sample_every=2, ckpt_every=2))
     status = run_job(root, options=TrainOptions(progress=False, heartbeat_every=0.2, tensorboard=True))
     job = tmp_path / "r/experts/0"
@@ -78,6 +79,10 @@ def test_expert_job_writes_everything_the_contract_lists(tmp_path):
         "message",
         "threads",
         "diloco",  # (null but for a DiLoCo worker)
+        "step_s",
+        "model_tflops",
+        "mfu",
+        "peak_memory_gib",
     }
     assert on_disk["threads"] == f"{torch.get_num_threads()} threads (fixed)"  # the suite's static policy
     assert on_disk["job"] == "expert-0" and on_disk["state"] == "done" == status.state
@@ -87,6 +92,19 @@ def test_expert_job_writes_everything_the_contract_lists(tmp_path):
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     assert all(x["loss"] > 0 and x["samples_per_s"] > 0 and x["lr"] == 1e-3 for x in lines)
     assert on_disk["last_loss"] == lines[-1]["loss"]
+    # a GPU user's figures: the step's time, the model's analytic FLOPs of the samples trained over it, their share
+    # of the stated peak, the process's peak memory; status.json has the last line's
+    from flowfleet.config import load_run_config
+    from flowfleet.models.flops import train_flops_per_sample
+
+    sample_flops = train_flops_per_sample(load_run_config(root).expert_config(0))
+    for x in lines:  # one step a line: its samples over its time
+        assert x["step_s"] > 0 and x["peak_memory_gib"] > 0.01
+        assert x["model_tflops"] == pytest.approx(x["samples_per_s"] * sample_flops / 1e12, rel=1e-3)
+        assert x["mfu"] == pytest.approx(x["model_tflops"] / 0.5, rel=1e-9)
+    assert {k: on_disk[k] for k in ("step_s", "model_tflops", "mfu", "peak_memory_gib")} == {
+        k: lines[-1][k] for k in ("step_s", "model_tflops", "mfu", "peak_memory_gib")
+    }
     assert sorted(p.name for p in (job / "samples").iterdir()) == ["step-0000002.png", "step-0000004.png"]
     assert (job / "samples/step-0000002.png").read_bytes()[:4] == b"\x89PNG"
     assert any(p.name.startswith("events.out.tfevents") for p in (job / "tb").iterdir())

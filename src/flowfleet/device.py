@@ -1,6 +1,10 @@
-"""Device choice, in one place: what `--device auto|cpu|cuda|cuda:N` means for every stage and rank."""
+"""Device choice, in one place: what `--device auto|cpu|cuda|cuda:N` means for every stage and rank, and what a
+device can do at most (its peak throughput, for a training job's MFU)."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 
@@ -24,3 +28,54 @@ def resolve_device(device: str | None = "auto", local_rank: int = 0) -> torch.de
         return torch.device(device)
     except RuntimeError:
         raise FlowfleetError(f"--device: unknown device {device!r} (expected cpu, cuda, cuda:N or auto)") from None
+
+
+PEAK_TFLOPS_VARIABLE = "FLOWFLEET_PEAK_TFLOPS"  # a device's peak dense TFLOP/s as its owner states it (a CPU's too)
+# Dense (no sparsity) tensor-core peaks of NVIDIA data-center GPUs from their data sheets, in TFLOP/s: (bf16 / fp16,
+# fp32 as TF32, or plain fp32 where the GPU has no TF32). Matched against torch's device name, longest name first.
+GPU_PEAK_TFLOPS: dict[str, tuple[float, float]] = {
+    "H100 PCIe": (756.0, 378.0),
+    "H200": (989.4, 494.7),
+    "H100": (989.4, 494.7),
+    "A100": (312.0, 156.0),
+    "L40S": (362.05, 183.0),
+    "L4": (121.0, 60.0),
+    "V100": (125.0, 15.7),
+    "T4": (65.0, 8.1),
+}
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The peak dense matrix throughput of one device in FLOP/s at a training precision ("fp32", "bf16", "fp16"):
+    FLOWFLEET_PEAK_TFLOPS where set (any device, a CPU included), else an NVIDIA GPU's data-sheet figure by its name;
+    None where neither says (a CPU, an unlisted GPU): its MFU is then not reported rather than guessed."""
+    stated = os.environ.get(PEAK_TFLOPS_VARIABLE)
+    if stated:
+        try:
+            value = float(stated)
+        except ValueError:
+            raise FlowfleetError(f"{PEAK_TFLOPS_VARIABLE}: expected a number of TFLOP/s, got {stated!r}") from None
+        if value <= 0:
+            raise FlowfleetError(f"{PEAK_TFLOPS_VARIABLE}: must be > 0, got {stated}")
+        return value * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
+        if key in name and not (key == "L4" and "L40" in name):
+            half, full = GPU_PEAK_TFLOPS[key]
+            return (full if precision == "fp32" else half) * 1e12
+    return None
+
+
+def peak_memory(device: torch.device) -> int:
+    """The most memory this process has held, in bytes: on a GPU the caching allocator's peak of allocated tensors,
+    on a CPU the process's peak resident set (Linux and macOS; 0 where the platform does not say)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+    except ImportError:  # (Windows)
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS says bytes, Linux KiB

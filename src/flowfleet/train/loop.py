@@ -29,11 +29,13 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from flowfleet.config import TrainConfig
+from flowfleet.device import peak_flops, peak_memory
 from flowfleet.distributed import DistContext, join_from_env
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import FINAL, JOB_REPORT, SAMPLES
 from flowfleet.models.dit import DiTModel
 from flowfleet.models.files import save_model
+from flowfleet.models.flops import train_flops_per_sample
 from flowfleet.storage import RunRoot
 from flowfleet.threads import ThreadGovernor
 from flowfleet.train.checkpoint import Checkpoint, CheckpointStore, flatten_state, unflatten_state
@@ -93,9 +95,39 @@ class _Window:
 
     loss: float = 0.0
     finite_steps: int = 0
+    steps: int = 0
     samples: int = 0
     t0: float = field(default_factory=time.perf_counter)
     extras: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Pace:
+    """A job's speed as a GPU user reads it: seconds a step, model TFLOP/s (the DiT's analytic FLOPs of the samples
+    trained, flowfleet.models.flops), MFU (those over the devices' peak: flowfleet.device.peak_flops; None where no
+    peak is known) and the most memory the process has held on its device."""
+
+    sample_flops: int  # training FLOPs of one sample
+    peak: float | None  # FLOP/s of every rank's device together
+    device: torch.device
+
+    @classmethod
+    def of(cls, task: TrainTask, island: DistContext, precision: str) -> "_Pace":
+        peak = peak_flops(island.device, precision)
+        return cls(
+            train_flops_per_sample(task.model_cfg), None if peak is None else peak * island.world_size, island.device
+        )
+
+    def measure(self, window: _Window, seconds: float) -> dict[str, float | None]:
+        """step_s, model_tflops, mfu, peak_memory_gib of a log window (every rank's samples, `seconds` long)."""
+        seconds = max(seconds, 1e-9)
+        achieved = window.samples * self.sample_flops / seconds
+        return {
+            "step_s": seconds / max(window.steps, 1),
+            "model_tflops": achieved / 1e12,
+            "mfu": None if self.peak is None else achieved / self.peak,
+            "peak_memory_gib": peak_memory(self.device) / 2**30,
+        }
 
 
 @dataclass
@@ -116,6 +148,7 @@ class _State:
     position: int = 0  # samples drawn so far (the data position)
     bad: int = 0  # consecutive non-finite steps
     window: _Window = field(default_factory=_Window)
+    pace: "_Pace | None" = None  # rank 0's: what its log lines say of the job's speed
 
     def rank0(self) -> _Rank0:
         """Rank 0's EMA, lease and metrics log; an error on any other rank."""
@@ -287,6 +320,7 @@ class Trainer:
             ranks = f" x {island.world_size} ranks ({island.backend})" if island.distributed else ""
             precision = f"{tc.precision} autocast" if amp else "fp32"
             log.info("%s: %d steps on %s%s in %s", task.name, task.total_steps, dev, ranks, precision)
+            st.pace = _Pace.of(task, island, tc.precision if amp else "fp32")
         if island.distributed:
             st.net = DistributedDataParallel(
                 model, device_ids=[dev.index] if dev.type == "cuda" else None, broadcast_buffers=False
@@ -389,6 +423,7 @@ class Trainer:
             st.bad += 1
         st.opt.zero_grad(set_to_none=True)
         st.window.samples += tc.batch_size
+        st.window.steps += 1
         if st.bad >= tc.max_bad_steps:
             last = self.store.latest()
             raise TrainingDiverged(
@@ -473,7 +508,7 @@ class Trainer:
 
     def _log(self, st: _State, bar, lr: float) -> None:
         w, now = st.window, time.perf_counter()
-        record = {
+        record: dict[str, Any] = {
             "step": st.step,
             "loss": w.loss / w.finite_steps if w.finite_steps else float("nan"),
             "lr": lr,
@@ -482,8 +517,10 @@ class Trainer:
             "epoch": st.position / len(self.task.data),
         }
         record.update({k: v / max(w.finite_steps, 1) for k, v in w.extras.items()})
+        speed = st.pace.measure(w, now - w.t0) if st.pace is not None else {}
+        record.update(speed)
         st.rank0().metrics.log(record)
-        st.rank0().lease.update(last_loss=record["loss"])
+        st.rank0().lease.update(last_loss=record["loss"], **speed)
         bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
         st.window = _Window(t0=now)
 

@@ -45,6 +45,11 @@ class JobStatus:
     last_loss: float | None = None
     message: str = ""
     threads: str = ""  # a CPU job's thread setting as it last changed (flowfleet.threads.ThreadGovernor)
+    # the last log line's speed (flowfleet.train.loop._Pace): seconds a step, MFU (None: no peak known), peak memory
+    step_s: float | None = None
+    model_tflops: float | None = None
+    mfu: float | None = None
+    peak_memory_gib: float | None = None
     # a DiLoCo worker's rounds: {"round", "rounds", "bytes_written", "bytes_read", "short_rounds": [{"round",
     # "workers", "missing"}]} (flowfleet.train.diloco)
     diloco: dict[str, Any] | None = None
