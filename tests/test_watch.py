@@ -64,7 +64,7 @@ def test_a_job_the_backend_ended_is_resubmitted_with_its_last_words(tmp_path, ca
         "expert-0: fake job job-0 lost (fake ended it (FAILED) and it never finished: ValueError: boom); "
         "resubmitted as job-1, it resumes from its newest checkpoint",
         "expert-0: fake job job-1 lost (fake ended it (FAILED) and it never finished: ValueError: boom); "
-        "resubmitted 1 times, giving up",
+        "resubmitted 1 times, giving up (run.yaml backends: max_resubmits)",
     ]
     assert read_submissions(root)["expert-0"]["id"] == "job-1"
 
@@ -138,3 +138,19 @@ def backend_pid(root: RunRoot) -> int:
     status = read_status(root, "experts/0")
     assert status is not None
     return status.pid
+
+
+def test_each_backend_resubmits_as_often_as_its_run_yaml_says(tmp_path, caplog):
+    """backends.NAME.max_resubmits: a preemptible partition's jobs come back more often than the watch's default,
+    another backend's not at all; each job gives up after its own backend's count."""
+    from flowfleet.config import BackendConfig
+
+    assert BackendConfig(kind="slurm").max_resubmits == 2
+    root = RunRoot(tmp_path)
+    watch = RemoteWatch(root, "run")  # the default: 2
+    preemptible, strict = EndingBackend("preempted"), EndingBackend("")
+    watch.add(preemptible, [JobSpec("expert", 0)], {"expert-0": "job-0"}, max_resubmits=4)
+    watch.add(strict, [JobSpec("expert", 1)], {"expert-1": "job-0"}, max_resubmits=0)
+    steps = [watch.step() for _ in range(6)]
+    assert steps == [True] * 4 + [False] * 2
+    assert (preemptible.submitted, strict.submitted) == (4, 0)

@@ -430,6 +430,9 @@ class BackendConfig(_Strict):
     cpus_per_job: int = Field(1, ge=1)
     gpus_per_job: int = Field(0, ge=0)  # > 1: the job runs its DDP under torchrun --nproc-per-node G
     python: str | None = None  # the environment's interpreter on the nodes (None: this one)
+    # how often train-all resubmits a job of this backend whose node died or that the backend ended unfinished, each
+    # time from its newest checkpoint (preemptible nodes want more)
+    max_resubmits: int = Field(2, ge=0)
     # slurm: sbatch --partition / --account / --time, and any other sbatch option ("--qos=high")
     partition: str | None = None
     account: str | None = None

@@ -32,6 +32,7 @@ class _Watched:
     job_id: str
     submitted: float = field(default_factory=time.time)
     resubmits: int = 0
+    max_resubmits: int = 2  # its backend's run.yaml backends.NAME.max_resubmits
     lost: tuple[str, int] | None = None  # the process given up on: its status is not the new job's
     letting_go: tuple[float, str] | None = None  # (when, why) a lost job still listed was cancelled
 
@@ -53,9 +54,13 @@ class RemoteWatch:
         self.root, self.run_name, self.max_resubmits, self.let_go_s = root, run_name, max_resubmits, let_go_s
         self.jobs: dict[str, _Watched] = {}
 
-    def add(self, backend: RemoteBackend, specs: list[JobSpec], ids: dict[str, str]) -> None:
+    def add(
+        self, backend: RemoteBackend, specs: list[JobSpec], ids: dict[str, str], max_resubmits: int | None = None
+    ) -> None:
+        """Watch these jobs of `backend`; max_resubmits: how often each is resubmitted when lost (None: the watch's)."""
+        most = self.max_resubmits if max_resubmits is None else max_resubmits
         for spec in specs:
-            self.jobs[spec.name] = _Watched(spec, backend, ids[spec.name])
+            self.jobs[spec.name] = _Watched(spec, backend, ids[spec.name], max_resubmits=most)
 
     def ids(self) -> dict[str, str]:
         return {name: w.job_id for name, w in self.jobs.items()}
@@ -95,7 +100,7 @@ class RemoteWatch:
                 why = f"{w.backend.name} ended it ({state or 'gone'}) and it never finished{last_words(w)}"
             if status is not None:
                 w.lost = (status.host, status.pid)
-            if active and w.resubmits < self.max_resubmits:
+            if active and w.resubmits < w.max_resubmits:
                 w.backend.cancel([w.job_id])
                 w.letting_go = (time.time(), why)
                 waiting = True
@@ -106,10 +111,10 @@ class RemoteWatch:
     def _resubmit(self, w: _Watched, why: str) -> bool:
         old = w.job_id
         w.letting_go = None
-        if w.resubmits >= self.max_resubmits:
+        if w.resubmits >= w.max_resubmits:
             log.warning(
                 f"{w.spec.name}: {w.backend.name} job {old} lost ({why}); "
-                f"resubmitted {self.max_resubmits} times, giving up"
+                f"resubmitted {w.max_resubmits} times, giving up (run.yaml backends: max_resubmits)"
             )
             return False
         w.job_id = w.backend.resubmit(self.root, w.spec, self.run_name)

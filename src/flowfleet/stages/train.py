@@ -297,7 +297,7 @@ def _run_placed(
         record_submissions(root, remote, ids)
         for job, job_id in ids.items():
             log.info(f"{job}: submitted as {remote.name} job {job_id}" + (f" ({name})" if name in cfg.backends else ""))
-        watch.add(remote, mine, ids)
+        watch.add(remote, mine, ids, places[name].max_resubmits)
     if not wait:
         for spec in todo:
             w = watch.jobs[spec.name]
