@@ -2,7 +2,8 @@
 
 On a local run root lines are appended as they come and the events file lives in JOB/tb/. On an
 object store, appending means rewriting, so lines are buffered and flushed (with the event files,
-written to a local temp folder) at checkpoints and at the end.
+written to a local temp folder) at most every FLUSH_EVERY_S seconds as they come, at checkpoints and at the end:
+a TensorBoard pointed at the bucket follows the job while it runs.
 
 TensorBoard and PIL are imported only when events or images are written.
 """
@@ -13,7 +14,8 @@ import io
 import json
 import logging
 import tempfile
-from typing import Any
+import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -21,14 +23,25 @@ from flowfleet.layout import METRICS_FILE
 from flowfleet.storage import RunRoot
 
 TB_DIR = "tb"
+FLUSH_EVERY_S = 30.0  # an object store's metrics and events, uploaded at most this often while lines come
 
 log = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    def __init__(self, root: RunRoot, job_dir: str, *, tensorboard: bool = True):
+    def __init__(
+        self,
+        root: RunRoot,
+        job_dir: str,
+        *,
+        tensorboard: bool = True,
+        flush_every_s: float = FLUSH_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.root = root
         self.job_dir = job_dir
+        self.flush_every_s, self.clock = flush_every_s, clock
+        self._flushed = clock()
         self._pending: list[str] = []
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._tb = None
@@ -73,6 +86,8 @@ class MetricsLog:
             for key, value in record.items():
                 if key not in ("step", "time") and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"train/{key}", value, step)
+        if not self.root.is_local and self.clock() - self._flushed >= self.flush_every_s:
+            self.flush()
 
     def add_image_png(self, tag: str, png: bytes, step: int) -> None:
         if self._tb is None:
@@ -84,6 +99,8 @@ class MetricsLog:
         self._tb.add_image(tag, img, step, dataformats="HWC")
 
     def flush(self) -> None:
+        """Write what is buffered: metrics.jsonl's new lines and, from a local temp folder, the events."""
+        self._flushed = self.clock()
         if self._pending:
             exists = self.root.exists(self.job_dir, METRICS_FILE)
             old = self.root.read_bytes(self.job_dir, METRICS_FILE) if exists else b""
