@@ -419,6 +419,7 @@ class DistillConfig(_Strict):
 
 
 BACKEND_KINDS = ("local", "slurm", "ray")
+CPUS_PER_GPU = 8  # a GPU job's CPUs when backends.NAME.cpus_per_job is unset: its rank's thread, loaders, I/O
 
 
 class BackendConfig(_Strict):
@@ -427,8 +428,14 @@ class BackendConfig(_Strict):
     `train-all --backend ...` options build one for the jobs placement does not name."""
 
     kind: Literal["local", "slurm", "ray"] = "local"
-    cpus_per_job: int = Field(1, ge=1)
+    cpus_per_job: int | None = Field(None, ge=1)  # None: 1, or CPUS_PER_GPU for each of the job's GPUs (cpus)
     gpus_per_job: int = Field(0, ge=0)  # > 1: the job runs its DDP under torchrun --nproc-per-node G
+    # slurm: > 1: each job (an expert) spans that many nodes of gpus_per_job GPUs each, one torchrun per node joined
+    # by its c10d rendezvous on the first node (srun)
+    nodes_per_job: int = Field(1, ge=1)
+    # slurm with a run root on an object store: where the sbatch scripts and the jobs' output go, a folder the login
+    # node and the compute nodes share (None: ~/.cache/flowfleet/slurm/<run>, in a home the nodes mount)
+    stage_dir: str | None = None
     python: str | None = None  # the environment's interpreter on the nodes (None: this one)
     # how often train-all resubmits a job of this backend whose node died or that the backend ended unfinished, each
     # time from its newest checkpoint (preemptible nodes want more)
@@ -443,12 +450,29 @@ class BackendConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "BackendConfig":
-        only = {"slurm": ("partition", "account", "time", "sbatch_args"), "ray": ("address",)}
+        only = {
+            "slurm": ("partition", "account", "time", "sbatch_args", "stage_dir"),
+            "ray": ("address",),
+        }
+        if self.nodes_per_job > 1 and self.kind != "slurm":
+            raise ValueError(f"nodes_per_job: a slurm option, but kind is {self.kind!r}")
+        if self.nodes_per_job > 1 and not self.gpus_per_job:
+            raise ValueError("nodes_per_job: a job over several nodes needs gpus_per_job (its ranks' NCCL group)")
         for kind, fields in only.items():
             for name in fields:
                 if self.kind != kind and getattr(self, name):
                     raise ValueError(f"{name}: a {kind} option, but kind is {self.kind!r}")
         return self
+
+    @property
+    def cpus(self) -> int:
+        """CPUs a job asks for on each of its nodes: cpus_per_job, else 1, or CPUS_PER_GPU per GPU."""
+        return self.cpus_per_job or max(1, CPUS_PER_GPU * self.gpus_per_job)
+
+    @property
+    def threads_per_rank(self) -> int:
+        """OMP_NUM_THREADS of each of a node's ranks: its CPUs shared by its torchrun's processes."""
+        return max(1, self.cpus // max(1, self.gpus_per_job))
 
 
 class StorageConfig(_Strict):

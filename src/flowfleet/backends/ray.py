@@ -81,9 +81,9 @@ class RayBackend:
         return self.client.submit_job(
             entrypoint=self.entrypoint(root, spec),
             submission_id=f"flowfleet-{run_name}-{spec.name}-{uuid.uuid4().hex[:8]}",
-            entrypoint_num_cpus=o.cpus_per_job,
+            entrypoint_num_cpus=o.cpus,
             entrypoint_num_gpus=o.gpus_per_job or None,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(o.cpus_per_job)}},
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(o.threads_per_rank)}},
             metadata={"flowfleet_run": root.url, "flowfleet_job": spec.name},
         )
 

@@ -6,29 +6,40 @@
     RUN_ROOT/backends/submissions.json         job -> {backend, id, submitted}
     RUN_ROOT/<job folder>/train.log            the job's output (appended, as the local backend writes it)
 
+A run root on an object store (s3://...) keeps a copy of the scripts in backends/slurm/, and sbatch reads them from
+a stage folder the login node and the compute nodes share (backends.NAME.stage_dir, else ~/.cache/flowfleet/slurm/
+<run>: a home the nodes mount), where Slurm also writes each job's output (STAGE/<job folder>/train.log).
+
 The scripts are plain files a user can read and `sbatch` again. Every job runs the same flowfleet
 command as the local backend (`python -m flowfleet.cli train-expert RUN --expert k`, under
 `torchrun --nproc-per-node G` with G GPUs per job), so its checkpoints, status.json and final weights are
 the ones a local run writes; the nodes need the run root (a shared folder or an s3:// URL) and the same
-Python environment. The router does not wait for the experts: it trains on data/ and the cluster ids
+Python environment. A job of G GPUs asks for CPUS_PER_GPU CPUs a GPU unless cpus_per_job says, and each rank
+runs its share of them as threads. A job over N nodes (nodes_per_job) runs one torchrun per node under srun,
+joined by torchrun's c10d rendezvous on the job's first node (PET_* variables: torchrun's own).
+
+The router does not wait for the experts: it trains on data/ and the cluster ids
 only. Job state comes from `squeue` (a one-node cluster often runs without accounting, so `sacct` is
 not used) next to each job's status.json.
 """
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 import subprocess
 from pathlib import Path
 from typing import Sequence
 
 from flowfleet.config import BackendConfig
+from flowfleet.data.sources.fetched import cache_dir
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
 from flowfleet.train.specs import JobSpec, cli_command, launcher
 
 FOLDER = ("backends", "slurm")
+RENDEZVOUS_PORT = 29500  # torchrun's c10d rendezvous on a multi-node job's first node
 SQUEUE_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
 
 
@@ -64,22 +75,38 @@ class SlurmBackend:
             f"#SBATCH --output={output}",
             "#SBATCH --open-mode=append",
         ]
-        lines.append(f"#SBATCH --cpus-per-task={o.cpus_per_job}")
+        if o.nodes_per_job > 1:  # one task a node: its torchrun starts the node's ranks
+            lines += [f"#SBATCH --nodes={o.nodes_per_job}", "#SBATCH --ntasks-per-node=1"]
+        lines.append(f"#SBATCH --cpus-per-task={o.cpus}")
         if o.gpus_per_job:
             lines.append(f"#SBATCH --gpus-per-task={o.gpus_per_job}")
         for flag, value in (("partition", o.partition), ("account", o.account), ("time", o.time)):
             if value:
                 lines.append(f"#SBATCH --{flag}={value}")
         lines += [f"#SBATCH {arg}" for arg in o.sbatch_args]
-        lines += ["set -euo pipefail", 'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"']
+        lines += ["set -euo pipefail", f"export OMP_NUM_THREADS={o.threads_per_rank}"]
+        if o.nodes_per_job > 1:
+            first = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+            lines += [
+                f"export PET_NNODES={o.nodes_per_job} PET_NPROC_PER_NODE={o.gpus_per_job} PET_RDZV_BACKEND=c10d",
+                'export PET_RDZV_ID="$SLURM_JOB_ID"',
+                f'export PET_RDZV_ENDPOINT="{first}:{RENDEZVOUS_PORT}"',
+            ]
         return lines
 
     def _command(self, argv: list[str], tail: str = "") -> str:
-        """The job's command line; `tail` is appended unquoted (a shell variable such as the array index)."""
-        return "exec " + shlex.join(argv) + tail
+        """The job's command line; `tail` is appended unquoted (a shell variable such as the array index). Over
+        several nodes: under srun, one torchrun a node."""
+        srun = "srun --kill-on-bad-exit=1 " if self.config.nodes_per_job > 1 else ""
+        return f"exec {srun}" + shlex.join(argv) + tail
 
     def _launcher(self) -> list[str]:
-        return launcher(self.config.python, self.config.gpus_per_job)  # G > 1 GPUs: the trainer's DDP under torchrun
+        """The job's interpreter; G > 1 GPUs: the trainer's DDP under torchrun (over several nodes: torchrun with its
+        rendezvous in the PET_* variables of the script)."""
+        o = self.config
+        if o.nodes_per_job > 1:
+            return [o.python or launcher()[0], "-m", "torch.distributed.run"]
+        return launcher(o.python, o.gpus_per_job)
 
     def expert_script(self, root: RunRoot, experts: list[int], run_name: str) -> str:
         """One array task per expert: the task index is the expert id."""
@@ -96,11 +123,35 @@ class SlurmBackend:
         lines = self._header(f"flowfleet-{run_name}-assemble", self._log(root, "/".join(FOLDER)))
         return "\n".join([*lines, self._command(cli_command(["assemble", root.url], launcher(self.config.python))), ""])
 
-    @staticmethod
-    def _log(root: RunRoot, folder: str) -> str:
+    def stage(self, root: RunRoot) -> Path:
+        """Where sbatch reads the scripts and Slurm writes the jobs' output: the run root's backends/slurm/ when it
+        is a folder on this machine, else the stage folder (module docstring)."""
+        local = root.local_path(*FOLDER)
+        if local is not None:
+            return local
+        if self.config.stage_dir:
+            return Path(self.config.stage_dir).expanduser()
+        return cache_dir() / "slurm" / hashlib.sha256(root.url.encode()).hexdigest()[:12]
+
+    def _outputs(self, root: RunRoot) -> Path:
+        """The folder whose <job folder>/train.log Slurm appends a job's output to: the run root's own, or the stage
+        folder's."""
+        local = root.local_path()
+        return local if local is not None else self.stage(root)
+
+    def _log(self, root: RunRoot, folder: str) -> str:
         """Where Slurm appends a job's output: its folder's train.log, as the local backend does (%a: the
         array task, i.e. the expert)."""
-        return f"{root.local_path()}/{folder}/{LOG_FILE}"
+        return f"{self._outputs(root)}/{folder}/{LOG_FILE}"
+
+    def _write(self, root: RunRoot, name: str, script: str) -> Path:
+        """A script into the run root's backends/slurm/ (a record) and the stage folder -> the file sbatch reads."""
+        root.write_bytes(script.encode(), *FOLDER, name)
+        staged = self.stage(root) / name
+        if root.local_path(*FOLDER) is None:
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            staged.write_text(script)
+        return staged
 
     # -- submission and state ---------------------------------------------------------------------
 
@@ -114,39 +165,30 @@ class SlurmBackend:
     def submit(self, root: RunRoot, specs: list[JobSpec], run_name: str, then_assemble: bool = True) -> dict[str, str]:
         """Write the scripts into the run root and submit them -> job name -> Slurm job id (array
         tasks as "<array id>_<expert>"); then_assemble: an assemble job after all of them (afterok)."""
-        local = root.local_path(*FOLDER)
-        if local is None:
-            raise FlowfleetError(f"--backend slurm: {root.url} is not a local folder; sbatch needs the scripts on disk")
-        local.mkdir(parents=True, exist_ok=True)
-        for spec in specs:  # Slurm opens its log file itself: the job folders must exist
-            (local.parent.parent / spec.dir).mkdir(parents=True, exist_ok=True)
+        self.stage(root).mkdir(parents=True, exist_ok=True)
+        for folder in [s.dir for s in specs] + ["/".join(FOLDER)]:  # Slurm opens its log files itself
+            (self._outputs(root) / folder).mkdir(parents=True, exist_ok=True)
         ids: dict[str, str] = {}
         experts = [s for s in specs if s.kind == "expert" and s.expert is not None]
         if experts:
-            path = local / "experts.sbatch"
             script = self.expert_script(root, [s.expert for s in experts if s.expert is not None], run_name)
-            root.write_bytes(script.encode(), *FOLDER, "experts.sbatch")
-            array = self.sbatch(str(path))
+            array = self.sbatch(str(self._write(root, "experts.sbatch", script)))
             ids.update({s.name: f"{array}_{s.expert}" for s in experts})
         for spec in specs:
             if spec.kind == "expert":
                 continue
-            name = f"{spec.name}.sbatch"
-            root.write_bytes(self.job_script(root, spec, run_name).encode(), *FOLDER, name)
-            ids[spec.name] = self.sbatch(str(local / name))
+            staged = self._write(root, f"{spec.name}.sbatch", self.job_script(root, spec, run_name))
+            ids[spec.name] = self.sbatch(str(staged))
         if then_assemble and ids:
-            root.write_bytes(self.assemble_script(root, run_name).encode(), *FOLDER, "assemble.sbatch")
+            staged = self._write(root, "assemble.sbatch", self.assemble_script(root, run_name))
             parents = sorted({i.split("_")[0] for i in ids.values()})
-            ids["assemble"] = self.sbatch(str(local / "assemble.sbatch"), parents)
+            ids["assemble"] = self.sbatch(str(staged), parents)
         return ids
 
     def resubmit(self, root: RunRoot, spec: JobSpec, run_name: str) -> str:
         """One job again, alone (an expert as a plain job, not an array task) -> its new Slurm job id."""
-        local = root.local_path(*FOLDER)
-        assert local is not None  # submit() refused remote run roots
-        name = f"{spec.name}.sbatch"
-        root.write_bytes(self.job_script(root, spec, run_name).encode(), *FOLDER, name)
-        return self.sbatch(str(local / name))
+        (self._outputs(root) / spec.dir).mkdir(parents=True, exist_ok=True)
+        return self.sbatch(str(self._write(root, f"{spec.name}.sbatch", self.job_script(root, spec, run_name))))
 
     def states(self, ids: Sequence[str]) -> dict[str, str]:
         """Slurm job id -> its squeue state (PENDING, RUNNING, ...); ids squeue no longer lists are absent."""
