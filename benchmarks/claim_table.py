@@ -47,7 +47,21 @@ def run_figures(run: Path, models: list[str]) -> dict:
         "ratio": {m: [t / mono for t, mono in zip(fd[m], fd["monolith"])] for m in models},
         "monolith_over_floor": [m / f for m, f in zip(fd["monolith"], floor)],
         "sweep": ev["runs"][models[0]]["sweep"],  # the draw the scales were chosen on (validation): every scale's
+        "splits": splits_of(ev),
     }
+
+
+def splits_of(ev: dict) -> str:
+    """Which images an evaluation chose on and which it reports, in words."""
+    test = ev["reference_split"]
+    on = (ev.get("guidance") or {}).get("chosen_on")
+    if on == "validation":
+        val = ev["validation_split"]
+        return (
+            f"scales chosen on the validation split ({val['items']} held-out images, prompts and noise of its own), "
+            f"figures on the test split ({test['items']} held-out images)"
+        )
+    return "scales chosen on the draw the figures come from (no validation split: an older run)"
 
 
 def sweep_rows(rows: list[dict]) -> list[dict]:
@@ -76,6 +90,8 @@ def main() -> None:
     a = p.parse_args()
     models = [m for m in a.models.split(",") if m]
     rows = [run_figures(Path(r), models) for r in a.runs]
+    for splits in sorted({r["splits"] for r in rows}):
+        print(f"{', '.join(r['run'] for r in rows if r['splits'] == splits)}: {splits}")
     for model in models:
         head = (
             "run",
