@@ -3,13 +3,14 @@ two narrow tables (the judge's figures, then the rest) that print whole in an 80
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 WIDTH = 80  # the narrowest log or terminal the summary is made for
+Column = tuple[str, Callable[[str, dict[str, Any]], str]]  # a header and its cell of (model name, its figures)
 
 
 def print_table(result: dict[str, Any], console: Console | None = None) -> None:
@@ -30,55 +31,40 @@ def print_table(result: dict[str, Any], console: Console | None = None) -> None:
     console.print(f"{fid['generated_images']} samples per model against {against}{where}")
 
     with_pr = any(run.get("precision") is not None for run in runs.values())
-    first = _table("model", "cfg")
-    if judged:
-        first.add_column("accuracy", justify="right")
-        first.add_column("class. FD", justify="right")
-    if with_pr:
-        first.add_column("precision", justify="right")
-        first.add_column("recall", justify="right")
-    for name, run in rows:
-        row = [name, _num(run.get("cfg"), 1)]
-        if judged:
-            row += [_num(run.get("prompt_accuracy"), 3), _num(run.get("classifier_fd"), 2)]
-        if with_pr:
-            row += [_num(run.get("precision"), 3), _num(run.get("recall"), 3)]
-        first.add_row(*row)
-    if len(first.columns) > 2:
-        console.print(first)
-
     adherence = result.get("adherence") or {}
     align = (result.get("diagnostics") or {}).get("alignment") or {}
-    second = _table("model", "FID")
+    first: list[Column] = [("cfg", lambda name, run: _num(run.get("cfg"), 1))]
     if judged:
-        second.add_column("confidence", justify="right")
+        first.append(("accuracy", lambda name, run: _num(run.get("prompt_accuracy"), 3)))
+        first.append(("class. FD", lambda name, run: _num(run.get("classifier_fd"), 2)))
+    if with_pr:
+        first.append(("precision", lambda name, run: _num(run.get("precision"), 3)))
+        first.append(("recall", lambda name, run: _num(run.get("recall"), 3)))
+    second: list[Column] = [("FID", lambda name, run: _num(run.get("fid"), 1))]
+    if judged:
+        second.append(("confidence", lambda name, run: _num(run.get("confidence"), 3)))
     if adherence:
-        second.add_column("adherence", justify="right")
+        second.append(("adherence", lambda name, run: _num((adherence.get(name) or {}).get("both"), 3)))
     if align:
-        second.add_column("in cluster", justify="right")
-    second.add_column("sampling s", justify="right")
-    for name, run in rows:
-        row = [name, _num(run.get("fid"), 1)]
-        if judged:
-            row.append(_num(run.get("confidence"), 3))
-        if adherence:
-            a = adherence.get(name) or {}
-            row.append(f"{a['both']:.3f}" if a.get("both") is not None else "")
-        if align:
-            a = align.get(name) or {}
-            row.append(f"{a['assigned_is_dominant']:.3f}" if a else "")
-        row.append("" if run.get("real") else f"{run['sampling_s']:.1f}")
-        second.add_row(*row)
-    console.print(second)
+        second.append(("in cluster", lambda name, run: _num((align.get(name) or {}).get("assigned_is_dominant"), 3)))
+    second.append(("sampling s", lambda name, run: "" if run.get("real") else f"{run['sampling_s']:.1f}"))
+    if len(first) > 1:
+        console.print(_table(rows, first))
+    else:  # no judge: one table, the scale beside FID
+        second.insert(0, first[0])
+    console.print(_table(rows, second))
     for line in _legend(result, judged, bool(align)):
         console.print(line)
 
 
-def _table(*headers: str) -> Table:
+def _table(rows: list[tuple[str, dict[str, Any]]], columns: list[Column]) -> Table:
+    """One row per model (name first), a right-aligned column per (header, cell)."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column(headers[0], no_wrap=True)
-    for header in headers[1:]:
+    table.add_column("model", no_wrap=True)
+    for header, _ in columns:
         table.add_column(header, justify="right", no_wrap=True)
+    for name, run in rows:
+        table.add_row(name, *(cell(name, run) for _, cell in columns))
     return table
 
 
