@@ -35,6 +35,16 @@ FAULT_CASES: list[tuple[str, str, str]] = [
         "checkpoint written, status 'stopped', exit 0",
     ),
     (
+        "preempted during a background checkpoint",
+        "tests/test_train_cli.py::test_a_checkpoint_is_written_while_training_goes_on_and_a_kill_mid_write_leaves_the_last_complete_one",
+        "training goes on during the write; SIGTERM then SIGKILL mid-write: the previous checkpoint loads and resumes",
+    ),
+    (
+        "SIGTERM too late for a write",
+        "tests/test_train_cli.py::test_a_sigterm_too_late_for_another_write_ends_on_the_newest_complete_checkpoint",
+        "no checkpoint of the stop's step (said in one line); stopped on the newest complete one",
+    ),
+    (
         "SIGTERM to train-all",
         "tests/test_train_cli.py::test_fanout_stop_forwards_sigterm_and_starts_nothing_new",
         "forwarded to every job; nothing new starts",

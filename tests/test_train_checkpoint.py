@@ -110,3 +110,36 @@ def test_truncated_file_or_missing_pointer_falls_back_to_newest_complete(run_roo
     model_file = run_root / "router/checkpoints/step-0000002/model.safetensors"
     model_file.write_bytes(model_file.read_bytes()[:-5])  # torn by a non-atomic copy
     assert store.latest() == step_dir(1)
+
+
+def test_the_background_writer_writes_one_checkpoint_at_a_time_and_raises_its_error_in_the_callers_thread(tmp_path):
+    import threading
+
+    from flowfleet.train.checkpoint import BackgroundWriter, Checkpoint, CheckpointStore
+
+    store = CheckpointStore(RunRoot(str(tmp_path)), "experts/0")
+    release, real = threading.Event(), store.save
+
+    def slow_save(ckpt):  # a slow store: held until released
+        release.wait(30)
+        return real(ckpt)
+
+    store.save = slow_save  # type: ignore[method-assign]
+    writer = BackgroundWriter(store)
+    ckpt = Checkpoint(step=2, tensors={"model": {"w": torch.ones(3)}}, state={"job": "expert-0"})
+    assert writer.start(ckpt) is None and writer.busy and writer.finished() is None  # the caller goes on
+    assert store.latest() is None  # nothing complete yet
+    release.set()
+    assert writer.wait() == "step-0000002" and not writer.busy and writer.last_s is not None
+    assert store.latest() == "step-0000002" and torch.equal(
+        store.load("step-0000002").tensors["model"]["w"], torch.ones(3)
+    )
+
+    def failing_save(ckpt):
+        raise OSError("disk full")
+
+    store.save = failing_save  # type: ignore[method-assign]
+    writer.start(Checkpoint(step=4, tensors={"model": {"w": torch.ones(3)}}, state={}))
+    with pytest.raises(OSError, match="disk full"):
+        writer.wait()  # (or finished(), at the loop's next step)
+    assert store.latest() == "step-0000002"

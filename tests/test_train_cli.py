@@ -305,3 +305,60 @@ def test_plan_slots_shares_cores_and_gpus():
     assert [(s.threads, s.gpu) for s in plan_slots(5, 1, cpus=8, gpus=0)] == [(8, None)]
     assert [(s.threads, s.gpu) for s in plan_slots(2, None, cpus=16, gpus=4)] == [(8, 0), (8, 1)]
     assert len(plan_slots(9, None, cpus=32, gpus=4)) == 4
+
+
+def test_a_checkpoint_is_written_while_training_goes_on_and_a_kill_mid_write_leaves_the_last_complete_one(tmp_path):
+    """train.async_checkpoint: step 4's checkpoint is held in the middle of its write (a slow store); the job trains
+    on past it; SIGTERM, then SIGKILL once the grace is over (a scheduler's preemption): step 2's checkpoint is the
+    newest complete one and loads, step 4's half-written folder is never taken for one, and the job resumes from it."""
+    root = make_run(tmp_path / "r", steps=100_000, train=dict(log_every=1, ckpt_every=2, stop_grace_s=1.0))
+    job = tmp_path / "r/experts/1"
+    held = [sys.executable, "-m", "fixtures.held_checkpoint", "4"]
+    proc = subprocess.Popen(
+        [*held, "train-expert", str(tmp_path / "r"), "--expert", "1", "--no-progress"],
+        env=ENV,
+        cwd=os.path.dirname(os.path.abspath(__file__)),  # tests/: the fixtures package
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        # steps 5 and 6 trained while step 4 was being written (the next checkpoint, at 6, waits for it: one write
+        # at a time)
+        wait_for(lambda: len(metrics_lines(job)) >= 6, 180, "six steps")
+        assert (job / "checkpoints/step-0000004/model.safetensors").exists()
+        assert not (job / "checkpoints/step-0000004/state.json").exists()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # the grace
+        proc.kill()
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    store = CheckpointStore(root, "experts/1")
+    assert store.latest() == "step-0000002" and store.load("step-0000002").step == 2
+    assert read_status(root, "experts/1").last_checkpoint == "step-0000002"
+    # the run goes on from there (the held folder is left behind and replaced)
+    (tmp_path / "r/run.yaml").write_text((tmp_path / "r/run.yaml").read_text().replace("steps: 100000", "steps: 6"))
+    assert main(["train-expert", str(tmp_path / "r"), "--expert", "1", "--no-progress"]) == 0
+    status = read_status(root, "experts/1")
+    assert status.state == "done" and status.step == 6 and store.latest() == "step-0000006"
+
+
+def test_a_sigterm_too_late_for_another_write_ends_on_the_newest_complete_checkpoint(tmp_path, caplog):
+    """train.stop_grace_s shorter than a checkpoint's write: the stop takes no checkpoint of its own step (a write
+    cut off by the kill would be lost anyway), says so, and the job is stopped on its newest complete checkpoint."""
+    root = make_run(tmp_path / "r", steps=100_000, train=dict(log_every=1, ckpt_every=3, stop_grace_s=1e-6))
+
+    def terminate_after_four_steps():
+        wait_for(lambda: len(metrics_lines(tmp_path / "r/experts/1")) >= 4, 120, "four steps")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_after_four_steps, daemon=True).start()
+    with caplog.at_level("WARNING", logger="flowfleet"):
+        assert main(["train-expert", str(tmp_path / "r"), "--expert", "1", "--no-progress"]) == 0
+    status = read_status(root, "experts/1")
+    assert status.state == "stopped" and status.step >= 4
+    newest = f"step-{3 * ((status.step - 1) // 3):07d}"  # the last periodic one before the stop's step
+    assert status.last_checkpoint == newest == CheckpointStore(root, "experts/1").latest()
+    assert any("SIGTERM: no checkpoint of this step" in r.getMessage() for r in caplog.records)

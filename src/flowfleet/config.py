@@ -210,6 +210,12 @@ class TrainConfig(_Strict):
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # autocast on CUDA only; CPU runs fp32
     time_sampling: Literal["uniform", "logit_normal"] = "uniform"
     ckpt_every: int = Field(500, ge=1)
+    # Rank 0 writes each checkpoint in a thread of its own while training goes on (its tensors copied to host memory
+    # at the step); False: the step waits for the write
+    async_checkpoint: bool = True
+    # After a SIGTERM, the seconds the job has before it is killed (a scheduler's grace): the stop's own checkpoint is
+    # written only where the last write took less; else the job ends on its newest complete checkpoint
+    stop_grace_s: float = Field(30.0, gt=0)
     sample_every: int = Field(500, ge=1)
     log_every: int = Field(10, ge=1)
     seed: int = 0

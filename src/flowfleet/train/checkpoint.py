@@ -14,6 +14,7 @@ the newest complete one is found by listing the folder.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,3 +193,54 @@ class CheckpointStore:
             except Exception as err:  # safetensors has its own error type for a bad header
                 raise CheckpointError(f"{where}/{file_name}: unreadable ({str(err).splitlines()[0][:200]})") from None
         return Checkpoint(step=int(state["step"]), tensors=tensors, state=state)
+
+
+class BackgroundWriter:
+    """Writes one checkpoint at a time in a thread of its own (CheckpointStore.save: state.json last), so that the
+    training loop goes on while it is written; a process killed mid-write leaves the previous checkpoint the newest
+    complete one. The checkpoint handed over must own its tensors (a copy taken at its step).
+
+        writer = BackgroundWriter(store)
+        writer.start(ckpt)          # waits for the previous write first; -> its name, if one ended
+        writer.finished()           # -> the name of a write that ended since, else None (its error raised here)
+        writer.wait()               # joins the running write -> its name"""
+
+    def __init__(self, store: CheckpointStore):
+        self.store = store
+        self._thread: threading.Thread | None = None
+        self._name: str | None = None
+        self._error: BaseException | None = None
+        self.last_s: float | None = None  # how long the last ended write took
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, ckpt: Checkpoint) -> str | None:
+        ended = self.wait()
+        self._thread = threading.Thread(target=self._write, args=(ckpt,), name="flowfleet-checkpoint", daemon=True)
+        self._thread.start()
+        return ended
+
+    def _write(self, ckpt: Checkpoint) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._name = self.store.save(ckpt)
+        except BaseException as err:  # raised in the loop's thread, at its next look
+            self._error = err
+        finally:
+            self.last_s = time.perf_counter() - t0
+
+    def finished(self) -> str | None:
+        return None if self.busy else self.wait()
+
+    def wait(self) -> str | None:
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        name, self._name = self._name, None
+        return name

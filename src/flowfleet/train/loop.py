@@ -38,7 +38,7 @@ from flowfleet.models.files import save_model
 from flowfleet.models.flops import train_flops_per_sample
 from flowfleet.storage import RunRoot
 from flowfleet.threads import ThreadGovernor
-from flowfleet.train.checkpoint import Checkpoint, CheckpointStore, flatten_state, unflatten_state
+from flowfleet.train.checkpoint import BackgroundWriter, Checkpoint, CheckpointStore, flatten_state, unflatten_state
 from flowfleet.train.data import ResumableSampler, derive_seed
 from flowfleet.train.ema import EMA
 from flowfleet.train.metrics import MetricsLog
@@ -78,7 +78,8 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 
 def cpu_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    """A copy in host memory (also of a CPU tensor: a checkpoint written in the background must own its tensors)."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
 
 @dataclass
@@ -171,7 +172,9 @@ class Trainer:
         self.root = root
         self.options = options or TrainOptions()
         self.store = CheckpointStore(root, task.spec.dir, keep=task.train_cfg.keep_checkpoints)
+        self.writer = BackgroundWriter(self.store)  # train.async_checkpoint
         self._stop_reason: str | None = None
+        self._stop_time = 0.0  # when the stop was asked for (time.monotonic)
 
     # ----------------------------------------------------------------------------------------------
     #                                       Stopping
@@ -179,7 +182,8 @@ class Trainer:
 
     def request_stop(self, reason: str) -> None:
         """Finish the current step, checkpoint, mark the job stopped (what SIGTERM/SIGINT do)."""
-        self._stop_reason = self._stop_reason or reason
+        if self._stop_reason is None:
+            self._stop_reason, self._stop_time = reason, time.monotonic()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if self._stop_reason is not None and signum == signal.SIGINT:
@@ -238,6 +242,8 @@ class Trainer:
                 if governor is not None and (changed := governor.step()) and island.is_main:
                     st.rank0().lease.update(threads=changed)
                 if self._step(st, sampler, bar):
+                    if island.is_main:
+                        self._drain(st)
                     state = "stopped"
                     message = (
                         f"stopped by {self._stop_reason or 'a stop on another rank'} at step {st.step}; "
@@ -247,6 +253,7 @@ class Trainer:
             else:
                 if island.is_main:
                     self._finish(st)
+                    self._drain(st)
                 state = "done"
         except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step, the previous one stays
             state, message = "stopped", "interrupted twice, without a checkpoint; re-run to resume from the last one"
@@ -257,6 +264,8 @@ class Trainer:
         finally:
             bar.close()
             if island.is_main:
+                with contextlib.suppress(Exception):  # (a failed job: its own error is the one to see)
+                    self._drain(st)
                 st.rank0().metrics.close()
                 st.rank0().lease.release(state, message)
             if state != "failed":
@@ -369,8 +378,10 @@ class Trainer:
                 self._log(st, bar, lr)
             if st.step % tc.sample_every == 0 or st.step == total:
                 self._preview(st)
+        if st.island.is_main and (ended := self.writer.finished()):
+            self._checkpointed(st, ended)
         if stop or due or (st.bad == 0 and st.step % tc.ckpt_every == 0) or st.step == total:
-            self._checkpoint(st)
+            self._checkpoint(st, stop)
         return stop
 
     def _forward_backward(self, st: _State, items: torch.Tensor, lr: float) -> tuple[float, dict[str, float], bool]:
@@ -425,6 +436,8 @@ class Trainer:
         st.window.samples += tc.batch_size
         st.window.steps += 1
         if st.bad >= tc.max_bad_steps:
+            if st.island.is_main:
+                self._drain(st)  # (the newest checkpoint may still be being written)
             last = self.store.latest()
             raise TrainingDiverged(
                 f"{self.task.name}: loss was {loss} for {st.bad} consecutive steps (up to step {st.step}); stopped "
@@ -469,8 +482,11 @@ class Trainer:
                 len(self.task.data),
             )
 
-    def _checkpoint(self, st: _State) -> None:
-        if st.island.is_main:
+    def _checkpoint(self, st: _State, stop: bool = False) -> None:
+        """Rank 0 takes a copy of the job's state at this step and writes it (train.async_checkpoint: in the
+        background); every rank waits for it to be taken. A stop by SIGTERM too late for a write (stop_grace_s)
+        takes none: the job ends on its newest complete checkpoint."""
+        if st.island.is_main and not (stop and self._past_grace()):
             opt_skeleton, opt_tensors = flatten_state(st.opt.state_dict())
             rng = {"torch": torch.get_rng_state()}
             if torch.cuda.is_available():
@@ -499,12 +515,40 @@ class Trainer:
                     "train_config": self.task.train_cfg.model_dump(mode="json"),
                 },
             )
-            name = self.store.save(ckpt)
-            main = st.rank0()
-            main.metrics.flush()
-            main.lease.update(last_checkpoint=name)
-            main.lease.flush()
+            ended = self.writer.start(ckpt) if self.task.train_cfg.async_checkpoint else self.store.save(ckpt)
+            if ended:
+                self._checkpointed(st, ended)
         st.island.barrier()
+
+    def _checkpointed(self, st: _State, name: str) -> None:
+        """A checkpoint's write has ended: the metrics so far and the job's status name it."""
+        main = st.rank0()
+        main.metrics.flush()
+        main.lease.update(last_checkpoint=name)
+        main.lease.flush()
+
+    def _drain(self, st: _State) -> None:
+        """Wait for the checkpoint being written (its error raised here)."""
+        ended = self.writer.wait()
+        if ended:
+            self._checkpointed(st, ended)
+
+    def _past_grace(self) -> bool:
+        """A SIGTERM whose grace (train.stop_grace_s) the write in flight and one more, each as long as the last
+        write took, would outlast."""
+        if self._stop_reason != "SIGTERM" or self.writer.last_s is None:
+            return False
+        needed = self.writer.last_s * (2 if self.writer.busy else 1)
+        late = time.monotonic() - self._stop_time + needed > self.task.train_cfg.stop_grace_s
+        if late:
+            log.warning(
+                "%s: SIGTERM: no checkpoint of this step (a write takes %.1f s, train.stop_grace_s is %g); "
+                "the job resumes from its newest complete one",
+                self.task.name,
+                self.writer.last_s,
+                self.task.train_cfg.stop_grace_s,
+            )
+        return late
 
     def _log(self, st: _State, bar, lr: float) -> None:
         w, now = st.window, time.perf_counter()
