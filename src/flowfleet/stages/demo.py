@@ -18,8 +18,8 @@ noisy latent and the prompt as the experts do, p(k | x_t, t, prompt), and the fl
               passes over its digits as often as the monolith over all of them); the monolith, the same
               architecture and recipe, 12529 steps of 32: the training FLOPs of the four experts and the router
               together; 4000 router steps of 32 for a router of hidden 32; 300 samples per model at each guidance
-              scale of the sweep, against the 1000 held-out digits, and 4 more draws at each model's chosen scale
-              (target: <= 10 min)
+              scale of the sweep on the validation split (300 of the 1000 held-out digits), then 5 draws at each
+              model's chosen scale on the test split (the other 700)
     --quick   1000 digits (800 to train; 200 autoencoder steps), 4 x 900 expert steps (monolith ~3760)
               after 30 warm-up steps, 1200 router steps, 100 samples per model
 
@@ -42,9 +42,8 @@ Every model is judged against digits no model trained on, by a digit classifier 
 4000 of MNIST-5k, the first 4000 of either built-in set: one judge for every run (prompt accuracy; Fréchet
 distance, precision and recall in its features; flowfleet.evaluate.digits) and by Inception FID (75 x 75
 inputs: MNIST's 28-pixel digits gain nothing at 299). Real held-out digits scored like a model give each
-distance's floor. Each model is compared at its own best
-guidance scale (the lowest classifier FD with prompt accuracy >= 0.95), which becomes its folder's
-default.
+distance's floor. Each model is compared at its own best guidance scale (the lowest classifier FD with prompt
+accuracy >= 0.95 on the validation split), which becomes its folder's default; its figures are the test split's.
 
 Running the demo again on the same --out resumes: finished stages are skipped by the stages themselves
 (prepare returns a complete data/, train-all skips done jobs); a --out made with another
