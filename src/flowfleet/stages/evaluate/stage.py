@@ -186,7 +186,9 @@ class JudgedDraw:
             cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"holdout": 0})})
         elif held_out:
             data = held_out_data(root, cfg)
-        ev = _Evaluation(root.url, root, cfg, data or own, options, resolve_device(options.device), conditioning)
+        # every held-out item (split None): the gate's draw is neither a choice of evaluate's nor a reported figure
+        device = resolve_device(options.device)
+        ev = _Evaluation(root.url, root, cfg, data or own, options, device, conditioning, split=None)
         ev._open_fid(None, inception=False, named=False)
         return cls(ev) if ev.judge is not None and ev.judge_names_a_prompt() else None
 
