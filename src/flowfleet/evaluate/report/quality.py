@@ -213,7 +213,9 @@ class QualitySections(BuilderBase):
         ]
         if stops:
             s.notes.append("The sweep stopped at its bound: " + "; ".join(stops) + ".")
-        floor = split.get("floor") or {}
+        # the sweep's own draw: the validation split has no floor of its own (the test split's would be another
+        # reference's distance)
+        floor = {} if on == "validation" else split.get("floor") or {}
         s.images.append(self._plot("guidance.png", views.guidance_sweep_png(sweeps, floor), "guidance sweep per model"))
 
     def _reference_note(self) -> str:
