@@ -261,11 +261,15 @@ class Sweep:
 
     chosen_on: str  # the split of the draw: VALIDATION, or TEST where the run has no validation split
     records: list[dict[str, Any]] = field(default_factory=list)
-    cfg: float | None = None
     stop: str | None = None
     chosen: tuple[Any, Any, torch.Tensor, dict[str, Any]] | None = None  # (settings, output, images, scores)
     sampling_s: float = 0.0
     fid_s: float = 0.0
+
+    @property
+    def cfg(self) -> float | None:
+        """The chosen scale."""
+        return None if self.chosen is None else self.chosen[0].cfg
 
 
 def same_models(rows: Sequence[Row], sampling: dict[str, Any]) -> dict[str, str]:
@@ -541,46 +545,54 @@ class _Evaluation:
         chooses (no Inception); without one, FID. choices: the row's own settings (its guidance rule)."""
         o = self.options
         fid_each = self.judge_fd is None
-        records: dict[float, dict[str, Any]] = {}
-        drawn: dict[float, tuple[Any, Any, torch.Tensor, dict[str, Any]]] = {}
+        drawn: dict[float, tuple[Any, Any, torch.Tensor, dict[str, Any]]] = {}  # (settings, output, images, scores)
         sweep = Sweep(self.split_name)
         todo: list[float] = list(o.cfg_sweep)
         while todo:
             scale = todo.pop(0)
-            settings, out, images, scores = self._draw(name, pipe, strategy, scale, fid_each, sweep, **choices)
-            records[scale] = {"cfg": settings.cfg, **{k: v for k, v in scores.items() if not k.startswith("_")}}
-            drawn[scale] = (settings, out, images, scores)
+            drawn[scale] = self._draw(name, pipe, strategy, scale, fid_each, sweep, **choices)
             if todo:
                 continue
-            scales = sorted(records)
-            chosen = scales[choose_scale([records[c] for c in scales], o.min_accuracy)]
+            scales = sorted(drawn)
+            sweep.records = [
+                {"cfg": settings.cfg, **{k: v for k, v in scores.items() if not k.startswith("_")}}
+                for settings, _, _, scores in (drawn[c] for c in scales)
+            ]
+            chosen = scales[choose_scale(sweep.records, o.min_accuracy)]
             further, sweep.stop = extend_sweep(
-                scales, chosen, o.cfg_bounds, len(records) - len(o.cfg_sweep), o.cfg_extend
+                scales, chosen, o.cfg_bounds, len(drawn) - len(o.cfg_sweep), o.cfg_extend
             )
-            if further is not None and further not in records:
+            if further is not None and further not in drawn:
                 log.info(
                     f"evaluate: {name}: the best scale {chosen} is the sweep's edge on the {self.split_name} split"
                 )
                 todo.append(further)
         if sweep.stop:
             log.warning(f"evaluate: {name}: {sweep.stop} ({self.split_name} split)")
-        sweep.records, sweep.cfg = [records[c] for c in scales], chosen
         sweep.chosen = drawn[chosen]
         return sweep
 
     def _draw(
-        self, name: str, pipe: Any, strategy: str, scale: float | None, with_fid: bool, sweep: "Sweep", **choices: Any
+        self,
+        name: str,
+        pipe: Any,
+        strategy: str,
+        scale: float | None,
+        with_fid: bool,
+        timed: "Sweep | ModelRun",
+        **choices: Any,
     ) -> tuple[Any, Any, torch.Tensor, dict[str, Any]]:
-        """One model's samples of this draw at one guidance scale, scored: (settings, output, images, scores)."""
+        """One model's samples of this draw at one guidance scale, scored: (settings, output, images, scores); the
+        time it took added to `timed`'s sampling_s and fid_s."""
         settings = self.settings_for(pipe, strategy, **choices, cfg=scale)
         log.info(f"evaluate: {name}: sampling {self.options.n} images ({settings.describe()}, {self.split_name} split)")
         t0 = time.perf_counter()
         out = self.sample(pipe, settings, name)
-        sweep.sampling_s += time.perf_counter() - t0
+        timed.sampling_s += time.perf_counter() - t0
         images = out.images.float().cpu()  # [n, C, H, W] in [-1, 1]
         t0 = time.perf_counter()
         scores = self._score(images, out.prompts, name, with_fid=with_fid)
-        sweep.fid_s += time.perf_counter() - t0
+        timed.fid_s += time.perf_counter() - t0
         scores["cache_saved"] = out.trace.stats.cache.saved  # blocks skipped by --cache (0 without it)
         log.info(f"evaluate: {name}: cfg {settings.cfg}: " + describe_scores(scores))
         return settings, out, images, scores
@@ -592,25 +604,23 @@ class _Evaluation:
         split) gives its chosen samples. choices: the row's own settings (its guidance rule)."""
         o = self.options
         run = ModelRun(name, kind)
-        taken = Sweep(self.split_name)  # this draw's own sampling
         if sweep is not None and sweep.chosen_on == self.split_name and sweep.chosen is not None:
             settings, out, images, scores = sweep.chosen
         else:
             scale = sweep.cfg if sweep is not None else (o.cfg_sweep[0] if o.cfg_sweep else o.sampling.get("cfg"))
-            settings, out, images, scores = self._draw(name, pipe, strategy, scale, True, taken, **choices)
+            settings, out, images, scores = self._draw(name, pipe, strategy, scale, True, run, **choices)
         if "fid" not in scores:  # (a judge chose on this draw: Inception FID, the costlier network, only now)
             t0 = time.perf_counter()
             fid, ref = self._fid_reference()
             stats, scores["_fid_features"] = generated_features(fid, images, name)
             scores["fid"] = fid.score(stats, ref)
-            taken.fid_s += time.perf_counter() - t0
+            run.fid_s += time.perf_counter() - t0
             if sweep is not None:  # the chosen record is this draw's: it gets the FID too
                 next(r for r in sweep.records if r["cfg"] == settings.cfg)["fid"] = scores["fid"]
         if sweep is not None:
             run.sweep, run.chosen_on, run.sweep_stop = sweep.records, sweep.chosen_on, sweep.stop
-            run.sampling_s, run.fid_s = sweep.sampling_s, sweep.fid_s
-        run.sampling_s += taken.sampling_s
-        run.fid_s += taken.fid_s
+            run.sampling_s += sweep.sampling_s
+            run.fid_s += sweep.fid_s
         self.settings = settings
         run.cfg, run.fid, feats = settings.cfg, scores["fid"], scores["_fid_features"]
         run.cache_saved = scores["cache_saved"]
