@@ -119,12 +119,12 @@ class _Pace:
             train_flops_per_sample(task.model_cfg), None if peak is None else peak * island.world_size, island.device
         )
 
-    def measure(self, window: _Window, seconds: float) -> dict[str, float | None]:
-        """step_s, model_tflops, mfu, peak_memory_gib of a log window (every rank's samples, `seconds` long)."""
-        seconds = max(seconds, 1e-9)
-        achieved = window.samples * self.sample_flops / seconds
+    def measure(self, samples_per_s: float, step_s: float) -> dict[str, float | None]:
+        """step_s, model_tflops, mfu, peak_memory_gib of a log window (every rank's samples a second, seconds a
+        step)."""
+        achieved = samples_per_s * self.sample_flops
         return {
-            "step_s": seconds / max(window.steps, 1),
+            "step_s": step_s,
             "model_tflops": achieved / 1e12,
             "mfu": None if self.peak is None else achieved / self.peak,
             "peak_memory_gib": peak_memory(self.device) / 2**30,
@@ -552,16 +552,17 @@ class Trainer:
 
     def _log(self, st: _State, bar, lr: float) -> None:
         w, now = st.window, time.perf_counter()
+        seconds = max(now - w.t0, 1e-9)
         record: dict[str, Any] = {
             "step": st.step,
             "loss": w.loss / w.finite_steps if w.finite_steps else float("nan"),
             "lr": lr,
-            "samples_per_s": w.samples / max(now - w.t0, 1e-9),
+            "samples_per_s": w.samples / seconds,
             "time": time.time(),
             "epoch": st.position / len(self.task.data),
         }
         record.update({k: v / max(w.finite_steps, 1) for k, v in w.extras.items()})
-        speed = st.pace.measure(w, now - w.t0) if st.pace is not None else {}
+        speed = st.pace.measure(record["samples_per_s"], seconds / max(w.steps, 1)) if st.pace is not None else {}
         record.update(speed)
         st.rank0().metrics.log(record)
         st.rank0().lease.update(last_loss=record["loss"], **speed)
