@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 from flowfleet.config import BackendConfig
-from flowfleet.data.sources.fetched import cache_dir
+from flowfleet.data.sources.fetched import cache_dir, write_cache_file
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
@@ -149,8 +149,7 @@ class SlurmBackend:
         root.write_bytes(script.encode(), *FOLDER, name)
         staged = self.stage(root) / name
         if root.local_path(*FOLDER) is None:
-            staged.parent.mkdir(parents=True, exist_ok=True)
-            staged.write_text(script)
+            write_cache_file(staged, script.encode())  # (atomic: sbatch never reads half a script)
         return staged
 
     # -- submission and state ---------------------------------------------------------------------
