@@ -451,14 +451,17 @@ class BackendConfig(_Strict):
     account: str | None = None
     time: str | None = None
     sbatch_args: list[str] = []
+    nodelist: str | None = None  # slurm: sbatch --nodelist (a run.yaml machine's nodes)
     # ray: the cluster's dashboard URL (http://HEAD:8265); None: RAY_ADDRESS, else a local cluster
     address: str | None = None
+    # ray: custom resources each job asks for (a run.yaml machine's, {"fast": 0.001}: only its nodes have them)
+    resources: dict[str, float] = {}
 
     @model_validator(mode="after")
     def _check(self) -> "BackendConfig":
         only = {
-            "slurm": ("partition", "account", "time", "sbatch_args", "stage_dir"),
-            "ray": ("address",),
+            "slurm": ("partition", "account", "time", "sbatch_args", "stage_dir", "nodelist"),
+            "ray": ("address", "resources"),
         }
         if self.nodes_per_job > 1 and self.kind != "slurm":
             raise ValueError(f"nodes_per_job: a slurm option, but kind is {self.kind!r}")
@@ -479,6 +482,25 @@ class BackendConfig(_Strict):
     def threads_per_rank(self) -> int:
         """OMP_NUM_THREADS of each of a node's ranks: its CPUs shared by its torchrun's processes."""
         return max(1, self.cpus // max(1, self.gpus_per_job))
+
+
+class MachineConfig(_Strict):
+    """A machine the fleet trains on (run.yaml `machines`, read by `flowfleet plan`): where its jobs go and how
+    fast it trains an expert. Without `machines`, the experts run wherever `placement` puts them, each its
+    recipe's steps."""
+
+    # a run.yaml `backends` entry or local | slurm | ray: how a job reaches the machine
+    backend: str = "local"
+    # slurm: sbatch --nodelist (the machine's nodes) and --partition, beside the backend's own options
+    nodelist: str | None = None
+    partition: str | None = None
+    # ray: a custom resource the machine's nodes were started with (`ray start --resources '{"fast": 1}'`)
+    resource: str | None = None
+    # `export skypilot`: the accelerators its jobs ask for (NAME[:COUNT], e.g. "H100:8")
+    accelerators: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]+(:\d+)?$")
+    # model TFLOP/s an expert's training step reaches there (the trainer's `model_tflops`); None: measured by
+    # `flowfleet probe RUN --machine NAME` run on the machine, which stores it in the run
+    tflops: float | None = Field(None, gt=0)
 
 
 class StorageConfig(_Strict):
@@ -528,6 +550,9 @@ class RunConfig(_Strict):
     # `backends` or local | slurm | ray (default options); jobs placed nowhere go to train-all's --backend.
     backends: dict[str, BackendConfig] = {}
     placement: dict[str, str] = {}
+    # The machines the fleet trains on, by name (flowfleet.train.plan): `flowfleet plan` assigns each expert one and
+    # sets its steps, train-all sends it there. Empty: no plan, every expert its recipe's steps.
+    machines: dict[str, MachineConfig] = {}
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -617,10 +642,23 @@ class RunConfig(_Strict):
             if where not in self.backends and where not in BACKEND_KINDS:
                 known = ", ".join([*self.backends, *BACKEND_KINDS])
                 raise ValueError(f"placement.{pattern}: unknown backend {where!r} (known: {known})")
+        self._check_machines()
         self._check_fleet()
         self._check_routers()
         self._check_text()
         return self
+
+    def _check_machines(self) -> None:
+        """Each machine's backend is known, and its target options are its backend's kind's."""
+        only = {"nodelist": "slurm", "partition": "slurm", "resource": "ray"}
+        for name, machine in self.machines.items():
+            if machine.backend not in self.backends and machine.backend not in BACKEND_KINDS:
+                known = ", ".join([*self.backends, *BACKEND_KINDS])
+                raise ValueError(f"machines.{name}.backend: unknown {machine.backend!r} (known: {known})")
+            kind = self.backends[machine.backend].kind if machine.backend in self.backends else machine.backend
+            for option, needs in only.items():
+                if getattr(machine, option) and kind != needs:
+                    raise ValueError(f"machines.{name}.{option}: a {needs} option, but its backend is {kind!r}")
 
     def _check_shapes(self) -> None:
         """The latent space: the encoder's side, every model's input, the router's outputs, the additions' data."""

@@ -14,6 +14,8 @@
                                                       checkpoints/, final/ (the EMA weights), samples/,
                                                       report.json (routers)
       backends/                         train-all     submissions.json (job -> backend job id), slurm/*.sbatch
+      plan/                             plan, probe   plan.json (each expert's machine, steps, batch, finish),
+                                                      probe-<machine>.json (a machine's measured speed)
       diloco/rounds/<r>/                train-diloco  worker-<w>.safetensors (a pseudo-gradient), decision.json
       model/  model-monolith/           assemble      diffusers-style model folders (model-diloco/: DiLoCo's)
       reports/                          evaluate      evaluation.json, samples/, FID reference statistics,
@@ -74,6 +76,15 @@ JOB_REPORT = "report.json"  # what a finished job measured (the router: its accu
 # where train-all handed jobs to a backend (flowfleet.backends): job -> {backend, id, submitted}
 BACKENDS = "backends"
 SUBMISSIONS = (BACKENDS, "submissions.json")
+# `flowfleet plan`: which machine (run.yaml machines) trains each expert, its steps, batch and expected finish
+PLAN_DIR = "plan"
+PLAN = (PLAN_DIR, "plan.json")
+
+
+def probe_file(machine: str) -> tuple[str, str]:
+    """`flowfleet probe --machine NAME`: the speed measured on that machine."""
+    return PLAN_DIR, f"probe-{machine}.json"
+
 
 # assembled models and reports
 MODEL = "model"

@@ -70,8 +70,14 @@ def make_backend(config: BackendConfig, start_local: bool = False) -> RemoteBack
     raise FlowfleetError(f"backend kind {config.kind!r} runs on this machine, not as a remote backend")
 
 
+MACHINE = "machine:"  # place_jobs' prefix of a planned job's place: the run.yaml machine that trains it
+
+
 def named_backend(cfg: RunConfig, name: str) -> BackendConfig:
-    """A run.yaml `backends` entry, or local | slurm | ray with default options."""
+    """A run.yaml `backends` entry, or local | slurm | ray with default options, or (machine:NAME) a run.yaml
+    machine's backend narrowed to its nodes."""
+    if name.startswith(MACHINE):
+        return machine_backend(cfg, name.removeprefix(MACHINE))
     if name in cfg.backends:
         return cfg.backends[name]
     if name in BACKEND_KINDS:
@@ -80,10 +86,36 @@ def named_backend(cfg: RunConfig, name: str) -> BackendConfig:
     raise FlowfleetError(f"--backend: unknown {name!r} (known: {known})")
 
 
-def place_jobs(cfg: RunConfig, specs: list[JobSpec], default: str) -> dict[str, str]:
-    """job name -> backend name: run.yaml `placement` (the first pattern that matches), else `default`."""
+def machine_backend(cfg: RunConfig, machine: str) -> BackendConfig:
+    """The backend of run.yaml machine `machine`, its jobs sent to its nodes only (slurm: --nodelist and
+    --partition; ray: its custom resource)."""
+    m = cfg.machines[machine]
+    base = named_backend(cfg, m.backend)
+    changes: dict[str, Any] = {}
+    if m.nodelist:
+        changes["nodelist"] = m.nodelist
+    if m.partition:
+        changes["partition"] = m.partition
+    if m.resource:
+        changes["resources"] = {**base.resources, m.resource: RESOURCE_SHARE}
+    return base.model_copy(update=changes)
+
+
+# What of a machine's custom resource one job asks for: a token share, so that the resource picks the nodes and
+# the CPUs and GPUs the job asks for decide how many run there at once.
+RESOURCE_SHARE = 0.001
+
+
+def place_jobs(
+    cfg: RunConfig, specs: list[JobSpec], default: str, planned: dict[str, str] | None = None
+) -> dict[str, str]:
+    """job name -> backend name: the machine the run's plan gives it (`planned`: job -> machine; machine:NAME),
+    else run.yaml `placement` (the first pattern that matches), else `default`."""
     placed = {}
     for spec in specs:
+        if planned and spec.name in planned:
+            placed[spec.name] = MACHINE + planned[spec.name]
+            continue
         where = next((b for pattern, b in cfg.placement.items() if fnmatch.fnmatchcase(spec.name, pattern)), default)
         placed[spec.name] = where
     return placed

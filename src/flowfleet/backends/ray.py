@@ -83,6 +83,7 @@ class RayBackend:
             submission_id=f"flowfleet-{run_name}-{spec.name}-{uuid.uuid4().hex[:8]}",
             entrypoint_num_cpus=o.cpus,
             entrypoint_num_gpus=o.gpus_per_job or None,
+            entrypoint_resources=dict(o.resources) or None,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(o.threads_per_rank)}},
             metadata={"flowfleet_run": root.url, "flowfleet_job": spec.name},
         )

@@ -14,6 +14,7 @@ the run root is not a SkyPilot file mount). The files are written here and check
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import yaml
 from flowfleet.config import load_run_config
 from flowfleet.errors import FlowfleetError
 from flowfleet.storage import RunRoot
+from flowfleet.train.plan import read_plan
 from flowfleet.train.specs import JobSpec, fleet_jobs
 
 DEFAULT_SETUP = 'pip install "flowfleet[all]"'
@@ -92,9 +94,14 @@ def export_skypilot(run_root: str, out: str, options: SkyPilotOptions | None = N
     cfg = load_run_config(root)
     dest = RunRoot(out)
     written, launch = [], ["#!/usr/bin/env bash", "# one managed SkyPilot job per flowfleet job", "set -euo pipefail"]
+    plan = read_plan(root) if cfg.machines else None
     for spec in fleet_jobs(cfg):
         name = f"{spec.name}.yaml"
-        text = yaml.safe_dump(task(spec, root.url, cfg.name, options), sort_keys=False)
+        machine = cfg.machines[plan.jobs[spec.name].machine] if plan and spec.name in plan.jobs else None
+        mine = options
+        if machine is not None and machine.accelerators:  # the plan's machine for this expert
+            mine = dataclasses.replace(options, accelerators=machine.accelerators)
+        text = yaml.safe_dump(task(spec, root.url, cfg.name, mine), sort_keys=False)
         dest.write_bytes(text.encode(), name)
         written.append(dest.url_of(name))
         launch.append(f"sky jobs launch -y -n {shlex.quote(f'flowfleet-{cfg.name}-{spec.name}')} {shlex.quote(name)}")

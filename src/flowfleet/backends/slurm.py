@@ -80,7 +80,12 @@ class SlurmBackend:
         lines.append(f"#SBATCH --cpus-per-task={o.cpus}")
         if o.gpus_per_job:
             lines.append(f"#SBATCH --gpus-per-task={o.gpus_per_job}")
-        for flag, value in (("partition", o.partition), ("account", o.account), ("time", o.time)):
+        for flag, value in (
+            ("partition", o.partition),
+            ("account", o.account),
+            ("time", o.time),
+            ("nodelist", o.nodelist),
+        ):
             if value:
                 lines.append(f"#SBATCH --{flag}={value}")
         lines += [f"#SBATCH {arg}" for arg in o.sbatch_args]
@@ -168,13 +173,14 @@ class SlurmBackend:
         for folder in [s.dir for s in specs] + ["/".join(FOLDER)]:  # Slurm opens its log files itself
             (self._outputs(root) / folder).mkdir(parents=True, exist_ok=True)
         ids: dict[str, str] = {}
-        experts = [s for s in specs if s.kind == "expert" and s.expert is not None]
+        # the experts as one array; on a machine's nodes (a plan's) one job each, as few as the machine has
+        experts = [s for s in specs if s.kind == "expert" and s.expert is not None and not self.config.nodelist]
         if experts:
             script = self.expert_script(root, [s.expert for s in experts if s.expert is not None], run_name)
             array = self.sbatch(str(self._write(root, "experts.sbatch", script)))
             ids.update({s.name: f"{array}_{s.expert}" for s in experts})
         for spec in specs:
-            if spec.kind == "expert":
+            if spec in experts:
                 continue
             staged = self._write(root, f"{spec.name}.sbatch", self.job_script(root, spec, run_name))
             ids[spec.name] = self.sbatch(str(staged))

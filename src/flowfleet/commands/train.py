@@ -1,9 +1,11 @@
-"""Training jobs: `train-expert`, `train-router`, `train-monolith`, `train-diloco`, `train-all`, `status`."""
+"""Training jobs: `train-expert`, `train-router`, `train-monolith`, `train-diloco`, `train-all`, `status`; the
+fleet's plan for its machines: `probe`, `plan`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -64,6 +66,40 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "status", run_status)
     add_run_root(p)
     p.add_argument("--json", action="store_true", help="print the status files as one JSON list instead")
+    _register_plan(sub)
+
+
+def _register_plan(sub: argparse._SubParsersAction) -> None:
+    p = add_command(sub, "probe", run_probe)
+    add_run_root(p)
+    p.add_argument("--machine", required=True, metavar="NAME", help="the run.yaml machines entry this machine is")
+    p.add_argument("--steps", type=int, default=10, help="timed training steps (after a short warm-up)")
+    add_device(p)
+
+    p = add_command(sub, "plan", run_plan)
+    add_run_root(p)
+    p.add_argument(
+        "--deadline",
+        type=parse_duration,
+        metavar="DURATION",
+        help="every machine trains until then (e.g. 90m, 36h, 2d, 1h30m): a faster machine's expert gets more "
+        "steps; default: the recipe's compute, balanced so that every machine finishes together",
+    )
+    p.add_argument(
+        "--replan",
+        metavar="MACHINE",
+        help="MACHINE is lost: its unfinished experts move, from their newest checkpoints, to the machines that "
+        "finish them soonest",
+    )
+
+
+def parse_duration(text: str) -> float:
+    """'90m', '36h', '2d', '1h30m', '45s' or plain seconds -> seconds."""
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?", text)
+    if not text or parts is None or not any(parts.groups()):
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration such as 90m, 36h, 2d or 1h30m")
+    return sum(float(v) * units[u] for v, u in zip(parts.groups(), "dhms") if v)
 
 
 def _register_train_all(sub: argparse._SubParsersAction) -> None:
@@ -286,6 +322,40 @@ def _speed(status: JobStatus) -> str:
     return ", ".join(parts)
 
 
+def job_plans(run_root: str) -> dict[str, dict]:
+    """job -> its place in the run's plan (machine, steps, batch, planned seconds a step, planned finish), where
+    the run has one."""
+    from flowfleet.config import load_run_config
+    from flowfleet.storage import RunRoot
+    from flowfleet.train.plan import TERA, read_plan
+
+    root = RunRoot(run_root)
+    plan = read_plan(root) if load_run_config(root).machines else None
+    if plan is None:
+        return {}
+    return {
+        job: {
+            "machine": a.machine,
+            "steps": a.steps,
+            "batch": a.batch,
+            "step_s": a.batch * a.sample_flops / (plan.tflops[a.machine] * TERA),
+            "finish_s": a.finish_s,
+        }
+        for job, a in plan.jobs.items()
+    }
+
+
+def _against_plan(status: JobStatus, planned: dict | None) -> str:
+    """'fast, 0.41 s/step planned (at 110 %)': the machine the plan gives the job, and its measured pace against
+    the planned one."""
+    if planned is None:
+        return "-"
+    cell = f"{planned['machine']}, {planned['step_s']:.3g} s/step planned"
+    if status.step_s:
+        cell += f" (at {100 * planned['step_s'] / status.step_s:.0f} %)"
+    return cell
+
+
 def run_status(args: argparse.Namespace) -> int:
     """table of every job's state from its status file
 
@@ -304,8 +374,13 @@ def run_status(args: argparse.Namespace) -> int:
 
     rows = job_status(args.run_root)
     backends = backend_states(RunRoot(args.run_root))
+    planned = job_plans(args.run_root)
     if args.json:
-        print(json.dumps([{**r.to_dict(), "backend": backends.get(r.job)} for r in rows], indent=2))
+        print(
+            json.dumps(
+                [{**r.to_dict(), "backend": backends.get(r.job), "plan": planned.get(r.job)} for r in rows], indent=2
+            )
+        )
         return 0
     colours = {"done": "green", "running": "cyan", "failed": "red", "stopped": "yellow", "pending": "dim"}
     table = Table(title=f"jobs of {args.run_root}")
@@ -322,6 +397,8 @@ def run_status(args: argparse.Namespace) -> int:
         "backend",
         "message",
     ]
+    if planned:
+        cols.insert(cols.index("speed") + 1, "plan")
     rounds = any(r.diloco for r in rows)
     if rounds:
         cols.insert(4, "rounds")
@@ -342,6 +419,7 @@ def run_status(args: argparse.Namespace) -> int:
             _age(r.heartbeat_age(now)),
             "-" if r.last_loss is None else f"{r.last_loss:.4f}",
             _speed(r),
+            *([_against_plan(r, planned.get(r.job))] if planned else []),
             f"{r.host}:{r.pid}" if r.host else "-",
             r.threads or "-",
             backends.get(r.job, "local" if r.host else "-"),
@@ -350,3 +428,66 @@ def run_status(args: argparse.Namespace) -> int:
         table.add_row(*cells)
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     return 0
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    """measure this machine's speed at the run's heaviest expert's training step
+
+    Run on the machine itself (e.g. `srun -w node07 flowfleet probe RUN --machine fast`): a few training steps of
+    the expert's own shape and batch, timed; the model TFLOP/s they reach is stored in RUN/plan/probe-NAME.json,
+    where `flowfleet plan` reads it for a machine whose run.yaml entry declares no tflops.
+    """
+    from flowfleet.stages.plan import probe_machine
+
+    record = probe_machine(args.run_root, args.machine, args.device, args.steps)
+    print(f"{args.machine}: {record['tflops']:.4g} model TFLOP/s ({record['step_s']:.3g} s a step, {record['device']})")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """assign the experts to run.yaml's machines, with their steps and batch
+
+    Balanced by default: each machine's share of the recipe's compute follows its speed, the heaviest experts on
+    the fastest machines, so that every machine finishes together. --deadline: every machine trains until then, and
+    the fleet's compute (and the compute-matched monolith's steps) is what they do by then. Prints each machine's
+    experts, steps, batch, FLOPs and expected finish, and writes RUN/plan/plan.json, which train-all follows on every
+    backend and `status` compares against. --replan MACHINE moves a lost machine's unfinished experts.
+    """
+    from flowfleet.stages.plan import plan_fleet, replan_fleet
+
+    plan = replan_fleet(args.run_root, args.replan) if args.replan else plan_fleet(args.run_root, args.deadline)
+    print(format_plan(plan))
+    return 0
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h" if seconds >= 360 else f"{seconds:.0f} s"
+
+
+def format_plan(plan) -> str:
+    """The plan as a table of machines and their experts, then its totals."""
+    lines = [f"{'machine':<12} {'TFLOP/s':>8} {'expert':<10} {'steps':>8} {'batch':>6} {'FLOPs':>9} {'finish':>9}"]
+    for machine, tflops in sorted(plan.tflops.items(), key=lambda m: -m[1]):
+        mine = sorted((a for a in plan.jobs.values() if a.machine == machine), key=lambda a: a.start_s)
+        label = machine + (" (lost)" if machine in plan.lost else "")
+        if not mine:
+            lines.append(f"{label:<12} {tflops:>8.3g} {'-':<10}")
+        for a in mine:
+            lines.append(
+                f"{label:<12} {tflops:>8.3g} {a.job:<10} {a.steps:>8} {a.batch:>6} {a.flops:>9.3g} "
+                f"{_hours(a.finish_s):>9}"
+            )
+            label = ""
+    busy = sum(a.finish_s - a.start_s for a in plan.jobs.values())
+    machines = len(plan.tflops) - len(plan.lost)
+    lines.append(
+        f"{plan.mode}: the fleet's {plan.total_flops:.4g} training FLOPs ({plan.total_flops / plan.recipe_flops:.3g}x "
+        f"the recipe's {plan.recipe_flops:.4g}); critical path {_hours(plan.critical_path_s)}"
+        + (f", deadline {_hours(plan.deadline_s)}" if plan.deadline_s else "")
+        + f"; machines busy {busy / max(1e-9, plan.critical_path_s * machines):.0%} of it"
+    )
+    if plan.monolith_steps is not None:
+        lines.append(f"the compute-matched monolith: {plan.monolith_steps} steps (the experts' FLOPs and the router's)")
+    for move in plan.moves:
+        lines.append(f"{move['job']}: from {move['from']} to {move['to']}, resuming at step {move['at_step']}")
+    return "\n".join(lines)

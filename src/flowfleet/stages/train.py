@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowfleet.backends import (
+    MACHINE,
     RemoteBackend,
     backend_of,
     make_backend,
@@ -34,11 +35,12 @@ from flowfleet.backends import (
 from flowfleet.backends.watch import RemoteWatch
 from flowfleet.config import BackendConfig, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import LOG_FILE
+from flowfleet.layout import LOG_FILE, PLAN
 from flowfleet.storage import RunRoot
 from flowfleet.train.diloco import DiLoCoTrainer
 from flowfleet.train.fanout import LocalFanout, ProcessJob, plan_slots
 from flowfleet.train.loop import Trainer, TrainOptions
+from flowfleet.train.plan import read_plan
 from flowfleet.train.specs import JobSpec, compute_matching, fleet_jobs, job_cost, launcher, router_spec
 from flowfleet.train.status import JobStatus, job_finished, read_status
 from flowfleet.train.tasks import build_task, planned_batch, planned_steps
@@ -181,7 +183,9 @@ def train_all(
     root, cfg = _open(run_root)
     default = "cli" if isinstance(backend, BackendConfig) else backend
     places = {"cli": backend} if isinstance(backend, BackendConfig) else {}
-    placed = place_jobs(cfg, fleet_jobs(cfg), default)
+    plan = read_plan(root) if cfg.machines else None
+    planned = {job: a.machine for job, a in plan.jobs.items()} if plan else None
+    placed = place_jobs(cfg, fleet_jobs(cfg), default, planned)
     for name in set(placed.values()) - set(places):
         places[name] = named_backend(cfg, name)
     if not wait:
@@ -217,6 +221,8 @@ def describe_matching(root: RunRoot, cfg: RunConfig) -> str:
     planned steps x batch, and the router's) beside the monolith's. A compute-matched monolith whose FLOPs differ
     from the fleet's by a step or more is a bug, refused here before anything trains."""
     line = compute_matching(cfg)
+    if cfg.machines and read_plan(root) is not None:
+        line += f", as {root.url_of(*PLAN)} plans it for run.yaml machines"
     experts = [JobSpec("expert", k) for k in range(cfg.cluster.k)]
     try:
         fleet = sum(_planned_cost(root, cfg, s) for s in experts)
@@ -225,7 +231,7 @@ def describe_matching(root: RunRoot, cfg: RunConfig) -> str:
     fleet += job_cost(cfg, router_spec(cfg))
     if not (cfg.monolith.enabled and cfg.monolith.match_compute) or cfg.added:
         return f"{line}; the fleet {fleet:.3g} training FLOPs"
-    monolith = job_cost(cfg, JobSpec("monolith"))
+    monolith = _planned_cost(root, cfg, JobSpec("monolith"))
     step = job_cost(cfg, JobSpec("monolith"), steps=1)
     if abs(monolith - fleet) >= step:
         raise FlowfleetError(f"monolith: {monolith:.6g} training FLOPs, the fleet's are {fleet:.6g} ({line})")
@@ -296,7 +302,10 @@ def _run_placed(
         ids = remote.submit(root, mine, cfg.name, then_assemble=whole)
         record_submissions(root, remote, ids)
         for job, job_id in ids.items():
-            log.info(f"{job}: submitted as {remote.name} job {job_id}" + (f" ({name})" if name in cfg.backends else ""))
+            log.info(
+                f"{job}: submitted as {remote.name} job {job_id}"
+                + (f" ({name})" if name in cfg.backends or name.startswith(MACHINE) else "")
+            )
         watch.add(remote, mine, ids, places[name].max_resubmits)
     if not wait:
         for spec in todo:
