@@ -173,10 +173,21 @@ def test_balance_caps_partition_sizes():
 
     x, _ = blobs([500, 40, 30, 30], seed=2, spread=0.3)
     plain = two_stage_kmeans(x, 4, fine_k=40, sample_size=600, seed=0)
-    even = two_stage_kmeans(x, 4, fine_k=40, sample_size=600, seed=0, balance=True)
+    even = two_stage_kmeans(x, 4, fine_k=40, sample_size=600, seed=0, balance=0.1)
     assert max(plain.sizes) > 1.5 * 600 / 4
     assert max(even.sizes) - min(even.sizes) < max(plain.sizes) - min(plain.sizes)
     assert max(even.sizes) <= math.ceil(1.1 * 600 / 4) + int(torch.bincount(even.fine_assign).max())
+
+
+def test_balance_within_a_share_bounds_every_partition_from_both_sides():
+    """cluster.balance with balance_within 0.2: each partition within 20 % of N / K, up to one fine cluster (the
+    granularity the balancing moves)."""
+    x, _ = blobs([500, 40, 30, 30], seed=2, spread=0.3)
+    n, k, w = 600, 4, 0.2
+    even = two_stage_kmeans(x, k, fine_k=60, sample_size=600, seed=0, balance=w, min_size=(1 - w) * n / k)
+    grain = int(torch.bincount(even.fine_assign).max())
+    assert all((1 - w) * n / k - grain <= size <= (1 + w) * n / k + grain for size in even.sizes), even.sizes
+    assert max(even.sizes) / (n / k) <= 1 + w + grain / (n / k)
 
 
 def test_a_partition_under_the_floor_takes_the_fine_clusters_nearest_it():

@@ -164,7 +164,11 @@ class ClusterConfig(_Strict):
     fine_k: int = Field(64, ge=1)  # stage-1 clusters (capped at the sample count)
     sample_size: int = Field(100_000, ge=1)  # stage-1 fitted on this many samples
     iters: int = Field(25, ge=1)
-    balance: bool = False  # each partition holds at most 1.1 N / K items (flowfleet.cluster.kmeans)
+    # Even the partitions' sizes, so that equal machines finish together: each within balance_within of N / K, at
+    # most (1 + it) N / K (flowfleet.cluster.kmeans.balance_fine_to_coarse) and at least (1 - it) N / K (lifted as
+    # min_share lifts); only as fine as the fine clusters
+    balance: bool = False
+    balance_within: float = Field(0.1, gt=0, lt=1)
     # The least share of the items a partition holds: an expert of a few dozen images is no expert. One under it
     # takes the fine clusters nearest it from the others (which stay above it; the rest keep their k-means
     # shape); where the fine clusters are too coarse for that, `cluster` refuses in one line.

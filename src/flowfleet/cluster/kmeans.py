@@ -278,14 +278,15 @@ def two_stage_kmeans(
     sample_size: int,
     iters: int = 25,
     seed: int = 0,
-    balance: bool = False,
+    balance: float | None = None,
     min_size: float = 0.0,
     backend: str = "auto",
     device: torch.device | str = "cpu",
     max_reseeds: int = 5,
     progress: bool = False,
 ) -> TwoStageResult:
-    """Partition the rows of x [N, D] (L2-normalised by the caller) into k clusters; see the module doc.
+    """Partition the rows of x [N, D] (L2-normalised by the caller) into k clusters; see the module doc. balance:
+    each partition at most (1 + balance) N / K items (None: as k-means has them); min_size: none under it.
 
     An empty partition triggers the coarse k-means again with the next seed (at most `max_reseeds`
     times); a partition that stays empty is an error, never a silent empty expert."""
@@ -347,7 +348,7 @@ def _coarse_stage(
     k: int,
     iters: int,
     seed: int,
-    balance: bool,
+    balance: float | None,
     min_size: float,
     backend: str,
     device: torch.device | str,
@@ -369,8 +370,8 @@ def _coarse_stage(
         )
         fine_to_coarse = coarse_fit.assign  # [F]
         coarse = coarse_fit.centroids  # [K, D]
-        if balance:
-            fine_to_coarse = balance_fine_to_coarse(fine, coarse, fine_sizes)
+        if balance is not None:
+            fine_to_coarse = balance_fine_to_coarse(fine, coarse, fine_sizes, slack=balance)
             coarse = _weighted_means(fine, fine_to_coarse, fine_sizes, k)
         lifted = bool(torch.bincount(fine_to_coarse, weights=fine_sizes.double(), minlength=k).min() < min_size)
         if lifted:  # a partition under the floor takes the fine clusters nearest it
