@@ -76,7 +76,7 @@ def reuse_monolith(src: Path, run: Path) -> None:
     mine, theirs = load_run_config(RunRoot(str(run))), load_run_config(RunRoot(str(src)))
 
     def recipe(cfg):  # what the monolith's weights depend on: the training settings but the fleet's own steps
-        fleet_only = {"steps", "expert_steps", "ckpt_every", "sample_every", "log_every", "keep_checkpoints"}
+        fleet_only = {"steps", "expert_steps", "split", "ckpt_every", "sample_every", "log_every", "keep_checkpoints"}
         return cfg.expert, cfg.train.model_dump(exclude=fleet_only), monolith_steps(cfg)
 
     same = recipe(mine) == recipe(theirs)
@@ -162,7 +162,11 @@ def main() -> None:
     p.add_argument("--out", default="runs/bench/budget")
     p.add_argument("--set", action="append", default=[], help="run.yaml KEY=VALUE after the budget (repeatable)")
     p.add_argument("--tag", default="", help="suffix of each run's folder name (a lever's runs)")
-    p.add_argument("--monolith-from", default=None, help="a run whose trained monolith this one reuses")
+    p.add_argument(
+        "--monolith-from",
+        default=None,
+        help="a run whose trained monolith this one reuses; several, comma-separated: one for each of --seeds",
+    )
     p.add_argument("--strategies", default="top2")
     p.add_argument(
         "--min-accuracy",
@@ -203,14 +207,18 @@ def main() -> None:
         plot_budget(records(), levers, out / "budget.png")
         return
     runs = [(int(b), int(s)) for b in a.budgets.split(",") for s in a.seeds.split(",")]
+    seeds = [int(s) for s in a.seeds.split(",")]
+    reused = a.monolith_from.split(",") if a.monolith_from else []
+    if len(reused) > 1 and len(reused) != len(seeds):
+        p.error(f"--monolith-from: {len(reused)} runs for {len(seeds)} seeds")
     for budget, seed in runs:
         run = out / "-".join([str(budget)] + ([f"seed{seed}"] if seed else []) + ([a.tag] if a.tag else []))
         fresh = not (run / "run.yaml").exists()
         copy_prepared(Path(a.run), run, budget, seed, a.set)
         if fresh:  # a --set cluster.* (or partitions older than their counts) clusters the copy afresh
             recluster(run, a.set)
-        if a.monolith_from:
-            reuse_monolith(Path(a.monolith_from), run)
+        if reused:
+            reuse_monolith(Path(reused[seeds.index(seed)] if len(reused) > 1 else reused[0]), run)
         t0 = time.perf_counter()
         train_all(str(run), parallel=a.parallel, progress=False)
         train_s = time.perf_counter() - t0
