@@ -259,7 +259,7 @@ def test_assemble_with_the_paris_router(fleet, tmp_path):
     run_root, cfg = fleet
     with pytest.raises(FlowfleetError, match="router-paris: not finished .*train-router .* --paris"):
         assemble(str(run_root), str(tmp_path / "m"), router="router-paris")
-    with pytest.raises(FlowfleetError, match="--router: 'nope' is not a router job"):
+    with pytest.raises(FlowfleetError, match="^router: 'nope' is not a router job"):
         assemble(str(run_root), str(tmp_path / "m"), router="nope")
     paris = randomize_(DiTRouter.from_dit_config(cfg.router), seed=5)
     save_model(paris, str(run_root), "router-paris", "final")

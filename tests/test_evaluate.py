@@ -246,15 +246,15 @@ def test_evaluate_refuses_bad_requests_before_sampling(fleet, tmp_path):
         evaluate(model, fleet.url, options(strategies=("top9x",)), extractor=SmallFeatures())
     with pytest.raises(FlowfleetError, match="k=3 exceeds the 2 experts"):
         evaluate(model, fleet.url, options(strategies=("top3",)), extractor=SmallFeatures())
-    with pytest.raises(FlowfleetError, match="--ref-n: 999"):
+    with pytest.raises(FlowfleetError, match="^ref_n: 999"):
         evaluate(model, fleet.url, options(ref_n=999), extractor=SmallFeatures())
     with pytest.raises(FlowfleetError, match="model_index.json: missing"):
         evaluate(str(tmp_path), fleet.url, options(), extractor=SmallFeatures())
-    with pytest.raises(FlowfleetError, match="--n: FID needs at least 2"):
+    with pytest.raises(FlowfleetError, match="^n: FID needs at least 2"):
         evaluate(model, fleet.url, options(n=1))
     fleet.write_json({"job": "monolith", "state": "running", "step": 0, "total_steps": 1}, "monolith", "status.json")
     try:
-        with pytest.raises(FlowfleetError, match="--monolith: .*not done"):
+        with pytest.raises(FlowfleetError, match="^monolith: .*not done"):
             evaluate(model, fleet.url, options(), extractor=SmallFeatures())
     finally:
         fleet.write_json({"job": "monolith", "state": "done", "step": 1, "total_steps": 1}, "monolith", "status.json")
@@ -378,7 +378,7 @@ def test_user_judge_scores_prompt_accuracy(fleet, tmp_path):
     assert judge.prompt_accuracy(images[:2], ["dark", "a cat"])["skipped"] == 1
 
     # the synthetic captions ("item 3 of cluster 0") name no class: refused before any sampling
-    with pytest.raises(FlowfleetError, match="--judge: none of the 12 prompts names one of the judge's classes"):
+    with pytest.raises(FlowfleetError, match="judge: none of the 12 prompts names one of the judge's classes"):
         evaluate(
             fleet.url_of("model"),
             fleet.url,
@@ -449,7 +449,7 @@ def test_reference_and_real_floor_are_disjoint_sets_drawn_from_the_reference_spl
         and not set(asked.floor.tolist()) & set(asked.reference.tolist())
     )
     assert ReferenceSplit.draw(100, 30, 99, 0, True).floor.numel() == 0  # one item left: no floor
-    with pytest.raises(FlowfleetError, match=r"--ref-n: 101 reference images requested, eval/ \(the held-out"):
+    with pytest.raises(FlowfleetError, match=r"^ref_n: 101 reference images requested, eval/ \(the held-out"):
         ReferenceSplit.draw(100, 30, 101, 0, True)
 
 

@@ -190,12 +190,12 @@ def parallel_run(
 
 def test_mode_parse_and_warmup():
     assert ParallelMode.parse(" Displaced ") is ParallelMode.DISPLACED
-    with pytest.raises(FlowfleetError, match="--parallel: unknown mode 'async'"):
+    with pytest.raises(FlowfleetError, match="parallel: unknown mode 'async'"):
         ParallelMode.parse("async")
     d = ParallelMode.DISPLACED
     assert [d.at_step(i, warmup=2).value for i in range(5)] == ["sync"] * 3 + ["displaced"] * 2
     assert ParallelMode.NAIVE.at_step(0, 3) is ParallelMode.NAIVE and not ParallelMode.NAIVE.exchanges
-    with pytest.raises(FlowfleetError, match="--warmup"):
+    with pytest.raises(FlowfleetError, match="^warmup: must be >= 0"):
         ParallelPlan("displaced", warmup=-1)
 
 
@@ -359,8 +359,8 @@ def test_ulysses_refuses_heads_that_do_not_divide_in_one_line():
     """Two-head experts over 3 ranks: every rank refuses before any work, naming the expert and a way out."""
     with pytest.raises(
         FlowfleetError,
-        match=r"--parallel ulysses: expert 0 has 2 attention heads, not divisible by "
-        r"the 3 ranks of an image \(use --parallel ring",
+        match=r"parallel ulysses: expert 0 has 2 attention heads, not divisible by "
+        r"the 3 ranks of an image \(use parallel ring",
     ):
         run_local(parallel_run, 3, ("ulysses", 0, 2, 2.5, False), **FORK)
 

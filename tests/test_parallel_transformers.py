@@ -169,11 +169,11 @@ def test_ulysses_refuses_heads_the_bands_do_not_divide(kind):
     """Two heads over three or four bands: a one-line error naming the layer, before anything is patched or
     any process group is touched (ring takes any split)."""
     model = TINY[kind]()
-    heads_error = r"mode=ulysses: \w+ layer [\w.]+ has 2 attention heads, not divisible by the 3 ranks"
+    heads_error = r"mode ulysses: \w+ layer [\w.]+ has 2 attention heads, not divisible by the 3 ranks"
     with pytest.raises(FlowfleetError, match=heads_error):
         parallelize(model, Group(None, 0, 3), mode="ulysses")
     assert "forward" not in model.__dict__
-    with pytest.raises(FlowfleetError, match="mode=ulysses: .* not divisible by the 4 ranks"):
+    with pytest.raises(FlowfleetError, match="mode ulysses: .* not divisible by the 4 ranks"):
         parallelize(model, Group(None, 0, 4), mode="ulysses")
     with pytest.raises(FlowfleetError, match=r"ulysses_degree 4: must divide every attention layer's heads"):
         parallelize(model, Group(None, 0, 4), mode="usp", ulysses_degree=4)

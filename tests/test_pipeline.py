@@ -587,7 +587,7 @@ def test_class_conditioned_fleet_cycles_labels_and_checks_their_range():
     for e in experts:  # one call per expert: [3, 7, 3] conditional then the same rows dropped
         assert len(e.calls) == 1 and torch.equal(e.calls[0]["drop"], torch.tensor([False] * 3 + [True] * 3))
         assert torch.equal(e.calls[0]["labels"], torch.tensor([3, 7, 3] * 2))
-    with pytest.raises(FlowfleetError, match="--label: 10 outside 0..9"):
+    with pytest.raises(FlowfleetError, match="^label: 10 outside 0..9"):
         pipe(None, n=2, labels=[10])
-    with pytest.raises(FlowfleetError, match="--label: required"):
+    with pytest.raises(FlowfleetError, match="^label: required"):
         pipe(["a prompt"], n=2)

@@ -162,7 +162,8 @@ def test_backend_ray_without_an_address_starts_a_cluster_here_for_the_run(tmp_pa
         nowait = subprocess.run([*argv, "--no-wait"], env=env, capture_output=True, text=True, timeout=120)
     assert nowait.returncode == 1
     assert nowait.stderr.endswith(
-        "error: --no-wait: give --address; a Ray cluster train-all starts for itself ends with it\n"
+        "error: --no-wait: returning before the jobs end needs a Ray address: a cluster train-all starts for "
+        "itself ends with it\n"
     )
     for job in ("experts/0", "experts/1", "router"):
         assert weights(ray, job) == weights(local, job), job

@@ -70,9 +70,9 @@ def test_skypilot_export_refuses_what_cannot_run_in_one_line(s3_url, tmp_path):
     synthetic_config(k=2).save(RunRoot(str(local)))
     with pytest.raises(FlowfleetError, match="the run root must be an object store URL"):
         export_skypilot(str(local), str(tmp_path / "out"))
-    with pytest.raises(FlowfleetError, match=r"--accelerators: expected NAME\[:COUNT\]"):
+    with pytest.raises(FlowfleetError, match=r"^accelerators: expected NAME\[:COUNT\]"):
         SkyPilotOptions(accelerators="A100:x")
-    with pytest.raises(FlowfleetError, match="--cpus: expected a number"):
+    with pytest.raises(FlowfleetError, match="^cpus: expected a number"):
         SkyPilotOptions(cpus="lots")
-    with pytest.raises(FlowfleetError, match="--num-nodes: must be >= 1"):
+    with pytest.raises(FlowfleetError, match="^num_nodes: must be >= 1"):
         SkyPilotOptions(num_nodes=0)

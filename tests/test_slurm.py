@@ -102,7 +102,10 @@ def test_slurm_errors_are_one_line(tmp_path, monkeypatch, capsys):
         (["--backend", "slurm", "--cpus-per-job", "0"], "--cpus-per-job: Input should be greater than or equal to 1"),
         (["--backend", "slurm", "--address", "http://x:8265"], "--address: a ray option, but kind is 'slurm'"),
         (["--backend", "slrum"], "--backend: unknown 'slrum' (known: local, slurm, ray)"),
-        (["--no-wait"], "--no-wait: only for jobs on Slurm or Ray (local jobs end with train-all)"),
+        (
+            ["--no-wait"],
+            "--no-wait: returning before the jobs end is for jobs on Slurm or Ray (local ones end with train-all)",
+        ),
     ]:
         capsys.readouterr()
         assert main(["train-all", str(run), *argv]) == 1

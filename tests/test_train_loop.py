@@ -223,7 +223,7 @@ def test_partition_that_does_not_fit_the_expert_is_one_line_naming_both(tmp_path
         r"text_dim 384",
     ):
         run_job(root, JobSpec("expert", 1))
-    with pytest.raises(FlowfleetError, match=r"--expert 5: run.yaml has 2 experts"):
+    with pytest.raises(FlowfleetError, match=r"^expert 5: run.yaml has 2 experts"):
         run_job(root, JobSpec("expert", 5))
     manifest = ShardSet(root, "data").manifest()
     manifest.complete = False  # prepare still writing, or it died

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from flowfleet import __version__
 from flowfleet.commands import contrib, data, evaluate, export, fleet, init, sample, serve, train
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.threads import apply_thread_policy
 
 COMMAND_MODULES = (init, data, train, sample, evaluate, fleet, contrib, export, serve)
@@ -35,6 +35,21 @@ def build_parser() -> argparse.ArgumentParser:
     for module in COMMAND_MODULES:  # (the stages they register are recorded in tests/fixtures/cli_options.json)
         module.register(sub)
     return parser
+
+
+def flag_of(parser: argparse.ArgumentParser, args: argparse.Namespace, parameter: str) -> str:
+    """The flag of the command `args` ran that sets `parameter` (its dest): "--ref-n" for ref_n; the parameter's own
+    name where no flag of that command sets it."""
+    while True:  # down to the command that ran (export diffusers: two levels)
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subs[0].dest, None) if subs else None
+        if chosen not in (subs[0].choices if subs else {}):
+            break
+        parser = subs[0].choices[chosen]
+    for action in parser._actions:
+        if action.dest == parameter and action.option_strings:
+            return next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+    return parameter
 
 
 def configure_logging(verbose: bool = False, quiet: bool = False) -> None:
@@ -70,13 +85,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     # library loads): this process has the machine to itself (a command that starts processes sharing its cores,
     # train-all or --nproc, sets their policy: flowfleet.threads).
     _, policy = apply_thread_policy("alone")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     configure_logging(args.verbose, args.quiet)
     logging.getLogger("flowfleet.threads").debug("%s", policy)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # to relaunch the same command (generate --nproc)
 
     try:
         return int(args.func(args) or 0)
+    except ParameterError as err:  # the library names its parameter; here it is the flag that set it
+        print(f"flowfleet {args.command}: error: {err.as_flag(flag_of(parser, args, err.parameter))}", file=sys.stderr)
+        return 1
     except FlowfleetError as err:
         print(f"flowfleet {args.command}: error: {err}", file=sys.stderr)
         return 1

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.flow import guidance_scale_at, parse_strategy
 from flowfleet.layout import RUN_FILE
 from flowfleet.models.config import DiTConfig
@@ -807,15 +807,15 @@ def set_dotted(raw: dict[str, Any], assignment: str) -> None:
 
     key, sep, value = assignment.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(
-            f"--set: expected KEY=VALUE with a dotted key (e.g. data.path=/my/images), got {assignment!r}"
+        raise ParameterError(
+            "set", f"expected KEY=VALUE with a dotted key (e.g. data.path=/my/images), got {assignment!r}"
         )
     *parents, leaf = key.split(".")
     node = raw
     for name in parents:
         node = node.setdefault(name, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {assignment}: {name} is not a section")
+            raise ParameterError(f"set {assignment}", f"{name} is not a section")
     node[leaf] = yaml.safe_load(value)
 
 

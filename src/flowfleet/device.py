@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 
 
 def resolve_device(device: str | None = "auto", local_rank: int = 0) -> torch.device:
@@ -21,13 +21,13 @@ def resolve_device(device: str | None = "auto", local_rank: int = 0) -> torch.de
             return torch.device("cuda", local_rank % torch.cuda.device_count())
         return torch.device("cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise FlowfleetError(f"--device: {device} requested but CUDA is not available")
+        raise ParameterError("device", f"{device} requested but CUDA is not available")
     if device == "cuda":
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     try:
         return torch.device(device)
     except RuntimeError:
-        raise FlowfleetError(f"--device: unknown device {device!r} (expected cpu, cuda, cuda:N or auto)") from None
+        raise ParameterError("device", f"unknown device {device!r} (expected cpu, cuda, cuda:N or auto)") from None
 
 
 PEAK_TFLOPS_VARIABLE = "FLOWFLEET_PEAK_TFLOPS"  # a device's peak dense TFLOP/s as its owner states it (a CPU's too)

@@ -14,7 +14,7 @@ import time
 from typing import Any, Protocol, Sequence
 
 from flowfleet.config import BACKEND_KINDS, BackendConfig, RunConfig
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import SUBMISSIONS
 from flowfleet.storage import RunRoot
 from flowfleet.train.specs import JobSpec
@@ -83,7 +83,7 @@ def named_backend(cfg: RunConfig, name: str) -> BackendConfig:
     if name in BACKEND_KINDS:
         return BackendConfig.model_validate({"kind": name})
     known = ", ".join([*cfg.backends, *BACKEND_KINDS])
-    raise FlowfleetError(f"--backend: unknown {name!r} (known: {known})")
+    raise ParameterError("backend", f"unknown {name!r} (known: {known})")
 
 
 def machine_backend(cfg: RunConfig, machine: str) -> BackendConfig:

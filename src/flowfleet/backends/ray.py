@@ -19,7 +19,7 @@ import uuid
 from typing import Any, Sequence
 
 from flowfleet.config import BackendConfig
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
 from flowfleet.train.specs import JobSpec, launcher
@@ -50,12 +50,12 @@ class RayBackend:
                 import ray
                 from ray.job_submission import JobSubmissionClient
             except ImportError:
-                raise FlowfleetError(
-                    "--backend ray: the ray package is not installed (pip install 'flowfleet[ray]')"
+                raise ParameterError(
+                    "backend ray", "the ray package is not installed (pip install 'flowfleet[ray]')"
                 ) from None
             if self.address is None:
                 if not self.start_local:
-                    raise FlowfleetError("--address: the Ray cluster's dashboard URL (http://HEAD:8265) is unknown")
+                    raise ParameterError("address", "the Ray cluster's dashboard URL (http://HEAD:8265) is unknown")
                 log.info("ray: no --address, starting a Ray cluster on this machine for this train-all")
                 context = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
                 self.address, self._started = f"http://{context.dashboard_url}", True
@@ -63,7 +63,7 @@ class RayBackend:
                 self._client = JobSubmissionClient(self.address)
             except Exception as err:  # connection refused, wrong URL, auth: Ray's own exception types
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise FlowfleetError(f"--address {self.address}: no Ray cluster answers ({first[:200]})") from None
+                raise ParameterError(f"address {self.address}", f"no Ray cluster answers ({first[:200]})") from None
         return self._client
 
     def entrypoint(self, root: RunRoot, spec: JobSpec) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import yaml
 
 from flowfleet.config import load_run_config
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.storage import RunRoot
 from flowfleet.train.plan import read_plan
 from flowfleet.train.specs import JobSpec, fleet_jobs
@@ -42,12 +42,12 @@ class SkyPilotOptions:
 
     def __post_init__(self) -> None:
         if self.accelerators is not None and not _ACCELERATORS.match(self.accelerators):
-            raise FlowfleetError(f"--accelerators: expected NAME[:COUNT] such as A100:1, got {self.accelerators!r}")
+            raise ParameterError("accelerators", f"expected NAME[:COUNT] such as A100:1, got {self.accelerators!r}")
         if self.num_nodes < 1:
-            raise FlowfleetError(f"--num-nodes: must be >= 1, got {self.num_nodes}")
+            raise ParameterError("num_nodes", f"must be >= 1, got {self.num_nodes}")
         for flag, value in (("cpus", self.cpus), ("memory", self.memory)):
             if value is not None and not re.match(r"^\d+(\.\d+)?\+?$", value):
-                raise FlowfleetError(f"--{flag}: expected a number with an optional +, such as 8+, got {value!r}")
+                raise ParameterError(flag, f"expected a number with an optional +, such as 8+, got {value!r}")
 
 
 def _run_command(spec: JobSpec, root_url: str) -> str:

@@ -126,7 +126,7 @@ def _register_train_all(sub: argparse._SubParsersAction) -> None:
     both.add_argument(
         "--gpus-per-job", type=int, default=None, metavar="G", help="GPUs per job (G > 1: the job runs under torchrun)"
     )
-    both.add_argument("--no-wait", action="store_true", help="return once the jobs are submitted")
+    both.add_argument("--no-wait", dest="wait", action="store_false", help="return once the jobs are submitted")
     slurm = p.add_argument_group("--backend slurm")
     slurm.add_argument("--partition", default=None, help="sbatch --partition")
     slurm.add_argument("--account", default=None, help="sbatch --account")
@@ -279,7 +279,7 @@ def run_all(args: argparse.Namespace) -> int:
         parallel=args.parallel,
         progress=args.progress,
         backend=_backend(args),
-        wait=not args.no_wait,
+        wait=args.wait,
     )
     for name, result in outcome.results.items():
         why = outcome.messages.get(name, "")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.storage import RunRoot
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ def load_judge(spec: str, root: RunRoot) -> Any:
     """'package.module:factory' or 'path/to/file.py:factory' -> factory(root)."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise FlowfleetError(f"--judge: {spec!r} is not MODULE:FACTORY (e.g. mypkg.judges:make or judge.py:make)")
+        raise ParameterError("judge", f"{spec!r} is not MODULE:FACTORY (e.g. mypkg.judges:make or judge.py:make)")
     try:
         if where.endswith(".py"):
             loader = importlib.util.spec_from_file_location("flowfleet_user_judge", where)
@@ -245,11 +245,11 @@ def load_judge(spec: str, root: RunRoot) -> Any:
         else:
             module = importlib.import_module(where)
     except (ImportError, FileNotFoundError, OSError, SyntaxError) as err:
-        raise FlowfleetError(f"--judge: cannot import {where} ({type(err).__name__}: {err})") from None
+        raise ParameterError("judge", f"cannot import {where} ({type(err).__name__}: {err})") from None
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise FlowfleetError(f"--judge: {where} has no callable {name!r}")
+        raise ParameterError("judge", f"{where} has no callable {name!r}")
     judge = factory(root)
     if not callable(getattr(judge, "prompt_accuracy", None)):
-        raise FlowfleetError(f"--judge: {spec} returned {type(judge).__name__}, which has no prompt_accuracy()")
+        raise ParameterError("judge", f"{spec} returned {type(judge).__name__}, which has no prompt_accuracy()")
     return judge

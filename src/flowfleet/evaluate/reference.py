@@ -13,7 +13,7 @@ import torch
 
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.shards import ShardSetUnion, open_complete
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import DATA, EVAL_DATA
 from flowfleet.storage import RunRoot
 
@@ -98,7 +98,7 @@ class ReferenceSplit:
             floor_n = min(n, count // 2)
             ref_n = min(count - floor_n, 10_000)
         elif ref_n > count:
-            raise FlowfleetError(f"--ref-n: {ref_n} reference images requested, {where} holds {count}")
+            raise ParameterError("ref_n", f"{ref_n} reference images requested, {where} holds {count}")
         else:  # a reference size asked for: the floor gets what is left (none under 2 items)
             floor_n = min(n, count - ref_n)
             floor_n = floor_n if floor_n >= 2 else 0

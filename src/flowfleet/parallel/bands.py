@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,10 @@ class BandLayout:
         if bands < 1 or not 0 <= index < bands:
             raise FlowfleetError(f"band {index} of {bands}: invalid band layout")
         if grid_h < bands:
-            raise FlowfleetError(
-                f"--nproc: the latent's {grid_h} token rows ({h} px / patch {patch}) cannot be split into "
-                f"{bands} bands; use at most {grid_h} image bands"
+            raise ParameterError(
+                "nproc",
+                f"the latent's {grid_h} token rows ({h} px / patch {patch}) cannot be split into "
+                f"{bands} bands; use at most {grid_h} image bands",
             )
         return cls(grid_h, grid_w, patch, bands, index)
 

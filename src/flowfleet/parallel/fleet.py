@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from flowfleet.distributed import DistContext, in_torchrun, init_from_env, shutdown
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import ParameterError
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.files import read_dit_config
 from flowfleet.parallel.mode import DISPLACED_WARMUP, ParallelMode
@@ -46,18 +46,19 @@ def join_fleet(
     device: "auto" / "cuda" -> this rank's GPU (LOCAL_RANK) when CUDA is available, else CPU; "cpu" -> CPU."""
     plan = ParallelPlan(ParallelMode.parse(mode), warmup, ulysses_degree=ulysses_degree)  # one-line errors first
     if not in_torchrun():
-        raise FlowfleetError(
-            f"--nproc {nproc}: not running under torchrun (`flowfleet generate` relaunches "
-            f"itself; inside your own torchrun pass --nproc-per-node {nproc})"
+        raise ParameterError(
+            f"nproc {nproc}",
+            "not running under torchrun (`flowfleet generate` relaunches "
+            f"itself; inside your own torchrun pass --nproc-per-node {nproc})",
         )
     world = int(os.environ["WORLD_SIZE"])
     if world != nproc:
-        raise FlowfleetError(f"--nproc {nproc}: torchrun started {world} ranks")
+        raise ParameterError(f"nproc {nproc}", f"torchrun started {world} ranks")
     root = RunRoot(model_dir)
     index = read_model_index(root)
     configs = {k: read_dit_config(root, expert_folder(k)) for k in index.present_experts}
     if device not in ("auto", "cpu", "cuda"):
-        raise FlowfleetError(f"--device: {device!r} with --nproc (expected auto, cpu or cuda: one device per rank)")
+        raise ParameterError("device", f"{device!r} with --nproc (expected auto, cpu or cuda: one device per rank)")
     ctx = init_from_env(timeout_s, device="cpu" if device == "cpu" else None)
     return ParallelFleet(ctx, plan, configs, owns_group=True)
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from flowfleet.distributed import init_process_group, shutdown  # the world itself; this module only starts ranks
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.threads import CEILING, thread_env
 
 
@@ -60,9 +60,10 @@ def relaunch_torchrun(nproc: int, argv: Sequence[str], threads_per_rank: int = 1
         elastic_launch(config, cmd)(*cmd_args, *argv)
     except ChildFailedError as err:
         rank, failure = min(err.failures.items(), key=lambda kv: kv[1].timestamp)  # global rank -> failure
-        raise FlowfleetError(
-            f"--nproc {nproc}: rank {rank} failed first (exit code {failure.exitcode}; its error "
-            f"is printed above) and the other ranks were stopped"
+        raise ParameterError(
+            f"nproc {nproc}",
+            f"rank {rank} failed first (exit code {failure.exitcode}; its error "
+            f"is printed above) and the other ranks were stopped",
         ) from None
     return 0
 

@@ -45,10 +45,10 @@ from __future__ import annotations
 from enum import Enum
 from types import MappingProxyType
 
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import ParameterError
 
 
-def _parse(cls, text, what: str):
+def _parse(cls, text, parameter: str, what: str):
     """A member of the mode enum `cls` from its name (case and - or _ alike), or a one-line FlowfleetError."""
     if isinstance(text, cls):
         return text
@@ -56,7 +56,7 @@ def _parse(cls, text, what: str):
         return cls(str(text).strip().lower().replace("_", "-"))
     except ValueError:
         names = ", ".join(m.value for m in cls)
-        raise FlowfleetError(f"{what} {text!r} (expected one of {names})") from None
+        raise ParameterError(parameter, f"{what} {text!r} (expected one of {names})") from None
 
 
 class ParallelMode(str, Enum):
@@ -71,7 +71,7 @@ class ParallelMode(str, Enum):
     def parse(cls, text: "str | ParallelMode") -> "ParallelMode":
         """'sync' | 'displaced' | 'naive' | 'ulysses' | 'ring' | 'usp' -> ParallelMode; else a one-line
         FlowfleetError."""
-        return _parse(cls, text, "--parallel: unknown mode")
+        return _parse(cls, text, "parallel", "unknown mode")
 
     def at_step(self, step: int, warmup: int) -> "ParallelMode":
         """The mode a step actually runs in: `displaced` is `sync` on step 0 and the `warmup` steps after it."""
@@ -126,7 +126,7 @@ class UNetMode(str, Enum):
     def parse(cls, text: "str | UNetMode") -> "UNetMode":
         """'sync' | 'displaced' | 'sync-gn' | 'stale-gn' | 'separate-gn' | 'naive' | 'ulysses' | 'ring' | 'usp'
         -> UNetMode."""
-        return _parse(cls, text, "--mode: unknown U-Net parallel mode")
+        return _parse(cls, text, "mode", "unknown U-Net parallel mode")
 
     @property
     def exchange(self) -> ParallelMode:

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from flowfleet.distributed import Group, split_group
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.parallel.cache import FBCacheSync
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import ParallelMode, UNetMode
@@ -74,7 +74,7 @@ class PatchedModel:
         ulysses_degree: int | None = None,
     ):
         if warmup < 0:
-            raise FlowfleetError(f"--warmup: must be >= 0, got {warmup}")
+            raise ParameterError("warmup", f"must be >= 0, got {warmup}")
         if max_batch is not None and max_batch < 1:
             raise FlowfleetError(f"max_batch: must be >= 1, got {max_batch}")
         if cfg_split and group.size % 2:

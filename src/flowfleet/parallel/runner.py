@@ -33,7 +33,7 @@ import torch
 
 from flowfleet.config import SamplingConfig
 from flowfleet.distributed import DistContext
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.flow.ensemble import dense_weights
 from flowfleet.flow.sampler import cfg_combine
 from flowfleet.models.config import DiTConfig
@@ -68,11 +68,11 @@ class ParallelPlan:
     def __post_init__(self):
         object.__setattr__(self, "mode", ParallelMode.parse(self.mode))
         if self.warmup < 0:
-            raise FlowfleetError(f"--warmup: must be >= 0, got {self.warmup}")
+            raise ParameterError("warmup", f"must be >= 0, got {self.warmup}")
         if self.batch_bytes < 1:
             raise FlowfleetError(f"batch_bytes: must be >= 1, got {self.batch_bytes}")
         if self.ulysses_degree is not None and self.mode is not ParallelMode.USP:
-            raise FlowfleetError(f"--ulysses-degree: only with --parallel usp (got {self.mode.value})")
+            raise ParameterError("ulysses_degree", f"only with --parallel usp (got {self.mode.value})")
 
 
 class PatchParallelRunner:
@@ -123,7 +123,7 @@ class PatchParallelRunner:
         self.mesh = None  # the sequence-parallel modes' Ulysses x ring split of the bands
         if self.mode.sequence:
             heads = [configs[k].num_heads for k in ids]
-            degree = ulysses_degree(self.mode, bands.size, heads, plan.ulysses_degree, "--ulysses-degree")
+            degree = ulysses_degree(self.mode, bands.size, heads, plan.ulysses_degree, "ulysses_degree")
             self.mesh = SequenceMesh.build(bands, degree, ctx.timeout_s)  # collective: every rank, same order
         self.split_text = describe_split(ctx.world_size, self.groups, bands.size, plan.mode, self.mesh)
         self.slot_rows = batch * (2 if guided and not self.split else 1)

@@ -35,18 +35,19 @@ import torch
 import torch.nn.functional as F
 
 from flowfleet.distributed import Group, split_group
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import ParameterError
 from flowfleet.parallel.comm import CommManager
 from flowfleet.parallel.mode import ParallelMode
 
 
-def check_heads(mode: ParallelMode, heads: int, ranks: int, what: str, option: str = "--parallel ") -> None:
-    """One-line error when `mode` cannot split `heads` over `ranks` (Ulysses splits heads); `option` spells
-    the setting as the caller's user gave it ("--parallel " on the CLI, "mode=" for parallelize())."""
+def check_heads(mode: ParallelMode, heads: int, ranks: int, what: str, parameter: str = "parallel") -> None:
+    """One-line error when `mode` cannot split `heads` over `ranks` (Ulysses splits heads); `parameter` names the
+    setting as the caller has it ("parallel" for the sampler, "mode" for parallelize())."""
     if mode is ParallelMode.ULYSSES and heads % ranks:
-        raise FlowfleetError(
-            f"{option}ulysses: {what} has {heads} attention heads, not divisible by the {ranks} ranks of an "
-            f"image (use {option}ring, or a rank count that divides {heads})"
+        raise ParameterError(
+            f"{parameter} ulysses",
+            f"{what} has {heads} attention heads, not divisible by the {ranks} ranks of an image (use {parameter} "
+            f"ring, or a rank count that divides {heads})",
         )
 
 
@@ -54,9 +55,9 @@ def ulysses_degree(mode: ParallelMode, bands: int, heads: list[int], requested: 
     """The Ulysses degree U of `mode` on `bands` bands of models with these head counts: every band (ulysses),
     1 (ring), or for usp the requested U (None: the largest that divides the bands and every model's heads,
     so that as much as possible goes through the all-to-all, which sends the fewest bytes); one-line errors
-    for a degree that does not divide them. `option` names the setting ("--ulysses-degree" on the CLI)."""
+    for a degree that does not divide them. `option` names the setting ("ulysses_degree")."""
     if requested is not None and mode is not ParallelMode.USP:
-        raise FlowfleetError(f"{option}: only with usp (got {mode.value})")
+        raise ParameterError(option, f"only with usp (got {mode.value})")
     if mode is ParallelMode.ULYSSES:
         return bands
     if mode is not ParallelMode.USP:
@@ -64,10 +65,10 @@ def ulysses_degree(mode: ParallelMode, bands: int, heads: list[int], requested: 
     if requested is None:
         return math.gcd(bands, *heads)
     if requested < 1 or bands % requested:
-        raise FlowfleetError(f"{option} {requested}: must divide the {bands} bands of an image")
+        raise ParameterError(f"{option} {requested}", f"must divide the {bands} bands of an image")
     bad = sorted({h for h in heads if h % requested})
     if bad:
-        raise FlowfleetError(f"{option} {requested}: must divide every attention layer's heads (some have {bad[0]})")
+        raise ParameterError(f"{option} {requested}", f"must divide every attention layer's heads (some have {bad[0]})")
     return requested
 
 

@@ -122,7 +122,7 @@ def _check_attention_heads(model: Any, kind: type[Any], mode: UNetMode, bands: i
     is checked against every layer's heads by parallel.sequence.ulysses_degree)."""
     for name, m in model.named_modules():
         if isinstance(m, kind):
-            check_heads(mode.exchange, m.heads, bands, f"{what} layer {name}", option="mode=")
+            check_heads(mode.exchange, m.heads, bands, f"{what} layer {name}", parameter="mode")
 
 
 def _heads_of(model: Any, kind: type[Any]) -> list[int]:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import ParameterError
 from flowfleet.models.dit import DiTModel
 
 
@@ -59,7 +59,7 @@ class BlockCache:
     def bind(self, k: int, model: Any, rows: torch.Tensor) -> Callable[..., torch.Tensor]:
         """Expert k as a model callable (x, t, **cond) on these sample rows (the cache's row ids of x)."""
         if not isinstance(model, DiTModel):
-            raise FlowfleetError(f"--cache: expert {k} is a {type(model).__name__}, not a DiT with blocks to skip")
+            raise ParameterError("cache", f"expert {k} is a {type(model).__name__}, not a DiT with blocks to skip")
         return lambda x, t, **cond: self.forward(k, model, rows, x, t, **cond)
 
     def forward(self, k: int, model: DiTModel, rows: torch.Tensor, x: torch.Tensor, t: torch.Tensor, **cond):

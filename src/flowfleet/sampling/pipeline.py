@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from flowfleet.config import SamplingSettings
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.flow import integrate, parse_strategy, time_grid
 from flowfleet.flow.sampler import VelocityFn
 from flowfleet.layout import INDEX_FILE, MODEL_VAE
@@ -341,16 +341,16 @@ class FleetPipeline:
         """Validate prompts / labels for this fleet's conditioning (before any encoder is loaded)."""
         if self.conditioning in TEXT_CONDITIONING:
             if not prompts:
-                raise FlowfleetError("--prompt: required (the experts are text-conditioned)")
+                raise ParameterError("prompt", "required (the experts are text-conditioned)")
             for p in prompts:
                 if not p.strip():
-                    raise FlowfleetError("--prompt: empty prompt")
+                    raise ParameterError("prompt", "empty prompt")
         elif self.conditioning == "class":
             if not labels:
-                raise FlowfleetError("--label: required (the experts are class-conditioned)")
+                raise ParameterError("label", "required (the experts are class-conditioned)")
             bad = [y for y in labels if not 0 <= y < self.num_classes]
             if bad:
-                raise FlowfleetError(f"--label: {bad[0]} outside 0..{self.num_classes - 1}")
+                raise ParameterError("label", f"{bad[0]} outside 0..{self.num_classes - 1}")
 
     def encode_condition(
         self, prompts: Sequence[str] | None, labels: Sequence[int] | None, n: int
@@ -401,7 +401,7 @@ class FleetPipeline:
         trace = RoutingTrace(self.num_experts)
         if velocity_fn is None and parallel is not None:
             if settings.cache:
-                raise FlowfleetError("--cache: not with --nproc (the patch-parallel experts run every block)")
+                raise ParameterError("cache", "not with --nproc (the patch-parallel experts run every block)")
             velocity_fn = parallel.velocity_fn(self, cond, settings, trace)
         vf = velocity_fn or self.velocity_fn(cond, settings, trace)
         grid = time_grid(settings.steps, settings.shift, device=noise.device)
@@ -458,7 +458,7 @@ class FleetPipeline:
         batches). noise: x_1 of the n samples [n, C, H, W] (e.g. drawn from a caller's torch.Generator; default:
         the seed's, self.noise)."""
         if n < 1:
-            raise FlowfleetError(f"--n: must be >= 1, got {n}")
+            raise ParameterError("n", f"must be >= 1, got {n}")
         if settings is None:
             settings = self.settings(**choices)
         elif choices:

@@ -33,7 +33,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flowfleet import __version__
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import ParameterError
 from flowfleet.models.files import validation_message
 from flowfleet.parallel.mode import DEFAULT_PARALLEL, DISPLACED_WARMUP
 from flowfleet.serve.http import RETRY_AFTER_S, Service, generate_on_loop, png_base64
@@ -194,7 +194,7 @@ def serve(
         from flowfleet.serve.parallel import ParallelServing
 
         if nproc < 1:
-            raise FlowfleetError(f"--nproc: must be >= 1, got {nproc}")
+            raise ParameterError("nproc", f"must be >= 1, got {nproc}")
         fleet = join_fleet(model_dir, nproc, parallel, warmup, device=device, ulysses_degree=ulysses_degree)
         serving = ParallelServing(fleet)
     service = FleetService.open(model_dir, device=device, offload=offload, limits=limits, parallel=serving)

@@ -41,7 +41,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import ParameterError
 from flowfleet.sampling.card import FleetCard
 from flowfleet.serve.service import Busy, GenerateRequest, Generation, ServeLimits
 
@@ -262,14 +262,14 @@ def serve_on_ray(
         import ray
         from ray import serve
     except ImportError:
-        raise FlowfleetError("--ray: Ray Serve is not installed (pip install 'flowfleet[ray]')") from None
+        raise ParameterError("ray", "Ray Serve is not installed (pip install 'flowfleet[ray]')") from None
 
     address = options.address or os.environ.get("RAY_ADDRESS")
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     except Exception as err:  # connection refused, wrong address: Ray's own exception types
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise FlowfleetError(f"--address {address}: no Ray cluster answers ({first[:200]})") from None
+        raise ParameterError(f"address {address}", f"no Ray cluster answers ({first[:200]})") from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

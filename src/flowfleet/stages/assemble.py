@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from flowfleet import __version__
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.autoencoder import load_autoencoder
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.layout import (
     AUTOENCODER,
@@ -187,7 +187,7 @@ def assemble(
 
     # 1. Everything is checked before anything is written.
     if router not in ROUTERS:
-        raise FlowfleetError(f"--router: {router!r} is not a router job (expected one of {', '.join(ROUTERS)})")
+        raise ParameterError("router", f"{router!r} is not a router job (expected one of {', '.join(ROUTERS)})")
     router_dir = router_of_folder(run, router).dir  # after add/remove-expert: that fleet's router
     ok, why, router_status = job_finished(root, router_dir)
     if not ok or router_status is None:

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from flowfleet.config import DataConfig, RunConfig
 from flowfleet.data.shards import ShardSet, parse_shard, shard_bytes
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.layout import (
     AUTOENCODER,
@@ -76,9 +76,10 @@ def contribution_config(kit_dir: RunRoot, kit: Kit, data: DataConfig, steps: int
     """The work folder's run.yaml: the kit's run with the contributor's data, one cluster, no monolith."""
     raw = yaml.safe_load(kit_dir.read_bytes(KIT_RUN))
     if (data.image_size, data.channels) != (kit.image_size, kit.image_channels):
-        raise FlowfleetError(
-            f"--data: images of {data.image_size} px x {data.channels} channels; the kit's fleet draws "
-            f"{kit.image_size} px x {kit.image_channels}"
+        raise ParameterError(
+            "data",
+            f"images of {data.image_size} px x {data.channels} channels; the kit's fleet draws "
+            f"{kit.image_size} px x {kit.image_channels}",
         )
     raw.update(
         name=f"contribution-to-{kit.run_name}",

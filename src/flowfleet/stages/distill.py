@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowfleet.config import DistillConfig, RunConfig, load_run_config
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.flow import parse_strategy
 from flowfleet.layout import MODEL, REFLOW_PAIRS, RUN_FILE, STUDENT
 from flowfleet.sampling.index import read_model_index
@@ -63,7 +63,7 @@ def distill(
     try:
         parse_strategy(teacher).resolve_k(len(index.present_experts))
     except ValueError as err:
-        raise FlowfleetError(f"--teacher: {err}") from None
+        raise ParameterError("teacher", f"{err}") from None
     wanted = DistillConfig.model_validate(
         dict(
             teacher=teacher,

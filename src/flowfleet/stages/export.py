@@ -19,7 +19,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import ParameterError
 from flowfleet.models.dit import DiTExpert
 from flowfleet.models.files import load_model
 from flowfleet.models.pixart import pixart_config, to_pixart
@@ -60,7 +60,7 @@ def export_diffusers(model_dir: str, expert: int, out: str) -> str:
     root = RunRoot(model_dir)
     index = read_model_index(root)
     if expert not in index.present_experts:
-        raise FlowfleetError(f"--expert {expert}: {root.url} holds experts {index.present_experts}")
+        raise ParameterError(f"expert {expert}", f"{root.url} holds experts {index.present_experts}")
     model = load_model(DiTExpert, root, expert_folder(expert))
     cfg = model.cfg
     config = pixart_config(cfg)  # one line naming the field when the expert is no PixArt transformer

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from flowfleet.device import resolve_device
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import ParameterError
 from flowfleet.layout import SAMPLES
 from flowfleet.parallel.mode import DEFAULT_PARALLEL, DISPLACED_WARMUP
 from flowfleet.sampling.pipeline import FleetOutput, FleetPipeline
@@ -36,7 +36,7 @@ def sibling_paths(out: str) -> tuple[str, str, str, str]:
     """FILE.png -> (folder, 'FILE.png', 'FILE.routing.json', 'FILE.routing.png')."""
     folder, name = posixpath.split(out)
     if not name.lower().endswith(".png"):
-        raise FlowfleetError(f"--out: {out!r} must name a .png file")
+        raise ParameterError("out", f"{out!r} must name a .png file")
     stem = name[:-4]
     return folder or ".", name, f"{stem}.routing.json", f"{stem}.routing.png"
 
@@ -65,17 +65,17 @@ def generate(
     config.SamplingSettings), the fleet's model_index.json for those not given; checked before anything
     heavy loads."""
     if offload is not None and offload < 1:
-        raise FlowfleetError(f"--offload: must be >= 1, got {offload}")
+        raise ParameterError("offload", f"must be >= 1, got {offload}")
     if batch_size is not None and batch_size < 1:
-        raise FlowfleetError(f"--batch-size: must be >= 1, got {batch_size}")
+        raise ParameterError("batch_size", f"must be >= 1, got {batch_size}")
     if n < 1:
-        raise FlowfleetError(f"--n: must be >= 1, got {n}")
+        raise ParameterError("n", f"must be >= 1, got {n}")
     fleet = None  # nproc > 1: this process is one of nproc torchrun ranks sharing each image (flowfleet.parallel)
     if nproc != 1:
         from flowfleet.parallel.fleet import join_fleet
 
         if nproc < 1:
-            raise FlowfleetError(f"--nproc: must be >= 1, got {nproc}")
+            raise ParameterError("nproc", f"must be >= 1, got {nproc}")
         fleet = join_fleet(model_dir, nproc, parallel, warmup, device=device, ulysses_degree=ulysses_degree)
     dev = fleet.ctx.device if fleet is not None else resolve_device(device)
     pipe = FleetPipeline.from_pretrained(

@@ -18,7 +18,9 @@ def init_run(run_root: str, preset_name: str, *, force: bool = False, sets: Sequ
         raise FlowfleetError(f"{root.url_of(RUN_FILE)}: already exists (use --force to overwrite)")
     try:
         cfg = preset(preset_name, sets=sets, name=run_root.rstrip("/").split("/")[-1] or preset_name)
-    except ValueError as err:
+    except FlowfleetError:
+        raise
+    except ValueError as err:  # pydantic's, already one line (flowfleet.config)
         raise FlowfleetError(str(err)) from None
     cfg.save(root)
     return root.url_of(RUN_FILE)

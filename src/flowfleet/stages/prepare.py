@@ -43,7 +43,7 @@ from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.data.sources import Source, build_source
 from flowfleet.data.sources.mnist import switch_hint
 from flowfleet.device import resolve_device
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import AUTOENCODER, AUTOENCODER_RECIPE, DATA, EVAL_DATA, MANIFEST, NOTICE, data_part
 from flowfleet.sampling.views import image_grid, png_bytes
 from flowfleet.stages.prepare_beside import EncodersBeside, Found, Span
@@ -178,9 +178,9 @@ def parse_part(text: str) -> tuple[int, int]:
     try:
         i, n = (int(x) for x in text.split("/"))
     except ValueError:
-        raise FlowfleetError(f"--part: expected i/N (e.g. 0/3), got {text!r}") from None
+        raise ParameterError("part", f"expected i/N (e.g. 0/3), got {text!r}") from None
     if not (n >= 1 and 0 <= i < n):
-        raise FlowfleetError(f"--part: {text}: expected 0 <= i < N")
+        raise ParameterError("part", f"{text}: expected 0 <= i < N")
     return i, n
 
 
@@ -225,8 +225,8 @@ def prepare(
         _write_notice(root, source)
         return manifest
     if split.size is None:
-        raise FlowfleetError(
-            f"--part: data.source {cfg.data.source} has no known length to split; prepare it on one machine"
+        raise ParameterError(
+            "part", f"data.source {cfg.data.source} has no known length to split; prepare it on one machine"
         )
     part_start, stop = part_range(split.train_stop or split.size, part[0], part[1], cfg.data.batch_size)
     recipe = {**recipe, "part": [part[0], part[1], part_start, stop]}
@@ -387,7 +387,7 @@ def prepare_autoencoder(run_root: str | RunRoot, *, restart: bool = False, progr
     cfg = load_run_config(root)
     if cfg.encoders.latent.name != "autoencoder":
         name = cfg.encoders.latent.name
-        raise FlowfleetError(f"--autoencoder-only: encoders.latent.name is {name!r}, not 'autoencoder'")
+        raise ParameterError("autoencoder_only", f"encoders.latent.name is {name!r}, not 'autoencoder'")
     source = build_source(cfg.data, cfg.storage.options)
     ensure_autoencoder(root, cfg, source, _Split.of(cfg, source), restart=restart, progress=progress)
     return root.url_of(AUTOENCODER)

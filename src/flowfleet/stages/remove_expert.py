@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowfleet.config import RunConfig, load_run_config
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import CLUSTER_REPORT, MONOLITH, ROUTER, ROUTERS, expert_job, origin_partition
 from flowfleet.stages.assemble import assemble
 from flowfleet.stages.train import train_job
@@ -59,13 +59,13 @@ def remove_expert(
     cfg = load_run_config(root)
     k_total = cfg.num_experts
     if not 0 <= expert < k_total:
-        raise FlowfleetError(f"--expert {expert}: run.yaml has {k_total} experts (0..{k_total - 1})")
+        raise ParameterError(f"expert {expert}", f"run.yaml has {k_total} experts (0..{k_total - 1})")
     before = list(cfg.removed_experts)
     if expert in before:
         log.info(f"remove-expert: expert {expert} is already out of the fleet; finishing its removal")
     else:
         if len(cfg.fleet_experts) == 1:
-            raise FlowfleetError(f"--expert {expert}: the last expert of the fleet cannot be removed")
+            raise ParameterError(f"expert {expert}", "the last expert of the fleet cannot be removed")
         cfg = RunConfig.from_dict({**cfg.to_dict(), "removed_experts": sorted([*before, expert])}, root.url)
         cfg.save(root)
         log.info(f"remove-expert: run.yaml removed_experts = {cfg.removed_experts}")

@@ -34,7 +34,7 @@ from flowfleet.backends import (
 )
 from flowfleet.backends.watch import RemoteWatch
 from flowfleet.config import BackendConfig, RunConfig, load_run_config
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import LOG_FILE, PLAN
 from flowfleet.storage import RunRoot
 from flowfleet.train.diloco import DiLoCoTrainer
@@ -191,9 +191,14 @@ def train_all(
     if not wait:
         kinds = {places[placed[s.name]].kind for s in fleet_jobs(cfg)}
         if "local" in kinds:
-            raise FlowfleetError("--no-wait: only for jobs on Slurm or Ray (local jobs end with train-all)")
+            raise ParameterError(
+                "wait", "returning before the jobs end is for jobs on Slurm or Ray (local ones end with train-all)"
+            )
         if any(p.kind == "ray" and not (p.address or os.environ.get("RAY_ADDRESS")) for p in places.values()):
-            raise FlowfleetError("--no-wait: give --address; a Ray cluster train-all starts for itself ends with it")
+            raise ParameterError(
+                "wait",
+                "returning before the jobs end needs a Ray address: a cluster train-all starts for itself ends with it",
+            )
     log.info("train-all: %s", describe_matching(root, cfg))  # (after the options' checks: an error is one line)
     remotes: dict[str, RemoteBackend] = {}
     try:

@@ -18,7 +18,7 @@ from flowfleet.cluster.assignments import read_assignments
 from flowfleet.config import Contribution, RunConfig, TrainConfig
 from flowfleet.data.augment import choose
 from flowfleet.data.shards import ShardSet, open_complete
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.flow import ddpm_loss, flow_matching_loss, interpolate, sample_t
 from flowfleet.flow.path import vp_log_snr
 from flowfleet.layout import (
@@ -477,7 +477,7 @@ def _worker_task(cfg: RunConfig, spec: JobSpec, data: InMemoryData) -> WorkerTas
         raise FlowfleetError(f"{spec.name}: run.yaml has no diloco block")
     workers, w = cfg.diloco.workers, spec.worker
     if w is None or not 0 <= w < workers:
-        raise FlowfleetError(f"--worker {w}: run.yaml diloco.workers is {workers} (0..{workers - 1})")
+        raise ParameterError(f"worker {w}", f"run.yaml diloco.workers is {workers} (0..{workers - 1})")
     if len(data) < workers:
         raise FlowfleetError(f"{data.where}: {len(data)} items for {workers} DiLoCo workers")
     share = data.select(worker_share(len(data), workers, w, cfg.train.seed))
@@ -497,9 +497,9 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
     if spec.kind == "expert":
         k = spec.expert
         if k is None or not 0 <= k < cfg.num_experts:
-            raise FlowfleetError(f"--expert {k}: run.yaml has {cfg.num_experts} experts (0..{cfg.num_experts - 1})")
+            raise ParameterError(f"expert {k}", f"run.yaml has {cfg.num_experts} experts (0..{cfg.num_experts - 1})")
         if contribution_of(cfg, spec) is not None:
-            raise FlowfleetError(f"--expert {k}: contributed (flowfleet admit), trained by its contributor, not here")
+            raise ParameterError(f"expert {k}", "contributed (flowfleet admit), trained by its contributor, not here")
         n, j = cfg.expert_origin(k)
         folder = origin_partition(n, j)
         shards = open_complete(root, folder, f"flowfleet cluster {root.url}" if n == 0 else "flowfleet add-expert")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import ParameterError
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class GateSettings:
 
     def validate(self) -> None:
         if self.judge_n < 2:
-            raise FlowfleetError(f"--judge-n: a Fréchet distance needs at least 2 samples, got {self.judge_n}")
+            raise ParameterError("judge_n", f"a Fréchet distance needs at least 2 samples, got {self.judge_n}")
         for name in ("harm", "accuracy_drop", "fd_rise"):
             if not getattr(self, name) >= 0:
-                raise FlowfleetError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
+                raise ParameterError(name, f"must be >= 0, got {getattr(self, name)}")

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from flowfleet.config import RunConfig
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.flow import parse_strategy
 from flowfleet.layout import (
     FINAL,
@@ -38,22 +38,23 @@ def check_other_fleet(model: RunRoot, index: ModelIndex, other: RunRoot, strateg
     for field_name in ("latent_shape", "latent_encoder", "text_encoder_config", "conditioning", "text_width"):
         mine, its = getattr(index, field_name), getattr(theirs, field_name)
         if mine != its:
-            raise FlowfleetError(
-                f"--fleet {other.url}: {field_name} {its!r} differs from {model.url}'s {mine!r}: "
-                "another fleet must share the model's latent space and text encoder"
+            raise ParameterError(
+                f"fleet {other.url}",
+                f"{field_name} {its!r} differs from {model.url}'s {mine!r}: "
+                "another fleet must share the model's latent space and text encoder",
             )
     mine_sums, its_sums = read_checksums(model) or {}, read_checksums(other) or {}
     for rel in sorted(r for r in mine_sums if r.startswith(MODEL_VAE + "/")):
         if its_sums.get(rel) != mine_sums[rel]:
-            raise FlowfleetError(
-                f"--fleet {other.url}: {rel} is not {model.url}'s (checksum): another fleet must decode "
-                "with the same autoencoder"
+            raise ParameterError(
+                f"fleet {other.url}",
+                f"{rel} is not {model.url}'s (checksum): another fleet must decode with the same autoencoder",
             )
     for s in strategies:
         try:
             parse_strategy(s).resolve_k(len(theirs.present_experts))
         except ValueError as err:
-            raise FlowfleetError(f"--fleet {other.url}: {err}") from None
+            raise ParameterError(f"fleet {other.url}", f"{err}") from None
 
 
 def comparison_router(root: RunRoot, cfg: RunConfig, router: str, device: torch.device) -> DiTRouter:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, get_args
 
 from flowfleet.config import SamplingConfig
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.evaluate.fid import FIDSettings
 from flowfleet.flow import parse_strategy
 from flowfleet.layout import (
@@ -64,59 +64,59 @@ class EvaluateOptions:
 
     def validate(self) -> None:
         if self.n < 2:
-            raise FlowfleetError(f"--n: FID needs at least 2 samples, got {self.n}")
+            raise ParameterError("n", f"FID needs at least 2 samples, got {self.n}")
         if self.batch_size < 1:
-            raise FlowfleetError(f"--batch-size: must be >= 1, got {self.batch_size}")
+            raise ParameterError("batch_size", f"must be >= 1, got {self.batch_size}")
         if self.repeats < 1:
-            raise FlowfleetError(f"--repeats: must be >= 1, got {self.repeats}")
+            raise ParameterError("repeats", f"must be >= 1, got {self.repeats}")
         if self.ref_n is not None and self.ref_n < 2:
-            raise FlowfleetError(f"--ref-n: must be >= 2, got {self.ref_n}")
+            raise ParameterError("ref_n", f"must be >= 2, got {self.ref_n}")
         if not self.strategies and not self.monolith:
-            raise FlowfleetError("--strategies: nothing to evaluate (give strategies or --monolith)")
+            raise ParameterError("strategies", "nothing to evaluate (give strategies or --monolith)")
         for s in self.strategies:
             try:
                 parse_strategy(s)
             except ValueError as err:
-                raise FlowfleetError(f"--strategies: {err}") from None
+                raise ParameterError("strategies", f"{err}") from None
         if self.routers and not self.strategies:
-            raise FlowfleetError("--routers: a comparison router needs --strategies to route")
+            raise ParameterError("routers", "a comparison router needs --strategies to route")
         for name in self.routers:
             if name not in ROUTERS[1:]:
                 known = ", ".join(ROUTERS[1:])
-                raise FlowfleetError(f"--routers: {name!r} is not a comparison router (one of {known})")
+                raise ParameterError("routers", f"{name!r} is not a comparison router (one of {known})")
         if self.fleets and not self.strategies:
-            raise FlowfleetError("--fleet: another fleet needs --strategies to sample it by")
+            raise ParameterError("fleet", "another fleet needs --strategies to sample it by")
         names = [name for name, _ in self.fleets]
         for name in names:
             if not FLEET_NAME.fullmatch(name):
-                raise FlowfleetError(f"--fleet: name {name!r} must be letters, digits, '-' or '_' (NAME=FOLDER)")
+                raise ParameterError("fleet", f"name {name!r} must be letters, digits, '-' or '_' (NAME=FOLDER)")
         if len(set(names)) != len(names):
-            raise FlowfleetError(f"--fleet: repeated names in {','.join(names)}")
+            raise ParameterError("fleet", f"repeated names in {','.join(names)}")
         rules = get_args(SamplingConfig.model_fields["guidance"].annotation)
         for rule in self.guidance_rules:
             if rule not in rules:
-                raise FlowfleetError(f"--guidance-rules: {rule!r} is not a guidance rule (one of {', '.join(rules)})")
+                raise ParameterError("guidance_rules", f"{rule!r} is not a guidance rule (one of {', '.join(rules)})")
         if len(set(self.guidance_rules)) != len(self.guidance_rules):
-            raise FlowfleetError(f"--guidance-rules: repeated names in {','.join(self.guidance_rules)}")
+            raise ParameterError("guidance_rules", f"repeated names in {','.join(self.guidance_rules)}")
         if self.guidance_rules and "guidance" in self.sampling:
-            raise FlowfleetError("--guidance-rules: give either rules to compare or one --guidance, not both")
+            raise ParameterError("guidance_rules", "give either rules to compare or one --guidance, not both")
         if len(set(self.strategies)) != len(self.strategies):
-            raise FlowfleetError(f"--strategies: repeated names in {','.join(self.strategies)}")
+            raise ParameterError("strategies", f"repeated names in {','.join(self.strategies)}")
         fixed = sorted(set(self.sampling) & {"strategy", "seed"})
         if fixed:
             raise FlowfleetError(f"sampling: {fixed[0]} is the evaluation's own (--strategies, --seed)")
         SamplingConfig().for_call(MANY_EXPERTS, **self.sampling)  # checked before anything loads
         if self.cfg_sweep and self.sampling.get("cfg") is not None:
-            raise FlowfleetError("--cfg-sweep: give either a sweep or one --cfg, not both")
+            raise ParameterError("cfg_sweep", "give either a sweep or one --cfg, not both")
         if any(c < 0 for c in self.cfg_sweep) or len(set(self.cfg_sweep)) != len(self.cfg_sweep):
-            raise FlowfleetError(f"--cfg-sweep: scales must be distinct and >= 0, got {list(self.cfg_sweep)}")
+            raise ParameterError("cfg_sweep", f"scales must be distinct and >= 0, got {list(self.cfg_sweep)}")
         lo, hi = self.cfg_bounds
         if not 0 <= lo <= hi:
-            raise FlowfleetError(f"--cfg-bounds: expected 0 <= LOW <= HIGH, got {lo},{hi}")
+            raise ParameterError("cfg_bounds", f"expected 0 <= LOW <= HIGH, got {lo},{hi}")
         if self.cfg_extend < 0:
-            raise FlowfleetError(f"--cfg-extend: must be >= 0, got {self.cfg_extend}")
+            raise ParameterError("cfg_extend", f"must be >= 0, got {self.cfg_extend}")
         if self.save_cfg and not self.cfg_sweep:
-            raise FlowfleetError("--save-cfg: needs --cfg-sweep (the scale it saves is the sweep's choice)")
+            raise ParameterError("save_cfg", "needs --cfg-sweep (the scale it saves is the sweep's choice)")
 
 
 @dataclass

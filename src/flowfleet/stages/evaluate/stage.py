@@ -15,7 +15,7 @@ import torch
 from flowfleet.config import RunConfig
 from flowfleet.data.shards import ShardSetUnion
 from flowfleet.device import resolve_device
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.evaluate.adherence import prompt_adherence
 from flowfleet.evaluate.diagnostics import (
     SemanticFeatures,
@@ -388,15 +388,15 @@ class _Evaluation:
             try:
                 parse_strategy(s).resolve_k(len(index.present_experts))
             except ValueError as err:
-                raise FlowfleetError(f"--strategies: {err}") from None
+                raise ParameterError("strategies", f"{err}") from None
         if options.monolith:
             done, why, _ = job_finished(root, MONOLITH)
             if not done:
-                raise FlowfleetError(f"--monolith: {why}")
+                raise ParameterError("monolith", f"{why}")
         for router in options.routers:
             done, why, _ = job_finished(root, router_of_folder(cfg, router).dir)
             if not done:
-                raise FlowfleetError(f"--routers: {why}")
+                raise ParameterError("routers", f"{why}")
         for _, folder in options.fleets:
             check_other_fleet(model_root, index, RunRoot(folder), options.strategies)
         ev = cls(model_root.url, root, cfg, data, options, resolve_device(options.device), index.conditioning, split)
@@ -499,14 +499,15 @@ class _Evaluation:
         """The prompt-accuracy judge (--judge, or the MNIST digit classifier, trained once and cached in
         reports/) and, when it has features, their reference statistics for the classifier FD."""
         if not self.prompts:
-            raise FlowfleetError("--judge: the model is not text-conditioned; prompt accuracy needs prompts")
+            raise ParameterError("judge", "the model is not text-conditioned; prompt accuracy needs prompts")
         t0 = time.perf_counter()
         if self.options.judge and self.builtin_judge() is None:
             self.judge = load_judge(self.options.judge, self.root)
             if named and not self.judge_names_a_prompt():
-                raise FlowfleetError(
-                    f"--judge: none of the {len(self.prompts)} prompts names one of the judge's "
-                    f"classes (e.g. {self.prompts[0]!r})"
+                raise ParameterError(
+                    "judge",
+                    f"none of the {len(self.prompts)} prompts names one of the judge's "
+                    f"classes (e.g. {self.prompts[0]!r})",
                 )
         elif self.builtin_judge() == "emoji":
             self.judge = EmojiJudge.load_or_train()
