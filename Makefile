@@ -68,6 +68,7 @@ test: $(STAMP)
 	$(BIN)/python .ci/function_lengths.py src 80
 	$(BIN)/python .ci/doc_paths.py README.md BENCHMARKS.md docs
 	$(BIN)/python .ci/flag_errors.py src/flowfleet
+	$(BIN)/python .ci/measured_words.py src/flowfleet
 	$(PYTEST) -n auto --maxprocesses=4 --dist loadfile
 	$(PORTABLE) FLOWFLEET_TEST_THREADS=1 $(PYTEST) -m "numerics and not slow" -n auto --maxprocesses=4 --dist loadfile
 	$(PORTABLE) FLOWFLEET_TEST_THREADS=2 $(PYTEST) -m "numerics and not slow" -p no:xdist

@@ -89,8 +89,8 @@ class DataConfig(_Strict):
 class AutoencoderConfig(_Strict):
     """encoders.latent.name `autoencoder`: a small diffusers AutoencoderKL that `prepare` trains on the run's
     training images (never the held-out ones) into RUN_ROOT/autoencoder/, for data no pretrained VAE fits
-    (the built-in digits). Paris' experts work in a VAE's latent space; on MNIST-5k this one lets a DiT
-    reach a given classifier FD in ~3x fewer steps than pixels (BENCHMARKS.md, "Which expert space")."""
+    (the built-in digits). Paris' experts work in a VAE's latent space; on the digits this one lets a DiT reach a
+    given classifier FD in fewer steps than pixels do."""
 
     block_out_channels: list[int] = Field([16, 32, 32], min_length=1)  # one halving of the side per extra entry
     latent_channels: int = Field(4, ge=1)
@@ -158,8 +158,8 @@ class ClusterConfig(_Strict):
     caption_residual: bool = False
     # Each feature raised to this power (its sign kept) before the L2 normalisation. 0.5 is the power
     # normalisation of Perronnin et al. (2010): a few large activations of a network's pooled features stop
-    # deciding the clusters alone (the built-in emoji's Inception clusters: NMI with their categories 0.125 ->
-    # 0.143 over 5 seeds, 0.188 with 128 fine clusters; BENCHMARKS.md, "The emoji's clusters"); 1: as they are.
+    # deciding the clusters alone (the built-in emoji's clusters follow their categories better with it); 1: as
+    # they are.
     power: float = Field(1.0, gt=0, le=1)
     fine_k: int = Field(64, ge=1)  # stage-1 clusters (capped at the sample count)
     sample_size: int = Field(100_000, ge=1)  # stage-1 fitted on this many samples

@@ -13,6 +13,10 @@ images                the emoji recipe for a folder of your own images (`--set d
 shapes / shapes-tiny  built-in procedural shapes (RGB), captions describing shape and colour
 paris-b2 / paris-xl2  the Paris paper's §3.1 recipes: 32x32x4 sd-vae-ft-mse latents, CLIP ViT-L/14
                       text, DiT-B/2 experts + DiT-S router, or DiT-XL/2 experts + DiT-B router
+
+The built-in recipes' choices were each measured on their data. The figures that hold for today's code are in
+BENCHMARKS.md; those of a choice measured earlier are in git, by the section title each comment gives
+(`git show 3844c21:docs/benchmarks-history.md`).
 """
 
 from __future__ import annotations
@@ -56,8 +60,8 @@ def _builtin(
     pooled MiniLM vector; AdamW (2e-3, or `lr`) with 100 warm-up steps, batch 64 (or `batch`), logit-normal t, an
     EMA that warms up; 20 Euler steps at CFG 3 (the evaluation's guidance sweep picks each model's scale).
     Its space: with `autoencoder`, the 8 x 8 x 4 latent of a small AutoencoderKL that prepare trains on the
-    training digits (padded 28 -> 32), 2 x 2 patches: a classifier FD 1.5x the real floor after 1000 steps,
-    where 7 x 7 pixel patches need ~2000 and leave tile edges; else pixels in 7 x 7 patches.
+    training digits (padded 28 -> 32), 2 x 2 patches: it reaches a given classifier FD in fewer steps than pixels
+    in 7 x 7 patches, which also leave tile edges ("Which expert space"); else pixels in 7 x 7 patches.
 
     mnist clusters as Paris does: K clusters of the images' features (a pretrained image network's, Inception at
     75 px, as Paris uses DINOv2's; less their caption-predictable part, so that every cluster holds every digit),
@@ -169,27 +173,21 @@ def _digits(**changes: Any) -> dict[str, Any]:
         size=28,
         channels=1,
         k=4,
-        # Experts of hidden 64 rather than hidden 128 for a third of the steps (the same FLOPs): top-2 reaches
-        # prompt accuracy 0.967 (0.903 at best before), the same-architecture monolith gets sharper (classifier
-        # FD 43.8 vs 46.5) and both sample 4x cheaper (BENCHMARKS.md, "Expert width at equal FLOPs").
+        # Experts of hidden 64 for three times the steps of hidden 128 (the same FLOPs): sharper samples that follow
+        # the prompt better, and cheaper to sample ("Expert width at equal FLOPs")
         hidden=64,
-        # Batches of 32 at 4e-3 for twice the steps of batches of 64 at 2e-3: the same samples and wall time;
-        # top-2 classifier FD 51.7 -> 41.7, the monolith 37.7 -> 34.7 (BENCHMARKS.md, "The demo's recipe").
+        # Batches of 32 at 4e-3 rather than 64 at 2e-3 for half the steps: the same samples and time, more
+        # updates ("The recipe: rate, batch size, schedule")
         steps=3000,
-        # K x 3000 steps split by the clusters' sizes (1516 / 789 / 822 / 873 digits: 4548 / 2367 / 2466 / 2619
-        # steps), so each expert passes over its digits as often as the monolith over all of them: top-2
-        # classifier FD 42.3 +- 0.3 -> 40.0 +- 1.4 over three seeds (BENCHMARKS.md, "Each expert's steps")
+        # Each expert's share of the fleet's work follows its cluster's size (under split "batch": its share of the
+        # batch), so that it passes over its data as often as the monolith over all of it ("Each expert's steps")
         expert_steps="by_size",
         batch=32,
         lr=4e-3,
-        # At 4e-3 one of three 12151-step monoliths spiked (loss 0.37 -> 0.54 at step 10875; classifier FD 165);
-        # gradients are ~0.25 in norm late in training, so a clip at 1 only cuts such spikes (its FD: 37.2)
+        # At 4e-3 a long monolith can spike; late gradients are well under 1 in norm, so a clip at 1 cuts only spikes
         grad_clip=1.0,
-        # Paris' router trained long enough to read its clusters: 300 steps of a hidden-64 router were at 0.445 on
-        # held-out digits at t < 0.1 (chance 0.377); 6000 steps of a hidden-32 one at 0.564. Top-2's classifier FD
-        # moves -0.9 +- 1.0 over three training seeds, the monolith, which gets the router's FLOPs too (12151 ->
-        # 12793 steps), -0.2 (BENCHMARKS.md, "The router's training budget"). 4000 steps: the demo on the 10,000
-        # digits keeps to ten minutes on two cores (BENCHMARKS.md, "The demo on 10,000 digits")
+        # A router long enough to read its clusters at low t; the fleet gains a little and the monolith, which is
+        # given the router's FLOPs too, nothing ("The router's training budget")
         router_steps=4000,
         router_hidden=32,
         router_lr=2e-3,
@@ -198,28 +196,23 @@ def _digits(**changes: Any) -> dict[str, Any]:
         # (every one its reference), the other 700 the test split it reports (a real floor and its reference)
         holdout=1000,
         validation=0.3,
-        # 800 steps: its reconstructions of held-out digits score classifier FD 25.3 against a real floor of
-        # 23.6, where 400 steps left 39.2, a ceiling just under the monolith's 44.1 (BENCHMARKS.md)
+        # 800 steps: its reconstructions of held-out digits sit near the real floor, where fewer steps left a ceiling
+        # close to the monolith's own figure ("The autoencoder was the ceiling")
         autoencoder=dict(block_out_channels=[16, 32, 32], latent_channels=4, pad_to=32, steps=800, batch_size=32),
-        # Inception at 75 px, less what the caption predicts of it. Downsampled pixels cluster closer to the
-        # digits (NMI 0.49 vs 0.27), but then a cluster nearly fixes the prompted digit, and Paris' prompt-blind
-        # router, which cannot know it at high t, sends a "zero" to experts that hold none: top-2 classifier FD
-        # 171 vs 72 (BENCHMARKS.md, "Which clusters a prompt-blind router can serve"). Inception's own clusters
-        # still hold 390 of the 400 "one"s in one cluster; without the caption's part every cluster holds every
-        # digit, and top-2 reaches prompt accuracy 0.95 at guidance 1.5 instead of 4.5 (classifier FD 51.7 vs
-        # 69.8; BENCHMARKS.md, "Clusters of what the caption does not tell").
+        # Inception at 75 px, less what the caption predicts of it. Clusters that follow the digit would let a
+        # cluster fix the prompted digit, and Paris' prompt-blind router, which cannot know it at high t, send a
+        # "zero" to experts that hold none ("Which clusters a prompt-blind router can serve"); without the
+        # caption's part every cluster holds every digit ("Clusters of what the caption does not tell").
         caption_residual=True,
         semantic=dict(name="inception", image_size=75),
         # Guidance only at t <= 0.78, the 15 of the 20 steps from t = 0.75 down (Kynkaanniemi et al. 2024: the
-        # noisiest steps unguided): over three training seeds x 5 draws top-2's classifier FD moves -0.8, the
-        # monolith's -0.3 (BENCHMARKS.md, "Guidance in a limited interval")
+        # noisiest steps unguided; "Guidance in a limited interval")
         cfg_max_t=0.78,
-        # DDM's recipe, measured best on the emoji and on the digits (BENCHMARKS.md, "Guidance over the mixture"):
-        # the router reads the prompt as the experts do (their conditioning and condition dropout) and the fleet is
-        # guided over the mixture, each branch by its own posterior; every expert trains all K x train.steps steps
-        # at its cluster's share of the batch. Top-2's classifier FD over the monolith's at the same FLOPs, three
-        # seeds: the emoji 1.59x (Paris' recipe) -> 1.07x; the digits 1.29x -> 1.25x (little: each of their clusters
-        # holds every digit, so the prompt seldom decides the expert; one recipe for both)
+        # DDM's recipe (BENCHMARKS.md, "Guidance over the mixture: the claim on the test split"): the router reads
+        # the prompt as the experts do (their conditioning and condition dropout) and the fleet is guided over the
+        # mixture, each branch by its own posterior; every expert trains all K x train.steps steps at its cluster's
+        # share of the batch. It gains most where the prompt decides the expert (the emoji); the digits' clusters
+        # each hold every digit, and take it all the same: one recipe for both
         router_reads_prompt=True,
         split="batch",
     )
@@ -230,9 +223,9 @@ def _emoji(source: str, holdout: int = 0, **data: Any) -> dict[str, Any]:
     """The built-in emoji's recipe (emoji), and the same for a folder of your own images (images: captions in
     captions.jsonl / .csv or a .txt beside each image, labels optional; `flowfleet init RUN --preset images --set
     data.path=FOLDER`): 32 px colour in the 8 x 8 x 8 latent of an autoencoder prepare trains, K = 4 clusters of
-    Inception features at 75 px (a minute for 7572 images on 2 cores, where 299 px takes a quarter of an hour),
-    power-normalised, none under 15 % of the data (a smaller one takes the fine clusters nearest it), and the
-    digits' training recipe (BENCHMARKS.md, "The emoji demo")."""
+    Inception features at 75 px (its standard 299 px costs an order of magnitude more on a CPU), power-normalised,
+    none under 15 % of the data (a smaller one takes the fine clusters nearest it; BENCHMARKS.md, "The emoji's
+    clusters"), and the digits' training recipe."""
     return _digits(
         source=source,
         size=32,
@@ -242,7 +235,7 @@ def _emoji(source: str, holdout: int = 0, **data: Any) -> dict[str, Any]:
         holdout=holdout,
         validation=0.3 if holdout else 0.0,
         # 8 latent channels, not the digits' 4: a colour image is three times the numbers; batches of 16 at 4e-3:
-        # more updates in the same time (BENCHMARKS.md, "The emoji demo")
+        # more updates in the same time ("The emoji demo")
         autoencoder=dict(block_out_channels=[16, 32, 32], latent_channels=8, steps=800, batch_size=16, lr=4e-3),
         # clusters of content: no caption residual (each expert holds its own emoji), features power-normalised
         caption_residual=False,
@@ -259,7 +252,7 @@ def _tiny(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg["sampling"].update(steps=6)
     cfg["train"]["warmup_steps"] = 0  # tiny runs are a few dozen steps (tests override them to fewer)
     if cfg["encoders"]["semantic"]["name"] == "inception":
-        # Inception at 96 px instead of 299: ~6x less compute per image on a CPU (BENCHMARKS.md, prepare)
+        # Inception at 96 px instead of 299: a fraction of the compute per image, enough for a test
         cfg["encoders"]["semantic"].update(image_size=96)
     return cfg
 

@@ -14,11 +14,11 @@ an SMT core; and a process whose threads outnumber the cores left to it waits, r
 to be scheduled. That last cost depends on the work: a loop of small steps (an autoencoder's convolutions, a small
 expert's training step) meets a barrier every few hundred microseconds and runs fastest on the CPUs left to it, while
 sampling's larger operations keep their threads busy between barriers and, the scheduler sharing the cores by thread,
-run fastest on every CPU (beside one busy process on 2 cores, the emoji autoencoder's step took 0.12 s on one thread and
-0.23 s on two sleeping ones; `generate` of 64 images took its time alone on two sleeping ones, where one thread samples
-the demo fleet 1.56x slower than two even on an idle machine). On a 2-core Xeon the demo fleet samples 3-4x faster with
-spinning threads than with sleeping ones when it has the machine; beside one busy process, `prepare` took 3.1x its time
-alone under torch's defaults (BENCHMARKS.md, "CPU threads").
+run fastest on every CPU (beside one busy process, the emoji autoencoder's step is faster on one thread than on two
+sleeping ones, while `generate` keeps its time alone on two sleeping ones, and one thread samples slower than two even
+on an idle machine). With the machine to itself, the demo fleet samples several times faster with spinning threads
+than with sleeping ones; beside one busy process, torch's defaults slow `prepare` several times over (BENCHMARKS.md,
+"CPU threads").
 
 OpenMP reads its wait policy once, when torch loads, so that part is decided before: by the command line (cli.py)
 for its own process from what the machine is doing then, and by whoever starts shared processes for theirs

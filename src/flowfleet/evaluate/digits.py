@@ -8,7 +8,7 @@ feature space.
 Inception FID at MNIST's size cannot tell a digit from a blob (both are far from ImageNet); a small
 CNN trained on the digits themselves can. The network is written here, not taken from a library,
 because no package ships MNIST weights and none is needed: a two-convolution CNN with batch norm
-reaches >= 0.97 on the held-out 1000 of MNIST-5k in about 20 s on two CPU cores. It is trained by flowfleet on the
+reaches >= 0.97 on the held-out 1000 of MNIST-5k in seconds on a CPU. It is trained by flowfleet on the
 first 4000 digits of MNIST-5k (interleaved 0..9, so both splits are balanced; they are the first 4000 of the
 10,000-digit set too, flowfleet.data.sources.mnist) with random shifts, and validated on MNIST-5k's last 1000:
 one fixed judge for every run on the built-in digits, whichever set and size it trains on. Images are taken in

@@ -19,9 +19,8 @@ DIT_SIZES: dict[str, tuple[int, int, int]] = {
 
 Conditioning = Literal["none", "class", "pooled", "cross_attn"]
 AdaLN = Literal["zero", "single"]
-# The MLP's activation: DiT's and PixArt's tanh-approximated GELU, or the exact (erf) GELU, which is the
-# same curve to within 1e-3 and about 3x faster as an op on a CPU (AVX2, [1024, 256]); a whole training
-# step of the demo's expert shows no consistent gain on a noisy 2-core box (BENCHMARKS.md, "The exact GELU").
+# The MLP's activation: DiT's and PixArt's tanh-approximated GELU, or the exact (erf) GELU, the same curve to
+# within 1e-3 and a cheaper op on a CPU.
 MlpAct = Literal["gelu_tanh", "gelu"]
 # What an expert was trained to predict: the flow-matching velocity, or DDPM's noise on a variance-preserving
 # schedule (DiT's linear or cosine betas), which flowfleet.flow.path converts into the velocity at inference.

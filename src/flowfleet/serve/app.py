@@ -67,8 +67,7 @@ def _error(status: int, message: str, **headers: str) -> JSONResponse:
 class ApiGuard:
     """What every API call must pass before its body is read: the API key (401; when the server has one) and the
     declared body size (413). Plain ASGI middleware: Starlette's @app.middleware("http") runs each response
-    through a stream of its own, a cost every request paid (BENCHMARKS.md, "Serving against the in-process
-    pipeline")."""
+    through a stream of its own, a cost every request would pay."""
 
     def __init__(self, app: ASGIApp, api_key: str | None = None):
         self.app, self.api_key = app, api_key

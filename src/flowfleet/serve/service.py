@@ -194,8 +194,8 @@ class FleetService:
         dev = parallel.fleet.ctx.device if parallel is not None else resolve_device(device)
         # One thread samples, the batcher's worker, and it alone runs torch's parallel CPU kernels: a second team
         # of OpenMP threads in the process (the loading thread's, a request's) makes libgomp count more threads
-        # than cores and throttle every team's spinning: 2.5x slower sampling on two cores (BENCHMARKS.md,
-        # "Serving against the in-process pipeline"). So the folder loads on one thread; the worker takes the rest.
+        # than cores and throttle every team's spinning, which slows sampling several times over on a small box. So
+        # the folder loads on one thread; the worker takes the rest.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -281,7 +281,7 @@ class FleetService:
     async def generate_async(self, req: GenerateRequest) -> Generation:
         """generate() for an event loop (the HTTP API): waits for its batch without holding a thread, so that
         the answers of a batch of many requests are written one after the other by the loop rather than by as
-        many threads taking turns (BENCHMARKS.md, "Serving against the in-process pipeline")."""
+        many threads taking turns."""
         if self.batcher is None:  # --nproc: one patch-parallel call at a time, in a thread
             return await asyncio.to_thread(self.generate, req)
         sample = self._take_place(req, None)

@@ -26,8 +26,7 @@ noisy latent and the prompt as the experts do, p(k | x_t, t, prompt), and the fl
 `--prompt-router` adds the comparison to the evaluation and the report: top-2 of the same experts routed by Paris'
 prompt-blind router (router-paris/, run.yaml router_baseline; the same recipe as the fleet's router), the row
 top2+router-paris; the fleet's own router, and its model folder, stay the prompt-reading one. It adds a second
-router and its evaluation (about a minute on the digits, 11 s on the emoji: BENCHMARKS.md), which takes the
-digits demo past ten minutes and leaves the emoji's no margin under them on a 170 GFLOP/s box, so it is an
+router and its evaluation, which the default demo's ten minutes on two cores leave no room for, so it is an
 option. (The tiny test preset keeps Paris' router, and the flag then adds a prompt-aware one.)
 
 `--data emoji` runs the emoji preset, the same recipe on clusters of content.
@@ -35,8 +34,8 @@ option. (The tiny test preset keeps Paris' router, and the flag then adds a prom
 `--caption-fleet` adds the regime the demo used to run, a second comparison: a fleet whose clusters
 are the captions' (cluster.features: text), routed by the prompt, trained in OUT/caption-fleet/ (a run root of its
 own: the demo's data/ and autoencoder/ copied, no monolith) at the same expert steps, and evaluated with the
-same prompts and noise as the rows "<strategy>@caption". It adds about 2.5 minutes (BENCHMARKS.md), which would
-take the default demo past ten, so it is an option.
+same prompts and noise as the rows "<strategy>@caption". It adds a fleet's training, which would take the default
+demo past ten minutes, so it is an option.
 
 Every model is judged against digits no model trained on, by a digit classifier trained on the first
 4000 of MNIST-5k, the first 4000 of either built-in set: one judge for every run (prompt accuracy; Fréchet
@@ -89,12 +88,11 @@ from flowfleet.stages.train import train_all
 from flowfleet.storage import RunRoot
 
 DEMO_INCEPTION_SIZE = 75
-# Guidance scales every model is sampled at (>= 5 between 1 and 8); each is compared at its best. 1.25: the
-# monolith's best since the autoencoder's reconstructions stopped capping it (BENCHMARKS.md, "The demo's
-# recipe"); 1.5: top-2's on caption-free clusters; 3 and 4.5 show the trade-off beyond them.
+# Guidance scales every model is sampled at; each is compared at its best. 1.25: the monolith's best once the
+# autoencoder's reconstructions stopped capping it; 1.5: top-2's on caption-free clusters; 3 and 4.5 show the
+# trade-off beyond them (the sweep goes further past an edge where a model's best lies there).
 GUIDANCE_SWEEP = (1.25, 1.5, 2.0, 3.0, 4.5)
-# The emoji's: every model's classifier FD falls from 3 to 8 but the monolith's, best at 4.5 to 8 (BENCHMARKS.md,
-# "The emoji demo"); two scales leave the demo in ten minutes
+# The emoji's: every model is best between 4.5 and 8 ("The emoji demo"); two scales keep the demo to ten minutes
 EMOJI_GUIDANCE_SWEEP = (4.5, 8.0)
 STRATEGIES = ("top1", "top2", "full")  # the showcase draws each
 # The evaluation sweeps guidance for Paris' claim, top-2 against the monolith (top-1 and the full ensemble
@@ -134,8 +132,8 @@ DEMO_DATA = {
         ),
         GUIDANCE_SWEEP,
         0.95,
-        # at n = 300 the classifier FD of one draw moves by ~6 points with its prompts, noise and reference split
-        # (BENCHMARKS.md, "How much of an FD is the draw")
+        # at n = 300 one draw's classifier FD moves by several points with its prompts, noise and reference
+        # ("How much of an FD is the draw")
         5,
     ),
     "emoji": DemoData(
@@ -160,8 +158,8 @@ DEMO_DATA = {
         # the judge reads 0.86 of the real held-out emoji as their category (flowfleet.evaluate.emoji): no model
         # reaches the digits' 0.95, so each is compared at its lowest classifier FD
         0.0,
-        # ten minutes on two cores leave the sweep's one draw (a second: 596 s of the 600 on an AMD EPYC 2-core,
-        # BENCHMARKS.md "The emoji demo"); benchmarks/fleet_budget.py --repeats 5 gives the spread
+        # ten minutes on two cores leave room for the sweep's one draw; benchmarks/fleet_budget.py --repeats 5
+        # gives the spread
         1,
     ),
 }
@@ -191,16 +189,15 @@ def demo_plan(size: DemoSize = "full", *, prompt_router: bool = False, data: str
     spec = DEMO_DATA[data]
     raw = PRESETS[spec.smoke_preset if size == "smoke" else spec.preset]()
     raw["name"] = spec.run_name + {"full": "", "quick": "-quick", "smoke": "-smoke"}[size]
-    # The comparison router's rows (prompt_router: on ask; a router and an evaluated row more, 11 of the emoji demo's
-    # 239 s, BENCHMARKS.md "The demo and training"): where the fleet's own router reads the prompt (the built-in
-    # presets: DDM's recipe), Paris' prompt-blind router beside it; where it is Paris' (the tiny presets), a
-    # prompt-aware one
+    # The comparison router's rows (prompt_router: on ask; a router and an evaluated row more): where the fleet's own
+    # router reads the prompt (the built-in presets: DDM's recipe), Paris' prompt-blind router beside it; where it
+    # is Paris' (the tiny presets), a prompt-aware one
     reads = raw["router"].get("conditioning", "none") != "none"
     raw["router_baseline"], raw["router_prompt"] = prompt_router and reads, prompt_router and not reads
     compared = (PARIS_ROUTER,) if raw["router_baseline"] else COMPARED_ROUTERS if raw["router_prompt"] else ()
     fid = FIDSettings(resize=DEMO_INCEPTION_SIZE, batch_size=100)
     sweep: tuple[float, ...] = spec.sweep
-    if size == "smoke":  # 16 x 16 digits, hidden-64 experts: the whole path in about a minute
+    if size == "smoke":  # 16 x 16 digits, hidden-64 experts: the whole path at test size
         # 40 digits to train, 24 + 24 held out (validation, test); the tests' fake emoji set is smaller
         held = 48 if data == "digits" else 24
         raw["data"].update(limit=40 + held, holdout=held, validation=0.5, shard_size=32)
@@ -216,7 +213,7 @@ def demo_plan(size: DemoSize = "full", *, prompt_router: bool = False, data: str
         if data == "digits":  # (the emoji keep every image: their held-out tail is the one their judge never saw)
             raw["data"].update(limit=1000, holdout=200, shard_size=400)
         raw["encoders"]["latent"]["autoencoder"]["steps"] = 200
-        _steps(raw, "train", 900)  # the samples of 450 steps of 64 (BENCHMARKS.md, "demo --quick")
+        _steps(raw, "train", 900)  # the samples of 450 steps of 64
         raw["train"].update(warmup_steps=30)  # a short run gains from a short warm-up
         _steps(raw, "router_train", 1200)  # the full demo's 4000 in proportion to the experts' steps
         evaluation = EvaluateOptions(n=100, batch_size=100, fid=fid, grid=20, diagnostic_n=8, repeats=3)

@@ -2,8 +2,8 @@
 
 A run that trains its own latent space (encoders.latent.name autoencoder) first trains it, a loop of small steps,
 while the semantic encoder (Inception) and the text encoder (MiniLM), which need no latent space, wait for it: on the
-emoji demo about 60 s of training, then 39 s of encoding, two thirds of it theirs. One such loop runs only ~1.5x
-faster on two CPU threads than on one, so a second process that encodes the items' features and captions on a
+emoji demo most of the encoding after it is theirs. Such a loop gains little from a second CPU thread, so a second
+process that encodes the items' features and captions on a
 thread of its own while the autoencoder trains on the others (its ThreadGovernor gives that thread up) does their
 work in the autoencoder's time; prepare then encodes only the latents of the items it finished.
 

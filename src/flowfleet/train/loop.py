@@ -338,7 +338,7 @@ class Trainer:
 
     def _optimizer(self, model: torch.nn.Module, dev: torch.device) -> torch.optim.Optimizer:
         """The job's optimiser: AdamW. fused: one kernel over every parameter instead of a dozen small ops per
-        parameter tensor (the demo's expert steps 12 % faster on a CPU core; BENCHMARKS.md, "Training step")."""
+        parameter tensor (a small expert's step is faster for it on a CPU core too)."""
         tc = self.task.train_cfg
         return torch.optim.AdamW(
             model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=dev.type in ("cpu", "cuda")
@@ -419,8 +419,7 @@ class Trainer:
             st.bad = 0
             if tc.grad_clip is not None:
                 st.scaler.unscale_(st.opt)
-                # the optimiser's own list: walking the module tree for its parameters took 5x the clip itself
-                # (0.075 against 0.013 ms a step of the emoji's expert)
+                # the optimiser's own list: walking the module tree for its parameters costs more than the clip
                 torch.nn.utils.clip_grad_norm_([p for g in st.opt.param_groups for p in g["params"]], tc.grad_clip)
             st.scaler.step(st.opt)
             st.scaler.update()

@@ -256,7 +256,7 @@ def job_batch(cfg: RunConfig, spec: JobSpec, partition_counts: list[int] | None 
 
 
 def compute_matching(cfg: RunConfig) -> str:
-    """The run's compute-matching convention in one line, for the report, train-all and BENCHMARKS.md."""
+    """The run's compute-matching convention in one line, for the report, train-all and the benchmarks."""
     k, b, s = cfg.cluster.k, cfg.train.batch_size, cfg.train.steps
     share = "its cluster's share" if cfg.train.expert_steps == "by_size" else f"1/{k}"
     if cfg.train.split == "batch":
