@@ -3,10 +3,11 @@ items of its cluster, beside the monolith's on the same items.
 
 An expert trains on about 1/K of the data. When its loss on held-out items of its own cluster sits well above
 its loss on its training items, and above the monolith's on the same held-out items, it is short of data: the
-regime in which a fleet trails a monolith of the same training FLOPs. Held-out items (eval/, which no training
-job reads) join a cluster by the clustering's own rule: the cluster of their nearest fine centroid, in the features
-`cluster` used, with the caption residual fitted on the training items. The loss is the training objective with the condition on, at the midpoints of
-`t_bins` equal t bins and `draws` noise draws per item and bin: the same noise for every model scored on an
+regime in which a fleet trails a monolith of the same training FLOPs. Held-out items (eval/, which no training job
+reads) join a cluster by the clustering's own rule: the cluster of their nearest fine centroid, in the features
+`cluster` used, with the caption residual fitted on the training items. The loss is the training objective with the
+condition on, at the midpoints of `t_bins` equal t bins and `draws` noise draws per item and bin: the same noise for
+every model scored on an
 item, so the expert and the monolith differ by their weights only.
 """
 
