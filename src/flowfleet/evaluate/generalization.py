@@ -7,8 +7,7 @@ regime in which a fleet trails a monolith of the same training FLOPs. Held-out i
 reads) join a cluster by the clustering's own rule: the cluster of their nearest fine centroid, in the features
 `cluster` used, with the caption residual fitted on the training items. The loss is the training objective with the
 condition on, at the midpoints of `t_bins` equal t bins and `draws` noise draws per item and bin: the same noise for
-every model scored on an
-item, so the expert and the monolith differ by their weights only.
+every model scored on an item, so the expert and the monolith differ by their weights only.
 """
 
 from __future__ import annotations
