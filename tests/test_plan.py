@@ -164,6 +164,7 @@ def test_train_all_trains_each_expert_its_planned_steps_and_the_monolith_the_pla
     rows = {r["job"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["expert-0"]["plan"]["machine"] == "a" and rows["expert-0"]["plan"]["steps"] == 8
     assert rows["router"]["plan"] is None
+    assert rows["expert-0"]["threads"].endswith("threads (fixed: a repeatable run)")  # the seed decides the weights
     # another recipe in run.yaml: the plan is not followed silently
     raw = root.read_yaml("run.yaml")
     raw["train"]["steps"] = 7

@@ -282,3 +282,55 @@ def test_a_jobs_budget_from_train_all_is_its_own(monkeypatch):
     (alone,) = plan_slots(5, 1, cpus=2, gpus=0)
     env = alone.env()
     assert env["OMP_NUM_THREADS"] == "2" and "FLOWFLEET_THREADS_CEILING" not in env
+
+
+def test_a_fixed_governor_holds_its_count_whatever_the_load(monkeypatch):
+    """follow=False (a seeded run's default): the loop runs the policy's count for an idle machine (its ceiling) or
+    the count it is given, step after step, and gives the process its own count back at the end."""
+    import torch
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: state["threads"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: state.update(threads=n))
+    state, clock = {"threads": 1}, FakeClock()  # the policy lowered the count: the machine was busy at the start
+    busy = {"OMP_NUM_THREADS": "1", "FLOWFLEET_THREADS_CEILING": "2", "FLOWFLEET_THREADS": "auto"}
+    governor = ThreadGovernor(busy, CORE_PER_THREAD, lambda: MachineLoad(4.0), clock=clock, follow=False)
+    assert state["threads"] == 2 and governor.setting == "2 threads (fixed: a repeatable run)"
+    for now in (0.0, 2.5, 5.0):
+        clock.now = now
+        assert governor.step() is None and state["threads"] == 2
+    governor.restore()
+    assert state["threads"] == 1
+    given = ThreadGovernor({}, CORE_PER_THREAD, lambda: MachineLoad(0.0), follow=False, fixed=1)
+    assert state["threads"] == 1 and given.setting == "1 threads (fixed: a repeatable run)"
+
+
+def test_the_same_seed_gives_the_same_autoencoder_under_another_load(monkeypatch):
+    """Two trainings of one seed, one started on a busy machine (the policy had lowered the process's count, and the
+    load stays high) and one on an idle one: bit-identical weights with the loop's count fixed; following the load,
+    the busy one runs on fewer threads and its weights differ (the test could fail)."""
+    import torch
+
+    from flowfleet.config import AutoencoderConfig
+    from flowfleet.data.autoencoder import train_autoencoder
+
+    images = torch.rand(24, 1, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    cfg = AutoencoderConfig(block_out_channels=[8, 16], latent_channels=2, steps=12, batch_size=8, lr=4e-3)
+    started = torch.get_num_threads()
+
+    def train(environ: dict[str, str], threads_now: int, load: float, follow: bool) -> dict[str, torch.Tensor]:
+        monkeypatch.setattr(os, "environ", {**os.environ, "FLOWFLEET_THREADS": "auto", **environ})
+        monkeypatch.setattr(threads.MachineLoad, "read", classmethod(lambda cls, *a, **k: MachineLoad(load)))
+        monkeypatch.setattr(threads.CpuTopology, "read", classmethod(lambda cls, *a, **k: CORE_PER_THREAD))
+        torch.set_num_threads(threads_now)
+        try:
+            vae = train_autoencoder(images, cfg.model_copy(update={"follow_load": follow}), progress=False)
+        finally:
+            torch.set_num_threads(started)
+        return {k: v.clone() for k, v in vae.state_dict().items()}
+
+    busy = {"OMP_NUM_THREADS": "1", "FLOWFLEET_THREADS_CEILING": "2"}
+    idle = train({}, 2, 0.0, follow=False)
+    loaded = train(busy, 1, 4.0, follow=False)
+    assert all(torch.equal(idle[k], loaded[k]) for k in idle)
+    following = train(busy, 1, 4.0, follow=True)  # one thread: the busy machine's count
+    assert any(not torch.equal(idle[k], following[k]) for k in idle)

@@ -104,6 +104,9 @@ class AutoencoderConfig(_Strict):
     kl_weight: float = Field(1e-5, ge=0)  # the KL term of the VAE loss (keeps the latent smooth)
     train_items: int = Field(20_000, ge=1)  # at most this many training images, the first ones
     seed: int = 0
+    # On a CPU: the training loop's thread count follows the machine's load (faster beside other work) instead of
+    # staying fixed; a fixed count is what makes the same seed give the same weights (flowfleet.threads)
+    follow_load: bool = False
 
     @property
     def factor(self) -> int:
@@ -224,6 +227,9 @@ class TrainConfig(_Strict):
     log_every: int = Field(10, ge=1)
     seed: int = 0
     max_bad_steps: int = Field(3, ge=1)  # consecutive non-finite losses before stopping
+    # On a CPU: a job's thread count follows the machine's load between steps (faster beside other work) instead of
+    # staying fixed; a fixed count is what makes the same seed give the same weights (flowfleet.threads)
+    follow_load: bool = False
     keep_checkpoints: int = Field(2, ge=1)  # newest complete checkpoints kept per job
     # Experts and the monolith: the probability that a drawn item is replaced by one of its augmented copies
     # (data.augment.copies; the model is conditioned on how, expert.augment_dim). 0: the prepared items only.

@@ -22,8 +22,9 @@ than with sleeping ones; beside one busy process, torch's defaults slow `prepare
 
 OpenMP reads its wait policy once, when torch loads, so that part is decided before: by the command line (cli.py)
 for its own process from what the machine is doing then, and by whoever starts shared processes for theirs
-(train/fanout.py, parallel/launch.py). The thread count can still change later: a long loop (the trainer's, the
-autoencoder's) keeps a ThreadGovernor that follows the load between steps with torch.set_num_threads. A variable the
+(train/fanout.py, parallel/launch.py). The thread count can still change later: a long loop keeps a ThreadGovernor,
+which holds a count the load does not choose (a training loop's default: the same seed, the same weights) or follows
+the load between steps with torch.set_num_threads (`serve`'s batches; a training loop with follow_load). A variable the
 user set is never changed (OMP_WAIT_POLICY, OMP_NUM_THREADS); FLOWFLEET_THREADS=static keeps the rule of workload
 and SMT alone, as on a machine nobody else uses (the test suite sets it: its decisions must not follow the load of
 the machine it runs on).
@@ -310,7 +311,12 @@ class ThreadGovernor:
         for step in ...:
             governor.step()          # reads the load at most every FOLLOW_EVERY_S seconds
 
-    Inert where the user set OMP_NUM_THREADS, under FLOWFLEET_THREADS=static, and where /proc cannot be read."""
+    Inert where the user set OMP_NUM_THREADS, under FLOWFLEET_THREADS=static, and where /proc cannot be read.
+
+    follow=False (a seeded run's default: a kernel split over another number of threads adds in another order, so
+    the same seed gives the same weights only at the same count): the loop runs `fixed` threads, or the count the
+    policy would give it on an idle machine (its ceiling), whatever the load, and restore() gives the process its
+    own count back."""
 
     def __init__(
         self,
@@ -319,17 +325,25 @@ class ThreadGovernor:
         read_load: Callable[[], MachineLoad] = MachineLoad.read,
         every_s: float = FOLLOW_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
+        follow: bool = True,
+        fixed: int | None = None,
     ):
         import torch
 
         environ = os.environ if environ is None else environ
-        self.active = loops_follow_load(environ)
         self.topology = topology or CpuTopology.read()
         self.ceiling = int(environ[CEILING]) if CEILING in environ else torch.get_num_threads()
         self.read_load, self.every_s, self.clock = read_load, every_s, clock
         self._last = -math.inf
         self.started = torch.get_num_threads()
-        self.setting = f"{self.started} threads" + ("" if self.active else " (fixed)")
+        self.active = follow and loops_follow_load(environ)
+        if follow:
+            self.setting = f"{self.started} threads" + ("" if self.active else " (fixed)")
+        else:  # repeatable: a count the load does not choose
+            count = max(1, fixed if fixed is not None else self.ceiling)
+            torch.set_num_threads(count)
+            self.setting = f"{count} threads (fixed: a repeatable run)"
+        self.pinned = not follow
 
     def step(self) -> str | None:
         """Read the load if it is time and set torch's thread count where it should change; -> the new setting in
@@ -351,7 +365,7 @@ class ThreadGovernor:
 
     def restore(self) -> None:
         """Back to the count it started with, at its loop's end: what the process runs next is not that loop."""
-        if self.active:
+        if self.active or self.pinned:
             import torch
 
             torch.set_num_threads(self.started)

@@ -64,9 +64,10 @@ def crop(images: torch.Tensor, size: int) -> torch.Tensor:
     return images[..., m : m + size, m : m + size] if m else images
 
 
-def train_autoencoder(images: torch.Tensor, cfg: AutoencoderConfig, progress: bool = True):
+def train_autoencoder(images: torch.Tensor, cfg: AutoencoderConfig, progress: bool = True, threads: int | None = None):
     """Fit an AutoencoderKL to `images` [N, C, S, S] in [-1, 1]; returns it in eval mode with its
-    scaling_factor set (1 / std of the posterior means of the training images)."""
+    scaling_factor set (1 / std of the posterior means of the training images). On a CPU its loop runs `threads`
+    threads (None: the process's count on an idle machine), or follows the load (cfg.follow_load)."""
     n, channels, size = images.shape[0], images.shape[1], images.shape[-1]
     torch.manual_seed(cfg.seed)
     vae = build_autoencoder(cfg, channels, size).train()
@@ -77,7 +78,7 @@ def train_autoencoder(images: torch.Tensor, cfg: AutoencoderConfig, progress: bo
     x_all = pad(images, cfg.side(size))
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc="autoencoder", unit="step", disable=not progress, dynamic_ncols=True)
-    governor = ThreadGovernor()  # the CPU's thread count follows its load between steps
+    governor = ThreadGovernor(follow=cfg.follow_load, fixed=threads)
     try:
         for _ in bar:
             governor.step()

@@ -149,6 +149,11 @@ def encode_copies(enc: Encoders, images: torch.Tensor, positions: list[int], aug
     return {"aug_latents": torch.stack(latents, 1), "aug_params": params}
 
 
+# How the autoencoder's loop uses the CPU's threads is not what it was trained on: a run prepared before the setting
+# existed, or under the other one, keeps its prepared bytes
+NOT_RECIPE: dict[str, Any] = {"latent": {"autoencoder": {"follow_load"}}}
+
+
 def _recipe(cfg: RunConfig, source: Source) -> dict[str, Any]:
     """Everything that decides the prepared bytes; a manifest with another recipe is not resumed."""
     d = cfg.data
@@ -159,7 +164,7 @@ def _recipe(cfg: RunConfig, source: Source) -> dict[str, Any]:
         "limit": d.limit,
         **({"holdout": d.holdout} if d.holdout else {}),  # (absent: runs prepared before it existed)
         **({"labels": d.labels} if d.labels is not None else {}),  # (absent: runs prepared before it existed)
-        "encoders": cfg.encoders.model_dump(mode="json"),
+        "encoders": cfg.encoders.model_dump(mode="json", exclude=NOT_RECIPE),
         **({"augment": d.augment.model_dump(mode="json")} if d.augment.copies else {}),
     }
 
@@ -288,8 +293,11 @@ class _LazyEncoders:
         if self._built is None:
             if self.cfg.encoders.latent.name == "autoencoder":
                 beside = self._start_beside()
+                # beside the encoders' process, a fixed-count loop leaves it its threads (the same count whatever the
+                # load: a repeatable run); a loop that follows the load gives them up by itself
+                threads = beside.training_threads if beside is not None else None
                 try:
-                    ensure_autoencoder(self.root, self.cfg, self.source, self.split, **self.train_kw)
+                    ensure_autoencoder(self.root, self.cfg, self.source, self.split, threads=threads, **self.train_kw)
                 finally:
                     if beside is not None:
                         self.found = beside.finish()
@@ -310,13 +318,14 @@ class _LazyEncoders:
             usable < 2
             or self.cfg.encoders.latent.autoencoder.steps < BESIDE_MIN_STEPS
             or resolve_device(self.device).type != "cpu"
-            or not loops_follow_load(os.environ)  # the training would keep every thread beside the process
+            # a loop that follows the load where the policy reads none would keep every thread beside the process
+            or (self.cfg.encoders.latent.autoencoder.follow_load and not loops_follow_load(os.environ))
         ):
             return None
         spans: list[Span] = [(0, self.split.train_stop)]
         if self.split.eval_span is not None:
             spans.append(self.split.eval_span)  # eval/'s items
-        return EncodersBeside.start(self.root.url_of(), spans, max(1, usable // 2))
+        return EncodersBeside.start(self.root.url_of(), spans, max(1, usable // 2), usable)
 
 
 def _autoencoder_recipe(cfg: RunConfig, source: Source, split: "_Split") -> dict[str, Any]:
@@ -326,7 +335,9 @@ def _autoencoder_recipe(cfg: RunConfig, source: Source, split: "_Split") -> dict
         "channels": cfg.data.channels,
         "labels": cfg.data.labels,
         "train_stop": split.train_stop,
-        "autoencoder": cfg.encoders.latent.autoencoder.model_dump(mode="json"),
+        "autoencoder": cfg.encoders.latent.autoencoder.model_dump(
+            mode="json", exclude=NOT_RECIPE["latent"]["autoencoder"]
+        ),
     }
 
 
@@ -342,11 +353,12 @@ def ensure_autoencoder(
     restart: bool = False,
     progress: bool = True,
     part: tuple[int, int] | None = None,
+    threads: int | None = None,
 ) -> None:
     """RUN_ROOT/autoencoder/: the run's latent space, trained on the first `train_items` training images
     (never eval/'s) unless it is there with this recipe, or came from a kit (then it is the fleet's). Written
     atomically (weights, then config, then recipe.json): an interrupted training starts over (it takes minutes,
-    not hours)."""
+    not hours). `threads`: its CPU loop's fixed thread count (None: the process's on an idle machine)."""
     ae = cfg.encoders.latent.autoencoder
     recipe = _autoencoder_recipe(cfg, source, split)
     where = root.url_of(AUTOENCODER)
@@ -376,7 +388,7 @@ def ensure_autoencoder(
     if not images:
         raise FlowfleetError(f"data.source: {d.source} {d.path or ''} gave no usable image to train the autoencoder")
     log.info("autoencoder: training on %d images (%d skipped)", len(images), len(bad.skipped_pos))
-    vae = train_autoencoder(torch.stack(images), ae, progress=progress)
+    vae = train_autoencoder(torch.stack(images), ae, progress=progress, threads=threads)
     save_autoencoder(vae, root, AUTOENCODER)
     root.write_json(recipe, AUTOENCODER, AUTOENCODER_RECIPE)
 

@@ -7,7 +7,7 @@ process that encodes the items' features and captions on a
 thread of its own while the autoencoder trains on the others (its ThreadGovernor gives that thread up) does their
 work in the autoencoder's time; prepare then encodes only the latents of the items it finished.
 
-    beside = EncodersBeside.start(root, spans=[(0, train_stop), (train_stop, size)], threads=1)
+    beside = EncodersBeside.start(root, spans=[(0, train_stop), (train_stop, size)], threads=1, usable=2)
     ensure_autoencoder(...)
     found = beside.finish()   # the process stopped; what it finished, by each item's source position
     found.take(ends)          # a batch's features and text fields, or None where it lacks one of them
@@ -60,11 +60,13 @@ class Found:
 class EncodersBeside:
     """The encoding process, started beside the autoencoder's training; `finish` stops it and reads what it wrote."""
 
-    def __init__(self, process: subprocess.Popen, folder: tempfile.TemporaryDirectory, log_file):
+    def __init__(self, process: subprocess.Popen, folder: tempfile.TemporaryDirectory, log_file, training_threads: int):
         self.process, self.folder, self.log_file = process, folder, log_file
+        self.training_threads = training_threads  # what the CPUs leave the autoencoder's loop beside it
 
     @classmethod
-    def start(cls, root_url: str, spans: list[Span], threads: int) -> "EncodersBeside":
+    def start(cls, root_url: str, spans: list[Span], threads: int, usable: int) -> "EncodersBeside":
+        """The process on `threads` of the `usable` CPUs; the training keeps the rest."""
         from flowfleet.train.fanout import Slot
 
         folder = tempfile.TemporaryDirectory(prefix="flowfleet-beside-")
@@ -78,7 +80,7 @@ class EncodersBeside:
             process.pid,
             threads,
         )
-        return cls(process, folder, log_file)
+        return cls(process, folder, log_file, max(1, usable - threads))
 
     def finish(self) -> Found:
         """Stop the process (it may be done already) and read every file it finished."""

@@ -234,7 +234,8 @@ class Trainer:
             disable=True if not (island.is_main and self.options.progress) else None,
         )
         state, message = "failed", ""
-        governor = ThreadGovernor() if island.device.type == "cpu" else None  # the CPU's threads follow its load
+        # a CPU job's threads: fixed (the same seed, the same weights), or following the machine's load
+        governor = ThreadGovernor(follow=task.train_cfg.follow_load) if island.device.type == "cpu" else None
         if governor is not None and island.is_main:
             st.rank0().lease.update(threads=governor.setting)
         try:
