@@ -102,7 +102,7 @@ def test_assemble_to_another_folder_and_sampler_defaults_from_run_yaml(run_root,
     }
     pipe = FleetPipeline.from_pretrained(str(out), text_encoder=HashTextEncoder(384, 4))
     s = pipe.settings()
-    assert (s.steps, s.sampler, s.cfg, s.cfg_max_t, s.shift, s.strategy, s.route_every, s.k) == (
+    assert (s.steps, s.sampler, s.cfg, s.cfg_max_t, s.shift, s.strategy.name, s.route_every, s.k) == (
         7,
         "heun",
         3.5,

@@ -204,7 +204,7 @@ def test_demo_plans_validate_and_quick_is_smaller():
         assert c.cluster.k >= 4 and c.cluster.features == "semantic" and c.encoders.semantic.name == "inception"
         # ... less what the caption predicts of them: every expert holds every digit (docs/training.md)
         assert c.cluster.caption_residual
-        assert c.router.conditioning == c.expert.conditioning and c.sampling.strategy == "top2"
+        assert c.router.conditioning == c.expert.conditioning and c.sampling.strategy.name == "top2"
         assert c.sampling.guidance == "mixture" and c.train.split == "batch"
         # Paris' router beside it is an option (--prompt-router: the comparison router), as the caption fleet is
         assert not c.router_baseline and not c.router_prompt and plan.evaluation.routers == ()
@@ -237,7 +237,7 @@ def test_the_emoji_demo_plan_is_ddms_recipe_on_content_clusters_paris_router_on_
     assert c.cluster.k >= 4 and c.cluster.features == "semantic" and not c.cluster.caption_residual
     assert c.cluster.min_share >= 0.05 and c.encoders.semantic.name == "inception"
     assert c.router.conditioning == c.expert.conditioning and c.router.cond_dropout == c.expert.cond_dropout > 0
-    assert c.sampling.strategy == "top2" and c.sampling.guidance == "mixture" and c.train.split == "batch"
+    assert c.sampling.strategy.name == "top2" and c.sampling.guidance == "mixture" and c.train.split == "batch"
     assert not c.router_baseline and not c.router_prompt
     assert full.evaluation.routers == () and full.evaluation.monolith
     assert c.encoders.latent.name == "autoencoder" and c.data.channels == 3

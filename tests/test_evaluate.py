@@ -565,9 +565,9 @@ def test_a_comparison_router_is_evaluated_as_one_more_row_of_the_same_experts(fl
 
     run = RunRoot(str(shutil.copytree(fleet.url, tmp_path / "run")))
     model = run.url_of("model")
-    with pytest.raises(FlowfleetError, match=r"^--routers: 'router' is not a comparison router \(one of router-"):
+    with pytest.raises(FlowfleetError, match=r"^routers: 'router' is not a comparison router \(one of router-"):
         evaluate(model, run.url, options(routers=("router",)), extractor=SmallFeatures())
-    with pytest.raises(FlowfleetError, match=r"^--routers: .*router-prompt: missing \(never started\)$"):
+    with pytest.raises(FlowfleetError, match=r"^routers: .*router-prompt: missing \(never started\)$"):
         evaluate(model, run.url, options(routers=("router-prompt",)), extractor=SmallFeatures())
 
     cfg = load_run_config(run)
@@ -631,7 +631,7 @@ def test_guidance_rules_are_rows_of_their_own_and_one_model_under_a_prompt_blind
         with np.load(run.url_of("reports", runs["top1.expert+router-prompt"]["samples"])) as b:
             assert (a["prompts"] == b["prompts"]).all() and not np.array_equal(a["images"], b["images"])
     with pytest.raises(
-        FlowfleetError, match=r"^--guidance-rules: 'both' is not a guidance rule \(one of mixture, expert\)$"
+        FlowfleetError, match=r"^guidance_rules: 'both' is not a guidance rule \(one of mixture, expert\)$"
     ):
         evaluate(run.url_of("model"), run.url, options(guidance_rules=("both",)), extractor=SmallFeatures())
 
@@ -683,9 +683,9 @@ def test_another_fleet_in_the_same_latent_space_is_one_more_row_with_the_same_pr
     index = json.loads(other.read_bytes("model", "model_index.json"))
     index["text_width"] += 1
     other.write_json(index, "model", "model_index.json")
-    with pytest.raises(FlowfleetError, match=r"^--fleet .*other/model: text_width \d+ differs from .*'s \d+: "):
+    with pytest.raises(FlowfleetError, match=r"^fleet .*other/model: text_width \d+ differs from .*'s \d+: "):
         evaluate(ref.url_of("model"), ref.url, options(fleets=(("other", other_model),)), extractor=SmallFeatures())
-    with pytest.raises(FlowfleetError, match=r"^--fleet: name 'a b' must be letters"):
+    with pytest.raises(FlowfleetError, match=r"^fleet: name 'a b' must be letters"):
         evaluate(ref.url_of("model"), ref.url, options(fleets=(("a b", other_model),)), extractor=SmallFeatures())
     capsys.readouterr()
     assert main(["evaluate", ref.url_of("model"), "--fleet", "nofolder"]) == 1

@@ -8,13 +8,13 @@ from fixtures.tolerances import gamma, max_abs, unit_roundoff
 from fixtures.toy import GaussianMixture, LabelledMixture, cluster_posterior
 
 from flowfleet.flow import (
+    Strategy,
     cfg_combine,
     combine,
     flow_matching_loss,
     guided_mixture,
     integrate,
     interpolate,
-    parse_strategy,
     routing_weights,
     same_as_earlier,
     sample_t,
@@ -218,23 +218,44 @@ def test_routing_weights_topk():
 
 @pytest.mark.parametrize("text, k", [("top1", 1), ("top2", 2), ("topk:3", 3), ("full", None), ("TOP1", 1)])
 def test_parse_strategy(text, k):
-    assert parse_strategy(text).k == k
+    assert Strategy.parse(text).k == k
 
 
 @pytest.mark.parametrize("text", ["top0", "topk:", "best", "topk:x", ""])
 def test_parse_strategy_refuses(text):
     with pytest.raises(ValueError, match="unknown strategy"):
-        parse_strategy(text)
+        Strategy.parse(text)
 
 
 def test_strategy_k_above_experts_is_refused():
     with pytest.raises(ValueError, match="exceeds"):
-        parse_strategy("topk:5").resolve_k(4)
-    assert parse_strategy("full").resolve_k(4) == 4
+        Strategy.parse("topk:5").resolve_k(4)
+    assert Strategy.parse("full").resolve_k(4) == 4
 
 
 def test_same_as_earlier_names_the_strategies_that_are_one_model():
-    assert same_as_earlier(["top1", "top2", "full"], 2) == {"full": "top2"}
-    assert same_as_earlier(["top1", "top2", "full"], 4) == {}
-    assert same_as_earlier(["full", "topk:3", "top1"], 3) == {"topk:3": "full"}
-    assert same_as_earlier(["top1", "full"], 1) == {"full": "top1"}
+    def same(names, k):
+        return same_as_earlier([Strategy.parse(n) for n in names], k)
+
+    assert same(["top1", "top2", "full"], 2) == {"full": "top2"}
+    assert same(["top1", "top2", "full"], 4) == {}
+    assert same(["full", "topk:3", "top1"], 3) == {"topk:3": "full"}
+    assert same(["top1", "full"], 1) == {"full": "top1"}
+
+
+def test_a_strategy_is_parsed_where_it_enters_and_travels_as_a_value():
+    """The sampling settings and the distillation take a name, hold a Strategy (one parse: Strategy.parse), and
+    write the name back; a call's choice is parsed once into the settings it makes."""
+    from flowfleet.config import DistillConfig, SamplingConfig
+
+    cfg = SamplingConfig(strategy="topk:3")
+    assert cfg.strategy == Strategy(3, "topk:3") and str(cfg.strategy) == "topk:3"
+    assert cfg.model_dump()["strategy"] == "topk:3" and '"strategy":"topk:3"' in cfg.model_dump_json()
+    assert SamplingConfig.model_validate(cfg.model_dump()) == cfg
+    assert SamplingConfig(strategy=cfg.strategy).strategy is cfg.strategy  # a value is taken as it is
+    call = cfg.for_call(4, strategy="trajectory")
+    assert call.strategy.kept and call.k == 1
+    assert cfg.for_call(4).k == 3
+    with pytest.raises(ValueError, match=r"unknown strategy 'top0'"):
+        SamplingConfig(strategy="top0")
+    assert DistillConfig(teacher="full").model_dump()["teacher"] == "full"

@@ -78,7 +78,7 @@ def test_a_loose_threshold_skips_blocks_and_says_how_many(pipe):
 
 
 def test_bad_thresholds_and_experts_without_blocks_are_refused_in_one_line(pipe):
-    with pytest.raises(FlowfleetError, match=r"^--cache: Input should be greater than or equal to 0, got -1$"):
+    with pytest.raises(FlowfleetError, match=r"^cache: Input should be greater than or equal to 0, got -1$"):
         pipe.settings("top2", cache=-1)
-    with pytest.raises(FlowfleetError, match=r"^--cache: expert 0 is a function, not a DiT"):
+    with pytest.raises(FlowfleetError, match=r"^cache: expert 0 is a function, not a DiT"):
         BlockCache(0.1, 2).bind(0, lambda x, t: x, torch.tensor([0]))

@@ -7,12 +7,21 @@ expert trained anywhere from the same run.yaml is compatible with every other.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
 
 from flowfleet.errors import FlowfleetError, ParameterError
-from flowfleet.flow import guidance_scale_at, parse_strategy
+from flowfleet.flow import Strategy, guidance_scale_at
 from flowfleet.layout import RUN_FILE
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.files import validated, validation_message
@@ -267,6 +276,16 @@ class DiLoCoConfig(_Strict):
     round_timeout_s: float = Field(600.0, gt=0)
 
 
+# A routing strategy in a config: parsed from its name once, where it enters (Strategy.parse: a one-line ValueError
+# names the strategies there are), carried as a Strategy, written back as its name
+StrategyField = Annotated[
+    Strategy,
+    PlainValidator(Strategy.parse),
+    PlainSerializer(lambda s: s.name, return_type=str),
+    WithJsonSchema({"type": "string", "examples": ["top1", "top2", "topk:3", "full", "trajectory"]}),
+]
+
+
 class SamplingConfig(_Strict):
     """How a fleet samples: every sampling setting, declared here once with its default and its check.
 
@@ -289,8 +308,8 @@ class SamplingConfig(_Strict):
         "Kynkaanniemi et al. 2024 found better for FID; 1 = every step",
     )
     shift: float = Field(1.0, gt=0, description="time-grid shift; > 1 spends more steps at high noise")
-    strategy: str = Field(
-        "top2",
+    strategy: StrategyField = Field(
+        Strategy.parse("top2"),
         description="top1 | top2 | topk:K | full: the experts a sample takes per step; trajectory: one expert per "
         "image, drawn from the router's posterior at the first step and kept",
     )
@@ -304,11 +323,6 @@ class SamplingConfig(_Strict):
         "prompt's posterior); one rule under a router blind to the prompt",
     )
     route_every: int = Field(1, ge=1, description="route every this many steps, reusing the choice in between")
-
-    @field_validator("strategy")
-    @classmethod
-    def _known_strategy(cls, name: str) -> str:
-        return parse_strategy(name).name  # a ValueError in one line names the strategies there are
 
     def guidance_at(self, t: float) -> float:
         """The guidance scale of a step at time t (flow.sampler.guidance_scale_at)."""
@@ -330,7 +344,8 @@ class SamplingConfig(_Strict):
         merged = {n: getattr(self, n) for n in SamplingConfig.model_fields}
         merged.update((n, v) for n, v in choices.items() if v is not None)
         try:
-            k = parse_strategy(str(merged["strategy"])).resolve_k(experts)
+            merged["strategy"] = Strategy.parse(merged["strategy"])
+            k = merged["strategy"].resolve_k(experts)
         except ValueError as err:
             raise SettingError("strategy", str(err)) from None
         try:
@@ -363,12 +378,13 @@ class SamplingSettings(SamplingConfig):
 SAMPLING_CHOICES = tuple(name for name in SamplingSettings.model_fields if name != "k")
 
 
-class SettingError(FlowfleetError):
-    """A sampling choice that is not valid, in one line naming it as its option: '--cfg-max-t: ...'."""
+class SettingError(ParameterError):
+    """A sampling choice that is not valid, in one line naming the setting: 'cfg_max_t: ...' (the command line says
+    it as its option, '--cfg-max-t: ...'; the server as the request's field)."""
 
     def __init__(self, name: str, message: str):
-        super().__init__(f"--{name.replace('_', '-')}: {message}")
-        self.name, self.message = name, message
+        super().__init__(name, message)
+        self.name = name
 
     @classmethod
     def of(cls, err: ValidationError) -> "SettingError":
@@ -423,7 +439,7 @@ class Addition(_Strict):
 class DistillConfig(_Strict):
     """`flowfleet distill`: one student DiT trained on the assembled fleet's guided velocity."""
 
-    teacher: str = "top2"  # the fleet's routing strategy the student learns
+    teacher: StrategyField = Strategy.parse("top2")  # the fleet's routing strategy the student learns
     student: dict[str, Any] = {}  # what the student changes of `expert` (EXPERT_OVERRIDABLE), e.g. {size: S}
     steps: int = Field(1000, ge=1)
     cfg: float | None = Field(None, ge=0)  # the teacher's guidance scale (None: sampling.cfg)

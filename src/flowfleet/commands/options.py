@@ -59,7 +59,8 @@ def add_sampling(p: argparse.ArgumentParser, *, without: Sequence[str] = ()) -> 
         if name in without:
             continue
         info = SamplingSettings.model_fields[name]
-        kind: dict[str, Any] = {"type": info.annotation}  # int, float or str
+        # int, float or str; a value of its own type (a Strategy) is given as text, which the settings parse
+        kind: dict[str, Any] = {"type": info.annotation if info.annotation in (int, float, str) else str}
         if get_origin(info.annotation) is Literal:
             kind = {"choices": get_args(info.annotation)}
         default = "the fleet's" if name in SamplingConfig.model_fields else info.default

@@ -8,7 +8,7 @@ sampler.py   t-grids, Euler/Heun ODE integration from t=1 (noise) to t=0 (data),
 ensemble.py  combining expert velocities with router weights (top-k renormalised, full, one drawn expert)
 """
 
-from flowfleet.flow.ensemble import Strategy, combine, parse_strategy, routing_weights, same_as_earlier
+from flowfleet.flow.ensemble import Strategy, combine, routing_weights, same_as_earlier
 from flowfleet.flow.loss import ddpm_loss, flow_matching_loss, sample_t
 from flowfleet.flow.path import (
     TIME_CONVENTION,
@@ -43,7 +43,6 @@ __all__ = [
     "guided_mixture",
     "combine",
     "routing_weights",
-    "parse_strategy",
     "same_as_earlier",
     "Strategy",
 ]

@@ -18,11 +18,36 @@ import torch
 class Strategy:
     """top-k routing; k == K (or `full`) is the full ensemble; `trajectory`: one expert per image, drawn once from
     the router's posterior under the prompt at the first step and kept to the end (DDM's oracle sampler, the expert
-    chosen by the router instead of the image's cluster label)."""
+    chosen by the router instead of the image's cluster label). A name is parsed into one where it enters
+    (Strategy.parse: the sampling settings' and the distillation's field type, evaluate's options) and travels as
+    this value; its text is `name`."""
 
     k: int | None  # None = all experts ("full")
     name: str
     kept: bool = False  # trajectory: the first step's choice is kept, never routed again
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def parse(cls, text: "str | Strategy") -> "Strategy":
+        """'top1' | 'top2' | 'topk:K' | 'full' | 'trajectory' -> Strategy (a Strategy as it is); anything else is a
+        one-line ValueError."""
+        if isinstance(text, Strategy):
+            return text
+        s = str(text).strip().lower()
+        if s == "full":
+            return cls(None, "full")
+        if s == "trajectory":
+            return cls(1, "trajectory", kept=True)
+        k_text = None
+        if s.startswith("topk:"):
+            k_text = s[5:]
+        elif s.startswith("top") and s[3:].isdigit():
+            k_text = s[3:]
+        if k_text is None or not k_text.isdigit() or int(k_text) < 1:
+            raise ValueError(f"unknown strategy {text!r} (expected top1, top2, topk:K, full or trajectory)")
+        return cls(int(k_text), s)
 
     def resolve_k(self, num_experts: int) -> int:
         if self.k is None:
@@ -32,36 +57,18 @@ class Strategy:
         return self.k
 
 
-def parse_strategy(text: str) -> Strategy:
-    """'top1' | 'top2' | 'topk:K' | 'full' | 'trajectory' -> Strategy; anything else is a one-line ValueError."""
-    s = text.strip().lower()
-    if s == "full":
-        return Strategy(None, "full")
-    if s == "trajectory":
-        return Strategy(1, "trajectory", kept=True)
-    k_text = None
-    if s.startswith("topk:"):
-        k_text = s[5:]
-    elif s.startswith("top") and s[3:].isdigit():
-        k_text = s[3:]
-    if k_text is None or not k_text.isdigit() or int(k_text) < 1:
-        raise ValueError(f"unknown strategy {text!r} (expected top1, top2, topk:K, full or trajectory)")
-    return Strategy(int(k_text), s)
-
-
-def same_as_earlier(strategies: Sequence[str], num_experts: int) -> dict[str, str]:
+def same_as_earlier(strategies: Sequence[Strategy], num_experts: int) -> dict[str, str]:
     """Each strategy that selects the same experts with the same weights as an earlier one in the list
     -> that earlier one (top-k with k >= K is the full ensemble: with K = 2, top2 and full are one model).
     Strategies that are a model of their own are not keys."""
     first: dict[tuple[int, bool], str] = {}  # (experts per sample, kept) -> the first strategy of that kind
     same = {}
-    for name in strategies:
-        strategy = parse_strategy(name)
+    for strategy in strategies:
         kind = (strategy.resolve_k(num_experts), strategy.kept)
         if kind in first:
-            same[name] = first[kind]
+            same[strategy.name] = first[kind]
         else:
-            first[kind] = name
+            first[kind] = strategy.name
     return same
 
 

@@ -31,7 +31,7 @@ import torch
 
 from flowfleet.config import SamplingSettings
 from flowfleet.errors import FlowfleetError, ParameterError
-from flowfleet.flow import integrate, parse_strategy, time_grid
+from flowfleet.flow import Strategy, integrate, time_grid
 from flowfleet.flow.sampler import VelocityFn
 from flowfleet.layout import INDEX_FILE, MODEL_VAE
 from flowfleet.models.files import load_model, read_dit_config
@@ -92,7 +92,7 @@ class RoutedVelocity:
     def __init__(self, pipe: "FleetPipeline", cond: Condition, settings: SamplingSettings, trace: RoutingTrace):
         self.pipe, self.cond, self.trace = pipe, cond, trace
         self.settings, self.k, self.route_every = settings, settings.k, settings.route_every
-        self.kept = parse_strategy(settings.strategy).kept  # trajectory: one drawn expert, kept
+        self.kept = settings.strategy.kept  # trajectory: one drawn expert, kept
         self.guided = pipe.guidance_applies(settings.cfg)  # at some step: the unconditional rows exist
         # the unconditional branch's own posterior: only where it differs from the prompt's
         self.mixture = self.guided and settings.guidance == "mixture" and pipe.router_sees_prompt and not self.kept
@@ -330,7 +330,7 @@ class FleetPipeline:
 
     # -- settings -----------------------------------------------------------------------------------------
 
-    def settings(self, strategy: str | None = None, **choices: Any) -> SamplingSettings:
+    def settings(self, strategy: "str | Strategy | None" = None, **choices: Any) -> SamplingSettings:
         """This call's settings: the fleet's (model_index.json's scheduler) with the given choices (None: the
         fleet's), checked (a one-line SettingError naming the option) and k resolved against the present experts."""
         return self.scheduler.for_call(len(self.present), strategy=strategy, **choices)
@@ -409,7 +409,7 @@ class FleetPipeline:
         if progress:
             from tqdm.auto import tqdm
 
-            label = progress if isinstance(progress, str) else settings.strategy
+            label = progress if isinstance(progress, str) else settings.strategy.name
             bar = tqdm(total=settings.steps, desc=f"sampling ({label})", unit="step", leave=False)
 
         def step_done(i: int, x: torch.Tensor) -> None:

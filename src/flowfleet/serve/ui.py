@@ -94,7 +94,8 @@ def build_ui(service: FleetService, model_dir: str) -> gr.Blocks:
         for e in card.experts
         if e.preview is not None
     ]
-    default_strategy = "full" if defaults.strategy == "full" else "top1" if defaults.strategy == "top1" else "topk"
+    name = defaults.strategy.name
+    default_strategy = "full" if name == "full" else "top1" if name == "top1" else "topk"
 
     with gr.Blocks(title=f"flowfleet · {card.name or 'model'}", analytics_enabled=False) as page:
         gr.Markdown(f"# flowfleet · {card.name or model_dir}")

@@ -65,7 +65,7 @@ from flowfleet.evaluate.fid import FIDSettings
 from flowfleet.evaluate.report import TIMINGS_FILE, write_report
 from flowfleet.evaluate.table import print_table
 from flowfleet.evaluate.views import captioned_grid_png
-from flowfleet.flow import same_as_earlier
+from flowfleet.flow import Strategy, same_as_earlier
 from flowfleet.layout import (
     AUTOENCODER,
     CAPTION_FLEET,
@@ -94,7 +94,7 @@ DEMO_INCEPTION_SIZE = 75
 GUIDANCE_SWEEP = (1.25, 1.5, 2.0, 3.0, 4.5)
 # The emoji's: every model is best between 4.5 and 8 ("The emoji demo"); two scales keep the demo to ten minutes
 EMOJI_GUIDANCE_SWEEP = (4.5, 8.0)
-STRATEGIES = ("top1", "top2", "full")  # the showcase draws each
+STRATEGIES = (Strategy(1, "top1"), Strategy(2, "top2"), Strategy(None, "full"))  # the showcase draws each
 # The evaluation sweeps guidance for Paris' claim, top-2 against the monolith (top-1 and the full ensemble
 # cost 1 and 4 expert passes a step more: `flowfleet evaluate --strategies top1,top2,full` scores them too)
 EVALUATED = ("top2",)
@@ -356,7 +356,8 @@ def _demo(out: str, plan: DemoPlan, with_caption_fleet: bool, progress: bool) ->
         text = build_text_encoder(plan.config.encoders.text, resolve_device("auto"))
         same = same_as_earlier(STRATEGIES, plan.config.cluster.k)  # top2 of 2 experts is the full ensemble
         drawn: dict[str, Any] = {}  # name -> its output
-        for name, folder, strategy in [("monolith", monolith, "top1")] + [(s, model, s) for s in STRATEGIES]:
+        shown = [("monolith", monolith, STRATEGIES[0])] + [(s.name, model, s) for s in STRATEGIES]
+        for name, folder, strategy in shown:
             title = name
             if name in same:  # the same images: not drawn twice
                 title, out = f"{name} (= {same[name]}: the same experts and weights)", drawn[same[name]]

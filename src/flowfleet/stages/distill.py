@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from flowfleet.config import DistillConfig, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError, ParameterError
-from flowfleet.flow import parse_strategy
+from flowfleet.flow import Strategy
 from flowfleet.layout import MODEL, REFLOW_PAIRS, RUN_FILE, STUDENT
 from flowfleet.sampling.index import read_model_index
 from flowfleet.sampling.pipeline import FleetPipeline
@@ -61,12 +61,13 @@ def distill(
     cfg = load_run_config(root)
     index = read_model_index(RunRoot(root.url_of(MODEL)))  # one-line error when the fleet is not assembled
     try:
-        parse_strategy(teacher).resolve_k(len(index.present_experts))
+        chosen = Strategy.parse(teacher)
+        chosen.resolve_k(len(index.present_experts))
     except ValueError as err:
         raise ParameterError("teacher", f"{err}") from None
     wanted = DistillConfig.model_validate(
         dict(
-            teacher=teacher,
+            teacher=chosen,
             student=student or {},
             steps=steps or cfg.train.steps,
             cfg=cfg_scale,

@@ -89,7 +89,7 @@ def generate(
     settings = pipe.settings(**choices)  # checked
     pipe.check_condition(prompts, labels)
     if out is None:
-        out = RunRoot(model_dir).url_of(SAMPLES, f"{settings.strategy.replace(':', '')}-seed{settings.seed}.png")
+        out = RunRoot(model_dir).url_of(SAMPLES, f"{settings.strategy.name.replace(':', '')}-seed{settings.seed}.png")
     folder, png_name, json_name, heat_name = sibling_paths(out)
     pipe.load_encoders()
 

@@ -19,7 +19,7 @@ from flowfleet.config import Contribution, RunConfig, TrainConfig
 from flowfleet.data.augment import choose
 from flowfleet.data.shards import ShardSet, open_complete
 from flowfleet.errors import FlowfleetError, ParameterError
-from flowfleet.flow import ddpm_loss, flow_matching_loss, interpolate, sample_t
+from flowfleet.flow import Strategy, ddpm_loss, flow_matching_loss, interpolate, sample_t
 from flowfleet.flow.path import vp_log_snr
 from flowfleet.layout import (
     ASSIGNMENTS,
@@ -221,7 +221,7 @@ class DistillTask(FlowTask):
     routes with `distill.teacher` and guides with `distill.cfg`, so the student, sampled without guidance,
     does in one model call per step what the fleet does in k experts x 2 (CFG) calls plus the router."""
 
-    def __init__(self, *args: Any, teacher: str, strategy: str, teacher_cfg: float, **kwargs: Any):
+    def __init__(self, *args: Any, teacher: str, strategy: Strategy, teacher_cfg: float, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.teacher_dir, self.strategy, self.teacher_cfg = teacher, strategy, teacher_cfg
         self._teacher: Any = None  # the FleetPipeline, opened on the training device at the first step

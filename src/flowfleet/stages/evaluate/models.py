@@ -10,7 +10,7 @@ import torch
 
 from flowfleet.config import RunConfig
 from flowfleet.errors import FlowfleetError, ParameterError
-from flowfleet.flow import parse_strategy
+from flowfleet.flow import Strategy
 from flowfleet.layout import (
     FINAL,
     MODEL_VAE,
@@ -30,7 +30,7 @@ from flowfleet.train.status import job_finished
 log = logging.getLogger(__name__)
 
 
-def check_other_fleet(model: RunRoot, index: ModelIndex, other: RunRoot, strategies: Sequence[str]) -> None:
+def check_other_fleet(model: RunRoot, index: ModelIndex, other: RunRoot, strategies: Sequence[Strategy]) -> None:
     """--fleet: `other` must be an assembled fleet that decodes and reads prompts exactly as `model` does (the
     same latent space and encoder settings, the same decoder weights by checksum), and have the experts each
     strategy needs; otherwise a one-line error naming the folder and what differs."""
@@ -52,7 +52,7 @@ def check_other_fleet(model: RunRoot, index: ModelIndex, other: RunRoot, strateg
             )
     for s in strategies:
         try:
-            parse_strategy(s).resolve_k(len(theirs.present_experts))
+            s.resolve_k(len(theirs.present_experts))
         except ValueError as err:
             raise ParameterError(f"fleet {other.url}", f"{err}") from None
 

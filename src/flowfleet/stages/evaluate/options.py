@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any, get_args
 
 from flowfleet.config import SamplingConfig
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.evaluate.fid import FIDSettings
-from flowfleet.flow import parse_strategy
+from flowfleet.flow import Strategy
 from flowfleet.layout import (
     ROUTERS,
 )
@@ -62,6 +63,11 @@ class EvaluateOptions:
     device: str = "auto"
     judge: str | None = None  # MODULE:FACTORY of a prompt-accuracy judge (flowfleet.evaluate.judge); MNIST: built in
 
+    @cached_property
+    def strategy_values(self) -> tuple[Strategy, ...]:
+        """`strategies` parsed, once (Strategy.parse: a one-line ValueError names the strategies there are)."""
+        return tuple(Strategy.parse(s) for s in self.strategies)
+
     def validate(self) -> None:
         if self.n < 2:
             raise ParameterError("n", f"FID needs at least 2 samples, got {self.n}")
@@ -73,11 +79,10 @@ class EvaluateOptions:
             raise ParameterError("ref_n", f"must be >= 2, got {self.ref_n}")
         if not self.strategies and not self.monolith:
             raise ParameterError("strategies", "nothing to evaluate (give strategies or --monolith)")
-        for s in self.strategies:
-            try:
-                parse_strategy(s)
-            except ValueError as err:
-                raise ParameterError("strategies", f"{err}") from None
+        try:
+            self.strategy_values  # noqa: B018 (parsed once, here)
+        except ValueError as err:
+            raise ParameterError("strategies", f"{err}") from None
         if self.routers and not self.strategies:
             raise ParameterError("routers", "a comparison router needs --strategies to route")
         for name in self.routers:

@@ -42,7 +42,7 @@ from flowfleet.evaluate.reference import (
 )
 from flowfleet.evaluate.report import EVALUATION_FILE
 from flowfleet.evaluate.views import captioned_grid_png
-from flowfleet.flow import parse_strategy
+from flowfleet.flow import Strategy
 from flowfleet.layout import (
     ASSIGNMENTS,
     CENTROIDS,
@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 
 JUDGE_NAMES = {"digits": "mnist digit classifier", "emoji": "emoji category classifier"}  # evaluation.json's words
 PR_REFERENCE = 2000  # reference rows for precision/recall (prdc holds the [N, N] distances in memory)
+ONE_EXPERT = Strategy(1, "top1")  # the monolith's "routing": its one expert
 
 # --------------------------------------------------------------------------------------------------
 #                                        The stage
@@ -97,20 +98,20 @@ def evaluate(
     ev = _Evaluation.open(model_dir, reference, options, extractor)  # every check before heavy work; the test split
     choices = ev.choice_draw(model_dir, reference, extractor)  # the validation split's draw (None: nothing to choose)
     pipe = FleetPipeline.from_pretrained(model_dir, device=ev.device)
-    models = [Row(s, "fleet", pipe, s) for s in options.strategies]
+    models = [Row(s.name, "fleet", pipe, s) for s in options.strategy_values]
     monolith = monolith_pipeline(ev.root, pipe, ev.device) if options.monolith else None
     for router in options.routers:  # the same experts, another of the run's routers
         routed = pipe.with_router(comparison_router(ev.root, ev.cfg, router, ev.device))
-        models += [Row(s, "fleet", routed, s, f"+{router}") for s in options.strategies]
+        models += [Row(s.name, "fleet", routed, s, f"+{router}") for s in options.strategy_values]
     for name, folder in options.fleets:  # another fleet in the same latent space, the same encoders shared
         other = FleetPipeline.from_pretrained(
             folder, device=ev.device, text_encoder=pipe.text_encoder, latent_decoder=pipe.latent_decoder
         )
         other.share_prompts(pipe)
-        models += [Row(s, "fleet", other, s, f"@{name}") for s in options.strategies]
+        models += [Row(s.name, "fleet", other, s, f"@{name}") for s in options.strategy_values]
     models = [row.guided(rule) for row in models for rule in options.guidance_rules or (None,)]
     if monolith is not None:
-        models.insert(0, Row(MONOLITH, "monolith", monolith, "top1"))
+        models.insert(0, Row(MONOLITH, "monolith", monolith, ONE_EXPERT))
     same = same_models(models, options.sampling)  # e.g. top2 of 2 experts IS full; a prompt-blind router guides one way
     for row in models:
         if row.name in same:  # same weights, same prompts and noise: same samples
@@ -140,7 +141,7 @@ def evaluate(
             ev.diagnostics["generalization"] = generalization_probe(ev, pipe, monolith)
             ev.timings["generalization_s"] = time.perf_counter() - t0
     if options.save_cfg:  # the sweep's choice becomes each folder's default scale
-        default = pipe.scheduler.strategy
+        default = pipe.scheduler.strategy.name
         for name, folder in ((default, model_dir), (MONOLITH, ev.root.url_of(MONOLITH_MODEL))):
             chosen = ev.runs[name].cfg if name in ev.runs else None
             if chosen is not None:
@@ -200,7 +201,7 @@ class JudgedDraw:
     def score(
         self,
         pipe: FleetPipeline,
-        strategy: str | None = None,
+        strategy: Strategy | None = None,
         name: str = "fleet",
         progress: bool = True,
         keep: bool = False,
@@ -231,7 +232,7 @@ class Row:
     base: str  # the strategy (or "monolith")
     kind: str  # "fleet" | "monolith"
     pipe: FleetPipeline
-    strategy: str
+    strategy: Strategy
     suffix: str = ""  # +ROUTER, @FLEET
     choices: dict[str, Any] = field(default_factory=dict)
 
@@ -248,7 +249,7 @@ class Row:
         """What decides this row's samples beyond the draw and the evaluation's `sampling` settings: the pipeline,
         the experts per sample, whether they are kept, and the guidance rule where it matters (a router that reads
         the prompt, a strategy that reroutes)."""
-        strategy = parse_strategy(self.strategy)
+        strategy = self.strategy
         rule = {**sampling, **self.choices}.get("guidance", self.pipe.scheduler.guidance)
         matters = self.pipe.router_sees_prompt and not strategy.kept
         return (id(self.pipe), strategy.resolve_k(len(self.pipe.present)), strategy.kept, rule if matters else None)
@@ -384,9 +385,9 @@ class _Evaluation:
                 f"{model_root.url}: latent shape {tuple(index.latent_shape)} differs from the "
                 f"reference run's {tuple(cfg.latent_shape)} ({root.url_of('run.yaml')})"
             )
-        for s in options.strategies:
+        for s in options.strategy_values:
             try:
-                parse_strategy(s).resolve_k(len(index.present_experts))
+                s.resolve_k(len(index.present_experts))
             except ValueError as err:
                 raise ParameterError("strategies", f"{err}") from None
         if options.monolith:
@@ -398,7 +399,7 @@ class _Evaluation:
             if not done:
                 raise ParameterError("routers", f"{why}")
         for _, folder in options.fleets:
-            check_other_fleet(model_root, index, RunRoot(folder), options.strategies)
+            check_other_fleet(model_root, index, RunRoot(folder), options.strategy_values)
         ev = cls(model_root.url, root, cfg, data, options, resolve_device(options.device), index.conditioning, split)
         ev._open_fid(extractor, inception)
         return ev
@@ -531,7 +532,7 @@ class _Evaluation:
         target = getattr(self.judge, "target", None)
         return not callable(target) or any(target(p) is not None for p in self.prompts or [])
 
-    def settings_for(self, pipe: FleetPipeline, strategy: str | None, **choices: Any) -> Any:
+    def settings_for(self, pipe: FleetPipeline, strategy: Strategy | None, **choices: Any) -> Any:
         """The fleet's settings for this draw: options.sampling, then `choices` (cfg), with the draw's seed."""
         return pipe.settings(strategy, **{**self.options.sampling, **choices, "seed": self.options.seed})
 
@@ -540,7 +541,7 @@ class _Evaluation:
         n, batch = self.options.n, self.options.batch_size
         return pipe(self.prompts, n, labels=self.labels, settings=settings, batch_size=batch, progress=progress)
 
-    def sweep(self, name: str, pipe: Any, strategy: str, **choices: Any) -> "Sweep":
+    def sweep(self, name: str, pipe: Any, strategy: Strategy, **choices: Any) -> "Sweep":
         """Sample this draw at every scale of the guidance sweep, and one scale further while the best sits at an
         edge (pieces.extend_sweep); score each and choose (pieces.choose_scale). With a judge its classifier FD
         chooses (no Inception); without one, FID. choices: the row's own settings (its guidance rule)."""
@@ -577,7 +578,7 @@ class _Evaluation:
         self,
         name: str,
         pipe: Any,
-        strategy: str,
+        strategy: Strategy,
         scale: float | None,
         with_fid: bool,
         timed: "Sweep | ModelRun",
@@ -598,7 +599,7 @@ class _Evaluation:
         log.info(f"evaluate: {name}: cfg {settings.cfg}: " + describe_scores(scores))
         return settings, out, images, scores
 
-    def run_model(self, name: str, kind: str, pipe, strategy: str, sweep: "Sweep | None" = None, **choices: Any):
+    def run_model(self, name: str, kind: str, pipe, strategy: Strategy, sweep: "Sweep | None" = None, **choices: Any):
         """Sample options.n images from one model (a strategy of the fleet, or the monolith) at its scale (the
         sweep's choice, else the one scale asked for) and score them; keep the samples for the grid, routing
         heatmap, usage, adherence and diagnostics. A sweep made on this very draw (a run without a validation
