@@ -84,7 +84,7 @@ def test_expert_job_writes_everything_the_contract_lists(tmp_path, monkeypatch):
         "mfu",
         "peak_memory_gib",
     }
-    assert on_disk["threads"] == f"{torch.get_num_threads()} threads (fixed)"  # the suite's static policy
+    assert on_disk["threads"] == f"{torch.get_num_threads()} threads (fixed: a repeatable run)"  # the default
     assert on_disk["job"] == "expert-0" and on_disk["state"] == "done" == status.state
     assert (on_disk["step"], on_disk["total_steps"], on_disk["samples_seen"]) == (4, 4, 32)
     assert on_disk["last_checkpoint"] == "step-0000004" and on_disk["pid"] == os.getpid()

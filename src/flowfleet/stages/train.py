@@ -37,7 +37,7 @@ from flowfleet.config import BackendConfig, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import LOG_FILE, PLAN
 from flowfleet.storage import RunRoot
-from flowfleet.train.diloco import DiLoCoTrainer
+from flowfleet.train.diloco import DiLoCoRounds
 from flowfleet.train.fanout import LocalFanout, ProcessJob, plan_slots
 from flowfleet.train.loop import Trainer, TrainOptions
 from flowfleet.train.plan import read_plan
@@ -59,8 +59,8 @@ def train_job(
     """Train one job to its total steps (resuming from its newest checkpoint); -> final status."""
     root, cfg = _open(run_root)
     task = build_task(root, cfg, spec, match_compute=match_compute)
-    trainer = DiLoCoTrainer if spec.kind == "diloco" else Trainer
-    return trainer(task, root, options).run()
+    hooks = DiLoCoRounds(task, root) if spec.kind == "diloco" else None  # DiLoCo's outer loop around the steps
+    return Trainer(task, root, options, hooks=hooks).run()
 
 
 def train_expert(run_root: str | RunRoot, k: int, *, options: TrainOptions | None = None) -> JobStatus:

@@ -36,13 +36,14 @@ import safetensors.torch
 import torch
 
 from flowfleet.config import DiLoCoConfig
+from flowfleet.distributed import DistContext
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import DILOCO_DECISION, diloco_round
 from flowfleet.models.dit import DiTModel
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import Checkpoint, flatten_state, unflatten_state
 from flowfleet.train.ema import EMA
-from flowfleet.train.loop import Trainer, TrainOptions, _State, cpu_state
+from flowfleet.train.loop import StepHooks, TrainState, cpu_state
 from flowfleet.train.tasks import TrainTask
 
 POLL_LOCAL_S = 0.1  # how often a waiting worker lists the round's folder: a local disk
@@ -172,15 +173,18 @@ class OuterLoop:
         self.round = int(ckpt.state["outer_round"])
 
 
-class DiLoCoTrainer(Trainer):
-    """The one training loop with DiLoCo's outer loop around its optimiser steps (see the module's text)."""
+class DiLoCoRounds(StepHooks):
+    """DiLoCo's outer loop around the trainer's optimiser steps (see the module's text): the trainer calls it
+    (flowfleet.train.loop.StepHooks) at a step's start and end, at checkpoints and at the end.
 
-    def __init__(self, task: TrainTask, root: RunRoot, options: TrainOptions | None = None):
-        super().__init__(task, root, options)
+        Trainer(task, root, options, hooks=DiLoCoRounds(task, root)).run()
+    """
+
+    def __init__(self, task: TrainTask, root: RunRoot):
         cfg = task.run.diloco
         if cfg is None or task.spec.worker is None:
             raise FlowfleetError(f"{task.name}: not a DiLoCo worker (run.yaml diloco)")
-        self.cfg, self.me = cfg, task.spec.worker
+        self.task, self.cfg, self.me = task, cfg, task.spec.worker
         self.rounds = Rounds(root, cfg.workers, self.me)
         self.outer: OuterLoop | None = None
         self.short: list[dict[str, Any]] = []  # the rounds decided without every worker, as this worker saw them
@@ -190,46 +194,45 @@ class DiLoCoTrainer(Trainer):
     def total_rounds(self) -> int:
         return -(-self.task.total_steps // self.cfg.sync_every)
 
-    def _optimizer(self, model: torch.nn.Module, dev: torch.device) -> torch.optim.Optimizer:
+    def check(self, island: DistContext) -> None:
+        if island.distributed:
+            raise FlowfleetError(f"{self.task.name}: a DiLoCo worker runs as one process (no torchrun)")
+
+    def optimizer(self, model: torch.nn.Module, dev: torch.device) -> torch.optim.Optimizer | None:
+        """AdamW (the trainer's, None) or plain SGD (diloco.inner sgd: with outer_lr 1 and no momentum, local SGD)."""
         if self.cfg.inner == "adamw":
-            return super()._optimizer(model, dev)
+            return None
         tc = self.task.train_cfg
         return torch.optim.SGD(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
 
-    def _setup(self, island):
-        if island.distributed:
-            raise FlowfleetError(f"{self.task.name}: a DiLoCo worker runs as one process (no torchrun)")
-        st = super()._setup(island)
+    def started(self, st: TrainState) -> None:
         if self.outer is None:  # a fresh start: θ_0 is the model as built
             self.outer = self._outer(st)
         self._report(st)
-        return st
 
-    def _outer(self, st: _State) -> OuterLoop:
+    def _outer(self, st: TrainState) -> OuterLoop:
         tc = self.task.train_cfg
         return OuterLoop(cast(DiTModel, st.model), self.cfg, tc.ema_decay, tc.ema_warmup)  # (the task built it)
 
     # -- the round -------------------------------------------------------------------------------------
 
-    def _step(self, st: _State, sampler, bar) -> bool:
+    def skipped(self, st: TrainState) -> int:
         """A round already decided when this worker reaches it is adopted without its inner steps."""
         assert self.outer is not None
-        if st.step % self.cfg.sync_every == 0 and st.step < self.task.total_steps:
-            decided = self.rounds.decision(self.outer.round)
-            if decided is not None:
-                end = min(st.step + self.cfg.sync_every, self.task.total_steps)
-                log.info("%s: round %d was decided without waiting for it; adopts it", self.task.name, decided.round)
-                bar.update(end - st.step)
-                st.position += (end - st.step) * self.task.train_cfg.batch_size
-                st.step = end
-                if st.lease is not None:
-                    st.lease.update(step=st.step, samples_seen=st.position)
-                self._apply(st, decided, own=None)
-                self._checkpoint(st)
-                return self._stop_reason is not None
-        return super()._step(st, sampler, bar)
+        if st.step % self.cfg.sync_every or st.step >= self.task.total_steps:
+            return 0
+        decided = self.rounds.decision(self.outer.round)
+        if decided is None:
+            return 0
+        end = min(st.step + self.cfg.sync_every, self.task.total_steps)
+        log.info("%s: round %d was decided without waiting for it; adopts it", self.task.name, decided.round)
+        moved = end - st.step
+        st.position += moved * self.task.train_cfg.batch_size
+        st.step = end
+        self._apply(st, decided, own=None)
+        return moved
 
-    def _after_update(self, st: _State) -> bool:
+    def after_update(self, st: TrainState) -> bool:
         """At a round's end: write Δ, wait for the decision, apply it (-> a checkpoint is due)."""
         if st.step % self.cfg.sync_every and st.step < self.task.total_steps:
             return False
@@ -260,7 +263,7 @@ class DiLoCoTrainer(Trainer):
                 continue
             time.sleep(self.poll_s)
 
-    def _apply(self, st: _State, decided: Decision, own: dict[str, torch.Tensor] | None) -> None:
+    def _apply(self, st: TrainState, decided: Decision, own: dict[str, torch.Tensor] | None) -> None:
         """The outer step of round `decided.round` from the pseudo-gradients it names (this worker's own, where
         given, from memory: the bytes it wrote)."""
         assert self.outer is not None
@@ -287,7 +290,7 @@ class DiLoCoTrainer(Trainer):
         self.outer.step(deltas, st.model)
         self._report(st)
 
-    def _report(self, st: _State) -> None:
+    def _report(self, st: TrainState) -> None:
         """The rounds and the traffic in the job's status.json."""
         if st.lease is None or self.outer is None:
             return
@@ -307,20 +310,20 @@ class DiLoCoTrainer(Trainer):
 
     # -- checkpoints and final/ -------------------------------------------------------------------------
 
-    def _checkpoint_extras(self, st: _State):
+    def checkpoint_extras(self, st: TrainState) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
         assert self.outer is not None
         files, state = self.outer.state()
         traffic = {"written": self.rounds.traffic.written, "read": self.rounds.traffic.read}
         return files, {**state, "diloco_traffic": traffic, "diloco_short_rounds": self.short}
 
-    def _restore_extras(self, st: _State, ckpt: Checkpoint) -> None:
+    def restore(self, st: TrainState, ckpt: Checkpoint) -> None:
         self.outer = self._outer(st)
         self.outer.load(ckpt)
         traffic = ckpt.state.get("diloco_traffic", {})
         self.rounds.traffic = Traffic(int(traffic.get("written", 0)), int(traffic.get("read", 0)))
         self.short = list(ckpt.state.get("diloco_short_rounds", []))
 
-    def _final_model(self, st: _State) -> DiTModel:
+    def final_model(self, st: TrainState) -> DiTModel | None:
         assert self.outer is not None
         if self.outer.round != self.total_rounds:
             raise FlowfleetError(f"{self.task.name}: {self.outer.round} of {self.total_rounds} rounds applied")

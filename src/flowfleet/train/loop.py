@@ -132,8 +132,9 @@ class _Pace:
 
 
 @dataclass
-class _State:
-    """Everything one run of a job holds; only rank 0 has ema, lease and metrics."""
+class TrainState:
+    """Everything one run of a job holds; only rank 0 has ema, lease and metrics. A StepHooks object reads and moves
+    model, step, position and lease (its own status fields) here; the rest is the trainer's."""
 
     island: DistContext
     model: torch.nn.Module  # the bare model (what gets saved)
@@ -164,13 +165,52 @@ class _Rank0(NamedTuple):
     metrics: MetricsLog
 
 
-class Trainer:
-    """Runs one TrainTask to its total steps, resuming from the job's newest checkpoint."""
+class StepHooks:
+    """What a loop around the trainer's optimiser steps adds (DiLoCo's outer loop: flowfleet.train.diloco), at the
+    points where the trainer calls it; the defaults add nothing, as a plain job's."""
 
-    def __init__(self, task: TrainTask, root: RunRoot, options: TrainOptions | None = None):
+    def check(self, island: DistContext) -> None:
+        """Before anything is built or claimed: a one-line error where the loop cannot run on this world."""
+
+    def optimizer(self, model: torch.nn.Module, dev: torch.device) -> torch.optim.Optimizer | None:
+        """The inner optimiser (None: the trainer's AdamW)."""
+        return None
+
+    def started(self, st: TrainState) -> None:
+        """After set-up, a restored checkpoint included."""
+
+    def skipped(self, st: TrainState) -> int:
+        """Before a step: steps it moved the state on without training them (DiLoCo: a round decided elsewhere,
+        adopted), after which the trainer checkpoints; 0: the trainer takes the step."""
+        return 0
+
+    def after_update(self, st: TrainState) -> bool:
+        """After each optimiser step, before its bookkeeping: -> a checkpoint is due now."""
+        return False
+
+    def checkpoint_extras(self, st: TrainState) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        """More tensor files and state.json fields of a checkpoint."""
+        return {}, {}
+
+    def restore(self, st: TrainState, ckpt: Checkpoint) -> None:
+        """Restore what checkpoint_extras saved."""
+
+    def final_model(self, st: TrainState) -> DiTModel | None:
+        """What final/ holds (None: the trainer's EMA weights)."""
+        return None
+
+
+class Trainer:
+    """Runs one TrainTask to its total steps, resuming from the job's newest checkpoint; `hooks`: a loop around its
+    optimiser steps (DiLoCo's)."""
+
+    def __init__(
+        self, task: TrainTask, root: RunRoot, options: TrainOptions | None = None, hooks: StepHooks | None = None
+    ):
         self.task = task
         self.root = root
         self.options = options or TrainOptions()
+        self.hooks = hooks or StepHooks()
         self.store = CheckpointStore(root, task.spec.dir, keep=task.train_cfg.keep_checkpoints)
         self.writer = BackgroundWriter(self.store)  # train.async_checkpoint
         self._stop_reason: str | None = None
@@ -281,9 +321,10 @@ class Trainer:
     #                                      Set-up, steps
     # ----------------------------------------------------------------------------------------------
 
-    def _setup(self, island: DistContext) -> _State:
+    def _setup(self, island: DistContext) -> TrainState:
         """Model, EMA, optimiser, scaler; restore the newest checkpoint; claim the job (rank 0)."""
         task, tc, dev = self.task, self.task.train_cfg, island.device
+        self.hooks.check(island)
         chunks = island.world_size * tc.grad_accum
         if tc.batch_size % chunks:
             raise FlowfleetError(
@@ -295,13 +336,13 @@ class Trainer:
         amp = autocast_dtype(tc.precision, dev)
         if amp is None and tc.precision != "fp32" and island.is_main:
             log.warning("%s: precision %s applies on CUDA only; training in fp32 on %s", task.name, tc.precision, dev)
-        st = _State(
+        st = TrainState(
             island=island,
             model=model,
             net=model,
             amp=amp,
             micro=tc.batch_size // chunks,
-            opt=self._optimizer(model, dev),
+            opt=self.hooks.optimizer(model, dev) or self._optimizer(model, dev),
             scaler=torch.amp.GradScaler(dev.type, enabled=amp == torch.float16),
             ema=EMA(model, tc.ema_decay, tc.ema_warmup) if island.is_main else None,
         )
@@ -335,6 +376,7 @@ class Trainer:
             st.net = DistributedDataParallel(
                 model, device_ids=[dev.index] if dev.type == "cuda" else None, broadcast_buffers=False
             )
+        self.hooks.started(st)
         return st
 
     def _optimizer(self, model: torch.nn.Module, dev: torch.device) -> torch.optim.Optimizer:
@@ -345,33 +387,24 @@ class Trainer:
             model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=dev.type in ("cpu", "cuda")
         )
 
-    # Hooks of a trainer with an outer loop (flowfleet.train.diloco): nothing here.
-    def _after_update(self, st: _State) -> bool:
-        """After each optimiser step, before its bookkeeping: -> a checkpoint is due now."""
-        return False
-
-    def _checkpoint_extras(self, st: _State) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-        """More tensor files and state.json fields of a checkpoint."""
-        return {}, {}
-
-    def _restore_extras(self, st: _State, ckpt: Checkpoint) -> None:
-        """Restore what _checkpoint_extras saved."""
-
-    def _final_model(self, st: _State) -> DiTModel:
-        """What final/ holds: the EMA weights."""
-        return st.rank0().ema.module.eval()
-
     def sampler(self) -> ResumableSampler:
         return ResumableSampler(len(self.task.data), derive_seed(self.task.train_cfg.seed, _DATA_STREAM))
 
-    def _step(self, st: _State, sampler: ResumableSampler, bar) -> bool:
-        """One optimiser step and its bookkeeping (log, preview, checkpoint); -> stop now."""
+    def _step(self, st: TrainState, sampler: ResumableSampler, bar) -> bool:
+        """One optimiser step and its bookkeeping (log, preview, checkpoint), or the steps the hooks moved on
+        without it; -> stop now."""
+        if moved := self.hooks.skipped(st):
+            bar.update(moved)
+            if st.lease is not None:
+                st.lease.update(step=st.step, samples_seen=st.position)
+            self._checkpoint(st)
+            return self._stop_reason is not None
         tc, total = self.task.train_cfg, self.task.total_steps
         lr = learning_rate(tc, st.step, total)
         loss, extras, stop = self._forward_backward(st, sampler.take(st.position, tc.batch_size), lr)
         st.step, st.position = st.step + 1, st.position + tc.batch_size
         self._update(st, loss, extras)
-        due = self._after_update(st)
+        due = self.hooks.after_update(st)
         bar.update(1)
         if st.island.is_main:
             st.rank0().lease.update(step=st.step, samples_seen=st.position)
@@ -385,7 +418,7 @@ class Trainer:
             self._checkpoint(st, stop)
         return stop
 
-    def _forward_backward(self, st: _State, items: torch.Tensor, lr: float) -> tuple[float, dict[str, float], bool]:
+    def _forward_backward(self, st: TrainState, items: torch.Tensor, lr: float) -> tuple[float, dict[str, float], bool]:
         """Gradients of one global batch (this process's chunks, accumulated) -> mean loss and extras
         over the whole batch, and whether any process was asked to stop. One reduction per step."""
         tc, island, dev = self.task.train_cfg, st.island, st.island.device
@@ -413,7 +446,7 @@ class Trainer:
         means = {key: value / chunks for key, value in zip(extra_sums, stats[1:-1])}
         return stats[0] / chunks, means, stats[-1] > 0
 
-    def _update(self, st: _State, loss: float, extras: dict[str, float]) -> None:
+    def _update(self, st: TrainState, loss: float, extras: dict[str, float]) -> None:
         """Optimiser step + EMA for a finite loss; skip a non-finite one, and stop after a run of them."""
         tc = self.task.train_cfg
         if math.isfinite(loss):
@@ -449,7 +482,7 @@ class Trainer:
     #                                 Checkpoints, logs, outputs
     # ----------------------------------------------------------------------------------------------
 
-    def _restore(self, st: _State, ckpt: Checkpoint) -> None:
+    def _restore(self, st: TrainState, ckpt: Checkpoint) -> None:
         where = self.store.url(f"step-{ckpt.step:07d}")
         saved_cfg = ckpt.state.get("model_config") or {}
         current = self.task.model_cfg.model_dump(mode="json")
@@ -472,7 +505,7 @@ class Trainer:
                 torch.cuda.set_rng_state_all(cuda)
         st.step, st.bad = ckpt.step, int(ckpt.state.get("bad_steps", 0))
         st.position = int(ckpt.state["data_position"]["samples"])
-        self._restore_extras(st, ckpt)
+        self.hooks.restore(st, ckpt)
         if ckpt.state["data_position"].get("num_items") != len(self.task.data):
             log.warning(
                 "%s: the data changed since %s (%s -> %d items); continuing with the new data",
@@ -482,7 +515,7 @@ class Trainer:
                 len(self.task.data),
             )
 
-    def _checkpoint(self, st: _State, stop: bool = False) -> None:
+    def _checkpoint(self, st: TrainState, stop: bool = False) -> None:
         """Rank 0 takes a copy of the job's state at this step and writes it (train.async_checkpoint: in the
         background); every rank waits for it to be taken. A stop by SIGTERM too late for a write (stop_grace_s)
         takes none: the job ends on its newest complete checkpoint."""
@@ -491,7 +524,7 @@ class Trainer:
             rng = {"torch": torch.get_rng_state()}
             if torch.cuda.is_available():
                 rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-            extra_tensors, extra_state = self._checkpoint_extras(st)
+            extra_tensors, extra_state = self.hooks.checkpoint_extras(st)
             ckpt = Checkpoint(
                 step=st.step,
                 tensors={
@@ -520,14 +553,14 @@ class Trainer:
                 self._checkpointed(st, ended)
         st.island.barrier()
 
-    def _checkpointed(self, st: _State, name: str) -> None:
+    def _checkpointed(self, st: TrainState, name: str) -> None:
         """A checkpoint's write has ended: the metrics so far and the job's status name it."""
         main = st.rank0()
         main.metrics.flush()
         main.lease.update(last_checkpoint=name)
         main.lease.flush()
 
-    def _drain(self, st: _State) -> None:
+    def _drain(self, st: TrainState) -> None:
         """Wait for the checkpoint being written (its error raised here)."""
         ended = self.writer.wait()
         if ended:
@@ -550,7 +583,7 @@ class Trainer:
             )
         return late
 
-    def _log(self, st: _State, bar, lr: float) -> None:
+    def _log(self, st: TrainState, bar, lr: float) -> None:
         w, now = st.window, time.perf_counter()
         seconds = max(now - w.t0, 1e-9)
         record: dict[str, Any] = {
@@ -569,15 +602,15 @@ class Trainer:
         bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
         st.window = _Window(t0=now)
 
-    def _preview(self, st: _State) -> None:
+    def _preview(self, st: TrainState) -> None:
         main = st.rank0()
         png = self.task.preview(main.ema.module.eval(), st.step, st.island.device)
         self.root.write_bytes(png, self.task.spec.dir, SAMPLES, f"step-{st.step:07d}.png")
         main.metrics.add_image_png("samples", png, st.step)
 
-    def _finish(self, st: _State) -> None:
+    def _finish(self, st: TrainState) -> None:
         """final/ (the EMA weights as a model folder), then the task's report."""
-        model = self._final_model(st)
+        model = self.hooks.final_model(st) or st.rank0().ema.module.eval()
         save_model(model, self.root, self.task.spec.dir, FINAL)
         report = self.task.report(model, st.island.device)
         if report is not None:
