@@ -14,10 +14,11 @@ judge) and its finished fleet jobs (so that `train-all` trains only the monolith
 workers), are assembled and scored by `flowfleet evaluate` over the same guidance sweep and --repeats draws as the
 fleet's rows (checked: the real floor's figures of each draw equal the mixture_claim record's).
 
-Bytes per worker: DiLoCo's are counted by its workers (status.json: pseudo-gradients written and the others' read);
-full sync's are a ring all-reduce of the fp32 gradients at every step, 2 (K - 1) / K x 4 |θ| bytes sent per worker
-and step (computed, not run); the fleet and one machine send nothing. Their time at 1 and 100 Gbit/s is bytes x 8 /
-the rate (no latency).
+Bytes per worker, both directions: DiLoCo's are counted by its workers (status.json: its pseudo-gradients written, up;
+the others' read, down: K - 1 of them a round); full sync's are a ring all-reduce of the fp32 gradients at every step,
+2 (K - 1) / K x 4 |θ| bytes sent and as many received per worker and step (computed, not run); the fleet and one
+machine exchange nothing. Their time at 1 and 100 Gbit/s is the larger direction's bytes x 8 / the rate (a full-duplex
+link; no latency).
 
     python benchmarks/decision.py --source runs/bench/mixture --seeds 0 --H 10,100,1000 --out runs/bench/decision-emoji
     python benchmarks/decision.py --source runs/bench/mixture --seeds 1,2 --H 100 --out runs/bench/decision-emoji
@@ -172,7 +173,12 @@ def seconds(nbytes: float, gbit: float) -> str:
 
 
 def row_line(
-    label: str, per_seed: list[dict], repeats: int, monoliths: list[list[float]], sent: float | None, ref: bool = False
+    label: str,
+    per_seed: list[dict],
+    repeats: int,
+    monoliths: list[list[float]],
+    traffic: tuple[float, float] | None,
+    ref: bool = False,
 ) -> str:
     """One Markdown row from per-seed scores (the first `repeats` draws of each), ratios to the full-sync monolith
     draw by draw."""
@@ -180,7 +186,13 @@ def row_line(
     acc = [r["prompt_accuracy"][:repeats] for r in per_seed]
     ratio = [[x / m for x, m in zip(f, mono)] for f, mono in zip(fd, monoliths)]
     cfgs = "/".join(sorted({f"{r['cfg']:g}" for r in per_seed}))
-    traffic_cols = "0 | — | —" if not sent else f"{sent / 2**20:,.0f} MiB | {seconds(sent, 1)} | {seconds(sent, 100)}"
+    up, down = traffic or (0.0, 0.0)
+    longer = max(up, down)
+    traffic_cols = (
+        "0 / 0 | — | —"
+        if not longer
+        else f"{up / 2**20:,.0f} / {down / 2**20:,.0f} MiB | {seconds(longer, 1)} | {seconds(longer, 100)}"
+    )
     return (
         f"| {label} | {len(per_seed)} × {repeats} | {cfgs} | {spread(per_seed_means(fd))} | "
         f"{'1' if ref else spread(per_seed_means(ratio), 3)} | {spread(per_seed_means(acc), 3)} | {traffic_cols} |"
@@ -203,14 +215,16 @@ def table(a: argparse.Namespace) -> str:
     k = a.workers
     out = [
         "| option (K = 4 machines) | seeds × draws | cfg | classifier FD | ÷ full sync | prompt accuracy | "
-        "sent per worker | at 1 Gbit/s | at 100 Gbit/s |",
+        "up / down per worker | at 1 Gbit/s | at 100 Gbit/s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     one = {line["seed"]: line["scores"] for line in lines if line["row"] == "one machine"}
-    out.append(row_line(f"one machine: a monolith of S = {steps} steps", [one[s] for s in seeds], a.repeats, mono, 0))
+    out.append(
+        row_line(f"one machine: a monolith of S = {steps} steps", [one[s] for s in seeds], a.repeats, mono, None)
+    )
     for label, (matching, name) in FLEET_ROWS.items():
         rows = [claims[(matching, s)]["rows"][name] for s in seeds]
-        out.append(row_line(f"{label}: {k} experts and the router", rows, a.repeats, mono, 0))
+        out.append(row_line(f"{label}: {k} experts and the router", rows, a.repeats, mono, None))
     variants = sorted({(line["H"], outer_of(line)) for line in lines if line["row"] == "DiLoCo"})
     for h, outer in sorted(variants, key=lambda v: (v[1] != tuple(OUTER.values()), v[0])):
         mine = {
@@ -219,22 +233,25 @@ def table(a: argparse.Namespace) -> str:
             if line["row"] == "DiLoCo" and (line["H"], outer_of(line)) == (h, outer)
         }
         have = [s for s in seeds if s in mine]
-        sent = statistics.fmean(mine[s]["traffic"]["bytes_written"] for s in have)
+        both = (
+            statistics.fmean(mine[s]["traffic"]["bytes_written"] for s in have),
+            statistics.fmean(mine[s]["traffic"]["bytes_read"] for s in have),
+        )
         label = f"DiLoCo, H = {h}: {k} workers of S steps ({mine[have[0]]['traffic']['rounds']} rounds)"
         if outer != tuple(OUTER.values()):
             label += f", outer lr {outer[0]:g}, momentum {outer[1]:g}"
         out.append(
-            row_line(label, [mine[s]["scores"] for s in have], a.repeats, [mono[seeds.index(s)] for s in have], sent)
+            row_line(label, [mine[s]["scores"] for s in have], a.repeats, [mono[seeds.index(s)] for s in have], both)
         )
     sync_steps = json.loads((Path(a.source) / "batch-seed0" / "monolith" / "status.json").read_text())["step"]
-    ring = 2 * (k - 1) / k * 4 * params * sync_steps  # per worker and step, its steps on K machines at batch B / K
+    ring = 2 * (k - 1) / k * 4 * params * sync_steps  # sent, and as many received, per worker over the training
     out.append(
         row_line(
             f"full sync: the monolith of the fleet's FLOPs ({sync_steps} steps)",
             list(monolith.values()),
             a.repeats,
             mono,
-            ring,
+            (ring, ring),
             ref=True,
         )
     )
