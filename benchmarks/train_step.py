@@ -175,7 +175,7 @@ def quantile(xs: list[float], q: float) -> float:
 
 def checkpoint_write_s(trainer_step: TrainerStep) -> float:
     t0 = time.perf_counter()
-    trainer_step.trainer._checkpoint(trainer_step.state)
+    trainer_step.trainer.checkpoints.take(trainer_step.state)
     return time.perf_counter() - t0
 
 

@@ -77,6 +77,14 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
 
 
+def adamw(model: torch.nn.Module, dev: torch.device, tc: TrainConfig) -> torch.optim.Optimizer:
+    """A job's optimiser: AdamW. fused: one kernel over every parameter instead of a dozen small ops per parameter
+    tensor (a small expert's step is faster for it on a CPU core too)."""
+    return torch.optim.AdamW(
+        model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=dev.type in ("cpu", "cuda")
+    )
+
+
 def cpu_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy in host memory (also of a CPU tensor: a checkpoint written in the background must own its tensors)."""
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
@@ -165,6 +173,37 @@ class _Rank0(NamedTuple):
     metrics: MetricsLog
 
 
+class StopRequest:
+    """A job's stop, asked for by SIGTERM or SIGINT (the handlers installed while the job runs) or request(): the step
+    in progress finishes, a checkpoint is taken, the job is marked stopped; a second Ctrl-C stops at once."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.time = 0.0  # when it was asked for (time.monotonic)
+
+    def request(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason, self.time = reason, time.monotonic()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
+        self.request(signal.Signals(signum).name)
+
+    @contextlib.contextmanager
+    def handlers(self):
+        """SIGTERM and SIGINT ask for the stop while inside (on the main thread; the previous handlers after)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
 class StepHooks:
     """What a loop around the trainer's optimiser steps adds (DiLoCo's outer loop: flowfleet.train.diloco), at the
     points where the trainer calls it; the defaults add nothing, as a plain job's."""
@@ -200,6 +239,160 @@ class StepHooks:
         return None
 
 
+class JobCheckpoints:
+    """A job's checkpoints: the newest restored into a TrainState, a step's state taken (rank 0 writes it, in the
+    background under train.async_checkpoint), and the job's status told when a write has ended."""
+
+    def __init__(self, task: TrainTask, root: RunRoot, hooks: "StepHooks", stop: StopRequest):
+        self.task, self.root, self.hooks, self.stop = task, root, hooks, stop
+        self.store = CheckpointStore(root, task.spec.dir, keep=task.train_cfg.keep_checkpoints)
+        self.writer = BackgroundWriter(self.store)  # train.async_checkpoint
+
+    def restore(self, st: TrainState, ckpt: Checkpoint) -> None:
+        """The job's state at `ckpt` into `st`; a checkpoint of another model config is refused in one line."""
+        where = self.store.url(f"step-{ckpt.step:07d}")
+        saved_cfg = ckpt.state.get("model_config") or {}
+        current = self.task.model_cfg.model_dump(mode="json")
+        if saved_cfg != current:
+            diff = sorted(k for k in set(saved_cfg) | set(current) if saved_cfg.get(k) != current.get(k))
+            raise FlowfleetError(
+                f"{where}: trained with a different {self.task.name} model config (differs in "
+                f"{', '.join(diff)}); delete {self.root.url_of(self.task.spec.dir)} to start over"
+            )
+        st.model.load_state_dict(ckpt.tensors["model"], strict=True)
+        if st.ema is not None:
+            st.ema.load_state_dict(ckpt.tensors["ema"])
+        st.opt.load_state_dict(unflatten_state(ckpt.state["optimizer"], ckpt.tensors["optimizer"]))
+        if ckpt.state.get("scaler"):
+            st.scaler.load_state_dict(ckpt.state["scaler"])
+        torch.set_rng_state(ckpt.tensors["rng"]["torch"])
+        if torch.cuda.is_available():
+            cuda = [ckpt.tensors["rng"][k] for k in sorted(ckpt.tensors["rng"]) if k.startswith("cuda.")]
+            if len(cuda) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(cuda)
+        st.step, st.bad = ckpt.step, int(ckpt.state.get("bad_steps", 0))
+        st.position = int(ckpt.state["data_position"]["samples"])
+        self.hooks.restore(st, ckpt)
+        if ckpt.state["data_position"].get("num_items") != len(self.task.data):
+            log.warning(
+                "%s: the data changed since %s (%s -> %d items); continuing with the new data",
+                self.task.name,
+                where,
+                ckpt.state["data_position"].get("num_items"),
+                len(self.task.data),
+            )
+
+    def take(self, st: TrainState, stop: bool = False) -> None:
+        """Rank 0 takes a copy of the job's state at this step and writes it (train.async_checkpoint: in the
+        background); every rank waits for it to be taken. A stop by SIGTERM too late for a write (stop_grace_s)
+        takes none: the job ends on its newest complete checkpoint."""
+        if st.island.is_main and not (stop and self.past_grace()):
+            opt_skeleton, opt_tensors = flatten_state(st.opt.state_dict())
+            rng = {"torch": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+            extra_tensors, extra_state = self.hooks.checkpoint_extras(st)
+            ckpt = Checkpoint(
+                step=st.step,
+                tensors={
+                    "model": cpu_state(st.model.state_dict()),
+                    "ema": cpu_state(st.rank0().ema.state_dict()),
+                    "optimizer": opt_tensors,
+                    "rng": rng,
+                    **extra_tensors,
+                },
+                state={
+                    **extra_state,
+                    "job": self.task.name,
+                    "total_steps": self.task.total_steps,
+                    "samples_seen": st.position,
+                    "data_position": {"samples": st.position, "num_items": len(self.task.data)},
+                    "bad_steps": st.bad,
+                    "world_size": st.island.world_size,
+                    "optimizer": opt_skeleton,
+                    "scaler": st.scaler.state_dict(),
+                    "model_config": self.task.model_cfg.model_dump(mode="json"),
+                    "train_config": self.task.train_cfg.model_dump(mode="json"),
+                },
+            )
+            ended = self.writer.start(ckpt) if self.task.train_cfg.async_checkpoint else self.store.save(ckpt)
+            if ended:
+                self.ended(st, ended)
+        st.island.barrier()
+
+    def ended(self, st: TrainState, name: str) -> None:
+        """A checkpoint's write has ended: the metrics so far and the job's status name it."""
+        main = st.rank0()
+        main.metrics.flush()
+        main.lease.update(last_checkpoint=name)
+        main.lease.flush()
+
+    def drain(self, st: TrainState) -> None:
+        """Wait for the checkpoint being written (its error raised here)."""
+        ended = self.writer.wait()
+        if ended:
+            self.ended(st, ended)
+
+    def past_grace(self) -> bool:
+        """A SIGTERM whose grace (train.stop_grace_s) the write in flight and one more, each as long as the last
+        write took, would outlast."""
+        if self.stop.reason != "SIGTERM" or self.writer.last_s is None:
+            return False
+        needed = self.writer.last_s * (2 if self.writer.busy else 1)
+        late = time.monotonic() - self.stop.time + needed > self.task.train_cfg.stop_grace_s
+        if late:
+            log.warning(
+                "%s: SIGTERM: no checkpoint of this step (a write takes %.1f s, train.stop_grace_s is %g); "
+                "the job resumes from its newest complete one",
+                self.task.name,
+                self.writer.last_s,
+                self.task.train_cfg.stop_grace_s,
+            )
+        return late
+
+
+class JobOutputs:
+    """What a job leaves besides its checkpoints (rank 0): metrics lines, preview grids, final/ and its report."""
+
+    def __init__(self, task: TrainTask, root: RunRoot):
+        self.task, self.root = task, root
+
+    def log(self, st: TrainState, bar, lr: float) -> None:
+        """A metrics line of the steps since the last: loss, rate, samples a second, speed; the status too."""
+        w, now = st.window, time.perf_counter()
+        seconds = max(now - w.t0, 1e-9)
+        record: dict[str, Any] = {
+            "step": st.step,
+            "loss": w.loss / w.finite_steps if w.finite_steps else float("nan"),
+            "lr": lr,
+            "samples_per_s": w.samples / seconds,
+            "time": time.time(),
+            "epoch": st.position / len(self.task.data),
+        }
+        record.update({k: v / max(w.finite_steps, 1) for k, v in w.extras.items()})
+        speed = st.pace.measure(record["samples_per_s"], seconds / max(w.steps, 1)) if st.pace is not None else {}
+        record.update(speed)
+        st.rank0().metrics.log(record)
+        st.rank0().lease.update(last_loss=record["loss"], **speed)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
+        st.window = _Window(t0=now)
+
+    def preview(self, st: TrainState) -> None:
+        """A grid of the EMA model's samples at this step (samples/, TensorBoard)."""
+        main = st.rank0()
+        png = self.task.preview(main.ema.module.eval(), st.step, st.island.device)
+        self.root.write_bytes(png, self.task.spec.dir, SAMPLES, f"step-{st.step:07d}.png")
+        main.metrics.add_image_png("samples", png, st.step)
+
+    def finish(self, st: TrainState, final: DiTModel | None) -> None:
+        """final/ (`final`, else the EMA weights, as a model folder), then the task's report."""
+        model = final or st.rank0().ema.module.eval()
+        save_model(model, self.root, self.task.spec.dir, FINAL)
+        report = self.task.report(model, st.island.device)
+        if report is not None:
+            self.root.write_json(report, self.task.spec.dir, JOB_REPORT)
+
+
 class Trainer:
     """Runs one TrainTask to its total steps, resuming from the job's newest checkpoint; `hooks`: a loop around its
     optimiser steps (DiLoCo's)."""
@@ -211,36 +404,13 @@ class Trainer:
         self.root = root
         self.options = options or TrainOptions()
         self.hooks = hooks or StepHooks()
-        self.store = CheckpointStore(root, task.spec.dir, keep=task.train_cfg.keep_checkpoints)
-        self.writer = BackgroundWriter(self.store)  # train.async_checkpoint
-        self._stop_reason: str | None = None
-        self._stop_time = 0.0  # when the stop was asked for (time.monotonic)
+        self.stop = StopRequest()
+        self.checkpoints = JobCheckpoints(task, root, self.hooks, self.stop)
+        self.outputs = JobOutputs(task, root)
 
     # ----------------------------------------------------------------------------------------------
     #                                       Stopping
     # ----------------------------------------------------------------------------------------------
-
-    def request_stop(self, reason: str) -> None:
-        """Finish the current step, checkpoint, mark the job stopped (what SIGTERM/SIGINT do)."""
-        if self._stop_reason is None:
-            self._stop_reason, self._stop_time = reason, time.monotonic()
-
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        if self._stop_reason is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
-        self.request_stop(signal.Signals(signum).name)
-
-    @contextlib.contextmanager
-    def _signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
 
     # ----------------------------------------------------------------------------------------------
     #                                          Run
@@ -249,7 +419,7 @@ class Trainer:
     def run(self) -> JobStatus:
         island = join_from_env(self.options.device)
         try:
-            with self._signals():
+            with self.stop.handlers():
                 return self._run(island)
         finally:
             island.close()
@@ -284,17 +454,17 @@ class Trainer:
                     st.rank0().lease.update(threads=changed)
                 if self._step(st, sampler, bar):
                     if island.is_main:
-                        self._drain(st)
+                        self.checkpoints.drain(st)
                     state = "stopped"
                     message = (
-                        f"stopped by {self._stop_reason or 'a stop on another rank'} at step {st.step}; "
+                        f"stopped by {self.stop.reason or 'a stop on another rank'} at step {st.step}; "
                         f"re-run the same command to resume"
                     )
                     break
             else:
                 if island.is_main:
-                    self._finish(st)
-                    self._drain(st)
+                    self.outputs.finish(st, self.hooks.final_model(st))
+                    self.checkpoints.drain(st)
                 state = "done"
         except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step, the previous one stays
             state, message = "stopped", "interrupted twice, without a checkpoint; re-run to resume from the last one"
@@ -306,7 +476,7 @@ class Trainer:
             bar.close()
             if island.is_main:
                 with contextlib.suppress(Exception):  # (a failed job: its own error is the one to see)
-                    self._drain(st)
+                    self.checkpoints.drain(st)
                 st.rank0().metrics.close()
                 st.rank0().lease.release(state, message)
             if state != "failed":
@@ -342,13 +512,13 @@ class Trainer:
             net=model,
             amp=amp,
             micro=tc.batch_size // chunks,
-            opt=self.hooks.optimizer(model, dev) or self._optimizer(model, dev),
+            opt=self.hooks.optimizer(model, dev) or adamw(model, dev, tc),
             scaler=torch.amp.GradScaler(dev.type, enabled=amp == torch.float16),
             ema=EMA(model, tc.ema_decay, tc.ema_warmup) if island.is_main else None,
         )
-        last = self.store.latest()
+        last = self.checkpoints.store.latest()
         if last is not None:
-            self._restore(st, self.store.load(last))
+            self.checkpoints.restore(st, self.checkpoints.store.load(last))
             if island.is_main:
                 log.info("%s: resuming from its checkpoint at step %d", task.name, st.step)
 
@@ -379,14 +549,6 @@ class Trainer:
         self.hooks.started(st)
         return st
 
-    def _optimizer(self, model: torch.nn.Module, dev: torch.device) -> torch.optim.Optimizer:
-        """The job's optimiser: AdamW. fused: one kernel over every parameter instead of a dozen small ops per
-        parameter tensor (a small expert's step is faster for it on a CPU core too)."""
-        tc = self.task.train_cfg
-        return torch.optim.AdamW(
-            model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=dev.type in ("cpu", "cuda")
-        )
-
     def sampler(self) -> ResumableSampler:
         return ResumableSampler(len(self.task.data), derive_seed(self.task.train_cfg.seed, _DATA_STREAM))
 
@@ -397,8 +559,8 @@ class Trainer:
             bar.update(moved)
             if st.lease is not None:
                 st.lease.update(step=st.step, samples_seen=st.position)
-            self._checkpoint(st)
-            return self._stop_reason is not None
+            self.checkpoints.take(st)
+            return self.stop.reason is not None
         tc, total = self.task.train_cfg, self.task.total_steps
         lr = learning_rate(tc, st.step, total)
         loss, extras, stop = self._forward_backward(st, sampler.take(st.position, tc.batch_size), lr)
@@ -409,13 +571,13 @@ class Trainer:
         if st.island.is_main:
             st.rank0().lease.update(step=st.step, samples_seen=st.position)
             if st.step % tc.log_every == 0 or st.step == total:
-                self._log(st, bar, lr)
+                self.outputs.log(st, bar, lr)
             if st.step % tc.sample_every == 0 or st.step == total:
-                self._preview(st)
-        if st.island.is_main and (ended := self.writer.finished()):
-            self._checkpointed(st, ended)
+                self.outputs.preview(st)
+        if st.island.is_main and (ended := self.checkpoints.writer.finished()):
+            self.checkpoints.ended(st, ended)
         if stop or due or (st.bad == 0 and st.step % tc.ckpt_every == 0) or st.step == total:
-            self._checkpoint(st, stop)
+            self.checkpoints.take(st, stop)
         return stop
 
     def _forward_backward(self, st: TrainState, items: torch.Tensor, lr: float) -> tuple[float, dict[str, float], bool]:
@@ -440,7 +602,7 @@ class Trainer:
             loss_sum += loss.detach().float()
             for key, value in extras.items():
                 extra_sums[key] = extra_sums.get(key, 0) + value.detach().float()
-        stop = torch.tensor(float(self._stop_reason is not None), device=dev)
+        stop = torch.tensor(float(self.stop.reason is not None), device=dev)
         stats = island.all_sum(torch.stack([loss_sum, *extra_sums.values(), stop])).tolist()
         chunks = island.world_size * tc.grad_accum
         means = {key: value / chunks for key, value in zip(extra_sums, stats[1:-1])}
@@ -470,148 +632,14 @@ class Trainer:
         st.window.steps += 1
         if st.bad >= tc.max_bad_steps:
             if st.island.is_main:
-                self._drain(st)  # (the newest checkpoint may still be being written)
-            last = self.store.latest()
+                self.checkpoints.drain(st)  # (the newest checkpoint may still be being written)
+            last = self.checkpoints.store.latest()
             raise TrainingDiverged(
                 f"{self.task.name}: loss was {loss} for {st.bad} consecutive steps (up to step {st.step}); stopped "
-                f"without saving. Last good checkpoint: {self.store.url(last) if last else 'none'}. Lower "
+                f"without saving. Last good checkpoint: {self.checkpoints.store.url(last) if last else 'none'}. Lower "
                 f"train.lr or set train.grad_clip, check the data, then re-run to resume"
             )
 
     # ----------------------------------------------------------------------------------------------
     #                                 Checkpoints, logs, outputs
     # ----------------------------------------------------------------------------------------------
-
-    def _restore(self, st: TrainState, ckpt: Checkpoint) -> None:
-        where = self.store.url(f"step-{ckpt.step:07d}")
-        saved_cfg = ckpt.state.get("model_config") or {}
-        current = self.task.model_cfg.model_dump(mode="json")
-        if saved_cfg != current:
-            diff = sorted(k for k in set(saved_cfg) | set(current) if saved_cfg.get(k) != current.get(k))
-            raise FlowfleetError(
-                f"{where}: trained with a different {self.task.name} model config (differs in "
-                f"{', '.join(diff)}); delete {self.root.url_of(self.task.spec.dir)} to start over"
-            )
-        st.model.load_state_dict(ckpt.tensors["model"], strict=True)
-        if st.ema is not None:
-            st.ema.load_state_dict(ckpt.tensors["ema"])
-        st.opt.load_state_dict(unflatten_state(ckpt.state["optimizer"], ckpt.tensors["optimizer"]))
-        if ckpt.state.get("scaler"):
-            st.scaler.load_state_dict(ckpt.state["scaler"])
-        torch.set_rng_state(ckpt.tensors["rng"]["torch"])
-        if torch.cuda.is_available():
-            cuda = [ckpt.tensors["rng"][k] for k in sorted(ckpt.tensors["rng"]) if k.startswith("cuda.")]
-            if len(cuda) == torch.cuda.device_count():
-                torch.cuda.set_rng_state_all(cuda)
-        st.step, st.bad = ckpt.step, int(ckpt.state.get("bad_steps", 0))
-        st.position = int(ckpt.state["data_position"]["samples"])
-        self.hooks.restore(st, ckpt)
-        if ckpt.state["data_position"].get("num_items") != len(self.task.data):
-            log.warning(
-                "%s: the data changed since %s (%s -> %d items); continuing with the new data",
-                self.task.name,
-                where,
-                ckpt.state["data_position"].get("num_items"),
-                len(self.task.data),
-            )
-
-    def _checkpoint(self, st: TrainState, stop: bool = False) -> None:
-        """Rank 0 takes a copy of the job's state at this step and writes it (train.async_checkpoint: in the
-        background); every rank waits for it to be taken. A stop by SIGTERM too late for a write (stop_grace_s)
-        takes none: the job ends on its newest complete checkpoint."""
-        if st.island.is_main and not (stop and self._past_grace()):
-            opt_skeleton, opt_tensors = flatten_state(st.opt.state_dict())
-            rng = {"torch": torch.get_rng_state()}
-            if torch.cuda.is_available():
-                rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-            extra_tensors, extra_state = self.hooks.checkpoint_extras(st)
-            ckpt = Checkpoint(
-                step=st.step,
-                tensors={
-                    "model": cpu_state(st.model.state_dict()),
-                    "ema": cpu_state(st.rank0().ema.state_dict()),
-                    "optimizer": opt_tensors,
-                    "rng": rng,
-                    **extra_tensors,
-                },
-                state={
-                    **extra_state,
-                    "job": self.task.name,
-                    "total_steps": self.task.total_steps,
-                    "samples_seen": st.position,
-                    "data_position": {"samples": st.position, "num_items": len(self.task.data)},
-                    "bad_steps": st.bad,
-                    "world_size": st.island.world_size,
-                    "optimizer": opt_skeleton,
-                    "scaler": st.scaler.state_dict(),
-                    "model_config": self.task.model_cfg.model_dump(mode="json"),
-                    "train_config": self.task.train_cfg.model_dump(mode="json"),
-                },
-            )
-            ended = self.writer.start(ckpt) if self.task.train_cfg.async_checkpoint else self.store.save(ckpt)
-            if ended:
-                self._checkpointed(st, ended)
-        st.island.barrier()
-
-    def _checkpointed(self, st: TrainState, name: str) -> None:
-        """A checkpoint's write has ended: the metrics so far and the job's status name it."""
-        main = st.rank0()
-        main.metrics.flush()
-        main.lease.update(last_checkpoint=name)
-        main.lease.flush()
-
-    def _drain(self, st: TrainState) -> None:
-        """Wait for the checkpoint being written (its error raised here)."""
-        ended = self.writer.wait()
-        if ended:
-            self._checkpointed(st, ended)
-
-    def _past_grace(self) -> bool:
-        """A SIGTERM whose grace (train.stop_grace_s) the write in flight and one more, each as long as the last
-        write took, would outlast."""
-        if self._stop_reason != "SIGTERM" or self.writer.last_s is None:
-            return False
-        needed = self.writer.last_s * (2 if self.writer.busy else 1)
-        late = time.monotonic() - self._stop_time + needed > self.task.train_cfg.stop_grace_s
-        if late:
-            log.warning(
-                "%s: SIGTERM: no checkpoint of this step (a write takes %.1f s, train.stop_grace_s is %g); "
-                "the job resumes from its newest complete one",
-                self.task.name,
-                self.writer.last_s,
-                self.task.train_cfg.stop_grace_s,
-            )
-        return late
-
-    def _log(self, st: TrainState, bar, lr: float) -> None:
-        w, now = st.window, time.perf_counter()
-        seconds = max(now - w.t0, 1e-9)
-        record: dict[str, Any] = {
-            "step": st.step,
-            "loss": w.loss / w.finite_steps if w.finite_steps else float("nan"),
-            "lr": lr,
-            "samples_per_s": w.samples / seconds,
-            "time": time.time(),
-            "epoch": st.position / len(self.task.data),
-        }
-        record.update({k: v / max(w.finite_steps, 1) for k, v in w.extras.items()})
-        speed = st.pace.measure(record["samples_per_s"], seconds / max(w.steps, 1)) if st.pace is not None else {}
-        record.update(speed)
-        st.rank0().metrics.log(record)
-        st.rank0().lease.update(last_loss=record["loss"], **speed)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
-        st.window = _Window(t0=now)
-
-    def _preview(self, st: TrainState) -> None:
-        main = st.rank0()
-        png = self.task.preview(main.ema.module.eval(), st.step, st.island.device)
-        self.root.write_bytes(png, self.task.spec.dir, SAMPLES, f"step-{st.step:07d}.png")
-        main.metrics.add_image_png("samples", png, st.step)
-
-    def _finish(self, st: TrainState) -> None:
-        """final/ (the EMA weights as a model folder), then the task's report."""
-        model = self.hooks.final_model(st) or st.rank0().ema.module.eval()
-        save_model(model, self.root, self.task.spec.dir, FINAL)
-        report = self.task.report(model, st.island.device)
-        if report is not None:
-            self.root.write_json(report, self.task.spec.dir, JOB_REPORT)
