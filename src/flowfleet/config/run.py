@@ -114,19 +114,6 @@ class RunConfig(Strict):
         raw["router"] = {**raw["router"], "num_outputs": addition.k}
         return RunConfig.model_validate(raw)
 
-    def _check_augment(self) -> None:
-        if self.router_train.augment_p:
-            raise ValueError("router_train.augment_p: the router trains on the prepared items only; must be 0")
-        if self.train.augment_p and not self.data.augment.copies:
-            raise ValueError(
-                f"train.augment_p: {self.train.augment_p} draws augmented copies, but data.augment.copies is 0"
-            )
-        if self.train.augment_p and self.expert.augment_dim != AUGMENT_DIM:
-            raise ValueError(
-                f"expert.augment_dim: {self.expert.augment_dim}, but train.augment_p conditions the experts on "
-                f"{AUGMENT_DIM} augmentation parameters (dx, dy, angle, scale); set it to {AUGMENT_DIM}"
-            )
-
     def expert_config(self, k: int) -> DiTConfig:
         """Expert k's architecture: `expert` with its expert_overrides applied (a `size` there replaces
         the width, depth and heads of `expert`)."""
@@ -135,151 +122,25 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
-        """The checks across sections, one method per concern, in this order (the first failure is the error)."""
-        self._check_shapes()
+        """The checks across sections, one function per concern (below the class), in this order (the first failure
+        is the error)."""
+        check_shapes(self)
         if self.cluster.features in ("text", "both") and self.encoders.text.name == "none":
             raise ValueError(
                 f"cluster.features: {self.cluster.features!r} clusters captions, but encoders.text.name is 'none'"
             )
         if self.expert.num_outputs:
             raise ValueError("expert.num_outputs: experts predict velocities; must be 0")
-        self._check_augment()
+        check_augment(self)
         for pattern, where in self.placement.items():
             if where not in self.backends and where not in BACKEND_KINDS:
                 known = ", ".join([*self.backends, *BACKEND_KINDS])
                 raise ValueError(f"placement.{pattern}: unknown backend {where!r} (known: {known})")
-        self._check_machines()
-        self._check_fleet()
-        self._check_routers()
-        self._check_text()
+        check_machines(self)
+        check_fleet(self)
+        check_routers(self)
+        check_text(self)
         return self
-
-    def _check_machines(self) -> None:
-        """Each machine's backend is known, and its target options are its backend's kind's."""
-        only = {"nodelist": "slurm", "partition": "slurm", "resource": "ray"}
-        for name, machine in self.machines.items():
-            if machine.backend not in self.backends and machine.backend not in BACKEND_KINDS:
-                known = ", ".join([*self.backends, *BACKEND_KINDS])
-                raise ValueError(f"machines.{name}.backend: unknown {machine.backend!r} (known: {known})")
-            kind = self.backends[machine.backend].kind if machine.backend in self.backends else machine.backend
-            for option, needs in only.items():
-                if getattr(machine, option) and kind != needs:
-                    raise ValueError(f"machines.{name}.{option}: a {needs} option, but its backend is {kind!r}")
-
-    def _check_shapes(self) -> None:
-        """The latent space: the encoder's side, every model's input, the router's outputs, the additions' data."""
-        c, h, w = self.latent_shape
-        if self.encoders.latent.name == "sd-vae-ft-mse" and self.data.image_size % 8:
-            raise ValueError(f"data.image_size: {self.data.image_size} must be divisible by 8 for the VAE")
-        if self.encoders.latent.name == "autoencoder":
-            ae, size = self.encoders.latent.autoencoder, self.data.image_size
-            where = "encoders.latent.autoencoder.pad_to"
-            if ae.pad_to is not None and (ae.pad_to < size or (ae.pad_to - size) % 2):
-                raise ValueError(f"{where}: {ae.pad_to} must be >= data.image_size {size}, by an even margin")
-            if ae.side(size) % ae.factor:
-                raise ValueError(
-                    f"{where}: the side {ae.side(size)} must divide by {ae.factor} "
-                    f"({len(ae.block_out_channels)} block_out_channels halve it {len(ae.block_out_channels) - 1} times)"
-                )
-        for name, model in (("expert", self.expert), ("router", self.router)):
-            if tuple(model.input_size) != (h, w):
-                raise ValueError(f"{name}.input_size: {tuple(model.input_size)} differs from the latent size {(h, w)}")
-            if model.in_channels != c:
-                raise ValueError(f"{name}.in_channels: {model.in_channels} differs from the latent channels {c}")
-        if self.router.num_outputs != self.num_experts:
-            raise ValueError(
-                f"router.num_outputs: {self.router.num_outputs} differs from the {self.num_experts} experts "
-                f"(cluster.k {self.cluster.k}"
-                + (f" + {self.num_experts - self.cluster.k} added)" if self.added else ")")
-            )
-        for n, addition in enumerate(self.added, 1):
-            if (addition.data.image_size, addition.data.channels) != (self.data.image_size, self.data.channels):
-                raise ValueError(
-                    f"added.{n - 1}.data: image_size/channels {addition.data.image_size}/{addition.data.channels} "
-                    f"differ from the run's {self.data.image_size}/{self.data.channels}"
-                )
-
-    def _check_fleet(self) -> None:
-        """The fleet's experts: removals, per-expert overrides, a student, how the steps are split."""
-        if sorted(set(self.removed_experts)) != self.removed_experts:
-            raise ValueError(f"removed_experts: {self.removed_experts} must be sorted and without repeats")
-        for k in self.removed_experts:
-            if not 0 <= k < self.num_experts:
-                raise ValueError(f"removed_experts: {k} is not an expert (the run has {self.num_experts})")
-        if self.removed_experts and len(self.removed_experts) >= self.num_experts:
-            raise ValueError(f"removed_experts: {self.removed_experts} would leave no expert")
-        if self.distill is not None:
-            for name in self.distill.student:
-                if name not in EXPERT_OVERRIDABLE:
-                    raise ValueError(
-                        f"distill.student.{name}: a student may change only {', '.join(EXPERT_OVERRIDABLE)}"
-                    )
-            try:
-                self.student_config()
-            except ValidationError as err:
-                raise ValueError(f"distill.student.{validation_message(err)}") from None
-        for k, changes in self.expert_overrides.items():
-            if not 0 <= k < self.num_experts:
-                raise ValueError(f"expert_overrides.{k}: no such expert (the run has {self.num_experts})")
-            for name in changes:
-                if name not in EXPERT_OVERRIDABLE:
-                    raise ValueError(
-                        f"expert_overrides.{k}.{name}: an expert may change only {', '.join(EXPERT_OVERRIDABLE)} "
-                        f"(the latent space, patch grid and text interface are the fleet's)"
-                    )
-            try:  # (a size whose patch differs contradicts the patch_size kept from `expert`)
-                self.expert_config(k)
-            except ValidationError as err:
-                raise ValueError(f"expert_overrides.{k}.{validation_message(err)}") from None
-        # by_size splits one budget of FLOPs: experts of another architecture would make the monolith's matched
-        # compute depend on the split; another objective (the same network, the same FLOPs) does not
-        same_flops = ("objective", "schedule", "cond_dropout", "dropout")
-        reshaped = any(set(changes) - set(same_flops) for changes in self.expert_overrides.values())
-        if self.train.expert_steps == "by_size" and reshaped:
-            raise ValueError(
-                "train.expert_steps: by_size splits the steps of experts of one architecture; with "
-                "expert_overrides the monolith's matched compute would depend on which expert gets which share"
-            )
-
-    def _check_routers(self) -> None:
-        """The run's router and its comparison routers."""
-        if self.router_baseline and not self.router.uses_text:
-            raise ValueError(
-                "router_baseline: the run's router is already prompt-blind (router.conditioning "
-                "'none'); the baseline compares it with a prompt-aware one"
-            )
-        if self.router_prompt and self.router.uses_text:
-            raise ValueError(
-                "router_prompt: the run's router already reads the prompt (router.conditioning "
-                f"{self.router.conditioning!r}); the comparison is a prompt-aware router beside a prompt-blind one"
-            )
-        if self.router_prompt and self.encoders.text.name == "none":
-            raise ValueError(
-                "router_prompt: the prompt-aware router reads the caption's text vector: needs a text encoder"
-            )
-        if self.router.conditioning == "class":
-            raise ValueError(
-                "router.conditioning: a router sees (x_t, t) and optionally the prompt "
-                "('none', 'pooled' or 'cross_attn'), not class labels"
-            )
-
-    def _check_text(self) -> None:
-        """Every text-conditioned model against the text encoder."""
-        for name, model in (("expert", self.expert), ("router", self.router)):
-            if not model.uses_text:
-                continue
-            if self.encoders.text.name == "none":
-                raise ValueError(f"{name}.conditioning: {model.conditioning} needs a text encoder")
-            if model.text_dim != self.encoders.text.width:
-                raise ValueError(
-                    f"{name}.text_dim: {model.text_dim} differs from the {self.encoders.text.name} "
-                    f"text width {self.encoders.text.width}"
-                )
-            if model.conditioning == "cross_attn" and model.text_len != self.encoders.text.max_length:
-                raise ValueError(
-                    f"{name}.text_len: {model.text_len} differs from encoders.text.max_length "
-                    f"{self.encoders.text.max_length}"
-                )
 
     # -- files ---------------------------------------------------------------------------------------
 
@@ -292,6 +153,148 @@ class RunConfig(Strict):
 
     def save(self, root: RunRoot) -> None:
         root.write_yaml(self.to_dict(), RUN_FILE)
+
+
+# The checks across run.yaml's sections, one per concern (RunConfig._check calls them in order).
+
+
+def check_augment(cfg: RunConfig) -> None:
+    if cfg.router_train.augment_p:
+        raise ValueError("router_train.augment_p: the router trains on the prepared items only; must be 0")
+    if cfg.train.augment_p and not cfg.data.augment.copies:
+        raise ValueError(f"train.augment_p: {cfg.train.augment_p} draws augmented copies, but data.augment.copies is 0")
+    if cfg.train.augment_p and cfg.expert.augment_dim != AUGMENT_DIM:
+        raise ValueError(
+            f"expert.augment_dim: {cfg.expert.augment_dim}, but train.augment_p conditions the experts on "
+            f"{AUGMENT_DIM} augmentation parameters (dx, dy, angle, scale); set it to {AUGMENT_DIM}"
+        )
+
+
+def check_machines(cfg: RunConfig) -> None:
+    """Each machine's backend is known, and its target options are its backend's kind's."""
+    only = {"nodelist": "slurm", "partition": "slurm", "resource": "ray"}
+    for name, machine in cfg.machines.items():
+        if machine.backend not in cfg.backends and machine.backend not in BACKEND_KINDS:
+            known = ", ".join([*cfg.backends, *BACKEND_KINDS])
+            raise ValueError(f"machines.{name}.backend: unknown {machine.backend!r} (known: {known})")
+        kind = cfg.backends[machine.backend].kind if machine.backend in cfg.backends else machine.backend
+        for option, needs in only.items():
+            if getattr(machine, option) and kind != needs:
+                raise ValueError(f"machines.{name}.{option}: a {needs} option, but its backend is {kind!r}")
+
+
+def check_shapes(cfg: RunConfig) -> None:
+    """The latent space: the encoder's side, every model's input, the router's outputs, the additions' data."""
+    c, h, w = cfg.latent_shape
+    if cfg.encoders.latent.name == "sd-vae-ft-mse" and cfg.data.image_size % 8:
+        raise ValueError(f"data.image_size: {cfg.data.image_size} must be divisible by 8 for the VAE")
+    if cfg.encoders.latent.name == "autoencoder":
+        ae, size = cfg.encoders.latent.autoencoder, cfg.data.image_size
+        where = "encoders.latent.autoencoder.pad_to"
+        if ae.pad_to is not None and (ae.pad_to < size or (ae.pad_to - size) % 2):
+            raise ValueError(f"{where}: {ae.pad_to} must be >= data.image_size {size}, by an even margin")
+        if ae.side(size) % ae.factor:
+            raise ValueError(
+                f"{where}: the side {ae.side(size)} must divide by {ae.factor} "
+                f"({len(ae.block_out_channels)} block_out_channels halve it {len(ae.block_out_channels) - 1} times)"
+            )
+    for name, model in (("expert", cfg.expert), ("router", cfg.router)):
+        if tuple(model.input_size) != (h, w):
+            raise ValueError(f"{name}.input_size: {tuple(model.input_size)} differs from the latent size {(h, w)}")
+        if model.in_channels != c:
+            raise ValueError(f"{name}.in_channels: {model.in_channels} differs from the latent channels {c}")
+    if cfg.router.num_outputs != cfg.num_experts:
+        raise ValueError(
+            f"router.num_outputs: {cfg.router.num_outputs} differs from the {cfg.num_experts} experts "
+            f"(cluster.k {cfg.cluster.k}" + (f" + {cfg.num_experts - cfg.cluster.k} added)" if cfg.added else ")")
+        )
+    for n, addition in enumerate(cfg.added, 1):
+        if (addition.data.image_size, addition.data.channels) != (cfg.data.image_size, cfg.data.channels):
+            raise ValueError(
+                f"added.{n - 1}.data: image_size/channels {addition.data.image_size}/{addition.data.channels} "
+                f"differ from the run's {cfg.data.image_size}/{cfg.data.channels}"
+            )
+
+
+def check_fleet(cfg: RunConfig) -> None:
+    """The fleet's experts: removals, per-expert overrides, a student, how the steps are split."""
+    if sorted(set(cfg.removed_experts)) != cfg.removed_experts:
+        raise ValueError(f"removed_experts: {cfg.removed_experts} must be sorted and without repeats")
+    for k in cfg.removed_experts:
+        if not 0 <= k < cfg.num_experts:
+            raise ValueError(f"removed_experts: {k} is not an expert (the run has {cfg.num_experts})")
+    if cfg.removed_experts and len(cfg.removed_experts) >= cfg.num_experts:
+        raise ValueError(f"removed_experts: {cfg.removed_experts} would leave no expert")
+    if cfg.distill is not None:
+        for name in cfg.distill.student:
+            if name not in EXPERT_OVERRIDABLE:
+                raise ValueError(f"distill.student.{name}: a student may change only {', '.join(EXPERT_OVERRIDABLE)}")
+        try:
+            cfg.student_config()
+        except ValidationError as err:
+            raise ValueError(f"distill.student.{validation_message(err)}") from None
+    for k, changes in cfg.expert_overrides.items():
+        if not 0 <= k < cfg.num_experts:
+            raise ValueError(f"expert_overrides.{k}: no such expert (the run has {cfg.num_experts})")
+        for name in changes:
+            if name not in EXPERT_OVERRIDABLE:
+                raise ValueError(
+                    f"expert_overrides.{k}.{name}: an expert may change only {', '.join(EXPERT_OVERRIDABLE)} "
+                    f"(the latent space, patch grid and text interface are the fleet's)"
+                )
+        try:  # (a size whose patch differs contradicts the patch_size kept from `expert`)
+            cfg.expert_config(k)
+        except ValidationError as err:
+            raise ValueError(f"expert_overrides.{k}.{validation_message(err)}") from None
+    # by_size splits one budget of FLOPs: experts of another architecture would make the monolith's matched
+    # compute depend on the split; another objective (the same network, the same FLOPs) does not
+    same_flops = ("objective", "schedule", "cond_dropout", "dropout")
+    reshaped = any(set(changes) - set(same_flops) for changes in cfg.expert_overrides.values())
+    if cfg.train.expert_steps == "by_size" and reshaped:
+        raise ValueError(
+            "train.expert_steps: by_size splits the steps of experts of one architecture; with "
+            "expert_overrides the monolith's matched compute would depend on which expert gets which share"
+        )
+
+
+def check_routers(cfg: RunConfig) -> None:
+    """The run's router and its comparison routers."""
+    if cfg.router_baseline and not cfg.router.uses_text:
+        raise ValueError(
+            "router_baseline: the run's router is already prompt-blind (router.conditioning "
+            "'none'); the baseline compares it with a prompt-aware one"
+        )
+    if cfg.router_prompt and cfg.router.uses_text:
+        raise ValueError(
+            "router_prompt: the run's router already reads the prompt (router.conditioning "
+            f"{cfg.router.conditioning!r}); the comparison is a prompt-aware router beside a prompt-blind one"
+        )
+    if cfg.router_prompt and cfg.encoders.text.name == "none":
+        raise ValueError("router_prompt: the prompt-aware router reads the caption's text vector: needs a text encoder")
+    if cfg.router.conditioning == "class":
+        raise ValueError(
+            "router.conditioning: a router sees (x_t, t) and optionally the prompt "
+            "('none', 'pooled' or 'cross_attn'), not class labels"
+        )
+
+
+def check_text(cfg: RunConfig) -> None:
+    """Every text-conditioned model against the text encoder."""
+    for name, model in (("expert", cfg.expert), ("router", cfg.router)):
+        if not model.uses_text:
+            continue
+        if cfg.encoders.text.name == "none":
+            raise ValueError(f"{name}.conditioning: {model.conditioning} needs a text encoder")
+        if model.text_dim != cfg.encoders.text.width:
+            raise ValueError(
+                f"{name}.text_dim: {model.text_dim} differs from the {cfg.encoders.text.name} "
+                f"text width {cfg.encoders.text.width}"
+            )
+        if model.conditioning == "cross_attn" and model.text_len != cfg.encoders.text.max_length:
+            raise ValueError(
+                f"{name}.text_len: {model.text_len} differs from encoders.text.max_length "
+                f"{cfg.encoders.text.max_length}"
+            )
 
 
 def _changed(model: DiTConfig, changes: dict[str, Any]) -> DiTConfig:
