@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def check(*pages: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, ".ci/doc_paths.py", *pages], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+from fixtures.ci_checks import run_check
 
 
 def test_every_path_the_readme_and_docs_name_exists():
-    done = check("README.md", "BENCHMARKS.md", "docs")
+    done = run_check("doc_paths.py", "README.md", "BENCHMARKS.md", "docs")
     assert done.returncode == 0 and done.stdout == "", done.stdout
 
 
@@ -27,7 +17,7 @@ def test_a_path_that_does_not_exist_is_a_line_naming_the_page_and_the_line(tmp_p
         "Gone: `stages/admit.py` `Gate`, `benchmarks/nothing_here.py:12` and [a page](missing.md).\n"
         "Not repository paths: `runs/demo/model`, `data/manifest.json`, `flowfleet demo`, [site](https://x.org/a).\n"
     )
-    done = check(str(page))
+    done = run_check("doc_paths.py", str(page))
     assert done.returncode == 1
     assert done.stdout.splitlines() == [
         f"{page}:2: stages/admit.py",

@@ -3,26 +3,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from fixtures.ci_checks import REPO, run_check
 
 from flowfleet.cli import main
 from flowfleet.errors import ParameterError
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def check(package: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, ".ci/flag_errors.py", str(package)], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
-
 
 def test_no_library_error_starts_with_a_flag():
-    done = check(REPO / "src" / "flowfleet")
+    done = run_check("flag_errors.py", str(REPO / "src" / "flowfleet"))
     assert done.returncode == 0 and done.stdout == "", done.stdout
 
 
@@ -38,7 +27,7 @@ def test_the_check_names_each_library_error_worded_as_a_flag(tmp_path):
         '    raise RuntimeError("--")\n'
     )
     (package / "commands" / "run.py").write_text('raise SystemExit("--n: the command line may say flags")\n')
-    done = check(package)
+    done = run_check("flag_errors.py", str(package))
     assert done.returncode == 1
     lib = package / "lib.py"
     assert done.stdout.splitlines() == [f"{lib}:3: --n: must be >= 1, got ", f"{lib}:6: --"]

@@ -3,21 +3,11 @@ names each comment or docstring line that quotes a measured time, ratio, through
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def check(package: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, ".ci/measured_words.py", str(package)], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+from fixtures.ci_checks import REPO, run_check
 
 
 def test_src_quotes_no_measurement_and_names_benchmarks_md_at_most_eight_times():
-    done = check(REPO / "src" / "flowfleet")
+    done = run_check("measured_words.py", str(REPO / "src" / "flowfleet"))
     assert done.returncode == 0 and done.stdout == "", done.stdout
 
 
@@ -40,7 +30,7 @@ def test_the_check_names_each_measured_line_and_passes_shapes_settings_and_code(
         "    # top-2 classifier FD 51.7 -> 41.7 with the new batch\n"
         '    return "took 5.5 s"  # (a string in code is not prose)\n'
     )
-    done = check(package)
+    done = run_check("measured_words.py", str(package))
     assert done.returncode == 1
     assert [line.split(": ", 1)[0] for line in done.stdout.splitlines()] == [
         f"{package / 'm.py'}:{n}" for n in (3, 12, 13)
@@ -51,7 +41,7 @@ def test_more_than_eight_citations_of_benchmarks_md_fail(tmp_path):
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "m.py").write_text("".join(f"X{i} = {i}  # chosen so (BENCHMARKS.md, section {i})\n" for i in range(9)))
-    done = check(package)
+    done = run_check("measured_words.py", str(package))
     assert done.returncode == 1 and "9 lines name BENCHMARKS.md (at most 8)" in done.stdout
     (package / "m.py").write_text("".join(f"X{i} = {i}  # chosen so (BENCHMARKS.md, section {i})\n" for i in range(8)))
-    assert check(package).returncode == 0
+    assert run_check("measured_words.py", str(package)).returncode == 0
