@@ -48,6 +48,30 @@ from flowfleet.parallel.sequence import ulysses_degree as sequence_degree
 from flowfleet.parallel.step import BandStep
 
 
+class BatchHalves:
+    """One rank group's half of each per-sample argument of a guided batch (a tensor whose first dimension is the
+    batch, in dicts such as added_cond_kwargs and lists such as ControlNet's residuals too). The half of an unchanged
+    tensor is the same tensor object on every call, so caches keyed on the prompt tensor (text keys/values) keep
+    working."""
+
+    def __init__(self, half: int):
+        self.half = half  # which half of the batch (0: the first)
+        self._cache: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}  # argument -> (tensor, version, half)
+
+    def __call__(self, name: str, value, b: int):
+        if isinstance(value, dict):
+            return {k: self(f"{name}.{k}", v, b) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):  # ControlNet residuals: one tensor per block
+            return type(value)(self(f"{name}.{i}", v, b) for i, v in enumerate(value))
+        if not (isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == b):
+            return value
+        cached = self._cache.get(name)
+        if cached is None or cached[0] is not value or cached[1] != value._version:
+            cached = (value, value._version, value[self.half * (b // 2) : (self.half + 1) * (b // 2)])
+            self._cache[name] = cached
+        return cached[2]
+
+
 class PatchedModel:
     """Base of the patch-parallel diffusers models; see the module docstring. A subclass names the forward
     argument holding the latent (`SAMPLE`), the arguments it cannot split (`UNSUPPORTED`), and provides
@@ -111,7 +135,7 @@ class PatchedModel:
         self._filled: int | None = None  # batch size whose activations the receive buffers hold
         self._last_t: float | None = None
         self._rows = 0  # batch rows per band slot (the largest batch one group runs), set at registration
-        self._halves: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}  # argument -> (tensor, version, half)
+        self.halves = BatchHalves(self.half)
         self.slots: dict[str, tuple[int, ...]] = {}  # comm slot -> shape, in forward order (after the first call)
         self._registered = False  # comm slots registered and allocated (first call)
         self._patched: list[nn.Module] = []
@@ -186,7 +210,7 @@ class PatchedModel:
             raise FlowfleetError(f"patch-parallel {self.what}: batch of {b} exceeds max_batch={self.max_batch}")
         split = self.cfg_split and b % 2 == 0
         if split:  # this group's half of [unconditional; conditional]
-            call = {name: value if name in self.SHARED else self._half(name, value, b) for name, value in call.items()}
+            call = {name: value if name in self.SHARED else self.halves(name, value, b) for name, value in call.items()}
         rows = call[self.SAMPLE].shape[0]
         t_now = float(torch.as_tensor(call.get("timestep", 0), dtype=torch.float64).max())
         if self._last_t is not None and t_now > self._last_t:
@@ -256,22 +280,6 @@ class PatchedModel:
                 call.update(call.pop(name))
         call.pop("return_dict", None)
         return call
-
-    def _half(self, name: str, value, b: int):
-        """This group's half of a per-sample argument (a tensor whose first dimension is the batch, in
-        dicts such as added_cond_kwargs too). The half of an unchanged tensor is the same tensor object
-        on every call, so caches keyed on the prompt tensor (text keys/values) keep working."""
-        if isinstance(value, dict):
-            return {k: self._half(f"{name}.{k}", v, b) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):  # ControlNet residuals: one tensor per block
-            return type(value)(self._half(f"{name}.{i}", v, b) for i, v in enumerate(value))
-        if not (isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == b):
-            return value
-        cached = self._halves.get(name)
-        if cached is None or cached[0] is not value or cached[1] != value._version:
-            cached = (value, value._version, value[self.half * (b // 2) : (self.half + 1) * (b // 2)])
-            self._halves[name] = cached
-        return cached[2]
 
     def _my_bands(self, call: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
         """`call` with this band's share of the whole-image tensors (or lists of them) under `names`
