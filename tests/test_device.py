@@ -54,9 +54,9 @@ def test_cuda_without_an_index_is_the_ranks_own_gpu_that_set_device_takes(monkey
 @pytest.mark.parametrize(
     "gpus, name, message",
     [
-        (0, "cuda", "--device: cuda requested but CUDA is not available"),
-        (0, "cuda:1", "--device: cuda:1 requested but CUDA is not available"),
-        (1, "gpu", "--device: unknown device 'gpu' (expected cpu, cuda, cuda:N or auto)"),
+        (0, "cuda", "device: cuda requested but CUDA is not available"),
+        (0, "cuda:1", "device: cuda:1 requested but CUDA is not available"),
+        (1, "gpu", "device: unknown device 'gpu' (expected cpu, cuda, cuda:N or auto)"),
     ],
 )
 def test_a_device_that_is_not_there_is_a_one_line_error(monkeypatch, gpus, name, message):
