@@ -20,7 +20,11 @@ feature clusters, a prompt-blind router): nothing here is a stand-in.
 (expert width, batch size, cluster settings: a cluster.* setting clusters the copy afresh). --monolith-from
 RUN copies RUN's trained monolith instead of training one, after checking that it has the same architecture,
 training settings and step count as this run's compute-matched monolith would (a lever that changes neither reuses the
-one baseline).
+one baseline). A --set machines=... plans the fleet on those machines (`flowfleet plan`: equal machines balance the
+experts' work) before it trains, and the record keeps each expert's machine, steps and batch.
+
+    python benchmarks/fleet_budget.py --run runs/demo-emoji --budgets 1500 --tag equal4 \
+        --set 'machines={a: {tflops: 1}, b: {tflops: 1}, c: {tflops: 1}, d: {tflops: 1}}'
 
 Appends one JSON line per budget to OUT/budget.jsonl and prints it, then draws OUT/budget.png from every line
 of the same --set levers: each model's chosen FD against the budget (mean and sd over seeds), with the real floor,
@@ -219,11 +223,19 @@ def main() -> None:
             recluster(run, a.set)
         if reused:
             reuse_monolith(Path(reused[seeds.index(seed)] if len(reused) > 1 else reused[0]), run)
+        planned = None
+        if "machines" in yaml.safe_load((run / "run.yaml").read_text()):  # a --set machines=...: the fleet planned
+            from flowfleet.stages.plan import plan_fleet
+
+            plan = plan_fleet(str(run))
+            planned = {j: [a.machine, a.steps, a.batch] for j, a in plan.jobs.items()}
         t0 = time.perf_counter()
         train_all(str(run), parallel=a.parallel, progress=False)
         train_s = time.perf_counter() - t0
         assemble(str(run), progress=False)
         rec = {"budget_per_expert": budget, "seed": seed, "train_all_s": round(train_s, 1), "sets": a.set}
+        if planned is not None:
+            rec["plan"] = planned
         routers = tuple(r for r in a.routers.split(",") if r)
         rec.update(
             score_fleet(
