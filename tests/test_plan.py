@@ -40,11 +40,6 @@ def digits_works(steps: int = 12_000) -> list[ExpertWork]:
     return [ExpertWork(f"expert-{k}", steps, b, SAMPLE) for k, b in enumerate([5, 12, 9, 6])]
 
 
-def step_s(plan, job: str) -> float:
-    a = plan.jobs[job]
-    return a.batch * a.sample_flops / (plan.tflops[a.machine] * TERA)
-
-
 def test_balanced_plan_puts_the_heaviest_on_the_fastest_and_ends_every_machine_together():
     works = digits_works()
     recipe = sum(w.flops for w in works)
@@ -55,8 +50,8 @@ def test_balanced_plan_puts_the_heaviest_on_the_fastest_and_ends_every_machine_t
     ideal = recipe / (sum(speeds.values()) * TERA)  # no plan can end sooner: every machine busy all along
     for job, a in plan.jobs.items():
         assert a.batch == works[int(job[-1])].batch  # the recipe's batch
-        assert a.start_s == 0 and abs(a.finish_s - ideal) <= step_s(plan, job)  # one expert each, all end together
-    assert ideal <= plan.critical_path_s + max(step_s(plan, j) for j in plan.jobs) / 2
+        assert a.start_s == 0 and abs(a.finish_s - ideal) <= plan.step_s(job)  # one expert each, all end together
+    assert ideal <= plan.critical_path_s + max(plan.step_s(j) for j in plan.jobs) / 2
     assert abs(plan.total_flops - recipe) <= sum(a.batch * SAMPLE for a in plan.jobs.values())  # the budget kept
     assert plan.recipe_flops == recipe and plan.mode == "balanced"
     # K equal machines: the heaviest job's FLOPs over the mean job's, 1.5 under the recipe, is 1
@@ -76,7 +71,7 @@ def test_a_deadline_keeps_every_machine_busy_until_it_and_the_faster_machines_tr
         assert mine[0].start_s == 0
         for before, after in zip(mine, mine[1:]):  # one after the other on their machine
             assert after.start_s == pytest.approx(before.finish_s)
-        last = max(step_s(plan, a.job) for a in mine)
+        last = max(plan.step_s(a.job) for a in mine)
         assert deadline - last < mine[-1].finish_s <= deadline  # busy to the deadline, never past it
         assert sum(a.flops for a in mine) <= deadline * speeds[m] * TERA
     work = {m: sum(a.flops for a in plan.jobs.values() if a.machine == m) for m in speeds}
@@ -93,7 +88,7 @@ def test_more_experts_than_machines_share_them_longest_first():
     }
     assert on == {"fast": ["expert-0", "expert-2", "expert-3"], "slow": ["expert-1", "expert-4"]}
     ends = [plan.machine_finish_s(m) for m in plan.tflops]
-    assert max(ends) - min(ends) <= max(step_s(plan, j) for j in plan.jobs)
+    assert max(ends) - min(ends) <= max(plan.step_s(j) for j in plan.jobs)
     few = make_plan(works[:1], {"fast": 2.0, "slow": 1.0})  # one expert: the fastest machine alone
     assert few.jobs["expert-0"].machine == "fast" and few.jobs["expert-0"].steps == 100
 

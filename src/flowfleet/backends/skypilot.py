@@ -24,7 +24,7 @@ import yaml
 from flowfleet.config import load_run_config
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.storage import RunRoot
-from flowfleet.train.plan import read_plan
+from flowfleet.train.plan import current_plan
 from flowfleet.train.specs import JobSpec, fleet_jobs
 
 DEFAULT_SETUP = 'pip install "flowfleet[all]"'
@@ -94,7 +94,7 @@ def export_skypilot(run_root: str, out: str, options: SkyPilotOptions | None = N
     cfg = load_run_config(root)
     dest = RunRoot(out)
     written, launch = [], ["#!/usr/bin/env bash", "# one managed SkyPilot job per flowfleet job", "set -euo pipefail"]
-    plan = read_plan(root) if cfg.machines else None
+    plan = current_plan(root, cfg)
     for spec in fleet_jobs(cfg):
         name = f"{spec.name}.yaml"
         machine = cfg.machines[plan.jobs[spec.name].machine] if plan and spec.name in plan.jobs else None

@@ -327,10 +327,10 @@ def job_plans(run_root: str) -> dict[str, dict]:
     the run has one."""
     from flowfleet.config import load_run_config
     from flowfleet.storage import RunRoot
-    from flowfleet.train.plan import TERA, read_plan
+    from flowfleet.train.plan import current_plan
 
     root = RunRoot(run_root)
-    plan = read_plan(root) if load_run_config(root).machines else None
+    plan = current_plan(root, load_run_config(root))
     if plan is None:
         return {}
     return {
@@ -338,7 +338,7 @@ def job_plans(run_root: str) -> dict[str, dict]:
             "machine": a.machine,
             "steps": a.steps,
             "batch": a.batch,
-            "step_s": a.batch * a.sample_flops / (plan.tflops[a.machine] * TERA),
+            "step_s": plan.step_s(job),
             "finish_s": a.finish_s,
         }
         for job, a in plan.jobs.items()

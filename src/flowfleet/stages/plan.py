@@ -3,13 +3,12 @@ train-all, `status` and every training job then follow; and `probe`, a machine's
 
     flowfleet probe RUN --machine fast        on the machine itself: plan/probe-fast.json
     flowfleet plan RUN [--deadline 36h]       plan/plan.json: each expert's machine, steps, batch, expected finish
-    flowfleet plan RUN --replan --lost slow   slow's unfinished experts, from their newest checkpoints, moved
+    flowfleet plan RUN --replan slow          slow's unfinished experts, from their newest checkpoints, moved
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import time
 
@@ -19,10 +18,10 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.layout import probe_file
 from flowfleet.models.flops import train_flops_per_sample
 from flowfleet.storage import RunRoot
-from flowfleet.train.checkpoint import CheckpointStore
+from flowfleet.train.checkpoint import CheckpointStore, step_of
 from flowfleet.train.plan import ExpertWork, Plan, make_plan, read_plan, recipe_key, replan, write_plan
 from flowfleet.train.probe import probe_tflops
-from flowfleet.train.specs import JobSpec, job_cost, router_spec
+from flowfleet.train.specs import JobSpec, job_cost, matched_monolith_steps, router_spec
 from flowfleet.train.status import job_finished
 from flowfleet.train.tasks import contribution_of, recipe_batch, recipe_steps
 
@@ -72,11 +71,10 @@ def machine_tflops(root: RunRoot, cfg: RunConfig) -> dict[str, float]:
 
 
 def _monolith_steps(cfg: RunConfig, plan: Plan) -> int | None:
-    """A compute-matched monolith's steps for the plan's experts' FLOPs and the router's (monolith_steps's rule)."""
+    """A compute-matched monolith's steps for the plan's experts' FLOPs and the router's."""
     if not (cfg.monolith.enabled and cfg.monolith.match_compute):
         return None
-    per_step = train_flops_per_sample(cfg.expert) * cfg.train.batch_size
-    return math.ceil((plan.total_flops + job_cost(cfg, router_spec(cfg))) / per_step)
+    return matched_monolith_steps(cfg, plan.total_flops + job_cost(cfg, router_spec(cfg)))
 
 
 def plan_fleet(run_root: str | RunRoot, deadline_s: float | None = None) -> Plan:
@@ -103,7 +101,7 @@ def replan_fleet(run_root: str | RunRoot, lost: str) -> Plan:
             continue
         finished, _, _ = job_finished(root, spec.dir, plan.jobs[spec.name].steps)
         newest = CheckpointStore(root, spec.dir).latest()
-        done[spec.name] = plan.jobs[spec.name].steps if finished else int(newest[5:]) if newest else 0
+        done[spec.name] = plan.jobs[spec.name].steps if finished else step_of(newest) if newest else 0
     changed = replan(plan, lost, done)
     write_plan(root, changed)
     return changed

@@ -40,7 +40,7 @@ from flowfleet.storage import RunRoot
 from flowfleet.train.diloco import DiLoCoRounds
 from flowfleet.train.fanout import LocalFanout, ProcessJob, plan_slots
 from flowfleet.train.loop import Trainer, TrainOptions
-from flowfleet.train.plan import read_plan
+from flowfleet.train.plan import current_plan
 from flowfleet.train.specs import JobSpec, compute_matching, fleet_jobs, job_cost, launcher, router_spec
 from flowfleet.train.status import JobStatus, job_finished, read_status
 from flowfleet.train.tasks import build_task, planned_batch, planned_steps
@@ -183,7 +183,7 @@ def train_all(
     root, cfg = _open(run_root)
     default = "cli" if isinstance(backend, BackendConfig) else backend
     places = {"cli": backend} if isinstance(backend, BackendConfig) else {}
-    plan = read_plan(root) if cfg.machines else None
+    plan = current_plan(root, cfg)
     planned = {job: a.machine for job, a in plan.jobs.items()} if plan else None
     placed = place_jobs(cfg, fleet_jobs(cfg), default, planned)
     for name in set(placed.values()) - set(places):
@@ -226,7 +226,7 @@ def describe_matching(root: RunRoot, cfg: RunConfig) -> str:
     planned steps x batch, and the router's) beside the monolith's. A compute-matched monolith whose FLOPs differ
     from the fleet's by a step or more is a bug, refused here before anything trains."""
     line = compute_matching(cfg)
-    if cfg.machines and read_plan(root) is not None:
+    if current_plan(root, cfg) is not None:
         line += f", as {root.url_of(*PLAN)} plans it for run.yaml machines"
     experts = [JobSpec("expert", k) for k in range(cfg.cluster.k)]
     try:

@@ -40,6 +40,14 @@ def step_dir(step: int) -> str:
     return f"step-{step:07d}"
 
 
+def step_of(name: str) -> int:
+    """The step of a checkpoint folder's name (step_dir's inverse)."""
+    m = _STEP_DIR.match(name)
+    if m is None:
+        raise CheckpointError(f"{name!r}: not a checkpoint folder's name (step-NNNNNNN)")
+    return int(m.group(1))
+
+
 # ------------------------------------------------------------------------------------------------
 #           Nested state (optimizer, scaler) <-> JSON skeleton + flat tensors
 # ------------------------------------------------------------------------------------------------
@@ -145,9 +153,8 @@ class CheckpointStore:
     def _step_dirs(self) -> list[int]:
         steps = []
         for entry in self.root.ls(*self._parts()):
-            m = _STEP_DIR.match(entry)
-            if m:
-                steps.append(int(m.group(1)))
+            if _STEP_DIR.match(entry):
+                steps.append(step_of(entry))
         return sorted(steps)
 
     def _is_complete(self, name: str) -> bool:

@@ -62,8 +62,12 @@ class Assignment:
     finish_s: float
 
     @property
+    def step_flops(self) -> int:
+        return self.batch * self.sample_flops
+
+    @property
     def flops(self) -> int:
-        return self.steps * self.batch * self.sample_flops
+        return self.steps * self.step_flops
 
 
 @dataclass
@@ -91,9 +95,13 @@ class Plan:
     def machine_finish_s(self, machine: str) -> float:
         return max((a.finish_s for a in self.jobs.values() if a.machine == machine), default=0.0)
 
+    def step_s(self, job: str) -> float:
+        """Seconds a step of `job` takes on its machine, at the machine's speed."""
+        a = self.jobs[job]
+        return a.step_flops / (self.tflops[a.machine] * TERA)
+
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["jobs"] = {name: asdict(a) for name, a in self.jobs.items()}
+        out = asdict(self)  # (the assignments too: asdict recurses)
         out["total_flops"] = self.total_flops
         out["critical_path_s"] = self.critical_path_s
         return out
@@ -195,7 +203,7 @@ def replan(plan: Plan, lost: str, done_steps: dict[str, int]) -> Plan:
         done = min(max(done_steps.get(name, 0), 0), a.steps)
         if a.machine != lost or done >= a.steps:
             continue
-        rest = (a.steps - done) * a.batch * a.sample_flops
+        rest = (a.steps - done) * a.step_flops
         ends = {m: max((b.finish_s for b in jobs.values() if b.machine == m), default=0.0) for m in left}
         end_on = {m: ends[m] + rest / (plan.tflops[m] * TERA) for m in left}
         to = min(left, key=lambda m: (end_on[m], -plan.tflops[m], m))
@@ -213,6 +221,28 @@ def read_plan(root: RunRoot) -> Plan | None:
     except ValueError as err:  # its message names the file
         raise FlowfleetError(str(err)) from None
     return Plan.from_json(raw, root.url_of(*PLAN))
+
+
+def current_plan(root: RunRoot, cfg: RunConfig) -> Plan | None:
+    """The run's plan where run.yaml names machines (a plan made before its `machines` left run.yaml is not
+    followed), refused where run.yaml's recipe has changed since it was made."""
+    if not cfg.machines:
+        return None
+    plan = read_plan(root)
+    if plan is None:
+        return None
+    if plan.recipe_key != recipe_key(cfg):
+        raise FlowfleetError(
+            f"{root.url_of(*PLAN)}: made for another recipe than run.yaml's (its training settings or models changed "
+            f"since); run `flowfleet plan {root.url}` again"
+        )
+    for name, a in plan.jobs.items():
+        if a.machine not in cfg.machines:
+            raise FlowfleetError(
+                f"{root.url_of(*PLAN)}: {name} is planned on machine {a.machine!r}, which run.yaml machines no "
+                f"longer has; run `flowfleet plan {root.url}` again"
+            )
+    return plan
 
 
 def write_plan(root: RunRoot, plan: Plan) -> None:

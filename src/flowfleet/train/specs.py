@@ -152,7 +152,12 @@ def monolith_steps(cfg: RunConfig, match_compute: bool | None = None) -> int:
     match = cfg.monolith.match_compute if match_compute is None else match_compute
     if not match:
         return cfg.train.steps
-    return math.ceil(fleet_flops(cfg) / (train_flops_per_sample(cfg.expert) * cfg.train.batch_size))
+    return matched_monolith_steps(cfg, fleet_flops(cfg))
+
+
+def matched_monolith_steps(cfg: RunConfig, flops: float) -> int:
+    """The monolith's steps (the experts' architecture and batch) whose training FLOPs reach `flops`."""
+    return math.ceil(flops / (train_flops_per_sample(cfg.expert) * cfg.train.batch_size))
 
 
 def paris_router_config(cfg: RunConfig) -> DiTConfig:

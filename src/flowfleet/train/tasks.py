@@ -29,7 +29,6 @@ from flowfleet.layout import (
     INDEX_FILE,
     MANIFEST,
     MODEL,
-    PLAN,
     REFLOW_PAIRS,
     RUN_FILE,
     origin_partition,
@@ -41,7 +40,7 @@ from flowfleet.models.init import load_expert_init
 from flowfleet.storage import RunRoot
 from flowfleet.train import preview
 from flowfleet.train.data import InMemoryData, check_compatible, derive_seed, model_fields, training_fields
-from flowfleet.train.plan import Plan, read_plan, recipe_key
+from flowfleet.train.plan import current_plan
 from flowfleet.train.specs import JobSpec, job_batch, job_steps, router_config
 from flowfleet.train.status import job_finished
 
@@ -390,7 +389,7 @@ def planned_steps(
     """The run's job's steps: where the run has a plan (`flowfleet plan`), an expert's planned steps and the
     compute-matched monolith's for the plan's FLOPs; else its recipe's (recipe_steps). `shards`: the expert's
     partition, where the caller has opened it already (its manifest is read once)."""
-    plan = _current_plan(root, cfg)
+    plan = current_plan(root, cfg)
     if plan is not None and spec.name in plan.jobs:
         return plan.jobs[spec.name].steps
     matched = cfg.monolith.match_compute if match_compute is None else match_compute
@@ -417,7 +416,7 @@ def recipe_steps(
 
 def planned_batch(root: RunRoot, cfg: RunConfig, spec: JobSpec, shards: ShardSet | None = None) -> int:
     """The run's job's batch: its plan's where it has one (an expert keeps its recipe's), else recipe_batch."""
-    plan = _current_plan(root, cfg)
+    plan = current_plan(root, cfg)
     if plan is not None and spec.name in plan.jobs:
         return plan.jobs[spec.name].batch
     return recipe_batch(root, cfg, spec, shards)
@@ -427,28 +426,6 @@ def recipe_batch(root: RunRoot, cfg: RunConfig, spec: JobSpec, shards: ShardSet 
     """job_batch of the run's job: an expert's share of the batch under train.split batch (DDM's matching), by
     size read from its own partition's manifest as recipe_steps reads it."""
     return job_batch(cfg, spec, partition_counts=_partition_counts(root, cfg, spec, shards))
-
-
-def _current_plan(root: RunRoot, cfg: RunConfig) -> Plan | None:
-    """The run's plan where run.yaml names machines (a plan made before its `machines` left run.yaml is not
-    followed), refused where run.yaml's recipe has changed since it was made."""
-    if not cfg.machines:
-        return None
-    plan = read_plan(root)
-    if plan is None:
-        return None
-    if plan.recipe_key != recipe_key(cfg):
-        raise FlowfleetError(
-            f"{root.url_of(*PLAN)}: made for another recipe than run.yaml's (its training settings or models changed "
-            f"since); run `flowfleet plan {root.url}` again"
-        )
-    for name, a in plan.jobs.items():
-        if a.machine not in cfg.machines:
-            raise FlowfleetError(
-                f"{root.url_of(*PLAN)}: {name} is planned on machine {a.machine!r}, which run.yaml machines no "
-                f"longer has; run `flowfleet plan {root.url}` again"
-            )
-    return plan
 
 
 def _partition_counts(root: RunRoot, cfg: RunConfig, spec: JobSpec, shards: ShardSet | None) -> list[int] | None:
