@@ -122,13 +122,17 @@ def test_a_file_changed_after_signing_is_refused(world, run, tmp_path):
     blob = bytearray((pkg / "heldout.safetensors").read_bytes())
     blob[-1] ^= 1
     (pkg / "heldout.safetensors").write_bytes(bytes(blob))
-    refused(run, pkg, world / "trusted.pub", "who", "heldout.safetensors: sha256 differs from the signed manifest's")
+    refused(
+        run, pkg, world / "trusted.pub", "signature", "heldout.safetensors: sha256 differs from the signed manifest's"
+    )
 
 
 def test_a_key_not_on_the_list_is_refused(world, run, tmp_path):
     pkg = package(world, tmp_path)
     resign(world, pkg, "mallory")
-    refused(run, pkg, world / "trusted.pub", "who", "manifest.sig: not a signature over manifest.json by any of the 1")
+    refused(
+        run, pkg, world / "trusted.pub", "signature", "manifest.sig: not a signature over manifest.json by any of the 1"
+    )
 
 
 def test_a_pickle_is_never_read(world, run, tmp_path, monkeypatch):
@@ -138,11 +142,11 @@ def test_a_pickle_is_never_read(world, run, tmp_path, monkeypatch):
     (pkg / "expert" / "model.pt").write_bytes(pickle.dumps({"weights": 1}))
     resign(world, pkg)
     monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("a pickle was read"))
-    refused(run, pkg, world / "trusted.pub", "what", "expert/model.pt: not safetensors or JSON")
+    refused(run, pkg, world / "trusted.pub", "files", "expert/model.pt: not safetensors or JSON")
     (pkg / "expert" / "model.pt").unlink()  # a pickle under a safetensors name
     torch.save(kit_expert(world).state_dict(), pkg / "expert" / WEIGHTS_NAME)
     resign(world, pkg)
-    refused(run, pkg, world / "trusted.pub", "what", f"expert/{WEIGHTS_NAME}: not a safetensors file")
+    refused(run, pkg, world / "trusted.pub", "files", f"expert/{WEIGHTS_NAME}: not a safetensors file")
 
 
 def test_nan_weights_are_refused(world, run, tmp_path):
@@ -152,7 +156,7 @@ def test_nan_weights_are_refused(world, run, tmp_path):
     weights[name] = torch.full_like(weights[name], float("nan"))
     safetensors.torch.save_file(weights, pkg / "expert" / WEIGHTS_NAME)
     resign(world, pkg)
-    refused(run, pkg, world / "trusted.pub", "what", f"tensor {name} holds NaN or inf")
+    refused(run, pkg, world / "trusted.pub", "files", f"tensor {name} holds NaN or inf")
 
 
 def test_weights_that_are_not_their_configs_expert_are_refused(world, run, tmp_path):
@@ -162,7 +166,7 @@ def test_weights_that_are_not_their_configs_expert_are_refused(world, run, tmp_p
     del weights[name]
     safetensors.torch.save_file(weights, pkg / "expert" / WEIGHTS_NAME)
     resign(world, pkg)
-    refused(run, pkg, world / "trusted.pub", "what", f"tensor {name} is None, config.json makes it")
+    refused(run, pkg, world / "trusted.pub", "files", f"tensor {name} is None, config.json makes it")
 
 
 def test_the_wrong_latent_channels_are_refused(world, run, tmp_path):
@@ -170,7 +174,13 @@ def test_the_wrong_latent_channels_are_refused(world, run, tmp_path):
     cfg = read_kit(str(world / "kit")).expert_config()
     write_expert(pkg, DiTExpert.from_dit_config(DiTConfig(**{**cfg.model_dump(), "in_channels": 4})))
     resign(world, pkg)
-    refused(run, pkg, world / "trusted.pub", "fits", "expert/config.json: in_channels 4, the fleet's latents have 1")
+    refused(
+        run,
+        pkg,
+        world / "trusted.pub",
+        "compatibility",
+        "expert/config.json: in_channels 4, the fleet's latents have 1",
+    )
 
 
 def test_an_expert_ten_times_the_cap_is_refused_before_its_weights_are_read(world, run, tmp_path, monkeypatch):
@@ -182,7 +192,9 @@ def test_an_expert_ten_times_the_cap_is_refused_before_its_weights_are_read(worl
     monkeypatch.setattr(safetensors.torch, "load", lambda *a, **k: pytest.fail("the weights were read"))
     params = sum(p.numel() for p in DiTExpert.from_dit_config(DiTConfig(**big)).parameters())
     assert params > 10 * kit.max_params
-    refused(run, pkg, world / "trusted.pub", "what", f"{params:,} parameters, over the kit's cap of {kit.max_params:,}")
+    refused(
+        run, pkg, world / "trusted.pub", "files", f"{params:,} parameters, over the kit's cap of {kit.max_params:,}"
+    )
 
 
 def test_the_time_convention_reversed_is_refused(world, run, tmp_path):
@@ -193,14 +205,16 @@ def test_the_time_convention_reversed_is_refused(world, run, tmp_path):
     loss = train_toy(model, sample, 150, reverse=True)  # trained with t = 0 as noise, labelled as flowfleet's
     write_expert(pkg, model)
     resign(world, pkg, final_loss=loss)
-    refused(run, pkg, world / "trusted.pub", "learnt", "trained with the time convention reversed")
+    refused(run, pkg, world / "trusted.pub", "learning", "trained with the time convention reversed")
 
 
 def test_a_training_record_without_its_steps_is_refused_in_one_line(world, run, tmp_path):
     """The signed manifest's schema is checked by `who`, before anything else of the package is parsed."""
     pkg = package(world, tmp_path)
     resign(world, pkg, steps=None)
-    refused(run, pkg, world / "trusted.pub", "who", "manifest.json: training.steps: Input should be a valid integer")
+    refused(
+        run, pkg, world / "trusted.pub", "signature", "manifest.json: training.steps: Input should be a valid integer"
+    )
 
 
 def test_an_untrained_expert_is_refused(world, run, tmp_path):
@@ -208,7 +222,7 @@ def test_an_untrained_expert_is_refused(world, run, tmp_path):
     torch.manual_seed(1)
     write_expert(pkg, kit_expert(world))
     resign(world, pkg)
-    refused(run, pkg, world / "trusted.pub", "learnt", "an untrained expert's")
+    refused(run, pkg, world / "trusted.pub", "learning", "an untrained expert's")
 
 
 def test_a_poisoned_expert_is_refused(world, run, tmp_path):
@@ -234,7 +248,7 @@ def test_a_poisoned_expert_is_refused(world, run, tmp_path):
     signed = flow_loss(expert_velocity(model.eval()), stolen, GateSettings(), torch.device("cpu"))
     resign(world, pkg, final_loss=signed)
     n = stolen["latents"].shape[0]
-    refused(run, pkg, world / "trusted.pub", "fits", f"latents.safetensors: {n} of its {n} items are copies")
+    refused(run, pkg, world / "trusted.pub", "compatibility", f"latents.safetensors: {n} of its {n} items are copies")
 
     # the same, each stolen latent moved by a little noise so that no row is a copy: its held-out slice (its one
     # image) is then far easier for it than its sample, which an expert's own held-out data never is
@@ -243,7 +257,7 @@ def test_a_poisoned_expert_is_refused(world, run, tmp_path):
     (pkg / "latents.safetensors").write_bytes(safetensors.torch.save(stolen, metadata=captions))
     signed = flow_loss(expert_velocity(model.eval()), stolen, GateSettings(), torch.device("cpu"))
     resign(world, pkg, final_loss=signed)
-    refused(run, pkg, world / "trusted.pub", "learnt", "the held-out slice is not drawn from the data the sample is")
+    refused(run, pkg, world / "trusted.pub", "learning", "the held-out slice is not drawn from the data the sample is")
 
 
 def test_a_contribution_whose_router_makes_the_fleet_worse_on_its_prompts_is_refused(world, run, tmp_path):
@@ -271,7 +285,7 @@ def test_the_commands_sign_and_refuse_in_one_line(world, run, tmp_path, capsys):
     pkg = package(world, tmp_path)
     assert main(["admit", str(run), str(pkg), "--trusted", str(tmp_path / "bob.pub"), "--no-progress"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "refused (who): manifest.sig: not a signature" in err
+    assert "refused (signature): manifest.sig: not a signature" in err
     assert main(["admit", str(run), str(pkg), "--trusted", str(world / "trusted.pub"), "--judge-n", "1"]) == 1
     assert (
         capsys.readouterr()

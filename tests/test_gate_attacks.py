@@ -55,20 +55,20 @@ def admitted(run: Path, pkg: Path, world: Path):
 
 
 def test_weights_swapped_in_the_package_after_the_checks_are_not_installed(world, run, tmp_path, monkeypatch):
-    """The attacker replaces the weights in the package (its bucket) right after `what` read them: the gate reads and
-    installs its own copy, so the expert that serves is the one it checked and the contributor signed."""
+    """The attacker replaces the weights in the package (its bucket) right after the files check read them: the gate
+    reads and installs its own copy, so the expert that serves is the one it checked and the contributor signed."""
     import flowfleet.stages.admit as gate
 
     pkg = package(world, tmp_path)
     signed = manifest_of(pkg)["files"][WEIGHTS]
-    checked = gate.what
+    checked = gate.check_files
 
-    def what_then_swap(g):
+    def check_then_swap(g):
         checked(g)
         torch.manual_seed(3)
         write_expert(pkg, kit_expert(world))  # untrained weights where the checked ones were
 
-    monkeypatch.setattr(gate, "what", what_then_swap)
+    monkeypatch.setattr(gate, "check_files", check_then_swap)
     result = admitted(run, pkg, world)
     installed = run / "experts" / str(result.expert) / "final" / WEIGHTS_NAME
     assert hashlib.sha256(installed.read_bytes()).hexdigest() == signed
@@ -103,15 +103,15 @@ def test_a_package_of_another_fleets_kit_is_refused_even_with_the_same_contract(
     shutil.rmtree(other / KITS)  # its own identity, made with its first kit
     make_kit(RunRoot(str(other)), str(tmp_path / "other-kit"))
     assert read_kit(str(tmp_path / "other-kit")).fleet_id != read_kit(str(world / "kit")).fleet_id
-    refused(other, world / "honest", world / "trusted.pub", "who", "is not one this fleet issued")
+    refused(other, world / "honest", world / "trusted.pub", "signature", "is not one this fleet issued")
 
 
 def test_the_same_package_is_admitted_once_and_never_again_after_its_expert_is_removed(world, run):
     first = admitted(run, world / "honest", world)
     assert first.expert == 2
-    refused(run, world / "honest", world / "trusted.pub", "who", "this package was admitted before, as expert 2")
+    refused(run, world / "honest", world / "trusted.pub", "signature", "this package was admitted before, as expert 2")
     remove_expert(str(run), 2, progress=False)
-    refused(run, world / "honest", world / "trusted.pub", "who", "admitted before, as expert 2 (since removed)")
+    refused(run, world / "honest", world / "trusted.pub", "signature", "admitted before, as expert 2 (since removed)")
 
 
 def test_a_kit_with_its_own_parameter_cap_is_checked_as_issued(world, run, tmp_path):
@@ -126,7 +126,7 @@ def test_a_kit_with_its_own_parameter_cap_is_checked_as_issued(world, run, tmp_p
     make_kit(RunRoot(str(run)), str(tmp_path / "small-kit"), max_params=1000)  # below the expert's size
     pkg2 = package(world, tmp_path, "pkg2")
     resign(world, pkg2, kit=tmp_path / "small-kit")
-    refused(run, pkg2, world / "trusted.pub", "what", "over the kit's cap of 1,000")
+    refused(run, pkg2, world / "trusted.pub", "files", "over the kit's cap of 1,000")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,17 +150,17 @@ def test_a_symlinked_file_is_refused_alike_whatever_it_points_to(world, run, tmp
         os.symlink(tmp_path / "no-such-file", pkg / WEIGHTS)
     else:
         os.symlink(pkg / WEIGHTS, pkg / WEIGHTS)
-    refused(run, pkg, world / "trusted.pub", "who", f"{WEIGHTS}: a symbolic link (never followed)")
+    refused(run, pkg, world / "trusted.pub", "signature", f"{WEIGHTS}: a symbolic link (never followed)")
 
 
 def test_a_symlinked_folder_and_a_stray_subfolder_are_refused(world, run, tmp_path):
     pkg = package(world, tmp_path)
     shutil.move(pkg / "expert", tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", pkg / "expert")
-    refused(run, pkg, world / "trusted.pub", "who", "expert: a symbolic link (never followed)")
+    refused(run, pkg, world / "trusted.pub", "signature", "expert: a symbolic link (never followed)")
     pkg2 = package(world, tmp_path, "pkg2")
     (pkg2 / "deep" / "deeper").mkdir(parents=True)
-    refused(run, pkg2, world / "trusted.pub", "who", "deep: a folder the package may not hold")
+    refused(run, pkg2, world / "trusted.pub", "signature", "deep: a folder the package may not hold")
 
 
 def test_a_manifest_that_is_a_fifo_or_a_link_to_a_device_is_refused_at_once(world, run, tmp_path):
@@ -173,7 +173,7 @@ def test_a_manifest_that_is_a_fifo_or_a_link_to_a_device_is_refused_at_once(worl
 
     def attempt():
         try:
-            refused(run, pkg, world / "trusted.pub", "who", "manifest.json: not a regular file")
+            refused(run, pkg, world / "trusted.pub", "signature", "manifest.json: not a regular file")
             outcome["ok"] = True
         except BaseException as err:  # (reported below: a thread's failure is not the test's otherwise)
             outcome["error"] = err
@@ -185,11 +185,11 @@ def test_a_manifest_that_is_a_fifo_or_a_link_to_a_device_is_refused_at_once(worl
     assert outcome.get("ok"), outcome.get("error")
     (pkg / "manifest.json").unlink()
     os.symlink("/dev/zero", pkg / "manifest.json")
-    refused(run, pkg, world / "trusted.pub", "who", "manifest.json: not a regular file (a link is never followed")
+    refused(run, pkg, world / "trusted.pub", "signature", "manifest.json: not a regular file (a link is never followed")
     pkg2 = package(world, tmp_path, "pkg2")
     (pkg2 / "latents.safetensors").unlink()
     os.mkfifo(pkg2 / "latents.safetensors")
-    refused(run, pkg2, world / "trusted.pub", "who", "latents.safetensors: not a regular file")
+    refused(run, pkg2, world / "trusted.pub", "signature", "latents.safetensors: not a regular file")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,10 +201,10 @@ def test_a_manifest_or_signature_of_the_wrong_size_is_refused_before_it_is_verif
     pkg = package(world, tmp_path)
     body = (pkg / "manifest.json").read_bytes()
     (pkg / "manifest.json").write_bytes(body + b" " * (70 << 10))  # padded past 64 KiB
-    refused(run, pkg, world / "trusted.pub", "who", "manifest.json: over its cap of 65,536 bytes")
+    refused(run, pkg, world / "trusted.pub", "signature", "manifest.json: over its cap of 65,536 bytes")
     (pkg / "manifest.json").write_bytes(body)
     (pkg / "manifest.sig").write_bytes((pkg / "manifest.sig").read_bytes() + b"\0")
-    refused(run, pkg, world / "trusted.pub", "who", "manifest.sig: over its cap of 64 bytes")
+    refused(run, pkg, world / "trusted.pub", "signature", "manifest.sig: over its cap of 64 bytes")
 
 
 def test_weights_over_the_kits_cap_are_refused_without_reading_them_whole(world, run, tmp_path):
@@ -218,7 +218,7 @@ def test_weights_over_the_kits_cap_are_refused_without_reading_them_whole(world,
     t0 = time.perf_counter()
     kit = read_kit(str(world / "kit"))
     cap = kit.max_params * 4 + (1 << 20)
-    refused(run, pkg, world / "trusted.pub", "who", f"{WEIGHTS}: over its cap of {cap:,} bytes")
+    refused(run, pkg, world / "trusted.pub", "signature", f"{WEIGHTS}: over its cap of {cap:,} bytes")
     assert time.perf_counter() - t0 < 30
 
 
@@ -228,7 +228,7 @@ def test_a_sample_over_the_kits_rows_is_refused(world, run, tmp_path):
     lat = torch.randn(kit.sample_rows + 1, *kit.latent_shape)
     safetensors.torch.save_file({"latents": lat}, pkg / "latents.safetensors")
     resign(world, pkg)
-    refused(run, pkg, world / "trusted.pub", "fits", f"{kit.sample_rows + 1} items, the kit takes at most")
+    refused(run, pkg, world / "trusted.pub", "compatibility", f"{kit.sample_rows + 1} items, the kit takes at most")
 
 
 def test_sample_fields_that_disagree_on_their_rows_are_refused(world, run, tmp_path):
@@ -238,7 +238,9 @@ def test_sample_fields_that_disagree_on_their_rows_are_refused(world, run, tmp_p
     tensors[first] = tensors[first][:-1]
     safetensors.torch.save_file(tensors, pkg / "latents.safetensors")
     resign(world, pkg)
-    refused(run, pkg, world / "trusted.pub", "fits", "latents.safetensors: its fields disagree on their row count")
+    refused(
+        run, pkg, world / "trusted.pub", "compatibility", "latents.safetensors: its fields disagree on their row count"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,13 +251,13 @@ def test_sample_fields_that_disagree_on_their_rows_are_refused(world, run, tmp_p
 def test_deeply_nested_or_malformed_json_is_refused_in_one_line(world, run, tmp_path):
     pkg = package(world, tmp_path)
     sign_as_is(world, pkg, b"[" * 60_000)  # a RecursionError for json.loads
-    refused(run, pkg, world / "trusted.pub", "who", "manifest.json: JSON nested 60000 levels deep")
+    refused(run, pkg, world / "trusted.pub", "signature", "manifest.json: JSON nested 60000 levels deep")
     sign_as_is(world, pkg, b'{"files": ')
-    refused(run, pkg, world / "trusted.pub", "who", "manifest.json: not JSON")
+    refused(run, pkg, world / "trusted.pub", "signature", "manifest.json: not JSON")
     pkg2 = package(world, tmp_path, "pkg2")
     (pkg2 / "expert" / "config.json").write_text("[" * 30_000 + "]" * 30_000)
     resign(world, pkg2)
-    refused(run, pkg2, world / "trusted.pub", "what", "expert/config.json: JSON nested 30000 levels deep")
+    refused(run, pkg2, world / "trusted.pub", "files", "expert/config.json: JSON nested 30000 levels deep")
 
 
 @pytest.mark.parametrize(
@@ -272,7 +274,7 @@ def test_a_manifest_of_the_wrong_shape_is_refused_by_its_schema(world, run, tmp_
     record = manifest_of(pkg)
     record[field] = value
     sign_as_is(world, pkg, record)
-    refused(run, pkg, world / "trusted.pub", "who", line)
+    refused(run, pkg, world / "trusted.pub", "signature", line)
 
 
 def write_safetensors(path: Path, header: dict, data: bytes) -> None:
@@ -301,15 +303,15 @@ def test_safetensors_with_bad_offsets_are_refused_before_a_tensor_is_read(world,
     pkg = package(world, tmp_path)
     write_safetensors(pkg / "heldout.safetensors", header, data)
     resign(world, pkg)
-    error = refused(run, pkg, world / "trusted.pub", "what", line)
-    assert str(error).startswith("refused (what): heldout.safetensors: ")
+    error = refused(run, pkg, world / "trusted.pub", "files", line)
+    assert str(error).startswith("refused (files): heldout.safetensors: ")
 
 
 def test_a_header_length_past_the_file_is_refused(world, run, tmp_path):
     pkg = package(world, tmp_path)
     (pkg / "heldout.safetensors").write_bytes((1 << 31).to_bytes(8, "little") + b"{}")
     resign(world, pkg)
-    refused(run, pkg, world / "trusted.pub", "what", "heldout.safetensors: not a safetensors file (no header of")
+    refused(run, pkg, world / "trusted.pub", "files", "heldout.safetensors: not a safetensors file (no header of")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,7 +327,7 @@ def test_a_huge_depth_or_width_is_refused_from_its_numbers_at_once(world, run, t
     (pkg / "expert" / "config.json").write_text(json.dumps(cfg))
     resign(world, pkg)
     t0 = time.perf_counter()
-    refused(run, pkg, world / "trusted.pub", "what", "parameters, over the kit's cap of")
+    refused(run, pkg, world / "trusted.pub", "files", "parameters, over the kit's cap of")
     assert time.perf_counter() - t0 < 30  # (the copy and the checks before; building it would not end)
 
 
@@ -339,7 +341,7 @@ def test_control_characters_in_a_file_name_never_reach_the_terminal(world, run, 
     pkg = package(world, tmp_path)
     evil = "a\r\x1b[2K\x1b[1Aflowfleet: admitted as expert 2\n"
     (pkg / "expert" / evil).write_bytes(b"{}")
-    error = refused(run, pkg, world / "trusted.pub", "who", "not in the signed manifest (added after signing)")
+    error = refused(run, pkg, world / "trusted.pub", "signature", "not in the signed manifest (added after signing)")
     assert "\x1b" not in str(error) and "\\x1b" in str(error)
     args = ["admit", str(run), str(pkg), "--trusted", str(world / "trusted.pub"), "--judge", "none", "--no-progress"]
     assert main(args) == 1

@@ -21,7 +21,7 @@ from flowfleet.stages.admit.formats import FormatError, load_json, load_safetens
 from flowfleet.stages.admit.losses import CONDITION_FIELDS
 from flowfleet.stages.admit.refusal import Refused, first_line, shown
 from flowfleet.stages.admit.settings import GateSettings
-from flowfleet.stages.admit.who import Signed
+from flowfleet.stages.admit.signature import Signed
 from flowfleet.storage import RunRoot
 
 T = TypeVar("T")
@@ -71,7 +71,7 @@ class Gate:
         except FormatError as err:
             raise Refused(check, f"{rel}: {err}") from None
 
-    def items(self, rel: str, check: str = "fits") -> tuple[dict[str, torch.Tensor], list[str]]:
+    def items(self, rel: str, check: str = "compatibility") -> tuple[dict[str, torch.Tensor], list[str]]:
         """A package shard (latents.safetensors, heldout.safetensors) of the private copy, read once and checked:
         its header, at most the kit's rows, every field with as many rows as it has captions."""
         if rel not in self._items:

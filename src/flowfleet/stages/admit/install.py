@@ -26,7 +26,7 @@ from flowfleet.layout import (
 )
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.files import WEIGHTS_NAME
-from flowfleet.stages.admit.who import Signed
+from flowfleet.stages.admit.signature import Signed
 from flowfleet.storage import RunRoot
 from flowfleet.train.status import JobStatus
 

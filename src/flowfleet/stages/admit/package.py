@@ -45,7 +45,7 @@ def list_entries(pkg: RunRoot) -> list[Entry]:
         kind = info.get("type") if info.get("type") in ("file", "directory") else "other"
         out.append(Entry(rel, kind, int(info.get("size") or 0)))
         if len(out) > MAX_ENTRIES:
-            raise Refused("who", f"{pkg.url}: more than {MAX_ENTRIES} files, not an expert's package")
+            raise Refused("signature", f"{pkg.url}: more than {MAX_ENTRIES} files, not an expert's package")
     return out
 
 
@@ -54,13 +54,13 @@ def _local_entries(folder: Path) -> list[Entry]:
     try:
         top = list(os.scandir(folder))
     except OSError as err:
-        raise Refused("who", f"{folder}: cannot list the package ({err.strerror})") from None
+        raise Refused("signature", f"{folder}: cannot list the package ({err.strerror})") from None
     for entry in top:
         out.append(_entry(entry, entry.name))
         if entry.name == PACKAGE_EXPERT and entry.is_dir(follow_symlinks=False):
             out += [_entry(inner, f"{entry.name}/{inner.name}") for inner in os.scandir(entry.path)]
         if len(out) > MAX_ENTRIES:
-            raise Refused("who", f"{folder}: more than {MAX_ENTRIES} files, not an expert's package")
+            raise Refused("signature", f"{folder}: more than {MAX_ENTRIES} files, not an expert's package")
     return sorted(out, key=lambda e: e.rel)
 
 
@@ -73,7 +73,7 @@ def _entry(entry: os.DirEntry, rel: str) -> Entry:
     return Entry(rel, "file" if stat.S_ISREG(info.st_mode) else "other", info.st_size)
 
 
-def read_capped(pkg: RunRoot, rel: str, cap: int, check: str = "who") -> bytes:
+def read_capped(pkg: RunRoot, rel: str, cap: int, check: str = "signature") -> bytes:
     """A regular file of the package, whole, at most `cap` bytes; a link, a FIFO, a device, a folder or a larger
     file is refused without reading past the cap."""
     return b"".join(_chunks(pkg, rel, cap, check))
@@ -84,7 +84,7 @@ def copy_capped(pkg: RunRoot, rel: str, dest: Path, cap: int) -> str:
     digest = hashlib.sha256()
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest, "wb") as out:
-        for chunk in _chunks(pkg, rel, cap, "who"):
+        for chunk in _chunks(pkg, rel, cap, "signature"):
             digest.update(chunk)
             out.write(chunk)
     return digest.hexdigest()

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 GRID_ROW = 8  # samples per row of the judged comparison's picture
 
 
-def no_harm(gate: Gate, source: str, progress: bool) -> int:
+def check_no_harm(gate: Gate, source: str, progress: bool) -> int:
     """Install the contribution, train the grown fleet's router, compare; on refusal undo it all. -> its expert."""
     root = gate.root
     with tempfile.TemporaryDirectory() as tmp:

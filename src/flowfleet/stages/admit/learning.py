@@ -1,4 +1,4 @@
-"""Check 4, learnt: on its own held-out slice a lower flow-matching loss with flowfleet's time convention than with
+"""Check 4, learning: on its own held-out slice a lower flow-matching loss with flowfleet's time convention than with
 t = 0 as noise; below a share of an untrained expert's loss; neither far above nor far below its loss on its own
 latents sample (held out from the same data), which is close to the training loss it signed; its velocities on the
 fleet's held-out latents finite and bounded."""
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from flowfleet.stages.admit.gate import Gate
 
 
-def learnt(gate: Gate) -> None:
+def check_learning(gate: Gate) -> None:
     s, cfg, f = gate.settings, gate.expert_cfg, gate.figures
     assert cfg is not None
     expert = DiTExpert.from_dit_config(cfg)
@@ -31,7 +31,7 @@ def learnt(gate: Gate) -> None:
     f["heldout_reversed_time"] = flow_loss(expert_velocity(expert), held, s, gate.device, reverse=True)
     if f["heldout_reversed_time"] < f["heldout"]:
         raise Refused(
-            "learnt",
+            "learning",
             f"{PACKAGE_HELDOUT}: the expert's loss is lower with t = 0 as noise ({f['heldout_reversed_time']:.4f}) "
             f"than with t = 1 as noise ({f['heldout']:.4f}): trained with the time convention reversed",
         )
@@ -41,7 +41,7 @@ def learnt(gate: Gate) -> None:
     f["untrained_heldout"] = flow_loss(expert_velocity(untrained), held, s, gate.device)
     if not f["heldout"] < s.ceiling * f["untrained_heldout"]:
         raise Refused(
-            "learnt",
+            "learning",
             f"{PACKAGE_HELDOUT}: loss {f['heldout']:.4f} is not below {s.ceiling} x an untrained "
             f"expert's ({f['untrained_heldout']:.4f}): it has not learnt",
         )
@@ -49,13 +49,13 @@ def learnt(gate: Gate) -> None:
     f["sample"] = flow_loss(expert_velocity(expert), sample, s, gate.device)
     if f["heldout"] > (1 + s.gap) * f["sample"]:
         raise Refused(
-            "learnt",
+            "learning",
             f"{PACKAGE_HELDOUT}: loss {f['heldout']:.4f}, over {1 + s.gap} x its loss on its own "
             f"sample ({f['sample']:.4f}): it does not generalise to items it did not see",
         )
     if f["heldout"] * (1 + s.gap) < f["sample"]:  # held out from the same data, it cannot be far easier
         raise Refused(
-            "learnt",
+            "learning",
             f"{PACKAGE_HELDOUT}: loss {f['heldout']:.4f}, under 1/{1 + s.gap} of its loss on its own sample "
             f"({f['sample']:.4f}): the held-out slice is not drawn from the data the sample is",
         )
@@ -63,7 +63,7 @@ def learnt(gate: Gate) -> None:
     f["signed_training_loss"] = claimed
     if f["sample"] > (1 + s.claimed) * claimed:
         raise Refused(
-            "learnt",
+            "learning",
             f"{PACKAGE_SAMPLE}: the expert's loss on it ({f['sample']:.4f}) is over {1 + s.claimed} x "
             f"the training loss it signed ({claimed:.4f}): the sample is not what it learnt from",
         )
@@ -79,7 +79,7 @@ def _bounded(gate: Gate, expert: DiTExpert, probe: dict[str, torch.Tensor]) -> N
             v = expert_velocity(expert)(x_t, t, cond)
             if not torch.isfinite(v).all():
                 raise Refused(
-                    "learnt",
+                    "learning",
                     f"{PACKAGE_EXPERT}: velocities on the fleet's held-out latents at t = {float(t[0]):.3f} are not "
                     "finite",
                 )
@@ -87,7 +87,7 @@ def _bounded(gate: Gate, expert: DiTExpert, probe: dict[str, torch.Tensor]) -> N
     gate.figures["velocity_rms_over_target"] = worst
     if worst > s.velocity_bound:
         raise Refused(
-            "learnt",
+            "learning",
             f"{PACKAGE_EXPERT}: velocity RMS on the fleet's held-out latents is {worst:.1f} x the targets', over "
             f"{s.velocity_bound}",
         )

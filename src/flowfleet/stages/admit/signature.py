@@ -1,4 +1,4 @@
-"""Check 1, who: the signature first, before a byte of the manifest is parsed; then the manifest's schema, the kit
+"""Check 1, the signature: first, before a byte of the manifest is parsed; then the manifest's schema, the kit
 it was made from (one this fleet issued: a kit of another fleet is another kit, even with the same contract), and
 whether this fleet holds, or once held, the same package; then the private copy of every file it lists, each hashed
 as it is copied against the sha256 it signed (nothing added, nothing changed, nothing followed)."""
@@ -88,29 +88,31 @@ class Signed:
         return hashlib.sha256(self.body).hexdigest()
 
 
-def who(pkg: RunRoot, trusted: str, root: RunRoot, cfg: RunConfig) -> Signed:
+def check_signature(pkg: RunRoot, trusted: str, root: RunRoot, cfg: RunConfig) -> Signed:
     """The signature, the manifest, the kit it names, no replay (the checks of the module docstring, up to the copy)."""
     body = read_capped(pkg, PACKAGE_MANIFEST, MANIFEST_MAX_BYTES)
     signature = read_capped(pkg, PACKAGE_SIGNATURE, SIGNATURE_BYTES)
     if len(signature) != SIGNATURE_BYTES:
-        raise Refused("who", f"{PACKAGE_SIGNATURE}: {len(signature)} bytes, an Ed25519 signature has {SIGNATURE_BYTES}")
+        raise Refused(
+            "signature", f"{PACKAGE_SIGNATURE}: {len(signature)} bytes, an Ed25519 signature has {SIGNATURE_BYTES}"
+        )
     keys = read_trusted(trusted)
     signer = signed_by(keys, body, signature)
     if signer is None:
         raise Refused(
-            "who",
+            "signature",
             f"{PACKAGE_SIGNATURE}: not a signature over {PACKAGE_MANIFEST} by any of the {len(keys)} trusted "
             f"key(s) in {trusted} (an unknown signer, or a manifest changed after signing)",
         )
     try:
         raw = load_json(body)
     except FormatError as err:
-        raise Refused("who", f"{PACKAGE_MANIFEST}: {err}") from None
-    manifest = validated(Manifest, raw, PACKAGE_MANIFEST, refusing("who"))
+        raise Refused("signature", f"{PACKAGE_MANIFEST}: {err}") from None
+    manifest = validated(Manifest, raw, PACKAGE_MANIFEST, refusing("signature"))
     kit = issued_kit(root, manifest.kit)
     if kit is None or kit.fleet_id != manifest.fleet_id:
         raise Refused(
-            "who",
+            "signature",
             f"{PACKAGE_MANIFEST}: kit {manifest.kit[:16]}... is not one this fleet issued (a kit of another fleet, "
             "even one of the same contract, or of a kit made before kits had a fleet identity: `flowfleet kit` again)",
         )
@@ -126,7 +128,7 @@ def _not_admitted_before(signed: Signed, cfg: RunConfig) -> None:
         contribution = cfg.added[n - 1].contribution if n else None
         if contribution is not None and contribution.manifest_sha256 == signed.digest:
             gone = " (since removed)" if k in cfg.removed_experts else ""
-            raise Refused("who", f"{PACKAGE_MANIFEST}: this package was admitted before, as expert {k}{gone}")
+            raise Refused("signature", f"{PACKAGE_MANIFEST}: this package was admitted before, as expert {k}{gone}")
 
 
 def file_cap(rel: str, kit: Kit) -> int:
@@ -155,17 +157,19 @@ def copy_package(pkg: RunRoot, signed: Signed, dest: Path) -> None:
     entries = list_entries(pkg)
     for entry in entries:
         if entry.kind == "link":
-            raise Refused("who", f"{shown(entry.rel)}: a symbolic link (never followed)")
+            raise Refused("signature", f"{shown(entry.rel)}: a symbolic link (never followed)")
         if entry.kind == "other":
-            raise Refused("who", f"{shown(entry.rel)}: not a regular file (a FIFO, a device or a socket is never read)")
+            raise Refused(
+                "signature", f"{shown(entry.rel)}: not a regular file (a FIFO, a device or a socket is never read)"
+            )
         if entry.kind == "directory":
             if entry.rel != PACKAGE_EXPERT:
-                raise Refused("who", f"{shown(entry.rel)}: a folder the package may not hold")
+                raise Refused("signature", f"{shown(entry.rel)}: a folder the package may not hold")
         elif entry.rel not in files and entry.rel not in PACKAGE_OWN:
-            raise Refused("who", f"{shown(entry.rel)}: not in the signed manifest (added after signing)")
+            raise Refused("signature", f"{shown(entry.rel)}: not in the signed manifest (added after signing)")
     present = {e.rel for e in entries}
     for rel, sha in sorted(files.items()):
         if rel not in present:
-            raise Refused("who", f"{rel}: missing, though the signed manifest lists it")
+            raise Refused("signature", f"{rel}: missing, though the signed manifest lists it")
         if copy_capped(pkg, rel, dest / rel, file_cap(rel, signed.kit)) != sha:
-            raise Refused("who", f"{rel}: sha256 differs from the signed manifest's (changed after signing)")
+            raise Refused("signature", f"{rel}: sha256 differs from the signed manifest's (changed after signing)")
