@@ -15,6 +15,7 @@ from flowfleet.flow import (
     guided_mixture,
     integrate,
     interpolate,
+    loss_weight,
     routing_weights,
     same_as_earlier,
     sample_t,
@@ -63,6 +64,47 @@ def test_sample_t_modes():
     assert 0 < ln.min() and ln.max() < 1 and abs(ln.mean() - 0.5) < 0.02 and ln.std() < u.std()
     with pytest.raises(ValueError, match="unknown time sampling"):
         sample_t(3, mode="beta")
+
+
+def test_min_snr_weight_is_min_snr_gamma_over_t():
+    """The velocity's Min-SNR-5 weight, min((1 - t)^2, 5 t^2), by hand at four times: the cap on the clean side,
+    the SNR on the noisy side."""
+    t = torch.tensor([0.1, 0.25, 0.5, 0.9])
+    expected = torch.tensor([0.05, 0.3125, 0.25, 0.01])  # 5*0.01, 5*0.0625, 0.5^2, 0.1^2
+    assert torch.allclose(loss_weight(t, "min_snr", gamma=5.0), expected, rtol=1e-6, atol=0)
+    assert torch.equal(loss_weight(t, "none"), torch.ones(4))
+    with pytest.raises(ValueError, match="unknown loss weighting 'snr'"):
+        loss_weight(t, "snr")  # type: ignore[arg-type]
+
+
+def test_min_snr_weighted_velocity_loss_is_min_snr_on_the_clean_estimate():
+    """Weighting the velocity's error by loss_weight is Min-SNR-gamma as Hang et al. state it: the clean estimate's
+    squared error times min(SNR(t), gamma), SNR = (1 - t)^2 / t^2, averaged over items; weight none is plain."""
+    g = torch.Generator().manual_seed(0)
+    x0, eps = torch.randn(6, 2, 3, 3, generator=g, dtype=torch.float64), torch.randn(6, 2, 3, 3, generator=g)
+    x0, eps = x0.float(), eps.float()
+    t = torch.tensor([0.05, 0.2, 0.4, 0.6, 0.8, 0.97])
+    velocity_fn = lambda x_t, tt: 0.7 * x_t + tt.reshape(-1, 1, 1, 1)  # noqa: E731  any network
+    weighted = flow_matching_loss(velocity_fn, x0, t, eps, loss_weight(t, "min_snr", gamma=4.0))
+
+    x_t = interpolate(x0, eps, t)
+    x0_hat = x0_from_velocity(x_t, velocity_fn(x_t, t), t)
+    snr = ((1 - t.double()) / t.double()) ** 2
+    per_item = ((x0_hat - x0).double() ** 2).mean(dim=(1, 2, 3))  # [6]
+    assert weighted.item() == pytest.approx((torch.clamp(snr, max=4.0) * per_item).mean().item(), rel=1e-5)
+    plain = flow_matching_loss(velocity_fn, x0, t, eps)
+    assert flow_matching_loss(velocity_fn, x0, t, eps, loss_weight(t, "none")).item() == plain.item()
+    assert plain.item() == pytest.approx(((velocity_fn(x_t, t) - (eps - x0)) ** 2).mean().item(), rel=1e-6)
+
+
+def test_logit_normal_mean_and_std_move_the_times():
+    """sample_t's logit-normal draws sigmoid(mean + std n): a positive mean draws noisier times, a small std keeps
+    them near sigmoid(mean); mean 0, std 1 draws what the default does, bit for bit."""
+    draw = lambda **kw: sample_t(4000, mode="logit_normal", generator=torch.Generator().manual_seed(1), **kw)  # noqa: E731
+    assert torch.equal(draw(mean=0.0, std=1.0), draw())
+    assert draw(mean=1.0).median().item() == pytest.approx(torch.sigmoid(torch.tensor(1.0)).item(), abs=0.02)
+    narrow = draw(mean=-0.5, std=0.1)
+    assert (narrow - torch.sigmoid(torch.tensor(-0.5))).abs().max().item() < 0.1
 
 
 @pytest.mark.parametrize("sampler, steps", [("euler", 100), ("heun", 40)])

@@ -34,6 +34,13 @@ class TrainConfig(Strict):
     grad_clip: float | None = Field(None, gt=0)
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # autocast on CUDA only; CPU runs fp32
     time_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    # logit_normal: t = sigmoid(time_mean + time_std * n), n ~ N(0, 1) (SD3's 0 and 1; a positive mean draws noisier t)
+    time_mean: float = 0.0
+    time_std: float = Field(1.0, gt=0)
+    # Experts and the monolith: each item's velocity error weighted over t (flowfleet.flow.loss.loss_weight): "none",
+    # or "min_snr", Min-SNR-gamma's min(SNR, min_snr_gamma) on the clean estimate's error (Hang et al. 2023)
+    loss_weighting: Literal["none", "min_snr"] = "none"
+    min_snr_gamma: float = Field(5.0, gt=0)
     ckpt_every: int = Field(500, ge=1)
     # Rank 0 writes each checkpoint in a thread of its own while training goes on (its tensors copied to host memory
     # at the step); False: the step waits for the write

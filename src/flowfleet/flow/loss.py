@@ -1,4 +1,5 @@
-"""Training objectives: t sampling and the velocity regression loss; DDPM's noise regression for a ddpm expert."""
+"""Training objectives: t sampling, the velocity regression loss and its weighting over t; DDPM's noise regression
+for a ddpm expert."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from flowfleet.flow.path import interpolate, target_velocity
 
 TimeSampling = Literal["uniform", "logit_normal"]
+LossWeighting = Literal["none", "min_snr"]
 
 
 def sample_t(
@@ -28,16 +30,37 @@ def sample_t(
     raise ValueError(f"unknown time sampling mode {mode!r} (expected uniform or logit_normal)")
 
 
+def loss_weight(t: torch.Tensor, weighting: LossWeighting = "none", gamma: float = 5.0) -> torch.Tensor:
+    """The weight [B] of each item's velocity error at its time t [B].
+
+    "none": 1, plain flow matching. "min_snr": Min-SNR-gamma (Hang et al. 2023), which weights the error of the
+    clean estimate x0 = x_t - t v by min(SNR(t), gamma), SNR(t) = (1 - t)^2 / t^2; since that error is t times the
+    velocity's, the velocity's weight is min(SNR, gamma) t^2 = min((1 - t)^2, gamma t^2). It caps the weight of the
+    nearly clean steps, where the x0 error is tiny yet the velocity's is not, and of the noisiest, which teach
+    little."""
+    if weighting == "none":
+        return torch.ones_like(t)
+    if weighting == "min_snr":
+        t = t.double()
+        return torch.minimum((1.0 - t) ** 2, gamma * t**2).float()
+    raise ValueError(f"unknown loss weighting {weighting!r} (expected none or min_snr)")
+
+
 def flow_matching_loss(
     velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     x0: torch.Tensor,
     t: torch.Tensor,
     eps: torch.Tensor,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean squared error between velocity_fn(x_t, t) and eps - x0, averaged over all elements."""
+    """Mean squared error between velocity_fn(x_t, t) and eps - x0, averaged over all elements; with `weight` [B]
+    (loss_weight), each item's squared error scaled by its weight before the mean."""
     x_t = interpolate(x0, eps, t)
     v = velocity_fn(x_t, t)
-    return torch.mean((v.float() - target_velocity(x0, eps).float()) ** 2)
+    err = (v.float() - target_velocity(x0, eps).float()) ** 2  # [B, ...]
+    if weight is not None:
+        err = err * weight.float().reshape(-1, *([1] * (err.ndim - 1)))
+    return torch.mean(err)
 
 
 def ddpm_loss(

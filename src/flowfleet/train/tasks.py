@@ -19,7 +19,7 @@ from flowfleet.config import Contribution, RunConfig, TrainConfig
 from flowfleet.data.augment import choose
 from flowfleet.data.shards import ShardSet, open_complete
 from flowfleet.errors import FlowfleetError, ParameterError
-from flowfleet.flow import Strategy, ddpm_loss, flow_matching_loss, interpolate, sample_t
+from flowfleet.flow import Strategy, ddpm_loss, flow_matching_loss, interpolate, loss_weight, sample_t
 from flowfleet.flow.path import vp_log_snr
 from flowfleet.layout import (
     ASSIGNMENTS,
@@ -91,6 +91,11 @@ class TrainTask:
         """Scalar loss of one micro-batch, and extra per-batch metrics (means)."""
         raise NotImplementedError
 
+    def draw_t(self, n: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+        """n training times [n] by the job's time sampler (train.time_sampling, time_mean, time_std)."""
+        tc = self.train_cfg
+        return sample_t(n, mode=tc.time_sampling, mean=tc.time_mean, std=tc.time_std, generator=gen, device=device)
+
     def preview(self, model: DiTModel, step: int, device: torch.device) -> bytes:
         """PNG bytes of what the model does at this step."""
         raise NotImplementedError
@@ -127,8 +132,8 @@ class FlowTask(TrainTask):
         x0, augment = batch["latents"], None  # [B, C, H, W]
         if self.train_cfg.augment_p:  # some items replaced by an augmented copy; augment [B, AUGMENT_DIM]
             x0, augment = choose(x0, batch["aug_latents"], batch["aug_params"], self.train_cfg.augment_p, gen)
-        b, dev = x0.shape[0], x0.device
-        t = sample_t(b, mode=self.train_cfg.time_sampling, generator=gen, device=dev)  # [B]
+        b, dev, tc = x0.shape[0], x0.device, self.train_cfg
+        t = self.draw_t(b, gen, dev)  # [B]
         eps = torch.randn(x0.shape, generator=gen, device=dev)  # [B, C, H, W]
         drop = torch.rand(b, generator=gen, device=dev) < self.model_cfg.cond_dropout  # [B] null condition
         cond = preview.condition_kwargs(batch, self.model_cfg)
@@ -141,7 +146,8 @@ class FlowTask(TrainTask):
             tau = torch.randint(0, len(table), (b,), generator=gen, device=dev)  # [B]
             eps_fn = lambda x, s: model(x, s, raw=True, drop=drop, **cond)[:, : x.shape[1]]  # noqa: E731
             return ddpm_loss(eps_fn, x0, tau, eps, table), {}
-        loss = flow_matching_loss(lambda x_t, tt: model(x_t, tt, drop=drop, **cond), x0, t, eps)
+        weight = loss_weight(t, tc.loss_weighting, tc.min_snr_gamma)  # [B]
+        loss = flow_matching_loss(lambda x_t, tt: model(x_t, tt, drop=drop, **cond), x0, t, eps, weight)
         return loss, {}
 
     def _decode(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -239,12 +245,7 @@ class DistillTask(FlowTask):
 
     def loss(self, model, batch, gen):
         if "noise" in batch:  # reflow: flow matching on the teacher's (noise, sample) pairs
-            t = sample_t(
-                batch["latents"].shape[0],
-                mode=self.train_cfg.time_sampling,
-                generator=gen,
-                device=batch["latents"].device,
-            )
+            t = self.draw_t(batch["latents"].shape[0], gen, batch["latents"].device)  # [B]
             cond = preview.condition_kwargs(batch, self.model_cfg)
             return flow_matching_loss(lambda x_t, tt: model(x_t, tt, **cond), batch["latents"], t, batch["noise"]), {}
         from flowfleet.sampling.routing import Condition
@@ -254,7 +255,7 @@ class DistillTask(FlowTask):
         if self.train_cfg.augment_p:  # some items replaced by an augmented copy; augment [B, AUGMENT_DIM]
             x0, augment = choose(x0, batch["aug_latents"], batch["aug_params"], self.train_cfg.augment_p, gen)
         b, dev = x0.shape[0], x0.device
-        t = sample_t(b, mode=self.train_cfg.time_sampling, generator=gen, device=dev)  # [B]
+        t = self.draw_t(b, gen, dev)  # [B]
         eps = torch.randn(x0.shape, generator=gen, device=dev)
         x_t = interpolate(x0, eps, t)  # [B, C, H, W]
         pipe = self.teacher(dev)
@@ -300,7 +301,7 @@ class RouterTask(TrainTask):
     def loss(self, model, batch, gen):
         x0, k = batch["latents"], batch["cluster"]  # [B, C, H, W], [B]
         b, dev = x0.shape[0], x0.device
-        t = sample_t(b, mode=self.train_cfg.time_sampling, generator=gen, device=dev)  # [B] U[0, 1]
+        t = self.draw_t(b, gen, dev)  # [B]
         eps = torch.randn(x0.shape, generator=gen, device=dev)
         # A prompt-aware router also sees the prompt; dropped like an expert's, so it can route without one.
         drop = None
