@@ -72,6 +72,7 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"  # the finished job's model folder (EMA weights)
 SAMPLES = "samples"  # preview grids during training; per-model samples in reports/
 JOB_REPORT = "report.json"  # what a finished job measured (the router: its accuracy per t)
+EMA_SNAPSHOTS = "ema"  # train.posthoc_ema: step-<step>.safetensors, each tracked power EMA's weights at that step
 
 # where train-all handed jobs to a backend (flowfleet.backends): job -> {backend, id, submitted}
 BACKENDS = "backends"

@@ -31,6 +31,11 @@ class TrainConfig(Strict):
     warmup_steps: int = Field(0, ge=0)
     ema_decay: float = Field(0.9999, ge=0, le=1)
     ema_warmup: bool = True  # decay min(ema_decay, (1 + n) / (10 + n)) after n updates, so short runs average too
+    # Post-hoc EMA (EDM2): the relative lengths of the power-function EMAs tracked beside `ema_decay`'s (e.g. [0.05,
+    # 0.1]), and every how many steps their weights are kept (the job's ema/ folder), from which an EMA of any
+    # length between is reconstructed after training (flowfleet.train.phema). Empty: none tracked.
+    posthoc_ema: tuple[float, ...] = ()
+    posthoc_every: int = Field(500, ge=1)
     grad_clip: float | None = Field(None, gt=0)
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # autocast on CUDA only; CPU runs fp32
     time_sampling: Literal["uniform", "logit_normal"] = "uniform"
@@ -66,6 +71,9 @@ class TrainConfig(Strict):
             raise ValueError(f"batch_size: {self.batch_size} is not divisible by grad_accum {self.grad_accum}")
         if self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps: {self.warmup_steps} exceeds steps {self.steps}")
+        for length in self.posthoc_ema:
+            if not 0 < length < 12**-0.5:  # the longest power-function EMA, gamma -> -1, is the uniform average's
+                raise ValueError(f"posthoc_ema: {length} is not a relative length in (0, {12**-0.5:.4f})")
         return self
 
 

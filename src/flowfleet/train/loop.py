@@ -42,6 +42,7 @@ from flowfleet.train.checkpoint import BackgroundWriter, Checkpoint, CheckpointS
 from flowfleet.train.data import ResumableSampler, derive_seed
 from flowfleet.train.ema import EMA
 from flowfleet.train.metrics import MetricsLog
+from flowfleet.train.phema import TrackedEMAs
 from flowfleet.train.status import HEARTBEAT_EVERY, HEARTBEAT_EVERY_LOCAL, JobLease, JobStatus, job_finished
 from flowfleet.train.tasks import TrainTask
 
@@ -152,6 +153,7 @@ class TrainState:
     amp: torch.dtype | None
     micro: int  # samples per micro-batch per process
     ema: EMA | None = None
+    tracked: TrackedEMAs | None = None  # rank 0's post-hoc EMAs (train.posthoc_ema), where tracked
     lease: JobLease | None = None
     metrics: MetricsLog | None = None
     step: int = 0
@@ -262,6 +264,8 @@ class JobCheckpoints:
         st.model.load_state_dict(ckpt.tensors["model"], strict=True)
         if st.ema is not None:
             st.ema.load_state_dict(ckpt.tensors["ema"])
+        if st.tracked is not None and "posthoc_ema" in ckpt.tensors:
+            st.tracked.load_state_dict(ckpt.tensors["posthoc_ema"])
         st.opt.load_state_dict(unflatten_state(ckpt.state["optimizer"], ckpt.tensors["optimizer"]))
         if ckpt.state.get("scaler"):
             st.scaler.load_state_dict(ckpt.state["scaler"])
@@ -299,6 +303,7 @@ class JobCheckpoints:
                     "ema": cpu_state(st.rank0().ema.state_dict()),
                     "optimizer": opt_tensors,
                     "rng": rng,
+                    **({"posthoc_ema": cpu_state(st.tracked.state_dict())} if st.tracked is not None else {}),
                     **extra_tensors,
                 },
                 state={
@@ -376,6 +381,18 @@ class JobOutputs:
         st.rank0().lease.update(last_loss=record["loss"], **speed)
         bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
         st.window = _Window(t0=now)
+
+    def after_step(self, st: TrainState, lr: float, bar) -> None:
+        """Rank 0 after each step: a metrics line every log_every steps, a preview every sample_every, the post-hoc
+        EMAs' snapshot every posthoc_every, each at the last step too."""
+        tc, total = self.task.train_cfg, self.task.total_steps
+        st.rank0().lease.update(step=st.step, samples_seen=st.position)
+        if st.step % tc.log_every == 0 or st.step == total:
+            self.log(st, bar, lr)
+        if st.step % tc.sample_every == 0 or st.step == total:
+            self.preview(st)
+        if st.tracked is not None and (st.step % tc.posthoc_every == 0 or st.step == total):
+            st.tracked.write_snapshot(self.root, self.task.spec.dir, st.step)
 
     def preview(self, st: TrainState) -> None:
         """A grid of the EMA model's samples at this step (samples/, TensorBoard)."""
@@ -515,6 +532,7 @@ class Trainer:
             opt=self.hooks.optimizer(model, dev) or adamw(model, dev, tc),
             scaler=torch.amp.GradScaler(dev.type, enabled=amp == torch.float16),
             ema=EMA(model, tc.ema_decay, tc.ema_warmup) if island.is_main else None,
+            tracked=TrackedEMAs(model, tc.posthoc_ema) if island.is_main and tc.posthoc_ema else None,
         )
         last = self.checkpoints.store.latest()
         if last is not None:
@@ -569,11 +587,7 @@ class Trainer:
         due = self.hooks.after_update(st)
         bar.update(1)
         if st.island.is_main:
-            st.rank0().lease.update(step=st.step, samples_seen=st.position)
-            if st.step % tc.log_every == 0 or st.step == total:
-                self.outputs.log(st, bar, lr)
-            if st.step % tc.sample_every == 0 or st.step == total:
-                self.outputs.preview(st)
+            self.outputs.after_step(st, lr, bar)
         if st.island.is_main and (ended := self.checkpoints.writer.finished()):
             self.checkpoints.ended(st, ended)
         if stop or due or (st.bad == 0 and st.step % tc.ckpt_every == 0) or st.step == total:
@@ -621,6 +635,8 @@ class Trainer:
             st.scaler.update()
             if st.ema is not None:
                 st.ema.update(st.model)
+            if st.tracked is not None:
+                st.tracked.update(st.model)
             st.window.loss += loss
             st.window.finite_steps += 1
             for key, value in extras.items():
