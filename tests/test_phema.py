@@ -134,3 +134,47 @@ def test_a_job_keeps_its_snapshots_through_a_stop_and_resume(tmp_path):
     tenth = next(w for s, g, w in snaps if s == 6 and g < 10)
     got = reconstruct(snaps, 0.1)
     assert all(torch.allclose(got[k], tenth[k], atol=1e-5) for k in tenth if tenth[k].is_floating_point())
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_flowfleet_ema_rewrites_final_and_puts_the_trained_one_back(tmp_path, capsys):
+    """`flowfleet ema RUN --sigma-rel S`: each finished job's final/ becomes its reconstruction at S and its last
+    step (the tracked length 0.1 reconstructs as its own snapshot), final-ema/ keeps the trained final/ once, and
+    `--sigma-rel trained` puts it back bit for bit; a length out of range is one line naming the flag."""
+    import json
+
+    import safetensors.torch
+    from fixtures import synthetic_run
+    from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+
+    from flowfleet.cli import main
+    from flowfleet.models.files import WEIGHTS_NAME
+    from flowfleet.storage import RunRoot
+    from flowfleet.train.loop import TrainOptions
+    from flowfleet.train.specs import JobSpec
+
+    root = RunRoot(str(tmp_path / "run"))
+    write_synthetic_run(root, synthetic_config(steps=4, train=dict(posthoc_ema=(0.05, 0.1), posthoc_every=2)))
+    options = TrainOptions(progress=False, heartbeat_every=0.2, tensorboard=False)
+    assert synthetic_run.run_job(root, JobSpec("expert", 0), options).state == "done"
+    job = tmp_path / "run/experts/0"
+    weights = lambda folder: safetensors.torch.load((job / folder / WEIGHTS_NAME).read_bytes())  # noqa: E731
+    trained = weights("final")
+
+    assert main(["ema", str(tmp_path / "run"), "--sigma-rel", "0.1"]) == 0
+    assert "expert-0: final/ is the EMA of sigma_rel 0.1 at step 4 (4 snapshots)" in capsys.readouterr().out
+    snapshot = safetensors.torch.load((job / "ema/step-0000004.safetensors").read_bytes())
+    now = weights("final")
+    assert now.keys() == trained.keys()
+    for name, value in now.items():
+        assert torch.allclose(value, snapshot[f"0.1/{name}"], atol=1e-5), name
+    assert not all(torch.equal(now[k], trained[k]) for k in now)  # (training's EMA is another average)
+    assert json.loads((job / "posthoc_ema.json").read_text()) == {"sigma_rel": 0.1, "step": 4, "snapshots": [2, 4]}
+
+    assert main(["ema", str(tmp_path / "run"), "--sigma-rel", "0.07"]) == 0  # a second length: final-ema/ kept
+    assert main(["ema", str(tmp_path / "run"), "--sigma-rel", "trained"]) == 0
+    assert all(torch.equal(weights("final")[k], trained[k]) for k in trained)
+    capsys.readouterr()
+    assert main(["ema", str(tmp_path / "run"), "--sigma-rel", "0.4"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.endswith("--sigma-rel: 0.4 is not in (0, 0.2887)"), err

@@ -73,6 +73,8 @@ FINAL = "final"  # the finished job's model folder (EMA weights)
 SAMPLES = "samples"  # preview grids during training; per-model samples in reports/
 JOB_REPORT = "report.json"  # what a finished job measured (the router: its accuracy per t)
 EMA_SNAPSHOTS = "ema"  # train.posthoc_ema: step-<step>.safetensors, each tracked power EMA's weights at that step
+FINAL_TRAINED = "final-ema"  # `flowfleet ema`: final/ as training wrote it (train.ema_decay's EMA), kept once
+POSTHOC_RECORD = "posthoc_ema.json"  # `flowfleet ema`: the length final/ was reconstructed at, and from what
 
 # where train-all handed jobs to a backend (flowfleet.backends): job -> {backend, id, submitted}
 BACKENDS = "backends"

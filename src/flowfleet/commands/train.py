@@ -1,5 +1,5 @@
 """Training jobs: `train-expert`, `train-router`, `train-monolith`, `train-diloco`, `train-all`, `status`; the
-fleet's plan for its machines: `probe`, `plan`."""
+fleet's plan for its machines: `probe`, `plan`; the EMA's length after training: `ema`."""
 
 from __future__ import annotations
 
@@ -67,6 +67,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_run_root(p)
     p.add_argument("--json", action="store_true", help="print the status files as one JSON list instead")
     _register_plan(sub)
+
+    p = add_command(sub, "ema", run_ema)
+    add_run_root(p)
+    p.add_argument(
+        "--sigma-rel",
+        required=True,
+        type=_sigma_rel,
+        metavar="S",
+        help="the EMA's length relative to the training (EDM2's sigma_rel, e.g. 0.08), reconstructed from the "
+        "snapshots of run.yaml train.posthoc_ema; 'trained': final/ as training wrote it",
+    )
 
 
 def _register_plan(sub: argparse._SubParsersAction) -> None:
@@ -441,6 +452,36 @@ def run_probe(args: argparse.Namespace) -> int:
 
     record = probe_machine(args.run_root, args.machine, args.device, args.steps)
     print(f"{args.machine}: {record['tflops']:.4g} model TFLOP/s ({record['step_s']:.3g} s a step, {record['device']})")
+    return 0
+
+
+def _sigma_rel(text: str) -> float | None:
+    """--sigma-rel: a number, or 'trained' (None)."""
+    if text == "trained":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a relative length such as 0.08, or 'trained'") from None
+
+
+def run_ema(args: argparse.Namespace) -> int:
+    """every finished job's final/ from its post-hoc EMA of length --sigma-rel
+
+    Reconstructed from the snapshots the job kept (run.yaml train.posthoc_ema, EDM2's post-hoc EMA) at its last
+    step; final/ as training wrote it is kept in final-ema/ and comes back with --sigma-rel trained. Run
+    `flowfleet assemble` after it to serve the new weights.
+    """
+    from flowfleet.stages.posthoc_ema import apply_posthoc_ema
+
+    changed = apply_posthoc_ema(args.run_root, args.sigma_rel)
+    if not changed:
+        print(f"{args.run_root}: no finished job kept post-hoc EMA snapshots (run.yaml train.posthoc_ema)")
+        return 1
+    what = "as trained" if args.sigma_rel is None else f"the EMA of sigma_rel {args.sigma_rel:g}"
+    for c in changed:
+        print(f"{c.job}: final/ is {what} at step {c.step} ({c.snapshots} snapshots)")
+    print(f"then: flowfleet assemble {args.run_root}")
     return 0
 
 
