@@ -81,7 +81,7 @@ def score(model: Path, run: Path, a: argparse.Namespace) -> dict:
         ("top1",),
         batch_size=a.n,
         monolith=False,
-        cfg_sweep=tuple(float(c) for c in a.cfg.split(",")),
+        guidance_sweep=tuple(float(c) for c in a.cfg.split(",")),
         repeats=a.repeats,
         min_accuracy=min_accuracy(run),
     )

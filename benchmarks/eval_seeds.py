@@ -61,7 +61,7 @@ def main() -> None:
             rec: dict = {"run": str(run), "seed": seed, "n": a.n}
             for name, strategies, monolith in (("monolith", (), True), (a.strategy, (a.strategy,), False)):
                 options = judge_options(
-                    a.n, strategies, batch_size=a.n, monolith=monolith, seed=seed, cfg=scales[name], grid=8
+                    a.n, strategies, batch_size=a.n, monolith=monolith, seed=seed, guidance_scale=scales[name], grid=8
                 )
                 result = evaluate(str(where / "model"), str(where), options)
                 r = result["runs"][name]

@@ -93,7 +93,7 @@ def evaluate_model(
             "classifier_fd": r["classifier_fd"],
             "fid": r["fid"],
             "sampling_s": r["sampling_s"],
-            "cfg": result["sampling"]["cfg"],
+            "cfg": result["sampling"]["guidance_scale"],
             "steps": result["sampling"]["steps"],
             "floor": result["reference_split"]["floor"],
         }
@@ -124,7 +124,7 @@ def score_fleet(
         strategies,
         batch_size=n,
         monolith=monolith,
-        cfg_sweep=sweep,
+        guidance_sweep=sweep,
         routers=routers,
         repeats=repeats,
         min_accuracy=min_accuracy,

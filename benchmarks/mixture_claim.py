@@ -83,7 +83,7 @@ def evaluate_run(run: Path, a: argparse.Namespace) -> dict:
         monolith=True,
         routers=("router-paris",),
         guidance_rules=("mixture", "expert"),
-        cfg_sweep=tuple(float(c) for c in a.cfg.split(",")),
+        guidance_sweep=tuple(float(c) for c in a.cfg.split(",")),
         repeats=a.repeats,
         min_accuracy=min_accuracy(run),
     )

@@ -198,7 +198,7 @@ def main() -> None:
             "expert_steps": cfg.train.steps,
             "n": args.n,
             "fid_resize": args.fid_resize,
-            "cfg": cfg.sampling.cfg,
+            "cfg": cfg.sampling.guidance_scale,
             "sampling_steps": cfg.sampling.steps,
         },
         "flops": flops,

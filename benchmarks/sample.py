@@ -118,7 +118,7 @@ def latency(args: argparse.Namespace) -> list[dict]:
                 name = f"{strategy}, route-every {every}" + ("" if strategy == "full" else f", {label}")
                 configs.append((name, pipe, strategy, every))
     prompts = ["a handwritten digit", "a red square", "a small circle", "two lines"]
-    kw = dict(n=args.batch, steps=args.steps, cfg=4.0, sampler="euler")
+    kw = dict(n=args.batch, steps=args.steps, guidance_scale=4.0, sampler="euler")
     print(
         f"expert: hidden {args.hidden}, depth {args.depth}, {expert_cfg.num_tokens} tokens, "
         f"{n_params / 1e6:.2f} M params; router: hidden {args.router_hidden}, depth {args.router_depth}, "
@@ -194,7 +194,7 @@ def ram_child(model_dir: str, mode: str, offload: int | None, steps: int, n: int
         for k in pipe.present:
             pipe.experts.get(k)
     t0 = time.perf_counter()
-    out = pipe(["a handwritten digit", "a red square"], n=n, strategy="top1", steps=steps, cfg=4.0)
+    out = pipe(["a handwritten digit", "a red square"], n=n, strategy="top1", steps=steps, guidance_scale=4.0)
     wall = time.perf_counter() - t0
     used = sorted({e for s in out.trace.experts for e in s.flatten().tolist()})
     return {

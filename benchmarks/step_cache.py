@@ -36,7 +36,7 @@ def main() -> None:
         options = EvaluateOptions(
             n=a.n,
             strategies=(a.strategy,),
-            sampling=dict(cfg=a.cfg, cache=threshold),
+            sampling=dict(guidance_scale=a.cfg, cache=threshold),
             diagnostics=False,
             batch_size=100,
         )

@@ -56,8 +56,8 @@ def test_assemble_writes_a_diffusers_style_folder(fleet):
         "time_convention": TIME_CONVENTION,
         "steps": 4,
         "sampler": "euler",
-        "cfg": 2.0,
-        "cfg_max_t": 1.0,
+        "guidance_scale": 2.0,
+        "guidance_max_t": 1.0,
         "shift": 1.0,
         "strategy": "top2",
         "guidance": "mixture",
@@ -83,7 +83,15 @@ def test_assemble_writes_a_diffusers_style_folder(fleet):
 
 def test_assemble_to_another_folder_and_sampler_defaults_from_run_yaml(run_root, tmp_path):
     cfg = tiny_run_config(
-        2, steps=7, sampler="heun", cfg=3.5, cfg_max_t=0.6, shift=2.0, strategy="top1", guidance="expert", route_every=2
+        2,
+        steps=7,
+        sampler="heun",
+        guidance_scale=3.5,
+        guidance_max_t=0.6,
+        shift=2.0,
+        strategy="top1",
+        guidance="expert",
+        route_every=2,
     )
     write_random_fleet(str(run_root), cfg)
     out = tmp_path / "elsewhere"
@@ -93,8 +101,8 @@ def test_assemble_to_another_folder_and_sampler_defaults_from_run_yaml(run_root,
         "time_convention": TIME_CONVENTION,
         "steps": 7,
         "sampler": "heun",
-        "cfg": 3.5,
-        "cfg_max_t": 0.6,
+        "guidance_scale": 3.5,
+        "guidance_max_t": 0.6,
         "shift": 2.0,
         "strategy": "top1",
         "guidance": "expert",
@@ -102,7 +110,7 @@ def test_assemble_to_another_folder_and_sampler_defaults_from_run_yaml(run_root,
     }
     pipe = FleetPipeline.from_pretrained(str(out), text_encoder=HashTextEncoder(384, 4))
     s = pipe.settings()
-    assert (s.steps, s.sampler, s.cfg, s.cfg_max_t, s.shift, s.strategy.name, s.route_every, s.k) == (
+    assert (s.steps, s.sampler, s.guidance_scale, s.guidance_max_t, s.shift, s.strategy.name, s.route_every, s.k) == (
         7,
         "heun",
         3.5,

@@ -79,3 +79,19 @@ def test_init_on_an_fsspec_url():
     init_run("memory://flowfleet-cfg/run", "mnist-tiny")
     cfg = load_run_config(RunRoot("memory://flowfleet-cfg/run"))
     assert cfg.data.source == "mnist" and cfg.cluster.k == 3
+
+
+def test_a_run_yaml_written_before_guidance_scale_loads_and_is_written_back_with_it():
+    """sampling.cfg / cfg_max_t and distill.cfg, as older run.yaml and model_index.json files say them, load into
+    guidance_scale / guidance_max_t; the config then writes the new names only."""
+    from flowfleet.config import SamplingConfig
+
+    raw = preset("mnist").to_dict()
+    raw["sampling"] = {k: v for k, v in raw["sampling"].items() if k not in ("guidance_scale", "guidance_max_t")}
+    raw["sampling"].update(cfg=2.5, cfg_max_t=0.7)
+    raw["distill"] = {"cfg": 1.5}
+    cfg = RunConfig.from_dict(raw, "run.yaml")
+    assert (cfg.sampling.guidance_scale, cfg.sampling.guidance_max_t, cfg.distill.guidance_scale) == (2.5, 0.7, 1.5)
+    dumped = cfg.to_dict()
+    assert "cfg" not in dumped["sampling"] and dumped["sampling"]["guidance_scale"] == 2.5
+    assert SamplingConfig.model_validate({"cfg": 3.0}) == SamplingConfig(guidance_scale=3.0)

@@ -28,14 +28,21 @@ from flowfleet.stages.generate import generate
 
 # a model folder whose scheduler differs from SamplingConfig's defaults in every field
 FOLDER_SETTINGS = dict(
-    steps=7, sampler="heun", cfg=3.5, cfg_max_t=0.6, shift=2.0, strategy="top1", guidance="expert", route_every=2
+    steps=7,
+    sampler="heun",
+    guidance_scale=3.5,
+    guidance_max_t=0.6,
+    shift=2.0,
+    strategy="top1",
+    guidance="expert",
+    route_every=2,
 )
 # a call's choices, each unlike the folder's and the defaults
 CHOICES = dict(
     steps=3,
     sampler="euler",
-    cfg=2.0,
-    cfg_max_t=0.5,
+    guidance_scale=2.0,
+    guidance_max_t=0.5,
     shift=1.5,
     strategy="full",
     guidance="mixture",
@@ -78,11 +85,12 @@ def test_evaluate_options_and_the_command_line_share_every_default():
     library = {f.name: f.default for f in dataclasses.fields(EvaluateOptions) if f.default is not dataclasses.MISSING}
     cli = cli_defaults("evaluate")
     for k, v in cli.items():  # a list option's default is its comma-separated text (--strategies top1,top2,full)
-        if isinstance(library.get(k), tuple) and isinstance(v, str):  # (numbers as the library's: --cfg-bounds 1,16)
+        # (numbers as the library's: --guidance-bounds 1,16)
+        if isinstance(library.get(k), tuple) and isinstance(v, str):
             kind = type(library[k][0]) if library[k] else str
             cli[k] = tuple(kind(x) for x in v.split(",") if x)
     common = shared(library, cli)
-    assert {"n", "seed", "strategies", "repeats", "min_accuracy", "cfg_bounds", "cfg_extend"} <= set(common)
+    assert {"n", "seed", "strategies", "repeats", "min_accuracy", "guidance_bounds", "guidance_extend"} <= set(common)
     assert {k: library[k] for k in common} == {k: cli[k] for k in common}
     unset = build_parser().parse_args(["evaluate", "DIR"])  # no sampling option given: every model's own
     assert sampling_choices(unset, without=EVALUATION_OWN) == EvaluateOptions().sampling == {}

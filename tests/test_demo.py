@@ -65,7 +65,7 @@ def check_run(path, *, strategies=("top2",), fleets=(), prompt_router=True, pari
     assert split["source"] == json.loads((path / "data" / "manifest.json").read_text())["source"]
     assert "Judge: the mnist digit classifier, trained by flowfleet on the first 4000 MNIST-5k digits" in html
     assert f"Reference: {split['reference_images']} images held out of training (eval/) of MNIST-5k" in html
-    swept = list(demo_plan("smoke").evaluation.cfg_sweep)
+    swept = list(demo_plan("smoke").evaluation.guidance_sweep)
     assert evaluation["guidance"]["sweep"] == swept and evaluation["guidance"]["chosen_on"] == "validation"
     held = json.loads((path / "eval/manifest.json").read_text())["count"]
     assert split["split"] == "test" and split["items"] + evaluation["validation_split"]["items"] == held
@@ -209,7 +209,7 @@ def test_demo_plans_validate_and_quick_is_smaller():
         # Paris' router beside it is an option (--prompt-router: the comparison router), as the caption fleet is
         assert not c.router_baseline and not c.router_prompt and plan.evaluation.routers == ()
         assert c.train.expert_steps == "by_size"  # each expert passes over its digits as often as the monolith
-        assert len(plan.evaluation.cfg_sweep) >= 5 and plan.evaluation.save_cfg
+        assert len(plan.evaluation.guidance_sweep) >= 5 and plan.evaluation.save_guidance_scale
         assert plan.evaluation.repeats >= 3  # figures with their spread over evaluation draws
         # Paris' experts work in a VAE latent: here an autoencoder prepare trains, 8 x 8 x 4, 2 x 2 patches
         assert c.encoders.latent.name == "autoencoder" and c.latent_shape == (4, 8, 8) and c.expert.patch_size == 2

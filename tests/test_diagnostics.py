@@ -106,7 +106,7 @@ def test_disagreement_probe_records_each_step_and_passes_the_velocity_through():
     def inner(x, t, step):
         return -x
 
-    probe = DisagreementProbe(inner, store, Condition(), SamplingConfig(cfg=1.0), guided=lambda scale: False)
+    probe = DisagreementProbe(inner, store, Condition(), SamplingConfig(guidance_scale=1.0), guided=lambda scale: False)
     x1 = torch.randn(4, 1, 2, 2)
     grid = time_grid(3)
     out = integrate(probe, x1, grid, "heun")

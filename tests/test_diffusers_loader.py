@@ -49,7 +49,7 @@ def test_diffusers_opens_the_folder_and_draws_generates_pixels(demo_fleet, tmp_p
                generator=torch.Generator().manual_seed(5), strategy="top2")  # fmt: skip
     assert len(out.images) == 3 and all(isinstance(im, Image.Image) for im in out.images)
     assert len(pipe.fleet.experts.resident) <= 1  # experts load when routed to, at most `offload` kept
-    ours = generate(demo_fleet, prompts=[PROMPT], n=3, strategy="top2", steps=4, cfg=2.0, seed=5,
+    ours = generate(demo_fleet, prompts=[PROMPT], n=3, strategy="top2", steps=4, guidance_scale=2.0, seed=5,
                     out=str(tmp_path / "g.png")).output  # fmt: skip
     from flowfleet.sampling.views import to_pil
 

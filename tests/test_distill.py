@@ -61,10 +61,10 @@ def test_the_student_regresses_onto_the_fleets_guided_velocity(fleet):
     pipe = FleetPipeline.from_pretrained(fleet.url_of("model"), load_encoders=False)
     cond = condition_kwargs(batch, cfg.expert)
     with torch.no_grad():
-        guided = pipe.settings("top2", cfg=cfg.sampling.cfg, route_every=1, cfg_max_t=1.0)
+        guided = pipe.settings("top2", guidance_scale=cfg.sampling.guidance_scale, route_every=1, guidance_max_t=1.0)
         target = pipe.velocity_fn(Condition(**cond), guided, RoutingTrace(3))(x_t, t, 0)
         want = F.mse_loss(student(x_t, t, **condition_kwargs(batch, task.model_cfg)), target)
-        plain = pipe.settings("top2", cfg=1.0, route_every=1, cfg_max_t=1.0)
+        plain = pipe.settings("top2", guidance_scale=1.0, route_every=1, guidance_max_t=1.0)
         unguided = pipe.velocity_fn(Condition(**cond), plain, RoutingTrace(3))(x_t, t, 0)
     # the teacher's target in another batch: the fleet's reordering bound (caption width 384, ~8 roundings)
     assert loss.item() == pytest.approx(want.item(), rel=reorder(network_terms(384, 8)))
@@ -92,7 +92,7 @@ def test_distill_is_a_resumable_job_and_its_model_folder_samples_without_guidanc
         "teacher": "top2",
         "student": {"size": "tiny"},
         "steps": 4,
-        "cfg": None,
+        "guidance_scale": None,
         "method": "velocity",
         "pairs": 2000,
         "teacher_steps": 20,
@@ -100,12 +100,12 @@ def test_distill_is_a_resumable_job_and_its_model_folder_samples_without_guidanc
 
     index = read_model_index(result.model)
     assert result.model.endswith("model-student") and index.present_experts == [0] and index.router == (None, None)
-    assert index.scheduler.cfg == 1.0 and index.scheduler.strategy.name == "top1"
+    assert index.scheduler.guidance_scale == 1.0 and index.scheduler.strategy.name == "top1"
     config = json.loads((run_root / "model-student" / "expert_0" / "config.json").read_text())
     assert config["hidden_size"] == 128 and config["depth"] == 4  # the tiny preset
     pipe = FleetPipeline.from_pretrained(result.model, text_encoder=HashTextEncoder(384, 16))
     out = pipe(["a digit"], n=2, steps=3)
-    assert torch.isfinite(out.images).all() and not pipe.guidance_applies(out.settings.cfg)
+    assert torch.isfinite(out.images).all() and not pipe.guidance_applies(out.settings.guidance_scale)
 
     # `flowfleet status` lists the student beside the fleet's jobs.
     from flowfleet.stages.train import job_status
@@ -124,7 +124,7 @@ def test_reflow_learns_the_teachers_noise_to_sample_pairs(fleet, run_root):
     # The pair's sample is the teacher's: top-2 of the fleet at the run's CFG from that noise and condition.
     cfg = load_run_config(fleet)
     pipe = FleetPipeline.from_pretrained(fleet.url_of("model"), load_encoders=False)
-    settings = pipe.settings("top2", steps=cfg.distill.teacher_steps, cfg=cfg.sampling.cfg)
+    settings = pipe.settings("top2", steps=cfg.distill.teacher_steps, guidance_scale=cfg.sampling.guidance_scale)
     x0, _ = pipe.sample(pairs["noise"][:2], Condition(text_pooled=pairs["text_pooled"][:2]), settings)
     # sampled again in a batch of 2 (6 when the pairs were made): the fleet's reordering bound per step
     tol = net_tol(x0, 384, 8, cfg.distill.teacher_steps)

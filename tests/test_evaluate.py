@@ -330,7 +330,7 @@ def test_repeats_draw_every_model_again_at_its_chosen_scale_as_an_evaluation_wit
     from flowfleet.stages.evaluate import evaluate
 
     model = fleet.url_of("model")
-    opts = options(strategies=("top1", "top2", "full"), cfg_sweep=(1.0, 4.0), repeats=3, diagnostics=False)
+    opts = options(strategies=("top1", "top2", "full"), guidance_sweep=(1.0, 4.0), repeats=3, diagnostics=False)
     result = evaluate(model, fleet.url, opts, extractor=SmallFeatures())
     draws = result["draws"]
     assert draws["seeds"] == [0, 1, 2] and set(draws["runs"]) == {"monolith", "top1", "top2", "full"}
@@ -343,7 +343,7 @@ def test_repeats_draw_every_model_again_at_its_chosen_scale_as_an_evaluation_wit
         again = evaluate(
             model,
             fleet.url,
-            options(**alone, seed=2, sampling=dict(cfg=cfg), diagnostics=False),
+            options(**alone, seed=2, sampling=dict(guidance_scale=cfg), diagnostics=False),
             extractor=SmallFeatures(),
         )
         assert draws["runs"][name]["fid"][2] == again["runs"][name]["fid"], name
@@ -470,7 +470,7 @@ def test_precision_and_recall_of_same_and_of_disjoint_sets():
 
 def test_evaluate_against_held_out_items_sweeps_guidance_and_saves_each_folders_choice(tmp_path, caplog):
     """With data.holdout the reference and the real floor come from eval/, disjoint; every model is sampled
-    at each swept scale, its row is the chosen scale's, and --save-cfg writes it to the model folders."""
+    at each swept scale, its row is the chosen scale's, and --save-guidance-scale writes it to the model folders."""
     from fixtures.random_fleet import randomize_, write_random_fleet
     from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 
@@ -491,7 +491,9 @@ def test_evaluate_against_held_out_items_sweeps_guidance_and_saves_each_folders_
     save_model(randomize_(DiTExpert.from_dit_config(cfg.expert), seed=7), root, "monolith", "final")
     root.write_json({"job": "monolith", "state": "done", "step": 1, "total_steps": 1}, "monolith", "status.json")
     assemble(root.url)
-    opts = options(strategies=("top1", "top2"), ref_n=None, cfg_sweep=(1.0, 4.0), save_cfg=True, diagnostics=False)
+    opts = options(
+        strategies=("top1", "top2"), ref_n=None, guidance_sweep=(1.0, 4.0), save_guidance_scale=True, diagnostics=False
+    )
     with caplog.at_level(logging.WARNING, logger="flowfleet"):
         result = evaluate(root.url_of("model"), root.url, opts, extractor=SmallFeatures())
     # a run with one held-out set (no data.validation): it works, and says that its choices read its figures' images
@@ -522,8 +524,9 @@ def test_evaluate_against_held_out_items_sweeps_guidance_and_saves_each_folders_
         assert scales[:2] == [1.0, 4.0] and scales == sorted(scales) and run["chosen_on"] == "test", name
         best = min(run["sweep"], key=lambda r: r["fid"])  # no judge on this data: the lowest FID
         assert run["cfg"] == best["cfg"] and run["fid"] == best["fid"], name
-    assert read_model_index(root.url_of("model")).scheduler.cfg == result["runs"]["top2"]["cfg"]  # the default top2
-    assert read_model_index(root.url_of("model-monolith")).scheduler.cfg == result["runs"]["monolith"]["cfg"]
+    saved = {name: read_model_index(root.url_of(folder)).scheduler.guidance_scale
+             for name, folder in (("top2", "model"), ("monolith", "model-monolith"))}  # fmt: skip
+    assert saved == {name: result["runs"][name]["cfg"] for name in saved}  # top2: the folder's default strategy
     assert "guidance.png" not in root.ls("reports")  # (the plot is the report's)
     write_report(root)
     assert root.exists("reports", "plots", "guidance.png")
@@ -614,7 +617,9 @@ def test_guidance_rules_are_rows_of_their_own_and_one_model_under_a_prompt_blind
     run.write_json(
         {"job": "router-prompt", "state": "done", "step": 1, "total_steps": 1}, "router-prompt", "status.json"
     )
-    opts = options(strategies=("top1", "trajectory"), monolith=False, routers=("router-prompt",), sampling={"cfg": 3.0})
+    opts = options(
+        strategies=("top1", "trajectory"), monolith=False, routers=("router-prompt",), sampling={"guidance_scale": 3.0}
+    )
     result = evaluate(
         run.url_of("model"), run.url, replace(opts, guidance_rules=("mixture", "expert")), extractor=SmallFeatures()
     )
@@ -832,7 +837,9 @@ def test_the_choices_read_only_the_validation_split_and_the_figures_only_the_tes
     floor and every row whose choice stands exactly as they were."""
     from flowfleet.stages.evaluate import evaluate
 
-    opts = options(strategies=("top1", "top2"), ref_n=None, cfg_sweep=(1.0, 2.0, 4.0), repeats=2, diagnostics=False)
+    opts = options(
+        strategies=("top1", "top2"), ref_n=None, guidance_sweep=(1.0, 2.0, 4.0), repeats=2, diagnostics=False
+    )
 
     def run(name, noise=None):
         root = split_run(tmp_path / name, noise)
@@ -876,14 +883,16 @@ def test_a_sweep_whose_best_scale_sits_at_an_edge_goes_further_until_it_lies_ins
 
     monkeypatch.setattr(_Evaluation, "_draw", shaped)
     root = split_run(tmp_path / "run")
-    opts = options(strategies=("top2",), monolith=False, ref_n=None, cfg_sweep=(1.0, 2.0), diagnostics=False)
+    opts = options(strategies=("top2",), monolith=False, ref_n=None, guidance_sweep=(1.0, 2.0), diagnostics=False)
     result = evaluate(root.url_of("model"), root.url, opts, extractor=SmallFeatures())
     run = result["runs"]["top2"]
     assert [r["cfg"] for r in run["sweep"]] == [1.0, 2.0, 4.0, 8.0] and run["cfg"] == 4.0
     assert run["sweep_stop"] is None and run["chosen_on"] == "validation"
 
     shape["fid"] = lambda c: -c
-    result = evaluate(root.url_of("model"), root.url, replace(opts, cfg_bounds=(1.0, 6.0)), extractor=SmallFeatures())
+    result = evaluate(
+        root.url_of("model"), root.url, replace(opts, guidance_bounds=(1.0, 6.0)), extractor=SmallFeatures()
+    )
     run = result["runs"]["top2"]
     assert [r["cfg"] for r in run["sweep"]] == [1.0, 2.0, 4.0, 6.0] and run["cfg"] == 6.0
     assert run["sweep_stop"] == "the best scale is the bound 6.0"
@@ -942,7 +951,7 @@ def test_the_summary_prints_every_header_and_figure_whole_in_80_columns():
     from flowfleet.evaluate.table import WIDTH, print_table
 
     run = {
-        "cfg": 4.5,
+        "guidance_scale": 4.5,
         "prompt_accuracy": 0.7133,
         "confidence": 0.6761,
         "classifier_fd": 124.567,

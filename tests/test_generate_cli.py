@@ -47,12 +47,13 @@ def test_generate_writes_grid_routing_json_and_heatmap(model_dir, tmp_path, caps
         "k": k,
         "steps": 3,
         "sampler": "euler",
-        "cfg": 3.0,
+        "guidance_scale": 3.0,
         "shift": 1.0,
         "route_every": 1,
         "seed": 0,
         "cache": 0.0,  # the first-block cache is off unless --cache
-        "cfg_max_t": 1.0,  # guidance at every step unless --cfg-max-t or the fleet's model_index.json say otherwise
+        # guidance at every step unless --guidance-max-t or the fleet's model_index.json say otherwise
+        "guidance_max_t": 1.0,
         "guidance": "mixture",  # (the fleet's router is blind to the prompt: one rule)
     }
     assert routing["num_steps"] == 3 and routing["num_samples"] == 6

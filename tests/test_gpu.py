@@ -136,10 +136,10 @@ def test_train_all_runs_every_job_on_the_gpu(tmp_path, capsys):
         assert " on cuda:0 in fp32" in log, (job, log[-2000:])
 
 
-@pytest.mark.parametrize("strategy, cfg_max_t", [("full", 1.0), ("top2", 1.0), ("top2", 0.5)])
-def test_a_seed_draws_the_same_images_on_the_gpu_as_on_the_cpu(model_dir, strategy, cfg_max_t):
+@pytest.mark.parametrize("strategy, guidance_max_t", [("full", 1.0), ("top2", 1.0), ("top2", 0.5)])
+def test_a_seed_draws_the_same_images_on_the_gpu_as_on_the_cpu(model_dir, strategy, guidance_max_t):
     """FleetPipeline.noise draws on the CPU and moves the draw, so only rounding separates the two."""
-    kw = dict(n=4, strategy=strategy, steps=3, cfg=2.0, seed=11, cfg_max_t=cfg_max_t)
+    kw = dict(n=4, strategy=strategy, steps=3, guidance_scale=2.0, seed=11, guidance_max_t=guidance_max_t)
     cpu = FleetPipeline.from_pretrained(str(model_dir), device="cpu")(["a digit", "two small digits"], **kw)
     gpu = FleetPipeline.from_pretrained(str(model_dir), device="cuda")(["a digit", "two small digits"], **kw)
     assert torch.equal(torch.stack(cpu.trace.experts), torch.stack(gpu.trace.experts).cpu())

@@ -35,7 +35,7 @@ PROMPTS = ["a handwritten digit seven", "two small digits", "a round zero"]
 def prompt_fleet(tmp_path_factory) -> str:
     """An assembled random fleet of K = 3 cross-attention experts whose router reads the prompt's pooled vector."""
     run = tmp_path_factory.mktemp("mixture") / "run"
-    cfg = tiny_run_config(K, router_conditioning="pooled", cfg=3.0)
+    cfg = tiny_run_config(K, router_conditioning="pooled", guidance_scale=3.0)
     write_random_fleet(str(run), cfg)
     return assemble(str(run), progress=False).out
 
@@ -78,7 +78,7 @@ def test_each_branch_takes_its_own_posteriors_top_k_and_equals_the_dense_mixture
     pipe = opened(prompt_fleet)
     g = torch.Generator().manual_seed(0)
     x, t = torch.randn(12, 1, 8, 8, generator=g), torch.full((12,), 0.6)
-    v, trace, cond = one_step(pipe, x, t, PROMPTS, "top2", cfg=3.0)
+    v, trace, cond = one_step(pipe, x, t, PROMPTS, "top2", guidance_scale=3.0)
     with torch.no_grad():
         p_c, p_u = pipe.router_probs(x, t, cond), pipe.router_probs(x, t, cond, null=True)
     assert torch.equal(trace.experts[0], p_c.topk(2, dim=1).indices)
@@ -87,26 +87,26 @@ def test_each_branch_takes_its_own_posteriors_top_k_and_equals_the_dense_mixture
     ref = dense_mixture(pipe, x, t, cond, trace, 3.0)
     assert (v - ref).abs().max() <= tol(ref)
     # the per-expert rule is the conditional choice for both branches: another velocity
-    v_e, trace_e, _ = one_step(pipe, x, t, PROMPTS, "top2", cfg=3.0, guidance="expert")
+    v_e, trace_e, _ = one_step(pipe, x, t, PROMPTS, "top2", guidance_scale=3.0, guidance="expert")
     assert trace_e.uncond_experts == [None] and (v_e - v).abs().max() > 100 * tol(ref)
     # rows run: every sample on two experts per branch, never more (no expert call is wasted)
     assert sum(trace.stats.rows.values()) == 12 * 2 * 2 == sum(trace_e.stats.rows.values())
 
 
 def test_an_unguided_step_routes_the_prompt_alone_and_runs_no_null_rows(prompt_fleet):
-    """Outside the guidance interval (t > cfg_max_t) the velocity is the conditional mixture: one branch."""
+    """Outside the guidance interval (t > guidance_max_t) the velocity is the conditional mixture: one branch."""
     pipe = opened(prompt_fleet)
     x, t = torch.randn(6, 1, 8, 8), torch.full((6,), 0.9)
-    v, trace, cond = one_step(pipe, x, t, PROMPTS, "top2", cfg=3.0, cfg_max_t=0.5)
+    v, trace, cond = one_step(pipe, x, t, PROMPTS, "top2", guidance_scale=3.0, guidance_max_t=0.5)
     assert sum(trace.stats.rows.values()) == 6 * 2
-    plain, _, _ = one_step(pipe, x, t, PROMPTS, "top2", cfg=1.0)
+    plain, _, _ = one_step(pipe, x, t, PROMPTS, "top2", guidance_scale=1.0)
     assert torch.equal(v, plain)
 
 
 def test_cache_and_route_every_sample_the_mixture_too(prompt_fleet):
     """--cache 0 skips nothing: the same images; --route-every 2 reuses both branches' choices in between."""
     pipe = opened(prompt_fleet)
-    kw = dict(n=4, strategy="top2", steps=4, cfg=3.0, seed=2)
+    kw = dict(n=4, strategy="top2", steps=4, guidance_scale=3.0, seed=2)
     plain = pipe(PROMPTS, **kw)
     assert torch.equal(pipe(PROMPTS, cache=0.0, **kw).images, plain.images)
     cached = pipe(PROMPTS, cache=1e-9, **kw)  # nothing changes by less than 1e-9: every block runs
@@ -126,7 +126,7 @@ def png_bytes(images) -> list[bytes]:
 def test_generate_serve_and_diffusers_draw_the_same_images_for_a_seed(prompt_fleet, tmp_path, strategy):
     """One seed, one computation: the images of generate, of the server and of diffusers' loader with the seed's
     generator are the same pixels (the trajectory sampler's draws included: they are read off the noise)."""
-    kw = dict(strategy=strategy, steps=4, cfg=3.0)
+    kw = dict(strategy=strategy, steps=4, guidance_scale=3.0)
     out_png, encoder = str(tmp_path / "g.png"), HashTextEncoder(384, 4)
     ours = generate(prompt_fleet, prompts=[PROMPTS[0]], n=3, seed=5, out=out_png, text_encoder=encoder, **kw)
     want = png_bytes(to_pil(ours.output.images))

@@ -234,7 +234,7 @@ def test_a_fleet_with_a_ddpm_expert_trains_assembles_and_generates(tmp_path):
     prompts = ["item 0 of cluster 0", "item 1 of cluster 1"]
     for strategy in ("top1", "top2", "full"):
         for cache in (0.0, 0.2):
-            settings = pipe.settings(strategy, cfg=2.0, cache=cache, seed=0)
+            settings = pipe.settings(strategy, guidance_scale=2.0, cache=cache, seed=0)
             out = pipe(prompts, 4, settings=settings)
             assert out.images.shape[0] == 4 and out.images.isfinite().all(), (strategy, cache)
     # served: the same images as the pipeline for a seed
@@ -249,10 +249,10 @@ def test_a_fleet_with_a_ddpm_expert_trains_assembles_and_generates(tmp_path):
     from flowfleet.serve.service import FleetService, ServeLimits
 
     svc = FleetService(FleetPipeline.from_pretrained(model, text_encoder=text), read_card(model), ServeLimits())
-    body = {"prompt": prompts[1], "strategy": "full", "steps": 3, "cfg": 2.0, "seed": 5, "n": 2}
+    body = {"prompt": prompts[1], "strategy": "full", "steps": 3, "guidance_scale": 2.0, "seed": 5, "n": 2}
     with app_in_thread(create_app(svc, model, ui=False)) as url:
         served = httpx.post(f"{url}/api/generate", json=body, timeout=60).json()["images"]
-    ref = pipe([prompts[1]], 2, strategy="full", steps=3, cfg=2.0, seed=5)
+    ref = pipe([prompts[1]], 2, strategy="full", steps=3, guidance_scale=2.0, seed=5)
     assert [base64.b64decode(im) for im in served] == [png_bytes(im) for im in to_pil(ref.images)]
     # distilled: a student learns the mixed fleet's velocities (the teacher converts the ddpm expert's noise)
     from flowfleet.stages.distill import distill

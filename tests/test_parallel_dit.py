@@ -113,14 +113,14 @@ def route_fn(router: DiTModel, k: int, mixture: bool = False):
 
 def single_process_run(
     top_k: int,
-    cfg_scale: float,
+    guidance_scale: float,
     sampler: str = "euler",
     variant: str = "",
-    cfg_max_t: float = 1.0,
+    guidance_max_t: float = 1.0,
     mixture: bool = False,
 ) -> torch.Tensor:
     """Reference: every expert on the whole image with and without the condition, each branch mixed by its own
-    routing weights, guided (at t <= cfg_max_t): flowfleet.flow.guided_mixture on dense [K, B, ...] velocities."""
+    routing weights, guided (at t <= guidance_max_t): flowfleet.flow.guided_mixture on dense [K, B, ...] velocities."""
     experts, router = fleet(variant)
     noise, cond = inputs()
     route = route_fn(router, top_k, mixture)
@@ -128,7 +128,7 @@ def single_process_run(
     def velocity(x, t, step):
         ec, wc, eu, wu = route(x, t, step)
         eu, wu = (ec, wc) if eu is None else (eu, wu)
-        scale = cfg_scale if float(t[0]) <= cfg_max_t else 1.0
+        scale = guidance_scale if float(t[0]) <= guidance_max_t else 1.0
         both = [
             model(
                 torch.cat([x, x]),
@@ -150,12 +150,12 @@ def parallel_run(
     mode: str,
     warmup: int,
     top_k: int,
-    cfg_scale: float,
+    guidance_scale: float,
     cfg_split: bool,
     sampler: str = "euler",
     batch_bytes: int = 8 << 20,
     variant: str = "",
-    cfg_max_t: float = 1.0,
+    guidance_max_t: float = 1.0,
     mixture: bool = False,
 ) -> dict:
     """Worker: the same run patch-parallel on ctx's ranks."""
@@ -169,7 +169,7 @@ def parallel_run(
         batch=B,
         guided=True,
     )
-    guidance = SamplingConfig(cfg=cfg_scale, cfg_max_t=cfg_max_t)
+    guidance = SamplingConfig(guidance_scale=guidance_scale, guidance_max_t=guidance_max_t)
     vf = runner.velocity(cond, guidance=guidance, route=route_fn(router, top_k, mixture), steps=STEPS)
     with torch.inference_mode():
         out = integrate(vf, runner.broadcast(noise), time_grid(STEPS), sampler)
@@ -264,7 +264,7 @@ def test_one_band_is_the_model(mode):
 
 def test_runner_on_one_process_is_the_routed_fleet():
     """No process group at all: the runner's velocity is the plain routed, guided fleet."""
-    want = single_process_run(top_k=2, cfg_scale=2.5)
+    want = single_process_run(top_k=2, guidance_scale=2.5)
     got = parallel_run(single_process(), "displaced", 0, 2, 2.5, True)
     assert torch.allclose(got["out"], want, atol=dit_tol(want), rtol=0)
     assert got["bytes"] == {} and got["modes"][0] == ["naive"]  # one band: nothing to exchange
@@ -279,7 +279,7 @@ def test_runner_on_one_process_is_the_routed_fleet():
 def test_sync_equals_single_process(sampler, nproc):
     """Routed top-2 of 3 experts, CFG 2.5, both CFG halves on each rank: every band exchanges K/V.
     3 ranks split the 4 token rows unevenly (2/1/1)."""
-    want = single_process_run(top_k=2, cfg_scale=2.5, sampler=sampler)
+    want = single_process_run(top_k=2, guidance_scale=2.5, sampler=sampler)
     ranks = run_local(parallel_run, nproc, ("sync", 0, 2, 2.5, False, sampler), **FORK)
     diff = (ranks[0]["out"] - want).abs().max().item()
     print(f"\nsync ({sampler}) vs single process: max abs diff {diff:.2e}")
@@ -289,12 +289,12 @@ def test_sync_equals_single_process(sampler, nproc):
 
 
 @pytest.mark.parametrize("cfg_split", [False, True])
-def test_guidance_only_at_t_below_cfg_max_t_equals_single_process(cfg_split):
-    """--cfg-max-t: the steps above it combine the halves at scale 1 on every layout of the ranks."""
-    want = single_process_run(top_k=2, cfg_scale=2.5, cfg_max_t=0.55)  # between two grid times
+def test_guidance_only_at_t_below_guidance_max_t_equals_single_process(cfg_split):
+    """--guidance-max-t: the steps above it combine the halves at scale 1 on every layout of the ranks."""
+    want = single_process_run(top_k=2, guidance_scale=2.5, guidance_max_t=0.55)  # between two grid times
     ranks = run_local(parallel_run, 2, ("sync", 0, 2, 2.5, cfg_split, "euler", 8 << 20, "", 0.55), **FORK)
     assert (ranks[0]["out"] - want).abs().max().item() <= dit_tol(want, "euler")
-    guided_everywhere = single_process_run(top_k=2, cfg_scale=2.5)
+    guided_everywhere = single_process_run(top_k=2, guidance_scale=2.5)
     assert (guided_everywhere - want).abs().max().item() > 100 * dit_tol(want, "euler")  # the interval acted
 
 
@@ -302,7 +302,7 @@ def test_guidance_only_at_t_below_cfg_max_t_equals_single_process(cfg_split):
 def test_cfg_batch_split_equals_single_process(nproc):
     """N even: ranks [0, N/2) run the conditional rows, [N/2, N) the unconditional ones (paper §5.2);
     with 4 ranks each half is itself split into 2 bands."""
-    want = single_process_run(top_k=1, cfg_scale=3.0)
+    want = single_process_run(top_k=1, guidance_scale=3.0)
     ranks = run_local(parallel_run, nproc, ("sync", 0, 1, 3.0, True), **FORK)
     diff = max((r["out"] - want).abs().max().item() for r in ranks)
     print(f"\ncfg split over {nproc} ranks vs single process: max abs diff {diff:.2e}")
@@ -319,12 +319,12 @@ def test_cfg_batch_split_equals_single_process(nproc):
 def test_guidance_over_the_mixture_equals_single_process(nproc, cfg_split):
     """Each branch routed on its own (the unconditional rows' experts differ from the conditional rows'): both
     halves on each rank, one half per rank group, and halves split into bands all give the single process's."""
-    want = single_process_run(top_k=2, cfg_scale=2.5, mixture=True)
+    want = single_process_run(top_k=2, guidance_scale=2.5, mixture=True)
     args = ("sync", 0, 2, 2.5, cfg_split, "euler", 8 << 20, "", 1.0, True)
     ranks = run_local(parallel_run, nproc, args, **FORK)
     assert max((r["out"] - want).abs().max().item() for r in ranks) <= dit_tol(want)
     assert all(torch.equal(r["out"], ranks[0]["out"]) for r in ranks)
-    assert (single_process_run(top_k=2, cfg_scale=2.5) - want).abs().max().item() > 100 * dit_tol(want)
+    assert (single_process_run(top_k=2, guidance_scale=2.5) - want).abs().max().item() > 100 * dit_tol(want)
 
 
 @pytest.mark.parametrize(
@@ -343,7 +343,7 @@ def test_sequence_parallel_equals_single_process(mode, nproc, cfg_split):
     """Exact sequence parallelism: routed top-2 of 3 six-head experts, CFG 2.5, Heun. 3 ranks split the 4
     token rows unevenly (8/4/4 tokens); 4 ranks with the CFG split: 2 halves x 2 bands; usp on 4 bands:
     Ulysses over pairs of bands (the gcd of 4 bands and 6 heads) and ring across the two pairs."""
-    want = single_process_run(top_k=2, cfg_scale=2.5, sampler="heun", variant="heads6")
+    want = single_process_run(top_k=2, guidance_scale=2.5, sampler="heun", variant="heads6")
     args = (mode, 0, 2, 2.5, cfg_split, "heun", 8 << 20, "heads6")
     ranks = run_local(parallel_run, nproc, args, **FORK)
     diff = max((r["out"] - want).abs().max().item() for r in ranks)
@@ -381,7 +381,7 @@ def test_displaced_with_full_warmup_equals_sync_and_without_it_differs():
 def test_a_fleet_with_a_wider_expert_on_two_ranks():
     """Expert 1 twice as wide as the others (its own comm slots): sync equals one process; displaced runs
     the steps after warm-up on stale keys/values."""
-    want = single_process_run(top_k=2, cfg_scale=2.0, variant="wide")
+    want = single_process_run(top_k=2, guidance_scale=2.0, variant="wide")
     sync = run_local(parallel_run, 2, ("sync", 0, 2, 2.0, False, "euler", 8 << 20, "wide"), **FORK)[0]
     assert (sync["out"] - want).abs().max().item() <= dit_tol(want, reduction=4 * 64)
     disp = run_local(parallel_run, 2, ("displaced", 1, 2, 2.0, False, "euler", 8 << 20, "wide"), **FORK)[0]
@@ -392,12 +392,12 @@ def test_a_fleet_with_a_wider_expert_on_two_ranks():
 def test_a_fleet_with_a_ddpm_expert_on_two_ranks():
     """Expert 1 a DDPM (noise) expert: each band converts its own positions' noise into the velocity, so sync bands
     equal one process."""
-    want = single_process_run(top_k=2, cfg_scale=2.0, variant="ddpm")
+    want = single_process_run(top_k=2, guidance_scale=2.0, variant="ddpm")
     sync = run_local(parallel_run, 2, ("sync", 0, 2, 2.0, False, "euler", 8 << 20, "ddpm"), **FORK)[0]
     # the conversion amplifies the noise's rounding by up to 1 / sqrt(abar) (~160 on the linear schedule), which
     # the random expert's samples carry in their size too: dit_tol scales with it
     assert (sync["out"] - want).abs().max().item() <= dit_tol(want)
-    assert not torch.equal(want, single_process_run(top_k=2, cfg_scale=2.0))  # expert 1 is another model
+    assert not torch.equal(want, single_process_run(top_k=2, guidance_scale=2.0))  # expert 1 is another model
 
 
 def test_bytes_per_step_follow_the_layout():
@@ -515,7 +515,7 @@ def _failing_run(ctx, how: str) -> dict:
         batch=B,
         guided=True,
     )
-    vf = runner.velocity(cond, guidance=SamplingConfig(cfg=2.0), route=route_fn(router, 2), steps=STEPS)
+    vf = runner.velocity(cond, guidance=SamplingConfig(guidance_scale=2.0), route=route_fn(router, 2), steps=STEPS)
 
     def velocity(x, t, step):
         if step == 2 and ctx.rank == 1:

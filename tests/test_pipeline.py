@@ -105,16 +105,16 @@ def encoded(pipe, n):
     return cond
 
 
-def one_step(pipe, x, t, cond, strategy, cfg=2.0):
+def one_step(pipe, x, t, cond, strategy, guidance_scale=2.0):
     """One routed velocity evaluation and its trace."""
-    s = pipe.settings(strategy, cfg=cfg)
+    s = pipe.settings(strategy, guidance_scale=guidance_scale)
     trace = RoutingTrace(pipe.num_experts)
     with torch.no_grad():
         v = pipe.velocity_fn(cond, s, trace)(x, t, 0)
     return v, trace
 
 
-def dense_reference(pipe, experts, x, t, cond, cfg, probs=None):
+def dense_reference(pipe, experts, x, t, cond, guidance_scale, probs=None):
     """sum_k p(k) v_k with every expert run on every sample (what top-k must equal for k = K)."""
     with torch.no_grad():
         if probs is None:
@@ -124,7 +124,7 @@ def dense_reference(pipe, experts, x, t, cond, cfg, probs=None):
             drop = torch.cat([torch.zeros(len(x), dtype=torch.bool), torch.ones(len(x), dtype=torch.bool)])
             both = {name: torch.cat([c, c]) for name, c in cond.kwargs().items()}
             v = e(torch.cat([x, x]), torch.cat([t, t]), drop=drop, **both)
-            vs.append(cfg_combine(*v.chunk(2), cfg))
+            vs.append(cfg_combine(*v.chunk(2), guidance_scale))
         return combine(torch.stack(vs), probs)
 
 
@@ -137,7 +137,7 @@ def dense_reference(pipe, experts, x, t, cond, cfg, probs=None):
 def test_full_ensemble_with_exact_router_equals_global_closed_form_flow(sampler):
     pipe, mix = toy_pipeline()
     noise = torch.randn(128, 2, dtype=torch.float64)
-    settings = pipe.settings("full", steps=16, sampler=sampler, cfg=1.0)
+    settings = pipe.settings("full", steps=16, sampler=sampler, guidance_scale=1.0)
     x0, trace = pipe.sample(noise, Condition(), settings)
     ref = integrate(lambda x, t, i: mix.velocity(x, t), noise, time_grid(16).double(), sampler)
     # float64 both ways, the same closed form summed per cluster vs over all 6 components: ~10 roundings per
@@ -156,7 +156,7 @@ def test_toy_ensemble_with_a_wrong_router_does_not_equal_the_global_flow():
     """The equality above is a property of the exact posterior, not of the test."""
     pipe, mix = toy_pipeline(router=FixedRouter(torch.zeros(1, 3, dtype=torch.float64)))  # uniform
     noise = torch.randn(64, 2, dtype=torch.float64)
-    x0, _ = pipe.sample(noise, Condition(), pipe.settings("full", steps=24, cfg=1.0))
+    x0, _ = pipe.sample(noise, Condition(), pipe.settings("full", steps=24, guidance_scale=1.0))
     ref = integrate(lambda x, t, i: mix.velocity(x, t), noise, time_grid(24).double(), "euler")
     assert (x0 - ref).abs().max() > 0.1
 
@@ -164,7 +164,7 @@ def test_toy_ensemble_with_a_wrong_router_does_not_equal_the_global_flow():
 def test_toy_top1_follows_the_posterior_argmax_and_lands_in_its_cluster():
     pipe, mix = toy_pipeline()
     noise = torch.randn(128, 2, dtype=torch.float64)
-    x0, trace = pipe.sample(noise, Condition(), pipe.settings("top1", steps=24, cfg=1.0))
+    x0, trace = pipe.sample(noise, Condition(), pipe.settings("top1", steps=24, guidance_scale=1.0))
     for probs, experts, weights in zip(trace.probs, trace.experts, trace.weights):
         assert torch.equal(experts[:, 0], probs.argmax(1))
         assert torch.equal(weights, torch.ones_like(weights))
@@ -241,10 +241,12 @@ def test_mixture_guidance_samples_the_whole_data_sets_guided_flow(seed):
     labels = torch.randint(0, 3, (96,), generator=g)
     cond = Condition(labels=labels)
     ref = integrate(toy_guided(toy, 3.0)(labels), noise, time_grid(16).double(), "euler")
-    x0, trace = pipe.sample(noise, cond, pipe.settings("full", steps=16, cfg=3.0, guidance="mixture"))
+    x0, trace = pipe.sample(noise, cond, pipe.settings("full", steps=16, guidance_scale=3.0, guidance="mixture"))
     assert (x0 - ref).abs().max() <= toy_tol(toy, ref, ref, 3.0, evaluations=16)
     assert all(e is not None for e in trace.uncond_experts)  # each branch routed on its own
-    per_expert, trace_e = pipe.sample(noise, cond, pipe.settings("full", steps=16, cfg=3.0, guidance="expert"))
+    per_expert, trace_e = pipe.sample(
+        noise, cond, pipe.settings("full", steps=16, guidance_scale=3.0, guidance="expert")
+    )
     assert (per_expert - ref).norm(dim=1).max() > 0.1 * ref.norm(dim=1).max()
     assert all(e is None for e in trace_e.uncond_experts)
 
@@ -257,7 +259,7 @@ def test_mixture_top1_runs_one_expert_per_sample_and_branch():
     g = torch.Generator().manual_seed(4)
     x, t = 2 * torch.randn(64, 2, dtype=torch.float64, generator=g), torch.full((64,), 0.3, dtype=torch.float64)
     labels = torch.randint(0, 3, (64,), generator=g)
-    v, trace = one_step(pipe, x, t, Condition(labels=labels), "top1", cfg=3.0)
+    v, trace = one_step(pipe, x, t, Condition(labels=labels), "top1", guidance_scale=3.0)
     top_c, top_u = toy.posterior(x, t, labels).argmax(1), toy.posterior(x, t).argmax(1)
     assert torch.equal(trace.experts[0][:, 0], top_c) and torch.equal(trace.uncond_experts[0][:, 0], top_u)
     assert bool((top_c != top_u).any())  # the prompt moves some samples to another cluster
@@ -281,7 +283,8 @@ def test_a_prompt_blind_router_guides_the_same_under_both_rules():
         [torch.softmax(toy.mix.log_joint(x, t), 1)[:, c].sum(1) for c in toy.clusters], 1))  # fmt: skip
     pipe, _, _ = labelled_pipeline(router=blind)
     noise, labels = torch.randn(32, 2, dtype=torch.float64), torch.arange(32) % 3
-    runs = [pipe.sample(noise, Condition(labels=labels), pipe.settings("top2", steps=6, cfg=3.0, guidance=rule))
+    runs = [pipe.sample(noise, Condition(labels=labels), pipe.settings("top2", steps=6, guidance_scale=3.0,
+                                                                          guidance=rule))
             for rule in ("mixture", "expert")]  # fmt: skip
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1].router_calls == runs[1][1].router_calls == 6
 
@@ -292,12 +295,12 @@ def test_trajectory_draws_one_expert_per_image_from_the_prompts_posterior_and_ke
     follows the posterior."""
     pipe, toy, _ = labelled_pipeline()
     n = 3000
-    out = pipe(None, n, labels=[0, 1, 2], strategy="trajectory", steps=4, cfg=3.0, seed=11)
+    out = pipe(None, n, labels=[0, 1, 2], strategy="trajectory", steps=4, guidance_scale=3.0, seed=11)
     chosen = out.trace.experts[0][:, 0]
     assert out.trace.routed == [True, False, False, False]
     assert all(torch.equal(e[:, 0], chosen) for e in out.trace.experts)
     assert torch.equal(out.trace.weights[0], torch.ones(n, 1, dtype=out.trace.weights[0].dtype))
-    split = pipe(None, n, labels=[0, 1, 2], strategy="trajectory", steps=4, cfg=3.0, seed=11, batch_size=7)
+    split = pipe(None, n, labels=[0, 1, 2], strategy="trajectory", steps=4, guidance_scale=3.0, seed=11, batch_size=7)
     assert torch.equal(split.trace.experts[0], out.trace.experts[0]) and torch.equal(split.images, out.images)
     labels = torch.arange(n) % 3
     noise = pipe.noise(n, 11)
@@ -320,7 +323,7 @@ def test_topk_with_k_equal_K_equals_the_dense_full_ensemble(dit_fleet):
     pipe, wrapped = dit_pipeline(dit_fleet)
     x, t = torch.randn(6, 1, 8, 8), torch.rand(6)
     cond = encoded(pipe, 6)
-    ref = dense_reference(pipe, dit_fleet[1], x, t, cond, cfg=2.0)
+    ref = dense_reference(pipe, dit_fleet[1], x, t, cond, guidance_scale=2.0)
     v_topk, _ = one_step(pipe, x, t, cond, "topk:4")
     v_full, _ = one_step(pipe, x, t, cond, "full")
     assert torch.allclose(v_topk, ref, rtol=0, atol=fleet_tol(ref))
@@ -338,7 +341,7 @@ def test_top1_picks_the_argmax_expert_per_sample(dit_fleet):
     assert torch.equal(trace.experts[0][:, 0], argmax)
     assert len(set(argmax.tolist())) > 1  # the batch really mixes experts
     onehot = torch.nn.functional.one_hot(argmax, 4).double()
-    ref = dense_reference(pipe, dit_fleet[1], x, t, cond, cfg=2.0, probs=onehot)
+    ref = dense_reference(pipe, dit_fleet[1], x, t, cond, guidance_scale=2.0, probs=onehot)
     assert torch.allclose(v, ref, rtol=0, atol=fleet_tol(ref))
 
 
@@ -348,7 +351,7 @@ def test_only_selected_experts_run_each_on_exactly_its_samples(dit_fleet):
     pipe, wrapped = dit_pipeline(dit_fleet, router=FixedRouter(logits))
     x, t = torch.randn(3, 1, 8, 8), torch.rand(3)
     cond = encoded(pipe, 3)
-    v, trace = one_step(pipe, x, t, cond, "top2", cfg=3.0)
+    v, trace = one_step(pipe, x, t, cond, "top2", guidance_scale=3.0)
     expected_rows = {0: [0, 2], 1: [], 2: [0, 1, 2], 3: [1]}
     for k, rows in expected_rows.items():
         calls = wrapped[k].calls
@@ -368,7 +371,7 @@ def test_only_selected_experts_run_each_on_exactly_its_samples(dit_fleet):
         x,
         t,
         cond,
-        cfg=3.0,
+        guidance_scale=3.0,
         probs=torch.zeros(3, 4).scatter(1, trace.experts[0], trace.weights[0].float()),
     )
     assert torch.allclose(v, ref, rtol=0, atol=fleet_tol(ref))
@@ -378,7 +381,7 @@ def test_only_selected_experts_run_each_on_exactly_its_samples(dit_fleet):
 def test_weights_sum_to_one_and_follow_the_router(dit_fleet, strategy):
     pipe, _ = dit_pipeline(dit_fleet)
     noise = torch.randn(5, 1, 8, 8)
-    settings = pipe.settings(strategy, steps=3, cfg=1.5)
+    settings = pipe.settings(strategy, steps=3, guidance_scale=1.5)
     _, trace = pipe.sample(noise, encoded(pipe, 5), settings)
     k = settings.k
     for probs, experts, weights in zip(trace.probs, trace.experts, trace.weights):
@@ -402,7 +405,7 @@ def test_partial_fleet_renormalises_over_present_experts(dit_fleet):
     assert wrapped[1].calls == []
     dense = torch.zeros(6, 4)
     dense[:, [0, 2, 3]] = renorm
-    ref = dense_reference(pipe, dit_fleet[1], x, t, cond, cfg=2.0, probs=dense)
+    ref = dense_reference(pipe, dit_fleet[1], x, t, cond, guidance_scale=2.0, probs=dense)
     assert torch.allclose(v, ref, rtol=0, atol=fleet_tol(ref))
     with pytest.raises(FlowfleetError, match="k=4 exceeds the 3 experts present"):
         pipe.settings("topk:4")
@@ -449,11 +452,11 @@ def test_experts_load_lazily_and_offload_bounds_the_resident_set(dit_fleet):
         conditioning="cross_attn",
         text_encoder=HashTextEncoder(384, 4),
     )
-    pipe(["a digit"], n=4, strategy="top1", steps=3, cfg=2.0)
+    pipe(["a digit"], n=4, strategy="top1", steps=3, guidance_scale=2.0)
     assert dict(store.loads) == {1: 1, 3: 1}  # lazily, once each
     store = ExpertStore(loader, range(4), 4, max_resident=1)
     pipe.experts = store
-    out = pipe(["a digit"], n=4, strategy="top1", steps=3, cfg=2.0)
+    out = pipe(["a digit"], n=4, strategy="top1", steps=3, guidance_scale=2.0)
     assert max(resident_sizes) <= 1 and len(store.resident) == 1
     # 3 steps x 2 experts with room for 1: the expert still resident runs first at each step, so only one
     # load per step after the first (4 loads, 3 releases) instead of two (6, 5)
@@ -465,12 +468,12 @@ def test_experts_load_lazily_and_offload_bounds_the_resident_set(dit_fleet):
         conditioning="cross_attn",
         text_encoder=HashTextEncoder(384, 4),
     )
-    assert torch.equal(out.images, ref(["a digit"], n=4, strategy="top1", steps=3, cfg=2.0).images)
+    assert torch.equal(out.images, ref(["a digit"], n=4, strategy="top1", steps=3, guidance_scale=2.0).images)
 
 
 def test_batching_and_seed_determine_the_images(dit_fleet):
     pipe, _ = dit_pipeline(dit_fleet)
-    kw = dict(n=5, strategy="top2", steps=3, cfg=2.0, seed=7)
+    kw = dict(n=5, strategy="top2", steps=3, guidance_scale=2.0, seed=7)
     a = pipe(["a digit", "another"], **kw)
     b = pipe(["a digit", "another"], batch_size=2, **kw)
     assert torch.allclose(a.images, b.images, rtol=0, atol=fleet_tol(a.images, steps=3))  # other batches
@@ -480,24 +483,24 @@ def test_batching_and_seed_determine_the_images(dit_fleet):
     assert a.prompts == ["a digit", "another", "a digit", "another", "a digit"]
     assert a.images.shape == (5, 1, 8, 8) and a.images.abs().max() <= 1
     # settings resolved once by pipe.settings() (what generate and evaluate pass) give the same images
-    resolved = pipe.settings("top2", steps=3, cfg=2.0, seed=7)
+    resolved = pipe.settings("top2", steps=3, guidance_scale=2.0, seed=7)
     d = pipe(["a digit", "another"], n=5, settings=resolved)
     assert torch.equal(d.images, a.images) and d.settings == a.settings
 
 
-def test_cfg_max_t_guides_only_the_steps_at_or_below_it(dit_fleet):
-    """Above cfg_max_t a step is the unguided velocity, with no unconditional rows; at or below it, the
+def test_guidance_max_t_guides_only_the_steps_at_or_below_it(dit_fleet):
+    """Above guidance_max_t a step is the unguided velocity, with no unconditional rows; at or below it, the
     guided one: the same computations as cfg 1 and cfg 3 without the interval, so bit for bit."""
     pipe, wrapped = dit_pipeline(dit_fleet)
     cond = encoded(pipe, 4)
     x = torch.randn(4, 1, 8, 8)
-    s = pipe.settings("top2", cfg=3.0, cfg_max_t=0.5)
-    assert (s.cfg, s.cfg_max_t) == (3.0, 0.5) and s.to_json()["cfg_max_t"] == 0.5
+    s = pipe.settings("top2", guidance_scale=3.0, guidance_max_t=0.5)
+    assert (s.guidance_scale, s.guidance_max_t) == (3.0, 0.5) and s.to_json()["guidance_max_t"] == 0.5
 
-    def velocity(cfg, max_t, t):
+    def velocity(guidance_scale, max_t, t):
         trace = RoutingTrace(pipe.num_experts)
         with torch.no_grad():
-            settings = pipe.settings("top2", cfg=cfg, cfg_max_t=max_t)
+            settings = pipe.settings("top2", guidance_scale=guidance_scale, guidance_max_t=max_t)
             return pipe.velocity_fn(cond, settings, trace)(x, torch.full((4,), t), 0)
 
     for t, plain_cfg in ((0.9, 1.0), (0.5000001, 1.0), (0.5, 3.0), (0.1, 3.0)):
@@ -508,19 +511,19 @@ def test_cfg_max_t_guides_only_the_steps_at_or_below_it(dit_fleet):
         assert rows == 4 * 2 * (2 if plain_cfg != 1.0 else 1), t  # top-2: each sample on 2 experts
         assert torch.equal(v, velocity(plain_cfg, 1.0, t)), t
     # the fleet's own default comes from its scheduler config (model_index.json); a call may set it
-    assert pipe.settings("top2").cfg_max_t == 1.0
-    kw = dict(n=2, strategy="top2", steps=4, cfg=3.0)
-    assert pipe(["a digit"], cfg_max_t=0.5, **kw).settings.cfg_max_t == 0.5
-    assert not torch.equal(pipe(["a digit"], cfg_max_t=0.5, **kw).images, pipe(["a digit"], **kw).images)
-    # times are compared at the grid's float32 precision: a grid time equal to cfg_max_t is guided
+    assert pipe.settings("top2").guidance_max_t == 1.0
+    kw = dict(n=2, strategy="top2", steps=4, guidance_scale=3.0)
+    assert pipe(["a digit"], guidance_max_t=0.5, **kw).settings.guidance_max_t == 0.5
+    assert not torch.equal(pipe(["a digit"], guidance_max_t=0.5, **kw).images, pipe(["a digit"], **kw).images)
+    # times are compared at the grid's float32 precision: a grid time equal to guidance_max_t is guided
     grid = time_grid(20)  # 1, 0.95, ..., 0.8 (0.800000012 in float32), ...
     assert [guidance_scale_at(3.0, float(t), 0.8) for t in grid[3:6]] == [1.0, 3.0, 3.0]
 
 
-def test_cfg_scale_one_runs_no_unconditional_pass(dit_fleet):
+def test_guidance_scale_one_runs_no_unconditional_pass(dit_fleet):
     pipe, wrapped = dit_pipeline(dit_fleet)
     x, t = torch.randn(4, 1, 8, 8), torch.rand(4)
-    one_step(pipe, x, t, encoded(pipe, 4), "full", cfg=1.0)
+    one_step(pipe, x, t, encoded(pipe, 4), "full", guidance_scale=1.0)
     for w in wrapped:
         assert [c["x"].shape[0] for c in w.calls] == [4]
 
@@ -537,7 +540,7 @@ def test_single_expert_without_router_is_a_monolith(dit_fleet):
     x, t = torch.randn(3, 1, 8, 8), torch.rand(3)
     cond = encoded(pipe, 3)
     v, trace = one_step(pipe, x, t, cond, "top1")
-    ref = dense_reference(pipe, experts[:1], x, t, cond, cfg=2.0, probs=torch.ones(3, 1))
+    ref = dense_reference(pipe, experts[:1], x, t, cond, guidance_scale=2.0, probs=torch.ones(3, 1))
     assert torch.allclose(v, ref, rtol=0, atol=fleet_tol(ref))
     with pytest.raises(ValueError, match="router is required"):
         FleetPipeline(ExpertStore.from_callables(experts), None, latent_shape=(1, 8, 8))
@@ -552,11 +555,14 @@ def test_single_expert_without_router_is_a_monolith(dit_fleet):
         (dict(steps=0), "steps: Input should be greater than or equal to 1, got 0"),
         (dict(sampler="rk4"), "sampler: Input should be 'euler' or 'heun', got 'rk4'"),
         (dict(route_every=0), "route_every: Input should be greater than or equal to 1, got 0"),
-        (dict(cfg_max_t=0.0), "cfg_max_t: Input should be greater than 0, got 0.0"),
-        (dict(cfg_max_t=1.5), "cfg_max_t: Input should be less than or equal to 1, got 1.5"),
-        (dict(cfg=float("nan")), "cfg: Input should be a finite number, got nan"),
+        (dict(guidance_max_t=0.0), "guidance_max_t: Input should be greater than 0, got 0.0"),
+        (dict(guidance_max_t=1.5), "guidance_max_t: Input should be less than or equal to 1, got 1.5"),
+        (dict(guidance_scale=float("nan")), "guidance_scale: Input should be a finite number, got nan"),
         (dict(seed=-1), "seed: Input should be greater than or equal to 0, got -1"),
-        (dict(stepz=3), "stepz: not a sampling setting (one of steps, sampler, cfg, cfg_max_t, shift, strategy,"),
+        (
+            dict(stepz=3),
+            "stepz: not a sampling setting (one of steps, sampler, guidance_scale, guidance_max_t, shift, strategy,",
+        ),
     ],
 )
 def test_bad_settings_are_one_line_errors(dit_fleet, kwargs, message):
@@ -582,7 +588,7 @@ def test_class_conditioned_fleet_cycles_labels_and_checks_their_range():
     pipe = FleetPipeline(
         ExpertStore.from_callables(experts), router, latent_shape=(1, 8, 8), conditioning="class", num_classes=10
     )
-    out = pipe(None, n=3, labels=[3, 7], strategy="full", steps=1, cfg=2.0)
+    out = pipe(None, n=3, labels=[3, 7], strategy="full", steps=1, guidance_scale=2.0)
     assert out.images.shape == (3, 1, 8, 8)
     for e in experts:  # one call per expert: [3, 7, 3] conditional then the same rows dropped
         assert len(e.calls) == 1 and torch.equal(e.calls[0]["drop"], torch.tensor([False] * 3 + [True] * 3))

@@ -133,7 +133,7 @@ def synthetic_run(path) -> RunRoot:
         "reference": str(path),
         "n": 64,
         "seed": 0,
-        "sampling": {"steps": 6, "cfg": 2.0},
+        "sampling": {"steps": 6, "guidance_scale": 2.0},
         "fid": {
             "extractor": "default_1-75",
             "resize": 75,

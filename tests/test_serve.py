@@ -57,7 +57,14 @@ def decode_png(text: str) -> Image.Image:
 def test_http_generate_returns_the_pipelines_images_and_each_images_routing(fleet_model):
     svc = service(fleet_model)
     with app_in_thread(create_app(svc, fleet_model, ui=False)) as url:
-        body = {"prompt": "a handwritten digit seven", "strategy": "top2", "steps": 5, "cfg": 1.5, "seed": 3, "n": 3}
+        body = {
+            "prompt": "a handwritten digit seven",
+            "strategy": "top2",
+            "steps": 5,
+            "guidance_scale": 1.5,
+            "seed": 3,
+            "n": 3,
+        }
         r = httpx.post(f"{url}/api/generate", json={**body, "routing": True}, timeout=60)
         assert r.status_code == 200, r.text
         out = r.json()
@@ -66,7 +73,7 @@ def test_http_generate_returns_the_pipelines_images_and_each_images_routing(flee
         health = httpx.get(f"{url}/api/health").json()
     # the same images as the pipeline called directly with the same settings
     pipe = FleetPipeline.from_pretrained(fleet_model, text_encoder=HashTextEncoder(384, 4))
-    ref = pipe(["a handwritten digit seven"], 3, strategy="top2", steps=5, cfg=1.5, seed=3)
+    ref = pipe(["a handwritten digit seven"], 3, strategy="top2", steps=5, guidance_scale=1.5, seed=3)
     assert [decode_png(im).tobytes() for im in out["images"]] == [im.tobytes() for im in to_pil(ref.images)]
     assert out["prompts"] == ["a handwritten digit seven"] * 3
     assert out["settings"] == ref.settings.to_json()
@@ -88,11 +95,15 @@ BAD_REQUESTS = [
     ({"prompt": "   "}, 422, "prompt: empty"),
     ({"prompt": "a seven", "steps": 0}, 422, "steps: Input should be greater than or equal to 1, got 0"),
     ({"prompt": "a seven", "steps": 10**6}, 422, "steps: expected 1..200, got 1000000"),
-    ('{"prompt": "a seven", "cfg": NaN}', 422, "cfg: Input should be a finite number, got nan"),
-    ({"prompt": "a seven", "cfg": -1}, 422, "cfg: Input should be greater than or equal to 0, got -1"),
-    ({"prompt": "a seven", "cfg": 31}, 422, "cfg: expected a number in 0..30.0, got 31.0"),
-    ({"prompt": "a seven", "cfg_max_t": 0}, 422, "cfg_max_t: Input should be greater than 0, got 0"),
-    ('{"prompt": "a seven", "cfg_max_t": NaN}', 422, "cfg_max_t: Input should be a finite number, got nan"),
+    ('{"prompt": "a seven", "guidance_scale": NaN}', 422, "guidance_scale: Input should be a finite number, got nan"),
+    (
+        {"prompt": "a seven", "guidance_scale": -1},
+        422,
+        "guidance_scale: Input should be greater than or equal to 0, got -1",
+    ),
+    ({"prompt": "a seven", "guidance_scale": 31}, 422, "guidance_scale: expected a number in 0..30.0, got 31.0"),
+    ({"prompt": "a seven", "guidance_max_t": 0}, 422, "guidance_max_t: Input should be greater than 0, got 0"),
+    ('{"prompt": "a seven", "guidance_max_t": NaN}', 422, "guidance_max_t: Input should be a finite number, got nan"),
     ({"prompt": "a seven", "sampler": "rk4"}, 422, "sampler: Input should be 'euler' or 'heun', got 'rk4'"),
     ({"prompt": "a seven", "strategy": "topk", "k": K + 1}, 422, f"k: expected 1..{K} experts"),
     ({"prompt": "a seven", "strategy": f"top{K + 1}"}, 422, f"exceeds the {K} experts present"),

@@ -137,10 +137,10 @@ def test_a_request_draws_the_same_images_alone_and_batched_with_others(fleet_mod
     svc.batcher.run_batch = lambda jobs: hold.wait(timeout=30) and sample_batch(jobs)
     try:
         requests = [
-            GenerateRequest(prompt=f"digit {i}", strategy="top2", steps=4, cfg=2.0, seed=10 + i, n=1 + i % 2)
+            GenerateRequest(prompt=f"digit {i}", strategy="top2", steps=4, guidance_scale=2.0, seed=10 + i, n=1 + i % 2)
             for i in range(6)
         ]
-        other = GenerateRequest(prompt="digit 3", strategy="top1", steps=4, cfg=2.0, seed=1)  # another key
+        other = GenerateRequest(prompt="digit 3", strategy="top1", steps=4, guidance_scale=2.0, seed=1)  # another key
         with ThreadPoolExecutor(len(requests) + 1) as pool:
             futures = [pool.submit(svc.generate, r) for r in [*requests, other]]
             deadline = time.monotonic() + 30
@@ -150,7 +150,7 @@ def test_a_request_draws_the_same_images_alone_and_batched_with_others(fleet_mod
             batched = [f.result(timeout=60) for f in futures]
         health = svc.health()
         alone = [
-            pipe([r.prompt], r.n, strategy=r.strategy, steps=r.steps, cfg=r.cfg, seed=r.seed)
+            pipe([r.prompt], r.n, strategy=r.strategy, steps=r.steps, guidance_scale=r.guidance_scale, seed=r.seed)
             for r in [*requests, other]
         ]
     finally:

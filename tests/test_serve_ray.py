@@ -68,7 +68,7 @@ class StandInHandle:
 
 def test_a_call_whose_replica_dies_is_sent_again_and_its_own_errors_are_not():
     req = GenerateRequest(prompt="a digit", seed=7)
-    settings = SamplingSettings(strategy="top2", k=2, steps=4, cfg=2.0, seed=7)
+    settings = SamplingSettings(strategy="top2", k=2, steps=4, guidance_scale=2.0, seed=7)
     drawn = Generation([], [], RoutingTrace(num_experts=2), settings, 0.0, 0.0, replica="r2")
     handle = StandInHandle(generate=[ActorDiedError(), drawn])
     front = ReplicaFront(handle)

@@ -33,14 +33,14 @@ def pipe() -> FleetPipeline:
     )
 
 
-def draw(pipe: FleetPipeline, cache: float, cfg_max_t: float = 1.0):
-    settings = pipe.settings("top2", steps=8, cfg=3.0, seed=5, cache=cache, cfg_max_t=cfg_max_t)
+def draw(pipe: FleetPipeline, cache: float, guidance_max_t: float = 1.0):
+    settings = pipe.settings("top2", steps=8, guidance_scale=3.0, seed=5, cache=cache, guidance_max_t=guidance_max_t)
     return pipe(["a digit seven", "a round zero"], 4, settings=settings)
 
 
-@pytest.mark.parametrize("cfg_max_t", [1.0, 0.5])  # 0.5: unguided rows, then guided ones (a cache of each)
-def test_a_threshold_nothing_passes_leaves_the_images_unchanged(pipe, cfg_max_t):
-    plain, cached = draw(pipe, 0.0, cfg_max_t), draw(pipe, 1e-12, cfg_max_t)
+@pytest.mark.parametrize("guidance_max_t", [1.0, 0.5])  # 0.5: unguided rows, then guided ones (a cache of each)
+def test_a_threshold_nothing_passes_leaves_the_images_unchanged(pipe, guidance_max_t):
+    plain, cached = draw(pipe, 0.0, guidance_max_t), draw(pipe, 1e-12, guidance_max_t)
     assert torch.equal(plain.latents, cached.latents)  # the cached forward is DiTModel.forward's arithmetic
     assert cached.trace.stats.cache.blocks_skipped == 0 and cached.trace.stats.cache.blocks_run > 0
     assert plain.trace.stats.cache.blocks_run == 0  # 0: the cache is not built at all

@@ -48,7 +48,7 @@ def _builtin(
     fine_k: int | None = None,
     min_share: float = 0.05,
     expert_steps: str = "equal",
-    cfg_max_t: float = 1.0,
+    guidance_max_t: float = 1.0,
     patch: int | None = None,
     router_reads_prompt: bool = False,
     split: str = "steps",
@@ -93,7 +93,7 @@ def _builtin(
         expert=expert,
         router=router,
         **_schedules(steps, router_steps, expert_steps, split, batch, lr, router_lr, grad_clip),
-        sampling=dict(steps=20, cfg=3.0, strategy="top2", cfg_max_t=cfg_max_t, guidance="mixture"),
+        sampling=dict(steps=20, guidance_scale=3.0, strategy="top2", guidance_max_t=guidance_max_t, guidance="mixture"),
     )
 
 
@@ -207,7 +207,7 @@ def _digits(**changes: Any) -> dict[str, Any]:
         semantic=dict(name="inception", image_size=75),
         # Guidance only at t <= 0.78, the 15 of the 20 steps from t = 0.75 down (Kynkaanniemi et al. 2024: the
         # noisiest steps unguided; "Guidance in a limited interval")
-        cfg_max_t=0.78,
+        guidance_max_t=0.78,
         # DDM's recipe (BENCHMARKS.md, "Guidance over the mixture: the claim on the test split"): the router reads
         # the prompt as the experts do (their conditioning and condition dropout) and the fleet is guided over the
         # mixture, each branch by its own posterior; every expert trains all K x train.steps steps at its cluster's
@@ -332,7 +332,7 @@ def _paris(expert_size: str, router_size: str) -> dict[str, Any]:
             sample_every=100_000,
             log_every=100,
         ),
-        sampling=dict(steps=50, cfg=4.0, strategy="top2", shift=1.0),
+        sampling=dict(steps=50, guidance_scale=4.0, strategy="top2", shift=1.0),
     )
 
 

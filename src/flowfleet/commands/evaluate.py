@@ -79,6 +79,7 @@ def _register_evaluate(sub: argparse._SubParsersAction) -> None:
 def _add_sweep(p: argparse.ArgumentParser) -> None:
     """evaluate's options of the guidance sweep: its scales, how far past an edge it goes, what a scale must reach."""
     p.add_argument(
+        "--guidance-sweep",
         "--cfg-sweep",
         default="",
         metavar="LIST",
@@ -87,6 +88,7 @@ def _add_sweep(p: argparse.ArgumentParser) -> None:
         "judge) among those reaching --min-accuracy, scored on the test split",
     )
     p.add_argument(
+        "--guidance-bounds",
         "--cfg-bounds",
         default="1,16",
         metavar="LOW,HIGH",
@@ -94,6 +96,7 @@ def _add_sweep(p: argparse.ArgumentParser) -> None:
         "ratio) until the best lies inside, within these scales (default 1,16)",
     )
     p.add_argument(
+        "--guidance-extend",
         "--cfg-extend",
         type=int,
         default=4,
@@ -123,6 +126,7 @@ def _add_scoring(p: argparse.ArgumentParser) -> None:
         "(default 1)",
     )
     p.add_argument(
+        "--save-guidance-scale",
         "--save-cfg",
         action="store_true",
         help="write the sweep's choice into model_index.json of DIR (its default strategy) and the monolith's folder",
@@ -199,14 +203,14 @@ def _scales(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(s) for s in text.split(",") if s.strip())
     except ValueError:
-        raise FlowfleetError(f"--cfg-sweep: expected comma-separated numbers, got {text!r}") from None
+        raise FlowfleetError(f"--guidance-sweep: expected comma-separated numbers, got {text!r}") from None
 
 
 def _bounds(text: str) -> tuple[float, float]:
     try:
         low, high = (float(s) for s in text.split(","))
     except ValueError:
-        raise FlowfleetError(f"--cfg-bounds: expected LOW,HIGH (e.g. 1,16), got {text!r}") from None
+        raise FlowfleetError(f"--guidance-bounds: expected LOW,HIGH (e.g. 1,16), got {text!r}") from None
     return low, high
 
 
@@ -245,12 +249,12 @@ def run_evaluate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         sampling=sampling_choices(args, without=EVALUATION_OWN),
         ref_n=args.ref_n,
-        cfg_sweep=_scales(args.cfg_sweep),
+        guidance_sweep=_scales(args.guidance_sweep),
         min_accuracy=args.min_accuracy,
-        cfg_bounds=_bounds(args.cfg_bounds),
-        cfg_extend=args.cfg_extend,
+        guidance_bounds=_bounds(args.guidance_bounds),
+        guidance_extend=args.guidance_extend,
         repeats=args.repeats,
-        save_cfg=args.save_cfg,
+        save_guidance_scale=args.save_guidance_scale,
         diagnostics=not args.no_diagnostics,
         device=args.device,
         judge=args.judge,

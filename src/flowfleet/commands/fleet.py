@@ -64,7 +64,12 @@ def _register_distill(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--pairs", type=int, default=2000, help="reflow: teacher trajectories to learn from (default 2000)")
     p.add_argument(
-        "--cfg", type=float, default=None, metavar="SCALE", help="the teacher's guidance (default sampling.cfg)"
+        "--guidance-scale",
+        "--cfg",
+        type=float,
+        default=None,
+        metavar="SCALE",
+        help="the teacher's guidance (default sampling.guidance_scale)",
     )
     add_progress(p)
 
@@ -85,7 +90,7 @@ def run_distill(args: argparse.Namespace) -> int:
         teacher=args.teacher,
         student=student,
         steps=args.steps,
-        cfg_scale=args.cfg,
+        guidance_scale=args.guidance_scale,
         method=args.method,
         pairs=args.pairs,
         progress=args.progress,

@@ -50,6 +50,10 @@ def add_progress(p: argparse.ArgumentParser, *aliases: str) -> None:
     p.add_argument("--no-progress", *aliases, dest="progress", action="store_false", help="no progress bars")
 
 
+# the shorter flags sampling settings also answer to (the guidance scale is CFG's)
+FLAG_ALIASES = {"guidance_scale": ("--cfg",), "guidance_max_t": ("--cfg-max-t",)}
+
+
 def add_sampling(p: argparse.ArgumentParser, *, without: Sequence[str] = ()) -> None:
     """An option for every sampling setting (config.SamplingSettings; --route-every for route_every), its help the
     field's description; unset (None), a setting is the model folder's (`sampling_choices` leaves it out)."""
@@ -64,9 +68,8 @@ def add_sampling(p: argparse.ArgumentParser, *, without: Sequence[str] = ()) -> 
         if get_origin(info.annotation) is Literal:
             kind = {"choices": get_args(info.annotation)}
         default = "the fleet's" if name in SamplingConfig.model_fields else info.default
-        p.add_argument(
-            f"--{name.replace('_', '-')}", default=None, help=f"{info.description} (default: {default})", **kind
-        )
+        flags = [f"--{name.replace('_', '-')}", *FLAG_ALIASES.get(name, ())]
+        p.add_argument(*flags, default=None, help=f"{info.description} (default: {default})", **kind)
 
 
 def sampling_choices(args: argparse.Namespace, *, without: Sequence[str] = ()) -> dict[str, Any]:

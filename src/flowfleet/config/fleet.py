@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 
 from flowfleet.config.base import Strict
 from flowfleet.config.data import DataConfig
-from flowfleet.config.sampling import StrategyField
+from flowfleet.config.sampling import SamplingConfig, StrategyField
 from flowfleet.flow import Strategy
 
 # What an expert may change of `expert` in run.yaml expert_overrides: its width, depth and inner
@@ -61,9 +61,14 @@ class DistillConfig(Strict):
     teacher: StrategyField = Strategy.parse("top2")  # the fleet's routing strategy the student learns
     student: dict[str, Any] = {}  # what the student changes of `expert` (EXPERT_OVERRIDABLE), e.g. {size: S}
     steps: int = Field(1000, ge=1)
-    cfg: float | None = Field(None, ge=0)  # the teacher's guidance scale (None: sampling.cfg)
+    # the teacher's guidance scale (None: sampling.guidance_scale); `cfg` in a run.yaml written before the name
+    guidance_scale: float | None = Field(None, ge=0, validation_alias=AliasChoices("guidance_scale", "cfg"))
     # velocity: regression on the teacher's velocity at x_t from the data. reflow (rectified flow, for few
     # sampling steps): flow matching on (noise, the teacher's sample from that noise) pairs.
     method: Literal["velocity", "reflow"] = "velocity"
     pairs: int = Field(2000, ge=1)  # reflow: teacher trajectories (items of the data, fixed noise)
     teacher_steps: int = Field(20, ge=1)  # reflow: the teacher's sampling steps
+
+    def teacher_guidance(self, sampling: SamplingConfig) -> float:
+        """The guidance scale the teacher samples with: this config's, else the fleet's."""
+        return sampling.guidance_scale if self.guidance_scale is None else self.guidance_scale

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema
+from pydantic import AliasChoices, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema
 
 from flowfleet.config.base import Strict
 from flowfleet.errors import ParameterError
@@ -32,13 +32,20 @@ class SamplingConfig(Strict):
 
     steps: int = Field(30, ge=1, description="sampling steps")
     sampler: Literal["euler", "heun"] = Field("euler", description="ODE sampler")
-    cfg: float = Field(4.0, ge=0, description="classifier-free guidance scale on all channels; 1 = none")
+    # diffusers' name; run.yaml and model_index.json files written before it say `cfg` and `cfg_max_t`
+    guidance_scale: float = Field(
+        4.0,
+        ge=0,
+        validation_alias=AliasChoices("guidance_scale", "cfg"),
+        description="classifier-free guidance scale on all channels; 1 = none",
+    )
     # Kynkäänniemi et al. 2024 ("Applying guidance in a limited interval") found guiding only the less noisy steps
     # better for FID; guidance_at applies it.
-    cfg_max_t: float = Field(
+    guidance_max_t: float = Field(
         1.0,
         gt=0,
         le=1,
+        validation_alias=AliasChoices("guidance_max_t", "cfg_max_t"),
         description="guide only the steps at t <= this time (t = 1 is noise); the noisier ones run unguided, as "
         "Kynkaanniemi et al. 2024 found better for FID; 1 = every step",
     )
@@ -61,14 +68,14 @@ class SamplingConfig(Strict):
 
     def guidance_at(self, t: float) -> float:
         """The guidance scale of a step at time t (flow.sampler.guidance_scale_at)."""
-        return guidance_scale_at(self.cfg, t, self.cfg_max_t)
+        return guidance_scale_at(self.guidance_scale, t, self.guidance_max_t)
 
     def describe(self) -> str:
         """'20 euler steps, cfg 3.0 at t <= 0.78' (the interval only when it is not every step; ', guided inside each
         expert' under that rule)."""
-        interval = f" at t <= {self.cfg_max_t:g}" if self.cfg_max_t < 1 else ""
+        interval = f" at t <= {self.guidance_max_t:g}" if self.guidance_max_t < 1 else ""
         rule = ", guided inside each expert" if self.guidance == "expert" else ""
-        return f"{self.steps} {self.sampler} steps, cfg {self.cfg}{interval}{rule}"
+        return f"{self.steps} {self.sampler} steps, guidance {self.guidance_scale}{interval}{rule}"
 
     def for_call(self, experts: int, **choices: Any) -> "SamplingSettings":
         """One call's settings: these with the call's `choices` (a None choice: this config's), k resolved against
@@ -114,8 +121,8 @@ SAMPLING_CHOICES = tuple(name for name in SamplingSettings.model_fields if name 
 
 
 class SettingError(ParameterError):
-    """A sampling choice that is not valid, in one line naming the setting: 'cfg_max_t: ...' (the command line says
-    it as its option, '--cfg-max-t: ...'; the server as the request's field)."""
+    """A sampling choice that is not valid, in one line naming the setting: 'guidance_max_t: ...' (the command line
+    says it as its option, '--guidance-max-t: ...'; the server as the request's field)."""
 
     def __init__(self, name: str, message: str):
         super().__init__(name, message)

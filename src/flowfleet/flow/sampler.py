@@ -58,21 +58,22 @@ def integrate(
     return x
 
 
-def guidance_scale_at(scale: float, t: float, max_t: float = 1.0) -> float:
-    """The guidance scale at time t: `scale` while t <= max_t, 1 (no guidance) at the noisier steps above it (the
-    sampling settings' guided interval, config.SamplingConfig.guidance_at; max_t = 1 guides every step). Compared in
-    float32, the time grid's precision: a grid time that is max_t (0.8 is 0.800000012 in float32) is guided.
+def guidance_scale_at(guidance_scale: float, t: float, max_t: float = 1.0) -> float:
+    """The guidance scale at time t: `guidance_scale` while t <= max_t, 1 (no guidance) at the noisier steps above it
+    (the sampling settings' guided interval, config.SamplingConfig.guidance_at; max_t = 1 guides every step).
+    Compared in float32, the time grid's precision: a grid time that is max_t (0.8 is 0.800000012 in float32) is
+    guided.
     """
-    return scale if t <= _float32(max_t) else 1.0
+    return guidance_scale if t <= _float32(max_t) else 1.0
 
 
 def _float32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
-def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """Classifier-free guidance on all channels: v_u + s (v_c - v_u). scale = 1 is no guidance."""
-    return v_uncond + scale * (v_cond - v_uncond)
+def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance on all channels: v_u + s (v_c - v_u), s = guidance_scale; 1 is no guidance."""
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
 def guided_mixture(
@@ -80,18 +81,18 @@ def guided_mixture(
     v_uncond: torch.Tensor,
     w_cond: torch.Tensor,
     w_uncond: torch.Tensor,
-    scale: float,
+    guidance_scale: float,
 ) -> torch.Tensor:
     """The classifier-free guided velocity of a mixture of experts, [B, ...]:
 
-        v = sum_k w_u[b, k] v_u[k, b] + scale * (sum_k w_c[b, k] v_c[k, b] - sum_k w_u[b, k] v_u[k, b])
+        v = sum_k w_u[b, k] v_u[k, b] + s * (sum_k w_c[b, k] v_c[k, b] - sum_k w_u[b, k] v_u[k, b])
 
     v_cond / v_uncond [K, B, ...]: each expert's velocity with the condition and with the null condition; w_cond /
     w_uncond [B, K]: dense mixture weights of each branch, p(k | x_t, t, c) and p(k | x_t, t, null). With exact
     experts and posteriors this is the guided velocity of one model trained on all the data, since DDM's
     decomposition (paris Eq. 3) holds for the conditional and the unconditional flow separately. Guiding inside
     each expert and mixing with one posterior is the special case w_uncond = w_cond, another vector field."""
-    return cfg_combine(combine(v_cond, w_cond), combine(v_uncond, w_uncond), scale)
+    return cfg_combine(combine(v_cond, w_cond), combine(v_uncond, w_uncond), guidance_scale)
 
 
 def guided_velocity(
@@ -99,7 +100,7 @@ def guided_velocity(
     x: torch.Tensor,
     t: torch.Tensor,
     cond: dict[str, torch.Tensor],
-    scale: float,
+    guidance_scale: float,
     **model_kwargs,
 ) -> torch.Tensor:
     """Classifier-free guided velocity [B, ...] from ONE model call on 2B rows: the B samples with their
@@ -111,4 +112,4 @@ def guided_velocity(
     both = {name: torch.cat([c, c]) for name, c in cond.items()}
     v = model(torch.cat([x, x]), torch.cat([t, t]), drop=drop, **both, **model_kwargs)
     v_cond, v_uncond = v.chunk(2)  # each [B, ...]
-    return cfg_combine(v_cond, v_uncond, scale)
+    return cfg_combine(v_cond, v_uncond, guidance_scale)

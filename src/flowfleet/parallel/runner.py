@@ -44,7 +44,7 @@ from flowfleet.parallel.dit import PatchParallelDiT, register_dit
 from flowfleet.parallel.mode import DISPLACED_WARMUP, ParallelMode
 from flowfleet.parallel.sequence import SequenceMesh, check_heads, ulysses_degree
 
-UNGUIDED = SamplingConfig(cfg=1.0)  # scale 1 at every step: no unconditional rows
+UNGUIDED = SamplingConfig(guidance_scale=1.0)  # scale 1 at every step: no unconditional rows
 
 # The experts of each guidance branch: global expert ids [B, k] int64 and weights [B, k] summing to 1 per sample,
 # of the conditional rows, then of the unconditional rows (None, None where the conditional choice serves both: the
@@ -178,7 +178,8 @@ def describe_split(
     halves = "the 2 CFG halves on 2 rank groups" if groups == 2 else "both CFG halves (or none) on every rank"
     text = f"{ranks} ranks: {halves}, each image in {bands} band(s)"
     if bands == 1:
-        return f"{text}; no {requested.value} split (one band holds every token: --cfg 1 or twice the ranks splits it)"
+        one = "one band holds every token: --guidance-scale 1 or twice the ranks splits it"
+        return f"{text}; no {requested.value} split ({one})"
     if requested is ParallelMode.USP and mesh is not None:
         return f"{text} (usp: {mesh.describe()})"
     return f"{text} ({requested.value})"
@@ -203,10 +204,10 @@ class ParallelVelocity:
         self.r = runner
         self.stats = stats
         self.cond = cond
-        self.guidance, self.cfg_scale = guidance, float(guidance.cfg)
+        self.guidance = guidance
         # This evaluation's scale (guidance.guidance_at). The bands' layout is fixed for the run, so with guidance
         # an unguided step (outside the guided interval) still runs the unconditional rows, combined at scale 1.
-        self.scale = self.cfg_scale
+        self.guidance_scale = float(guidance.guidance_scale)
         self.route = route
         self.steps = steps
         self.evals = 0
@@ -220,7 +221,7 @@ class ParallelVelocity:
         if b > r.batch:
             raise FlowfleetError(f"batch of {b} samples exceeds the parallel runner's {r.batch}")
         self.evals += 1
-        self.scale = self.guidance.guidance_at(float(t[0]))
+        self.guidance_scale = self.guidance.guidance_at(float(t[0]))
         r.comm.begin_step(step)
         mode = r.mode.at_step(step, r.plan.warmup)
         routing = self._routing(x, t, step)
@@ -240,10 +241,10 @@ class ParallelVelocity:
             for acc, w, rk, vk in zip(accs, dense, rows, v.split([int(rk.numel()) for rk in rows])):
                 acc.index_add_(0, rk, w[rk, k].to(vk.dtype).reshape(-1, 1, 1, 1) * vk)
         self.modes.append(ran)
-        acc = cfg_combine(accs[0], accs[1], self.scale) if len(accs) == 2 else accs[0]
+        acc = cfg_combine(accs[0], accs[1], self.guidance_scale) if len(accs) == 2 else accs[0]
         halves = r.comm.gather_image(acc, [rows * r.layout.patch for rows in r.layout.sizes], what="step output")
         if r.split:
-            return cfg_combine(halves[0], halves[1], self.scale)
+            return cfg_combine(halves[0], halves[1], self.guidance_scale)
         return halves[0]
 
     # ----------------------------------------------------------------------------------------------

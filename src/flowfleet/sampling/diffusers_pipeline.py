@@ -106,7 +106,7 @@ class FlowfleetDiffusionPipeline(DiffusionPipeline):
         if top_k is not None:
             strategy = f"topk:{top_k}"
         noise = randn_tensor((n, *fleet.latent_shape), generator=generator, device=fleet.device, dtype=fleet.dtype)
-        settings = fleet.settings(strategy, steps=num_inference_steps, cfg=guidance_scale, **choices)
+        settings = fleet.settings(strategy, steps=num_inference_steps, guidance_scale=guidance_scale, **choices)
         out = fleet(repeat(prompts), n, labels=repeat(labels), settings=settings, noise=noise, progress="flowfleet")
         images: Any
         if output_type == "latent":

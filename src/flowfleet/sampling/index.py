@@ -126,9 +126,9 @@ def read_model_index(folder: RunRoot | str) -> ModelIndex:
     return validated(ModelIndex, raw, where, FlowfleetError)
 
 
-def set_default_cfg(folder: RunRoot | str, cfg: float) -> None:
-    """Make `cfg` the folder's default guidance scale (model_index.json scheduler.cfg; atomic rewrite)."""
+def set_default_guidance_scale(folder: RunRoot | str, guidance_scale: float) -> None:
+    """Make `guidance_scale` the folder's default (model_index.json scheduler.guidance_scale; atomic rewrite)."""
     root = folder if isinstance(folder, RunRoot) else RunRoot(folder)
     index = read_model_index(root)
-    index.scheduler = index.scheduler.model_copy(update={"cfg": float(cfg)})
+    index.scheduler = index.scheduler.model_copy(update={"guidance_scale": float(guidance_scale)})
     root.write_json(index.to_json_dict(), INDEX_FILE)

@@ -1,7 +1,7 @@
 """FleetPipeline: K experts + a router sampled as one model (paris §2.7).
 
     pipe = FleetPipeline.from_pretrained("runs/r/model", offload=2)
-    out = pipe(["a handwritten digit seven"], n=16, strategy="top2", cfg=2.0, seed=0)
+    out = pipe(["a handwritten digit seven"], n=16, strategy="top2", guidance_scale=2.0, seed=0)
     out.images  # [16, C, H, W] in [-1, 1];  out.trace: what the router chose per step and sample
 
 The sampling loop is `flowfleet.flow.integrate` over a velocity function (x_t, t, step) -> v. The
@@ -93,7 +93,7 @@ class RoutedVelocity:
         self.pipe, self.cond, self.trace = pipe, cond, trace
         self.settings, self.k, self.route_every = settings, settings.k, settings.route_every
         self.kept = settings.strategy.kept  # trajectory: one drawn expert, kept
-        self.guided = pipe.guidance_applies(settings.cfg)  # at some step: the unconditional rows exist
+        self.guided = pipe.guidance_applies(settings.guidance_scale)  # at some step: the unconditional rows exist
         # the unconditional branch's own posterior: only where it differs from the prompt's
         self.mixture = self.guided and settings.guidance == "mixture" and pipe.router_sees_prompt and not self.kept
         self.cache_threshold = settings.cache
@@ -103,12 +103,14 @@ class RoutedVelocity:
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor, step: int) -> torch.Tensor:
         selection, uncond = self.select(x, t, step)
-        scale = self.settings.guidance_at(float(t[0]))
-        guided = self.pipe.guidance_applies(scale)  # an unguided step runs no unconditional rows
+        guidance_scale = self.settings.guidance_at(float(t[0]))
+        guided = self.pipe.guidance_applies(guidance_scale)  # an unguided step runs no unconditional rows
         if self.cache_threshold > 0 and (self._cache is None or self._cache.rows != x.shape[0] * (1 + guided)):
             self._cache = BlockCache(self.cache_threshold, x.shape[0] * (1 + guided), self.trace.stats.cache)
         stats = self.trace.stats
-        return run_selected(self.pipe.experts, x, t, self.cond, selection, scale, guided, stats, self._cache, uncond)
+        return run_selected(
+            self.pipe.experts, x, t, self.cond, selection, guidance_scale, guided, stats, self._cache, uncond
+        )
 
     def select(self, x: torch.Tensor, t: torch.Tensor, step: int) -> tuple[Selection, Selection | None]:
         """This evaluation's per-sample experts and weights (routing + trace, no expert runs): the conditional
@@ -319,9 +321,9 @@ class FleetPipeline:
             kwargs["drop"] = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
         return present_probs(self.router(x, t, **kwargs), self.present)
 
-    def guidance_applies(self, cfg: float) -> bool:
+    def guidance_applies(self, guidance_scale: float) -> bool:
         """CFG needs a condition to drop; scale 1 is no guidance (and saves the unconditional pass)."""
-        return self.conditioning != "none" and cfg != 1.0
+        return self.conditioning != "none" and guidance_scale != 1.0
 
     def velocity_fn(self, cond: Condition, settings: SamplingSettings, trace: RoutingTrace) -> VelocityFn:
         """The per-step velocity (x_t, t, step) -> v of this fleet under `settings` (self.settings()); see

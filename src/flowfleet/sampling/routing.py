@@ -128,7 +128,7 @@ def run_selected(
     t: torch.Tensor,
     cond: Condition,
     selection: Selection,
-    cfg_scale: float,
+    guidance_scale: float,
     guided: bool,
     stats: ExecutionStats | None = None,
     cache: BlockCache | None = None,
@@ -163,4 +163,4 @@ def run_selected(
             stats.record(k, both.numel())
         for out, w, r, vk in zip(outs, dense, rows, v.split([r.numel() for r in rows])):
             out.index_add_(0, r, w[r, k].to(vk.dtype).reshape(-1, *([1] * (x.ndim - 1))) * vk)
-    return cfg_combine(outs[0], outs[1], cfg_scale) if guided else outs[0]
+    return cfg_combine(outs[0], outs[1], guidance_scale) if guided else outs[0]

@@ -1,7 +1,7 @@
 """`flowfleet serve`: one model folder as a web page (Gradio, at /) and an HTTP API (FastAPI, at /api).
 
     POST /api/generate   {"prompt": "a handwritten digit seven", "strategy": "top2", "steps": 30,
-                          "cfg": 2.0, "seed": 0, "n": 4}     (+ "routing": true for the traces below)
+                          "guidance_scale": 2.0, "seed": 0, "n": 4}     (+ "routing": true for the traces below)
                      ->  200 {"images": [base64 PNG, ...], "prompts": [...], "settings": {...}, "seconds": ...
                           [, "routing": [[{step, t, experts, weights, probs}, ...] per image]]}
                          422 {"error": "steps: expected 1..200, got 0"}        a request to fix

@@ -8,12 +8,11 @@ for it work unchanged:
 
 MODEL is the served folder's name. `size` is the fleet's own (anything else is a 400 naming it); images come as
 `b64_json` only (nothing is kept to link to, so no `url`); `user` is taken and ignored. flowfleet's own settings are
-extra body fields (the SDK's `extra_body`): k and the sampling settings (strategy, steps, cfg, seed, ...). A request
-is the same call as /api/generate (flowfleet.serve.service: the same checks, queue, batches, limits and API key), so
-a seed draws the same pixels through either route. Errors take OpenAI's shape, {"error": {"message", "type",
+extra body fields (the SDK's `extra_body`): k and the sampling settings (strategy, steps, guidance_scale, seed, ...).
+A request is the same call as /api/generate (flowfleet.serve.service: the same checks, queue, batches, limits and API
+key), so a seed draws the same pixels through either route. Errors take OpenAI's shape, {"error": {"message", "type",
 "param", "code"}}, with the status codes the SDK maps to its exceptions: 400 BadRequestError, 401
-AuthenticationError, 404 NotFoundError (another model), 503 with Retry-After (busy; the SDK retries it).
-"""
+AuthenticationError, 404 NotFoundError (another model), 503 with Retry-After (busy; the SDK retries it)."""
 
 from __future__ import annotations
 

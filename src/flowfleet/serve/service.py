@@ -49,7 +49,7 @@ class ServeLimits(BaseModel):
     max_queue: int = Field(64, ge=0)  # images that may wait beyond the batch being sampled
     max_steps: int = Field(200, ge=1)
     max_images: int = Field(8, ge=1)  # per request
-    max_cfg: float = Field(30.0, ge=0)
+    max_guidance_scale: float = Field(30.0, ge=0)
     max_prompt_chars: int = Field(1000, ge=1)
     max_batch: int = Field(32, ge=1)  # images sampled together (requests batched across clients)
     batch_window_ms: float = Field(50.0, ge=0, le=10_000)  # how long a batch waits for more requests
@@ -69,8 +69,8 @@ def _with_sampling_settings(schema: dict[str, Any]) -> None:
 
 class GenerateRequest(BaseModel):
     """One generate call: what to draw, and any sampling setting by its name (config.SamplingSettings: strategy,
-    steps, cfg, seed, cache, ...); unset settings take the model folder's (its model_index.json). The settings are
-    checked where they are declared, when the service resolves them (Service.check)."""
+    steps, guidance_scale, seed, cache, ...); unset settings take the model folder's (its model_index.json). The
+    settings are checked where they are declared, when the service resolves them (Service.check)."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra=_with_sampling_settings)
 
@@ -85,7 +85,8 @@ class GenerateRequest(BaseModel):
         for name in self.model_extra or {}:
             if name not in SAMPLING_CHOICES:
                 settings = ", ".join(SAMPLING_CHOICES)
-                shown = name if name.isidentifier() else repr(name[:40])  # any JSON key, in one short line
+                # any JSON key, in one short line beside the settings' names
+                shown = name if name.isidentifier() and len(name) <= 24 else repr(name[:24])
                 raise ValueError(f"{shown}: not a field of a request nor a sampling setting ({settings})")
         return self
 
@@ -257,8 +258,10 @@ class FleetService:
             raise BadRequest(f"{err.name}: {err.message}") from None
         if "steps" in choices and settings.steps > lim.max_steps:
             raise BadRequest(f"steps: expected 1..{lim.max_steps}, got {settings.steps}")
-        if "cfg" in choices and settings.cfg > lim.max_cfg:
-            raise BadRequest(f"cfg: expected a number in 0..{lim.max_cfg}, got {settings.cfg}")
+        if "guidance_scale" in choices and settings.guidance_scale > lim.max_guidance_scale:
+            raise BadRequest(
+                f"guidance_scale: expected a number in 0..{lim.max_guidance_scale}, got {settings.guidance_scale}"
+            )
         return settings
 
     # -- the call ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def usage_markdown(g: Generation) -> str:
     shares = ", ".join(f"expert {k}: {100 * c / total:.0f} %" for k, c in sorted(sel.items()))
     s = g.settings
     return (
-        f"{len(g.images)} image(s), {s.strategy}, {s.steps} steps, CFG {s.cfg:g}, seed {s.seed} — "
+        f"{len(g.images)} image(s), {s.strategy}, {s.steps} steps, guidance {s.guidance_scale:g}, seed {s.seed} — "
         f"{g.seconds:.2f} s (waited {g.waited:.2f} s). Selections: {shares}."
     )
 
@@ -53,7 +53,7 @@ def _generate_handler(service: FleetService, present: int) -> Callable[..., tupl
         strategy: str,
         k: Any,
         steps: Any,
-        cfg: Any,
+        guidance_scale: Any,
         seed: Any,
         n: Any,
         progress: gr.Progress = gr.Progress(),  # noqa: B008 (Gradio passes its progress tracker this way)
@@ -65,7 +65,7 @@ def _generate_handler(service: FleetService, present: int) -> Callable[..., tupl
                 strategy=strategy if present > 1 else None,
                 k=int(k) if strategy == "topk" and present > 1 else None,
                 steps=int(steps),
-                cfg=float(cfg),
+                guidance_scale=float(guidance_scale),
                 seed=int(seed or 0),
                 n=int(n),
             )
@@ -118,7 +118,13 @@ def build_ui(service: FleetService, model_dir: str) -> gr.Blocks:
                 strategy = gr.Radio(list(STRATEGIES), value=default_strategy, label="strategy", visible=present > 1)
                 k = gr.Slider(1, max(present, 1), value=min(2, present), step=1, label="k (topk)", visible=present > 1)
                 steps = gr.Slider(1, lim.max_steps, value=min(defaults.steps, lim.max_steps), step=1, label="steps")
-                cfg = gr.Slider(0, lim.max_cfg, value=min(defaults.cfg, lim.max_cfg), step=0.1, label="CFG scale")
+                guidance_scale = gr.Slider(
+                    0,
+                    lim.max_guidance_scale,
+                    value=min(defaults.guidance_scale, lim.max_guidance_scale),
+                    step=0.1,
+                    label="guidance scale",
+                )
                 seed = gr.Number(label="seed", value=0, precision=0, minimum=0)
                 n = gr.Slider(1, lim.max_images, value=min(4, lim.max_images), step=1, label="images")
                 go = gr.Button("Generate", variant="primary", elem_id="generate")
@@ -129,11 +135,11 @@ def build_ui(service: FleetService, model_dir: str) -> gr.Blocks:
                 )
                 summary = gr.Markdown(elem_id="summary")
 
-        # also Gradio's own API: gradio_client.Client(url).predict(prompt, label, strategy, k, steps, cfg, seed, n,
-        # api_name="/generate") -> (images, routing views, summary); the JSON APIs are /api and /v1
+        # also Gradio's own API: gradio_client.Client(url).predict(prompt, label, strategy, k, steps, guidance_scale,
+        # seed, n, api_name="/generate") -> (images, routing views, summary); the JSON APIs are /api and /v1
         go.click(
             _generate_handler(service, present),
-            [prompt, label, strategy, k, steps, cfg, seed, n],
+            [prompt, label, strategy, k, steps, guidance_scale, seed, n],
             [images, routing, summary],
             api_name="generate",
             api_visibility="public",

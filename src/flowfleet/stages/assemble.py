@@ -448,7 +448,7 @@ def _model_index(
             **{
                 **run.sampling.model_dump(),
                 **({} if router else {"strategy": "top1"}),
-                **({} if guidance is None else {"cfg": guidance}),
+                **({} if guidance is None else {"guidance_scale": guidance}),
             }
         ),
         router=("flowfleet", "DiTRouter") if router else (None, None),

@@ -224,9 +224,9 @@ def demo_plan(size: DemoSize = "full", *, prompt_router: bool = False, data: str
         strategies=EVALUATED,
         monolith=True,
         routers=compared,
-        cfg_sweep=sweep,
+        guidance_sweep=sweep,
         min_accuracy=spec.min_accuracy,
-        save_cfg=True,
+        save_guidance_scale=True,
     )
     config = RunConfig.from_dict(raw, where="demo configuration")
     return DemoPlan(config, evaluation, showcase_n=10 if size == "smoke" else 20, data=spec)

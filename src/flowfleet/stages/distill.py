@@ -49,7 +49,7 @@ def distill(
     teacher: str = "top2",
     student: dict[str, Any] | None = None,
     steps: int | None = None,
-    cfg_scale: float | None = None,
+    guidance_scale: float | None = None,
     method: str = "velocity",
     pairs: int = 2000,
     options: TrainOptions | None = None,
@@ -70,7 +70,7 @@ def distill(
             teacher=chosen,
             student=student or {},
             steps=steps or cfg.train.steps,
-            cfg=cfg_scale,
+            guidance_scale=guidance_scale,
             method=method,
             pairs=pairs,
         )
@@ -103,7 +103,11 @@ def _reflow_pairs(root: RunRoot, cfg: RunConfig, progress: bool) -> None:
     assert cfg.distill is not None
     d = cfg.distill
     pipe = FleetPipeline.from_pretrained(root.url_of(MODEL), load_encoders=False)
-    settings = pipe.settings(d.teacher, steps=d.teacher_steps, cfg=d.cfg if d.cfg is not None else cfg.sampling.cfg)
+    settings = pipe.settings(
+        d.teacher,
+        steps=d.teacher_steps,
+        guidance_scale=d.teacher_guidance(cfg.sampling),
+    )
     fields = [f for f in model_fields(cfg.expert) if f != "latents"]
     data = clustered_data(root, cfg, fields)
     gen = torch.Generator().manual_seed(cfg.train.seed)

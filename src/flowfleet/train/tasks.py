@@ -111,9 +111,9 @@ class FlowTask(TrainTask):
     model_cls = DiTExpert
 
     @property
-    def preview_cfg(self) -> float:
+    def preview_guidance_scale(self) -> float:
         """The guidance scale of the training previews."""
-        return self.run.sampling.cfg
+        return self.run.sampling.guidance_scale
 
     def build_model(self) -> DiTModel:
         """A fresh expert, or one started from run.yaml expert_init (a PixArt transformer or a flowfleet DiT)."""
@@ -186,14 +186,14 @@ class FlowTask(TrainTask):
             n,
             steps=s.steps,
             sampler=s.sampler,
-            guidance=self.preview_cfg,
+            guidance=self.preview_guidance_scale,
             shift=s.shift,
             seed=self.train_cfg.seed,
             device=device,
         )
         decode = self._decode(device)
         captions = [self.data.captions[i] if i < len(self.data.captions) else "" for i in range(n)]
-        title = f"{self.name}  step {step}  (EMA, {s.sampler} {s.steps} steps, cfg {self.preview_cfg})"
+        title = f"{self.name}  step {step}  (EMA, {s.sampler} {s.steps} steps, guidance {self.preview_guidance_scale})"
         return preview.sample_grid_png(
             preview.latents_to_images(samples, decode),
             preview.latents_to_images(batch["latents"], decode),
@@ -223,17 +223,17 @@ def worker_share(n: int, workers: int, w: int, seed: int) -> torch.Tensor:
 
 class DistillTask(FlowTask):
     """A student regressing onto the assembled fleet's guided velocity at x_t from the data: the teacher
-    routes with `distill.teacher` and guides with `distill.cfg`, so the student, sampled without guidance,
+    routes with `distill.teacher` and guides with `distill.guidance_scale`, so the student, sampled without guidance,
     does in one model call per step what the fleet does in k experts x 2 (CFG) calls plus the router."""
 
-    def __init__(self, *args: Any, teacher: str, strategy: Strategy, teacher_cfg: float, **kwargs: Any):
+    def __init__(self, *args: Any, teacher: str, strategy: Strategy, teacher_guidance: float, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.teacher_dir, self.strategy, self.teacher_cfg = teacher, strategy, teacher_cfg
+        self.teacher_dir, self.strategy, self.teacher_guidance = teacher, strategy, teacher_guidance
         self._teacher: Any = None  # the FleetPipeline, opened on the training device at the first step
         self._calls = 0
 
     @property
-    def preview_cfg(self) -> float:
+    def preview_guidance_scale(self) -> float:
         return 1.0  # the guidance is in the student's weights
 
     def teacher(self, device: torch.device) -> Any:
@@ -259,8 +259,8 @@ class DistillTask(FlowTask):
         eps = torch.randn(x0.shape, generator=gen, device=dev)
         x_t = interpolate(x0, eps, t)  # [B, C, H, W]
         pipe = self.teacher(dev)
-        # every step's rows have their own t: guided at every t (cfg_max_t 1), routed at every call
-        settings = pipe.settings(self.strategy, cfg=self.teacher_cfg, route_every=1, cfg_max_t=1.0)
+        # every step's rows have their own t: guided at every t (guidance_max_t 1), routed at every call
+        settings = pipe.settings(self.strategy, guidance_scale=self.teacher_guidance, route_every=1, guidance_max_t=1.0)
         cond = preview.condition_kwargs(batch, self.run.expert)
         self._calls += 1
         with torch.no_grad():
@@ -503,7 +503,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
             data = InMemoryData(tensors, [], root.url_of(*REFLOW_PAIRS))
         else:
             data = clustered_data(root, cfg, model_fields(cfg.expert))
-        teacher_cfg = cfg.distill.cfg if cfg.distill.cfg is not None else cfg.sampling.cfg
+        teacher_guidance = cfg.distill.teacher_guidance(cfg.sampling)
         return DistillTask(
             spec,
             cfg,
@@ -513,7 +513,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
             data,
             teacher=teacher,
             strategy=cfg.distill.teacher,
-            teacher_cfg=teacher_cfg,
+            teacher_guidance=teacher_guidance,
         )
     if spec.kind in ("monolith", "diloco"):
         p = cfg.train.augment_p

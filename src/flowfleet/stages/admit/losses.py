@@ -60,7 +60,7 @@ def expert_velocity(model: DiTExpert) -> Callable[..., torch.Tensor]:
 
 def fleet_velocity(pipe: FleetPipeline) -> Callable[..., torch.Tensor]:
     """The routed fleet's velocity (its strategy, router on every call, no guidance)."""
-    settings = pipe.settings(cfg=1.0, route_every=1)
+    settings = pipe.settings(guidance_scale=1.0, route_every=1)
 
     def v(x: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         given = {k: cond[k] for k in CONDITION_FIELDS if k in cond}

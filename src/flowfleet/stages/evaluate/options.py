@@ -45,17 +45,17 @@ class EvaluateOptions:
     # FD (FID without a judge) among those with prompt accuracy >= min_accuracy (the most accurate if none).
     # The sweep is sampled on the validation split where the run has one (data.validation), with prompts and noise
     # of its own; the row's figures are the test split's at the chosen scale (pieces.extend_sweep: a choice at the
-    # sweep's edge samples one scale further, within cfg_bounds and at most cfg_extend more scales).
-    cfg_sweep: tuple[float, ...] = ()
+    # sweep's edge samples one scale further, within guidance_bounds and at most guidance_extend more scales).
+    guidance_sweep: tuple[float, ...] = ()
     min_accuracy: float = 0.95
-    cfg_bounds: tuple[float, float] = (1.0, 16.0)
-    cfg_extend: int = 4
+    guidance_bounds: tuple[float, float] = (1.0, 16.0)
+    guidance_extend: int = 4
     # Evaluation draws: every model is sampled at its chosen scale `repeats` times on the test split, draw r with
     # seed + r (other prompts and noise, and another split of the reference and the real floor).
     # At a few hundred samples a Fréchet distance moves by several points from draw to draw; the report gives
     # each figure's mean and sd over the draws, and the fleet's ratio to the monolith draw by draw.
     repeats: int = 1
-    save_cfg: bool = False  # write each model folder's chosen scale into its model_index.json (the default)
+    save_guidance_scale: bool = False  # write each model folder's chosen scale into its model_index.json (the default)
     fid: FIDSettings = FIDSettings()
     grid: int = 32  # samples shown per model in the report
     diagnostics: bool = True
@@ -111,17 +111,19 @@ class EvaluateOptions:
         if fixed:
             raise FlowfleetError(f"sampling: {fixed[0]} is the evaluation's own (--strategies, --seed)")
         SamplingConfig().for_call(MANY_EXPERTS, **self.sampling)  # checked before anything loads
-        if self.cfg_sweep and self.sampling.get("cfg") is not None:
-            raise ParameterError("cfg_sweep", "give either a sweep or one --cfg, not both")
-        if any(c < 0 for c in self.cfg_sweep) or len(set(self.cfg_sweep)) != len(self.cfg_sweep):
-            raise ParameterError("cfg_sweep", f"scales must be distinct and >= 0, got {list(self.cfg_sweep)}")
-        lo, hi = self.cfg_bounds
+        if self.guidance_sweep and self.sampling.get("guidance_scale") is not None:
+            raise ParameterError("guidance_sweep", "give either a sweep or one guidance_scale, not both")
+        if any(c < 0 for c in self.guidance_sweep) or len(set(self.guidance_sweep)) != len(self.guidance_sweep):
+            raise ParameterError("guidance_sweep", f"scales must be distinct and >= 0, got {list(self.guidance_sweep)}")
+        lo, hi = self.guidance_bounds
         if not 0 <= lo <= hi:
-            raise ParameterError("cfg_bounds", f"expected 0 <= LOW <= HIGH, got {lo},{hi}")
-        if self.cfg_extend < 0:
-            raise ParameterError("cfg_extend", f"must be >= 0, got {self.cfg_extend}")
-        if self.save_cfg and not self.cfg_sweep:
-            raise ParameterError("save_cfg", "needs --cfg-sweep (the scale it saves is the sweep's choice)")
+            raise ParameterError("guidance_bounds", f"expected 0 <= LOW <= HIGH, got {lo},{hi}")
+        if self.guidance_extend < 0:
+            raise ParameterError("guidance_extend", f"must be >= 0, got {self.guidance_extend}")
+        if self.save_guidance_scale and not self.guidance_sweep:
+            raise ParameterError(
+                "save_guidance_scale", "needs --guidance-sweep (the scale it saves is the sweep's choice)"
+            )
 
 
 @dataclass

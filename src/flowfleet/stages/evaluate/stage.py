@@ -54,7 +54,7 @@ from flowfleet.layout import (
     SAMPLES,
     evaluation_folder,
 )
-from flowfleet.sampling.index import read_model_index, set_default_cfg
+from flowfleet.sampling.index import read_model_index, set_default_guidance_scale
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.sampling.views import routing_heatmap
 from flowfleet.stages.evaluate.models import check_other_fleet, comparison_router, monolith_pipeline
@@ -140,12 +140,12 @@ def evaluate(
             t0 = time.perf_counter()
             ev.diagnostics["generalization"] = generalization_probe(ev, pipe, monolith)
             ev.timings["generalization_s"] = time.perf_counter() - t0
-    if options.save_cfg:  # the sweep's choice becomes each folder's default scale
+    if options.save_guidance_scale:  # the sweep's choice becomes each folder's default scale
         default = pipe.scheduler.strategy.name
         for name, folder in ((default, model_dir), (MONOLITH, ev.root.url_of(MONOLITH_MODEL))):
             chosen = ev.runs[name].cfg if name in ev.runs else None
             if chosen is not None:
-                set_default_cfg(folder, chosen)
+                set_default_guidance_scale(folder, chosen)
                 log.info(f"evaluate: {folder}: default guidance scale now {chosen} ({name})")
     ev.timings["total_s"] = time.perf_counter() - t_start
     result = ev.result()
@@ -270,7 +270,7 @@ class Sweep:
     @property
     def cfg(self) -> float | None:
         """The chosen scale."""
-        return None if self.chosen is None else self.chosen[0].cfg
+        return None if self.chosen is None else self.chosen[0].guidance_scale
 
 
 def same_models(rows: Sequence[Row], sampling: dict[str, Any]) -> dict[str, str]:
@@ -411,7 +411,7 @@ class _Evaluation:
         VALIDATION_SEED); this draw itself where the run has no validation split (said in one line); None when the
         evaluation has nothing to choose (one scale or none)."""
         o = self.options
-        if len(o.cfg_sweep) < 2:
+        if len(o.guidance_sweep) < 2:
             return None
         if self.splits.shared:
             why = (
@@ -424,7 +424,9 @@ class _Evaluation:
         # every item of the split is the choice's reference: a choice needs no real floor
         pool = self.splits.items(VALIDATION)
         ref_n = None if pool is None else min(o.ref_n or int(pool.numel()), int(pool.numel()))
-        drawn = replace(o, seed=o.seed + VALIDATION_SEED, ref_n=ref_n, repeats=1, diagnostics=False, save_cfg=False)
+        drawn = replace(
+            o, seed=o.seed + VALIDATION_SEED, ref_n=ref_n, repeats=1, diagnostics=False, save_guidance_scale=False
+        )
         # Inception only where no judge's features choose
         return _Evaluation.open(model_dir, reference, drawn, extractor, self.judge_fd is None, VALIDATION)
 
@@ -533,7 +535,8 @@ class _Evaluation:
         return not callable(target) or any(target(p) is not None for p in self.prompts or [])
 
     def settings_for(self, pipe: FleetPipeline, strategy: Strategy | None, **choices: Any) -> Any:
-        """The fleet's settings for this draw: options.sampling, then `choices` (cfg), with the draw's seed."""
+        """The fleet's settings for this draw: options.sampling, then `choices` (guidance_scale), with the draw's
+        seed."""
         return pipe.settings(strategy, **{**self.options.sampling, **choices, "seed": self.options.seed})
 
     def sample(self, pipe: Any, settings: Any, progress: bool | str) -> Any:
@@ -549,7 +552,7 @@ class _Evaluation:
         fid_each = self.judge_fd is None
         drawn: dict[float, tuple[Any, Any, torch.Tensor, dict[str, Any]]] = {}  # (settings, output, images, scores)
         sweep = Sweep(self.split_name)
-        todo: list[float] = list(o.cfg_sweep)
+        todo: list[float] = list(o.guidance_sweep)
         while todo:
             scale = todo.pop(0)
             drawn[scale] = self._draw(name, pipe, strategy, scale, fid_each, sweep, **choices)
@@ -557,12 +560,12 @@ class _Evaluation:
                 continue
             scales = sorted(drawn)
             sweep.records = [
-                {"cfg": settings.cfg, **{k: v for k, v in scores.items() if not k.startswith("_")}}
+                {"cfg": settings.guidance_scale, **{k: v for k, v in scores.items() if not k.startswith("_")}}
                 for settings, _, _, scores in (drawn[c] for c in scales)
             ]
             chosen = scales[choose_scale(sweep.records, o.min_accuracy)]
             further, sweep.stop = extend_sweep(
-                scales, chosen, o.cfg_bounds, len(drawn) - len(o.cfg_sweep), o.cfg_extend
+                scales, chosen, o.guidance_bounds, len(drawn) - len(o.guidance_sweep), o.guidance_extend
             )
             if further is not None and further not in drawn:
                 log.info(
@@ -586,7 +589,7 @@ class _Evaluation:
     ) -> tuple[Any, Any, torch.Tensor, dict[str, Any]]:
         """One model's samples of this draw at one guidance scale, scored: (settings, output, images, scores); the
         time it took added to `timed`'s sampling_s and fid_s."""
-        settings = self.settings_for(pipe, strategy, **choices, cfg=scale)
+        settings = self.settings_for(pipe, strategy, **choices, guidance_scale=scale)
         log.info(f"evaluate: {name}: sampling {self.options.n} images ({settings.describe()}, {self.split_name} split)")
         t0 = time.perf_counter()
         out = self.sample(pipe, settings, name)
@@ -596,7 +599,7 @@ class _Evaluation:
         scores = self._score(images, out.prompts, name, with_fid=with_fid)
         timed.fid_s += time.perf_counter() - t0
         scores["cache_saved"] = out.trace.stats.cache.saved  # blocks skipped by --cache (0 without it)
-        log.info(f"evaluate: {name}: cfg {settings.cfg}: " + describe_scores(scores))
+        log.info(f"evaluate: {name}: guidance {settings.guidance_scale}: " + describe_scores(scores))
         return settings, out, images, scores
 
     def run_model(self, name: str, kind: str, pipe, strategy: Strategy, sweep: "Sweep | None" = None, **choices: Any):
@@ -609,7 +612,11 @@ class _Evaluation:
         if sweep is not None and sweep.chosen_on == self.split_name and sweep.chosen is not None:
             settings, out, images, scores = sweep.chosen
         else:
-            scale = sweep.cfg if sweep is not None else (o.cfg_sweep[0] if o.cfg_sweep else o.sampling.get("cfg"))
+            scale = (
+                sweep.cfg
+                if sweep is not None
+                else (o.guidance_sweep[0] if o.guidance_sweep else o.sampling.get("guidance_scale"))
+            )
             settings, out, images, scores = self._draw(name, pipe, strategy, scale, True, run, **choices)
         if "fid" not in scores:  # (a judge chose on this draw: Inception FID, the costlier network, only now)
             t0 = time.perf_counter()
@@ -618,13 +625,13 @@ class _Evaluation:
             scores["fid"] = fid.score(stats, ref)
             run.fid_s += time.perf_counter() - t0
             if sweep is not None:  # the chosen record is this draw's: it gets the FID too
-                next(r for r in sweep.records if r["cfg"] == settings.cfg)["fid"] = scores["fid"]
+                next(r for r in sweep.records if r["cfg"] == settings.guidance_scale)["fid"] = scores["fid"]
         if sweep is not None:
             run.sweep, run.chosen_on, run.sweep_stop = sweep.records, sweep.chosen_on, sweep.stop
             run.sampling_s += sweep.sampling_s
             run.fid_s += sweep.fid_s
         self.settings = settings
-        run.cfg, run.fid, feats = settings.cfg, scores["fid"], scores["_fid_features"]
+        run.cfg, run.fid, feats = settings.guidance_scale, scores["fid"], scores["_fid_features"]
         run.cache_saved = scores["cache_saved"]
         run.classifier_fd, run.precision, run.recall = (scores.get(k) for k in ("classifier_fd", "precision", "recall"))
         run.subcategory_accuracy = scores.get("subcategory_accuracy")
@@ -740,13 +747,13 @@ class _Evaluation:
             "validation_split": self.validation,  # the choices' draw (None: no choice, or made on the figures' own)
             "guidance": (
                 {
-                    "sweep": list(o.cfg_sweep),
+                    "sweep": list(o.guidance_sweep),
                     "min_accuracy": o.min_accuracy,
-                    "bounds": list(o.cfg_bounds),
-                    "extend": o.cfg_extend,
+                    "bounds": list(o.guidance_bounds),
+                    "extend": o.guidance_extend,
                     "chosen_on": self.validation["split"] if self.validation else self.split_name,
                 }
-                if o.cfg_sweep
+                if o.guidance_sweep
                 else None
             ),
             "runs": {name: r.to_json() for name, r in self.runs.items()},
@@ -799,7 +806,7 @@ def _redraw(
         "runs": {name: {k: [v] for k, v in values(asdict(run)).items()} for name, run in ev.runs.items()},
     }
     for r in range(1, o.repeats):
-        drawn = replace(o, seed=o.seed + r, cfg_sweep=(), save_cfg=False, diagnostics=False, repeats=1)
+        drawn = replace(o, seed=o.seed + r, guidance_sweep=(), save_guidance_scale=False, diagnostics=False, repeats=1)
         # a judge scores the draws: the Inception reference of each draw's split is not needed
         again = _Evaluation.open(model_dir, reference, drawn, extractor, inception=ev.judge_fd is None)
         for k in out["floor"]:
@@ -812,7 +819,7 @@ def _redraw(
             else:
                 cfg = ev.runs[name].cfg
                 log.info(f"evaluate: {name}: draw {r + 1} of {o.repeats} (seed {drawn.seed}, cfg {cfg})")
-                settings = again.settings_for(row.pipe, row.strategy, **row.choices, cfg=cfg)
+                settings = again.settings_for(row.pipe, row.strategy, **row.choices, guidance_scale=cfg)
                 got = again.sample(row.pipe, settings, f"{name} draw {r + 1}")
                 scores = again._score(got.images.float().cpu(), got.prompts, name, with_fid=again.judge_fd is None)
                 scored[name] = values(scores)
