@@ -258,10 +258,9 @@ class FleetService:
             raise BadRequest(f"{err.name}: {err.message}") from None
         if "steps" in choices and settings.steps > lim.max_steps:
             raise BadRequest(f"steps: expected 1..{lim.max_steps}, got {settings.steps}")
-        if "guidance_scale" in choices and settings.guidance_scale > lim.max_guidance_scale:
-            raise BadRequest(
-                f"guidance_scale: expected a number in 0..{lim.max_guidance_scale}, got {settings.guidance_scale}"
-            )
+        scale, most = settings.guidance_scale, lim.max_guidance_scale
+        if "guidance_scale" in choices and scale > most:
+            raise BadRequest(f"guidance_scale: expected a number in 0..{most}, got {scale}")
         return settings
 
     # -- the call ---------------------------------------------------------------------------------
