@@ -238,9 +238,8 @@ class FleetService:
                 raise BadRequest(f"prompt: {len(req.prompt)} characters, at most {lim.max_prompt_chars}")
         elif req.prompt:
             raise BadRequest(f"prompt: this fleet is {self.pipe.conditioning}-conditioned and takes no prompt")
-        if self.needs_label:
-            if req.label is None or not 0 <= req.label < self.pipe.num_classes:
-                raise BadRequest(f"label: expected 0..{self.pipe.num_classes - 1}, got {req.label}")
+        if self.needs_label and (req.label is None or not 0 <= req.label < self.pipe.num_classes):
+            raise BadRequest(f"label: expected 0..{self.pipe.num_classes - 1}, got {req.label}")
         if not 1 <= req.n <= lim.max_images:
             raise BadRequest(f"n: expected 1..{lim.max_images} images, got {req.n}")
         choices = req.choices()
