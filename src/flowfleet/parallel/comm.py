@@ -85,9 +85,152 @@ class _Counter:
         self.by_step[self.step] += nbytes
 
 
-class CommManager:
-    """Flat-buffer all-gathers within `bands` (the ranks splitting one image) plus one-off collectives
-    over `world` (all ranks: step outputs, routing decisions)."""
+class Collectives:
+    """The ranks' groups and the collectives over them that are not the flat-buffer gathers: one-off collectives
+    over `world` (step outputs, routing decisions), sequence parallelism's all-to-all and ring exchanges within
+    `bands`; the bytes each sends per step, the seconds each waits, and one line naming the op when a peer fails."""
+
+    def __init__(self, bands: Group, world: Group | None, device: torch.device | str, timeout_s: float):
+        self.bands = bands
+        self.world = world or bands
+        self.device = torch.device(device)
+        self.timeout_s = float(timeout_s)
+        self._bytes = _Counter()
+        self._blocked: dict[int, float] = defaultdict(float)  # step -> seconds waited in band exchanges
+
+    # ----------------------------------------------------------------------------------------------
+    #                              One-off collectives over all ranks
+    # ----------------------------------------------------------------------------------------------
+
+    def all_gather_world(self, tensor: torch.Tensor, what: str = "step output") -> torch.Tensor:
+        """Blocking all-gather over every rank -> [world size, *tensor.shape]."""
+        if self.world.size == 1:
+            return tensor[None]
+        tensor = tensor.contiguous()
+        outs = [torch.empty_like(tensor) for _ in range(self.world.size)]
+        with self._guard("all-gather", what, world=True):
+            dist.all_gather(outs, tensor, group=self.world.pg)
+        self._bytes.add((self.world.size - 1) * tensor.numel() * tensor.element_size())
+        return torch.stack(outs)
+
+    def gather_image(self, band: torch.Tensor, sizes: list[int], what: str = "output band") -> list[torch.Tensor]:
+        """Every rank's band of the output -> the whole output of each band group (one group, or two with a
+        CFG split), on every rank. sizes: every band's extent along dim -2; unequal bands travel padded to
+        the largest and are trimmed on arrival."""
+        if band.shape[-2] < max(sizes):
+            band = F.pad(band, (0, 0, 0, max(sizes) - band.shape[-2]))
+        bands = self.all_gather_world(band, what=what)  # [world, *band.shape]
+        n = self.bands.size
+        return [
+            torch.cat([bands[g * n + i].narrow(-2, 0, sizes[i]) for i in range(n)], dim=-2)
+            for g in range(self.world.size // n)
+        ]
+
+    def broadcast_world(self, tensor: torch.Tensor, src: int = 0, what: str = "routing") -> torch.Tensor:
+        """Every rank gets rank `src`'s tensor (same shape and dtype on every rank)."""
+        if self.world.size == 1:
+            return tensor
+        tensor = tensor.contiguous().clone()
+        with self._guard("broadcast", what, world=True):
+            dist.broadcast(tensor, src=src, group=self.world.pg)
+        if self.world.rank == src:
+            self._bytes.add((self.world.size - 1) * tensor.numel() * tensor.element_size())
+        return tensor
+
+    def sum_world(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """The elementwise sum of every rank's tensor (same shape and dtype on every rank), on every rank."""
+        if self.world.size == 1:
+            return tensor
+        tensor = tensor.contiguous().clone()
+        with self._guard("all-reduce", what, world=True):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.world.pg)
+        self._bytes.add(2 * (self.world.size - 1) * tensor.numel() * tensor.element_size() // self.world.size)
+        return tensor
+
+    # ----------------------------------------------------------------------------------------------
+    #                      Sequence parallelism (flowfleet.parallel.sequence)
+    # ----------------------------------------------------------------------------------------------
+
+    def all_to_all_bands(
+        self, chunks: list[torch.Tensor], out_shapes: list[tuple[int, ...]], what: str, group: Group | None = None
+    ) -> list[torch.Tensor]:
+        """Blocking all-to-all within the band group (or `group`, a subgroup of it): chunks[j] goes to member
+        j; out[j] (of out_shapes[j]) comes from member j. Chunks may differ in size (uneven bands)."""
+        group = group or self.bands
+        # one flat all_to_all_single with split sizes: gloo's list all_to_all wants equal tensors
+        sizes_in = [c.numel() for c in chunks]
+        sizes_out = [math.prod(shape) for shape in out_shapes]
+        flat = torch.cat([c.reshape(-1) for c in chunks])
+        got = torch.empty(sum(sizes_out), device=self.device, dtype=flat.dtype)
+        t0 = time.perf_counter()
+        with self._guard("all-to-all", what):
+            dist.all_to_all_single(got, flat, sizes_out, sizes_in, group=group.pg)
+        self._blocked[self._bytes.step] += time.perf_counter() - t0
+        mine = group.rank
+        self._bytes.add(sum(n for j, n in enumerate(sizes_in) if j != mine) * flat.element_size())
+        return [part.reshape(shape) for part, shape in zip(got.split(sizes_out), out_shapes)]
+
+    def ring_shift(
+        self, tensor: torch.Tensor, recv_shape: tuple[int, ...], what: str, group: Group | None = None
+    ) -> "RingShift":
+        """Send `tensor` to the next member of the band group (or of `group`, a subgroup of it) and receive
+        the previous one's (of recv_shape), asynchronously: compute, then .wait() for what arrived."""
+        group = group or self.bands
+        tensor = tensor.contiguous()
+        out = torch.empty(recv_shape, device=self.device, dtype=tensor.dtype)
+        size, rank, pg = group.size, group.rank, group.pg
+        nxt, prev = (rank + 1) % size, (rank - 1) % size
+        if pg is not None:  # point-to-point ops name peers by their rank in the default group
+            nxt, prev = dist.get_global_rank(pg, nxt), dist.get_global_rank(pg, prev)
+        with self._guard("ring send/receive", what):
+            ops = [dist.P2POp(dist.isend, tensor, nxt, group=pg), dist.P2POp(dist.irecv, out, prev, group=pg)]
+            handles = dist.batch_isend_irecv(ops)
+        self._bytes.add(tensor.numel() * tensor.element_size())
+        return RingShift(self, handles, out, what)
+
+    # ----------------------------------------------------------------------------------------------
+    #                                         Byte counter
+    # ----------------------------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        """Count what follows as step `step`'s traffic."""
+        self._bytes.step = int(step)
+
+    @property
+    def bytes_by_step(self) -> dict[int, int]:
+        """Bytes this rank sent per sampler step."""
+        return dict(self._bytes.by_step)
+
+    @property
+    def blocked_by_step(self) -> dict[int, float]:
+        """Seconds this rank waited in band exchanges per step (module docstring)."""
+        return dict(self._blocked)
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(self._bytes.by_step.values())
+
+    @contextmanager
+    def _guard(self, op: str, what: str, world: bool = False) -> Iterator[None]:
+        """Turn a backend failure (peer closed, timeout) into one line naming the op, rank and timeout."""
+        group = self.world if world else self.bands
+        t0 = time.monotonic()
+        try:
+            yield
+        except RuntimeError as err:  # DistBackendError and gloo/NCCL errors are RuntimeErrors
+            reason = (str(err).strip().splitlines() or ["?"])[0]
+            if "] " in reason:  # drop gloo's "[/path/to/file.cc:123] " prefix
+                reason = reason.split("] ", 1)[1]
+            raise ParallelError(
+                f"{op} of {what!r} failed on rank {group.rank} of {group.size} after "
+                f"{time.monotonic() - t0:.1f} s (timeout {self.timeout_s:g} s): another rank died or stalled "
+                f"({reason[:160]})"
+            ) from err
+
+
+class CommManager(Collectives):
+    """Flat-buffer all-gathers within `bands` (the ranks splitting one image), beside the Collectives every
+    parallel runner uses."""
 
     def __init__(
         self,
@@ -101,12 +244,9 @@ class CommManager:
     ):
         if batch_bytes is not None and batch_bytes < 1:
             raise FlowfleetError(f"batch_bytes: must be >= 1 or None (from the model), got {batch_bytes}")
-        self.bands = bands
-        self.world = world or bands
-        self.device = torch.device(device)
+        super().__init__(bands, world, device, timeout_s)
         self.dtype = dtype
         self.batch_bytes = batch_bytes  # None: chosen per family in allocate()
-        self.timeout_s = float(timeout_s)
         self._slots: list[_Slot] = []
         self._index: dict[str, int] = {}
         self._batches: list[_Batch] = []
@@ -114,11 +254,9 @@ class CommManager:
         self._allocated = False
         self._send = torch.empty(0, device=self.device, dtype=dtype)  # [numel] once allocated
         self._recv = torch.empty(0, 0, device=self.device, dtype=dtype)  # [group size, numel] once allocated
-        self._bytes = _Counter()
         self._early = _Counter()  # asynchronous bytes whose gather started with layers still to run
         self._late = _Counter()  # ... started at the end of the forward
         self._last_batch: dict[str, int] = {}  # family -> index of its last batch (after allocate())
-        self._blocked: dict[int, float] = defaultdict(float)  # step -> seconds waited in band exchanges
 
     # ----------------------------------------------------------------------------------------------
     #                                   Registration
@@ -223,122 +361,14 @@ class CommManager:
             self._await(i)
 
     # ----------------------------------------------------------------------------------------------
-    #                         One-off collectives over all ranks
+    #                                 Byte counter: overlap
     # ----------------------------------------------------------------------------------------------
-
-    def all_gather_world(self, tensor: torch.Tensor, what: str = "step output") -> torch.Tensor:
-        """Blocking all-gather over every rank -> [world size, *tensor.shape]."""
-        if self.world.size == 1:
-            return tensor[None]
-        tensor = tensor.contiguous()
-        outs = [torch.empty_like(tensor) for _ in range(self.world.size)]
-        with self._guard("all-gather", what, world=True):
-            dist.all_gather(outs, tensor, group=self.world.pg)
-        self._bytes.add((self.world.size - 1) * tensor.numel() * tensor.element_size())
-        return torch.stack(outs)
-
-    def gather_image(self, band: torch.Tensor, sizes: list[int], what: str = "output band") -> list[torch.Tensor]:
-        """Every rank's band of the output -> the whole output of each band group (one group, or two with a
-        CFG split), on every rank. sizes: every band's extent along dim -2; unequal bands travel padded to
-        the largest and are trimmed on arrival."""
-        if band.shape[-2] < max(sizes):
-            band = F.pad(band, (0, 0, 0, max(sizes) - band.shape[-2]))
-        bands = self.all_gather_world(band, what=what)  # [world, *band.shape]
-        n = self.bands.size
-        return [
-            torch.cat([bands[g * n + i].narrow(-2, 0, sizes[i]) for i in range(n)], dim=-2)
-            for g in range(self.world.size // n)
-        ]
-
-    def broadcast_world(self, tensor: torch.Tensor, src: int = 0, what: str = "routing") -> torch.Tensor:
-        """Every rank gets rank `src`'s tensor (same shape and dtype on every rank)."""
-        if self.world.size == 1:
-            return tensor
-        tensor = tensor.contiguous().clone()
-        with self._guard("broadcast", what, world=True):
-            dist.broadcast(tensor, src=src, group=self.world.pg)
-        if self.world.rank == src:
-            self._bytes.add((self.world.size - 1) * tensor.numel() * tensor.element_size())
-        return tensor
-
-    def sum_world(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        """The elementwise sum of every rank's tensor (same shape and dtype on every rank), on every rank."""
-        if self.world.size == 1:
-            return tensor
-        tensor = tensor.contiguous().clone()
-        with self._guard("all-reduce", what, world=True):
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.world.pg)
-        self._bytes.add(2 * (self.world.size - 1) * tensor.numel() * tensor.element_size() // self.world.size)
-        return tensor
-
-    # ----------------------------------------------------------------------------------------------
-    #                     Sequence parallelism (flowfleet.parallel.sequence)
-    # ----------------------------------------------------------------------------------------------
-
-    def all_to_all_bands(
-        self, chunks: list[torch.Tensor], out_shapes: list[tuple[int, ...]], what: str, group: Group | None = None
-    ) -> list[torch.Tensor]:
-        """Blocking all-to-all within the band group (or `group`, a subgroup of it): chunks[j] goes to member
-        j; out[j] (of out_shapes[j]) comes from member j. Chunks may differ in size (uneven bands)."""
-        group = group or self.bands
-        # one flat all_to_all_single with split sizes: gloo's list all_to_all wants equal tensors
-        sizes_in = [c.numel() for c in chunks]
-        sizes_out = [math.prod(shape) for shape in out_shapes]
-        flat = torch.cat([c.reshape(-1) for c in chunks])
-        got = torch.empty(sum(sizes_out), device=self.device, dtype=flat.dtype)
-        t0 = time.perf_counter()
-        with self._guard("all-to-all", what):
-            dist.all_to_all_single(got, flat, sizes_out, sizes_in, group=group.pg)
-        self._blocked[self._bytes.step] += time.perf_counter() - t0
-        mine = group.rank
-        self._bytes.add(sum(n for j, n in enumerate(sizes_in) if j != mine) * flat.element_size())
-        return [part.reshape(shape) for part, shape in zip(got.split(sizes_out), out_shapes)]
-
-    def ring_shift(
-        self, tensor: torch.Tensor, recv_shape: tuple[int, ...], what: str, group: Group | None = None
-    ) -> "RingShift":
-        """Send `tensor` to the next member of the band group (or of `group`, a subgroup of it) and receive
-        the previous one's (of recv_shape), asynchronously: compute, then .wait() for what arrived."""
-        group = group or self.bands
-        tensor = tensor.contiguous()
-        out = torch.empty(recv_shape, device=self.device, dtype=tensor.dtype)
-        size, rank, pg = group.size, group.rank, group.pg
-        nxt, prev = (rank + 1) % size, (rank - 1) % size
-        if pg is not None:  # point-to-point ops name peers by their rank in the default group
-            nxt, prev = dist.get_global_rank(pg, nxt), dist.get_global_rank(pg, prev)
-        with self._guard("ring send/receive", what):
-            ops = [dist.P2POp(dist.isend, tensor, nxt, group=pg), dist.P2POp(dist.irecv, out, prev, group=pg)]
-            handles = dist.batch_isend_irecv(ops)
-        self._bytes.add(tensor.numel() * tensor.element_size())
-        return RingShift(self, handles, out, what)
-
-    # ----------------------------------------------------------------------------------------------
-    #                                 Byte counter
-    # ----------------------------------------------------------------------------------------------
-
-    def begin_step(self, step: int) -> None:
-        """Count what follows as step `step`'s traffic."""
-        self._bytes.step = int(step)
-
-    @property
-    def bytes_by_step(self) -> dict[int, int]:
-        """Bytes this rank sent per sampler step."""
-        return dict(self._bytes.by_step)
 
     @property
     def overlap_by_step(self) -> dict[int, tuple[int, int]]:
         """step -> (asynchronous bytes sent with layers still to run, bytes sent at the forward's end)."""
         steps = sorted(set(self._early.by_step) | set(self._late.by_step))
         return {s: (self._early.by_step.get(s, 0), self._late.by_step.get(s, 0)) for s in steps}
-
-    @property
-    def blocked_by_step(self) -> dict[int, float]:
-        """Seconds this rank waited in band exchanges per step (module docstring)."""
-        return dict(self._blocked)
-
-    @property
-    def bytes_total(self) -> int:
-        return sum(self._bytes.by_step.values())
 
     # ----------------------------------------------------------------------------------------------
     #                                   Internals
@@ -395,29 +425,12 @@ class CommManager:
             handle.wait()
         self._blocked[self._bytes.step] += time.perf_counter() - t0
 
-    @contextmanager
-    def _guard(self, op: str, what: str, world: bool = False) -> Iterator[None]:
-        """Turn a backend failure (peer closed, timeout) into one line naming the op, rank and timeout."""
-        group = self.world if world else self.bands
-        t0 = time.monotonic()
-        try:
-            yield
-        except RuntimeError as err:  # DistBackendError and gloo/NCCL errors are RuntimeErrors
-            reason = (str(err).strip().splitlines() or ["?"])[0]
-            if "] " in reason:  # drop gloo's "[/path/to/file.cc:123] " prefix
-                reason = reason.split("] ", 1)[1]
-            raise ParallelError(
-                f"{op} of {what!r} failed on rank {group.rank} of {group.size} after "
-                f"{time.monotonic() - t0:.1f} s (timeout {self.timeout_s:g} s): another rank died or stalled "
-                f"({reason[:160]})"
-            ) from err
-
 
 @dataclass
 class RingShift:
-    """A ring send/receive in flight (CommManager.ring_shift)."""
+    """A ring send/receive in flight (Collectives.ring_shift)."""
 
-    comm: CommManager
+    comm: Collectives
     handles: list[Any]
     out: torch.Tensor
     what: str
