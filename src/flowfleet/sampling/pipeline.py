@@ -17,11 +17,14 @@ loop samples DiT modules, counting wrappers and closed-form flows (the tests' Ga
 FleetPipeline is a plain class rather than a diffusers DiffusionPipeline: diffusers loads every
 component eagerly, while a fleet loads experts lazily and may keep only M of them resident.
 
-Model classes, tqdm and the encoders are imported where used, so importing the pipeline stays light.
+Opening a folder checks its files first (flowfleet.sampling.folder); the encoders and the prompts' or labels'
+condition are FleetConditioning's (flowfleet.sampling.conditioning). Model classes, tqdm and the encoders are
+imported where used, so importing the pipeline stays light.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from dataclasses import dataclass, field
@@ -33,12 +36,10 @@ from flowfleet.config import SamplingSettings
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.flow import Strategy, integrate, time_grid
 from flowfleet.flow.sampler import VelocityFn
-from flowfleet.layout import INDEX_FILE, MODEL_VAE
-from flowfleet.models.files import load_model, read_dit_config
 from flowfleet.sampling.cache import BlockCache
-from flowfleet.sampling.checksums import verify_weights
-from flowfleet.sampling.index import ModelIndex, SchedulerConfig, expert_folder, read_model_index
-from flowfleet.sampling.prompts import PromptEmbeddings
+from flowfleet.sampling.conditioning import FleetConditioning
+from flowfleet.sampling.folder import open_folder
+from flowfleet.sampling.index import ModelIndex, SchedulerConfig
 from flowfleet.sampling.routing import (
     Condition,
     Selection,
@@ -49,11 +50,9 @@ from flowfleet.sampling.routing import (
 )
 from flowfleet.sampling.store import ExpertStore
 from flowfleet.sampling.trace import RoutingTrace
-from flowfleet.storage import RunRoot
 
 # (x_t [B, C, H, W], t [B], **prompt keywords for a prompt-aware router) -> logits [B, K]
 RouterFn = Callable[..., torch.Tensor]
-TEXT_CONDITIONING = ("pooled", "cross_attn")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -146,7 +145,7 @@ class RoutedVelocity:
 # --------------------------------------------------------------------------------------------------
 
 
-class FleetPipeline:
+class FleetPipeline(FleetConditioning):
     """Experts (an ExpertStore), a router callable, optional text encoder and latent decoder.
 
     router=None is allowed for a fleet of one expert (a monolith sampled through the same loop).
@@ -183,23 +182,6 @@ class FleetPipeline:
         self.index = index
 
     @property
-    def text_encoder(self) -> Any:
-        return self._text_encoder
-
-    @text_encoder.setter
-    def text_encoder(self, encoder: Any) -> None:
-        self._text_encoder = encoder
-        # each distinct prompt encoded once, alone (flowfleet.sampling.prompts)
-        self.prompts = PromptEmbeddings(encoder) if encoder is not None else None
-
-    def share_prompts(self, other: "FleetPipeline") -> None:
-        """Keep prompt embeddings with another pipeline of the same text encoder (an evaluation's fleet and its
-        monolith): a prompt both sample is encoded once. The embeddings are the same either way."""
-        if other.text_encoder is not self.text_encoder:
-            raise ValueError("share_prompts: the pipelines have different text encoders")
-        self.prompts = other.prompts
-
-    @property
     def num_experts(self) -> int:
         return self.experts.num_experts
 
@@ -230,50 +212,18 @@ class FleetPipeline:
         latent_decoder: Any = None,
         load_encoders: bool = True,
     ) -> "FleetPipeline":
-        """Open an assembled fleet. The router loads now; experts load when first selected.
+        """Open an assembled fleet (its files checked: flowfleet.sampling.folder). The router loads now; experts
+        load when first selected.
 
         text_encoder / latent_decoder: objects following docs/contracts.md (`.encode(captions)`,
         `.decode(latents)`); when None and load_encoders, they are built from the references in the
         folder with flowfleet.data.encoders.
         """
-        from flowfleet.models.dit import DiTExpert, DiTRouter
-
-        root = RunRoot(model_dir)
-        index = read_model_index(root)
-        c, h, w = index.latent_shape
-        for k in index.present_experts:  # fail now, not when the router first selects a broken expert
-            folder = expert_folder(k)
-            if not root.exists(folder):
-                raise FlowfleetError(f"{root.url_of(folder)}: missing (model_index.json lists expert {k})")
-            cfg = read_dit_config(root, folder)
-            if (cfg.in_channels, *cfg.input_size) != (c, h, w):
-                shape = (cfg.in_channels, *cfg.input_size)
-                raise FlowfleetError(
-                    f"{root.url_of(folder)}: expert {k} denoises {shape}, "
-                    f"model_index.json says latent_shape {(c, h, w)}"
-                )
-        verify_weights(root)  # SHA256SUMS: a corrupted expert is an error now, not different images later
-        router = None
-        if tuple(index.router) == (None, None):  # a one-expert model (the monolith): nothing to route
-            if index.num_experts != 1:
-                raise FlowfleetError(f"{root.url_of(INDEX_FILE)}: no router for {index.num_experts} experts")
-        elif not root.exists("router"):
-            raise FlowfleetError(f"{root.url_of('router')}: missing (the fleet's router)")
-        else:
-            router = load_model(DiTRouter, root, "router").to(device)
-        if router is not None and router.cfg.num_outputs != index.num_experts:
-            raise FlowfleetError(
-                f"{root.url_of('router')}: num_outputs {router.cfg.num_outputs} differs from "
-                f"the fleet's K = {index.num_experts}"
-            )
-
-        def load_expert(k: int) -> DiTExpert:
-            return load_model(DiTExpert, root, expert_folder(k)).to(device)
-
-        store = ExpertStore(load_expert, index.present_experts, index.num_experts, offload)
+        opened = open_folder(model_dir, device, offload)
+        index = opened.index
         pipe = cls(
-            store,
-            router,
+            opened.experts,
+            opened.router,
             latent_shape=index.latent_shape,
             conditioning=index.conditioning,
             num_classes=index.num_classes,
@@ -283,19 +233,10 @@ class FleetPipeline:
             device=device,
             index=index,
         )
-        pipe.folder = root.url
+        pipe.folder = opened.root.url
         if load_encoders:
             pipe.load_encoders()
         return pipe
-
-    def load_encoders(self) -> None:
-        """Build the text encoder and latent decoder from the folder's references, where not given."""
-        if self.index is None:
-            return
-        if self.text_encoder is None and self.conditioning in TEXT_CONDITIONING:
-            self.text_encoder = build_text_encoder_from(self.index, self.device)
-        if self.latent_decoder is None:
-            self.latent_decoder = build_latent_decoder_from(self.index, self.device, self.folder)
 
     # -- routing and guidance ---------------------------------------------------------------------------
 
@@ -339,49 +280,6 @@ class FleetPipeline:
 
     # -- conditioning ------------------------------------------------------------------------------------
 
-    def check_condition(self, prompts: Sequence[str] | None, labels: Sequence[int] | None) -> None:
-        """Validate prompts / labels for this fleet's conditioning (before any encoder is loaded)."""
-        if self.conditioning in TEXT_CONDITIONING:
-            if not prompts:
-                raise ParameterError("prompt", "required (the experts are text-conditioned)")
-            for p in prompts:
-                if not p.strip():
-                    raise ParameterError("prompt", "empty prompt")
-        elif self.conditioning == "class":
-            if not labels:
-                raise ParameterError("label", "required (the experts are class-conditioned)")
-            bad = [y for y in labels if not 0 <= y < self.num_classes]
-            if bad:
-                raise ParameterError("label", f"{bad[0]} outside 0..{self.num_classes - 1}")
-
-    def encode_condition(
-        self, prompts: Sequence[str] | None, labels: Sequence[int] | None, n: int
-    ) -> tuple[Condition, list[str]]:
-        """Per-sample Condition for n samples, cycling through the prompts (or labels)."""
-        self.check_condition(prompts, labels)
-        if self.conditioning in TEXT_CONDITIONING:
-            prompts = list(prompts or [])
-            if self.prompts is None:
-                raise FlowfleetError("text encoder: none loaded for this text-conditioned fleet")
-            emb = self.prompts(prompts)  # tokens [P, L, T], mask [P, L], pooled [P, T]
-            width = self.index.text_width if self.index is not None else emb.tokens.shape[-1]
-            if emb.tokens.shape[-1] != width:
-                raise FlowfleetError(
-                    f"text encoder: width {emb.tokens.shape[-1]} differs from the experts' text width {width}"
-                )
-            which = torch.arange(n) % len(prompts)
-            cond = Condition(
-                text_tokens=emb.tokens[which].to(self.device, self.dtype),
-                text_mask=emb.mask[which].to(self.device).bool(),
-                text_pooled=emb.pooled[which].to(self.device, self.dtype),
-            )
-            return cond, [prompts[i] for i in which.tolist()]
-        if self.conditioning == "class":
-            labels = list(labels or [])
-            which = torch.arange(n) % len(labels)
-            return Condition(labels=torch.tensor(labels, device=self.device)[which]), [""] * n
-        return Condition(), [""] * n
-
     # -- sampling ----------------------------------------------------------------------------------------
 
     def sample(
@@ -407,25 +305,9 @@ class FleetPipeline:
             velocity_fn = parallel.velocity_fn(self, cond, settings, trace)
         vf = velocity_fn or self.velocity_fn(cond, settings, trace)
         grid = time_grid(settings.steps, settings.shift, device=noise.device)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            label = progress if isinstance(progress, str) else settings.strategy.name
-            bar = tqdm(total=settings.steps, desc=f"sampling ({label})", unit="step", leave=False)
-
-        def step_done(i: int, x: torch.Tensor) -> None:
-            if bar is not None:
-                bar.update(1)
-            if on_step is not None:
-                on_step(i)
-
-        try:
-            with torch.inference_mode():
-                x0 = integrate(vf, noise, grid, settings.sampler, callback=step_done)
-        finally:
-            if bar is not None:
-                bar.close()
+        label = progress if isinstance(progress, str) else settings.strategy.name
+        with _steps_shown(settings.steps, label if progress else None, on_step) as step_done, torch.inference_mode():
+            x0 = integrate(vf, noise, grid, settings.sampler, callback=step_done)
         return x0, trace
 
     def noise(self, n: int, seed: int) -> torch.Tensor:
@@ -453,12 +335,12 @@ class FleetPipeline:
         noise: torch.Tensor | None = None,
         **choices: Any,
     ) -> FleetOutput:
-        """Generate n samples. Noise for all n comes from one seeded generator, so the batch size does
-        not change the images. choices: sampling settings (strategy, steps, cfg, seed, ...: config.SamplingSettings;
+        """Generate n samples. Noise for all n comes from one seeded generator, so the batch size does not change the
+        images. choices: sampling settings (strategy, steps, guidance_scale, seed, ...: config.SamplingSettings;
         unset: the fleet's); settings: the choices as self.settings() already resolved them (then no choices).
         parallel: see sample(). on_step(done, total): after every sampling step of every batch (total = steps x
-        batches). noise: x_1 of the n samples [n, C, H, W] (e.g. drawn from a caller's torch.Generator; default:
-        the seed's, self.noise)."""
+        batches). noise: x_1 of the n samples [n, C, H, W] (e.g. drawn from a caller's torch.Generator; default: the
+        seed's, self.noise)."""
         if n < 1:
             raise ParameterError("n", f"must be >= 1, got {n}")
         if settings is None:
@@ -494,35 +376,28 @@ class FleetPipeline:
 # --------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _steps_shown(steps: int, label: str | None, on_step: Callable[[int], None] | None):
+    """The sampler's callback after each step: a progress bar named `label` (None: no bar) and on_step(i)."""
+    bar = None
+    if label is not None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc=f"sampling ({label})", unit="step", leave=False)
+
+    def step_done(i: int, x: torch.Tensor) -> None:
+        if bar is not None:
+            bar.update(1)
+        if on_step is not None:
+            on_step(i)
+
+    try:
+        yield step_done
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def _report_step(on_step: Callable[[int, int], None], done_before: int, total: int, i: int) -> None:
     """on_step(done, total) after step i of a batch that starts once done_before steps are done."""
     on_step(done_before + i + 1, total)
-
-
-def _encoders_module():
-    try:
-        from flowfleet.data import encoders
-    except ImportError:
-        raise FlowfleetError(
-            "encoders: flowfleet.data.encoders is not available in this install "
-            "(pass text_encoder= / latent_decoder= objects instead)"
-        ) from None
-    return encoders
-
-
-def build_text_encoder_from(index: ModelIndex, device: torch.device | str) -> Any:
-    """The text encoder the fleet was trained with, from its reference (never copied into the folder)."""
-    cfg = index.text_config()
-    if cfg is None or cfg.name == "none":
-        raise FlowfleetError("model_index.json: text-conditioned experts but no text encoder reference")
-    return _encoders_module().build_text_encoder(cfg, device)
-
-
-def build_latent_decoder_from(index: ModelIndex, device: torch.device | str, folder: str | None = None) -> Any:
-    """The latent encoder (for .decode). Pixel-space fleets need none: their 'latents' are images. A
-    run-trained autoencoder's weights are in the model folder's vae/."""
-    cfg = index.latent_config()
-    if cfg.name == "pixels":
-        return None
-    weights = RunRoot(folder).url_of(MODEL_VAE) if folder is not None else None
-    return _encoders_module().build_latent_encoder(cfg, index.image_channels, device, weights)
