@@ -40,14 +40,7 @@ from flowfleet.sampling.cache import BlockCache
 from flowfleet.sampling.conditioning import FleetConditioning
 from flowfleet.sampling.folder import open_folder
 from flowfleet.sampling.index import ModelIndex, SchedulerConfig
-from flowfleet.sampling.routing import (
-    Condition,
-    Selection,
-    draw_selection,
-    present_probs,
-    run_selected,
-    select_experts,
-)
+from flowfleet.sampling.routing import Condition, Selection, draw_selection, present_probs, run_selected, select_experts
 from flowfleet.sampling.store import ExpertStore
 from flowfleet.sampling.trace import RoutingTrace
 

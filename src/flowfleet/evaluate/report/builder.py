@@ -6,25 +6,11 @@ from __future__ import annotations
 import json
 
 from flowfleet.evaluate import views
-from flowfleet.evaluate.report.parts import (
-    SECTIONS,
-    TITLES,
-    Section,
-    Table,
-    fmt,
-    read_json,
-    run_yaml,
-)
+from flowfleet.evaluate.report.parts import SECTIONS, TITLES, Section, Table, fmt, read_json, run_yaml
 from flowfleet.evaluate.report.quality import QualitySections
 from flowfleet.evaluate.report.run import RunSections
 from flowfleet.evaluate.report.tables import generalization_table
-from flowfleet.layout import (
-    DATA,
-    MANIFEST,
-    REPORTS,
-    RUN_FILE,
-    SHOWCASE,
-)
+from flowfleet.layout import DATA, MANIFEST, REPORTS, RUN_FILE, SHOWCASE
 
 
 class ReportBuilder(QualitySections, RunSections):

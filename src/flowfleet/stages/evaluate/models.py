@@ -11,12 +11,7 @@ import torch
 from flowfleet.config import RunConfig
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.flow import Strategy
-from flowfleet.layout import (
-    FINAL,
-    MODEL_VAE,
-    MONOLITH,
-    MONOLITH_MODEL,
-)
+from flowfleet.layout import FINAL, MODEL_VAE, MONOLITH, MONOLITH_MODEL
 from flowfleet.models.dit import DiTRouter
 from flowfleet.models.files import load_model
 from flowfleet.sampling.checksums import read_checksums

@@ -12,9 +12,7 @@ from flowfleet.config import SamplingConfig
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.evaluate.fid import FIDSettings
 from flowfleet.flow import Strategy
-from flowfleet.layout import (
-    ROUTERS,
-)
+from flowfleet.layout import ROUTERS
 
 FLEET_NAME = re.compile(r"[A-Za-z0-9_-]+")
 MANY_EXPERTS = 2**31  # the settings are checked before the fleet is open: any strategy's k fits

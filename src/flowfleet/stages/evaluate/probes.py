@@ -10,13 +10,9 @@ import torch
 
 from flowfleet.config import RunConfig
 from flowfleet.data.shards import ShardSetUnion
-from flowfleet.evaluate.diagnostics import (
-    router_accuracy,
-)
+from flowfleet.evaluate.diagnostics import router_accuracy
 from flowfleet.evaluate.generalization import clustering_fields, fields_for, generalization, held_out_clusters
-from flowfleet.layout import (
-    CENTROIDS,
-)
+from flowfleet.layout import CENTROIDS
 from flowfleet.models.dit import DiTModel, DiTRouter
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.storage import RunRoot

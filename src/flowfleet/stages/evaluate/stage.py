@@ -8,7 +8,7 @@ import logging
 import posixpath
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -17,28 +17,16 @@ from flowfleet.data.shards import ShardSetUnion
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.evaluate.adherence import prompt_adherence
-from flowfleet.evaluate.diagnostics import (
-    SemanticFeatures,
-    disagreement,
-    dominant_experts,
-    usage_shares,
-)
-from flowfleet.evaluate.digits import DigitJudge, prompted_digit
-from flowfleet.evaluate.emoji import EmojiJudge
-from flowfleet.evaluate.fid import FID, FeatureStats, FIDSettings, fid_metadata
-from flowfleet.evaluate.judge import load_judge
-from flowfleet.evaluate.precision_recall import precision_recall
+from flowfleet.evaluate.diagnostics import SemanticFeatures, disagreement, dominant_experts, usage_shares
+from flowfleet.evaluate.fid import FID, FeatureStats
 from flowfleet.evaluate.reference import (
     TEST,
     VALIDATION,
     VALIDATION_SEED,
     HeldOutSplits,
     ReferenceSplit,
-    data_fingerprint,
-    features_are_fid_features,
     held_out_data,
     open_reference,
-    reference_images,
 )
 from flowfleet.evaluate.report import EVALUATION_FILE
 from flowfleet.evaluate.views import captioned_grid_png
@@ -46,8 +34,6 @@ from flowfleet.flow import Strategy
 from flowfleet.layout import (
     ASSIGNMENTS,
     CENTROIDS,
-    DATA,
-    EVAL_DATA,
     MONOLITH,
     MONOLITH_MODEL,
     REPORTS,
@@ -59,23 +45,16 @@ from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.sampling.views import routing_heatmap
 from flowfleet.stages.evaluate.models import check_other_fleet, comparison_router, monolith_pipeline
 from flowfleet.stages.evaluate.options import EvaluateOptions, ModelRun
-from flowfleet.stages.evaluate.pieces import (
-    choose_scale,
-    describe_scores,
-    extend_sweep,
-    generated_features,
-    samples_npz,
-    stats_of,
-)
+from flowfleet.stages.evaluate.pieces import generated_features, samples_npz
 from flowfleet.stages.evaluate.probes import generalization_probe, router_accuracy_heldout, router_accuracy_probe
+from flowfleet.stages.evaluate.record import evaluation_record
+from flowfleet.stages.evaluate.sweep import GuidanceSweep, Sweep
 from flowfleet.storage import RunRoot
 from flowfleet.train.specs import router_of_folder
 from flowfleet.train.status import job_finished
 
 log = logging.getLogger(__name__)
 
-JUDGE_NAMES = {"digits": "mnist digit classifier", "emoji": "emoji category classifier"}  # evaluation.json's words
-PR_REFERENCE = 2000  # reference rows for precision/recall (prdc holds the [N, N] distances in memory)
 ONE_EXPERT = Strategy(1, "top1")  # the monolith's "routing": its one expert
 
 # --------------------------------------------------------------------------------------------------
@@ -148,7 +127,7 @@ def evaluate(
                 set_default_guidance_scale(folder, chosen)
                 log.info(f"evaluate: {folder}: default guidance scale now {chosen} ({name})")
     ev.timings["total_s"] = time.perf_counter() - t_start
-    result = ev.result()
+    result = evaluation_record(ev)
     ev.root.write_json(result, REPORTS, ev.out, EVALUATION_FILE)  # (an empty ev.out joins to nothing)
     return result
 
@@ -255,24 +234,6 @@ class Row:
         return (id(self.pipe), strategy.resolve_k(len(self.pipe.present)), strategy.kept, rule if matters else None)
 
 
-@dataclass
-class Sweep:
-    """One model's guidance sweep on one draw: every scale's scores (sorted by scale), the chosen scale, why it
-    stopped at an edge (None: the best lies inside), the chosen scale's samples, the time it took."""
-
-    chosen_on: str  # the split of the draw: VALIDATION, or TEST where the run has no validation split
-    records: list[dict[str, Any]] = field(default_factory=list)
-    stop: str | None = None
-    chosen: tuple[Any, Any, torch.Tensor, dict[str, Any]] | None = None  # (settings, output, images, scores)
-    sampling_s: float = 0.0
-    fid_s: float = 0.0
-
-    @property
-    def cfg(self) -> float | None:
-        """The chosen scale."""
-        return None if self.chosen is None else self.chosen[0].guidance_scale
-
-
 def same_models(rows: Sequence[Row], sampling: dict[str, Any]) -> dict[str, str]:
     """Each fleet row that samples exactly what an earlier one does -> that earlier row's name (top-k with k >= K is
     the full ensemble; under a prompt-blind router both guidance rules are one field)."""
@@ -303,7 +264,7 @@ def root_has_clusters(root: RunRoot) -> bool:
     return root.exists(*ASSIGNMENTS)
 
 
-class _Evaluation:
+class _Evaluation(GuidanceSweep):
     """The shared inputs of one evaluation (data, prompts, FID reference) and what the models produced."""
 
     def __init__(
@@ -441,166 +402,9 @@ class _Evaluation:
             "floor": self.floor,
         }
 
-    def _open_fid(self, extractor: torch.nn.Module | None, inception: bool = True, named: bool = True) -> None:
-        """The feature network and the (cached) reference statistics; the real floor's FID (inception False:
-        neither, the judge only). named: a judge of --judge must name a class in some prompt."""
-        t0 = time.perf_counter()
-        if inception:  # (a draw scored by the judge alone never loads the Inception)
-            fid = self.fid = FID(self.options.fid, self.device, extractor=extractor)
-            self._inception_reference(fid)
-        self.timings["reference_s"] = time.perf_counter() - t0
-        if self.options.judge or (self.prompts and self.builtin_judge() is not None):
-            self._open_judge(named)
-        if self.options.diagnostics and self.fid is not None:
-            self.semantic = SemanticFeatures(self.root, self.cfg, self.fid.key, self.device)
-
-    def _inception_reference(self, fid: FID) -> None:
-        """The reference's Inception statistics (cached in the run) and the real floor's FID."""
-        name = EVAL_DATA if self.split.held_out else DATA
-        fingerprint = self.split.key(data_fingerprint(self.ref_data))
-        ref_n, picked = self.ref_n, self.split.reference
-        if features_are_fid_features(self.cfg, fid.key):
-            # prepare stored exactly these Inception features for clustering: no second pass over the data.
-            feats = self.ref_data.load(["features"])["features"]
-            self.ref = fid.reference_from_features(
-                self.root, name, lambda: [feats[picked]], n=ref_n, fingerprint=fingerprint
-            )
-        else:
-            images = self._real_images(picked, self.options.fid.batch_size)
-            self.ref = fid.reference(self.root, name, images, n=ref_n, fingerprint=fingerprint)
-        if self.floor["n"]:
-            floor = self._real_images(self.split.floor, self.options.fid.batch_size)
-            self.floor["fid"] = fid.score(fid.statistics(floor(), desc="fid features (real floor)"), self.ref)
-
-    def _real_images(self, items: torch.Tensor, batch: int) -> Callable[[], Any]:
-        """A generator factory of the reference set's `items`, decoded, batch by batch."""
-        n = int(items.numel())
-        return reference_images(self.root, self.cfg, self.ref_latents, items, n, batch, self.device, self.ref_images)
-
     def _report_path(self, file: str) -> str:
         """A sample file's path relative to reports/, as evaluation.json records it."""
         return posixpath.join(self.out, SAMPLES, file)
-
-    def _fid_reference(self) -> tuple[FID, FeatureStats]:
-        if self.fid is None or self.ref is None:
-            raise RuntimeError("the FID reference is not open (open() has not run)")
-        return self.fid, self.ref
-
-    def builtin_judge(self) -> str | None:
-        """The built-in judge asked for by name (--judge digits|emoji), else that of data/'s source (as prepare
-        recorded it), where its prompts are that judge's: "digits" (the built-in digits, prompts naming a digit) or
-        "emoji" (the built-in emoji); None for any other data."""
-        if self.options.judge:
-            return self.options.judge if self.options.judge in JUDGE_NAMES else None
-        source = self.data.manifest().extra.get("source") or {}
-        kind = source.get("kind") if isinstance(source, dict) else None
-        if kind == "mnist" and any(prompted_digit(p) is not None for p in self.prompts or []):
-            return "digits"
-        return "emoji" if kind == "emoji" else None
-
-    def _open_judge(self, named: bool = True) -> None:
-        """The prompt-accuracy judge (--judge, or the MNIST digit classifier, trained once and cached in
-        reports/) and, when it has features, their reference statistics for the classifier FD."""
-        if not self.prompts:
-            raise ParameterError("judge", "the model is not text-conditioned; prompt accuracy needs prompts")
-        t0 = time.perf_counter()
-        if self.options.judge and self.builtin_judge() is None:
-            self.judge = load_judge(self.options.judge, self.root)
-            if named and not self.judge_names_a_prompt():
-                raise ParameterError(
-                    "judge",
-                    f"none of the {len(self.prompts)} prompts names one of the judge's "
-                    f"classes (e.g. {self.prompts[0]!r})",
-                )
-        elif self.builtin_judge() == "emoji":
-            self.judge = EmojiJudge.load_or_train()
-            log.info(f"evaluate: emoji judge (category accuracy {self.judge.val_accuracy:.3f} on the held-out emoji)")
-        else:
-            self.judge = DigitJudge.load_or_train(self.root)
-            log.info(f"evaluate: digit classifier (validation accuracy {self.judge.val_accuracy:.3f})")
-        extractor = self.judge.extractor() if callable(getattr(self.judge, "extractor", None)) else None
-        if extractor is not None:
-            # The judge's features of the reference (kept: precision and recall need the rows) and the floor.
-            judge_fd = FID(FIDSettings(batch_size=500), self.device, extractor=extractor)
-            ref_feats = torch.cat([judge_fd.features(b) for b in self._real_images(self.split.reference, 500)()])
-            self.judge_fd = judge_fd, stats_of(ref_feats, judge_fd.key), ref_feats
-            if self.floor["n"]:
-                floor_feats = torch.cat([judge_fd.features(b) for b in self._real_images(self.split.floor, 500)()])
-                self.floor.update(self._judge_scores(floor_feats))
-        self.timings["judge_s"] = time.perf_counter() - t0
-
-    def judge_names_a_prompt(self) -> bool:
-        """Whether the judge names the class of one of the prompts at least (a judge without `target`: assumed)."""
-        target = getattr(self.judge, "target", None)
-        return not callable(target) or any(target(p) is not None for p in self.prompts or [])
-
-    def settings_for(self, pipe: FleetPipeline, strategy: Strategy | None, **choices: Any) -> Any:
-        """The fleet's settings for this draw: options.sampling, then `choices` (guidance_scale), with the draw's
-        seed."""
-        return pipe.settings(strategy, **{**self.options.sampling, **choices, "seed": self.options.seed})
-
-    def sample(self, pipe: Any, settings: Any, progress: bool | str) -> Any:
-        """The draw's n prompts (or labels) sampled by a fleet or the monolith with `settings`, in batches."""
-        n, batch = self.options.n, self.options.batch_size
-        return pipe(self.prompts, n, labels=self.labels, settings=settings, batch_size=batch, progress=progress)
-
-    def sweep(self, name: str, pipe: Any, strategy: Strategy, **choices: Any) -> "Sweep":
-        """Sample this draw at every scale of the guidance sweep, and one scale further while the best sits at an
-        edge (pieces.extend_sweep); score each and choose (pieces.choose_scale). With a judge its classifier FD
-        chooses (no Inception); without one, FID. choices: the row's own settings (its guidance rule)."""
-        o = self.options
-        fid_each = self.judge_fd is None
-        drawn: dict[float, tuple[Any, Any, torch.Tensor, dict[str, Any]]] = {}  # (settings, output, images, scores)
-        sweep = Sweep(self.split_name)
-        todo: list[float] = list(o.guidance_sweep)
-        while todo:
-            scale = todo.pop(0)
-            drawn[scale] = self._draw(name, pipe, strategy, scale, fid_each, sweep, **choices)
-            if todo:
-                continue
-            scales = sorted(drawn)
-            sweep.records = [
-                {"cfg": settings.guidance_scale, **{k: v for k, v in scores.items() if not k.startswith("_")}}
-                for settings, _, _, scores in (drawn[c] for c in scales)
-            ]
-            chosen = scales[choose_scale(sweep.records, o.min_accuracy)]
-            further, sweep.stop = extend_sweep(
-                scales, chosen, o.guidance_bounds, len(drawn) - len(o.guidance_sweep), o.guidance_extend
-            )
-            if further is not None and further not in drawn:
-                log.info(
-                    f"evaluate: {name}: the best scale {chosen} is the sweep's edge on the {self.split_name} split"
-                )
-                todo.append(further)
-        if sweep.stop:
-            log.warning(f"evaluate: {name}: {sweep.stop} ({self.split_name} split)")
-        sweep.chosen = drawn[chosen]
-        return sweep
-
-    def _draw(
-        self,
-        name: str,
-        pipe: Any,
-        strategy: Strategy,
-        scale: float | None,
-        with_fid: bool,
-        timed: "Sweep | ModelRun",
-        **choices: Any,
-    ) -> tuple[Any, Any, torch.Tensor, dict[str, Any]]:
-        """One model's samples of this draw at one guidance scale, scored: (settings, output, images, scores); the
-        time it took added to `timed`'s sampling_s and fid_s."""
-        settings = self.settings_for(pipe, strategy, **choices, guidance_scale=scale)
-        log.info(f"evaluate: {name}: sampling {self.options.n} images ({settings.describe()}, {self.split_name} split)")
-        t0 = time.perf_counter()
-        out = self.sample(pipe, settings, name)
-        timed.sampling_s += time.perf_counter() - t0
-        images = out.images.float().cpu()  # [n, C, H, W] in [-1, 1]
-        t0 = time.perf_counter()
-        scores = self._score(images, out.prompts, name, with_fid=with_fid)
-        timed.fid_s += time.perf_counter() - t0
-        scores["cache_saved"] = out.trace.stats.cache.saved  # blocks skipped by --cache (0 without it)
-        log.info(f"evaluate: {name}: guidance {settings.guidance_scale}: " + describe_scores(scores))
-        return settings, out, images, scores
 
     def run_model(self, name: str, kind: str, pipe, strategy: Strategy, sweep: "Sweep | None" = None, **choices: Any):
         """Sample options.n images from one model (a strategy of the fleet, or the monolith) at its scale (the
@@ -677,32 +481,6 @@ class _Evaluation:
             title += f"  prompt accuracy {run.prompt_accuracy:.3f}"
         self.root.write_bytes(captioned_grid_png(images[:shown], run.prompts, title=title), REPORTS, run.grid)
 
-    def _score(self, images: torch.Tensor, prompts: Sequence[str], name: str, with_fid: bool = True) -> dict[str, Any]:
-        """FID against the reference (with_fid); with a judge: prompt accuracy, and with its features the
-        classifier FD, precision and recall. Keys starting with _ are kept out of the sweep's records."""
-        scores: dict[str, Any] = {}
-        if with_fid:
-            fid, ref = self._fid_reference()
-            stats, feats = generated_features(fid, images, name)
-            scores.update(fid=fid.score(stats, ref), _fid_features=feats)
-        if self.judge is not None:
-            acc = scores["_accuracy"] = self.judge.prompt_accuracy(images, prompts)
-            scores["prompt_accuracy"] = acc["accuracy"]
-            if "subcategory_accuracy" in acc:  # the emoji judge's finer reading
-                scores["subcategory_accuracy"] = acc["subcategory_accuracy"]
-            if self.judge_fd is not None:
-                scores.update(self._judge_scores(self.judge_fd[0].features(images)))
-        return scores
-
-    def _judge_scores(self, features: torch.Tensor) -> dict[str, float]:
-        """Classifier FD, precision and recall of a set's judge features [n, D] against the reference's."""
-        if self.judge_fd is None:
-            raise RuntimeError("the judge's reference features are not open")
-        judge_fd, judge_ref, ref_feats = self.judge_fd
-        pr = precision_recall(ref_feats[:PR_REFERENCE], features)
-        fd = judge_fd.score(stats_of(features, judge_fd.key), judge_ref)
-        return {"classifier_fd": fd, "precision": pr["precision"], "recall": pr["recall"]}
-
     def same_model(self, name: str, earlier: str) -> ModelRun:
         """Record strategy `name` as the model already evaluated as `earlier` (its samples would be
         identical), without sampling it again."""
@@ -718,62 +496,6 @@ class _Evaluation:
                 table[name] = table[earlier]
         log.info(f"evaluate: {name} uses the same experts with the same weights as {earlier}: not sampled twice")
         return run
-
-    def result(self) -> dict[str, Any]:
-        """evaluation.json (docs/contracts.md, "Evaluation outputs")."""
-        o = self.options
-        sampling = {k: v for k, v in self.settings.to_json().items() if k not in ("strategy", "k")}
-        return {
-            "model": self.model_url,
-            "reference": self.root.url,
-            "created": time.time(),
-            "n": o.n,
-            "seed": o.seed,
-            "sampling": sampling,
-            "fid": {
-                **fid_metadata(o.fid, self._fid_reference()[0].key, self.ref_n, o.n),
-                "scores": {name: r.fid for name, r in self.runs.items()},
-            },
-            # What a perfect model would score at this n: real items, disjoint from the reference.
-            "reference_split": {
-                "set": EVAL_DATA if self.split.held_out else DATA,
-                "held_out": self.split.held_out,
-                "split": self.split_name if self.split.held_out else None,  # TEST: the held-out split the figures read
-                "items": None if (pool := self.splits.items(self.split_name)) is None else int(pool.numel()),
-                "source": self.data.manifest().extra.get("source"),  # what prepare read (flowfleet.data.sources)
-                "reference_images": self.ref_n,
-                "floor": self.floor,
-            },
-            "validation_split": self.validation,  # the choices' draw (None: no choice, or made on the figures' own)
-            "guidance": (
-                {
-                    "sweep": list(o.guidance_sweep),
-                    "min_accuracy": o.min_accuracy,
-                    "bounds": list(o.guidance_bounds),
-                    "extend": o.guidance_extend,
-                    "chosen_on": self.validation["split"] if self.validation else self.split_name,
-                }
-                if o.guidance_sweep
-                else None
-            ),
-            "runs": {name: r.to_json() for name, r in self.runs.items()},
-            "fleets": {name: RunRoot(folder).url for name, folder in o.fleets} or None,
-            "adherence": self.adherence or None,
-            "prompt_accuracy": (
-                {
-                    "classifier": {
-                        "judge": JUDGE_NAMES.get(self.builtin_judge() or "", o.judge or JUDGE_NAMES["digits"]),
-                        **getattr(self.judge, "record", {}),
-                    },
-                    "scores": self.prompt_accuracy,
-                }
-                if self.judge is not None
-                else None
-            ),
-            "draws": self.draws,
-            "diagnostics": self.diagnostics,
-            "timings": self.timings,
-        }
 
 
 JUDGED = ("classifier_fd", "precision", "recall", "prompt_accuracy")  # what a draw records with a judge (else FID)
