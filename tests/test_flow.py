@@ -11,6 +11,7 @@ from flowfleet.flow import (
     Strategy,
     cfg_combine,
     combine,
+    dispersive_loss,
     flow_matching_loss,
     guided_mixture,
     integrate,
@@ -95,6 +96,23 @@ def test_min_snr_weighted_velocity_loss_is_min_snr_on_the_clean_estimate():
     plain = flow_matching_loss(velocity_fn, x0, t, eps)
     assert flow_matching_loss(velocity_fn, x0, t, eps, loss_weight(t, "none")).item() == plain.item()
     assert plain.item() == pytest.approx(((velocity_fn(x_t, t) - (eps - x0)) ** 2).mean().item(), rel=1e-6)
+
+
+def test_dispersive_loss_by_hand():
+    """Three items of one token of two numbers, (0, 0), (1, 0), (0, 2): squared distances 1, 4, 5, per number 0.5,
+    2, 2.5; the loss is the log of the mean of exp(-d / tau) over all nine ordered pairs, the three i = j among them."""
+    z = torch.tensor([[[0.0, 0.0]], [[1.0, 0.0]], [[0.0, 2.0]]])  # [B=3, N=1, D=2]
+    for tau in (1.0, 0.5):
+        pairs = torch.tensor([0.5, 2.0, 2.5], dtype=torch.float64)
+        expected = torch.log((3 + 2 * torch.exp(-pairs / tau).sum()) / 9)
+        assert dispersive_loss(z, tau).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert dispersive_loss(torch.ones(4, 3, 2)).item() == pytest.approx(0.0, abs=1e-7)  # all alike: its maximum
+    far = dispersive_loss(1e3 * torch.eye(4).reshape(4, 1, 4)).item()
+    assert far == pytest.approx(-torch.log(torch.tensor(4.0)).item(), rel=1e-6)  # all far apart: -log B
+    z = z.clone().requires_grad_(True)
+    dispersive_loss(z).backward()
+    spread = torch.pdist(z.detach().reshape(3, -1))
+    assert (torch.pdist((z - 0.1 * z.grad).detach().reshape(3, -1)) > spread).all()  # descent pushes them apart
 
 
 def test_logit_normal_mean_and_std_move_the_times():

@@ -1,11 +1,14 @@
-"""The training recipe's options reach an expert's loss: the time sampler's parameters and the weighting over t."""
+"""The training recipe's options reach an expert's loss: the time sampler's parameters, the weighting over t, the
+dispersive regulariser."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 
-from flowfleet.flow import flow_matching_loss, loss_weight
+from flowfleet.errors import ParameterError
+from flowfleet.flow import dispersive_loss, flow_matching_loss, loss_weight
 from flowfleet.storage import RunRoot
 from flowfleet.train import preview
 from flowfleet.train.specs import JobSpec
@@ -38,3 +41,34 @@ def test_an_experts_loss_draws_t_by_its_sampler_and_weights_it(tmp_path):
     weighted = flow_matching_loss(velocity, x0, t, eps, weight)
     assert loss.item() == weighted.item()
     assert abs(loss.item() - flow_matching_loss(velocity, x0, t, eps).item()) > 1e-3 * loss.item()
+
+
+def test_the_dispersive_loss_reads_the_chosen_block_and_adds_at_its_weight(tmp_path):
+    """train.dispersive_*: the loss is the plain one plus weight x the dispersive loss of the chosen block's tokens at
+    the same draws (the block's output read by a hook on a twin model run by hand); the extras carry both parts; a
+    block the expert does not have is refused naming the setting."""
+    disp = {"dispersive_weight": 0.5, "dispersive_tau": 0.7, "dispersive_block": 0}
+    cfg = synthetic_config(k=2, train=disp)
+    root = RunRoot(str(tmp_path / "run"))
+    write_synthetic_run(root, cfg, per_cluster=[12, 10], shard_size=6)
+    task = build_task(root, cfg, JobSpec("expert", 0))
+    torch.manual_seed(0)
+    model = task.build_model()
+    batch = task.data.gather(torch.arange(8))
+    loss, extras = task.loss(model, batch, torch.Generator().manual_seed(3))
+
+    plain = build_task(root, synthetic_config(k=2), JobSpec("expert", 0))
+    tokens: list[torch.Tensor] = []
+    hook = model.blocks[0].register_forward_hook(lambda m, a, out: tokens.append(out))
+    regression, _ = plain.loss(model, batch, torch.Generator().manual_seed(3))
+    hook.remove()
+    assert len(tokens) == 1 and tokens[0].shape[0] == 8  # one forward, the batch's hidden tokens
+    expected = dispersive_loss(tokens[0], 0.7)
+    assert extras["regression"].item() == regression.item() and extras["dispersive"].item() == expected.item()
+    assert loss.item() == pytest.approx((regression + 0.5 * expected).item(), rel=1e-6)
+    assert expected.item() < 0  # a real spread, not the all-alike maximum
+
+    depth = task.model_cfg.depth
+    bad = synthetic_config(k=2, train={**disp, "dispersive_block": depth})
+    with pytest.raises(ParameterError, match=f"train.dispersive_block: {depth} is out of range"):
+        build_task(root, bad, JobSpec("expert", 0))

@@ -46,6 +46,12 @@ class TrainConfig(Strict):
     # or "min_snr", Min-SNR-gamma's min(SNR, min_snr_gamma) on the clean estimate's error (Hang et al. 2023)
     loss_weighting: Literal["none", "min_snr"] = "none"
     min_snr_gamma: float = Field(5.0, gt=0)
+    # Experts and the monolith: the dispersive loss (flowfleet.flow.loss.dispersive_loss) of one block's output
+    # tokens added to the regression loss with this weight (0: off; its authors' code adds it at 0.25), at temperature
+    # dispersive_tau, after block dispersive_block (from 0; negative counts from the last block)
+    dispersive_weight: float = Field(0.0, ge=0)
+    dispersive_tau: float = Field(1.0, gt=0)
+    dispersive_block: int = -1
     ckpt_every: int = Field(500, ge=1)
     # Rank 0 writes each checkpoint in a thread of its own while training goes on (its tensors copied to host memory
     # at the step); False: the step waits for the write

@@ -1,8 +1,9 @@
 """Training objectives: t sampling, the velocity regression loss and its weighting over t; DDPM's noise regression
-for a ddpm expert."""
+for a ddpm expert; the dispersive regulariser of a block's hidden tokens."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Literal
 
 import torch
@@ -77,3 +78,15 @@ def ddpm_loss(
     x_tau = (torch.sigmoid(lam).sqrt() * x0 + torch.sigmoid(-lam).sqrt() * eps).to(x0.dtype)
     pred = eps_fn(x_tau, tau.to(torch.float32))
     return torch.mean((pred.float() - eps.float()) ** 2)
+
+
+def dispersive_loss(hidden: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
+    """Dispersive loss (Wang & He 2025, "Diffuse and Disperse"), its InfoNCE-L2 form: the log of the mean, over
+    every ordered pair (i, j) of the batch (i = j included), of exp(-||z_i - z_j||^2 / (D tau)), with z_i item i's
+    hidden tokens [B, ...] flattened to D numbers. Minimising it spreads the batch's representations apart, the
+    repulsive half of a contrastive loss with no positive pairs, so it leaves the regression target alone. Its value
+    lies in [-log B, 0]: 0 when every item's tokens are the same."""
+    z = hidden.float().reshape(hidden.shape[0], -1)  # [B, D]
+    b, d = z.shape
+    dist = torch.cdist(z, z).pow(2) / d  # [B, B] squared distances per number; the diagonal 0
+    return torch.logsumexp(-dist.flatten() / tau, dim=0) - 2.0 * math.log(b)

@@ -17,7 +17,8 @@ Deliberate differences from facebookresearch/DiT, each optional except the first
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
@@ -198,6 +199,17 @@ class DiTModel(ModelMixin, ConfigMixin):
     def dit_blocks(self) -> list[DiTBlock]:
         """self.blocks, typed (iterating an nn.ModuleList is typed as yielding any Module)."""
         return [block for block in self.blocks if isinstance(block, DiTBlock)]
+
+    @contextlib.contextmanager
+    def block_output(self, index: int) -> Iterator[list[torch.Tensor]]:
+        """Within the block, the hidden tokens [B, N, D] that block `index` (negative: from the last) outputs at each
+        forward are appended to the list it yields: a regulariser of the representation reads them."""
+        kept: list[torch.Tensor] = []
+        handle = self.dit_blocks[index].register_forward_hook(lambda module, args, out: kept.append(out))
+        try:
+            yield kept
+        finally:
+            handle.remove()
 
     # ----------------------------------------------------------------------------------------------
     #                                        Forward

@@ -19,7 +19,15 @@ from flowfleet.config import Contribution, RunConfig, TrainConfig
 from flowfleet.data.augment import choose
 from flowfleet.data.shards import ShardSet, open_complete
 from flowfleet.errors import FlowfleetError, ParameterError
-from flowfleet.flow import Strategy, ddpm_loss, flow_matching_loss, interpolate, loss_weight, sample_t
+from flowfleet.flow import (
+    Strategy,
+    ddpm_loss,
+    dispersive_loss,
+    flow_matching_loss,
+    interpolate,
+    loss_weight,
+    sample_t,
+)
 from flowfleet.flow.path import vp_log_snr
 from flowfleet.layout import (
     ASSIGNMENTS,
@@ -127,8 +135,23 @@ class FlowTask(TrainTask):
         super().__init__(*args, **kwargs)
         self._decoder: Callable[[torch.Tensor], torch.Tensor] | Literal[False] | None = None  # False: unavailable
         self._vp_table: torch.Tensor | None = None  # a ddpm expert's log SNR per VP step
+        depth, block = self.model_cfg.depth, self.train_cfg.dispersive_block
+        if self.train_cfg.dispersive_weight and not -depth <= block < depth:
+            raise ParameterError("train.dispersive_block", f"{block} is out of range for {self.name}'s {depth} blocks")
 
     def loss(self, model, batch, gen):
+        tc = self.train_cfg
+        if not tc.dispersive_weight:
+            return self._regression(model, batch, gen), {}
+        bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        with bare.block_output(tc.dispersive_block) as kept:
+            regression = self._regression(model, batch, gen)
+        dispersive = dispersive_loss(kept[0], tc.dispersive_tau)
+        loss = regression + tc.dispersive_weight * dispersive
+        return loss, {"regression": regression.detach(), "dispersive": dispersive.detach()}
+
+    def _regression(self, model, batch, gen) -> torch.Tensor:
+        """The velocity regression (a ddpm expert's noise regression) of one batch."""
         x0, augment = batch["latents"], None  # [B, C, H, W]
         if self.train_cfg.augment_p:  # some items replaced by an augmented copy; augment [B, AUGMENT_DIM]
             x0, augment = choose(x0, batch["aug_latents"], batch["aug_params"], self.train_cfg.augment_p, gen)
@@ -145,10 +168,9 @@ class FlowTask(TrainTask):
             table = self._vp_table
             tau = torch.randint(0, len(table), (b,), generator=gen, device=dev)  # [B]
             eps_fn = lambda x, s: model(x, s, raw=True, drop=drop, **cond)[:, : x.shape[1]]  # noqa: E731
-            return ddpm_loss(eps_fn, x0, tau, eps, table), {}
+            return ddpm_loss(eps_fn, x0, tau, eps, table)
         weight = loss_weight(t, tc.loss_weighting, tc.min_snr_gamma)  # [B]
-        loss = flow_matching_loss(lambda x_t, tt: model(x_t, tt, drop=drop, **cond), x0, t, eps, weight)
-        return loss, {}
+        return flow_matching_loss(lambda x_t, tt: model(x_t, tt, drop=drop, **cond), x0, t, eps, weight)
 
     def _decode(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The latent decoder for previews; pixel latents need none. A decoder that cannot be loaded
