@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from fixtures.held_out import SmallFeatures, noise_split
 from fixtures.tolerances import gamma
-from torch import nn
 
 from flowfleet.cli import main
 from flowfleet.config import RunConfig
-from flowfleet.data.inception import to_rgb
 from flowfleet.data.sources import draw_shape
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.adherence import ShapeReader, parse_prompt, prompt_adherence
@@ -65,20 +64,6 @@ def test_adherence_at_16_pixels_is_mostly_right():
 # ------------------------------------------------------------------------------------------------
 #                                   evaluate on a random fleet
 # ------------------------------------------------------------------------------------------------
-
-
-class SmallFeatures(nn.Module):
-    """A cheap stand-in for the Inception (torchmetrics' custom extractor contract)."""
-
-    num_features = 8
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("proj", torch.randn(3 * 4 * 4, 8, generator=torch.Generator().manual_seed(0)))
-
-    def forward(self, x):
-        x = nn.functional.adaptive_avg_pool2d(to_rgb(x).float() / 255.0, 4).flatten(1)  # [B, 48]
-        return torch.tanh(x @ self.proj)
 
 
 @pytest.fixture(scope="module")
@@ -791,8 +776,6 @@ def split_run(path, noise: str | None = None) -> RunRoot:
     from fixtures.random_fleet import randomize_, write_random_fleet
     from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 
-    from flowfleet.data.shards import ShardSet, ShardSetManifest
-    from flowfleet.evaluate.reference import HeldOutSplits
     from flowfleet.models.dit import DiTExpert
     from flowfleet.models.files import save_model
     from flowfleet.stages.assemble import assemble
@@ -807,18 +790,7 @@ def split_run(path, noise: str | None = None) -> RunRoot:
     root.write_json({"job": "monolith", "state": "done", "step": 1, "total_steps": 1}, "monolith", "status.json")
     assemble(root.url)
     if noise is not None:
-        held = ShardSet(root, "eval")
-        old = held.manifest()
-        fields, captions = held.load(list(old.fields), with_captions=True)
-        items = HeldOutSplits.of(cfg, old.count).items(noise)
-        gen = torch.Generator().manual_seed(5)
-        fields["latents"][items] = torch.rand(items.numel(), *fields["latents"].shape[1:], generator=gen) * 2 - 1
-        manifest = ShardSetManifest(extra=old.extra)
-        for start in range(0, old.count, 10):  # (the same shards, overwritten)
-            rows = slice(start, start + 10)
-            held.append(manifest, {f: v[rows] for f, v in fields.items()}, captions[rows])
-        manifest.complete = True
-        held.write_manifest(manifest)
+        noise_split(root, cfg, noise)
     return root
 
 

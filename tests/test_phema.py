@@ -178,3 +178,91 @@ def test_flowfleet_ema_rewrites_final_and_puts_the_trained_one_back(tmp_path, ca
     assert main(["ema", str(tmp_path / "run"), "--sigma-rel", "0.4"]) != 0
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.endswith("--sigma-rel: 0.4 is not in (0, 0.2887)"), err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_ema_length_is_chosen_on_the_validation_split_and_never_reads_the_test_split(tmp_path, capsys):
+    """`flowfleet ema RUN --choose`: every length is sampled on the validation split's draw, the fleet and the
+    monolith each keep the length of their lowest distance, and final/ of their jobs is that length's
+    reconstruction, assembled into the model folders. The test split's images replaced by noise leave every score
+    and choice as they were; the validation split's replaced change the scores the choice reads."""
+    import json
+    import shutil
+
+    import safetensors.torch
+    from fixtures import synthetic_run
+    from fixtures.held_out import SmallFeatures, noise_split
+    from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+
+    from flowfleet.config import RunConfig
+    from flowfleet.errors import ParameterError
+    from flowfleet.evaluate.fid import FIDSettings
+    from flowfleet.models.files import WEIGHTS_NAME
+    from flowfleet.stages.assemble import assemble
+    from flowfleet.stages.evaluate import EvaluateOptions
+    from flowfleet.stages.evaluate.pieces import distance
+    from flowfleet.stages.posthoc_ema import choose_posthoc_ema
+    from flowfleet.storage import RunRoot
+    from flowfleet.train.loop import TrainOptions
+    from flowfleet.train.phema import read_snapshots
+    from flowfleet.train.specs import fleet_jobs
+
+    raw = synthetic_config(k=2, steps=4, monolith=True, train=dict(posthoc_ema=(0.05, 0.12), posthoc_every=2)).to_dict()
+    raw["data"].update(holdout=40, validation=0.5)
+    cfg = RunConfig.from_dict(raw)
+    trained = RunRoot(str(tmp_path / "trained"))
+    write_synthetic_run(trained, cfg, per_cluster=8)
+    options = TrainOptions(progress=False, heartbeat_every=0.2, tensorboard=False)
+    for spec in fleet_jobs(cfg):
+        assert synthetic_run.run_job(trained, spec, options).state == "done", spec.name
+    assemble(trained.url)
+
+    draw = EvaluateOptions(n=10, batch_size=5, device="cpu", fid=FIDSettings(batch_size=7), diagnostics=False)
+    lengths = (0.05, 0.08, 0.12)
+
+    def choose(name: str, noise: str | None = None) -> tuple[RunRoot, dict]:
+        shutil.copytree(tmp_path / "trained", tmp_path / name)
+        root = RunRoot(str(tmp_path / name))
+        if noise is not None:
+            noise_split(root, cfg, noise)
+        return root, choose_posthoc_ema(root.url, lengths, draw, extractor=SmallFeatures())
+
+    root, record = choose("clean")
+    assert record["split"] == "validation" and [r["sigma_rel"] for r in record["lengths"]] == list(lengths)
+    for model in ("fleet", "monolith"):
+        best = min(record["lengths"], key=lambda r: distance(r[model]))["sigma_rel"]
+        assert record["chosen"][model] == best, model
+    assert json.loads((tmp_path / "clean/reports/posthoc_ema.json").read_text()) == record
+
+    def weights(*path):
+        return safetensors.torch.load((tmp_path / "clean").joinpath(*path, WEIGHTS_NAME).read_bytes())
+
+    from flowfleet.train.phema import reconstruct
+
+    for job, model, folder in (
+        ("experts/0", "fleet", "model/expert_0"),
+        ("monolith", "monolith", "model-monolith/expert_0"),
+    ):
+        expected = reconstruct(read_snapshots(root, job), record["chosen"][model])  # at its last step
+        final, served = weights(job, "final"), weights(*folder.split("/"))
+        for key, value in final.items():
+            if value.is_floating_point():
+                assert torch.allclose(value, expected[key], atol=1e-5), (job, key)
+            assert torch.equal(served[key], value), (folder, key)  # the model folder is assembled from it
+
+    _, noisy_test = choose("noisy-test", "test")
+    assert noisy_test["lengths"] == record["lengths"] and noisy_test["chosen"] == record["chosen"]
+    _, noisy_validation = choose("noisy-validation", "validation")
+    for clean, noisy in zip(record["lengths"], noisy_validation["lengths"]):
+        assert distance(noisy["fleet"]) != distance(clean["fleet"]) and distance(noisy["monolith"]) != distance(
+            clean["monolith"]
+        )
+
+    with pytest.raises(ParameterError, match="a choice needs two lengths or more"):
+        choose_posthoc_ema(root.url, (0.1,), draw, extractor=SmallFeatures())
+    from flowfleet.cli import main
+
+    capsys.readouterr()
+    assert main(["ema", root.url, "--choose", "0.1,0.5"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.endswith("--choose: 0.5 is not in (0, 0.2887)"), err

@@ -118,6 +118,7 @@ STUDENT_MODEL = "model-student"  # `distill`: the student as a one-expert model 
 REPORTS = "reports"
 CONTRIBUTIONS: Final = (REPORTS, "contributions")  # `admit`: expert_<k>.png, the fleet before and after, judged
 SHOWCASE = "showcase"  # reports/showcase/: the demo's labelled grids, one prompt per digit
+POSTHOC_CHOICE: Final = (REPORTS, "posthoc_ema.json")  # `ema --choose`: every length's validation scores, the choices
 
 
 def evaluation_folder(model_url: str, run_url: str) -> str:

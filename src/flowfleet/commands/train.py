@@ -70,14 +70,26 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = add_command(sub, "ema", run_ema)
     add_run_root(p)
-    p.add_argument(
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument(
         "--sigma-rel",
-        required=True,
         type=_sigma_rel,
         metavar="S",
         help="the EMA's length relative to the training (EDM2's sigma_rel, e.g. 0.08), reconstructed from the "
         "snapshots of run.yaml train.posthoc_ema; 'trained': final/ as training wrote it",
     )
+    which.add_argument(
+        "--choose",
+        dest="lengths",
+        type=_lengths,
+        metavar="LIST",
+        help="lengths to choose from, e.g. 0.05,0.1,0.15: each sampled on the run's validation split, the fleet and "
+        "the monolith each keep the one with the lowest classifier FD (FID without a judge); the scores in "
+        "reports/posthoc_ema.json",
+    )
+    p.add_argument("--n", type=int, default=300, help="--choose: images sampled per length and model")
+    p.add_argument("--seed", type=int, default=0, help="--choose: the evaluation seed of the validation draw")
+    add_device(p)
 
 
 def _register_plan(sub: argparse._SubParsersAction) -> None:
@@ -455,14 +467,23 @@ def run_probe(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sigma_rel(text: str) -> float | None:
-    """--sigma-rel: a number, or 'trained' (None)."""
+def _sigma_rel(text: str) -> float | str:
+    """--sigma-rel: a number, or 'trained' (kept as the word: argparse takes a value equal to the default, None, for
+    an option not given)."""
     if text == "trained":
-        return None
+        return text
     try:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: a relative length such as 0.08, or 'trained'") from None
+
+
+def _lengths(text: str) -> tuple[float, ...]:
+    """--choose: comma-separated relative lengths."""
+    try:
+        return tuple(float(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: relative lengths such as 0.05,0.1,0.15") from None
 
 
 def run_ema(args: argparse.Namespace) -> int:
@@ -470,18 +491,37 @@ def run_ema(args: argparse.Namespace) -> int:
 
     Reconstructed from the snapshots the job kept (run.yaml train.posthoc_ema, EDM2's post-hoc EMA) at its last
     step; final/ as training wrote it is kept in final-ema/ and comes back with --sigma-rel trained. Run
-    `flowfleet assemble` after it to serve the new weights.
+    `flowfleet assemble` after it to serve the new weights. --choose: the length chosen on the validation split,
+    the fleet and the monolith each their own, both assembled.
     """
+    if args.lengths is not None:
+        return _choose_ema(args)
     from flowfleet.stages.posthoc_ema import apply_posthoc_ema
 
-    changed = apply_posthoc_ema(args.run_root, args.sigma_rel)
+    sigma_rel = None if args.sigma_rel == "trained" else args.sigma_rel
+    changed = apply_posthoc_ema(args.run_root, sigma_rel)
     if not changed:
         print(f"{args.run_root}: no finished job kept post-hoc EMA snapshots (run.yaml train.posthoc_ema)")
         return 1
-    what = "as trained" if args.sigma_rel is None else f"the EMA of sigma_rel {args.sigma_rel:g}"
+    what = "as trained" if sigma_rel is None else f"the EMA of sigma_rel {sigma_rel:g}"
     for c in changed:
         print(f"{c.job}: final/ is {what} at step {c.step} ({c.snapshots} snapshots)")
     print(f"then: flowfleet assemble {args.run_root}")
+    return 0
+
+
+def _choose_ema(args: argparse.Namespace) -> int:
+    from flowfleet.stages.evaluate import EvaluateOptions
+    from flowfleet.stages.evaluate.pieces import distance
+    from flowfleet.stages.posthoc_ema import choose_posthoc_ema
+
+    options = EvaluateOptions(n=args.n, seed=args.seed, device=args.device, diagnostics=False)
+    record = choose_posthoc_ema(args.run_root, args.lengths, options)
+    for row in record["lengths"]:
+        scores = "  ".join(f"{name} {distance(row[name]):.2f}" for name in ("fleet", "monolith") if name in row)
+        print(f"sigma_rel {row['sigma_rel']:g}: {scores}")
+    chosen = ", ".join(f"{name} {length:g}" for name, length in record["chosen"].items())
+    print(f"chosen on the validation split: {chosen} (final/ of their jobs, assembled)")
     return 0
 
 

@@ -200,17 +200,6 @@ class DiTModel(ModelMixin, ConfigMixin):
         """self.blocks, typed (iterating an nn.ModuleList is typed as yielding any Module)."""
         return [block for block in self.blocks if isinstance(block, DiTBlock)]
 
-    @contextlib.contextmanager
-    def block_output(self, index: int) -> Iterator[list[torch.Tensor]]:
-        """Within the block, the hidden tokens [B, N, D] that block `index` (negative: from the last) outputs at each
-        forward are appended to the list it yields: a regulariser of the representation reads them."""
-        kept: list[torch.Tensor] = []
-        handle = self.dit_blocks[index].register_forward_hook(lambda module, args, out: kept.append(out))
-        try:
-            yield kept
-        finally:
-            handle.remove()
-
     # ----------------------------------------------------------------------------------------------
     #                                        Forward
     # ----------------------------------------------------------------------------------------------
@@ -302,6 +291,18 @@ class DiTModel(ModelMixin, ConfigMixin):
         assert self.final_layer is not None  # exactly one of head / final_layer exists
         h = self.final_layer(h, c)  # [B, N, p*p*C]
         return self.unpatchify(h, self.cfg.grid_size[0])  # [B, out_ch, H, W]
+
+
+@contextlib.contextmanager
+def block_output(model: DiTModel, index: int) -> Iterator[list[torch.Tensor]]:
+    """Within the block, the hidden tokens [B, N, D] that the model's block `index` (negative: from the last) outputs
+    at each forward are appended to the list it yields: a regulariser of the representation reads them."""
+    kept: list[torch.Tensor] = []
+    handle = model.dit_blocks[index].register_forward_hook(lambda module, args, out: kept.append(out))
+    try:
+        yield kept
+    finally:
+        handle.remove()
 
 
 class DiTExpert(DiTModel):

@@ -42,7 +42,7 @@ from flowfleet.layout import (
     origin_partition,
 )
 from flowfleet.models.config import DiTConfig
-from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter
+from flowfleet.models.dit import DiTExpert, DiTModel, DiTRouter, block_output
 from flowfleet.models.files import load_model
 from flowfleet.models.init import load_expert_init
 from flowfleet.storage import RunRoot
@@ -144,7 +144,7 @@ class FlowTask(TrainTask):
         if not tc.dispersive_weight:
             return self._regression(model, batch, gen), {}
         bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        with bare.block_output(tc.dispersive_block) as kept:
+        with block_output(bare, tc.dispersive_block) as kept:
             regression = self._regression(model, batch, gen)
         dispersive = dispersive_loss(kept[0], tc.dispersive_tau)
         loss = regression + tc.dispersive_weight * dispersive

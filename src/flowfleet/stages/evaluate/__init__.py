@@ -25,7 +25,7 @@ The stage's pieces live in flowfleet.evaluate: the reference items and the real 
 heavy is loaded. The encoders (transformers, the diffusers VAE) are imported only where one is built.
 
 Modules: options.py (EvaluateOptions, ModelRun), stage.py (evaluate, the draws, JudgedDraw: fleets judged on one
-draw, nothing written), pieces.py (choose_scale, the
+draw, nothing written; ValidationDraw: models scored on the validation split's draw), pieces.py (choose_scale, the
 samples file, FID statistics), models.py (another fleet, comparison routers, the monolith), probes.py (the
 generalisation and router-accuracy diagnostics).
 """
@@ -34,6 +34,6 @@ from __future__ import annotations
 
 from flowfleet.stages.evaluate.options import EvaluateOptions, ModelRun
 from flowfleet.stages.evaluate.pieces import choose_scale
-from flowfleet.stages.evaluate.stage import JudgedDraw, evaluate
+from flowfleet.stages.evaluate.stage import JudgedDraw, ValidationDraw, evaluate
 
-__all__ = ["EvaluateOptions", "JudgedDraw", "ModelRun", "choose_scale", "evaluate"]
+__all__ = ["EvaluateOptions", "JudgedDraw", "ModelRun", "ValidationDraw", "choose_scale", "evaluate"]

@@ -26,14 +26,15 @@ def samples_npz(images: torch.Tensor, prompts: Sequence[str], seed: int) -> byte
     return buf.getvalue()
 
 
+def distance(scores: dict[str, Any]) -> float:
+    """The distance a choice reads from a draw's scores: the classifier FD, or FID where there is none."""
+    return scores["classifier_fd"] if scores.get("classifier_fd") is not None else scores["fid"]
+
+
 def choose_scale(records: Sequence[dict[str, Any]], min_accuracy: float) -> int:
     """The index of the guidance scale a model is compared at: the lowest classifier FD (FID when there is
     none) among the scales whose prompt accuracy reaches min_accuracy; when none does, the most accurate
     (ties: the lower distance). Without prompt accuracy (no judge), the lowest distance."""
-
-    def distance(r: dict[str, Any]) -> float:
-        return r["classifier_fd"] if r.get("classifier_fd") is not None else r["fid"]
-
     accurate = [i for i, r in enumerate(records) if r.get("prompt_accuracy", 1.0) >= min_accuracy]
     if accurate:
         return min(accurate, key=lambda i: distance(records[i]))

@@ -202,6 +202,45 @@ class JudgedDraw:
         return {**scores, "per_class": accuracy["per_class"], "n": accuracy["n"], **shown}
 
 
+class ValidationDraw:
+    """The validation split's own draw (its prompts, noise and reference images, as evaluate's choices read them), on
+    which models are sampled and scored, nothing written: a choice made after training (the EMA's length,
+    stages/posthoc_ema.py) reads it and never the test split. Scored by the judge where the run's prompts have one
+    (its Fréchet distance, precision, recall, prompt accuracy), else by FID.
+
+        draw = ValidationDraw.open("runs/r/model", EvaluateOptions(n=300, diagnostics=False))
+        draw.score("top2", FleetPipeline.from_pretrained("runs/r/model"))  # {"classifier_fd": ..., ...}"""
+
+    def __init__(self, ev: "_Evaluation"):
+        self.ev = ev
+
+    @classmethod
+    def open(
+        cls, model_dir: str, options: EvaluateOptions, extractor: torch.nn.Module | None = None
+    ) -> "ValidationDraw":
+        """A run without a validation split (run.yaml data.holdout and data.validation) is a one-line error."""
+        drawn = replace(
+            options, seed=options.seed + VALIDATION_SEED, repeats=1, diagnostics=False, save_guidance_scale=False
+        )
+        ev = _Evaluation.open(model_dir, None, drawn, extractor, inception=False, split=VALIDATION)
+        if not ev.split.held_out or ev.splits.shared:
+            raise ParameterError(
+                "data.validation",
+                f"{ev.root.url} has no validation split: a choice made on its test split reads its figures' images",
+            )
+        if ev.judge_fd is None:  # no judge's features: Inception FID scores
+            ev.fid = FID(ev.options.fid, ev.device, extractor=extractor)
+            ev._inception_reference(ev.fid)
+        return cls(ev)
+
+    def score(self, name: str, pipe: FleetPipeline, strategy: Strategy | None = None) -> dict[str, Any]:
+        """A model's samples of this draw (its default strategy and settings but options.sampling's), scored."""
+        ev = self.ev
+        scale = ev.options.sampling.get("guidance_scale")
+        _, _, _, scores = ev._draw(name, pipe, strategy, scale, ev.judge_fd is None, ModelRun(name, "fleet"))
+        return {k: v for k, v in scores.items() if not k.startswith("_")}
+
+
 @dataclass
 class Row:
     """One model an evaluation samples: a strategy of a fleet (routed by its own or a comparison router, or another

@@ -92,7 +92,7 @@ class GuidanceSweep(DrawScoring):
         self,
         name: str,
         pipe: Any,
-        strategy: Strategy,
+        strategy: Strategy | None,
         scale: float | None,
         with_fid: bool,
         timed: "Sweep | ModelRun",
