@@ -224,7 +224,7 @@ def main() -> None:
         if reused:
             reuse_monolith(Path(reused[seeds.index(seed)] if len(reused) > 1 else reused[0]), run)
         planned = None
-        if "machines" in yaml.safe_load((run / "run.yaml").read_text()):  # a --set machines=...: the fleet planned
+        if yaml.safe_load((run / "run.yaml").read_text()).get("machines"):  # a --set machines=...: the fleet planned
             from flowfleet.stages.plan import plan_fleet
 
             plan = plan_fleet(str(run))
