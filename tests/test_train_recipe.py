@@ -17,17 +17,23 @@ from flowfleet.train.tasks import build_task
 RECIPE = {"time_sampling": "logit_normal", "time_mean": 0.8, "time_std": 0.5, "loss_weighting": "min_snr"}
 
 
-def test_an_experts_loss_draws_t_by_its_sampler_and_weights_it(tmp_path):
-    """FlowTask.loss under train.time_* and loss_weighting: the replayed draws (t by the job's sampler, the noise, the
-    condition dropout) give the Min-SNR-weighted flow-matching loss, which differs from the plain one."""
-    cfg = synthetic_config(k=2, train={**RECIPE, "min_snr_gamma": 2.0})
+def expert_loss(tmp_path, train: dict):
+    """Expert 0's task of a small run with these train settings, a fresh model (seed 0), eight items, and its loss at
+    generator seed 3: (root, task, model, batch, (loss, extras))."""
+    cfg = synthetic_config(k=2, train=train)
     root = RunRoot(str(tmp_path / "run"))
     write_synthetic_run(root, cfg, per_cluster=[12, 10], shard_size=6)
     task = build_task(root, cfg, JobSpec("expert", 0))
     torch.manual_seed(0)
     model = task.build_model()
     batch = task.data.gather(torch.arange(8))
-    loss, _ = task.loss(model, batch, torch.Generator().manual_seed(3))
+    return root, task, model, batch, task.loss(model, batch, torch.Generator().manual_seed(3))
+
+
+def test_an_experts_loss_draws_t_by_its_sampler_and_weights_it(tmp_path):
+    """FlowTask.loss under train.time_* and loss_weighting: the replayed draws (t by the job's sampler, the noise, the
+    condition dropout) give the Min-SNR-weighted flow-matching loss, which differs from the plain one."""
+    _, task, model, batch, (loss, _) = expert_loss(tmp_path, {**RECIPE, "min_snr_gamma": 2.0})
 
     gen = torch.Generator().manual_seed(3)
     x0 = batch["latents"]
@@ -48,14 +54,7 @@ def test_the_dispersive_loss_reads_the_chosen_block_and_adds_at_its_weight(tmp_p
     the same draws (the block's output read by a hook on a twin model run by hand); the extras carry both parts; a
     block the expert does not have is refused naming the setting."""
     disp = {"dispersive_weight": 0.5, "dispersive_tau": 0.7, "dispersive_block": 0}
-    cfg = synthetic_config(k=2, train=disp)
-    root = RunRoot(str(tmp_path / "run"))
-    write_synthetic_run(root, cfg, per_cluster=[12, 10], shard_size=6)
-    task = build_task(root, cfg, JobSpec("expert", 0))
-    torch.manual_seed(0)
-    model = task.build_model()
-    batch = task.data.gather(torch.arange(8))
-    loss, extras = task.loss(model, batch, torch.Generator().manual_seed(3))
+    root, task, model, batch, (loss, extras) = expert_loss(tmp_path, disp)
 
     plain = build_task(root, synthetic_config(k=2), JobSpec("expert", 0))
     tokens: list[torch.Tensor] = []
