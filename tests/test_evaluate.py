@@ -842,9 +842,9 @@ def test_a_sweep_whose_best_scale_sits_at_an_edge_goes_further_until_it_lies_ins
     then 8, and 4 lies inside: chosen, nothing said. With the bound at 6 and an FID that keeps falling: 4, then 6
     (the bound), where it stops and says so in evaluation.json and the report."""
     from flowfleet.stages.evaluate import evaluate
-    from flowfleet.stages.evaluate.stage import _Evaluation
+    from flowfleet.stages.evaluate.draw import EvaluationDraw
 
-    real = _Evaluation._draw
+    real = EvaluationDraw._draw
     shape = {"fid": lambda c: (c - 5.0) ** 2}
 
     def shaped(self, name, pipe, strategy, scale, with_fid, sweep, **choices):
@@ -853,7 +853,7 @@ def test_a_sweep_whose_best_scale_sits_at_an_edge_goes_further_until_it_lies_ins
             drawn[3]["fid"] = shape["fid"](scale)
         return drawn
 
-    monkeypatch.setattr(_Evaluation, "_draw", shaped)
+    monkeypatch.setattr(EvaluationDraw, "_draw", shaped)
     root = split_run(tmp_path / "run")
     opts = options(strategies=("top2",), monolith=False, ref_n=None, guidance_sweep=(1.0, 2.0), diagnostics=False)
     result = evaluate(root.url_of("model"), root.url, opts, extractor=SmallFeatures())

@@ -22,7 +22,7 @@ from flowfleet.train.tasks import clustered_data
 
 
 class EvaluationInputs(Protocol):
-    """What the probes read of the stage's evaluation (stage.py's _Evaluation): the run, its data and the held-out
+    """What the probes read of the stage's evaluation (draw.py's EvaluationDraw): the run, its data and the held-out
     reference, the items in the evaluation's order with their latents, the options (seed) and the device."""
 
     root: RunRoot

@@ -11,10 +11,10 @@ from flowfleet.stages.evaluate.scoring import JUDGE_NAMES
 from flowfleet.storage import RunRoot
 
 if TYPE_CHECKING:
-    from flowfleet.stages.evaluate.stage import _Evaluation
+    from flowfleet.stages.evaluate.draw import EvaluationDraw
 
 
-def evaluation_record(ev: "_Evaluation") -> dict[str, Any]:
+def evaluation_record(ev: "EvaluationDraw") -> dict[str, Any]:
     """evaluation.json (docs/contracts.md, "Evaluation outputs")."""
     o = ev.options
     sampling = {k: v for k, v in ev.settings.to_json().items() if k not in ("strategy", "k")}

@@ -31,7 +31,7 @@ PR_REFERENCE = 2000  # reference rows for precision/recall (prdc holds the [N, N
 
 
 class DrawScoring:
-    """The scoring half of an evaluation draw (stage.py `_Evaluation`), which sets what it reads: its options, run,
+    """The scoring half of an evaluation draw (draw.py `EvaluationDraw`), which sets what it reads: its options, run,
     data, prompts, reference split and floor."""
 
     options: EvaluateOptions

@@ -39,7 +39,7 @@ class Sweep:
 
 
 class GuidanceSweep(DrawScoring):
-    """An evaluation draw's sampling (stage.py `_Evaluation` sets what it reads: its options, prompts or labels, the
+    """An evaluation draw's sampling (draw.py `EvaluationDraw` sets what it reads: its options, prompts or labels, the
     name of its split) and its guidance sweep; DrawScoring scores what it samples."""
 
     labels: list[int] | None
