@@ -25,10 +25,10 @@ The stage's pieces live in flowfleet.evaluate: the reference items and the real 
 heavy is loaded. The encoders (transformers, the diffusers VAE) are imported only where one is built.
 
 Modules: options.py (EvaluateOptions, ModelRun), draw.py (EvaluationDraw: one draw's inputs and what the models
-drew on it, with scoring.py and sweep.py), record.py (evaluation.json), stage.py (evaluate, JudgedDraw: fleets judged on one
-draw, nothing written; ValidationDraw: models scored on the validation split's draw), pieces.py (choose_scale, the
-samples file, FID statistics), models.py (another fleet, comparison routers, the monolith), probes.py (the
-generalisation and router-accuracy diagnostics).
+drew on it, with scoring.py and sweep.py), record.py (evaluation.json), stage.py (evaluate; JudgedDraw: fleets
+judged on one draw, nothing written; ValidationDraw: models scored on the validation split's draw), pieces.py
+(choose_scale, the samples file, FID statistics), models.py (another fleet, comparison routers, the monolith),
+probes.py (the generalisation and router-accuracy diagnostics).
 """
 
 from __future__ import annotations
