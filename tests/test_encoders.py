@@ -116,16 +116,11 @@ def _tiny_dinov2(path, registers=0):
     return model
 
 
-@pytest.mark.parametrize("registers", [0, 4])
-def test_dinov2_mean_pooled_patch_tokens_match_the_reference_preprocessing(tmp_path, registers):
+def _reference_pixels(u8: torch.Tensor) -> torch.Tensor:
+    """transformers' own DINOv2 preprocessing of uint8 [B, 3, 32, 32]: a 32-pixel side is only cropped to 28 and
+    normalised."""
     from transformers import BitImageProcessor
 
-    model = _tiny_dinov2(tmp_path, registers)
-    # crop 28 -> resize side round(28 * 256 / 224) = 32: a 32-pixel input is only cropped and normalised
-    enc = build_semantic_encoder(SemanticEncoderConfig(name="dinov2", path=str(tmp_path), image_size=28))
-    assert enc.dim == 32
-    u8 = torch.randint(0, 256, (2, 3, 32, 32), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
-    feats = enc.encode(u8.float() / 127.5 - 1)
     proc = BitImageProcessor(
         size={"shortest_edge": 32},
         crop_size={"height": 28, "width": 28},
@@ -133,7 +128,18 @@ def test_dinov2_mean_pooled_patch_tokens_match_the_reference_preprocessing(tmp_p
         image_std=IMAGENET_STD,
         do_convert_rgb=False,
     )
-    pixel_values = proc(list(u8.permute(0, 2, 3, 1).numpy()), return_tensors="pt")["pixel_values"]
+    return proc(list(u8.permute(0, 2, 3, 1).numpy()), return_tensors="pt")["pixel_values"]
+
+
+@pytest.mark.parametrize("registers", [0, 4])
+def test_dinov2_mean_pooled_patch_tokens_match_the_reference_preprocessing(tmp_path, registers):
+    model = _tiny_dinov2(tmp_path, registers)
+    # crop 28 -> resize side round(28 * 256 / 224) = 32: a 32-pixel input is only cropped and normalised
+    enc = build_semantic_encoder(SemanticEncoderConfig(name="dinov2", path=str(tmp_path), image_size=28))
+    assert enc.dim == 32
+    u8 = torch.randint(0, 256, (2, 3, 32, 32), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    feats = enc.encode(u8.float() / 127.5 - 1)
+    pixel_values = _reference_pixels(u8)
     with torch.no_grad():
         hidden = model(pixel_values=pixel_values).last_hidden_state  # [2, 1 + registers + 4, 32]
     assert hidden.shape[1] == 1 + registers + 4
@@ -141,6 +147,25 @@ def test_dinov2_mean_pooled_patch_tokens_match_the_reference_preprocessing(tmp_p
     # The same network on inputs normalised in another order: its longest reduction is the 3 x 14 x 14
     # patch embedding, over 4 layers (embedding, attention, MLP, final norm).
     torch.testing.assert_close(feats, ref, atol=net_tol(ref, 3 * 14 * 14, 4), rtol=0)
+
+
+def test_dinov2_repa_tokens_are_its_patch_tokens_on_the_grid(tmp_path):
+    """With the experts' grid, DINOv2's REPA tokens are its last layer's patch tokens (2 x 2 of them here, pooled to a
+    2 x 2 grid: themselves), the same as the reference forward's; the features are unchanged by the grid."""
+    model = _tiny_dinov2(tmp_path)
+    cfg = SemanticEncoderConfig(name="dinov2", path=str(tmp_path), image_size=28)
+    enc = build_semantic_encoder(cfg, grid=(2, 2))
+    u8 = torch.randint(0, 256, (2, 3, 32, 32), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    x = u8.float() / 127.5 - 1
+    tokens = enc.tokens(x)
+    pixel_values = _reference_pixels(u8)
+    with torch.no_grad():
+        ref = model(pixel_values=pixel_values).last_hidden_state[:, 1:]  # [2, 4, 32], row by row
+    assert tokens.shape == (2, 4, 32)
+    torch.testing.assert_close(tokens, ref, atol=net_tol(ref, 3 * 14 * 14, 4), rtol=0)
+    assert torch.equal(enc.encode(x), build_semantic_encoder(cfg).encode(x))
+    with pytest.raises(EncoderError, match="built without the experts' token grid"):
+        build_semantic_encoder(cfg).tokens(x)
 
 
 def test_dinov2_refuses_other_models(tmp_path):
@@ -188,6 +213,33 @@ def test_inception_matches_the_torchscript_network():
     assert small.shape == (2, 2048) and not torch.allclose(small, feats)
     with pytest.raises(EncoderError, match="image_size: 40 outside 75..299"):
         build_semantic_encoder(SemanticEncoderConfig(name="inception", image_size=40))
+
+
+def test_inception_repa_tokens_are_mixed_5d_pooled_to_the_grid():
+    """With the experts' grid, the Inception's REPA tokens are Mixed_5d's output (288 channels; 7 x 7 at 75 px)
+    average-pooled to the grid, as the TorchScript network's layers compute it from the FID input; the features are
+    those without a grid."""
+    from flowfleet.data.inception import default_1_path
+
+    cfg = SemanticEncoderConfig(name="inception", image_size=75)
+    enc = build_semantic_encoder(cfg, grid=(4, 4))
+    x = images(b=2, c=1, s=32)
+    tokens = enc.tokens(x)
+    net = torch.jit.load(str(default_1_path()), map_location="cpu").eval()
+    u8 = ((x.clamp(-1, 1) + 1) * 127.5).round()
+    h = torch.nn.functional.interpolate(u8.expand(-1, 3, -1, -1), size=(75, 75), mode="bilinear", align_corners=False)
+    h = h / 128 - 1
+    with torch.inference_mode():
+        for name, layer in net.net.layers.named_children():
+            h = layer(h)
+            if name == "mixed_2":
+                break
+    assert h.shape == (2, 288, 7, 7) and tokens.shape == (2, 16, 288)
+    ref = torch.nn.functional.adaptive_avg_pool2d(h, 4).flatten(2).transpose(1, 2)
+    # the same layers in another memory layout: up to Mixed_5d the longest reduction is a 5 x 5 conv over 48
+    # channels (its 5 x 5 branch), the longest path 12 layers
+    torch.testing.assert_close(tokens, ref, atol=net_tol(ref, 5 * 5 * 48, 12), rtol=0)
+    assert torch.equal(enc.encode(x), build_semantic_encoder(cfg).encode(x))
 
 
 # ------------------------------------------------------------------------------------------------

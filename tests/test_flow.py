@@ -9,6 +9,7 @@ from fixtures.toy import GaussianMixture, LabelledMixture, cluster_posterior
 
 from flowfleet.flow import (
     Strategy,
+    alignment_loss,
     cfg_combine,
     combine,
     dispersive_loss,
@@ -113,6 +114,17 @@ def test_dispersive_loss_by_hand():
     dispersive_loss(z).backward()
     spread = torch.pdist(z.detach().reshape(3, -1))
     assert (torch.pdist((z - 0.1 * z.grad).detach().reshape(3, -1)) > spread).all()  # descent pushes them apart
+
+
+def test_alignment_loss_by_hand():
+    """REPA's alignment: minus the mean cosine over items and tokens; (1, 0) against (1, 0) is 1, (0, 1) against
+    (1, 1) is 1 / sqrt 2, (0, 2) against (0, -3) is -1; a scale of either side changes nothing."""
+    projected = torch.tensor([[[1.0, 0.0], [0.0, 1.0]], [[0.0, 2.0], [0.0, 2.0]]])  # [B=2, N=2, C=2]
+    target = torch.tensor([[[1.0, 0.0], [1.0, 1.0]], [[0.0, -3.0], [0.0, 5.0]]])
+    expected = -(1 + 2**-0.5 - 1 + 1) / 4
+    assert alignment_loss(projected, target).item() == pytest.approx(expected, rel=1e-6)
+    assert alignment_loss(3 * projected, 0.5 * target).item() == pytest.approx(expected, rel=1e-6)
+    assert alignment_loss(target, target).item() == pytest.approx(-1.0, rel=1e-6)
 
 
 def test_logit_normal_mean_and_std_move_the_times():

@@ -309,3 +309,29 @@ def test_a_webdataset_source_of_unknown_length_prepares(tmp_path):
                 tar.addfile(info, io.BytesIO(data))
     run = make_run(tmp_path / "r", source="webdataset", path=str(tmp_path / "a.tar"), limit=None)
     assert prepare(run, progress=False).count == 3
+
+
+def test_repa_tokens_are_the_semantic_feature_map_pooled_to_the_experts_grid(run_root):
+    """expert.repa_dim: prepare stores each item's REPA targets, the semantic encoder's feature map pooled to the
+    experts' token grid (the pixel features' map is the image itself), in half precision; the recipe names the grid,
+    so shards prepared without the tokens are not resumed as if they held them."""
+    import torch.nn.functional as F
+
+    from flowfleet.config import RunConfig, load_run_config
+    from flowfleet.data.inception import to_rgb
+
+    run = make_run(run_root, limit=12, shard_size=8, batch_size=4)
+    prepare(run, progress=False)
+    raw = load_run_config(run).to_dict()
+    raw["expert"]["repa_dim"] = 3  # the pixels' RGB channels
+    cfg = RunConfig.from_dict(raw)
+    cfg.save(run)
+    with pytest.raises(FlowfleetError, match=r"prepared with a different repa_grid; .*--restart"):
+        prepare(run, progress=False)
+    m = prepare(run, restart=True, progress=False)
+    gh, gw = cfg.expert.grid_size
+    assert m.fields["repa_tokens"] == {"shape": [gh * gw, 3], "dtype": "float16"}
+    assert m.extra["recipe"]["repa_grid"] == [gh, gw]
+    data = ShardSet(run, "data").load(["latents", "repa_tokens"])
+    pooled = F.adaptive_avg_pool2d(to_rgb(data["latents"]), (gh, gw)).flatten(2).transpose(1, 2)  # [N, T, 3]
+    assert torch.equal(data["repa_tokens"], pooled.half())

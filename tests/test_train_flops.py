@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
-from flowfleet.models.flops import forward_flops, train_flops, train_flops_per_sample
+from flowfleet.models.flops import forward_flops, projector_flops, train_flops, train_flops_per_sample
 from flowfleet.train.specs import JobSpec, job_steps, monolith_steps
 
 SMALL = dict(hidden_size=64, depth=2, num_heads=2, patch_size=2, in_channels=1)  # overridden per entry
@@ -73,6 +73,21 @@ def test_training_flops_are_about_three_forwards():
     assert train_flops(cfg, steps=10, batch_size=4) == 40 * train_flops_per_sample(cfg)
 
 
+def test_repas_projector_is_counted_in_training_not_in_sampling():
+    """expert.repa_dim: the projector runs on every training forward's tokens (counted, x3 with its backward, in the
+    FLOPs the compute matching reads) and never at sampling (the forward's count is unchanged)."""
+    plain = DiTConfig(**CONFIGS[0])
+    cfg = DiTConfig(**{**CONFIGS[0], "repa_dim": 6})
+    model = DiTModel.from_dit_config(cfg)
+    tokens = torch.randn(3, cfg.num_tokens, cfg.hidden_size)  # [B, N, D]
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model.repa_projector(tokens)
+    assert counter.get_total_flops() == 3 * projector_flops(cfg) and projector_flops(plain) == 0
+    assert forward_flops(cfg) == forward_flops(plain)
+    assert train_flops_per_sample(cfg) == train_flops_per_sample(plain) + 3 * projector_flops(cfg)
+
+
 def test_monolith_matches_the_fleets_compute_router_included():
     cfg = synthetic_config(k=3, steps=7, batch=8, monolith=True)
     steps = monolith_steps(cfg, match_compute=True)
@@ -117,6 +132,7 @@ def test_the_parameter_formula_is_the_built_models_count():
             add_pooled=cond == "cross_attn" and rng.random() < 0.5,
             cross_norm=rng.random() < 0.5,
         )
+        kw["repa_dim"] = rng.choice([0, 7]) if not kw["num_outputs"] else 0  # REPA's projector (experts only)
         cfg = DiTConfig(**kw)
         with torch.device("meta"):
             built = sum(p.numel() for p in DiTModel.from_dit_config(cfg).parameters())

@@ -52,6 +52,12 @@ class TrainConfig(Strict):
     dispersive_weight: float = Field(0.0, ge=0)
     dispersive_tau: float = Field(1.0, gt=0)
     dispersive_block: int = -1
+    # Experts and the monolith with expert.repa_dim > 0: REPA's alignment (Yu et al. 2025) of one block's hidden
+    # tokens, through the model's projector, with a frozen encoder's tokens of the same item that prepare stores
+    # (flowfleet.flow.loss.alignment_loss), added at this weight (REPA's 0.5) after block repa_block (from 0;
+    # negative counts from the last; None: depth // 3, REPA's block 8 of SiT-XL's 28 and 4 of SiT-B's 12)
+    repa_weight: float = Field(0.5, ge=0)
+    repa_block: int | None = None
     ckpt_every: int = Field(500, ge=1)
     # Rank 0 writes each checkpoint in a thread of its own while training goes on (its tensors copied to host memory
     # at the step); False: the step waits for the write

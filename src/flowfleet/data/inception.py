@@ -95,6 +95,20 @@ class Default1Inception(nn.Module):
             x = layer(x)  # ... -> [B, 2048, h, w]
         return F.adaptive_avg_pool2d(x, 1).flatten(1).float()  # [B, 2048]
 
+    @torch.inference_mode()
+    def layer_output(self, images: torch.Tensor, layer: str) -> torch.Tensor:
+        """The output [B, C, h, w] of the network's layer `layer` (a name of its layers: "mixed_2" is Mixed_5d) for
+        uint8 images, the network run up to it on forward's input."""
+        x = to_rgb(images).float()
+        if tuple(x.shape[-2:]) != (self.resize, self.resize):
+            x = F.interpolate(x, size=(self.resize, self.resize), mode="bilinear", align_corners=False)
+        x = ((x - 128.0) / 128.0).contiguous(memory_format=torch.channels_last)
+        for name, module in self.net.net.layers.named_children():
+            x = module(x)
+            if name == layer:
+                return x.float()
+        raise FlowfleetError(f"inception: no layer {layer!r}")
+
 
 class TorchFidelityInception(nn.Module):
     """torchmetrics' standard FID Inception (needs torch-fidelity; weights from its cache or a path)."""

@@ -10,7 +10,7 @@ ensemble.py  combining expert velocities with router weights (top-k renormalised
 """
 
 from flowfleet.flow.ensemble import Strategy, combine, routing_weights, same_as_earlier
-from flowfleet.flow.loss import ddpm_loss, dispersive_loss, flow_matching_loss, loss_weight, sample_t
+from flowfleet.flow.loss import alignment_loss, ddpm_loss, dispersive_loss, flow_matching_loss, loss_weight, sample_t
 from flowfleet.flow.path import (
     TIME_CONVENTION,
     embedder_timestep,
@@ -33,6 +33,7 @@ __all__ = [
     "interpolate",
     "target_velocity",
     "x0_from_velocity",
+    "alignment_loss",
     "dispersive_loss",
     "flow_matching_loss",
     "loss_weight",

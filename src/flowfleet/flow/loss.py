@@ -1,5 +1,5 @@
 """Training objectives: t sampling, the velocity regression loss and its weighting over t; DDPM's noise regression
-for a ddpm expert; the dispersive regulariser of a block's hidden tokens."""
+for a ddpm expert; the regularisers of a block's hidden tokens (dispersive, REPA's alignment)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 from typing import Callable, Literal
 
 import torch
+import torch.nn.functional as F
 
 from flowfleet.flow.path import interpolate, target_velocity
 
@@ -90,3 +91,10 @@ def dispersive_loss(hidden: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
     b, d = z.shape
     dist = torch.cdist(z, z).pow(2) / d  # [B, B] squared distances per number; the diagonal 0
     return torch.logsumexp(-dist.flatten() / tau, dim=0) - 2.0 * math.log(b)
+
+
+def alignment_loss(projected: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """REPA's alignment (Yu et al. 2025): minus the mean over items and tokens of the cosine similarity between the
+    projected hidden tokens [B, N, C] and a frozen encoder's tokens of the same items [B, N, C]; -1 when every
+    token points its target's way."""
+    return -F.cosine_similarity(projected.float(), target.float(), dim=-1).mean()

@@ -39,6 +39,9 @@ def parse_size(size: str) -> tuple[int, int, int, int | None]:
     return depth, hidden, heads, int(patch) if patch else None
 
 
+REPA_HIDDEN = 4  # REPA's projector: its hidden width in multiples of the model's (REPA's: 2048 for every SiT)
+
+
 class DiTConfig(BaseModel):
     """Everything needed to build a DiT; saved beside its weights as config.json."""
 
@@ -72,6 +75,10 @@ class DiTConfig(BaseModel):
     # Sampling passes none, which is the unaugmented data's distribution. 0: no augmentation input.
     augment_dim: int = Field(0, ge=0)
     num_outputs: int = Field(0, ge=0)  # > 0: classification head over this many classes (router)
+    # REPA (Yu et al. 2025): the width of a frozen encoder's tokens that a projector (an MLP on one block's hidden
+    # tokens, trained with the model and unused at sampling) is aligned with (train.repa_*; prepare stores the
+    # tokens). 0: no projector.
+    repa_dim: int = Field(0, ge=0)
     objective: Objective = "fm"
     schedule: Schedule | None = None  # the VP schedule of a "ddpm" model (required there, refused elsewhere)
     time_convention: str = TIME_CONVENTION
@@ -126,6 +133,8 @@ class DiTConfig(BaseModel):
                 f"out_channels: a ddpm model predicts the noise (and optionally sigma): {self.in_channels} or "
                 f"{2 * self.in_channels}"
             )
+        if self.repa_dim and self.num_outputs:
+            raise ValueError("repa_dim: a classifier (num_outputs > 0, the router) aligns no tokens; must be 0")
         if self.time_convention != TIME_CONVENTION:
             raise ValueError(f"time_convention: {self.time_convention!r} differs from flowfleet's {TIME_CONVENTION!r}")
         return self

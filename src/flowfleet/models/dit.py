@@ -34,7 +34,7 @@ from flowfleet.flow.path import (
     vp_log_snr,
     vp_timestep,
 )
-from flowfleet.models.config import DiTConfig
+from flowfleet.models.config import REPA_HIDDEN, DiTConfig
 from flowfleet.models.embeddings import (
     LabelEmbedder,
     PatchEmbed,
@@ -43,7 +43,7 @@ from flowfleet.models.embeddings import (
     TimestepEmbedder,
     sincos_2d,
 )
-from flowfleet.models.layers import ClassifierHead, DiTBlock, FinalLayer, linear_at, zero_
+from flowfleet.models.layers import ClassifierHead, DiTBlock, FinalLayer, linear_at, projector, zero_
 
 
 class DiTModel(ModelMixin, ConfigMixin):
@@ -82,6 +82,7 @@ class DiTModel(ModelMixin, ConfigMixin):
         dropout: float = 0.0,
         augment_dim: int = 0,
         num_outputs: int = 0,
+        repa_dim: int = 0,
         objective: str = "fm",
         schedule: str | None = None,
         time_convention: str = TIME_CONVENTION,
@@ -108,6 +109,7 @@ class DiTModel(ModelMixin, ConfigMixin):
             dropout=dropout,
             augment_dim=augment_dim,
             num_outputs=num_outputs,
+            repa_dim=repa_dim,
             objective=objective,
             schedule=schedule,
             time_convention=time_convention,
@@ -150,6 +152,7 @@ class DiTModel(ModelMixin, ConfigMixin):
         else:
             self.head = None
             self.final_layer = FinalLayer(d, cfg.patch_size, cfg.out_ch, cfg.adaln)
+        self.repa_projector = projector(d, REPA_HIDDEN * d, cfg.repa_dim) if cfg.repa_dim else None  # training only
         # a ddpm model's log SNR per VP step (float64 [1000], kept off the module's dtype and state dict)
         self.vp_table = vp_log_snr(cfg.schedule) if cfg.objective == "ddpm" and cfg.schedule else None
 

@@ -12,7 +12,7 @@ to size the monolith from the experts' configs; tests check it against FlopCount
 
 from __future__ import annotations
 
-from flowfleet.models.config import DiTConfig
+from flowfleet.models.config import REPA_HIDDEN, DiTConfig
 
 TIMESTEP_FREQUENCIES = 256  # width of the sinusoid fed to the timestep MLP (models.embeddings)
 TRAIN_FORWARD_MULTIPLE = 3  # forward + backward (~2x forward)
@@ -62,9 +62,17 @@ def forward_flops(cfg: DiTConfig) -> int:
     return flops
 
 
+def projector_flops(cfg: DiTConfig) -> int:
+    """FLOPs of REPA's projector over one sample's tokens (a training forward's only: sampling never runs it)."""
+    if not cfg.repa_dim:
+        return 0
+    d, n, h = cfg.hidden_size, cfg.num_tokens, REPA_HIDDEN * cfg.hidden_size
+    return _linear(n, d, h) + _linear(n, h, h) + _linear(n, h, cfg.repa_dim)
+
+
 def train_flops_per_sample(cfg: DiTConfig) -> int:
-    """Approximate FLOPs of one training sample (forward + backward)."""
-    return TRAIN_FORWARD_MULTIPLE * forward_flops(cfg)
+    """Approximate FLOPs of one training sample (forward + backward), REPA's projector included."""
+    return TRAIN_FORWARD_MULTIPLE * (forward_flops(cfg) + projector_flops(cfg))
 
 
 def train_flops(cfg: DiTConfig, steps: int, batch_size: int) -> int:
@@ -100,6 +108,8 @@ def parameter_count(cfg: DiTConfig) -> int:
         block += _linear_params(d, d) + _linear_params(d, 2 * d) + _linear_params(d, d)  # q, kv, output
         block += 2 * d if cfg.cross_norm else 0  # the queries' LayerNorm
     total += cfg.depth * block
+    h = REPA_HIDDEN * d
+    total += _linear_params(d, h) + _linear_params(h, h) + _linear_params(h, cfg.repa_dim) if cfg.repa_dim else 0
     if cfg.num_outputs:
         return total + _linear_params(d, 2 * d) + _linear_params(d, cfg.num_outputs)  # the router's head
     total += _linear_params(d, p * p * cfg.out_ch)  # final linear to patches

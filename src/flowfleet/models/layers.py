@@ -177,3 +177,10 @@ class ClassifierHead(nn.Module):
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
         pooled = modulate(self.norm(x), shift, scale).mean(dim=1)  # [B, D]
         return self.head(pooled)  # [B, K]
+
+
+def projector(width: int, hidden: int, out: int) -> nn.Sequential:
+    """REPA's projector: a three-layer MLP with SiLU from the model's hidden tokens to an encoder's token width."""
+    return nn.Sequential(
+        nn.Linear(width, hidden), nn.SiLU(), nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, out)
+    )

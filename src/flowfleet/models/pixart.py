@@ -177,6 +177,7 @@ def load_pixart_into(model: torch.nn.Module, cfg: DiTConfig, folder: str) -> Non
         if mine != value:
             raise FlowfleetError(f"expert_init {root.url}: {name} is {value!r}, run.yaml expert.{name} is {mine!r}")
     missing, unexpected = model.load_state_dict(ours, strict=False)
+    missing = [key for key in missing if not key.startswith("repa_projector.")]  # (REPA's, trained from scratch)
     if unexpected or set(missing) != {"text_projector.null"}:
         odd = (missing + unexpected)[:3]
         raise FlowfleetError(f"expert_init {root.url}: its weights do not map onto the expert ({odd})")

@@ -78,7 +78,7 @@ def build_encoders(cfg: RunConfig, device: torch.device | str = "cpu", root: Run
     weights = root.url_of(AUTOENCODER) if root is not None else None
     enc = Encoders(
         build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device, weights),
-        build_semantic_encoder(cfg.encoders.semantic, device),
+        build_semantic_encoder(cfg.encoders.semantic, device, cfg.repa_grid),
         build_text_encoder(cfg.encoders.text, device),
     )
     if enc.text is not None and enc.text.width != cfg.encoders.text.width:
@@ -166,6 +166,7 @@ def _recipe(cfg: RunConfig, source: Source) -> dict[str, Any]:
         **({"labels": d.labels} if d.labels is not None else {}),  # (absent: runs prepared before it existed)
         "encoders": cfg.encoders.model_dump(mode="json", exclude=NOT_RECIPE),
         **({"augment": d.augment.model_dump(mode="json")} if d.augment.copies else {}),
+        **({"repa_grid": list(cfg.repa_grid)} if cfg.repa_grid else {}),  # REPA's tokens (expert.repa_dim)
     }
 
 

@@ -136,7 +136,7 @@ def encode_spans(root_url: str, spans: list[Span], folder: Path) -> int:
     cfg = load_run_config(RunRoot(root_url))
     d = cfg.data
     source = build_source(d, cfg.storage.options)
-    semantic = build_semantic_encoder(cfg.encoders.semantic, torch.device("cpu"))
+    semantic = build_semantic_encoder(cfg.encoders.semantic, torch.device("cpu"), cfg.repa_grid)
     text = build_text_encoder(cfg.encoders.text, torch.device("cpu"))
     chunks = _ChunkWriter(folder)
     for start, stop in spans:

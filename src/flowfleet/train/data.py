@@ -14,6 +14,7 @@ from typing import Iterable
 
 import torch
 
+from flowfleet.data.encoders import REPA_FIELD
 from flowfleet.data.shards import ShardSet, ShardSetManifest
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.config import DiTConfig
@@ -44,9 +45,9 @@ def model_fields(cfg: DiTConfig) -> list[str]:
 
 
 def training_fields(cfg: DiTConfig, augment_p: float = 0.0) -> list[str]:
-    """Shard fields a model's training reads: its condition, and with train.augment_p each item's augmented
-    copies and their parameters (flowfleet.data.augment)."""
-    return [*model_fields(cfg), *(AUGMENT_FIELDS if augment_p else [])]
+    """Shard fields a model's training reads: its condition, with train.augment_p each item's augmented copies and
+    their parameters (flowfleet.data.augment), with a REPA projector (repa_dim) the encoder's tokens."""
+    return [*model_fields(cfg), *(AUGMENT_FIELDS if augment_p else []), *([REPA_FIELD] if cfg.repa_dim else [])]
 
 
 def check_compatible(
@@ -60,6 +61,8 @@ def check_compatible(
             why = (
                 f"train.augment_p={augment_p}; prepare with data.augment.copies >= 1"
                 if name in AUGMENT_FIELDS
+                else f"repa_dim={cfg.repa_dim}; prepare with expert.repa_dim set"
+                if name == REPA_FIELD
                 else f"conditioning={cfg.conditioning}"
             )
             raise DataMismatchError(f"{data_where}: has no {name!r} field, which {model_where} ({why}) needs")
@@ -67,6 +70,11 @@ def check_compatible(
         raise DataMismatchError(
             f"{data_where}: aug_latents are {'x'.join(map(str, fields['aug_latents']['shape'][1:]))} but latents "
             f"{'x'.join(map(str, fields['latents']['shape']))}; prepare the run again"
+        )
+    if cfg.repa_dim and tuple(fields[REPA_FIELD]["shape"]) != (cfg.num_tokens, cfg.repa_dim):
+        raise DataMismatchError(
+            f"{data_where}: repa_tokens are {'x'.join(map(str, fields[REPA_FIELD]['shape']))} per item, but "
+            f"{model_where} aligns {cfg.num_tokens} tokens with repa_dim {cfg.repa_dim}"
         )
     want = (cfg.in_channels, *cfg.input_size)
     have = tuple(fields["latents"]["shape"])

@@ -7,6 +7,7 @@ The latent decoder (diffusers VAE) is imported only when a preview decodes laten
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Literal
 
@@ -17,10 +18,12 @@ import torch.nn.functional as F
 from flowfleet.cluster.assignments import read_assignments
 from flowfleet.config import Contribution, RunConfig, TrainConfig
 from flowfleet.data.augment import choose
+from flowfleet.data.encoders import REPA_FIELD
 from flowfleet.data.shards import ShardSet, open_complete
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.flow import (
     Strategy,
+    alignment_loss,
     ddpm_loss,
     dispersive_loss,
     flow_matching_loss,
@@ -135,20 +138,32 @@ class FlowTask(TrainTask):
         super().__init__(*args, **kwargs)
         self._decoder: Callable[[torch.Tensor], torch.Tensor] | Literal[False] | None = None  # False: unavailable
         self._vp_table: torch.Tensor | None = None  # a ddpm expert's log SNR per VP step
-        depth, block = self.model_cfg.depth, self.train_cfg.dispersive_block
-        if self.train_cfg.dispersive_weight and not -depth <= block < depth:
-            raise ParameterError("train.dispersive_block", f"{block} is out of range for {self.name}'s {depth} blocks")
+        tc, depth = self.train_cfg, self.model_cfg.depth
+        self.repa_block = depth // 3 if tc.repa_block is None else tc.repa_block  # REPA's depth, by default
+        for setting, block, used in (
+            ("dispersive_block", tc.dispersive_block, tc.dispersive_weight > 0),
+            ("repa_block", self.repa_block, self.model_cfg.repa_dim > 0),
+        ):
+            if used and not -depth <= block < depth:
+                raise ParameterError(f"train.{setting}", f"{block} is out of range for {self.name}'s {depth} blocks")
 
     def loss(self, model, batch, gen):
-        tc = self.train_cfg
-        if not tc.dispersive_weight:
+        tc, repa = self.train_cfg, self.model_cfg.repa_dim > 0
+        if not (tc.dispersive_weight or repa):
             return self._regression(model, batch, gen), {}
         bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        with block_output(bare, tc.dispersive_block) as kept:
+        with contextlib.ExitStack() as reads:  # the hidden tokens each regulariser reads, from the one forward
+            spread = reads.enter_context(block_output(bare, tc.dispersive_block)) if tc.dispersive_weight else None
+            aligned = reads.enter_context(block_output(bare, self.repa_block)) if repa else None
             regression = self._regression(model, batch, gen)
-        dispersive = dispersive_loss(kept[0], tc.dispersive_tau)
-        loss = regression + tc.dispersive_weight * dispersive
-        return loss, {"regression": regression.detach(), "dispersive": dispersive.detach()}
+        loss, extras = regression, {"regression": regression.detach()}
+        if spread is not None:
+            dispersive = dispersive_loss(spread[0], tc.dispersive_tau)
+            loss, extras["dispersive"] = loss + tc.dispersive_weight * dispersive, dispersive.detach()
+        if aligned is not None:
+            alignment = alignment_loss(bare.repa_projector(aligned[0]), batch[REPA_FIELD])
+            loss, extras["alignment"] = loss + tc.repa_weight * alignment, alignment.detach()
+        return loss, extras
 
     def _regression(self, model, batch, gen) -> torch.Tensor:
         """The velocity regression (a ddpm expert's noise regression) of one batch."""
