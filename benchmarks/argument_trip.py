@@ -252,8 +252,9 @@ class Walk:
         events: list[ast.AST] = [
             n for n in ast.walk(node) if isinstance(n, (ast.Call, ast.Assign, ast.AnnAssign, ast.NamedExpr))
         ]
-        raised = {id(n.exc) for n in ast.walk(node) if isinstance(n, ast.Raise) and n.exc is not None}
-        events = [n for n in events if id(n) not in raised]  # a raise ends the trail, it passes nothing on
+        # a raise ends the trail: the exception and its message are built to be read by a person, not passed on
+        raised = {id(c) for r in ast.walk(node) if isinstance(r, ast.Raise) and r.exc for c in ast.walk(r.exc)}
+        events = [n for n in events if id(n) not in raised]
         events.sort(key=lambda n: (n.lineno, n.col_offset))
         types: dict[str, tuple[str, str]] = {}  # name -> the package class of the object it holds
         done: set[int] = set()
