@@ -73,6 +73,9 @@ class TrainConfig(Strict):
     # staying fixed; a fixed count is what makes the same seed give the same weights (flowfleet.threads)
     follow_load: bool = False
     keep_checkpoints: int = Field(2, ge=1)  # newest complete checkpoints kept per job
+    # How a job holds its data: "memory" (every item loaded at the start) or "stream" (each batch's items read from the
+    # shard files: memory that does not grow with the data, flowfleet.train.stream); the same batches either way
+    loader: Literal["memory", "stream"] = "memory"
     # Experts and the monolith: the probability that a drawn item is replaced by one of its augmented copies
     # (data.augment.copies; the model is conditioned on how, expert.augment_dim). 0: the prepared items only.
     augment_p: float = Field(0.0, ge=0, le=1)

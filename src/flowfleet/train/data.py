@@ -138,15 +138,16 @@ class InMemoryData:
 
     def gather(self, items: torch.Tensor, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The given items as a batch: float32 latents/text, bool mask, int64 labels, on `device`."""
-        batch = {}
-        for name, t in self.tensors.items():
-            x = t.index_select(0, items)
-            if name == "text_mask":
-                x = x.bool()
-            elif x.is_floating_point():
-                x = x.float()
-            batch[name] = x.to(device, non_blocking=True)
-        return batch
+        return {name: batch_field(name, t.index_select(0, items), device) for name, t in self.tensors.items()}
+
+
+def batch_field(name: str, x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """One field of a batch as the models read it: float32 (latents, text), bool (text_mask), int64 labels."""
+    if name == "text_mask":
+        x = x.bool()
+    elif x.is_floating_point():
+        x = x.float()
+    return x.to(device, non_blocking=True)
 
 
 class ResumableSampler:

@@ -54,6 +54,7 @@ from flowfleet.train.data import InMemoryData, check_compatible, derive_seed, mo
 from flowfleet.train.plan import current_plan
 from flowfleet.train.specs import JobSpec, job_batch, job_steps, router_config
 from flowfleet.train.status import job_finished
+from flowfleet.train.stream import Data, open_data
 
 PREVIEW_COUNT = 8  # samples in an expert's grid
 _SHARE_STREAM = 2  # derive_seed tag of the DiLoCo workers' shares of the data
@@ -80,7 +81,7 @@ class TrainTask:
         model_cfg: DiTConfig,
         train_cfg: TrainConfig,
         total_steps: int,
-        data: InMemoryData,
+        data: Data,
     ):
         self.spec = spec
         self.run = run
@@ -381,7 +382,7 @@ class RouterTask(TrainTask):
 # ------------------------------------------------------------------------------------------------
 
 
-def load_assignments(root: RunRoot, data: InMemoryData, k: int) -> torch.Tensor:
+def load_assignments(root: RunRoot, data: Data, k: int) -> torch.Tensor:
     """Cluster id of every item of data/ ([N] int64), from clusters/assignments.safetensors."""
     assign = read_assignments(root, num_clusters=k)
     index = data.tensors["index"]
@@ -393,7 +394,7 @@ def load_assignments(root: RunRoot, data: InMemoryData, k: int) -> torch.Tensor:
     return assign[index]
 
 
-def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str]) -> InMemoryData:
+def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str], loader: str = "memory") -> Data:
     """Every prepared item of the run (data/, then each addition's added/<n>/data/) with `fields` and its
     expert in "cluster" (an addition's clusters follow the run's: cluster.k + j for its j-th)."""
     parts = []
@@ -401,12 +402,12 @@ def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str]) -> InMemory
     for n, k in [(0, cfg.cluster.k)] + [(n, a.k) for n, a in enumerate(cfg.added, 1)]:
         sub = root.origin(n)
         shards = open_complete(sub, DATA, f"flowfleet prepare {sub.url}" if n == 0 else "flowfleet add-expert")
-        data = InMemoryData.load(shards, [*fields, "index"])
+        data = open_data(shards, [*fields, "index"], loader)
         data.tensors["cluster"] = load_assignments(sub, data, k) + first
         del data.tensors["index"]
         parts.append(data)
         first += k
-    return InMemoryData.concat(parts)
+    return type(parts[0]).concat(parts)  # type: ignore[arg-type]  # (the parts are of one kind)
 
 
 def contribution_of(cfg: RunConfig, spec: JobSpec) -> Contribution | None:
@@ -486,7 +487,7 @@ def _partition_counts(root: RunRoot, cfg: RunConfig, spec: JobSpec, shards: Shar
     return list(counts)
 
 
-def _worker_task(cfg: RunConfig, spec: JobSpec, data: InMemoryData) -> WorkerTask:
+def _worker_task(cfg: RunConfig, spec: JobSpec, data: Data) -> WorkerTask:
     """DiLoCo worker `spec.worker` on its share of `data` (all of data/)."""
     if cfg.diloco is None:
         raise FlowfleetError(f"{spec.name}: run.yaml has no diloco block")
@@ -521,7 +522,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
         model = cfg.expert_config(k)
         p = cfg.train.augment_p
         check_compatible(shards.manifest(), model, data_where=shards.url, model_where="run.yaml expert", augment_p=p)
-        data = InMemoryData.load(shards, training_fields(model, p))
+        data = open_data(shards, training_fields(model, p), cfg.train.loader)
         train = cfg.train.model_copy(update={"batch_size": planned_batch(root, cfg, spec, shards)})  # DDM's split
         return FlowTask(spec, cfg, model, train, planned_steps(root, cfg, spec, shards=shards), data)
 
@@ -539,7 +540,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
             tensors = safetensors.torch.load(root.read_bytes(*REFLOW_PAIRS))
             data = InMemoryData(tensors, [], root.url_of(*REFLOW_PAIRS))
         else:
-            data = clustered_data(root, cfg, model_fields(cfg.expert))
+            data = clustered_data(root, cfg, model_fields(cfg.expert), cfg.train.loader)
         teacher_guidance = cfg.distill.teacher_guidance(cfg.sampling)
         return DistillTask(
             spec,
@@ -557,7 +558,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
         check_compatible(
             shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert", augment_p=p
         )
-        data = InMemoryData.load(shards, training_fields(cfg.expert, p))
+        data = open_data(shards, training_fields(cfg.expert, p), cfg.train.loader)
         if spec.kind == "monolith":
             steps = planned_steps(root, cfg, spec, match_compute)
             return FlowTask(spec, cfg, cfg.expert, cfg.train, steps, data)
@@ -565,7 +566,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
 
     router = router_config(cfg, spec)
     check_compatible(shards.manifest(), router, data_where=shards.url, model_where="run.yaml router")
-    data = clustered_data(root, cfg, model_fields(router))
+    data = clustered_data(root, cfg, model_fields(router), cfg.router_train.loader)
     if spec.without:  # removed experts: their data is in no weight of the new router
         data = data.select(~torch.isin(data.tensors["cluster"], torch.tensor(spec.without)))
         if len(data) == 0:
