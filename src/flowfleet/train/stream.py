@@ -136,7 +136,7 @@ class StreamedData:
         row_of = torch.cat([torch.arange(f.count, dtype=torch.int32) for f in files])
         small = [f for f in fields if files[0].fields[f].shape == ()]  # a number an item (index, labels): in memory
         data = cls(files, file_of, row_of, [f for f in fields if f not in small], {}, shards.url)
-        data.tensors = data._read(small, torch.arange(len(data))) if small else {}
+        data.tensors = {name: torch.cat([data._whole(file, name) for file in files]) for name in small}
         return data
 
     def __len__(self) -> int:
@@ -172,6 +172,12 @@ class StreamedData:
         read = self._read(self.streamed, items)
         read.update({name: t.index_select(0, items) for name, t in self.tensors.items()})
         return {name: batch_field(name, x, device) for name, x in read.items()}
+
+    def _whole(self, file: ShardFile, name: str) -> torch.Tensor:
+        """One field of every item of one file, in one read (the scalar fields a job holds in memory)."""
+        spec = file.fields[name]
+        raw = self._reader.read(file, file.data_start + spec.begin, file.count * spec.row_bytes)
+        return torch.frombuffer(bytearray(raw), dtype=spec.dtype).reshape(file.count, *spec.shape).clone()
 
     def _read(self, fields: Sequence[str], items: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each field of the items [n] as stored, read from the files."""
