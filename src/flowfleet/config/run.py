@@ -116,7 +116,8 @@ class RunConfig(Strict):
 
     @property
     def repa_grid(self) -> tuple[int, int] | None:
-        """The token grid the experts' REPA tokens are prepared at (expert.repa_dim > 0), else None."""
+        """The token grid the experts' REPA tokens are prepared at (expert.repa_dim > 0), else None: one for every
+        expert, whose overrides change neither the grid nor repa_dim (EXPERT_OVERRIDABLE)."""
         return self.expert.grid_size if self.expert.repa_dim else None
 
     def expert_config(self, k: int) -> DiTConfig:
@@ -137,7 +138,6 @@ class RunConfig(Strict):
         if self.expert.num_outputs:
             raise ValueError("expert.num_outputs: experts predict velocities; must be 0")
         check_augment(self)
-        check_repa(self)
         for pattern, where in self.placement.items():
             if where not in self.backends and where not in BACKEND_KINDS:
                 known = ", ".join([*self.backends, *BACKEND_KINDS])
@@ -174,17 +174,6 @@ def check_augment(cfg: RunConfig) -> None:
             f"expert.augment_dim: {cfg.expert.augment_dim}, but train.augment_p conditions the experts on "
             f"{AUGMENT_DIM} augmentation parameters (dx, dy, angle, scale); set it to {AUGMENT_DIM}"
         )
-
-
-def check_repa(cfg: RunConfig) -> None:
-    """REPA's tokens are prepared once, for the experts' common grid and width."""
-    for k in cfg.expert_overrides:
-        expert = cfg.expert_config(k)
-        if cfg.expert.repa_dim and (expert.repa_dim, expert.grid_size) != (cfg.expert.repa_dim, cfg.expert.grid_size):
-            raise ValueError(
-                f"expert_overrides.{k}: REPA's tokens are prepared for expert's grid {cfg.expert.grid_size} and "
-                f"repa_dim {cfg.expert.repa_dim}; this expert's are {expert.grid_size} and {expert.repa_dim}"
-            )
 
 
 def check_machines(cfg: RunConfig) -> None:
