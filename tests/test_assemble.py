@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from fixtures.random_fleet import HashTextEncoder, randomize_, tiny_run_config, write_random_fleet
+from fixtures.random_fleet import FOLDER_SETTINGS, HashTextEncoder, randomize_, tiny_run_config, write_random_fleet
 from fixtures.tolerances import gamma
 
 from flowfleet.errors import FlowfleetError
@@ -82,17 +82,7 @@ def test_assemble_writes_a_diffusers_style_folder(fleet):
 
 
 def test_assemble_to_another_folder_and_sampler_defaults_from_run_yaml(run_root, tmp_path):
-    cfg = tiny_run_config(
-        2,
-        steps=7,
-        sampler="heun",
-        guidance_scale=3.5,
-        guidance_max_t=0.6,
-        shift=2.0,
-        strategy="top1",
-        guidance="expert",
-        route_every=2,
-    )
+    cfg = tiny_run_config(2, **FOLDER_SETTINGS)
     write_random_fleet(str(run_root), cfg)
     out = tmp_path / "elsewhere"
     assemble(str(run_root), str(out))

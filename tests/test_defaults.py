@@ -10,7 +10,7 @@ import dataclasses
 import inspect
 
 import pytest
-from fixtures.random_fleet import HashTextEncoder, tiny_run_config, write_random_fleet
+from fixtures.random_fleet import FOLDER_SETTINGS, HashTextEncoder, tiny_run_config, write_random_fleet
 from pydantic import ValidationError
 
 from flowfleet.cli import build_parser
@@ -26,17 +26,6 @@ from flowfleet.stages.assemble import assemble
 from flowfleet.stages.evaluate import EvaluateOptions
 from flowfleet.stages.generate import generate
 
-# a model folder whose scheduler differs from SamplingConfig's defaults in every field
-FOLDER_SETTINGS = dict(
-    steps=7,
-    sampler="heun",
-    guidance_scale=3.5,
-    guidance_max_t=0.6,
-    shift=2.0,
-    strategy="top1",
-    guidance="expert",
-    route_every=2,
-)
 # a call's choices, each unlike the folder's and the defaults
 CHOICES = dict(
     steps=3,
