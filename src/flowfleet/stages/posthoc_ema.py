@@ -122,13 +122,15 @@ def choose_posthoc_ema(
     mono = cfg.monolith.enabled and job_finished(root, MONOLITH)[0]
     drawn = replace(options, monolith=mono, strategies=options.strategies[:1], guidance_sweep=())
     rows: list[dict[str, Any]] = []
+    draw = None
     for length in lengths:
         if not apply_posthoc_ema(run_root, length):
             raise ParameterError("run_root", f"{root.url}: no finished job kept post-hoc EMA snapshots")
         assemble(root.url)
         if mono:
             assemble(root.url, monolith=True)
-        draw = ValidationDraw.open(root.url_of(MODEL), drawn, extractor)  # (opened afresh: a draw caches nothing)
+        # its prompts, noise and references do not depend on the weights: one draw scores every length
+        draw = draw or ValidationDraw.open(root.url_of(MODEL), drawn, extractor)
         row: dict[str, Any] = {"sigma_rel": length, "fleet": draw.score("fleet", _pipe(root.url_of(MODEL), draw))}
         if mono:
             row["monolith"] = draw.score(MONOLITH, _pipe(root.url_of(MONOLITH_MODEL), draw))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -129,7 +130,7 @@ class StreamedData:
             raise FlowfleetError(f"{shards.url}: no shard set (manifest.json missing)")
         manifest = shards.manifest()
         fields = [f for f in fields if f in manifest.fields]
-        files = [ShardFile.read(shards.root, posixpath_join(shards.folder, s["name"])) for s in manifest.shards]
+        files = [ShardFile.read(shards.root, posixpath.join(shards.folder, s["name"])) for s in manifest.shards]
         if not files or not sum(f.count for f in files):
             raise FlowfleetError(f"{shards.url}: holds no items")
         file_of = torch.cat([torch.full((f.count,), i, dtype=torch.int32) for i, f in enumerate(files)])
@@ -221,10 +222,6 @@ class Captions(Sequence[str]):
         caps = self._cache[f]
         row = int(self.data.row_of[i])
         return caps[row] if row < len(caps) else ""
-
-
-def posixpath_join(folder: str, name: str) -> str:
-    return f"{folder.rstrip('/')}/{name}" if folder else name
 
 
 Data = InMemoryData | StreamedData  # a job's data, either way (open_data)
