@@ -114,7 +114,7 @@ def model_dir(run_root, monkeypatch):
     from flowfleet.cli import main
 
     monkeypatch.setattr(
-        "flowfleet.sampling.conditioning.build_text_encoder_from",
+        "flowfleet.sampling.pipeline.build_text_encoder_from",
         lambda index, device: HashTextEncoder(index.text_width, index.text_len),
     )
     write_random_fleet(str(run_root), tiny_run_config(3))

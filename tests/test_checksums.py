@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from flowfleet.cli import main
-from flowfleet.sampling import checksums
-from flowfleet.sampling.checksums import CorruptWeights, verify_weights
+from flowfleet.sampling import folder as model_folder
+from flowfleet.sampling.folder import CorruptWeights, verify_weights
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.storage import RunRoot
 
@@ -72,8 +72,8 @@ def test_a_verified_folder_is_not_read_again_until_a_file_changes(model_dir, mon
     root = RunRoot(str(model_dir))
     assert verify_weights(root) == 4  # 3 experts and the router (a pixel-space fleet has no vae/)
     read = []
-    real = checksums.sha256_of
-    monkeypatch.setattr(checksums, "sha256_of", lambda r, rel: read.append(rel) or real(r, rel))
+    real = model_folder.sha256_of
+    monkeypatch.setattr(model_folder, "sha256_of", lambda r, rel: read.append(rel) or real(r, rel))
     assert verify_weights(root) == 4 and read == []  # all remembered by size and modification time
     flip_a_byte(model_dir / EXPERT_1)
     with pytest.raises(CorruptWeights, match="expert 1"):

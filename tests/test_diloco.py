@@ -219,7 +219,7 @@ def test_train_all_runs_the_workers_and_assemble_makes_a_monolith_folder(tmp_pat
     from flowfleet.stages.generate import generate
 
     monkeypatch.setattr(
-        "flowfleet.sampling.conditioning.build_text_encoder_from",
+        "flowfleet.sampling.pipeline.build_text_encoder_from",
         lambda index, device: HashTextEncoder(index.text_width, index.text_len),
     )
     root = RunRoot(str(tmp_path / "run"))

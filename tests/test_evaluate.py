@@ -463,7 +463,7 @@ def test_evaluate_against_held_out_items_sweeps_guidance_and_saves_each_folders_
     from flowfleet.evaluate.reference import ReferenceSplit, reference_images
     from flowfleet.models.dit import DiTExpert
     from flowfleet.models.files import save_model
-    from flowfleet.sampling.index import read_model_index
+    from flowfleet.sampling.folder import read_model_index
     from flowfleet.stages.assemble import assemble
     from flowfleet.stages.evaluate import evaluate
 

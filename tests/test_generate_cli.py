@@ -129,6 +129,13 @@ def test_bad_input_is_one_line(model_dir, capsys, args, message):
     assert message in err and err.count("\n") == 1 and err.startswith("flowfleet generate: error:")
 
 
+def test_a_bad_out_is_refused_before_the_folder_is_read(tmp_path, capsys):
+    # tmp_path is not a model folder: a check of --out made after opening it would report the folder instead
+    assert main(["generate", str(tmp_path), "--prompt", "x", "--out", "grid.jpg"]) == 1
+    err = capsys.readouterr().err
+    assert "must name a .png file" in err and "model_index.json" not in err
+
+
 def test_missing_expert_folder_is_one_line(model_dir, capsys):
     import shutil
 

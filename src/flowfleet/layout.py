@@ -92,8 +92,8 @@ def probe_file(machine: str) -> tuple[str, str]:
 # assembled models and reports
 MODEL = "model"
 MODEL_VAE = "vae"  # in a model folder: the latent decoder's reference, or (autoencoder) its weights
-INDEX_FILE = "model_index.json"  # the model folder's index (flowfleet.sampling.index)
-CHECKSUMS = "SHA256SUMS"  # the model folder's weight checksums, sha256sum's format (flowfleet.sampling.checksums)
+INDEX_FILE = "model_index.json"  # the model folder's index (flowfleet.sampling.folder)
+CHECKSUMS = "SHA256SUMS"  # the model folder's weight checksums, sha256sum's format (flowfleet.sampling.folder)
 VERIFIED = ".verified.json"  # weight files whose checksum matched, by size and mtime (the check's cache)
 MONOLITH_MODEL = "model-monolith"  # `assemble --monolith`: the monolith as a one-expert model
 DILOCO_MODEL = "model-diloco"  # `assemble --diloco`: DiLoCo's model as a one-expert model

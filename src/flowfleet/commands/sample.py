@@ -149,7 +149,7 @@ def run_verify(args: argparse.Namespace) -> int:
     the manifest signed for them, and its signer is printed.
     """
     from flowfleet.sampling.card import read_card
-    from flowfleet.sampling.checksums import verify_contributions, verify_weights
+    from flowfleet.sampling.folder import verify_contributions, verify_weights
     from flowfleet.storage import RunRoot
 
     folder = RunRoot(args.model_dir)

@@ -24,7 +24,7 @@ from flowfleet.models.config import DiTConfig
 from flowfleet.models.files import read_dit_config
 from flowfleet.parallel.mode import DISPLACED_WARMUP, ParallelMode
 from flowfleet.parallel.runner import ParallelPlan, ParallelVelocity, PatchParallelRunner, Routing
-from flowfleet.sampling.index import expert_folder, read_model_index
+from flowfleet.sampling.folder import expert_folder, read_model_index
 from flowfleet.sampling.pipeline import RoutedVelocity
 from flowfleet.storage import RunRoot
 

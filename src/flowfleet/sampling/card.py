@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from flowfleet.layout import CLUSTER_REPORT, CLUSTERS, JOB_REPORT
 from flowfleet.models.files import read_dit_config
-from flowfleet.sampling.index import expert_folder, read_model_index
+from flowfleet.sampling.folder import expert_folder, read_model_index
 from flowfleet.storage import RunRoot
 
 CARD_FILE = "card.json"

@@ -29,8 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from flowfleet.config import SAMPLING_CHOICES, SamplingSettings, SettingError
 from flowfleet.errors import FlowfleetError
 from flowfleet.sampling.card import FleetCard, read_card
-from flowfleet.sampling.conditioning import TEXT_CONDITIONING
-from flowfleet.sampling.pipeline import FleetPipeline
+from flowfleet.sampling.pipeline import TEXT_CONDITIONING, FleetPipeline
 from flowfleet.sampling.trace import RoutingTrace
 from flowfleet.sampling.views import to_pil
 from flowfleet.serve.batcher import Batcher, BatchJob

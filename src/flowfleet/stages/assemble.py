@@ -1,7 +1,7 @@
 """Stage `assemble`: the finished experts (EMA weights) + router -> one diffusers-style model folder.
 
 Reads RUN_ROOT/run.yaml, experts/k/{status.json,final/} and router/{status.json,final/} (contract in
-docs/contracts.md) and writes RUN_ROOT/model (or --out) as described in flowfleet.sampling.index.
+docs/contracts.md) and writes RUN_ROOT/model (or --out) as described in flowfleet.sampling.folder.
 Every component's config is checked against run.yaml before anything is written: an expert trained
 elsewhere with another latent shape, patch size, text width or time convention is refused with a line
 naming the expert and the field. With allow_partial, experts that are not finished are left out (a
@@ -50,8 +50,7 @@ from flowfleet.sampling.card import (
     router_card,
     write_card,
 )
-from flowfleet.sampling.checksums import write_checksums
-from flowfleet.sampling.index import (
+from flowfleet.sampling.folder import (
     INDEX_FILE,
     PIPELINE_MODULE,
     PIPELINE_MODULE_FILE,
@@ -59,6 +58,7 @@ from flowfleet.sampling.index import (
     ModelIndex,
     SchedulerConfig,
     expert_folder,
+    write_checksums,
 )
 from flowfleet.storage import RunRoot
 from flowfleet.train.specs import JobKind, JobSpec, diloco_jobs, router_of_folder

@@ -22,7 +22,7 @@ from flowfleet.config import DistillConfig, RunConfig, load_run_config
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.flow import Strategy
 from flowfleet.layout import MODEL, REFLOW_PAIRS, RUN_FILE, STUDENT
-from flowfleet.sampling.index import read_model_index
+from flowfleet.sampling.folder import read_model_index
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.sampling.routing import Condition
 from flowfleet.stages.assemble import assemble

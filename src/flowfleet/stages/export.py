@@ -23,7 +23,7 @@ from flowfleet.errors import ParameterError
 from flowfleet.models.dit import DiTExpert
 from flowfleet.models.files import load_model
 from flowfleet.models.pixart import pixart_config, to_pixart
-from flowfleet.sampling.index import expert_folder, read_model_index
+from flowfleet.sampling.folder import expert_folder, read_model_index
 from flowfleet.storage import RunRoot
 
 SAMPLING_EXAMPLE = """# Sampling this expert with diffusers (flowfleet's Euler sampler, the same numbers)

@@ -70,6 +70,8 @@ def generate(
         raise ParameterError("batch_size", f"must be >= 1, got {batch_size}")
     if n < 1:
         raise ParameterError("n", f"must be >= 1, got {n}")
+    if out is not None:
+        sibling_paths(out)  # a bad `out` is refused before anything loads
     fleet = None  # nproc > 1: this process is one of nproc torchrun ranks sharing each image (flowfleet.parallel)
     if nproc != 1:
         from flowfleet.parallel.fleet import join_fleet
@@ -88,9 +90,6 @@ def generate(
     )
     settings = pipe.settings(**choices)  # checked
     pipe.check_condition(prompts, labels)
-    if out is None:
-        out = RunRoot(model_dir).url_of(SAMPLES, f"{settings.strategy.name.replace(':', '')}-seed{settings.seed}.png")
-    folder, png_name, json_name, heat_name = sibling_paths(out)
     pipe.load_encoders()
 
     result = pipe(
@@ -107,13 +106,16 @@ def generate(
         if not fleet.ctx.is_main:  # every rank holds the same images; rank 0 writes them
             return GenerateResult(result, "", "", "", Counter(pipe.experts.loads))
 
-    return _write_outputs(model_dir, pipe, result, folder, png_name, json_name, heat_name)
+    return _write_outputs(model_dir, out, pipe, result)
 
 
-def _write_outputs(
-    model_dir: str, pipe: FleetPipeline, result: FleetOutput, folder: str, png: str, routing_json: str, heatmap: str
-) -> GenerateResult:
-    """The grid, the routing record (settings, experts, prompts, every step's choices) and its heatmap."""
+def _write_outputs(model_dir: str, out: str | None, pipe: FleetPipeline, result: FleetOutput) -> GenerateResult:
+    """The grid, the routing record (settings, experts, prompts, every step's choices) and its heatmap, at `out`
+    and beside it (None: MODEL_DIR/samples/STRATEGY-seedSEED.png)."""
+    if out is None:
+        settings = result.settings
+        out = posixpath.join(model_dir, SAMPLES, f"{settings.strategy.name.replace(':', '')}-seed{settings.seed}.png")
+    folder, png, routing_json, heatmap = sibling_paths(out)
     dest = RunRoot(folder)
     dest.write_bytes(png_bytes(image_grid(result.images)), png)
     routing = {

@@ -19,7 +19,7 @@ from flowfleet.data.shards import ShardSet, ShardSetUnion
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.views import captioned_grid_png
 from flowfleet.layout import CANDIDATE, DATA, MODEL, PACKAGE_HELDOUT, PACKAGE_SAMPLE, RUN_FILE
-from flowfleet.sampling.index import read_model_index
+from flowfleet.sampling.folder import read_model_index
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.stages.admit.install import Installed, write_shards
 from flowfleet.stages.admit.losses import fleet_velocity, flow_loss, subset

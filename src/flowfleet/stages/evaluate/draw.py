@@ -36,7 +36,7 @@ from flowfleet.layout import (
     SAMPLES,
     evaluation_folder,
 )
-from flowfleet.sampling.index import read_model_index
+from flowfleet.sampling.folder import read_model_index
 from flowfleet.sampling.views import routing_heatmap
 from flowfleet.stages.evaluate.models import check_other_fleet
 from flowfleet.stages.evaluate.options import EvaluateOptions, ModelRun

@@ -14,8 +14,7 @@ from flowfleet.flow import Strategy
 from flowfleet.layout import FINAL, MODEL_VAE, MONOLITH, MONOLITH_MODEL
 from flowfleet.models.dit import DiTRouter
 from flowfleet.models.files import load_model
-from flowfleet.sampling.checksums import read_checksums
-from flowfleet.sampling.index import ModelIndex, read_model_index
+from flowfleet.sampling.folder import ModelIndex, read_checksums, read_model_index
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.stages.assemble import assemble
 from flowfleet.storage import RunRoot

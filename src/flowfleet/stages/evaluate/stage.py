@@ -30,7 +30,7 @@ from flowfleet.layout import (
     MONOLITH_MODEL,
     REPORTS,
 )
-from flowfleet.sampling.index import set_default_guidance_scale
+from flowfleet.sampling.folder import set_default_guidance_scale
 from flowfleet.sampling.pipeline import FleetPipeline
 from flowfleet.stages.evaluate.draw import EvaluationDraw
 from flowfleet.stages.evaluate.models import comparison_router, monolith_pipeline
