@@ -5,6 +5,7 @@ they meet only in RUN_ROOT/diloco/rounds/."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -125,7 +126,6 @@ def test_workers_on_s3_give_the_weights_of_a_local_folder(tmp_path, s3_url):
 def replay(root: RunRoot, cfg: RunConfig, rounds: int) -> dict[str, torch.Tensor]:
     """θ_R rebuilt from the run root alone: θ_0, then per round the mean of the pseudo-gradients its decision names
     and a Nesterov SGD step written out (b = μ b + Δ; θ −= lr (Δ + μ b))."""
-    import json
 
     d = cfg.diloco
     assert d is not None
@@ -186,7 +186,6 @@ def test_a_worker_killed_mid_round_resumes_and_no_round_is_applied_twice_or_lost
 
 
 def test_bytes_counted_are_the_files_sizes(tmp_path):
-    import json
 
     root = RunRoot(str(tmp_path / "run"))
     diloco_run(root, steps=5, sync_every=2)  # rounds of 2, 2 and 1 steps
@@ -240,3 +239,25 @@ def test_train_all_runs_the_workers_and_assemble_makes_a_monolith_folder(tmp_pat
     theirs = pipe("item 1 of cluster 0", num_inference_steps=2, num_images_per_prompt=2,
                   generator=torch.Generator().manual_seed(3), output_type="np").images  # fmt: skip
     assert len(theirs) == 2
+
+
+def test_a_worker_of_pace_3_does_three_times_the_inner_steps_in_the_same_rounds(tmp_path):
+    """diloco.pace (machines of different speeds): worker 1 at pace 3 trains 3 x steps, 3 x H a round, and meets
+    worker 0 at every round: both apply the same decisions and end with the same model."""
+    root = RunRoot(str(tmp_path / "run"))
+    diloco_run(root, steps=4, sync_every=2, pace=[1, 3])
+    done = run_workers(root)
+    assert [done[w].step for w in (0, 1)] == [4, 12]
+    reports = [read_status(root, diloco_worker(w)).diloco for w in (0, 1)]
+    assert [r["sync_every"] for r in reports] == [2, 6] and [r["rounds"] for r in reports] == [2, 2]
+    for r in (0, 1):  # every round decided with both workers: neither waited the other out
+        assert json.loads(root.read_bytes(*diloco_round(r), DILOCO_DECISION))["workers"] == [0, 1]
+    a0, a1 = final_weights(root, 0), final_weights(root, 1)
+    assert all(torch.equal(a0[k], a1[k]) for k in a0)
+
+
+def test_a_pace_for_other_workers_is_refused_naming_it():
+    raw = synthetic_config(k=2, steps=2, batch=4).to_dict()
+    raw["diloco"] = {"workers": 2, "pace": [1, 2, 4]}
+    with pytest.raises(ValueError, match="pace: 3 entries for 2 workers"):
+        RunConfig.from_dict(raw)

@@ -113,3 +113,20 @@ class DiLoCoConfig(Strict):
     # How long a worker waits at a round's end for the others' pseudo-gradients before it goes on with those
     # present (a lost or late worker), seconds.
     round_timeout_s: float = Field(600.0, gt=0)
+    # Each worker's pace on machines of different speeds (Async Local-SGD's dynamic local updates, Liu et al. 2024):
+    # worker w does pace[w] x sync_every inner steps a round and pace[w] x steps in all, so that a machine pace[w]
+    # times as fast as the slowest ends each round when the slowest does. The same rounds for every worker; None:
+    # every worker 1.
+    pace: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _check_pace(self) -> "DiLoCoConfig":
+        if self.pace is not None:
+            if len(self.pace) != self.workers:
+                raise ValueError(f"pace: {len(self.pace)} entries for {self.workers} workers")
+            if any(p < 1 for p in self.pace):
+                raise ValueError(f"pace: {self.pace} (each a whole number >= 1)")
+        return self
+
+    def pace_of(self, worker: int) -> int:
+        return 1 if self.pace is None else self.pace[worker]

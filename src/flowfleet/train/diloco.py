@@ -3,7 +3,8 @@
 Worker w, round r, from the round's start weights θ_r (the same on every worker; θ_0: train.seed's init):
 
     1. H = diloco.sync_every inner steps on its random 1/W of data/ (flowfleet.train.tasks.WorkerTask), its inner
-       optimiser's state kept from round to round, as DiLoCo keeps it
+       optimiser's state kept from round to round, as DiLoCo keeps it; diloco.pace[w] x H on machines of different
+       speeds, so that no worker waits for a slower one
     2. its pseudo-gradient Δ_w = θ_r − θ_w, float32, written atomically to diloco/rounds/<r>/worker-<w>.safetensors
     3. it waits for the other workers' files up to diloco.round_timeout_s. The first worker to find all of them, or
        the first whose wait runs out, creates the round's decision.json naming the workers found (an exclusive
@@ -185,6 +186,7 @@ class DiLoCoRounds(StepHooks):
         if cfg is None or task.spec.worker is None:
             raise FlowfleetError(f"{task.name}: not a DiLoCo worker (run.yaml diloco)")
         self.task, self.cfg, self.me = task, cfg, task.spec.worker
+        self.sync_every = cfg.sync_every * cfg.pace_of(self.me)  # this worker's inner steps a round
         self.rounds = Rounds(root, cfg.workers, self.me)
         self.outer: OuterLoop | None = None
         self.short: list[dict[str, Any]] = []  # the rounds decided without every worker, as this worker saw them
@@ -192,7 +194,7 @@ class DiLoCoRounds(StepHooks):
 
     @property
     def total_rounds(self) -> int:
-        return -(-self.task.total_steps // self.cfg.sync_every)
+        return -(-self.task.total_steps // self.sync_every)
 
     def check(self, island: DistContext) -> None:
         if island.distributed:
@@ -219,12 +221,12 @@ class DiLoCoRounds(StepHooks):
     def skipped(self, st: TrainState) -> int:
         """A round already decided when this worker reaches it is adopted without its inner steps."""
         assert self.outer is not None
-        if st.step % self.cfg.sync_every or st.step >= self.task.total_steps:
+        if st.step % self.sync_every or st.step >= self.task.total_steps:
             return 0
         decided = self.rounds.decision(self.outer.round)
         if decided is None:
             return 0
-        end = min(st.step + self.cfg.sync_every, self.task.total_steps)
+        end = min(st.step + self.sync_every, self.task.total_steps)
         log.info("%s: round %d was decided without waiting for it; adopts it", self.task.name, decided.round)
         moved = end - st.step
         st.position += moved * self.task.train_cfg.batch_size
@@ -234,7 +236,7 @@ class DiLoCoRounds(StepHooks):
 
     def after_update(self, st: TrainState) -> bool:
         """At a round's end: write Δ, wait for the decision, apply it (-> a checkpoint is due)."""
-        if st.step % self.cfg.sync_every and st.step < self.task.total_steps:
+        if st.step % self.sync_every and st.step < self.task.total_steps:
             return False
         assert self.outer is not None
         r = self.outer.round
@@ -302,7 +304,7 @@ class DiLoCoRounds(StepHooks):
             "round": self.outer.round,
             "rounds": self.total_rounds,
             "workers": self.cfg.workers,
-            "sync_every": self.cfg.sync_every,
+            "sync_every": self.sync_every,
             "bytes_written": self.rounds.traffic.written,
             "bytes_read": self.rounds.traffic.read,
             "short_rounds": list(self.short),

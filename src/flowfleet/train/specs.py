@@ -238,8 +238,8 @@ def job_steps(
         return monolith_steps(cfg, match_compute)
     if spec.kind == "student":
         return cfg.distill.steps if cfg.distill else cfg.train.steps
-    if spec.kind == "diloco" and cfg.diloco and cfg.diloco.steps:
-        return cfg.diloco.steps
+    if spec.kind == "diloco" and cfg.diloco:
+        return (cfg.diloco.steps or cfg.train.steps) * cfg.diloco.pace_of(spec.worker or 0)
     return cfg.train.steps
 
 
