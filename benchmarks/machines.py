@@ -37,9 +37,9 @@ import time
 from pathlib import Path
 
 import yaml
-from decision import GBIT, commit, param_count, traffic  # benchmarks/ is the script's folder
+from decision import GBIT, commit, param_count, score, traffic  # benchmarks/ is the script's folder
 from fleet_budget import min_accuracy
-from fleet_runs import judge_options, keep_record, score_fleet
+from fleet_runs import keep_record, score_fleet
 from mixture_claim import per_seed_means, spread
 
 PARTS = ("data", "eval", "autoencoder", "clusters", "partitions", "reports/digit_classifier")
@@ -75,23 +75,6 @@ def unit_flops(run: Path) -> float:
 
     cfg = load_run_config(RunRoot(str(run)))
     return cfg.train.steps * cfg.train.batch_size * train_flops_per_sample(cfg.expert)
-
-
-def score_one(model: Path, run: Path, a: argparse.Namespace) -> dict:
-    """One single-model folder scored: its chosen scale and every test draw's figures."""
-    from flowfleet.stages.evaluate import evaluate
-
-    options = judge_options(
-        a.n,
-        ("top1",),
-        batch_size=a.n,
-        monolith=False,
-        guidance_sweep=tuple(float(c) for c in a.cfg.split(",")),
-        repeats=a.repeats,
-        min_accuracy=min_accuracy(run),
-    )
-    result = evaluate(str(model), str(run), options)
-    return {"cfg": result["runs"]["top1"]["cfg"], **result["draws"]["runs"]["top1"], "floor": result["draws"]["floor"]}
 
 
 def check_floor(row: dict, src: Path, where: Path) -> None:
@@ -185,14 +168,14 @@ def run_seed(src: Path, a: argparse.Namespace, rows: list[str]) -> None:
             continue
         run = out / f"monolith-{monoliths[row]}-seed{seed}"
         model, train_s = train_monolith_row(src, run, monoliths[row])
-        keep(row, run, score_one(model, run, a), monoliths[row] / s, params=param_count(model), train_s=train_s)
+        keep(row, run, score(model, run, a), monoliths[row] / s, params=param_count(model), train_s=train_s)
     for row, pace in (("diloco", None), ("pace", speeds)):
         if row not in rows or (row, seed) in done:
             continue
         run = out / f"diloco-H{a.H}-{'pace' if pace else 'wait'}-seed{seed}"
         model = train_diloco_row(src, run, k, a.H, [p // min(speeds) for p in pace] if pace else None, min(speeds) * s)
         work = sum(pace) if pace else k * min(speeds)
-        keep(row, run, score_one(model, run, a), work, traffic=traffic(run, k), H=a.H, params=param_count(model))
+        keep(row, run, score(model, run, a), work, traffic=traffic(run, k), H=a.H, params=param_count(model))
     if "fleet" in rows and ("fleet", seed) not in done:
         run = out / f"fleet-seed{seed}"
         planned, scores = train_fleet_row(src, run, speeds, a)
