@@ -162,7 +162,7 @@ def run_seed(src: Path, a: argparse.Namespace, rows: list[str]) -> None:
         if row not in rows or (row, seed) in done:
             continue
         same = next((r for r in ("fastest", "sync") if r != row and monoliths[r] == monoliths[row]), None)
-        if same is not None and (same, seed) in done:  # the same monolith: trained and scored once
+        if same is not None and (same, seed) in {(r["row"], r["seed"]) for r in read_lines(out)}:  # trained once
             twin = next(r for r in read_lines(out) if (r["row"], r["seed"]) == (same, seed))
             keep(row, Path(twin["run"]), twin["scores"], twin["work_units"], same_as=same, params=twin["params"])
             continue
