@@ -58,12 +58,12 @@ def commit() -> str:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
-def make_run(src: Path, run: Path, changes: dict) -> None:
-    """`src`'s prepared parts and finished fleet jobs into `run`, its run.yaml with `changes` (section -> keys)."""
+def make_run(src: Path, run: Path, changes: dict, jobs: tuple[str, ...] = FLEET_JOBS) -> None:
+    """`src`'s prepared parts and finished `jobs` into `run`, its run.yaml with `changes` (section -> keys)."""
     if (run / "run.yaml").exists():
         return
     run.mkdir(parents=True)
-    for name in (*PARTS, *FLEET_JOBS):
+    for name in (*PARTS, *jobs):
         if (src / name).is_dir():
             shutil.copytree(src / name, run / name, ignore=NOT_COPIED)
     raw = yaml.safe_load((src / "run.yaml").read_text())

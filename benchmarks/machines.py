@@ -31,18 +31,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import time
 from pathlib import Path
 
 import yaml
-from decision import GBIT, commit, param_count, score, traffic  # benchmarks/ is the script's folder
+from decision import GBIT, commit, make_run, param_count, score, traffic  # benchmarks/ is the script's folder
 from fleet_budget import min_accuracy
 from fleet_runs import keep_record, score_fleet
 from mixture_claim import per_seed_means, spread
 
-PARTS = ("data", "eval", "autoencoder", "clusters", "partitions", "reports/digit_classifier")
 ROWS = ("fastest", "sync", "diloco", "pace", "fleet", "all")
 
 
@@ -51,20 +49,6 @@ def speeds_of(a: argparse.Namespace) -> list[int]:
     if min(speeds) != 1:
         raise SystemExit(f"--speeds {a.speeds}: the slowest machine is the unit (speed 1)")
     return speeds
-
-
-def copy_source(src: Path, run: Path, changes: dict, with_router: bool = False) -> dict:
-    """src's prepared parts (and its trained router) into `run`, its run.yaml changed (section -> keys); -> run.yaml."""
-    if not (run / "run.yaml").exists():
-        run.mkdir(parents=True)
-        for name in (*PARTS, *(["router"] if with_router else [])):
-            if (src / name).is_dir():
-                shutil.copytree(src / name, run / name, ignore=shutil.ignore_patterns("checkpoints", "samples", "tb"))
-        raw = yaml.safe_load((src / "run.yaml").read_text())
-        for section, keys in changes.items():
-            raw[section] = {**(raw.get(section) or {}), **keys} if isinstance(keys, dict) else keys
-        (run / "run.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    return yaml.safe_load((run / "run.yaml").read_text())
 
 
 def unit_flops(run: Path) -> float:
@@ -89,7 +73,7 @@ def train_monolith_row(src: Path, run: Path, steps: int) -> tuple[Path, float]:
     from flowfleet.stages.train import train_monolith
     from flowfleet.train.loop import TrainOptions
 
-    copy_source(src, run, {"train": {"steps": steps}, "monolith": {"enabled": True, "match_compute": False}})
+    make_run(src, run, {"train": {"steps": steps}, "monolith": {"enabled": True, "match_compute": False}}, jobs=())
     t0 = time.perf_counter()
     status = train_monolith(str(run), options=TrainOptions(progress=False, tensorboard=False))
     if status.step != steps:
@@ -102,11 +86,8 @@ def train_diloco_row(src: Path, run: Path, workers: int, h: int, pace: list[int]
     from flowfleet.stages.train import train_all
 
     diloco = {"workers": workers, "sync_every": h, "steps": steps, "pace": pace}
-    copy_source(src, run, {"monolith": {"enabled": False}, "diloco": diloco}, with_router=False)
     # train-all trains the fleet's jobs too: the source's finished experts and router are copied so it skips them
-    for name in ("experts", "router"):
-        if not (run / name).exists():
-            shutil.copytree(src / name, run / name, ignore=shutil.ignore_patterns("checkpoints", "samples", "tb"))
+    make_run(src, run, {"monolith": {"enabled": False}, "diloco": diloco}, jobs=("experts", "router"))
     outcome = train_all(str(run), parallel=workers, progress=False)
     if not outcome.ok:
         raise SystemExit(f"{run}: train-all: {outcome.results}")
@@ -121,7 +102,7 @@ def train_fleet_row(src: Path, run: Path, speeds: list[int], a: argparse.Namespa
     from flowfleet.train.plan import TERA
 
     machines = {f"m{i}-x{s}": {"tflops": float(s)} for i, s in enumerate(speeds)}
-    copy_source(src, run, {"monolith": {"enabled": False}, "machines": machines}, with_router=True)
+    make_run(src, run, {"monolith": {"enabled": False}, "machines": machines}, jobs=("router",))  # experts: planned
     plan = plan_fleet(str(run), deadline_s=unit_flops(run) / TERA)  # the speed-1 machine does U by the deadline
     outcome = train_all(str(run), parallel=a.parallel, progress=False)
     if not outcome.ok:
