@@ -148,6 +148,11 @@ def train_row(a: argparse.Namespace, seed: int, h: int | None, claims: dict) -> 
     keep_record(rec, Path(a.out) / "decision.jsonl")
 
 
+def ring_bytes(params: int, workers: int, steps: float) -> float:
+    """Bytes each worker sends (and as many it receives) in a ring all-reduce of fp32 gradients at every step."""
+    return 2 * (workers - 1) / workers * 4 * params * steps
+
+
 def param_count(model: Path) -> int:
     """|θ| of a single-model folder's one expert."""
     from safetensors import safe_open
@@ -244,7 +249,7 @@ def table(a: argparse.Namespace) -> str:
             row_line(label, [mine[s]["scores"] for s in have], a.repeats, [mono[seeds.index(s)] for s in have], both)
         )
     sync_steps = json.loads((Path(a.source) / "batch-seed0" / "monolith" / "status.json").read_text())["step"]
-    ring = 2 * (k - 1) / k * 4 * params * sync_steps  # sent, and as many received, per worker over the training
+    ring = ring_bytes(params, k, sync_steps)
     out.append(
         row_line(
             f"full sync: the monolith of the fleet's FLOPs ({sync_steps} steps)",

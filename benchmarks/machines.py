@@ -23,8 +23,16 @@ validation split) and --repeats test draws; each row's real-floor figures are ch
 runs/bench/emoji-plain/500-seed2 --out runs/bench/machines-emoji
     python benchmarks/machines.py --source ... --out runs/bench/machines-emoji --table
 
+--speeds 1,1,1,1 is the equal-machines comparison: the fastest alone is one machine, full sync and all the work are
+one model (trained once), DiLoCo waiting and at pace are one (trained once), and the fleet's plan balances its
+experts' work. --reuse OTHER_OUT takes a monolith or waiting DiLoCo another table trained from the same source (the
+same run.yaml but for its steps, checked, and the same test draws, checked) instead of training it again.
+
 One JSON line per trained row in OUT/machines.jsonl; --table prints the Markdown table (mean ± sd over seeds of each
-seed's mean over its draws; ratios draw by draw).
+seed's mean over its draws; ratios draw by draw). Wall time: every option computes until the deadline T (the fleet
+then trains its router on the fastest machine, router U / its speed); traffic adds max(up, down) x 8 / the link's
+rate (a full-duplex link, no overlap with compute, no latency), shown at 1 Gbit/s in units of T as measured here
+(T = the quickest seed's fastest-alone training time / its speed) and as the link at which the traffic takes one T here.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import time
 from pathlib import Path
 
 import yaml
-from decision import GBIT, commit, make_run, param_count, score, traffic  # benchmarks/ is the script's folder
+from decision import GBIT, commit, make_run, param_count, ring_bytes, score, traffic  # benchmarks/: the folder
 from fleet_budget import min_accuracy
 from fleet_runs import keep_record, score_fleet
 from mixture_claim import per_seed_means, spread
@@ -66,6 +74,28 @@ def check_floor(row: dict, src: Path, where: Path) -> None:
     want = json.loads((src / "reports" / "evaluation.json").read_text())["draws"]["floor"]["classifier_fd"]
     if row["floor"]["classifier_fd"] != want[: len(row["floor"]["classifier_fd"])]:
         raise SystemExit(f"{where}: its test draws are not the source's (the real floor differs)")
+
+
+STEPS_FREE = ("monolith", "diloco", "machines")  # run.yaml sections a row sets itself (with train.steps)
+
+
+def recipe_of(run: Path) -> dict:
+    """run.yaml without what a row sets itself: two runs of one source and one recipe but for their steps are equal."""
+    raw = yaml.safe_load((run / "run.yaml").read_text())
+    raw = {k: v for k, v in raw.items() if k not in STEPS_FREE}
+    raw["train"] = {k: v for k, v in raw["train"].items() if k != "steps"}
+    return raw
+
+
+def reused(src: Path, name: str, seed: int, a: argparse.Namespace) -> dict | None:
+    """A record of another table (--reuse) whose run is `name`, of `src`'s recipe, for this seed; None if none."""
+    for other in filter(None, (a.reuse or "").split(",")):
+        for rec in read_lines(Path(other)):
+            if rec["seed"] == seed and Path(rec["run"]).name == name and "same_as" not in rec:
+                if recipe_of(Path(rec["run"])) != recipe_of(src):
+                    raise SystemExit(f"--reuse {other}: {rec['run']} is not of {src}'s recipe")
+                return rec
+    return None
 
 
 def train_monolith_row(src: Path, run: Path, steps: int) -> tuple[Path, float]:
@@ -148,14 +178,25 @@ def run_seed(src: Path, a: argparse.Namespace, rows: list[str]) -> None:
             keep(row, Path(twin["run"]), twin["scores"], twin["work_units"], same_as=same, params=twin["params"])
             continue
         run = out / f"monolith-{monoliths[row]}-seed{seed}"
+        if (old := reused(src, run.name, seed, a)) is not None:
+            keep(row, Path(old["run"]), old["scores"], monoliths[row] / s, params=old["params"], train_s=old["train_s"])
+            continue
         model, train_s = train_monolith_row(src, run, monoliths[row])
         keep(row, run, score(model, run, a), monoliths[row] / s, params=param_count(model), train_s=train_s)
+    equal = len(set(speeds)) == 1
     for row, pace in (("diloco", None), ("pace", speeds)):
         if row not in rows or (row, seed) in done:
             continue
-        run = out / f"diloco-H{a.H}-{'pace' if pace else 'wait'}-seed{seed}"
-        model = train_diloco_row(src, run, k, a.H, [p // min(speeds) for p in pace] if pace else None, min(speeds) * s)
         work = sum(pace) if pace else k * min(speeds)
+        if equal and row == "pace" and ("diloco", seed) in {(r["row"], r["seed"]) for r in read_lines(out)}:
+            twin = next(r for r in read_lines(out) if (r["row"], r["seed"]) == ("diloco", seed))  # the same rounds
+            keep(row, Path(twin["run"]), twin["scores"], work, traffic=twin["traffic"], H=a.H, same_as="diloco")
+            continue
+        run = out / f"diloco-H{a.H}-{'pace' if pace else 'wait'}-seed{seed}"
+        if not pace and (old := reused(src, run.name, seed, a)) is not None:
+            keep(row, Path(old["run"]), old["scores"], work, traffic=old["traffic"], H=a.H, params=old["params"])
+            continue
+        model = train_diloco_row(src, run, k, a.H, [p // min(speeds) for p in pace] if pace else None, min(speeds) * s)
         keep(row, run, score(model, run, a), work, traffic=traffic(run, k), H=a.H, params=param_count(model))
     if "fleet" in rows and ("fleet", seed) not in done:
         run = out / f"fleet-seed{seed}"
@@ -175,19 +216,22 @@ def read_lines(out: Path) -> list[dict]:
 
 
 def moved(nbytes: float) -> str:
-    return f"{nbytes / 2**20:,.0f} MiB"
+    return f"{nbytes / 2**20:,.0f} MiB" if nbytes else "0"
 
 
 def table(a: argparse.Namespace) -> str:
     lines = read_lines(Path(a.out))
     speeds = lines[0]["speeds"]
     k, total, s = len(speeds), sum(speeds), lines[0]["S"]
+    equal = len(set(speeds)) == 1
     by_row: dict[str, dict[int, dict]] = {}
     for line in lines:
         by_row.setdefault(line["row"], {})[line["seed"]] = line
     seeds = sorted(by_row["all"])
     ref = [by_row["all"][x]["scores"]["classifier_fd"][: a.repeats] for x in seeds]
     params = by_row["all"][seeds[0]]["params"]
+    # T here: the quickest of the seeds' fastest-alone trainings (a shared box only slows a run) over its speed
+    deadline_s = min(by_row["fastest"][x]["train_s"] for x in seeds) / max(speeds)
     labels = {
         "fastest": f"the fastest alone: a monolith of {max(speeds) * s} steps",
         "sync": f"full sync at the slowest's pace: {k} × {min(speeds) * s} steps",
@@ -196,12 +240,21 @@ def table(a: argparse.Namespace) -> str:
         "fleet": f"the fleet, planned to the deadline: {k} experts (top-2)",
         "all": f"all the work, synchronous, batch shares by speed: a monolith of {total * s} steps",
     }
+    if equal:  # the rows that coincide are shown once
+        labels.update(
+            fastest=f"one machine: a monolith of {s} steps",
+            diloco=f"DiLoCo: {k} workers × {s} steps, H = {a.H}",
+            fleet=f"the fleet, planned on {k} equal machines: {k} experts (top-2)",
+            all=f"full sync: a monolith of {total * s} steps",
+        )
+    shown = [r for r in ROWS if not (equal and r in ("sync", "pace"))]
     out = [
-        f"| option: machines of speeds {' : '.join(map(str, speeds))}, one deadline | seeds × draws | cfg | "
-        "work (U) | utilisation | classifier FD | ÷ all the work | prompt accuracy | up / down per worker |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| option: {k} machines of speeds {' : '.join(map(str, speeds))}, one deadline T | seeds × draws | cfg | "
+        "work (U) | utilisation | classifier FD | ÷ all the work | prompt accuracy | up / down per worker | "
+        "wall: compute + traffic at 1 Gbit/s (T) | traffic takes T at |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in ROWS:
+    for row in shown:
         mine = by_row.get(row, {})
         have = [x for x in seeds if x in mine]
         if not have:
@@ -211,27 +264,28 @@ def table(a: argparse.Namespace) -> str:
         ratio = [[f / m for f, m in zip(fds, ref[seeds.index(x)])] for fds, x in zip(fd, have)]
         cfgs = "/".join(sorted({f"{mine[x]['scores']['cfg']:g}" for x in have}))
         work = statistics.fmean(mine[x]["work_units"] for x in have)
-        work_text = f"{work:.2f}"
+        work_text, compute = f"{work:.2f}", 1.0
         if row == "fleet":
-            work_text += f" + router {statistics.fmean(mine[x]['router_units'] for x in have):.2f}"
+            router = statistics.fmean(mine[x]["router_units"] for x in have)
+            work_text += f" + router {router:.2f}"
+            compute += router / max(speeds)  # the router after the fastest machine's expert
+        up = down = 0.0
         if row in ("diloco", "pace"):
             t = [mine[x]["traffic"] for x in have]
             up, down = (statistics.fmean(x[key] for x in t) for key in ("bytes_written", "bytes_read"))
-            sent = f"{moved(up)} / {moved(down)}"
         elif row in ("sync", "all"):
-            steps = mine[have[0]]["work_units"] * s
-            ring = 2 * (k - 1) / k * 4 * params * steps
-            sent = f"{moved(ring)} / {moved(ring)}"
-        else:
-            sent = "0 / 0"
+            up = down = ring_bytes(params, k, mine[have[0]]["work_units"] * s)
+        link_s = max(up, down) / GBIT  # seconds at 1 Gbit/s
+        break_even = f"{max(up, down) * 8 / deadline_s / 1e6:,.0f} Mbit/s" if up else "—"
         out.append(
             f"| {labels[row]} | {len(have)} × {a.repeats} | {cfgs} | {work_text} | {work / total:.2f} | "
             f"{spread(per_seed_means(fd))} | {'1' if row == 'all' else spread(per_seed_means(ratio), 3)} | "
-            f"{spread(per_seed_means(acc), 3)} | {sent} |"
+            f"{spread(per_seed_means(acc), 3)} | {moved(up)} / {moved(down)} | "
+            f"{compute:.2f} + {link_s / deadline_s:.2f} | {break_even} |"
         )
     out.append(
-        f"\nU = {s} steps of batch 32 of the experts' architecture; |θ| = {params:,} parameters; 1 Gbit/s moves "
-        f"{GBIT / 2**20:.0f} MiB a second."
+        f"\nU = {s} steps of batch 32 of the experts' architecture; |θ| = {params:,} parameters; T here (the deadline: "
+        f"U on the slowest machine) = {deadline_s:.1f} s; 1 Gbit/s moves {GBIT / 2**20:.0f} MiB a second."
     )
     return "\n".join(out)
 
@@ -246,6 +300,7 @@ def main() -> None:
     p.add_argument("--cfg", default="4.5,8", help="the guidance sweep (the source's)")
     p.add_argument("--repeats", type=int, default=5, help="test draws at each model's chosen scale")
     p.add_argument("--parallel", type=int, default=2)
+    p.add_argument("--reuse", default="", help="other tables' OUT folders (comma-separated): their identical trainings")
     p.add_argument("--out", default="runs/bench/machines-emoji")
     p.add_argument("--table", action="store_true", help="print the table of OUT/machines.jsonl, train nothing")
     a = p.parse_args()
