@@ -87,6 +87,7 @@ def test_more_ranks_on_a_node_than_gpus_is_a_one_line_error_before_nccl(monkeypa
         ("NVIDIA H100 PCIe", "bf16", 756.0),
         ("NVIDIA H200", "fp32", 494.7),
         ("NVIDIA A100-SXM4-80GB", "fp16", 312.0),
+        ("NVIDIA A40", "bf16", 149.7),
         ("NVIDIA L40S", "bf16", 362.05),
         ("NVIDIA L4", "bf16", 121.0),
         ("Tesla V100-SXM2-16GB", "fp32", 15.7),
