@@ -84,3 +84,82 @@ def test_a_streamed_job_stopped_and_resumed_trains_the_in_memory_jobs_weights(tm
     for job in ("experts/0", "router"):
         a, b = _final(memory, job), _final(streamed, job)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), job
+
+
+class _Counting:
+    """A data whose gathers are counted (which thread asked is not: only what was read)."""
+
+    def __init__(self, data):
+        self.data, self.calls = data, 0
+
+    def gather(self, items, device="cpu"):
+        self.calls += 1
+        return self.data.gather(items, device)
+
+
+def test_batches_read_ahead_are_the_ones_asked_for(tmp_path):
+    """BatchFeed: a batch read ahead is handed over when asked for under its key (no second read), equal to a direct
+    gather; a batch not read ahead is gathered on the spot and keeps what was read for later keys; what was read for
+    an earlier key than the one asked for is dropped."""
+    from flowfleet.train.feed import BatchFeed
+
+    root = RunRoot(str(tmp_path / "run"))
+    write_synthetic_run(root, synthetic_config(k=2), per_cluster=13, shard_size=5)
+    streamed = StreamedData.load(ShardSet(root, "data"), FIELDS)
+    data = _Counting(streamed)
+    feed = BatchFeed(data, prefetch=2, pin=False)
+    first, second, other = torch.tensor([3, 1, 4]), torch.tensor([1, 5, 9, 2]), torch.tensor([6, 5, 3])
+    feed.ahead((0, 0), first)
+    feed.ahead((0, 0), first)  # (asked twice: read once)
+    feed.ahead((3, 0), second)
+    got = feed.take((0, 0), first, torch.device("cpu"))
+    want = streamed.gather(first)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert data.calls == 2  # first and second, each once, both ahead
+    got = feed.take((1, 0), other, torch.device("cpu"))  # not read ahead: read now, the later one kept
+    want = streamed.gather(other)
+    assert all(torch.equal(got[k], want[k]) for k in got) and data.calls == 3
+    got = feed.take((3, 0), second, torch.device("cpu"))
+    assert all(torch.equal(got[k], v) for k, v in streamed.gather(second).items()) and data.calls == 3
+    feed.ahead((5, 0), first)
+    got = feed.take((6, 0), other, torch.device("cpu"))  # (5, 0) went by unasked: dropped (its read maybe cancelled)
+    assert all(torch.equal(got[k], want[k]) for k in got) and (feed.read_ahead, feed.on_the_spot) == (2, 2)
+    assert not feed._pending
+    feed.close()
+    streamed.close()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_reading_ahead_changes_no_weight(tmp_path, monkeypatch):
+    """An expert whose batches are read two steps ahead in micro-batches of a grad_accum of 2 ends with the weights
+    of the same job reading each batch when its step needs it, bit for bit; every batch but the first step's was
+    read ahead."""
+    from flowfleet.train import feed, loop
+
+    feeds = []
+
+    class Kept(feed.BatchFeed):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            feeds.append(self)
+
+    monkeypatch.setattr(loop, "BatchFeed", Kept)
+    options = TrainOptions(progress=False, tensorboard=False)
+    finals = []
+    for prefetch in (0, 2):
+        raw = synthetic_config(k=2, steps=5).to_dict()
+        raw["train"].update(loader="stream", prefetch=prefetch, grad_accum=2, loader_workers=2)
+        root = RunRoot(str(tmp_path / f"prefetch{prefetch}"))
+        write_synthetic_run(root, RunConfig.from_dict(raw), per_cluster=11, shard_size=4)
+        assert synthetic_run.run_job(root, JobSpec("expert", 0), options).state == "done"
+        finals.append(_final(root, "experts/0"))
+    a, b = finals
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [(f.read_ahead, f.on_the_spot) for f in feeds] == [(0, 10), (8, 2)]  # 5 steps x 2 micro-batches
+
+
+def test_a_negative_prefetch_is_refused_naming_it():
+    raw = synthetic_config(k=2).to_dict()
+    raw["train"]["prefetch"] = -1
+    with pytest.raises(ValueError, match="prefetch"):
+        RunConfig.from_dict(raw)

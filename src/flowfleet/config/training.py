@@ -76,9 +76,21 @@ class TrainConfig(Strict):
     # How a job holds its data: "memory" (every item loaded at the start) or "stream" (each batch's items read from the
     # shard files: memory that does not grow with the data, flowfleet.train.stream); the same batches either way
     loader: Literal["memory", "stream"] = "memory"
+    # Steps whose batches a background thread reads while the current step computes (and pins for a GPU), as a
+    # DataLoader's prefetch_factor; None: 1 with the stream loader, 0 with every item in memory. The same batches
+    prefetch: int | None = Field(None, ge=0)
+    # Threads reading a streamed batch's items from the shard files (a DataLoader's num_workers)
+    loader_workers: int = Field(4, ge=1)
     # Experts and the monolith: the probability that a drawn item is replaced by one of its augmented copies
     # (data.augment.copies; the model is conditioned on how, expert.augment_dim). 0: the prepared items only.
     augment_p: float = Field(0.0, ge=0, le=1)
+
+    @property
+    def read_ahead(self) -> int:
+        """train.prefetch as it applies: the steps read ahead."""
+        if self.prefetch is not None:
+            return self.prefetch
+        return 1 if self.loader == "stream" else 0
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

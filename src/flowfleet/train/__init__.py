@@ -4,6 +4,8 @@ specs.py       JobSpec: a job's name, folder, command line (built once for every
 tasks.py       the tasks a JobSpec becomes: expert/monolith flow matching, router CE, distillation
 loop.py        Trainer: the one training loop (AdamW, EMA, accumulation, AMP, DDP, checkpoints, signals)
 data.py        shard sets in memory, seeded batches with a resumable position, shape checks
+stream.py      shard sets read batch by batch from their files (train.loader: stream)
+feed.py        a job's next batches read ahead while a step computes (train.prefetch)
 checkpoint.py  safetensors + JSON checkpoints, written so that a crash leaves the previous one loadable
 ema.py         EMA of the weights (what gets sampled and saved as final/)
 status.py      status.json and the heartbeat lease of a running job

@@ -41,6 +41,7 @@ from flowfleet.threads import ThreadGovernor
 from flowfleet.train.checkpoint import BackgroundWriter, Checkpoint, CheckpointStore, flatten_state, unflatten_state
 from flowfleet.train.data import ResumableSampler, derive_seed
 from flowfleet.train.ema import EMA
+from flowfleet.train.feed import BatchFeed
 from flowfleet.train.metrics import MetricsLog
 from flowfleet.train.phema import TrackedEMAs
 from flowfleet.train.status import HEARTBEAT_EVERY, HEARTBEAT_EVERY_LOCAL, JobLease, JobStatus, job_finished
@@ -152,6 +153,7 @@ class TrainState:
     scaler: torch.amp.GradScaler
     amp: torch.dtype | None
     micro: int  # samples per micro-batch per process
+    feed: BatchFeed  # this process's batches, read ahead (train.prefetch)
     ema: EMA | None = None
     tracked: TrackedEMAs | None = None  # rank 0's post-hoc EMAs (train.posthoc_ema), where tracked
     lease: JobLease | None = None
@@ -491,6 +493,7 @@ class Trainer:
             raise
         finally:
             bar.close()
+            st.feed.close()
             if island.is_main:
                 with contextlib.suppress(Exception):  # (a failed job: its own error is the one to see)
                     self.checkpoints.drain(st)
@@ -529,6 +532,7 @@ class Trainer:
             net=model,
             amp=amp,
             micro=tc.batch_size // chunks,
+            feed=BatchFeed(task.data, tc.read_ahead, pin=dev.type == "cuda"),
             opt=self.hooks.optimizer(model, dev) or adamw(model, dev, tc),
             scaler=torch.amp.GradScaler(dev.type, enabled=amp == torch.float16),
             ema=EMA(model, tc.ema_decay, tc.ema_warmup) if island.is_main else None,
@@ -581,6 +585,10 @@ class Trainer:
             return self.stop.reason is not None
         tc, total = self.task.train_cfg, self.task.total_steps
         lr = learning_rate(tc, st.step, total)
+        for ahead in range(1, min(tc.read_ahead, total - st.step - 1) + 1):  # the next steps' batches, meanwhile
+            position = st.position + ahead * tc.batch_size
+            for m, chunk in enumerate(self._chunks(st, sampler.take(position, tc.batch_size))):
+                st.feed.ahead((position, m), chunk)
         loss, extras, stop = self._forward_backward(st, sampler.take(st.position, tc.batch_size), lr)
         st.step, st.position = st.step + 1, st.position + tc.batch_size
         self._update(st, loss, extras)
@@ -602,9 +610,9 @@ class Trainer:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=dev)
         extra_sums: dict[str, torch.Tensor] = {}
-        for m in range(tc.grad_accum):
+        for m, mine in enumerate(self._chunks(st, items)):
             chunk = island.rank * tc.grad_accum + m  # which piece of the global batch
-            batch = self.task.data.gather(items[chunk * st.micro : (chunk + 1) * st.micro], dev)
+            batch = st.feed.take((st.position, m), mine, dev)
             gen = torch.Generator(device=dev).manual_seed(derive_seed(tc.seed, st.step, chunk))
             sync: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
             if isinstance(st.net, DistributedDataParallel) and m < tc.grad_accum - 1:
@@ -621,6 +629,11 @@ class Trainer:
         chunks = island.world_size * tc.grad_accum
         means = {key: value / chunks for key, value in zip(extra_sums, stats[1:-1])}
         return stats[0] / chunks, means, stats[-1] > 0
+
+    def _chunks(self, st: TrainState, items: torch.Tensor) -> list[torch.Tensor]:
+        """This process's micro-batches of a global batch's items: pieces rank * grad_accum + m, m < grad_accum."""
+        first = st.island.rank * self.task.train_cfg.grad_accum
+        return [items[c * st.micro : (c + 1) * st.micro] for c in range(first, first + self.task.train_cfg.grad_accum)]
 
     def _update(self, st: TrainState, loss: float, extras: dict[str, float]) -> None:
         """Optimiser step + EMA for a finite loss; skip a non-finite one, and stop after a run of them."""

@@ -40,7 +40,6 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-READERS = 4  # threads reading a batch's rows
 
 
 @dataclass(frozen=True)
@@ -118,14 +117,16 @@ class StreamedData:
         streamed: list[str],
         tensors: dict[str, torch.Tensor],
         where: str,
+        readers: int = 4,
     ):
         self.files, self.file_of, self.row_of = files, file_of, row_of  # [N] int32 each: an item's file and row
         self.streamed, self.tensors, self.where = streamed, tensors, where
+        self.readers = readers  # threads reading a batch's rows (train.loader_workers)
         self._reader = _Reader()
         self._pool: ThreadPoolExecutor | None = None
 
     @classmethod
-    def load(cls, shards: ShardSet, fields: Iterable[str]) -> "StreamedData":
+    def load(cls, shards: ShardSet, fields: Iterable[str], readers: int = 4) -> "StreamedData":
         if not shards.exists():
             raise FlowfleetError(f"{shards.url}: no shard set (manifest.json missing)")
         manifest = shards.manifest()
@@ -136,7 +137,7 @@ class StreamedData:
         file_of = torch.cat([torch.full((f.count,), i, dtype=torch.int32) for i, f in enumerate(files)])
         row_of = torch.cat([torch.arange(f.count, dtype=torch.int32) for f in files])
         small = [f for f in fields if files[0].fields[f].shape == ()]  # a number an item (index, labels): in memory
-        data = cls(files, file_of, row_of, [f for f in fields if f not in small], {}, shards.url)
+        data = cls(files, file_of, row_of, [f for f in fields if f not in small], {}, shards.url, readers)
         data.tensors = {name: torch.cat([data._whole(file, name) for file in files]) for name in small}
         return data
 
@@ -160,13 +161,15 @@ class StreamedData:
         tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in parts[0].tensors}
         where = " + ".join(p.where for p in parts)
         row_of = torch.cat([p.row_of for p in parts])
-        return cls(files, torch.cat(file_of), row_of, parts[0].streamed, tensors, where)
+        return cls(files, torch.cat(file_of), row_of, parts[0].streamed, tensors, where, parts[0].readers)
 
     def select(self, keep: torch.Tensor) -> "StreamedData":
         """Only the items where `keep` [N] bool is true."""
         items = keep.nonzero(as_tuple=True)[0]
         tensors = {name: t.index_select(0, items) for name, t in self.tensors.items()}
-        return StreamedData(self.files, self.file_of[items], self.row_of[items], self.streamed, tensors, self.where)
+        return StreamedData(
+            self.files, self.file_of[items], self.row_of[items], self.streamed, tensors, self.where, self.readers
+        )
 
     def gather(self, items: torch.Tensor, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The given items as a batch, as InMemoryData.gather gives it."""
@@ -194,7 +197,7 @@ class StreamedData:
                 buf[i * size : (i + 1) * size] = self._reader.read(file, offset, size)
 
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="flowfleet-stream")
+                self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="flowfleet-stream")
             list(self._pool.map(fetch, range(len(where))))
             out[name] = torch.frombuffer(buf, dtype=spec.dtype).reshape(len(where), *spec.shape).clone()
         return out
@@ -227,6 +230,7 @@ class Captions(Sequence[str]):
 Data = InMemoryData | StreamedData  # a job's data, either way (open_data)
 
 
-def open_data(shards: ShardSet, fields: Iterable[str], loader: str = "memory") -> Data:
-    """A job's data: every item in memory, or read from the shard files as batches ask (run.yaml train.loader)."""
-    return StreamedData.load(shards, fields) if loader == "stream" else InMemoryData.load(shards, fields)
+def open_data(shards: ShardSet, fields: Iterable[str], loader: str = "memory", readers: int = 4) -> Data:
+    """A job's data: every item in memory, or read from the shard files as batches ask by `readers` threads (run.yaml
+    train.loader, train.loader_workers)."""
+    return StreamedData.load(shards, fields, readers) if loader == "stream" else InMemoryData.load(shards, fields)

@@ -394,7 +394,7 @@ def load_assignments(root: RunRoot, data: Data, k: int) -> torch.Tensor:
     return assign[index]
 
 
-def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str], loader: str = "memory") -> Data:
+def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str], loader: str = "memory", readers: int = 4) -> Data:
     """Every prepared item of the run (data/, then each addition's added/<n>/data/) with `fields` and its
     expert in "cluster" (an addition's clusters follow the run's: cluster.k + j for its j-th)."""
     parts = []
@@ -402,7 +402,7 @@ def clustered_data(root: RunRoot, cfg: RunConfig, fields: list[str], loader: str
     for n, k in [(0, cfg.cluster.k)] + [(n, a.k) for n, a in enumerate(cfg.added, 1)]:
         sub = root.origin(n)
         shards = open_complete(sub, DATA, f"flowfleet prepare {sub.url}" if n == 0 else "flowfleet add-expert")
-        data = open_data(shards, [*fields, "index"], loader)
+        data = open_data(shards, [*fields, "index"], loader, readers)
         data.tensors["cluster"] = load_assignments(sub, data, k) + first
         del data.tensors["index"]
         parts.append(data)
@@ -522,7 +522,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
         model = cfg.expert_config(k)
         p = cfg.train.augment_p
         check_compatible(shards.manifest(), model, data_where=shards.url, model_where="run.yaml expert", augment_p=p)
-        data = open_data(shards, training_fields(model, p), cfg.train.loader)
+        data = open_data(shards, training_fields(model, p), cfg.train.loader, cfg.train.loader_workers)
         train = cfg.train.model_copy(update={"batch_size": planned_batch(root, cfg, spec, shards)})  # DDM's split
         return FlowTask(spec, cfg, model, train, planned_steps(root, cfg, spec, shards=shards), data)
 
@@ -540,7 +540,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
             tensors = safetensors.torch.load(root.read_bytes(*REFLOW_PAIRS))
             data = InMemoryData(tensors, [], root.url_of(*REFLOW_PAIRS))
         else:
-            data = clustered_data(root, cfg, model_fields(cfg.expert), cfg.train.loader)
+            data = clustered_data(root, cfg, model_fields(cfg.expert), cfg.train.loader, cfg.train.loader_workers)
         teacher_guidance = cfg.distill.teacher_guidance(cfg.sampling)
         return DistillTask(
             spec,
@@ -558,7 +558,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
         check_compatible(
             shards.manifest(), cfg.expert, data_where=shards.url, model_where="run.yaml expert", augment_p=p
         )
-        data = open_data(shards, training_fields(cfg.expert, p), cfg.train.loader)
+        data = open_data(shards, training_fields(cfg.expert, p), cfg.train.loader, cfg.train.loader_workers)
         if spec.kind == "monolith":
             steps = planned_steps(root, cfg, spec, match_compute)
             return FlowTask(spec, cfg, cfg.expert, cfg.train, steps, data)
@@ -566,7 +566,7 @@ def _build_task(root: RunRoot, cfg: RunConfig, spec: JobSpec, *, match_compute: 
 
     router = router_config(cfg, spec)
     check_compatible(shards.manifest(), router, data_where=shards.url, model_where="run.yaml router")
-    data = clustered_data(root, cfg, model_fields(router), cfg.router_train.loader)
+    data = clustered_data(root, cfg, model_fields(router), cfg.router_train.loader, cfg.router_train.loader_workers)
     if spec.without:  # removed experts: their data is in no weight of the new router
         data = data.select(~torch.isin(data.tensors["cluster"], torch.tensor(spec.without)))
         if len(data) == 0:
