@@ -4,9 +4,11 @@ The default suite deselects the marker (pyproject addopts) and hides the GPUs (t
 machine without CUDA every test here fails saying so, rather than skipping. Each test asserts what the CPU
 suite asserts of the same path, on the GPU: training learns in every precision (fp32, bf16 autocast, fp16
 autocast with loss scaling) and saves fp32 weights that load on a CPU; a stopped job resumes to the bits of
-an uninterrupted one (deterministic kernels); train-all's jobs run on the GPU; and a seed draws the same
-images on the GPU as on the CPU. The CPU comparisons run both sides in fp32 with TF32 off, so their tolerance
-is fp32 rounding's (tests/fixtures/tolerances.py), the same bound the CPU suite uses between two batchings.
+an uninterrupted one (deterministic kernels); two ranks of DDP over NCCL give the weights of one GPU
+accumulating their two micro-batches (on a machine with two GPUs; skipped, saying so, with one); train-all's jobs
+run on the GPU; and a seed draws the same images on the GPU as on the CPU. The CPU comparisons run both sides in
+fp32 with TF32 off, so their tolerance is fp32 rounding's (tests/fixtures/tolerances.py), the same bound the CPU
+suite uses between two batchings.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 # cuBLAS is deterministic only with a fixed workspace, which it reads when its first handle is made: set
 # before any test in this process touches CUDA (collection imports this module before any test runs).
@@ -32,6 +36,7 @@ from flowfleet.models.dit import DiTExpert  # noqa: E402
 from flowfleet.models.files import load_model  # noqa: E402
 from flowfleet.sampling import FleetPipeline  # noqa: E402
 from flowfleet.storage import RunRoot  # noqa: E402
+from flowfleet.train.checkpoint import CheckpointStore  # noqa: E402
 from flowfleet.train.loop import TrainOptions  # noqa: E402
 from flowfleet.train.specs import JobSpec  # noqa: E402
 
@@ -134,6 +139,46 @@ def test_train_all_runs_every_job_on_the_gpu(tmp_path, capsys):
         assert status["state"] == "done", (job, status)
         log = (tmp_path / "r" / job / "train.log").read_text()
         assert " on cuda:0 in fp32" in log, (job, log[-2000:])
+
+
+DETERMINISTIC_CLI = """import sys, torch
+torch.use_deterministic_algorithms(True)
+from flowfleet.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ddp_over_nccl_on_two_gpus_matches_accumulation_on_one(tmp_path):
+    """The CPU suite's two gloo processes against one with grad_accum 2, over NCCL: two torchrun ranks of
+    `--device cuda` (each its local GPU), 4 samples each, against one process on cuda:0 accumulating the same two
+    micro-batches. Deterministic kernels on both sides; each micro-batch's gradient is the same computation on the
+    same kind of GPU, and (a + b) / 2 = a / 2 + b / 2 exactly, so the weights are equal bit for bit."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs; this machine has {torch.cuda.device_count()}")
+    kw = dict(steps=3, batch=8)
+    make_run(tmp_path / "ddp", **kw)
+    script = tmp_path / "deterministic_cli.py"
+    script.write_text(DETERMINISTIC_CLI)
+    argv = ["train-expert", str(tmp_path / "ddp"), "--expert", "0", "--no-progress", "--device", "cuda"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), *argv],
+        env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUBLAS_WORKSPACE_CONFIG=":4096:8"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = CheckpointStore(RunRoot(tmp_path / "ddp"), "experts/0").load("step-0000003").state
+    assert state["world_size"] == 2
+    one = make_run(tmp_path / "one", **kw, train=dict(grad_accum=2))
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert run_job(one, JobSpec("expert", 0)).state == "done"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    name = "experts/0/final/diffusion_pytorch_model.safetensors"
+    a, b = tensors(tmp_path / "ddp" / name), tensors(tmp_path / "one" / name)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("strategy, guidance_max_t", [("full", 1.0), ("top2", 1.0), ("top2", 0.5)])
