@@ -6,9 +6,10 @@ The terms, per machine (one expert's job, a DiLoCo worker, or a rank of full syn
 
     compute   a step of batch B on a machine of G GPUs: B x the model's training FLOPs per sample (flowfleet's exact
               count) / (G x the GPU's data-sheet dense bf16 peak x an assumed MFU)
-    full sync a ring all-reduce of fp32 gradients every step, 2 (K - 1) / K x 4 |θ| bytes sent and as many received
-              (machines.py's and decision.py's convention: the global batch stays B, each rank computes B / K);
-              overlapped with the backward pass, so a step takes the longer of its compute and its traffic
+    full sync a ring all-reduce of fp32 gradients every step, 2 (K - 1) / K x 4 |θ| bytes sent and as many received,
+              overlapped with the backward pass, so a step takes the longer of its compute and its traffic; at the
+              monolith's global batch B (machines.py's and decision.py's convention: each rank computes B / K a
+              step, K times the steps) and at a global batch of K x B (each rank B a step: another recipe)
     DiLoCo    a round every H steps of batch B per worker: its pseudo-gradient up, 4 |θ| bytes, and the K - 1 others'
               down through the bucket, (K - 1) x 4 |θ| (as the small runs' workers counted: status.json's
               bytes_written, bytes_read), plus one round trip; flowfleet's rounds do not overlap compute
@@ -53,8 +54,8 @@ def projection(a: argparse.Namespace) -> str:
     links = [float(x) for x in a.links.split(",")]
     sync_bytes = ring_bytes(params, k, 1)  # a step's, each way
 
-    def sync(gbit: float) -> float:
-        return max(step_s, sync_bytes / (gbit * GBIT)) / step_s
+    def sync(gbit: float, per_rank: float) -> float:  # per_rank: the share of a step of batch B each rank computes
+        return max(per_rank * step_s, sync_bytes / (gbit * GBIT)) / (per_rank * step_s)
 
     def diloco(h: int, gbit: float) -> float:
         down = (k - 1) * 4 * params  # the larger direction: the others' pseudo-gradients
@@ -74,16 +75,18 @@ def projection(a: argparse.Namespace) -> str:
     for h in (int(x) for x in a.H.split(",")):
         traffic = f"{4 * params / 2**30:.2f} GiB up, {(k - 1) * 4 * params / 2**30:.1f} GiB down a round"
         out.append(f"| DiLoCo, H = {h} | {traffic} | " + " | ".join(f"{diloco(h, g):.2f}" for g in links) + " |")
-    out.append(
-        f"| full sync (DDP, overlapped) | {sync_bytes / 2**30:.2f} GiB each way a step | "
-        + " | ".join(f"{sync(g):.2f}" for g in links)
-        + " |"
-    )
-    hides = sync_bytes * 8 / step_s / 1e9
+    for label, per_rank in ((f"global batch {batch}, each rank {batch // k}", 1 / k), (f"global batch {k * batch}", 1)):
+        out.append(
+            f"| full sync (DDP, overlapped), {label} | {sync_bytes / 2**30:.2f} GiB each way a step | "
+            + " | ".join(f"{sync(g, per_rank):.2f}" for g in links)
+            + " |"
+        )
+    hides = sync_bytes * 8 / (step_s / k) / 1e9
     days = cfg.train.steps * step_s / 86400
     out += [
         "",
-        f"Full sync's traffic hides behind compute on a link of {hides:,.0f} Gbit/s or faster; DiLoCo's at H adds "
+        f"Full sync's traffic hides behind compute on a link of {hides:,.0f} Gbit/s or faster at the monolith's batch "
+        f"({hides / k:,.0f} at {k} times it); DiLoCo's at H adds "
         f"{(k - 1) * 4 * params * 8 / 1e9:,.1f} Gbit ÷ the link's rate + one round trip ({a.rtt:g} s) every H steps "
         f"(through a bucket; workers that all-reduce their pseudo-gradients instead would each receive "
         f"{ring_bytes(params, k, 1) / 2**30:.2f} GiB a round). The preset's {cfg.train.steps:,} steps an expert: "
