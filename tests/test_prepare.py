@@ -241,6 +241,39 @@ def test_prepare_in_three_parts_then_merge_gives_the_one_machine_shards(tmp_path
     ).read_bytes()
 
 
+def test_prepare_in_parts_as_local_processes_gives_the_one_machine_shards(tmp_path, capsys):
+    """`prepare --parts 3`: three processes of `--part i/3` at once, then the merge: data/ byte for byte a one-machine
+    prepare's; the parts' runs overlap in time; run again, it encodes nothing and merges the same shards."""
+    kw = dict(text="minilm", limit=40, shard_size=16, batch_size=8)
+    whole = prepare(make_run(tmp_path / "whole", **kw), progress=False)
+    run = make_run(tmp_path / "parts", **kw)
+    assert main(["prepare", str(tmp_path / "parts"), "--parts", "3", "--parallel", "3", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "prepared 40 items in 3 shards" in out and all(f"part {i}/3: " in out for i in range(3))
+    assert shard_bytes(tmp_path / "parts") == shard_bytes(tmp_path / "whole")
+    merged = ShardSet(run, "data").manifest()
+    assert merged.shards == whole.shards and merged.fields == whole.fields and merged.complete
+    logs = sorted(p.name for p in (tmp_path / "parts" / "data-parts").glob("*.log"))
+    assert logs == ["0-of-3.log", "1-of-3.log", "2-of-3.log"]
+
+    from flowfleet.stages.prepare_parts import prepare_in_parts
+
+    again = prepare_in_parts(str(tmp_path / "parts"), 3, parallel=3, progress=False)
+    starts, ends = zip(*again.spans.values())
+    assert len(starts) == 3 and max(starts) < min(ends)  # all three running at once
+    assert shard_bytes(tmp_path / "parts") == shard_bytes(tmp_path / "whole")
+    for i in range(3):  # each part's own output, in its log (both runs appended)
+        assert (tmp_path / "parts" / "data-parts" / f"{i}-of-3.log").read_text().count(f"prepared part {i}/3") == 2
+
+
+def test_prepare_parts_refuses_bad_counts_in_one_line(tmp_path, capsys):
+    make_run(tmp_path / "r", limit=8)
+    assert main(["prepare", str(tmp_path / "r"), "--parts", "0", "--quiet"]) == 1
+    assert "parts: must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["prepare", str(tmp_path / "r"), "--parallel", "2", "--quiet"]) == 1
+    assert "--parallel: 2 needs --parts N" in capsys.readouterr().err
+
+
 def test_parts_with_bad_images_merge_to_the_same_records(tmp_path):
     kw = dict(
         base="shapes-tiny", source="folder", path=str(images_with_three_bad(tmp_path)), shard_size=3, batch_size=2

@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_run_root(p)
     p.add_argument("--restart", action="store_true", help="discard an existing data/ folder and start over")
+    p.add_argument(
+        "--parallel", type=int, default=None, help="with --parts: parts at a time (default: one per core, or GPU)"
+    )
     add_device(p)
     add_progress(p, "--quiet")
     split = p.add_mutually_exclusive_group()
@@ -66,6 +69,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         default=None,
         help="join the N parts into data/ (the same shards as one prepare)",
+    )
+    split.add_argument(
+        "--parts",
+        type=int,
+        metavar="N",
+        default=None,
+        help="all of it on this machine in N parts, each a process of --part i/N (--parallel at a time), then merged",
     )
     split.add_argument(
         "--autoencoder-only",
@@ -148,7 +158,18 @@ def run_prepare(args: argparse.Namespace) -> int:
     if args.autoencoder_only:
         print(f"autoencoder: {prepare_autoencoder(args.run_root, restart=args.restart, progress=args.progress)}")
         return 0
-    if args.merge is not None:
+    if args.parallel is not None and (args.parts is None or args.parallel < 1):
+        raise FlowfleetError(f"--parallel: {args.parallel} needs --parts N and must be >= 1")
+    if args.parts is not None:
+        from flowfleet.stages.prepare_parts import prepare_in_parts
+
+        done = prepare_in_parts(
+            args.run_root, args.parts, parallel=args.parallel, restart=args.restart, progress=args.progress
+        )
+        for name, (start, end) in sorted(done.spans.items()):
+            print(f"{name}: {end - start:.1f} s")
+        m = done.manifest
+    elif args.merge is not None:
         if args.merge < 1:
             raise FlowfleetError(f"--merge: must be >= 1, got {args.merge}")
         m = merge_parts(args.run_root, args.merge, progress=args.progress)
