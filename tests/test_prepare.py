@@ -272,6 +272,10 @@ def test_prepare_parts_refuses_bad_counts_in_one_line(tmp_path, capsys):
     assert "parts: must be >= 1, got 0" in capsys.readouterr().err
     assert main(["prepare", str(tmp_path / "r"), "--parallel", "2", "--quiet"]) == 1
     assert "--parallel: 2 needs --parts N" in capsys.readouterr().err
+    assert main(["prepare", str(tmp_path / "r"), "--backend", "slurm", "--quiet"]) == 1
+    assert "--backend: slurm needs --parts N" in capsys.readouterr().err
+    assert main(["prepare", str(tmp_path / "r"), "--parts", "2", "--backend", "ray", "--quiet"]) == 1
+    assert "backend: prepare --parts runs as local processes or Slurm jobs, not on 'ray'" in capsys.readouterr().err
 
 
 def test_parts_with_bad_images_merge_to_the_same_records(tmp_path):

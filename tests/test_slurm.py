@@ -8,6 +8,7 @@ import os
 import time
 
 import pytest
+from fixtures.prepared_runs import make_run
 from fixtures.slurm import missing_daemons, slurm_cluster
 from fixtures.synthetic_run import fault_run_pair, synthetic_config, wait_past_second_checkpoint, write_synthetic_run
 
@@ -15,8 +16,10 @@ from flowfleet.backends import read_submissions
 from flowfleet.backends.slurm import SlurmBackend
 from flowfleet.cli import main
 from flowfleet.config import BackendConfig
+from flowfleet.data.shards import ShardSet
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.files import WEIGHTS_NAME
+from flowfleet.stages.prepare import prepare
 from flowfleet.stages.train import train_all
 from flowfleet.storage import RunRoot
 
@@ -73,6 +76,29 @@ def test_train_all_on_slurm_gives_the_local_backends_weights(tmp_path, cluster, 
     again = train_all(str(slurm), progress=False, backend="slurm")
     assert set(again.results.values()) == {"skipped"}
     assert read_submissions(RunRoot(str(slurm))) == submitted
+
+
+def test_prepare_in_parts_on_slurm_gives_the_one_machine_shards(tmp_path, cluster, monkeypatch, capsys):
+    """`prepare --parts 3 --backend slurm`: an array of three `prepare --part i/3` and a merge after them; data/
+    byte for byte a one-machine prepare's, each part's output in its log, the scripts in the run root."""
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+    kw = dict(limit=40, shard_size=16, batch_size=8)
+    prepare(make_run(tmp_path / "whole", **kw), progress=False)
+    run = make_run(tmp_path / "parts", **kw)
+    assert main(["prepare", str(tmp_path / "parts"), "--parts", "3", "--backend", "slurm"]) == 0
+    said = capsys.readouterr().out
+    assert "parts: job " in said and "autoencoder" not in said  # (pixel latents: no autoencoder to train)
+    merge = said.split("merge: job ")[1].split()[0]
+    while SlurmBackend().states([merge]):  # until squeue no longer lists it
+        time.sleep(0.5)
+    shards = sorted((tmp_path / "whole" / "data").glob("shard-*.safetensors"))
+    assert len(shards) == 3 and ShardSet(run, "data").manifest().complete
+    for shard in shards:
+        assert (tmp_path / "parts" / "data" / shard.name).read_bytes() == shard.read_bytes(), shard.name
+    for i in range(3):
+        assert f"prepared part {i}/3" in (tmp_path / "parts" / "data-parts" / f"{i}-of-3.log").read_text()
+    script = (tmp_path / "parts" / "backends" / "slurm" / "prepare-parts.sbatch").read_text()
+    assert "#SBATCH --array=0-2" in script and '--part "$SLURM_ARRAY_TASK_ID/3"' in script
 
 
 def test_a_job_still_queued_on_slurm_is_not_submitted_again(tmp_path, cluster, monkeypatch):

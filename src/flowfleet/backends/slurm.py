@@ -3,6 +3,8 @@
     RUN_ROOT/backends/slurm/experts.sbatch     one array task per expert (--array=<expert ids>)
     RUN_ROOT/backends/slurm/<job>.sbatch       router, router-paris, monolith: one job each
     RUN_ROOT/backends/slurm/assemble.sbatch    `flowfleet assemble`, --dependency=afterok on all of them
+    RUN_ROOT/backends/slurm/prepare-*.sbatch   `flowfleet prepare --parts N --backend slurm`: the autoencoder once,
+                                               an array of N `prepare --part i/N`, then `prepare --merge N`
     RUN_ROOT/backends/submissions.json         job -> {backend, id, submitted}
     RUN_ROOT/<job folder>/train.log            the job's output (appended, as the local backend writes it)
 
@@ -34,7 +36,7 @@ from typing import Sequence
 from flowfleet.config import BackendConfig
 from flowfleet.data.sources.fetched import cache_dir, write_cache_file
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import LOG_FILE
+from flowfleet.layout import DATA_PARTS, LOG_FILE
 from flowfleet.storage import RunRoot
 from flowfleet.train.specs import JobSpec, cli_command, launcher
 
@@ -188,6 +190,33 @@ class SlurmBackend:
             staged = self._write(root, "assemble.sbatch", self.assemble_script(root, run_name))
             parents = sorted({i.split("_")[0] for i in ids.values()})
             ids["assemble"] = self.sbatch(str(staged), parents)
+        return ids
+
+    def submit_prepare(self, root: RunRoot, n: int, run_name: str, autoencoder: bool) -> dict[str, str]:
+        """`prepare` in n parts as Slurm jobs, each on one node: (with `autoencoder`, the run's autoencoder trained
+        once,) an array of n `prepare --part i/N` tasks after it, `prepare --merge N` after them all -> step name ->
+        Slurm job id. Their output: data-parts/<i>-of-<N>.log, data-parts/autoencoder.log, data-parts/merge.log."""
+        one_node = SlurmBackend(self.config.model_copy(update={"nodes_per_job": 1}))
+        self.stage(root).mkdir(parents=True, exist_ok=True)
+        (self._outputs(root) / DATA_PARTS).mkdir(parents=True, exist_ok=True)
+        prepare = cli_command(["prepare", root.url, "--quiet"], launcher(self.config.python))
+
+        def script(step: str, output: str, argv: list[str], tail: str = "", array: str = "") -> Path:
+            lines = one_node._header(f"flowfleet-{run_name}-prepare-{step}", f"{self._outputs(root)}/{output}")
+            if array:
+                lines.insert(2, f"#SBATCH --array={array}")
+            return self._write(root, f"prepare-{step}.sbatch", "\n".join([*lines, one_node._command(argv, tail), ""]))
+
+        ids: dict[str, str] = {}
+        if autoencoder:
+            first = script("autoencoder", f"{DATA_PARTS}/autoencoder.log", [*prepare, "--autoencoder-only"])
+            ids["autoencoder"] = self.sbatch(str(first))
+        parts = script(
+            "parts", f"{DATA_PARTS}/%a-of-{n}.log", [*prepare, "--part"], f' "$SLURM_ARRAY_TASK_ID/{n}"', f"0-{n - 1}"
+        )
+        ids["parts"] = self.sbatch(str(parts), [ids["autoencoder"]] if autoencoder else ())
+        merge = script("merge", f"{DATA_PARTS}/merge.log", [*prepare, "--merge", str(n)])
+        ids["merge"] = self.sbatch(str(merge), [ids["parts"]])
         return ids
 
     def resubmit(self, root: RunRoot, spec: JobSpec, run_name: str) -> str:

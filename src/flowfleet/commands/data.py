@@ -54,6 +54,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--parallel", type=int, default=None, help="with --parts: parts at a time (default: one per core, or GPU)"
     )
+    p.add_argument(
+        "--backend",
+        default="local",
+        help="with --parts: local (processes here) or slurm, or a run.yaml `backends` entry of kind slurm",
+    )
     add_device(p)
     add_progress(p, "--quiet")
     split = p.add_mutually_exclusive_group()
@@ -160,6 +165,14 @@ def run_prepare(args: argparse.Namespace) -> int:
         return 0
     if args.parallel is not None and (args.parts is None or args.parallel < 1):
         raise FlowfleetError(f"--parallel: {args.parallel} needs --parts N and must be >= 1")
+    if args.backend != "local" and args.parts is None:
+        raise FlowfleetError(f"--backend: {args.backend} needs --parts N")
+    if args.parts is not None and args.backend != "local":
+        from flowfleet.stages.prepare_parts import submit_prepare_parts
+
+        ids = submit_prepare_parts(args.run_root, args.parts, args.backend)
+        print(", ".join(f"{step}: job {i}" for step, i in ids.items()) + " submitted; data/ is whole when merge ends")
+        return 0
     if args.parts is not None:
         from flowfleet.stages.prepare_parts import prepare_in_parts
 

@@ -4,7 +4,10 @@ them), then merged into data/ and eval/ exactly as one prepare writes them (`mer
 which every part encodes with, is trained once before the parts start. Each part resumes where it stopped, so a run
 interrupted at any point is finished by the same command.
 
-On other machines the same parts are the same commands (`prepare --part i/N` on each, then `prepare --merge N`).
+On a Slurm cluster (`--backend slurm`, or a run.yaml `backends` entry of kind slurm) the same steps are Slurm jobs:
+the autoencoder, an array of the N parts after it, the merge after them (flowfleet.backends.slurm). Elsewhere the
+parts are the same commands, started by hand or by any scheduler: `prepare --part i/N` on each, then `prepare
+--merge N`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from flowfleet.config import load_run_config
+from flowfleet.config import BackendConfig, load_run_config
 from flowfleet.data.shards import ShardSetManifest
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import DATA_PARTS
@@ -88,3 +91,24 @@ def prepare_in_parts(
             why = done.last_line or f"exit code {done.returncode}"
             raise FlowfleetError(f"{done.name} failed: {why} (its log: {root.url_of(DATA_PARTS, done.log.name)})")
     return PartsPrepared(merge_parts(root, n, progress=progress), spans)
+
+
+def submit_prepare_parts(run_root: str | RunRoot, n: int, backend: str | BackendConfig) -> dict[str, str]:
+    """The n parts as jobs of a Slurm backend (a run.yaml `backends` name, `slurm`, or a BackendConfig), the
+    autoencoder first and the merge last -> step name -> job id. Returns once they are submitted."""
+    from flowfleet.backends import named_backend
+    from flowfleet.backends.slurm import SlurmBackend
+
+    root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
+    if n < 1:
+        raise ParameterError("parts", f"must be >= 1, got {n}")
+    cfg = load_run_config(root)
+    config = backend if isinstance(backend, BackendConfig) else named_backend(cfg, backend)
+    if config.kind != "slurm":
+        raise ParameterError(
+            "backend",
+            f"prepare --parts runs as local processes or Slurm jobs, not on {config.kind!r}: start "
+            f"`flowfleet prepare {root.url} --part i/{n}` there, then `--merge {n}`",
+        )
+    autoencoder = cfg.encoders.latent.name == "autoencoder"
+    return SlurmBackend(config).submit_prepare(root, n, cfg.name, autoencoder)
