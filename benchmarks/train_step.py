@@ -1,7 +1,8 @@
 """Training-step throughput of the DiT and the overhead of flowfleet's full trainer.
 
 For each model (tiny/4 and DiT-S/2 on 4x32x32 latents, unconditional; `demo`: the mnist preset's expert as
-`make demo` trains it) it measures, in one run, on the CPU or a GPU (`--device`, `--precision`):
+`make demo` trains it; `xl`: the paris-xl2 preset's expert, DiT-XL/2 with cross-attention to 77 CLIP tokens, a GPU's
+size) it measures, in one run, on the CPU or a GPU (`--device`, `--precision`):
 
   bare     a bare loop: forward, flow-matching loss, backward, AdamW step on one resident batch
   trainer  flowfleet.train.loop.Trainer on a synthetic run root: data gather, per-step seeded noise,
@@ -19,6 +20,8 @@ alike. Reported: the ratio of median step times and the median of the paired per
     .venv/bin/python benchmarks/train_step.py                      # both models
     .venv/bin/python benchmarks/train_step.py --models tiny --steps-tiny 200 --threads 1
     python benchmarks/train_step.py --device cuda --precision bf16 --batch-S 64   # on a GPU machine
+    python benchmarks/train_step.py --device cuda --precision bf16 --models xl --batch-xl 32   # an XL step's speed and
+                                                                                              # peak memory, on a GPU
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from fixtures.synthetic_run import write_synthetic_run
 from tqdm import tqdm  # noqa: E402
 
 from flowfleet.config import RunConfig, load_run_config
-from flowfleet.device import resolve_device
+from flowfleet.device import peak_memory, resolve_device
 from flowfleet.distributed import join_from_env
 from flowfleet.flow import flow_matching_loss, sample_t
 from flowfleet.models.dit import DiTModel
@@ -52,7 +55,7 @@ from flowfleet.train.loop import Trainer, TrainOptions, autocast_dtype
 from flowfleet.train.specs import JobSpec
 from flowfleet.train.tasks import build_task
 
-MODELS = {"tiny": "tiny/4", "S": "S/2", "demo": "demo"}
+MODELS = {"tiny": "tiny/4", "S": "S/2", "demo": "demo", "xl": "paris-xl2"}
 
 
 def sgemm_gflops(
@@ -75,8 +78,8 @@ def sgemm_gflops(
 
 
 def bench_config(size: str, batch: int, steps: int, log_every: int, precision: str = "fp32") -> RunConfig:
-    if size == "demo":  # the `mnist` preset as `make demo` trains it: its latent grid, expert and text input
-        raw = PRESETS["mnist"]()
+    if size in ("demo", "paris-xl2"):  # a preset's expert as it trains: `make demo`'s, or Paris' DiT-XL/2 with CLIP
+        raw = PRESETS["mnist" if size == "demo" else size]()
         raw["cluster"]["k"] = raw["router"]["num_outputs"] = 2
     else:
         raw = PRESETS["paris-b2"]()
@@ -210,6 +213,8 @@ def main() -> int:
     p.add_argument("--batch-S", type=int, default=4)
     p.add_argument("--steps-tiny", type=int, default=60, help="timed steps of each loop")
     p.add_argument("--steps-S", type=int, default=10, help="timed steps of each loop")
+    p.add_argument("--batch-xl", type=int, default=32)
+    p.add_argument("--steps-xl", type=int, default=10, help="timed steps of each loop")
     p.add_argument("--log-every", type=int, default=10, help="the trainer's metrics interval")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -237,6 +242,8 @@ def main() -> int:
         batch, steps = getattr(args, f"batch_{name}"), getattr(args, f"steps_{name}")
         cfg = bench_config(size, batch, 10**6, log_every=args.log_every, precision=args.precision)
         flops = train_flops_per_sample(cfg.expert)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         with tempfile.TemporaryDirectory(prefix="flowfleet-bench-") as tmp:
             root = RunRoot(tmp)
             write_synthetic_run(root, cfg, per_cluster=max(batch, 16), shard_size=256)
@@ -267,6 +274,7 @@ def main() -> int:
             overhead_pct_median_pair=100 * (statistics.median(ratios) - 1),
             overhead_pct_p20_p80_pair=[100 * (quantile(ratios, 0.2) - 1), 100 * (quantile(ratios, 0.8) - 1)],
             checkpoint_write_s=ckpt_s,
+            peak_memory_gib=peak_memory(device) / 2**30,  # a GPU's allocator peak (both loops'); a CPU: the process's
         )
         results[name] = row
         print(
@@ -277,7 +285,7 @@ def main() -> int:
             f"{row['overhead_pct_of_medians']:+.1f}% (medians), {row['overhead_pct_median_pair']:+.1f}% (median of "
             f"paired steps; p20..p80 {row['overhead_pct_p20_p80_pair'][0]:+.1f}.."
             f"{row['overhead_pct_p20_p80_pair'][1]:+.1f}%)"
-            f" | checkpoint write {ckpt_s:.2f} s",
+            f" | checkpoint write {ckpt_s:.2f} s | peak memory {row['peak_memory_gib']:.1f} GiB",
             flush=True,
         )
     print(
