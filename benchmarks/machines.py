@@ -32,7 +32,7 @@ One JSON line per trained row in OUT/machines.jsonl; --table prints the Markdown
 seed's mean over its draws; ratios draw by draw). Wall time: every option computes until the deadline T (the fleet
 then trains its router on the fastest machine, router U / its speed); traffic adds max(up, down) x 8 / the link's
 rate (a full-duplex link, no overlap with compute, no latency), shown at 1 Gbit/s in units of T as measured here
-(T = the quickest seed's fastest-alone training time / its speed) and as the link at which the traffic takes one T here.
+(T = S steps at the quickest monolith's median step time) and as the link at which the traffic takes one T here.
 """
 
 from __future__ import annotations
@@ -219,6 +219,17 @@ def moved(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.0f} MiB" if nbytes else "0"
 
 
+def unit_seconds(lines: list[dict], s: int) -> float:
+    """T here: S steps at the median step time of a monolith the table trained (metrics.jsonl's step_s), the quickest
+    monolith's (a shared box only slows a run)."""
+    runs = {Path(line["run"]) for line in lines if line["row"] in ("fastest", "sync", "all")}
+    medians = []
+    for run in runs:
+        logged = (run / "monolith" / "metrics.jsonl").read_text().splitlines()
+        medians.append(statistics.median(json.loads(x)["step_s"] for x in logged if x.strip()))
+    return s * min(medians)
+
+
 def table(a: argparse.Namespace) -> str:
     lines = read_lines(Path(a.out))
     speeds = lines[0]["speeds"]
@@ -230,8 +241,7 @@ def table(a: argparse.Namespace) -> str:
     seeds = sorted(by_row["all"])
     ref = [by_row["all"][x]["scores"]["classifier_fd"][: a.repeats] for x in seeds]
     params = by_row["all"][seeds[0]]["params"]
-    # T here: the quickest of the seeds' fastest-alone trainings (a shared box only slows a run) over its speed
-    deadline_s = min(by_row["fastest"][x]["train_s"] for x in seeds) / max(speeds)
+    deadline_s = unit_seconds(lines, s)
     labels = {
         "fastest": f"the fastest alone: a monolith of {max(speeds) * s} steps",
         "sync": f"full sync at the slowest's pace: {k} × {min(speeds) * s} steps",
