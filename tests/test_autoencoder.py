@@ -164,7 +164,7 @@ def test_a_changed_autoencoder_is_refused_and_restart_retrains_it(tmp_path):
     assert json.loads(root.read_bytes(AUTOENCODER, AUTOENCODER_RECIPE))["autoencoder"]["steps"] == 5
 
 
-def test_parts_need_the_autoencoder_trained_once_first(tmp_path):
+def test_parts_need_the_autoencoder_trained_once_first_and_keep_it_when_one_restarts(tmp_path):
     root = ae_run(tmp_path / "run")
     with pytest.raises(FlowfleetError, match=r"autoencoder: missing; .* --autoencoder-only"):
         prepare(root, progress=False, part=(0, 2))
@@ -172,6 +172,10 @@ def test_parts_need_the_autoencoder_trained_once_first(tmp_path):
 
     assert main(["prepare", root.url, "--autoencoder-only", "--quiet"]) == 0
     assert prepare(root, progress=False, part=(0, 2)).complete
+    weights = root.read_bytes(AUTOENCODER, "diffusion_pytorch_model.safetensors")
+    # a part started over keeps the latent space every other part encodes with
+    assert prepare(root, progress=False, part=(1, 2), restart=True).complete
+    assert root.read_bytes(AUTOENCODER, "diffusion_pytorch_model.safetensors") == weights
 
 
 def test_the_model_folder_carries_the_autoencoder_and_decodes_with_it(tmp_path):

@@ -364,7 +364,7 @@ def ensure_autoencoder(
     recipe = _autoencoder_recipe(cfg, source, split)
     where = root.url_of(AUTOENCODER)
     if root.exists(AUTOENCODER, AUTOENCODER_RECIPE):
-        if restart:
+        if restart and part is None:  # a part's restart is its slice's: the N parts share this latent space
             root.remove(AUTOENCODER, recursive=True)
         else:
             old = json.loads(root.read_bytes(AUTOENCODER, AUTOENCODER_RECIPE))
