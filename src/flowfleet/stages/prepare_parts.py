@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from flowfleet.layout import DATA_PARTS
 from flowfleet.stages.prepare import merge_parts, prepare_autoencoder
 from flowfleet.storage import RunRoot
 from flowfleet.train.fanout import LocalFanout, ProcessJob, ProcessOutcome, plan_slots
+from flowfleet.train.specs import cli_command, launcher
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def prepare_in_parts(
         if logs_tmp is not None:
             root.write_bytes(done.log.read_bytes(), DATA_PARTS, done.log.name)
 
-    command = [sys.executable, "-m", "flowfleet.cli", "prepare", root.url_of(), "--quiet"]
+    command = cli_command(["prepare", root.url_of(), "--quiet"], launcher())  # as train-all starts its jobs
     jobs = []
     for i in range(n):
         log_path(i).parent.mkdir(parents=True, exist_ok=True)
