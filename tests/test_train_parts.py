@@ -76,6 +76,10 @@ def test_sampler_is_a_pure_function_of_the_position():
     pieces = torch.cat([b.take(p, 7) for p in range(0, 35, 7)])
     assert torch.equal(pieces, whole)
     assert torch.equal(ResumableSampler(10, seed=3).take(23, 5), whole[23:28])  # resume mid-epoch
+    c = ResumableSampler(10, seed=3)  # a step's batch after the next steps' (read ahead), across epochs
+    for p in range(0, 24, 4):
+        ahead, now = c.take(p + 8, 4), c.take(p, 4)
+        assert torch.equal(ahead, whole[p + 8 : p + 12]) and torch.equal(now, whole[p : p + 4])
     assert not torch.equal(ResumableSampler(10, seed=4).take(0, 10), whole[:10])
 
 

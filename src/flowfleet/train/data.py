@@ -158,14 +158,17 @@ class ResumableSampler:
             raise ValueError("cannot sample from an empty data set")
         self.num_items = num_items
         self.seed = seed
-        self._epoch = -1
-        self._perm = torch.empty(0, dtype=torch.long)
+        self._perms: dict[int, torch.Tensor] = {}  # epoch -> its permutation, at most two
 
     def _permutation(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:  # one permutation cached: positions only move forward
+        # two cached: positions move forward, but a step's batches read ahead (train.prefetch) may lie in the next
+        # epoch while the step's own lie in this one
+        if epoch not in self._perms:
             gen = torch.Generator().manual_seed(derive_seed(self.seed, epoch))
-            self._perm, self._epoch = torch.randperm(self.num_items, generator=gen), epoch
-        return self._perm
+            self._perms[epoch] = torch.randperm(self.num_items, generator=gen)
+            while len(self._perms) > 2:  # (the one asked for stays)
+                del self._perms[min(e for e in self._perms if e != epoch)]
+        return self._perms[epoch]
 
     def take(self, position: int, count: int) -> torch.Tensor:
         """Item numbers of samples position .. position + count - 1 (crossing epochs as needed)."""
