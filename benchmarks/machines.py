@@ -173,8 +173,7 @@ def run_seed(src: Path, a: argparse.Namespace, rows: list[str]) -> None:
         if row not in rows or (row, seed) in done:
             continue
         same = next((r for r in ("fastest", "sync") if r != row and monoliths[r] == monoliths[row]), None)
-        if same is not None and (same, seed) in {(r["row"], r["seed"]) for r in read_lines(out)}:  # trained once
-            twin = next(r for r in read_lines(out) if (r["row"], r["seed"]) == (same, seed))
+        if same is not None and (twin := recorded(out, same, seed)) is not None:  # trained once
             keep(row, Path(twin["run"]), twin["scores"], twin["work_units"], same_as=same, params=twin["params"])
             continue
         run = out / f"monolith-{monoliths[row]}-seed{seed}"
@@ -188,8 +187,7 @@ def run_seed(src: Path, a: argparse.Namespace, rows: list[str]) -> None:
         if row not in rows or (row, seed) in done:
             continue
         work = sum(pace) if pace else k * min(speeds)
-        if equal and row == "pace" and ("diloco", seed) in {(r["row"], r["seed"]) for r in read_lines(out)}:
-            twin = next(r for r in read_lines(out) if (r["row"], r["seed"]) == ("diloco", seed))  # the same rounds
+        if equal and row == "pace" and (twin := recorded(out, "diloco", seed)) is not None:  # the same rounds
             keep(row, Path(twin["run"]), twin["scores"], work, traffic=twin["traffic"], H=a.H, same_as="diloco")
             continue
         run = out / f"diloco-H{a.H}-{'pace' if pace else 'wait'}-seed{seed}"
@@ -213,6 +211,11 @@ def run_seed(src: Path, a: argparse.Namespace, rows: list[str]) -> None:
 def read_lines(out: Path) -> list[dict]:
     path = out / "machines.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def recorded(out: Path, row: str, seed: int) -> dict | None:
+    """OUT's record of `row` for `seed`, if it has one."""
+    return next((r for r in read_lines(out) if (r["row"], r["seed"]) == (row, seed)), None)
 
 
 def moved(nbytes: float) -> str:

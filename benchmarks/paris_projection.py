@@ -33,9 +33,8 @@ from decision import GBIT, ring_bytes  # benchmarks/ is the script's folder
 from flowfleet.device import GPU_PEAK_TFLOPS
 from flowfleet.models.flops import parameter_count, train_flops_per_sample
 from flowfleet.presets import preset
+from flowfleet.train.plan import TERA
 from flowfleet.train.specs import job_cost, router_spec
-
-TERA = 1e12
 
 
 def peak(gpu: str) -> float:
