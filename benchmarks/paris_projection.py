@@ -13,7 +13,8 @@ The terms, per machine (one expert's job, a DiLoCo worker, or a rank of full syn
     DiLoCo    a round every H steps of batch B per worker: its pseudo-gradient up, 4 |θ| bytes, and the K - 1 others'
               down through the bucket, (K - 1) x 4 |θ| (as the small runs' workers counted: status.json's
               bytes_written, bytes_read), plus one round trip; flowfleet's rounds do not overlap compute
-    the fleet nothing exchanged; its router (the preset's) trains after one expert on one machine
+    the fleet nothing exchanged; its router (the preset's) is planned as `flowfleet plan` balances it: first on one
+              machine, its work shared with the experts' so that every machine ends together
 
 Each option's wall time is shown ÷ its compute alone, at link speeds from 0.1 to 100 Gbit/s (full-duplex, the larger
 direction counted). For machines of different speeds (--mix), the share of the machines' capacity each option uses by
@@ -67,8 +68,8 @@ def projection(a: argparse.Namespace) -> str:
         "",
         f"| option: wall time ÷ compute | traffic per machine | {head} |",
         "|---|---|" + "---|" * len(links),
-        f"| the fleet: {k} experts, then the router on one machine | 0 | "
-        + " | ".join(f"{1 + router_share:.3f}" for _ in links)
+        f"| the fleet: {k} experts and the router, planned on {k} machines | 0 | "
+        + " | ".join(f"{1 + router_share / k:.3f}" for _ in links)
         + " |",
     ]
     for h in (int(x) for x in a.H.split(",")):

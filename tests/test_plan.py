@@ -24,7 +24,7 @@ from flowfleet.errors import FlowfleetError
 from flowfleet.stages.plan import plan_fleet
 from flowfleet.stages.train import describe_matching, train_all
 from flowfleet.storage import RunRoot
-from flowfleet.train.plan import TERA, ExpertWork, make_plan, read_plan, replan
+from flowfleet.train.plan import TERA, Work, make_plan, read_plan, replan
 from flowfleet.train.specs import JobSpec, job_cost
 from flowfleet.train.status import read_status
 from flowfleet.train.tasks import planned_steps
@@ -34,10 +34,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SAMPLE = 1_000_000  # training FLOPs of one sample, for the plans without a run
 
 
-def digits_works(steps: int = 12_000) -> list[ExpertWork]:
+def digits_works(steps: int = 12_000) -> list[Work]:
     """The digits demo's four experts under DDM's split: every one all the steps at its cluster's share of the
     batch (partitions 1485 / 3354 / 2602 / 1559 of batch 32)."""
-    return [ExpertWork(f"expert-{k}", steps, b, SAMPLE) for k, b in enumerate([5, 12, 9, 6])]
+    return [Work(f"expert-{k}", steps, b, SAMPLE) for k, b in enumerate([5, 12, 9, 6])]
 
 
 def test_balanced_plan_puts_the_heaviest_on_the_fastest_and_ends_every_machine_together():
@@ -81,7 +81,7 @@ def test_a_deadline_keeps_every_machine_busy_until_it_and_the_faster_machines_tr
 
 
 def test_more_experts_than_machines_share_them_longest_first():
-    works = [ExpertWork(f"expert-{k}", 100, b, SAMPLE) for k, b in enumerate([9, 7, 5, 3, 1])]
+    works = [Work(f"expert-{k}", 100, b, SAMPLE) for k, b in enumerate([9, 7, 5, 3, 1])]
     plan = make_plan(works, {"fast": 2.0, "slow": 1.0})
     on = {
         m: [a.job for a in sorted(plan.jobs.values(), key=lambda a: a.start_s) if a.machine == m] for m in plan.tflops
@@ -99,6 +99,67 @@ def test_a_deadline_shorter_than_one_step_is_refused_naming_the_expert_and_machi
         make_plan(works, {"a": 1.0, "b": 2.0}, deadline_s=1e-7)
     with pytest.raises(FlowfleetError, match=r"^machines.b.tflops: 0.0 must be > 0"):
         make_plan(works, {"a": 1.0, "b": 0.0})
+
+
+def router(steps: int = 4000, batch: int = 32, sample_flops: int = SAMPLE // 8) -> Work:
+    """A router as the demos train it: its own steps at batch 32, an eighth of an expert's FLOPs a sample."""
+    return Work("router", steps, batch, sample_flops)
+
+
+def test_the_router_is_planned_first_on_the_fastest_machine_and_every_machine_still_ends_together():
+    works, r = digits_works(), router()
+    speeds = {"slow-a": 1.0, "slow-b": 1.0, "mid": 2.0, "fast": 4.0}
+    plan = make_plan(works, speeds, router=r)
+    recipe = sum(w.flops for w in works) + r.flops
+    assert plan.recipe_flops == recipe
+    assert abs(plan.total_flops - recipe) <= sum(a.step_flops for a in plan.jobs.values())  # the budget kept
+    routed = plan.jobs["router"]
+    assert (routed.machine, routed.steps, routed.start_s) == ("fast", 4000, 0)
+    assert plan.jobs["expert-1"].start_s == routed.finish_s  # the fastest's expert after the router
+    ideal = recipe / (sum(speeds.values()) * TERA)  # the router's FLOPs shared with the experts'
+    for m in speeds:
+        assert abs(plan.machine_finish_s(m) - ideal) <= max(plan.step_s(j) for j in plan.jobs)
+    without = make_plan(works, speeds)
+    assert plan.jobs["expert-1"].steps < without.jobs["expert-1"].steps  # it gives up the router's time
+    assert {j: plan.jobs[j].steps for j in ("expert-0", "expert-3")} != {
+        j: without.jobs[j].steps for j in ("expert-0", "expert-3")
+    }  # the others take a share of the router's work
+    # under a deadline: the router first on the fastest, every machine still busy until the deadline, never past it
+    deadline = 3600.0
+    timed = make_plan(works, speeds, deadline_s=deadline, router=r)
+    assert timed.jobs["router"].machine == "fast" and timed.jobs["router"].finish_s < deadline
+    for m in speeds:
+        last = max(timed.step_s(a.job) for a in timed.jobs.values() if a.machine == m)
+        assert deadline - last < timed.machine_finish_s(m) <= deadline
+    assert timed.total_flops == pytest.approx(deadline * 8 * TERA, rel=1e-6)
+
+
+def test_the_router_takes_a_machine_no_expert_needs_or_one_of_its_own_when_it_outlasts_the_share():
+    works, r = digits_works(), router()
+    five = {"a": 1.0, "b": 1.0, "c": 2.0, "d": 4.0, "e": 1.0}  # the four experts on d, c, a, b: e is free
+    spare = make_plan(works, five, router=r)
+    assert spare.jobs["router"].machine == "e" and spare.jobs["router"].start_s == 0
+    experts = make_plan(works, five)
+    assert {j: (a.machine, a.steps) for j, a in spare.jobs.items() if j != "router"} == {
+        j: (a.machine, a.steps) for j, a in experts.jobs.items()
+    }  # the experts' plan untouched
+    # a router longer than an equal share of all the work: its machine trains it alone, the experts share the rest
+    big = router(steps=400_000)
+    alone = make_plan(works, dict.fromkeys("abcd", 1.0), router=big)
+    home = alone.jobs["router"].machine
+    assert home == "a" and not [j for j, a in alone.jobs.items() if a.machine == home and j != "router"]
+    rest = [alone.machine_finish_s(m) for m in "bcd"]
+    assert max(rest) - min(rest) <= max(alone.step_s(j) for j in alone.jobs)
+    assert alone.critical_path_s == pytest.approx(big.flops / TERA)
+    # under a deadline the router must fit: refused naming its steps, or the deadline where not even a step fits
+    with pytest.raises(FlowfleetError, match=r"^router_train.steps: the router's 400000 steps take .* on machine a, "):
+        make_plan(works, dict.fromkeys("abcd", 1.0), deadline_s=1.0, router=big)
+    with pytest.raises(FlowfleetError, match=r"^deadline: 1e-07 s is shorter than one step of router on machine a"):
+        make_plan(works, dict.fromkeys("abcd", 1.0), deadline_s=1e-7, router=big)
+    # the router fits, but leaves its machine no time for a step of its expert (expert-1, batch 12: 1.2e-05 s)
+    after = r"^deadline: 0.0001 s is shorter than one step of expert-1 on machine a after the router's"
+    with pytest.raises(FlowfleetError, match=after):
+        make_plan(works, dict.fromkeys("abcd", 1.0), deadline_s=1e-4, router=router(steps=24))
 
 
 def test_replan_moves_a_lost_machines_expert_from_its_step_to_the_machine_that_ends_it_soonest():
@@ -120,6 +181,12 @@ def test_replan_moves_a_lost_machines_expert_from_its_step_to_the_machine_that_e
     assert done.jobs["expert-1"].machine == "d" and done.moves == []
     with pytest.raises(FlowfleetError, match=r"machine 'e': not a machine of the plan"):
         replan(plan, "e", {})
+    # the router moves as an expert does: from its step, both of the lost machine's jobs in the order they ran
+    routed = make_plan(digits_works(), {"a": 1.0, "b": 1.0, "c": 2.0, "d": 4.0}, router=router())
+    assert routed.jobs["router"].machine == "d"
+    both = replan(routed, "d", {"router": 1000, "expert-1": 0})
+    assert [(m["job"], m["at_step"]) for m in both.moves] == [("router", 1000), ("expert-1", 0)]
+    assert both.jobs["router"].steps == 4000 and both.jobs["router"].machine != "d"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -145,20 +212,29 @@ def test_train_all_trains_each_expert_its_planned_steps_and_the_monolith_the_pla
     out = capsys.readouterr().out
     assert "balanced: the fleet's" in out and "critical path" in out
     plan = read_plan(root)
-    assert {j: (a.machine, a.steps) for j, a in plan.jobs.items()} == {"expert-0": ("a", 8), "expert-1": ("b", 4)}
+    # the router (6 steps, a third of expert-0's 18 steps' FLOPs on a) first on the fastest machine: a then does
+    # 6 of expert-0's steps, b 6 of expert-1's, and both end together
+    assert {j: (a.machine, a.steps) for j, a in plan.jobs.items()} == {
+        "expert-0": ("a", 6),
+        "expert-1": ("b", 6),
+        "router": ("a", 6),
+    }
+    assert plan.jobs["expert-0"].start_s == plan.jobs["router"].finish_s
+    assert abs(plan.machine_finish_s("a") - plan.machine_finish_s("b")) <= max(plan.step_s(j) for j in plan.jobs)
     cfg = RunConfig.from_dict(root.read_yaml("run.yaml"))
-    fleet = plan.total_flops + job_cost(cfg, JobSpec("router"))
+    fleet = plan.total_flops  # the router's FLOPs are the plan's
+    assert plan.total_flops == plan.recipe_flops
     assert plan.monolith_steps * job_cost(cfg, JobSpec("monolith"), steps=1) >= fleet
     assert "the monolith" in describe_matching(root, cfg)  # (refuses a monolith off the fleet's FLOPs by a step)
     assert train_all(root.url, parallel=1, progress=False).ok
-    for job, steps in (("experts/0", 8), ("experts/1", 4), ("monolith", plan.monolith_steps)):
+    for job, steps in (("experts/0", 6), ("experts/1", 6), ("router", 6), ("monolith", plan.monolith_steps)):
         status = read_status(root, job)
         assert status.state == "done" and status.step == status.total_steps == steps, job
     capsys.readouterr()
     assert main(["status", root.url, "--json"]) == 0
     rows = {r["job"]: r for r in json.loads(capsys.readouterr().out)}
-    assert rows["expert-0"]["plan"]["machine"] == "a" and rows["expert-0"]["plan"]["steps"] == 8
-    assert rows["router"]["plan"] is None
+    assert rows["expert-0"]["plan"]["machine"] == "a" and rows["expert-0"]["plan"]["steps"] == 6
+    assert rows["router"]["plan"]["machine"] == "a"
     assert rows["expert-0"]["threads"].endswith("threads (fixed: a repeatable run)")  # the seed decides the weights
     # another recipe in run.yaml: the plan is not followed silently
     raw = root.read_yaml("run.yaml")
@@ -177,7 +253,7 @@ def test_a_deadline_plan_from_the_cli_and_its_one_line_refusals(tmp_path, capsys
     capsys.readouterr()
     assert main(["plan", root.url, "--deadline", "0.0000001s"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "deadline: 1e-07 s is shorter than one step of expert-" in err[0]
+    assert len(err) == 1 and "deadline: 1e-07 s is shorter than one step of " in err[0]
 
 
 @pytest.mark.parametrize(
@@ -222,7 +298,7 @@ def test_an_unprobed_machine_is_refused_until_probed_on_it(tmp_path, capsys):
 
 
 def test_a_lost_machines_expert_resumes_elsewhere_from_its_checkpoint_with_no_step_lost_or_repeated(tmp_path, capsys):
-    root = machine_run(tmp_path / "run", TWO, steps=12)
+    root = machine_run(tmp_path / "run", TWO, steps=18)
     plan_fleet(root)
     assert read_plan(root).jobs["expert-0"].machine == "a"
     total = read_plan(root).jobs["expert-0"].steps
@@ -284,8 +360,9 @@ def test_the_plan_reaches_slurm_and_ray_job_specs(tmp_path, monkeypatch):
     lines = open(expert).read().splitlines()
     assert "#SBATCH --nodelist=gpu[01-02]" in lines and "#SBATCH --partition=h100" in lines
     assert lines[-1].endswith("--expert 0")
-    router = open(next(p for p in scripts if p.endswith("router.sbatch"))).read()  # the backend's own nodes
-    assert "--nodelist" not in router and "--partition" not in router
+    router = open(next(p for p in scripts if p.endswith("router.sbatch"))).read()  # planned on the fastest too
+    assert "#SBATCH --nodelist=gpu[01-02]" in router.splitlines()
+    assert router.splitlines()[-1].endswith("train-router " + root.url)
     assert len(client.jobs) == 1 and client.jobs[0]["entrypoint_resources"] == {"lab_node": 0.001}
     assert "--expert 1" in client.jobs[0]["entrypoint"]
 
@@ -304,4 +381,4 @@ def test_the_plan_reaches_skypilot_task_files(s3_url, tmp_path):
     }
     assert tasks["expert-0"]["resources"]["accelerators"] == "H100:8"
     assert tasks["expert-1"]["resources"]["accelerators"] == "L4:1"
-    assert "resources" not in tasks["router"]  # not planned: the export's own options
+    assert tasks["router"]["resources"]["accelerators"] == "H100:8"  # planned first on the fastest machine

@@ -2,8 +2,8 @@
 train-all, `status` and every training job then follow; and `probe`, a machine's speed measured on it.
 
     flowfleet probe RUN --machine fast        on the machine itself: plan/probe-fast.json
-    flowfleet plan RUN [--deadline 36h]       plan/plan.json: each expert's machine, steps, batch, expected finish
-    flowfleet plan RUN --replan slow          slow's unfinished experts, from their newest checkpoints, moved
+    flowfleet plan RUN [--deadline 36h]       plan/plan.json: each job's machine, steps, batch, expected finish
+    flowfleet plan RUN --replan slow          slow's unfinished jobs, from their newest checkpoints, moved
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from flowfleet.layout import probe_file
 from flowfleet.models.flops import train_flops_per_sample
 from flowfleet.storage import RunRoot
 from flowfleet.train.checkpoint import CheckpointStore, step_of
-from flowfleet.train.plan import ExpertWork, Plan, make_plan, read_plan, recipe_key, replan, write_plan
+from flowfleet.train.plan import Plan, Work, make_plan, read_plan, recipe_key, replan, write_plan
 from flowfleet.train.probe import probe_tflops
 from flowfleet.train.specs import JobSpec, job_cost, matched_monolith_steps, router_spec
 from flowfleet.train.status import job_finished
@@ -41,10 +41,10 @@ def planned_experts(cfg: RunConfig) -> list[JobSpec]:
     return [JobSpec("expert", k) for k in cfg.fleet_experts if contribution_of(cfg, JobSpec("expert", k)) is None]
 
 
-def expert_works(root: RunRoot, cfg: RunConfig) -> list[ExpertWork]:
+def expert_works(root: RunRoot, cfg: RunConfig) -> list[Work]:
     """Each planned expert as run.yaml's recipe trains it (its partition's share where the recipe reads it)."""
     return [
-        ExpertWork(
+        Work(
             spec.name,
             recipe_steps(root, cfg, spec),
             recipe_batch(root, cfg, spec),
@@ -52,6 +52,13 @@ def expert_works(root: RunRoot, cfg: RunConfig) -> list[ExpertWork]:
         )
         for spec in planned_experts(cfg)
     ]
+
+
+def router_work(cfg: RunConfig) -> Work:
+    """The router as run.yaml's router_train trains it."""
+    return Work(
+        router_spec(cfg).name, cfg.router_train.steps, cfg.router_train.batch_size, train_flops_per_sample(cfg.router)
+    )
 
 
 def machine_tflops(root: RunRoot, cfg: RunConfig) -> dict[str, float]:
@@ -74,14 +81,17 @@ def _monolith_steps(cfg: RunConfig, plan: Plan) -> int | None:
     """A compute-matched monolith's steps for the plan's experts' FLOPs and the router's."""
     if not (cfg.monolith.enabled and cfg.monolith.match_compute):
         return None
-    return matched_monolith_steps(cfg, plan.total_flops + job_cost(cfg, router_spec(cfg)))
+    router = router_spec(cfg)
+    return matched_monolith_steps(cfg, plan.total_flops + (0 if router.name in plan.jobs else job_cost(cfg, router)))
 
 
-def plan_fleet(run_root: str | RunRoot, deadline_s: float | None = None) -> Plan:
-    """Plan the run's experts on its machines (balanced, or every machine until `deadline_s` seconds after the
-    start) and write plan/plan.json."""
+def plan_fleet(run_root: str | RunRoot, deadline_s: float | None = None, router: bool = True) -> Plan:
+    """Plan the run's experts and its router on its machines (balanced, or every machine until `deadline_s` seconds
+    after the start) and write plan/plan.json. router=False: the experts alone (the router trains where run.yaml
+    `placement` puts it, outside the plan's time)."""
     root, cfg = _open(run_root)
-    plan = make_plan(expert_works(root, cfg), machine_tflops(root, cfg), deadline_s)
+    works = expert_works(root, cfg)
+    plan = make_plan(works, machine_tflops(root, cfg), deadline_s, router_work(cfg) if router else None)
     plan.monolith_steps = _monolith_steps(cfg, plan)
     plan.recipe_key = recipe_key(cfg)
     write_plan(root, plan)
@@ -96,7 +106,7 @@ def replan_fleet(run_root: str | RunRoot, lost: str) -> Plan:
     if plan is None:
         raise FlowfleetError(f"{root.url}: no plan to change; run `flowfleet plan {root.url}` first")
     done = {}
-    for spec in planned_experts(cfg):
+    for spec in [*planned_experts(cfg), router_spec(cfg)]:
         if spec.name not in plan.jobs:
             continue
         finished, _, _ = job_finished(root, spec.dir, plan.jobs[spec.name].steps)

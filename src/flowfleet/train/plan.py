@@ -1,12 +1,14 @@
-"""The fleet planned for the machines it trains on (run.yaml `machines`): which machine trains each expert, for
-how many steps at what batch, and when each should finish.
+"""The fleet planned for the machines it trains on (run.yaml `machines`): which machine trains each expert and the
+router, for how many steps at what batch, and when each should finish.
 
 The experts exchange nothing, so each machine can run at its own pace. The plan gives every machine work in
 proportion to its speed: balanced, all of them finish together, the shortest critical path the compute budget
 allows; under a deadline, every machine trains until it, and the fleet's compute is what the machines can do by
 then. The heaviest experts (the largest partitions' recipes) go to the fastest machines, so that each expert's
 passes over its data stay as near the recipe's as the machines allow; each keeps its recipe's batch, and its steps
-follow its share of its machine's work.
+follow its share of its machine's work. The router needs no expert: it is a job of the plan too, of its recipe's
+steps from the start, on a machine no expert needs where there is one, else first on the fastest machine, whose
+experts share the rest of its time (balanced, the router's FLOPs are part of the work shared among the machines).
 
 Hand-written: a scheduling library (OR-Tools, PuLP) solves the general problem of indivisible jobs; here the work
 is divisible (steps), so once each machine has its experts the optimum is closed-form.
@@ -30,8 +32,9 @@ TERA = 1e12
 
 
 @dataclass(frozen=True)
-class ExpertWork:
-    """An expert as its recipe trains it: `steps` at `batch`, `sample_flops` training FLOPs per sample."""
+class Work:
+    """A job as its recipe trains it (an expert, or the router): `steps` at `batch`, `sample_flops` training FLOPs
+    per sample."""
 
     job: str
     steps: int
@@ -49,8 +52,8 @@ class ExpertWork:
 
 @dataclass
 class Assignment:
-    """One expert's place in the plan: its machine, steps and batch, and when it starts and ends there (seconds
-    after the fleet starts, at the machine's speed)."""
+    """One job's place in the plan (an expert's or the router's): its machine, steps and batch, and when it starts
+    and ends there (seconds after the fleet starts, at the machine's speed)."""
 
     job: str
     machine: str
@@ -72,14 +75,14 @@ class Assignment:
 
 @dataclass
 class Plan:
-    """Every planned expert's Assignment, the machines' speeds (TFLOP/s) and what the plan was made for."""
+    """Every planned job's Assignment, the machines' speeds (TFLOP/s) and what the plan was made for."""
 
     mode: Literal["balanced", "deadline"]
     tflops: dict[str, float]
     jobs: dict[str, Assignment]
-    recipe_flops: int  # the experts' FLOPs as the recipe trains them
+    recipe_flops: int  # the planned jobs' FLOPs as the recipe trains them
     deadline_s: float | None = None
-    monolith_steps: int | None = None  # a compute-matched monolith's steps for this plan's FLOPs (the router's too)
+    monolith_steps: int | None = None  # a compute-matched monolith's steps for the fleet's FLOPs (the router's too)
     recipe_key: str = ""  # the run.yaml recipe it was made for (recipe_key): another is refused
     lost: list[str] = field(default_factory=list)  # machines `plan --replan` took out
     moves: list[dict[str, Any]] = field(default_factory=list)  # {job, from, to, at_step} of each replanning
@@ -125,7 +128,7 @@ class Plan:
             raise FlowfleetError(f"{where}: not a plan flowfleet wrote ({type(err).__name__}: {err})") from None
 
 
-def assign_machines(works: list[ExpertWork], tflops: dict[str, float]) -> dict[str, str]:
+def assign_machines(works: list[Work], tflops: dict[str, float]) -> dict[str, str]:
     """job -> machine: the heaviest experts one each to the fastest machines, then each further one to the machine
     whose share of the work would end soonest (longest processing time first, on machines of their own speeds).
     With fewer experts than machines the slowest stay idle."""
@@ -147,14 +150,16 @@ def assign_machines(works: list[ExpertWork], tflops: dict[str, float]) -> dict[s
 
 
 def make_plan(
-    works: list[ExpertWork],
+    works: list[Work],
     tflops: dict[str, float],
     deadline_s: float | None = None,
+    router: Work | None = None,
 ) -> Plan:
-    """The plan for `works` on machines of `tflops` (model TFLOP/s each). Balanced (no deadline): the experts' recipe
-    FLOPs shared among the machines in proportion to their speeds, so that all finish together. With a deadline:
-    every machine's work is its speed x the deadline. Within a machine, its experts share its work in proportion to
-    their recipes' FLOPs and run one after the other, the heaviest first."""
+    """The plan for the experts `works` and the `router` on machines of `tflops` (model TFLOP/s each). Balanced (no
+    deadline): the recipe's FLOPs (the router's too) shared among the machines in proportion to their speeds, so
+    that all finish together. With a deadline: every machine's work is its speed x the deadline. Within a machine,
+    its experts share its time after the router's in proportion to their recipes' FLOPs and run one after the other,
+    the heaviest first."""
     for m, speed in tflops.items():
         if not speed > 0:
             raise FlowfleetError(f"machines.{m}.tflops: {speed} must be > 0")
@@ -162,29 +167,59 @@ def make_plan(
         raise FlowfleetError(f"deadline: {deadline_s} s must be > 0")
     placed = assign_machines(works, tflops)
     used = sorted(set(placed.values()), key=lambda m: (-tflops[m], m))
-    recipe = sum(w.flops for w in works)
-    seconds = deadline_s if deadline_s is not None else recipe / (TERA * sum(tflops[m] for m in used))
-    jobs: dict[str, Assignment] = {}
+    recipe = sum(w.flops for w in works) + (router.flops if router else 0)
+    before = dict.fromkeys(used, 0.0)  # seconds of each machine's time before its experts: the router's
+    routed: Assignment | None = None
+    if router is not None:
+        free = [m for m in sorted(tflops, key=lambda m: (-tflops[m], m)) if m not in used]
+        home = free[0] if free else used[0]
+        took = router.flops / (tflops[home] * TERA)
+        if deadline_s is not None and took > deadline_s:
+            step_s = router.step_flops / (tflops[home] * TERA)
+            if step_s > deadline_s:
+                raise FlowfleetError(
+                    f"deadline: {deadline_s:g} s is shorter than one step of {router.job} on machine {home} (a step "
+                    f"of batch {router.batch} takes {step_s:.3g} s there)"
+                )
+            raise FlowfleetError(
+                f"router_train.steps: the router's {router.steps} steps take {took:.3g} s on machine {home}, longer "
+                f"than the deadline of {deadline_s:g} s ({math.floor(deadline_s / step_s)} steps fit)"
+            )
+        routed = Assignment(router.job, home, router.steps, router.batch, router.sample_flops, router.steps, 0.0, took)
+        if home in before:
+            before[home] = took
+    if deadline_s is not None:
+        seconds = deadline_s
+    else:
+        seconds = (recipe - (routed.flops if routed and routed.machine not in before else 0)) / (
+            TERA * sum(tflops[m] for m in used)
+        )
+        if routed is not None and before.get(routed.machine, 0.0) >= seconds:
+            # the router alone outlasts the machines' equal share: it has its machine to itself, the experts the rest
+            rest = make_plan(works, {m: v for m, v in tflops.items() if m != routed.machine})
+            return Plan("balanced", dict(tflops), dict(sorted({**rest.jobs, routed.job: routed}.items())), recipe)
+    jobs: dict[str, Assignment] = {} if routed is None else {routed.job: routed}
     for m in used:
         mine = sorted((w for w in works if placed[w.job] == m), key=lambda w: (-w.flops, w.job))
-        share, clock = sum(w.flops for w in mine), 0.0
+        share, clock = sum(w.flops for w in mine), before[m]
         for w in mine:
-            flops = seconds * tflops[m] * TERA * w.flops / share
+            flops = (seconds - before[m]) * tflops[m] * TERA * w.flops / share
             if deadline_s is None:
                 steps = max(1, round(flops / w.step_flops))
             else:  # every step must end by the deadline
                 steps = math.floor(flops / w.step_flops)
                 if steps < 1:
                     step_s = w.step_flops / (tflops[m] * TERA)
+                    after = f" after the router's {before[m]:.3g} s there (router_train.steps)" if before[m] else ""
                     raise FlowfleetError(
-                        f"deadline: {deadline_s:g} s is shorter than one step of {w.job} on machine {m} "
+                        f"deadline: {deadline_s:g} s is shorter than one step of {w.job} on machine {m}{after} "
                         f"(a step of batch {w.batch} takes {step_s:.3g} s there)"
                     )
             took = steps * w.step_flops / (tflops[m] * TERA)
             jobs[w.job] = Assignment(w.job, m, steps, w.batch, w.sample_flops, w.steps, clock, clock + took)
             clock += took
-    ordered = {w.job: jobs[w.job] for w in sorted(works, key=lambda w: w.job)}
-    return Plan("deadline" if deadline_s is not None else "balanced", dict(tflops), ordered, recipe, deadline_s)
+    mode: Literal["balanced", "deadline"] = "deadline" if deadline_s is not None else "balanced"
+    return Plan(mode, dict(tflops), dict(sorted(jobs.items())), recipe, deadline_s)
 
 
 def replan(plan: Plan, lost: str, done_steps: dict[str, int]) -> Plan:
