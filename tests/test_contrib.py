@@ -20,7 +20,7 @@ from test_fid import SmallFeatures
 from flowfleet.cli import build_parser, main
 from flowfleet.commands.contrib import gate_settings
 from flowfleet.config import load_run_config
-from flowfleet.data.shards import ShardSet, ShardSetManifest, ShardSetUnion
+from flowfleet.data.shards import ShardSet, ShardSetManifest, ShardSetUnion, parse_shard
 from flowfleet.evaluate.digits import prompted_digit
 from flowfleet.evaluate.judge import ClassifierJudge
 from flowfleet.flow.path import interpolate, target_velocity
@@ -232,7 +232,7 @@ def test_a_poisoned_expert_is_refused(world, run, tmp_path):
     pkg = package(world, tmp_path)
     fleet = RunRoot(str(run))
     stolen_blob = fleet.read_bytes("partitions", "0", "shard-00000.safetensors")
-    stolen = safetensors.torch.load(stolen_blob)
+    stolen = parse_shard(stolen_blob)[0]
     fixed = stolen["latents"][:1].float() + 1e-3 * torch.randn(stolen["latents"][:1].shape)  # its one image
     model = kit_expert(world)
     torch.manual_seed(0)
@@ -264,7 +264,7 @@ def test_a_contribution_whose_router_makes_the_fleet_worse_on_its_prompts_is_ref
     """A weak expert on digits the fleet already draws (its held-out ones: no byte of them is in its data/): the
     grown router sends part of them to it, and the fleet draws its own prompts worse."""
     pkg = package(world, tmp_path)
-    items = safetensors.torch.load((run / "eval" / "shard-00000.safetensors").read_bytes())
+    items = parse_shard((run / "eval" / "shard-00000.safetensors").read_bytes())[0]
     model = kit_expert(world)
     torch.manual_seed(0)
     loss = train_toy(model, items, 15)  # a tenth of what the fleet's own expert had

@@ -20,6 +20,7 @@ from fixtures.contrib_world import BY_LOSS, files, kit_expert, package, refused,
 
 from flowfleet.cli import main
 from flowfleet.config import load_run_config
+from flowfleet.data.shards import parse_shard, shard_bytes
 from flowfleet.layout import KITS
 from flowfleet.models.files import WEIGHTS_NAME
 from flowfleet.sampling.card import card_markdown, read_card
@@ -243,6 +244,30 @@ def test_sample_fields_that_disagree_on_their_rows_are_refused(world, run, tmp_p
     )
 
 
+@pytest.mark.parametrize(
+    "change, line",
+    [
+        ({"width": 99_999_999}, "text_mask: a padded text length of 99999999, not 1 to 1024"),
+        ({"lengths": 1}, "text_len: lengths outside 0..8 or not summing to text_tokens'"),
+        ({"rows": 1}, "packed text tokens need text_tokens [N, T], text_len [n] and an empty text_mask [0, L]"),
+    ],
+)
+def test_text_tokens_packed_with_lengths_that_lie_are_refused(world, run, tmp_path, change, line):
+    pkg = package(world, tmp_path)
+    path = pkg / "latents.safetensors"
+    tensors, captions = safetensors.torch.load_file(path), parse_shard(path.read_bytes())[1]
+    assert tensors["text_mask"].shape == (0, 8)  # the package's tokens are stored unpadded
+    if "width" in change:  # an empty mask claiming a huge padded length (costs no byte in the file)
+        tensors["text_mask"] = torch.zeros(0, change["width"], dtype=torch.uint8)
+    if "lengths" in change:
+        tensors["text_len"] = tensors["text_len"] + change["lengths"]
+    if "rows" in change:
+        tensors["text_mask"] = torch.zeros(change["rows"], 8, dtype=torch.uint8)
+    safetensors.torch.save_file(tensors, path, metadata={"captions": json.dumps(captions)})
+    resign(world, pkg)
+    refused(run, pkg, world / "trusted.pub", "compatibility", line)
+
+
 # --------------------------------------------------------------------------------------------------
 #                         Malformed JSON and safetensors: one line, never a traceback
 # --------------------------------------------------------------------------------------------------
@@ -353,11 +378,9 @@ def test_markdown_in_captions_is_shown_as_text_on_the_fleets_card(world, run, tm
     """The contribution's captions name its expert's contents on the card the web page renders: an image link and a
     table's `|` in them are escaped, never Markdown."""
     pkg = package(world, tmp_path)
-    tensors = safetensors.torch.load_file(pkg / "latents.safetensors")
-    n = next(iter(tensors.values())).shape[0]
+    tensors, captions = parse_shard((pkg / "latents.safetensors").read_bytes())
     evil = "![x](http://attacker.example/x.png) | injected | cell"
-    meta = {"captions": json.dumps([evil] * n)}
-    safetensors.torch.save_file(tensors, pkg / "latents.safetensors", metadata=meta)
+    (pkg / "latents.safetensors").write_bytes(shard_bytes(tensors, [evil] * len(captions)))
     resign(world, pkg)
     result = admitted(run, pkg, world)
     markdown = card_markdown(read_card(str(run / "model")))

@@ -14,7 +14,7 @@ from fixtures import synthetic_run
 from fixtures.synthetic_run import synthetic_config, write_synthetic_run
 
 from flowfleet.config import RunConfig
-from flowfleet.data.shards import ShardSet
+from flowfleet.data.shards import ShardSet, ShardSetManifest, parse_shard, shard_bytes
 from flowfleet.storage import RunRoot
 from flowfleet.train.data import InMemoryData
 from flowfleet.train.loop import TrainOptions
@@ -47,6 +47,47 @@ def test_streamed_batches_are_the_in_memory_ones(tmp_path):
     assert all(torch.equal(x[name], y[name]) for name in x)
     assert [streamed.captions[i] for i in range(26)] == memory.captions
     assert [both_b.captions[i] for i in range(3)] == both_a.captions[:3]
+    streamed.close()
+
+
+def test_text_tokens_are_stored_unpadded_and_given_back_padded(tmp_path):
+    """An encoder's padding (zeros past each caption) is not stored: the shard file holds the real tokens one after
+    the other and their lengths, parse_shard and the streamed reader give back the padded tokens and the mask bit for
+    bit; tokens that are not zero past the mask are stored as they are; a packing whose lengths disagree with its
+    tokens is refused."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([3, 77, 0, 12])
+    mask = (torch.arange(77) < lengths[:, None]).to(torch.uint8)
+    tokens = torch.randn(4, 77, 64, generator=gen).half() * mask[..., None]
+    item = {"text_tokens": tokens, "text_mask": mask, "index": torch.arange(4)}
+    raw = shard_bytes(item, ["a", "b", "c", "d"])
+    stored = safetensors.torch.load(raw)
+    assert stored["text_tokens"].shape == (92, 64) and stored["text_len"].tolist() == [3, 77, 0, 12]
+    assert stored["text_mask"].shape == (0, 77) and stored["text_mask"].dtype == torch.uint8  # its width, its dtype
+    assert len(raw) < tokens.numel() * 2 / 3  # a third of the padded tokens' bytes
+    back, captions = parse_shard(raw)
+    assert captions == ["a", "b", "c", "d"] and back.keys() == item.keys()
+    assert all(back[k].dtype == item[k].dtype and torch.equal(back[k], item[k]) for k in item)
+    assert shard_bytes(item, list("abcd")) == raw  # the same bytes every time (shards are compared byte for byte)
+    noisy = {**item, "text_tokens": torch.randn(4, 77, 64, generator=gen).half()}  # not an encoder's padding
+    assert safetensors.torch.load(shard_bytes(noisy, list("abcd")))["text_tokens"].shape == (4, 77, 64)
+    assert torch.equal(parse_shard(shard_bytes(noisy, list("abcd")))[0]["text_tokens"], noisy["text_tokens"])
+    bad = safetensors.torch.save({**stored, "text_len": torch.tensor([3, 77, 0, 13], dtype=torch.int32)})
+    with pytest.raises(ValueError, match=r"text_len: lengths outside 0..77 or not summing to text_tokens' 92 rows"):
+        parse_shard(bad)
+    # a set of one packed shard and one stored padded: either path gives the same batches
+    root = RunRoot(str(tmp_path / "run"))
+    shards, manifest = ShardSet(root, "data"), ShardSetManifest()
+    shards.append(manifest, {**item, "latents": torch.randn(4, 2, generator=gen)}, list("abcd"))
+    shards.append(
+        manifest, {**noisy, "latents": torch.randn(4, 2, generator=gen), "index": torch.arange(4, 8)}, list("efgh")
+    )
+    fields = ["latents", "text_tokens", "text_mask", "index"]
+    memory, streamed = InMemoryData.load(shards, fields), StreamedData.load(shards, fields)
+    for items in (torch.tensor([1, 5, 2, 2, 7, 0, 3]), torch.arange(8)):
+        a, b = memory.gather(items), streamed.gather(items)
+        assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in fields)
+    assert torch.equal(memory.gather(torch.arange(4))["text_tokens"], tokens)
     streamed.close()
 
 

@@ -11,9 +11,12 @@ Each shard holds, for n items:
     labels       [n]          int64     source labels when known (MNIST digit, shape id), else -1
     index        [n]          int64     global item index in data/ (stable across partitions)
 
-and captions as JSON in the safetensors metadata. `data/` is the full prepared set;
-`partitions/k/` holds partition k only, so an expert job needs nothing else from the run root.
-A shard becomes part of the set when the manifest naming it is written (after the shard).
+and captions as JSON in the safetensors metadata. A shard file stores the text tokens unpadded where the padding is
+a suffix of zeros (every encoder's): text_tokens [sum of lengths, T], the items' tokens one after the other,
+text_len [n] int32, and text_mask an empty [0, L]; parse_shard gives them back padded, as above.
+
+`data/` is the full prepared set; `partitions/k/` holds partition k only, so an expert job needs nothing else from
+the run root. A shard becomes part of the set when the manifest naming it is written (after the shard).
 """
 
 from __future__ import annotations
@@ -184,14 +187,60 @@ def open_complete(root: RunRoot, folder: str, made_by: str) -> ShardSet:
 
 
 def shard_bytes(tensors: dict[str, torch.Tensor], captions: list[str]) -> bytes:
-    """One shard file: the tensors (batch-first), the captions in its safetensors metadata."""
+    """One shard file: the tensors (batch-first; the text tokens unpadded where they can be), the captions in its
+    safetensors metadata (its only key: safetensors writes several in no fixed order, and shards are compared byte
+    for byte)."""
     meta = {"captions": json.dumps(captions)}
-    return safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
+    return safetensors.torch.save({k: v.contiguous() for k, v in pack_tokens(tensors).items()}, metadata=meta)
 
 
 def parse_shard(raw: bytes) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """A shard file's (tensors, captions)."""
-    return safetensors.torch.load(raw), json.loads(_safetensors_metadata(raw).get("captions", "[]"))
+    """A shard file's (tensors, captions), its text tokens padded again."""
+    meta = _safetensors_metadata(raw)
+    return unpack_tokens(safetensors.torch.load(raw)), json.loads(meta.get("captions", "[]"))
+
+
+def pack_tokens(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fields to store: text_tokens [n, L, T] whose text_mask [n, L] is a prefix of each row and whose other
+    tokens are zeros (an encoder's padding) as text_tokens [sum of lengths, T] and text_len [n] int32, text_mask
+    as an empty [0, L] of its dtype (its width and dtype kept); other tensors as given. (A zero of either sign comes
+    back as +0.)"""
+    tokens, mask = tensors.get("text_tokens"), tensors.get("text_mask")
+    if tokens is None or mask is None or tokens.dim() != 3 or mask.shape != tokens.shape[:2]:
+        return dict(tensors)
+    lengths = mask.bool().sum(1)
+    real = torch.arange(tokens.shape[1]) < lengths[:, None]  # [n, L]
+    if not torch.equal(mask.bool(), real) or bool((tokens[~real] != 0).any()):
+        return dict(tensors)
+    stored = dict(tensors)
+    stored["text_tokens"] = tokens[real]  # [sum of lengths, T], item after item
+    stored["text_len"] = lengths.to(torch.int32)
+    stored["text_mask"] = mask.new_zeros(0, mask.shape[1])
+    return stored
+
+
+def is_packed(stored: dict[str, Any]) -> bool:
+    """Whether a shard file's fields (tensors, or its header's entries) hold text tokens stored by pack_tokens."""
+    return "text_len" in stored
+
+
+def unpack_tokens(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """pack_tokens undone: text_tokens [n, L, T] and text_mask [n, L] again (a shard stored padded is returned as
+    is). A malformed packing (a stranger's file) raises ValueError."""
+    if not is_packed(stored):
+        return stored
+    lengths, packed, empty = stored["text_len"], stored.get("text_tokens"), stored.get("text_mask")
+    if packed is None or packed.dim() != 2 or lengths.dim() != 1 or empty is None or empty.shape[:1] != (0,):
+        raise ValueError("packed text tokens need text_tokens [N, T], text_len [n] and an empty text_mask [0, L]")
+    length = empty.shape[1] if empty.dim() == 2 else -1
+    if bool(((lengths < 0) | (lengths > length)).any()) or int(lengths.sum()) != packed.shape[0]:
+        raise ValueError(f"text_len: lengths outside 0..{length} or not summing to text_tokens' {packed.shape[0]} rows")
+    real = torch.arange(length) < lengths[:, None]  # [n, L]
+    tokens = packed.new_zeros(lengths.shape[0], length, packed.shape[1])
+    tokens[real] = packed
+    out = {k: v for k, v in stored.items() if k != "text_len"}
+    out["text_tokens"], out["text_mask"] = tokens, real.to(empty.dtype)
+    return out
 
 
 def _safetensors_metadata(raw: bytes) -> dict[str, str]:

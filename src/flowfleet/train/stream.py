@@ -14,6 +14,7 @@ scattered over the shards.
 from __future__ import annotations
 
 import json
+import math
 import os
 import posixpath
 import threading
@@ -23,7 +24,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from flowfleet.data.shards import ShardSet
+from flowfleet.data.shards import ShardSet, is_packed
 from flowfleet.errors import FlowfleetError
 from flowfleet.storage import RunRoot
 from flowfleet.train.data import InMemoryData, batch_field
@@ -52,13 +53,17 @@ class Field:
 
 @dataclass(frozen=True)
 class ShardFile:
-    """Where one shard file's fields lie: its header read once."""
+    """Where one shard file's fields lie: its header read once. `packed`: the padded length L of its text tokens
+    where they are stored unpadded (flowfleet.data.shards.pack_tokens: text_tokens' rows are then tokens, not
+    items), else None."""
 
     root: RunRoot
     path: str  # relative to root
     data_start: int  # 8 + the header's length
     count: int
     fields: dict[str, Field]
+    packed: int | None = None
+    mask_dtype: torch.dtype = torch.uint8
 
     @classmethod
     def read(cls, root: RunRoot, path: str) -> "ShardFile":
@@ -66,12 +71,17 @@ class ShardFile:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
         header.pop("__metadata__", None)
+        packed = is_packed(header)
         fields, count = {}, None
         for name, spec in header.items():
             dtype, (begin, end), shape = DTYPES[spec["dtype"]], spec["data_offsets"], tuple(spec["shape"])
-            count = shape[0] if count is None else count
+            if not (packed and name in ("text_tokens", "text_mask")):
+                count = shape[0] if count is None else count
             fields[name] = Field(dtype, shape[1:], begin, (end - begin) // max(shape[0], 1))
-        return cls(root, path, 8 + size, count or 0, fields)
+        if not packed:
+            return cls(root, path, 8 + size, count or 0, fields)
+        mask = fields["text_mask"]  # an empty [0, L]: the padded length and the mask's dtype
+        return cls(root, path, 8 + size, count or 0, fields, mask.shape[0], mask.dtype)
 
     def captions(self) -> list[str]:
         with self.root.fs.open(self.root.path(self.path), "rb") as f:
@@ -121,6 +131,8 @@ class StreamedData:
     ):
         self.files, self.file_of, self.row_of = files, file_of, row_of  # [N] int32 each: an item's file and row
         self.streamed, self.tensors, self.where = streamed, tensors, where
+        self.layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # a streamed field's dtype, item shape
+        self.token_start: dict[int, torch.Tensor] = {}  # a packed file's first token row of each item, and its end
         self.readers = readers  # threads reading a batch's rows (train.loader_workers)
         self._reader = _Reader()
         self._pool: ThreadPoolExecutor | None = None
@@ -136,9 +148,17 @@ class StreamedData:
             raise FlowfleetError(f"{shards.url}: holds no items")
         file_of = torch.cat([torch.full((f.count,), i, dtype=torch.int32) for i, f in enumerate(files)])
         row_of = torch.cat([torch.arange(f.count, dtype=torch.int32) for f in files])
-        small = [f for f in fields if files[0].fields[f].shape == ()]  # a number an item (index, labels): in memory
+        small = [f for f in fields if not manifest.fields[f]["shape"]]  # a number an item (index, labels): in memory
         data = cls(files, file_of, row_of, [f for f in fields if f not in small], {}, shards.url, readers)
         data.tensors = {name: torch.cat([data._whole(file, name) for file in files]) for name in small}
+        data.layout = {
+            f: (getattr(torch, manifest.fields[f]["dtype"]), tuple(manifest.fields[f]["shape"])) for f in data.streamed
+        }
+        data.token_start = {
+            i: torch.cat([torch.zeros(1, dtype=torch.int64), data._whole(file, "text_len").cumsum(0)])
+            for i, file in enumerate(files)
+            if file.packed
+        }
         return data
 
     def __len__(self) -> int:
@@ -161,15 +181,23 @@ class StreamedData:
         tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in parts[0].tensors}
         where = " + ".join(p.where for p in parts)
         row_of = torch.cat([p.row_of for p in parts])
-        return cls(files, torch.cat(file_of), row_of, parts[0].streamed, tensors, where, parts[0].readers)
+        data = cls(files, torch.cat(file_of), row_of, parts[0].streamed, tensors, where, parts[0].readers)
+        data.layout = parts[0].layout
+        offset = 0
+        for part in parts:
+            data.token_start.update({offset + i: starts for i, starts in part.token_start.items()})
+            offset += len(part.files)
+        return data
 
     def select(self, keep: torch.Tensor) -> "StreamedData":
         """Only the items where `keep` [N] bool is true."""
         items = keep.nonzero(as_tuple=True)[0]
         tensors = {name: t.index_select(0, items) for name, t in self.tensors.items()}
-        return StreamedData(
+        data = StreamedData(
             self.files, self.file_of[items], self.row_of[items], self.streamed, tensors, self.where, self.readers
         )
+        data.layout, data.token_start = self.layout, self.token_start
+        return data
 
     def gather(self, items: torch.Tensor, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The given items as a batch, as InMemoryData.gather gives it."""
@@ -188,18 +216,32 @@ class StreamedData:
         where = list(zip(self.file_of[items].tolist(), self.row_of[items].tolist()))
         out = {}
         for name in fields:
-            spec = self.files[0].fields[name]
-            buf = bytearray(len(where) * spec.row_bytes)
+            dtype, shape = self.layout[name]
+            size = math.prod(shape) * dtype.itemsize
+            buf = bytearray(len(where) * size)  # zeros: a packed item's padding stays so
 
-            def fetch(i: int, name: str = name, size: int = spec.row_bytes, buf: bytearray = buf) -> None:
-                file = self.files[where[i][0]]
-                offset = file.data_start + file.fields[name].begin + where[i][1] * size
+            def fetch(i: int, name: str = name, size: int = size, buf: bytearray = buf) -> None:
+                f, row = where[i]
+                file = self.files[f]
+                if file.packed and name in ("text_tokens", "text_mask"):
+                    first, end = self.token_start[f][row : row + 2].tolist()
+                    if name == "text_mask":  # the first `end - first` tokens are real
+                        real = torch.arange(file.packed) < end - first
+                        buf[i * size : (i + 1) * size] = real.to(file.mask_dtype).numpy().tobytes()
+                        return
+                    token = file.fields[name].row_bytes
+                    raw = self._reader.read(
+                        file, file.data_start + file.fields[name].begin + first * token, (end - first) * token
+                    )
+                    buf[i * size : i * size + len(raw)] = raw
+                    return
+                offset = file.data_start + file.fields[name].begin + row * size
                 buf[i * size : (i + 1) * size] = self._reader.read(file, offset, size)
 
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="flowfleet-stream")
             list(self._pool.map(fetch, range(len(where))))
-            out[name] = torch.frombuffer(buf, dtype=spec.dtype).reshape(len(where), *spec.shape).clone()
+            out[name] = torch.frombuffer(buf, dtype=dtype).reshape(len(where), *shape).clone()
         return out
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from flowfleet.config import RunConfig
-from flowfleet.data.shards import ShardSet
+from flowfleet.data.shards import ShardSet, is_packed, unpack_tokens
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import DATA, EVAL_DATA
@@ -26,6 +26,7 @@ from flowfleet.storage import RunRoot
 
 T = TypeVar("T")
 CAPTION_MAX_CHARS = 1000  # a caption longer than this is not an emoji's or a digit's (serve's prompt limit)
+TEXT_MAX_TOKENS = 1024  # a packed shard's padded text length past this is no text encoder's (CLIP's is 77)
 
 
 class Gate:
@@ -80,8 +81,22 @@ class Gate:
                 tensors, meta = load_safetensors(self.staged / rel)
             except FormatError as err:
                 raise Refused(check, f"{rel}: {err}") from None
+            if is_packed(tensors):  # text tokens stored unpadded: padded again, once their sizes are bounded
+                tensors = self._unpacked(rel, tensors, check)
             self._items[rel] = tensors, self._captions(rel, tensors, meta, check)
         return self._items[rel]
+
+    def _unpacked(self, rel: str, tensors: dict[str, torch.Tensor], check: str) -> dict[str, torch.Tensor]:
+        lengths, mask = tensors["text_len"], tensors.get("text_mask")
+        length = int(mask.shape[-1]) if mask is not None and mask.ndim else 0
+        if not 0 < length <= TEXT_MAX_TOKENS:
+            raise Refused(check, f"{rel}: text_mask: a padded text length of {length}, not 1 to {TEXT_MAX_TOKENS}")
+        if lengths.ndim == 1 and lengths.shape[0] > self.sign.kit.sample_rows:
+            raise Refused(check, f"{rel}: {lengths.shape[0]} items, the kit takes at most {self.sign.kit.sample_rows}")
+        try:
+            return unpack_tokens(tensors)
+        except ValueError as err:
+            raise Refused(check, f"{rel}: {err}") from None
 
     def _captions(self, rel: str, tensors: dict[str, torch.Tensor], meta: dict[str, str], check: str) -> list[str]:
         rows = {name: int(t.shape[0]) if t.ndim else -1 for name, t in tensors.items()}
