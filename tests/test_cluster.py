@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -13,6 +14,7 @@ from fixtures.tolerances import gamma
 from PIL import Image
 from sklearn.metrics import normalized_mutual_info_score
 
+from flowfleet.cli import main
 from flowfleet.cluster import (
     assign_nearest,
     balance_fine_to_coarse,
@@ -28,6 +30,7 @@ from flowfleet.data.shards import FIELDS, ShardSet, ShardSetManifest
 from flowfleet.errors import FlowfleetError
 from flowfleet.presets import preset
 from flowfleet.stages.cluster import cluster
+from flowfleet.stages.cluster_parts import cluster_in_parts
 from flowfleet.storage import RunRoot
 
 
@@ -303,6 +306,56 @@ def test_cluster_stage_writes_aligned_files_and_complete_partitions(run_root):
         assert caps == [captions[i] for i in rows.tolist()]
         total += m.count
     assert total == n
+
+
+def _written(root: Path) -> dict[str, bytes]:
+    """Every file `cluster` writes but its report (which records seconds): partitions/ and clusters/."""
+    return {
+        str(f.relative_to(root)): f.read_bytes()
+        for folder in ("partitions", "clusters")
+        for f in sorted((root / folder).rglob("*"))
+        if f.is_file() and f.name != "report.json"
+    }
+
+
+def test_cluster_in_parts_writes_what_one_process_writes(tmp_path, capsys):
+    """`cluster --parts 3`: three processes write the partitions at once, each a run of data/'s shards, the shards
+    that straddle two parts joined by the merge: every file byte for byte one process's, the same report but its
+    timings, the parts' pieces gone after; a part before the clustering, or a merge before its parts, refused."""
+    x, labels = blobs([150, 210, 180, 120], seed=4)
+    runs = []
+    for name in ("one", "parts"):
+        run = write_run(str(tmp_path / name), x, labels, shard_size=50, k=4, fine_k=24, iters=20)
+        raw = run.read_yaml("run.yaml")
+        raw["data"]["shard_size"] = 16  # partitions of 120-210 items: shards within one part and across two
+        RunConfig.from_dict(raw).save(run)
+        runs.append(run)
+    assert main(["cluster", runs[1].url, "--part", "0/3"]) == 1
+    assert "cluster-parts/fit.json: missing; `flowfleet cluster" in capsys.readouterr().err
+    one = cluster(runs[0], progress=False)
+    done = cluster_in_parts(runs[1], 3, parallel=3, progress=False)
+    assert _written(tmp_path / "parts") == _written(tmp_path / "one") and len(_written(tmp_path / "one")) > 40
+    timings = ("seconds", "seconds_clustering", "seconds_per_phase")
+    assert {k: v for k, v in done.report.items() if k not in timings} == {
+        k: v for k, v in one.items() if k not in timings
+    }
+    starts, ends = zip(*done.spans.values())
+    assert len(done.spans) == 3 and max(starts) < min(ends)  # the three parts ran at once
+    assert sorted(p.name for p in (tmp_path / "parts" / "cluster-parts").iterdir()) == [
+        f"{i}-of-3.log" for i in range(3)
+    ]
+    # by hand, as another scheduler runs them: the parts, then the merge, which needs all of them
+    capsys.readouterr()
+    runs[1].write_json(one, "cluster-parts", "fit.json")
+    assert main(["cluster", runs[1].url, "--part", "2/3", "--quiet"]) == 0
+    assert main(["cluster", runs[1].url, "--merge", "3", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "cluster-parts/0-of-3/done.json: missing; run `flowfleet cluster" in err and "--part 0/3" in err
+    for i in (0, 1):
+        assert main(["cluster", runs[1].url, "--part", f"{i}/3", "--quiet"]) == 0
+    assert "pieces of shards written" in capsys.readouterr().out
+    assert main(["cluster", runs[1].url, "--merge", "3", "--quiet"]) == 0
+    assert _written(tmp_path / "parts") == _written(tmp_path / "one")
 
 
 def test_label_coherence_is_the_mean_majority_share():

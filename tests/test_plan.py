@@ -143,21 +143,26 @@ def test_the_router_takes_a_machine_no_expert_needs_or_one_of_its_own_when_it_ou
     assert {j: (a.machine, a.steps) for j, a in spare.jobs.items() if j != "router"} == {
         j: (a.machine, a.steps) for j, a in experts.jobs.items()
     }  # the experts' plan untouched
-    # a router longer than an equal share of all the work: its machine trains it alone, the experts share the rest
+    # of equal machines, the one whose expert has the fewest items (expert-0, batch 5) gives the router its time
+    equal = make_plan(works, dict.fromkeys("abcd", 1.0), router=r)
+    assert equal.jobs["router"].machine == equal.jobs["expert-0"].machine == "d"
+    assert equal.jobs["expert-0"].start_s == equal.jobs["router"].finish_s
+    # a router longer than an equal share of all the work: its machine (of four equals, the lightest expert's: d)
+    # trains it alone, the experts share the rest
     big = router(steps=400_000)
     alone = make_plan(works, dict.fromkeys("abcd", 1.0), router=big)
     home = alone.jobs["router"].machine
-    assert home == "a" and not [j for j, a in alone.jobs.items() if a.machine == home and j != "router"]
-    rest = [alone.machine_finish_s(m) for m in "bcd"]
+    assert home == "d" and not [j for j, a in alone.jobs.items() if a.machine == home and j != "router"]
+    rest = [alone.machine_finish_s(m) for m in "abc"]
     assert max(rest) - min(rest) <= max(alone.step_s(j) for j in alone.jobs)
     assert alone.critical_path_s == pytest.approx(big.flops / TERA)
     # under a deadline the router must fit: refused naming its steps, or the deadline where not even a step fits
-    with pytest.raises(FlowfleetError, match=r"^router_train.steps: the router's 400000 steps take .* on machine a, "):
+    with pytest.raises(FlowfleetError, match=r"^router_train.steps: the router's 400000 steps take .* on machine d, "):
         make_plan(works, dict.fromkeys("abcd", 1.0), deadline_s=1.0, router=big)
-    with pytest.raises(FlowfleetError, match=r"^deadline: 1e-07 s is shorter than one step of router on machine a"):
+    with pytest.raises(FlowfleetError, match=r"^deadline: 1e-07 s is shorter than one step of router on machine d"):
         make_plan(works, dict.fromkeys("abcd", 1.0), deadline_s=1e-7, router=big)
-    # the router fits, but leaves its machine no time for a step of its expert (expert-1, batch 12: 1.2e-05 s)
-    after = r"^deadline: 0.0001 s is shorter than one step of expert-1 on machine a after the router's"
+    # the router fits, but leaves its machine no time for a step of its expert (expert-0, batch 5: 5e-06 s)
+    after = r"^deadline: 0.0001 s is shorter than one step of expert-0 on machine d after the router's"
     with pytest.raises(FlowfleetError, match=after):
         make_plan(works, dict.fromkeys("abcd", 1.0), deadline_s=1e-4, router=router(steps=24))
 

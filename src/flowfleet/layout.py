@@ -42,6 +42,7 @@ NOTICE = "NOTICE.md"  # in data/: the licences and attribution the source asks t
 MANIFEST = "manifest.json"  # in every shard folder (data/, partitions/<k>/): what is written, and whether all
 DATA_PARTS = "data-parts"  # prepare --part i/N: data-parts/<i>-of-<N>/, joined into data/ by prepare --merge
 CLUSTERS = "clusters"
+CLUSTER_PARTS = "cluster-parts"  # cluster --part i/N: cluster-parts/<i>-of-<N>/, joined by cluster --merge N
 ASSIGNMENTS = (CLUSTERS, "assignments.safetensors")
 CENTROIDS = (CLUSTERS, "centroids.safetensors")
 CLUSTER_REPORT = (CLUSTERS, "report.json")

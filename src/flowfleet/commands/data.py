@@ -30,6 +30,8 @@ with an error: never an expert without data. Mode random is the baseline: a seed
 Writes RUN_ROOT/clusters/ (assignments.safetensors, centroids.safetensors, report.json with sizes,
 inertia, the fine->coarse map and NMI against the source labels, preview-k.png per cluster) and one
 shard set per partition at RUN_ROOT/partitions/k/, all an expert job needs. Re-running replaces them.
+With --parts N the partitions are written by N processes at once (`--part i/N` each, a run of data/'s
+shards), then joined (`--merge N`): the same files as one process writes.
 """
 
 
@@ -99,8 +101,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "faiss", "torch"],
         help="k-means implementation (auto: faiss when installed, else torch)",
     )
+    p.add_argument(
+        "--parallel", type=int, default=None, help="with --parts: parts at a time (default: one per core, or GPU)"
+    )
     add_device(p)
     add_progress(p, "--quiet")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument(
+        "--part",
+        metavar="i/N",
+        default=None,
+        help="write only part i (0-based) of N of the partitions, once `--parts N` or the clustering has decided them",
+    )
+    split.add_argument(
+        "--merge", type=int, metavar="N", default=None, help="join the N parts' pieces, manifests, previews, report"
+    )
+    split.add_argument(
+        "--parts",
+        type=int,
+        metavar="N",
+        default=None,
+        help="decide the partitions here, write them in N processes of --part i/N (--parallel at a time), then merge",
+    )
 
 
 def run_fetch_data(args: argparse.Namespace) -> int:
@@ -203,9 +225,33 @@ def run_prepare(args: argparse.Namespace) -> int:
 def run_cluster(args: argparse.Namespace) -> int:
     """split the data into K semantic partitions (two-stage k-means)"""
 
+    from flowfleet.errors import FlowfleetError
     from flowfleet.stages.cluster import cluster
+    from flowfleet.stages.cluster_parts import cluster_in_parts, merge_cluster_parts, write_cluster_part
+    from flowfleet.stages.prepare import parse_part
 
-    report = cluster(args.run_root, backend=args.backend, device=args.device, progress=args.progress)
+    if args.parallel is not None and (args.parts is None or args.parallel < 1):
+        raise FlowfleetError(f"--parallel: {args.parallel} needs --parts N and must be >= 1")
+    if args.part is not None:
+        i, n = parse_part(args.part)
+        written = write_cluster_part(args.run_root, i, n, progress=args.progress)
+        print(f"cluster part {i}/{n}: {written['shards']} shards and {written['pieces']} pieces of shards written")
+        return 0
+    if args.merge is not None:
+        if args.merge < 1:
+            raise FlowfleetError(f"--merge: must be >= 1, got {args.merge}")
+        report = merge_cluster_parts(args.run_root, args.merge, device=args.device, progress=args.progress)
+    elif args.parts is not None:
+        report = cluster_in_parts(
+            args.run_root,
+            args.parts,
+            backend=args.backend,
+            device=args.device,
+            parallel=args.parallel,
+            progress=args.progress,
+        ).report
+    else:
+        report = cluster(args.run_root, backend=args.backend, device=args.device, progress=args.progress)
     kind = (report.get("features") or {}).get("kind", "semantic")
     labels = ""
     if report.get("nmi") is not None:

@@ -120,10 +120,7 @@ class ShardSet:
         name = shard_name(len(manifest.shards))
         self.root.write_bytes(shard_bytes(tensors, captions), self.folder, name)
         if not manifest.fields:
-            manifest.fields = {
-                k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype).removeprefix("torch.")}
-                for k, v in tensors.items()
-            }
+            manifest.fields = fields_of(tensors)
         manifest.shards.append({"name": name, "count": n, **(info or {})})
         self.write_manifest(manifest)
 
@@ -168,6 +165,15 @@ class ShardSetUnion:
         out = {f: torch.cat([t[f] for t, _ in loaded]) for f in loaded[0][0]}
         captions = [c for _, caps in loaded for c in caps]
         return (out, captions) if with_captions else out
+
+
+def fields_of(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """A manifest's `fields`: each field's item shape and dtype, as the shards' readers give them, by name (the order
+    a shard's tensors come in depends on how it was written)."""
+    return {
+        k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype).removeprefix("torch.")}
+        for k, v in sorted(tensors.items())
+    }
 
 
 def open_complete(root: RunRoot, folder: str, made_by: str) -> ShardSet:

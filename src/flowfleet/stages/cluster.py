@@ -17,6 +17,7 @@ scikit-learn (NMI) is imported only when the data has labels.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import safetensors.torch
@@ -102,6 +103,28 @@ def cluster(
 ) -> dict[str, Any]:
     """Partition the prepared data; writes clusters/ and partitions/. Returns the report.
     backend: "faiss", "torch" or "auto" (faiss when installed); device: for the torch backend."""
+    t0 = time.perf_counter()
+    fit = fit_clusters(run_root, backend=backend, device=device, progress=progress)
+    examples = write_partitions(fit.root, fit.cfg, fit.data, fit.data.manifest(), fit.assign, progress=progress)
+    return finish_report(fit.root, fit.cfg, fit.report, examples, device, time.perf_counter() - t0)
+
+
+@dataclass
+class Fitted:
+    """What `cluster` decided before it writes the partitions: the items' partition (assign [N]) and the report."""
+
+    root: RunRoot
+    cfg: RunConfig
+    data: ShardSet
+    assign: torch.Tensor
+    report: dict[str, Any]
+
+
+def fit_clusters(
+    run_root: str | RunRoot, *, backend: str = "auto", device: str | None = None, progress: bool = True
+) -> Fitted:
+    """The partitions of the prepared items, decided: clusters/assignments.safetensors and centroids.safetensors
+    written (any earlier clusters/ and partitions/ removed first); the partitions themselves not yet."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     cfg = load_run_config(root)
     c = cfg.cluster
@@ -140,10 +163,21 @@ def cluster(
         ),
         *CENTROIDS,
     )
-    examples = write_partitions(root, cfg, data, manifest, assign, progress=progress)
-    write_previews(root, cfg, examples, dev)
+    return Fitted(root, cfg, data, assign, report)
+
+
+def finish_report(
+    root: RunRoot,
+    cfg: RunConfig,
+    report: dict[str, Any],
+    examples: dict[int, tuple[torch.Tensor, list[str]]],
+    device: str | None,
+    seconds: float,
+) -> dict[str, Any]:
+    """The previews of the written partitions, then report.json, last: the stage has finished."""
+    write_previews(root, cfg, examples, resolve_device(device))
     report["examples"] = {str(k): caps for k, (_, caps) in examples.items()}
-    report["seconds"] = round(time.perf_counter() - t0, 2)
+    report["seconds"] = round(seconds, 2)
     root.write_json(report, *CLUSTER_REPORT)
     return report
 
@@ -259,24 +293,9 @@ def write_partitions(
     of up to PREVIEW_ITEMS seeded-random members for the previews."""
     k_total = cfg.cluster.k
     size = cfg.data.shard_size
-    gen = torch.Generator().manual_seed(cfg.cluster.seed)
-    picked = torch.zeros(assign.shape[0], dtype=torch.bool)
-    for k in range(k_total):
-        members = (assign == k).nonzero().flatten()
-        picked[members[torch.randperm(len(members), generator=gen)[:PREVIEW_ITEMS]]] = True
+    picked = preview_members(assign, k_total, cfg.cluster.seed)
     sets = [ShardSet(root, partition(k)) for k in range(k_total)]
-    extra = {
-        "partition": None,
-        "num_partitions": k_total,
-        "source": manifest.extra.get("source"),
-        "encoders": manifest.extra.get("encoders"),
-        "cluster": cfg.cluster.model_dump(mode="json"),
-        "data_count": manifest.count,
-        # every partition's items, so that an expert's job can take its share of the fleet's steps
-        # (train.expert_steps: by_size) from its own manifest
-        "partition_counts": torch.bincount(assign, minlength=k_total).tolist(),
-    }
-    outs = [ShardSetManifest(extra={**extra, "partition": k}) for k in range(k_total)]
+    outs = [ShardSetManifest(extra=partition_extra(cfg, manifest, assign, k)) for k in range(k_total)]
     pending: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(k_total)]
     pending_caps: list[list[str]] = [[] for _ in range(k_total)]
     examples: dict[int, tuple[list[torch.Tensor], list[str]]] = {k: ([], []) for k in range(k_total)}
@@ -309,6 +328,31 @@ def write_partitions(
         outs[k].complete = True
         sets[k].write_manifest(outs[k])
     return {k: (torch.cat(lat), caps[:EXAMPLE_CAPTIONS]) for k, (lat, caps) in examples.items()}
+
+
+def preview_members(assign: torch.Tensor, k_total: int, seed: int) -> torch.Tensor:
+    """[N] bool: up to PREVIEW_ITEMS seeded-random members of each partition, the ones its preview shows."""
+    gen = torch.Generator().manual_seed(seed)
+    picked = torch.zeros(assign.shape[0], dtype=torch.bool)
+    for k in range(k_total):
+        members = (assign == k).nonzero().flatten()
+        picked[members[torch.randperm(len(members), generator=gen)[:PREVIEW_ITEMS]]] = True
+    return picked
+
+
+def partition_extra(cfg: RunConfig, manifest: ShardSetManifest, assign: torch.Tensor, k: int) -> dict[str, Any]:
+    """What partition k's manifest records beside its shards."""
+    return {
+        "partition": k,
+        "num_partitions": cfg.cluster.k,
+        "source": manifest.extra.get("source"),
+        "encoders": manifest.extra.get("encoders"),
+        "cluster": cfg.cluster.model_dump(mode="json"),
+        "data_count": manifest.count,
+        # every partition's items, so that an expert's job can take its share of the fleet's steps
+        # (train.expert_steps: by_size) from its own manifest
+        "partition_counts": torch.bincount(assign, minlength=cfg.cluster.k).tolist(),
+    }
 
 
 def write_previews(

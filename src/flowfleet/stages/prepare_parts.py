@@ -13,22 +13,15 @@ parts are the same commands, started by hand or by any scheduler: `prepare --par
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import torch
 
 from flowfleet.config import BackendConfig, load_run_config
 from flowfleet.data.shards import ShardSetManifest
-from flowfleet.errors import FlowfleetError, ParameterError
+from flowfleet.errors import ParameterError
 from flowfleet.layout import DATA_PARTS
+from flowfleet.stages.parts import run_parts
 from flowfleet.stages.prepare import merge_parts, prepare_autoencoder
 from flowfleet.storage import RunRoot
-from flowfleet.train.fanout import LocalFanout, ProcessJob, ProcessOutcome, plan_slots
-from flowfleet.train.specs import cli_command, launcher
 
 log = logging.getLogger(__name__)
 
@@ -50,46 +43,10 @@ def prepare_in_parts(
     cfg = load_run_config(root)
     if cfg.encoders.latent.name == "autoencoder":
         prepare_autoencoder(root, restart=restart, progress=progress)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    slots = plan_slots(n, parallel, os.cpu_count() or 1, gpus)
-    logs_tmp = None if root.is_local else tempfile.TemporaryDirectory(prefix="flowfleet-prepare-logs-")
-    spans: dict[str, tuple[float, float]] = {}
-    started: dict[str, float] = {}
-
-    def log_path(i: int) -> Path:
-        name = f"{i}-of-{n}.log"  # beside the part folders: `--restart` empties a part's own
-        local = root.local_path(DATA_PARTS, name)
-        return local if local is not None else Path(logs_tmp.name) / name  # type: ignore[union-attr]
-
-    def on_start(job: ProcessJob, pid: int) -> None:
-        started[job.name] = time.perf_counter()
-        log.info("%s: started (pid %d), log %s", job.name, pid, job.log)
-
-    def on_exit(done: ProcessOutcome) -> None:
-        spans[done.name] = (started[done.name], time.perf_counter())
-        log.info("%s: exit code %d after %.0f s", done.name, done.returncode, done.seconds)
-        if logs_tmp is not None:
-            root.write_bytes(done.log.read_bytes(), DATA_PARTS, done.log.name)
-
-    command = cli_command(["prepare", root.url_of(), "--quiet"], launcher())  # as train-all starts its jobs
-    jobs = []
-    for i in range(n):
-        log_path(i).parent.mkdir(parents=True, exist_ok=True)
-        argv = [*command, "--part", f"{i}/{n}", *(["--restart"] if restart else [])]
-        jobs.append(ProcessJob(f"part {i}/{n}", argv, log_path(i), forkable=not gpus))
     preload = ("flowfleet.cli", "flowfleet.stages.prepare")  # what every part imports: the forkserver does it once
-    fanout = LocalFanout(slots, on_start=on_start, on_exit=on_exit, preload=preload)
-    try:
-        outcomes = fanout.run(jobs)
-    finally:
-        if logs_tmp is not None:
-            logs_tmp.cleanup()
-    if fanout.stopped:
-        raise FlowfleetError(f"prepare --parts {n}: stopped; run the same command to finish the parts")
-    for done in outcomes:
-        if done.returncode != 0:
-            why = done.last_line or f"exit code {done.returncode}"
-            raise FlowfleetError(f"{done.name} failed: {why} (its log: {root.url_of(DATA_PARTS, done.log.name)})")
+    spans = run_parts(
+        root, ["prepare"], n, DATA_PARTS, parallel=parallel, extra=["--restart"] if restart else [], preload=preload
+    )
     return PartsPrepared(merge_parts(root, n, progress=progress), spans)
 
 

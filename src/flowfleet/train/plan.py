@@ -7,8 +7,9 @@ allows; under a deadline, every machine trains until it, and the fleet's compute
 then. The heaviest experts (the largest partitions' recipes) go to the fastest machines, so that each expert's
 passes over its data stay as near the recipe's as the machines allow; each keeps its recipe's batch, and its steps
 follow its share of its machine's work. The router needs no expert: it is a job of the plan too, of its recipe's
-steps from the start, on a machine no expert needs where there is one, else first on the fastest machine, whose
-experts share the rest of its time (balanced, the router's FLOPs are part of the work shared among the machines).
+steps from the start, on a machine no expert needs where there is one, else first on the fastest machine (of equals,
+the one of the lightest experts), whose experts share the rest of its time (balanced, the router's FLOPs are part of
+the work shared among the machines).
 
 Hand-written: a scheduling library (OR-Tools, PuLP) solves the general problem of indivisible jobs; here the work
 is divisible (steps), so once each machine has its experts the optimum is closed-form.
@@ -172,7 +173,9 @@ def make_plan(
     routed: Assignment | None = None
     if router is not None:
         free = [m for m in sorted(tflops, key=lambda m: (-tflops[m], m)) if m not in used]
-        home = free[0] if free else used[0]
+        # else the fastest machine; of equals, the one of the lightest experts (the fewest items lose its time)
+        load = {m: sum(w.flops for w in works if placed[w.job] == m) for m in used}
+        home = free[0] if free else min(used, key=lambda m: (-tflops[m], load[m], m))
         took = router.flops / (tflops[home] * TERA)
         if deadline_s is not None and took > deadline_s:
             step_s = router.step_flops / (tflops[home] * TERA)
