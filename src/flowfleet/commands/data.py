@@ -90,7 +90,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="only train the run's autoencoder (encoders.latent autoencoder) into RUN_ROOT/autoencoder/: "
         "once, before --part i/N on N machines, which all encode with it",
     )
+    _register_cluster(sub)
 
+
+def _register_cluster(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub, "cluster", run_cluster, description=CLUSTER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
