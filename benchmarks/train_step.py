@@ -204,6 +204,36 @@ def compare_adamw(args: argparse.Namespace, device: torch.device, sync) -> int:
     return 0
 
 
+def bare_only(args: argparse.Namespace, device: torch.device, sync, peak: float) -> int:
+    """The bare step of each model alone: the samples a second a training step consumes."""
+    for name in args.models.split(","):
+        batch, steps = getattr(args, f"batch_{name}"), getattr(args, f"steps_{name}")
+        cfg = bench_config(MODELS[name], batch, 10**6, log_every=args.log_every, precision=args.precision)
+        step = BareStep(cfg, device)
+        times = []
+        for i in range(1 + steps):  # one warm-up step
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+        median = statistics.median(times)
+        gflops = batch / median * train_flops_per_sample(cfg.expert) / 1e9
+        row = {
+            "model": MODELS[name],
+            "batch": batch,
+            "steps": steps,
+            "bare_step_s_median": median,
+            "bare_samples_per_s": batch / median,
+            "bare_gflops": gflops,
+            "sgemm_gflops": peak,
+            "peak_memory_gib": peak_memory(device) / 2**30,
+        }
+        print(json.dumps(row), flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="tiny,S", help="comma list of tiny, S, demo (the mnist preset's expert)")
@@ -219,6 +249,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="autocast on CUDA only")
+    p.add_argument(
+        "--bare",
+        action="store_true",
+        help="instead: the bare step alone (one model in memory: an XL step on a CPU box, where the trainer's second "
+        "copy does not fit)",
+    )
     p.add_argument(
         "--adamw",
         action="store_true",
@@ -236,6 +272,8 @@ def main() -> int:
     print(f"sgemm 1024^3 fp32: {peak:.1f} GFLOP/s")
     if args.adamw:
         return compare_adamw(args, device, sync)
+    if args.bare:
+        return bare_only(args, device, sync, peak)
     results = {}
     for name in args.models.split(","):
         size = MODELS[name]

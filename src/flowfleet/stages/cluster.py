@@ -296,38 +296,62 @@ def write_partitions(
     picked = preview_members(assign, k_total, cfg.cluster.seed)
     sets = [ShardSet(root, partition(k)) for k in range(k_total)]
     outs = [ShardSetManifest(extra=partition_extra(cfg, manifest, assign, k)) for k in range(k_total)]
-    pending: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(k_total)]
-    pending_caps: list[list[str]] = [[] for _ in range(k_total)]
-    examples: dict[int, tuple[list[torch.Tensor], list[str]]] = {k: ([], []) for k in range(k_total)}
+    pending = PartitionRows(assign, k_total, picked)
 
     def flush(k: int, final: bool) -> None:
-        while pending_caps[k] and (len(pending_caps[k]) >= size or final):
-            cat = {f: torch.cat(v) for f, v in pending[k].items()}
-            m = min(size, len(pending_caps[k]))
-            sets[k].append(outs[k], {f: v[:m] for f, v in cat.items()}, pending_caps[k][:m])
-            pending[k] = {f: [v[m:]] for f, v in cat.items()}
-            pending_caps[k] = pending_caps[k][m:]
+        while pending.count(k) and (pending.count(k) >= size or final):
+            sets[k].append(outs[k], *pending.take(k, min(size, pending.count(k))))
 
     for shard in tqdm(manifest.shards, desc="partitions", unit="shard", disable=not progress, dynamic_ncols=True):
-        tensors, captions = data.read_shard(shard["name"])
-        part = assign[tensors["index"]]  # [n]
-        for k in range(k_total):
-            rows = (part == k).nonzero().flatten()
-            if len(rows) == 0:
-                continue
-            for f, v in tensors.items():
-                pending[k].setdefault(f, []).append(v[rows])
-            caps = [captions[i] for i in rows.tolist()]
-            pending_caps[k] += caps
-            show = picked[tensors["index"][rows]]
-            examples[k][0].append(tensors["latents"][rows[show]])
-            examples[k][1].extend(c for c, s in zip(caps, show.tolist()) if s)
+        for k in pending.add(*data.read_shard(shard["name"])):
             flush(k, final=False)
     for k in range(k_total):
         flush(k, final=True)
         outs[k].complete = True
         sets[k].write_manifest(outs[k])
-    return {k: (torch.cat(lat), caps[:EXAMPLE_CAPTIONS]) for k, (lat, caps) in examples.items()}
+    return pending.previews()
+
+
+class PartitionRows:
+    """Each partition's rows met in data/'s shards and not yet written, in data order, and its preview members."""
+
+    def __init__(self, assign: torch.Tensor, k_total: int, picked: torch.Tensor):
+        self.assign, self.picked = assign, picked  # [N] partition, [N] bool: in its preview (preview_members)
+        self.rows: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(k_total)]
+        self.captions: list[list[str]] = [[] for _ in range(k_total)]
+        self.examples: dict[int, tuple[list[torch.Tensor], list[str]]] = {k: ([], []) for k in range(k_total)}
+
+    def add(self, tensors: dict[str, torch.Tensor], captions: list[str]) -> list[int]:
+        """A shard's items, each to its partition -> the partitions that got any."""
+        part = self.assign[tensors["index"]]  # [n]
+        got = []
+        for k in range(len(self.rows)):
+            rows = (part == k).nonzero().flatten()
+            if len(rows) == 0:
+                continue
+            for f, v in tensors.items():
+                self.rows[k].setdefault(f, []).append(v[rows])
+            caps = [captions[i] for i in rows.tolist()]
+            self.captions[k] += caps
+            show = self.picked[tensors["index"][rows]]
+            self.examples[k][0].append(tensors["latents"][rows[show]])
+            self.examples[k][1].extend(c for c, s in zip(caps, show.tolist()) if s)
+            got.append(k)
+        return got
+
+    def count(self, k: int) -> int:
+        return len(self.captions[k])
+
+    def take(self, k: int, m: int) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """Partition k's first m pending rows (and their captions), no longer pending."""
+        cat = {f: torch.cat(v) for f, v in self.rows[k].items()}
+        self.rows[k] = {f: [v[m:]] for f, v in cat.items()}
+        taken, self.captions[k] = self.captions[k][:m], self.captions[k][m:]
+        return {f: v[:m] for f, v in cat.items()}, taken
+
+    def previews(self) -> dict[int, tuple[torch.Tensor, list[str]]]:
+        """Each partition's preview members met so far: their latents, and the first EXAMPLE_CAPTIONS captions."""
+        return {k: (torch.cat(lat), caps[:EXAMPLE_CAPTIONS]) for k, (lat, caps) in self.examples.items()}
 
 
 def preview_members(assign: torch.Tensor, k_total: int, seed: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import CLUSTER_PARTS, DATA, partition
 from flowfleet.stages.cluster import (
     EXAMPLE_CAPTIONS,
+    PartitionRows,
     finish_report,
     fit_clusters,
     partition_extra,
@@ -110,53 +111,35 @@ def write_cluster_part(run_root: str | RunRoot, i: int, n: int, *, progress: boo
     picked = preview_members(assign, k_total, cfg.cluster.seed)
     mine = part_folder(i, n)
     root.remove(mine, recursive=True)
-    pending: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(k_total)]
-    pending_caps: list[list[str]] = [[] for _ in range(k_total)]
-    examples: dict[int, tuple[list[torch.Tensor], list[str]]] = {k: ([], []) for k in range(k_total)}
+    pending = PartitionRows(assign, k_total, picked)
     written = {"shards": 0, "pieces": 0}
 
     def flush(k: int, final: bool) -> None:
         """Write what of partition k's pending rows fills its shards: a shard begun here whole into partitions/k/,
         a piece of one begun or ended in another part into this part's folder."""
-        while pending_caps[k]:
+        while pending.count(k):
             j = at[k] // size
-            end = min((j + 1) * size, totals[k])
-            need = end - at[k]
-            if len(pending_caps[k]) < need and not final:
+            need = min((j + 1) * size, totals[k]) - at[k]
+            if pending.count(k) < need and not final:
                 return
-            m = min(need, len(pending_caps[k]))
-            cat = {f: torch.cat(v) for f, v in pending[k].items()}
-            rows = shard_bytes({f: v[:m] for f, v in cat.items()}, pending_caps[k][:m])
+            m = min(need, pending.count(k))
+            rows = shard_bytes(*pending.take(k, m))
             if at[k] == j * size and m == need:
                 root.write_bytes(rows, partition(k), shard_name(j))
                 written["shards"] += 1
             else:
                 root.write_bytes(rows, mine, str(k), shard_name(j))
                 written["pieces"] += 1
-            pending[k] = {f: [v[m:]] for f, v in cat.items()}
-            pending_caps[k] = pending_caps[k][m:]
             at[k] += m
 
     for shard in tqdm(manifest.shards[lo:hi], desc=f"partitions, part {i}/{n}", unit="shard", disable=not progress):
-        tensors, captions = data.read_shard(shard["name"])
-        part = assign[tensors["index"]]  # [n]
-        for k in range(k_total):
-            rows = (part == k).nonzero().flatten()
-            if len(rows) == 0:
-                continue
-            for f, v in tensors.items():
-                pending[k].setdefault(f, []).append(v[rows])
-            caps = [captions[r] for r in rows.tolist()]
-            pending_caps[k] += caps
-            show = picked[tensors["index"][rows]]
-            examples[k][0].append(tensors["latents"][rows[show]])
-            examples[k][1].extend(c for c, s in zip(caps, show.tolist()) if s)
+        for k in pending.add(*data.read_shard(shard["name"])):
             flush(k, final=False)
     for k in range(k_total):
         flush(k, final=True)
-    shown = {str(k): torch.cat(lat) for k, (lat, _) in examples.items() if lat}
+    shown = {str(k): torch.cat(lat) for k, (lat, _) in pending.examples.items() if lat}
     root.write_bytes(safetensors.torch.save(shown), mine, EXAMPLES)
-    root.write_json({str(k): caps for k, (_, caps) in examples.items()}, mine, EXAMPLE_CAPTIONS_FILE)
+    root.write_json({str(k): caps for k, (_, caps) in pending.examples.items()}, mine, EXAMPLE_CAPTIONS_FILE)
     root.write_json({"part": [i, n], "data_shards": [lo, hi], **written}, mine, DONE)  # last: the part is done
     return written
 
