@@ -54,35 +54,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_run_root(p)
     p.add_argument("--restart", action="store_true", help="discard an existing data/ folder and start over")
     p.add_argument(
-        "--parallel", type=int, default=None, help="with --parts: parts at a time (default: one per core, or GPU)"
-    )
-    p.add_argument(
         "--backend",
         default="local",
         help="with --parts: local (processes here) or slurm, or a run.yaml `backends` entry of kind slurm",
     )
     add_device(p)
     add_progress(p, "--quiet")
-    split = p.add_mutually_exclusive_group()
-    split.add_argument(
-        "--part",
-        metavar="i/N",
-        default=None,
-        help="encode only slice i (0-based) of N of the source into data-parts/<i>-of-<N>/ (one per machine or job)",
-    )
-    split.add_argument(
-        "--merge",
-        type=int,
-        metavar="N",
-        default=None,
-        help="join the N parts into data/ (the same shards as one prepare)",
-    )
-    split.add_argument(
-        "--parts",
-        type=int,
-        metavar="N",
-        default=None,
-        help="all of it on this machine in N parts, each a process of --part i/N (--parallel at a time), then merged",
+    split = add_parts_options(
+        p,
+        part="encode only slice i (0-based) of N of the source into data-parts/<i>-of-<N>/ (one per machine or job)",
+        merge="join the N parts into data/ (the same shards as one prepare)",
+        parts="all of it on this machine in N parts, each a process of --part i/N (--parallel at a time), then merged",
     )
     split.add_argument(
         "--autoencoder-only",
@@ -104,28 +86,26 @@ def _register_cluster(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "faiss", "torch"],
         help="k-means implementation (auto: faiss when installed, else torch)",
     )
+    add_device(p)
+    add_progress(p, "--quiet")
+    add_parts_options(
+        p,
+        part="write only part i (0-based) of N of the partitions, once `--parts N` or the clustering has decided them",
+        merge="join the N parts' pieces, manifests, previews, report",
+        parts="decide the partitions here, write them in N processes of --part i/N (--parallel at a time), then merge",
+    )
+
+
+def add_parts_options(p: argparse.ArgumentParser, *, part: str, merge: str, parts: str) -> argparse._ArgumentGroup:
+    """A stage cut into parts: --parallel and the exclusive --part i/N, --merge N, --parts N (-> their group)."""
     p.add_argument(
         "--parallel", type=int, default=None, help="with --parts: parts at a time (default: one per core, or GPU)"
     )
-    add_device(p)
-    add_progress(p, "--quiet")
     split = p.add_mutually_exclusive_group()
-    split.add_argument(
-        "--part",
-        metavar="i/N",
-        default=None,
-        help="write only part i (0-based) of N of the partitions, once `--parts N` or the clustering has decided them",
-    )
-    split.add_argument(
-        "--merge", type=int, metavar="N", default=None, help="join the N parts' pieces, manifests, previews, report"
-    )
-    split.add_argument(
-        "--parts",
-        type=int,
-        metavar="N",
-        default=None,
-        help="decide the partitions here, write them in N processes of --part i/N (--parallel at a time), then merge",
-    )
+    split.add_argument("--part", metavar="i/N", default=None, help=part)
+    split.add_argument("--merge", type=int, metavar="N", default=None, help=merge)
+    split.add_argument("--parts", type=int, metavar="N", default=None, help=parts)
+    return split
 
 
 def run_fetch_data(args: argparse.Namespace) -> int:
