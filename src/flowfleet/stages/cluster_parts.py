@@ -164,25 +164,25 @@ def merge_cluster_parts(
     totals = torch.bincount(assign, minlength=k_total).tolist()
     for k in tqdm(range(k_total), desc="cluster --merge", unit="partition", disable=not progress):
         out = ShardSetManifest(extra=partition_extra(cfg, manifest, assign, k))
-        for j in range(-(-totals[k] // size)):
-            name = shard_name(j)
-            if not root.exists(partition(k), name):
-                pieces = [
-                    root.read_bytes(part_folder(i, n), str(k), name)
+        for j in range(-(-totals[k] // size)):  # shard j holds the partition's rows j * size on (the last: the rest)
+            name, count = shard_name(j), min(size, totals[k] - j * size)
+            if not root.exists(partition(k), name):  # it straddles parts: joined from their pieces, in part order
+                parsed = [
+                    parse_shard(root.read_bytes(part_folder(i, n), str(k), name))
                     for i in range(n)
                     if root.exists(part_folder(i, n), str(k), name)
                 ]
-                parsed = [parse_shard(raw) for raw in pieces]
+                captions = [c for _, caps in parsed for c in caps]
+                if len(captions) != count:
+                    raise FlowfleetError(
+                        f"{root.url_of(partition(k), name)}: its parts' pieces hold {len(captions)} items, not "
+                        f"{count}; run `flowfleet cluster {root.url} --parts {n}` again"
+                    )
                 tensors = {f: torch.cat([t[f] for t, _ in parsed]) for f in parsed[0][0]}
-                root.write_bytes(shard_bytes(tensors, [c for _, caps in parsed for c in caps]), partition(k), name)
-            tensors, captions = parse_shard(root.read_bytes(partition(k), name))
-            if not out.fields:
-                out.fields = fields_of(tensors)
-            out.shards.append({"name": name, "count": len(captions)})
-        if out.count != totals[k]:
-            raise FlowfleetError(
-                f"{root.url_of(partition(k))}: {out.count} items written, its assignments say {totals[k]}"
-            )
+                root.write_bytes(shard_bytes(tensors, captions), partition(k), name)
+            if not out.fields:  # (one shard read: the others' items are counted, not read)
+                out.fields = fields_of(parse_shard(root.read_bytes(partition(k), name))[0])
+            out.shards.append({"name": name, "count": count})
         out.complete = True
         ShardSet(root, partition(k)).write_manifest(out)
     examples = _examples(root, n, k_total)
