@@ -11,8 +11,9 @@ each machine does in the equal-machines comparisons), and how good each option's
     the fleet         K experts planned by `flowfleet plan --deadline` on machines of those speeds (the heaviest
                       expert on the fastest, every machine busy until the deadline), DDM's recipe, top-2; the plan
                       is the experts' alone (plan_fleet's router=False) and the router the source run's, trained on
-                      top of the deadline on the fastest machine (its FLOPs listed apart): `flowfleet plan` itself
-                      puts the router inside the deadline, first on the fastest machine, where it fits
+                      top of the deadline on the fastest machine (its FLOPs listed apart); with --router planned,
+                      as `flowfleet plan` makes it: the router within the deadline, first on one machine (the same
+                      router: the source run's), that machine's expert shorter
     all the work      a monolith of sum(speed) x S steps: synchronous training whose ranks take batch shares by
                       speed on a network fast enough to hide its traffic, the reference every ratio divides by
 
@@ -135,15 +136,17 @@ def train_fleet_row(src: Path, run: Path, speeds: list[int], a: argparse.Namespa
 
     machines = {f"m{i}-x{s}": {"tflops": float(s)} for i, s in enumerate(speeds)}
     make_run(src, run, {"monolith": {"enabled": False}, "machines": machines}, jobs=("router",))  # experts: planned
-    # the speed-1 machine does U by the deadline; the router apart, as these tables measure it
-    plan = plan_fleet(str(run), deadline_s=unit_flops(run) / TERA, router=False)
+    # the speed-1 machine does U by the deadline; the router apart, after one expert, or in the plan (--router planned)
+    plan = plan_fleet(str(run), deadline_s=unit_flops(run) / TERA, router=a.router == "planned")
     outcome = train_all(str(run), parallel=a.parallel, progress=False)
     if not outcome.ok:
         raise SystemExit(f"{run}: train-all: {outcome.results}")
     assemble(str(run), progress=False)
     rec = score_fleet(run, ("top2",), a.cfg, a.n, monolith=False, repeats=a.repeats, min_accuracy=min_accuracy(run))
     planned = {
-        j: {"machine": p.machine, "steps": p.steps, "batch": p.batch, "flops": p.flops} for j, p in plan.jobs.items()
+        j: {"machine": p.machine, "steps": p.steps, "batch": p.batch, "flops": p.flops}
+        for j, p in plan.jobs.items()
+        if j != "router"
     }
     return planned, {"cfg": rec["top2"]["cfg"], **rec["draws"]["runs"]["top2"], "floor": rec["draws"]["floor"]}
 
@@ -203,7 +206,7 @@ def run_seed(src: Path, a: argparse.Namespace, rows: list[str]) -> None:
         run = out / f"fleet-seed{seed}"
         planned, scores = train_fleet_row(src, run, speeds, a)
         work = sum(p["flops"] for p in planned.values()) / u
-        keep("fleet", run, scores, work, plan=planned, router_units=router_flops(run) / u)
+        keep("fleet", run, scores, work, plan=planned, router_units=router_flops(run) / u, router=a.router)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,11 +283,15 @@ def table(a: argparse.Namespace) -> str:
         ratio = [[f / m for f, m in zip(fds, ref[seeds.index(x)])] for fds, x in zip(fd, have)]
         cfgs = "/".join(sorted({f"{mine[x]['scores']['cfg']:g}" for x in have}))
         work = statistics.fmean(mine[x]["work_units"] for x in have)
-        work_text, compute = f"{work:.2f}", 1.0
+        work_text, compute, used = f"{work:.2f}", 1.0, work
         if row == "fleet":
             router = statistics.fmean(mine[x]["router_units"] for x in have)
             work_text += f" + router {router:.2f}"
-            compute += router / max(speeds)  # the router after the fastest machine's expert
+            if mine[have[0]].get("router", "apart") == "apart":
+                compute += router / max(speeds)  # the router after the fastest machine's expert
+            else:  # planned: within the deadline, its machine's expert shorter
+                labels["fleet"] += ", its router in the plan"
+                used += router
         up = down = 0.0
         if row in ("diloco", "pace"):
             t = [mine[x]["traffic"] for x in have]
@@ -294,7 +301,7 @@ def table(a: argparse.Namespace) -> str:
         link_s = max(up, down) / GBIT  # seconds at 1 Gbit/s
         break_even = f"{max(up, down) * 8 / deadline_s / 1e6:,.0f} Mbit/s" if up else "—"
         out.append(
-            f"| {labels[row]} | {len(have)} × {a.repeats} | {cfgs} | {work_text} | {work / total:.2f} | "
+            f"| {labels[row]} | {len(have)} × {a.repeats} | {cfgs} | {work_text} | {used / total:.2f} | "
             f"{spread(per_seed_means(fd))} | {'1' if row == 'all' else spread(per_seed_means(ratio), 3)} | "
             f"{spread(per_seed_means(acc), 3)} | {moved(up)} / {moved(down)} | "
             f"{compute:.2f} + {link_s / deadline_s:.2f} | {break_even} |"
@@ -316,6 +323,12 @@ def main() -> None:
     p.add_argument("--cfg", default="4.5,8", help="the guidance sweep (the source's)")
     p.add_argument("--repeats", type=int, default=5, help="test draws at each model's chosen scale")
     p.add_argument("--parallel", type=int, default=2)
+    p.add_argument(
+        "--router",
+        default="apart",
+        choices=["apart", "planned"],
+        help="the fleet's router trained after one expert, past the deadline (apart), or placed by the plan within it",
+    )
     p.add_argument("--reuse", default="", help="other tables' OUT folders (comma-separated): their identical trainings")
     p.add_argument("--out", default="runs/bench/machines-emoji")
     p.add_argument("--table", action="store_true", help="print the table of OUT/machines.jsonl, train nothing")
