@@ -79,9 +79,11 @@ def test_an_expert_over_two_nodes_runs_one_torchrun_a_node_joined_by_its_rendezv
     assert "#SBATCH --array=0,1" in script and "export OMP_NUM_THREADS=8" in script
     exports = [line.removeprefix("export ") for line in script if line.startswith("export PET_")]
     assert exports == [
-        "PET_NNODES=2 PET_NPROC_PER_NODE=4 PET_RDZV_BACKEND=c10d",
-        'PET_RDZV_ID="$SLURM_JOB_ID"',
+        'PET_NNODES="2"',
+        'PET_NPROC_PER_NODE="4"',
+        'PET_RDZV_BACKEND="c10d"',
         'PET_RDZV_ENDPOINT="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):29500"',
+        'PET_RDZV_ID="$SLURM_JOB_ID"',
     ]
     command = script[-1]
     assert command.startswith("exec srun --kill-on-bad-exit=1 ") and command.endswith(' "$SLURM_ARRAY_TASK_ID"')
@@ -106,11 +108,18 @@ def test_an_expert_over_two_nodes_runs_one_torchrun_a_node_joined_by_its_rendezv
     assert args.module and args.training_script == "flowfleet.cli"
 
 
+def test_an_expert_over_two_cpu_nodes_runs_one_rank_a_node_with_the_nodes_cpus_as_threads(tmp_path):
+    config = BackendConfig(kind="slurm", nodes_per_job=2, cpus_per_job=6)
+    script = SlurmBackend(config).job_script(RunRoot(str(tmp_path / "run")), JobSpec("router"), "run").splitlines()
+    assert {"#SBATCH --nodes=2", "#SBATCH --cpus-per-task=6", "export OMP_NUM_THREADS=6"} <= set(script)
+    assert 'export PET_NPROC_PER_NODE="1"' in script and not any("--gpus" in line for line in script)
+    assert " -m torch.distributed.run -m flowfleet.cli train-router " in script[-1]
+
+
 @pytest.mark.parametrize(
     "backend, message",
     [
-        ({"kind": "ray", "nodes_per_job": 2, "gpus_per_job": 1}, "nodes_per_job: a slurm option, but kind is 'ray'"),
-        ({"kind": "slurm", "nodes_per_job": 2}, "nodes_per_job: a job over several nodes needs gpus_per_job"),
+        ({"kind": "local", "nodes_per_job": 2}, "nodes_per_job: a slurm or ray option, but kind is 'local'"),
         ({"kind": "local", "stage_dir": "/x"}, "stage_dir: a slurm option, but kind is 'local'"),
     ],
 )

@@ -3,6 +3,9 @@
     flowfleet train-all RUN --backend ray --address http://HEAD:8265 [--cpus-per-job C] [--gpus-per-job G]
     flowfleet train-all RUN --backend ray        # no address, no RAY_ADDRESS: a Ray cluster on this machine
 
+A run.yaml backend of kind ray with nodes_per_job N > 1 runs each job over N nodes: its entrypoint
+(flowfleet.backends.ray_nodes) reserves them as a placement group and starts one torchrun on each.
+
 Each job's entrypoint is the same flowfleet command as the local and Slurm backends (under torchrun with
 G > 1 GPUs), with C CPUs and G GPUs reserved for it by Ray; on a shared-folder run root its output is
 appended to the job's train.log, and Ray keeps it too (`ray job logs ID`). The submission ids go to
@@ -22,7 +25,7 @@ from flowfleet.config import BackendConfig
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
-from flowfleet.train.specs import JobSpec, launcher
+from flowfleet.train.specs import JobSpec, launcher, node_launcher
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +69,22 @@ class RayBackend:
                 raise ParameterError(f"address {self.address}", f"no Ray cluster answers ({first[:200]})") from None
         return self._client
 
-    def entrypoint(self, root: RunRoot, spec: JobSpec) -> str:
+    def command(self, root: RunRoot, spec: JobSpec) -> list[str]:
+        """The job's command line; over several nodes, flowfleet.backends.ray_nodes in front of each node's
+        torchrun (it reserves the nodes and starts one torchrun on each)."""
         o = self.config
-        cmd = shlex.join(spec.command(root.url, launcher(o.python, o.gpus_per_job)))
+        if o.nodes_per_job == 1:
+            return spec.command(root.url, launcher(o.python, o.gpus_per_job))
+        spread = [launcher(o.python)[0], "-m", "flowfleet.backends.ray_nodes", f"--nodes={o.nodes_per_job}"]
+        spread += [
+            f"--cpus={o.cpus}",
+            f"--gpus={o.gpus_per_job}",
+            *(f"--resource={k}={v}" for k, v in o.resources.items()),
+        ]
+        return [*spread, "--", *spec.command(root.url, node_launcher(o.python))]
+
+    def entrypoint(self, root: RunRoot, spec: JobSpec) -> str:
+        cmd = shlex.join(self.command(root, spec))
         log = root.local_path(spec.dir, LOG_FILE)
         if log is None:
             return cmd
@@ -78,12 +94,13 @@ class RayBackend:
 
     def submit_one(self, root: RunRoot, spec: JobSpec, run_name: str) -> str:
         o = self.config
+        one_node = o.nodes_per_job == 1  # else the entrypoint only waits: ray_nodes reserves the nodes' share
         return self.client.submit_job(
             entrypoint=self.entrypoint(root, spec),
             submission_id=f"flowfleet-{run_name}-{spec.name}-{uuid.uuid4().hex[:8]}",
-            entrypoint_num_cpus=o.cpus,
-            entrypoint_num_gpus=o.gpus_per_job or None,
-            entrypoint_resources=dict(o.resources) or None,
+            entrypoint_num_cpus=o.cpus if one_node else 0,
+            entrypoint_num_gpus=(o.gpus_per_job or None) if one_node else None,
+            entrypoint_resources=(dict(o.resources) or None) if one_node else None,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(o.threads_per_rank)}},
             metadata={"flowfleet_run": root.url, "flowfleet_job": spec.name},
         )

@@ -38,10 +38,9 @@ from flowfleet.data.sources.fetched import cache_dir, write_cache_file
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import DATA_PARTS, LOG_FILE
 from flowfleet.storage import RunRoot
-from flowfleet.train.specs import JobSpec, cli_command, launcher
+from flowfleet.train.specs import RENDEZVOUS_PORT, JobSpec, cli_command, launcher, node_launcher, rendezvous_env
 
 FOLDER = ("backends", "slurm")
-RENDEZVOUS_PORT = 29500  # torchrun's c10d rendezvous on a multi-node job's first node
 SQUEUE_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
 
 
@@ -92,13 +91,10 @@ class SlurmBackend:
                 lines.append(f"#SBATCH --{flag}={value}")
         lines += [f"#SBATCH {arg}" for arg in o.sbatch_args]
         lines += ["set -euo pipefail", f"export OMP_NUM_THREADS={o.threads_per_rank}"]
-        if o.nodes_per_job > 1:
+        if o.nodes_per_job > 1:  # the values are shell words: the job's first node and its id, read on the node
             first = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
-            lines += [
-                f"export PET_NNODES={o.nodes_per_job} PET_NPROC_PER_NODE={o.gpus_per_job} PET_RDZV_BACKEND=c10d",
-                'export PET_RDZV_ID="$SLURM_JOB_ID"',
-                f'export PET_RDZV_ENDPOINT="{first}:{RENDEZVOUS_PORT}"',
-            ]
+            env = rendezvous_env(o.nodes_per_job, o.ranks_per_node, f"{first}:{RENDEZVOUS_PORT}", "$SLURM_JOB_ID")
+            lines += [f'export {name}="{value}"' for name, value in env.items()]
         return lines
 
     def _command(self, argv: list[str], tail: str = "") -> str:
@@ -112,7 +108,7 @@ class SlurmBackend:
         rendezvous in the PET_* variables of the script)."""
         o = self.config
         if o.nodes_per_job > 1:
-            return [o.python or launcher()[0], "-m", "torch.distributed.run"]
+            return node_launcher(o.python)
         return launcher(o.python, o.gpus_per_job)
 
     def expert_script(self, root: RunRoot, experts: list[int], run_name: str) -> str:

@@ -20,8 +20,9 @@ class BackendConfig(Strict):
     kind: Literal["local", "slurm", "ray"] = "local"
     cpus_per_job: int | None = Field(None, ge=1)  # None: 1, or CPUS_PER_GPU for each of the job's GPUs (cpus)
     gpus_per_job: int = Field(0, ge=0)  # > 1: the job runs its DDP under torchrun --nproc-per-node G
-    # slurm: > 1: each job (an expert) spans that many nodes of gpus_per_job GPUs each, one torchrun per node joined
-    # by its c10d rendezvous on the first node (srun)
+    # slurm, ray: > 1: each job (an expert) spans that many nodes, one torchrun a node (srun; a Ray placement group
+    # spread over nodes) of gpus_per_job ranks (none: one rank on CPU, over gloo), joined by torchrun's c10d
+    # rendezvous on the first node
     nodes_per_job: int = Field(1, ge=1)
     # slurm with a run root on an object store: where the sbatch scripts and the jobs' output go, a folder the login
     # node and the compute nodes share (None: ~/.cache/flowfleet/slurm/<run>, in a home the nodes mount)
@@ -47,10 +48,8 @@ class BackendConfig(Strict):
             "slurm": ("partition", "account", "time", "sbatch_args", "stage_dir", "nodelist"),
             "ray": ("address", "resources"),
         }
-        if self.nodes_per_job > 1 and self.kind != "slurm":
-            raise ValueError(f"nodes_per_job: a slurm option, but kind is {self.kind!r}")
-        if self.nodes_per_job > 1 and not self.gpus_per_job:
-            raise ValueError("nodes_per_job: a job over several nodes needs gpus_per_job (its ranks' NCCL group)")
+        if self.nodes_per_job > 1 and self.kind == "local":
+            raise ValueError("nodes_per_job: a slurm or ray option, but kind is 'local' (one machine)")
         for kind, fields in only.items():
             for name in fields:
                 if self.kind != kind and getattr(self, name):
@@ -63,9 +62,14 @@ class BackendConfig(Strict):
         return self.cpus_per_job or max(1, CPUS_PER_GPU * self.gpus_per_job)
 
     @property
+    def ranks_per_node(self) -> int:
+        """Training processes on each of a job's nodes: one a GPU, or one on CPU."""
+        return max(1, self.gpus_per_job)
+
+    @property
     def threads_per_rank(self) -> int:
         """OMP_NUM_THREADS of each of a node's ranks: its CPUs shared by its torchrun's processes."""
-        return max(1, self.cpus // max(1, self.gpus_per_job))
+        return max(1, self.cpus // self.ranks_per_node)
 
 
 class MachineConfig(Strict):

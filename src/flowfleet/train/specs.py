@@ -56,6 +56,26 @@ def launcher(python: str | None = None, gpus: int = 1) -> list[str]:
     return cmd
 
 
+RENDEZVOUS_PORT = 29500  # torchrun's c10d rendezvous on a multi-node job's first node, where the backend fixes it
+
+
+def node_launcher(python: str | None = None) -> list[str]:
+    """The interpreter of a job over several nodes: torchrun, told its world by rendezvous_env's variables."""
+    return [python or sys.executable, "-m", "torch.distributed.run"]
+
+
+def rendezvous_env(nodes: int, ranks_per_node: int, endpoint: str, run_id: str) -> dict[str, str]:
+    """torchrun's own environment variables (PET_*) for one of `nodes` torchruns of a job: ranks_per_node processes
+    each, joined by the c10d rendezvous at ENDPOINT (host:port, the first node's) under the job's id."""
+    return {
+        "PET_NNODES": str(nodes),
+        "PET_NPROC_PER_NODE": str(ranks_per_node),
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": endpoint,
+        "PET_RDZV_ID": run_id,
+    }
+
+
 @dataclass(frozen=True)
 class JobSpec:
     kind: JobKind

@@ -1,0 +1,84 @@
+"""An expert over two nodes of a real Ray cluster (tests/fixtures/ray_cluster.py, a head and a worker of one CPU
+each): backends.NAME.nodes_per_job 2 runs one torchrun on each node, joined by torchrun's rendezvous, and trains
+the weights one process computes from the two ranks' micro-batches, bit for bit."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from fixtures.ray_cluster import missing_tools, ray_cluster
+from fixtures.synthetic_run import synthetic_config, write_synthetic_run
+
+from flowfleet.backends import read_submissions
+from flowfleet.backends.ray import RayBackend
+from flowfleet.cli import main
+from flowfleet.config import BackendConfig, RunConfig
+from flowfleet.models.files import WEIGHTS_NAME
+from flowfleet.storage import RunRoot
+from flowfleet.train.specs import JobSpec
+
+pytestmark = pytest.mark.ray
+
+FLOWFLEET = str(Path(sys.executable).parent / "flowfleet")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if missing_tools():  # never skipped: make test installs what it needs
+        pytest.fail(f"the Ray test cluster needs {', '.join(missing_tools())}")
+    # gloo's ranks find each other on the namespace's loopback (a real cluster's nodes on their network)
+    with ray_cluster(tmp_path_factory.mktemp("ray"), worker_cpus=1, head_cpus=1, env={"GLOO_SOCKET_IFNAME": "lo"}) as c:
+        yield c
+
+
+def test_a_job_over_two_nodes_is_ray_nodes_in_front_of_each_nodes_torchrun(tmp_path):
+    config = BackendConfig(kind="ray", nodes_per_job=2, gpus_per_job=4, resources={"lab": 0.01})
+    command = RayBackend(config).command(RunRoot(str(tmp_path / "r")), JobSpec("expert", 1))
+    cut = command.index("--")
+    assert command[1:cut] == [
+        "-m",
+        "flowfleet.backends.ray_nodes",
+        "--nodes=2",
+        "--cpus=32",
+        "--gpus=4",
+        "--resource=lab=0.01",
+    ]
+    assert command[cut + 1 :] == [command[0], "-m", "torch.distributed.run", "-m", "flowfleet.cli", "train-expert"] + [
+        str(tmp_path / "r"),
+        "--expert",
+        "1",
+    ]
+
+
+def test_an_expert_over_two_ray_nodes_trains_one_process_accumulating_both_ranks_weights(tmp_path, cluster):
+    cfg = synthetic_config(k=2, steps=3, batch=8)
+    raw = cfg.to_dict()
+    raw["backends"] = {"lab": {"kind": "ray", "address": cluster.address, "nodes_per_job": 2, "cpus_per_job": 1}}
+    raw["placement"] = {"expert-0": "lab"}
+    spread = tmp_path / "spread"
+    write_synthetic_run(RunRoot(str(spread)), RunConfig.from_dict(raw))
+
+    out = cluster.run([FLOWFLEET, "train-all", str(spread)])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.splitlines()[-3:] == ["expert-0: done", "expert-1: done", "router: done"], out.stdout
+    assert read_submissions(RunRoot(str(spread)))["expert-0"]["backend"] == "ray"
+    log = (spread / "experts/0/train.log").read_text()
+    assert "2 nodes reserved; rendezvous at 127.0.0.1:" in log and "expert-0: done (3/3 steps" in log, log[-2000:]
+
+    one = tmp_path / "one"  # the reference: one process, the two ranks' micro-batches accumulated
+    write_synthetic_run(RunRoot(str(one)), synthetic_config(k=2, steps=3, batch=8, train={"grad_accum": 2}))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each node's rank (its one CPU)
+    try:
+        assert main(["train-expert", str(one), "--expert", "0", "--no-progress"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    a = safetensors.torch.load((spread / "experts/0/final" / WEIGHTS_NAME).read_bytes())
+    b = safetensors.torch.load((one / "experts/0/final" / WEIGHTS_NAME).read_bytes())
+    assert a.keys() == b.keys()
+    for key in a:  # exact: docs/numerics.md (two ranks' mean gradient is one process's accumulated mean)
+        assert torch.equal(a[key], b[key]), key
