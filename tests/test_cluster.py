@@ -344,9 +344,11 @@ def test_cluster_in_parts_writes_what_one_process_writes(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "parts" / "cluster-parts").iterdir()) == [
         f"{i}-of-3.log" for i in range(3)
     ]
-    # by hand, as another scheduler runs them: the parts, then the merge, which needs all of them
+    # by hand, as another scheduler runs them: the fit, the parts, then the merge, which needs all of them
     capsys.readouterr()
-    runs[1].write_json(one, "cluster-parts", "fit.json")
+    assert main(["cluster", runs[1].url, "--fit-only", "--quiet"]) == 0
+    assert f"partitions decided: sizes {one['sizes']}" in capsys.readouterr().out
+    assert runs[1].read_json("cluster-parts", "fit.json")["sizes"] == one["sizes"]
     assert main(["cluster", runs[1].url, "--part", "2/3", "--quiet"]) == 0
     assert main(["cluster", runs[1].url, "--merge", "3", "--quiet"]) == 1
     err = capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from flowfleet.config import BackendConfig
 from flowfleet.data.shards import ShardSet
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.files import WEIGHTS_NAME
+from flowfleet.stages.cluster import cluster as cluster_stage
 from flowfleet.stages.prepare import prepare
 from flowfleet.stages.train import train_all
 from flowfleet.storage import RunRoot
@@ -99,6 +101,33 @@ def test_prepare_in_parts_on_slurm_gives_the_one_machine_shards(tmp_path, cluste
         assert f"prepared part {i}/3" in (tmp_path / "parts" / "data-parts" / f"{i}-of-3.log").read_text()
     script = (tmp_path / "parts" / "backends" / "slurm" / "prepare-parts.sbatch").read_text()
     assert "#SBATCH --array=0-2" in script and '--part "$SLURM_ARRAY_TASK_ID/3"' in script
+
+
+def test_cluster_in_parts_on_slurm_writes_the_one_process_partitions(tmp_path, cluster, monkeypatch, capsys):
+    """`cluster --parts 2 --backend slurm`: the fit, an array of two `cluster --part i/2` after it and the merge after
+    them; partitions/ byte for byte one process's, each step's output in its log, the scripts in the run root."""
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+    kw = dict(limit=80, shard_size=16, batch_size=8)
+    runs = {name: make_run(tmp_path / name, **kw) for name in ("one", "parts")}
+    prepare(runs["one"], progress=False)
+    shutil.rmtree(tmp_path / "parts")
+    shutil.copytree(tmp_path / "one", tmp_path / "parts")  # the same prepared data
+    cluster_stage(runs["one"], progress=False)
+    assert main(["cluster", str(tmp_path / "parts"), "--parts", "2", "--backend", "slurm"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("fit: job ") and "parts: job " in said
+    merge = said.split("merge: job ")[1].split()[0]
+    while SlurmBackend().states([merge]):  # until squeue no longer lists it
+        time.sleep(0.5)
+    whole = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one" / "partitions").rglob("*") if p.is_file())
+    assert len(whole) > 4 and ShardSet(runs["parts"], "partitions/0").manifest().complete
+    for name in whole:
+        assert (tmp_path / "parts" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    assert "partitions decided" in (tmp_path / "parts" / "cluster-parts" / "fit.log").read_text()
+    for i in range(2):
+        assert "pieces of shards written" in (tmp_path / "parts" / "cluster-parts" / f"{i}-of-2.log").read_text()
+    script = (tmp_path / "parts" / "backends" / "slurm" / "cluster-parts.sbatch").read_text()
+    assert "#SBATCH --array=0-1" in script and '--part "$SLURM_ARRAY_TASK_ID/2"' in script
 
 
 def test_a_job_still_queued_on_slurm_is_not_submitted_again(tmp_path, cluster, monkeypatch):

@@ -5,6 +5,8 @@
     RUN_ROOT/backends/slurm/assemble.sbatch    `flowfleet assemble`, --dependency=afterok on all of them
     RUN_ROOT/backends/slurm/prepare-*.sbatch   `flowfleet prepare --parts N --backend slurm`: the autoencoder once,
                                                an array of N `prepare --part i/N`, then `prepare --merge N`
+    RUN_ROOT/backends/slurm/cluster-*.sbatch   `flowfleet cluster --parts N --backend slurm`: the fit once, then the
+                                               same array and merge of `cluster`
     RUN_ROOT/backends/submissions.json         job -> {backend, id, submitted}
     RUN_ROOT/<job folder>/train.log            the job's output (appended, as the local backend writes it)
 
@@ -36,7 +38,7 @@ from typing import Sequence
 from flowfleet.config import BackendConfig
 from flowfleet.data.sources.fetched import cache_dir, write_cache_file
 from flowfleet.errors import FlowfleetError
-from flowfleet.layout import DATA_PARTS, LOG_FILE
+from flowfleet.layout import LOG_FILE
 from flowfleet.storage import RunRoot
 from flowfleet.train.specs import RENDEZVOUS_PORT, JobSpec, cli_command, launcher, node_launcher, rendezvous_env
 
@@ -188,31 +190,35 @@ class SlurmBackend:
             ids["assemble"] = self.sbatch(str(staged), parents)
         return ids
 
-    def submit_prepare(self, root: RunRoot, n: int, run_name: str, autoencoder: bool) -> dict[str, str]:
-        """`prepare` in n parts as Slurm jobs, each on one node: (with `autoencoder`, the run's autoencoder trained
-        once,) an array of n `prepare --part i/N` tasks after it, `prepare --merge N` after them all -> step name ->
-        Slurm job id. Their output: data-parts/<i>-of-<N>.log, data-parts/autoencoder.log, data-parts/merge.log."""
+    def submit_parts(
+        self, root: RunRoot, stage: str, n: int, run_name: str, folder: str, first: tuple[str, list[str]] | None
+    ) -> dict[str, str]:
+        """`flowfleet STAGE` in n parts as Slurm jobs, each on one node: the `first` step once (its name and the
+        arguments that make it: prepare's autoencoder, cluster's fit), an array of n `STAGE --part i/N` tasks after
+        it, `STAGE --merge N` after them all -> step name -> Slurm job id. Their output: FOLDER/<i>-of-<N>.log,
+        FOLDER/<first>.log, FOLDER/merge.log; the scripts STAGE-<step>.sbatch."""
         one_node = SlurmBackend(self.config.model_copy(update={"nodes_per_job": 1}))
         self.stage(root).mkdir(parents=True, exist_ok=True)
-        (self._outputs(root) / DATA_PARTS).mkdir(parents=True, exist_ok=True)
-        prepare = cli_command(["prepare", root.url, "--quiet"], launcher(self.config.python))
+        (self._outputs(root) / folder).mkdir(parents=True, exist_ok=True)
+        command = cli_command([stage, root.url, "--quiet"], launcher(self.config.python))
 
         def script(step: str, output: str, argv: list[str], tail: str = "", array: str = "") -> Path:
-            lines = one_node._header(f"flowfleet-{run_name}-prepare-{step}", f"{self._outputs(root)}/{output}")
+            lines = one_node._header(f"flowfleet-{run_name}-{stage}-{step}", f"{self._outputs(root)}/{output}")
             if array:
                 lines.insert(2, f"#SBATCH --array={array}")
-            return self._write(root, f"prepare-{step}.sbatch", "\n".join([*lines, one_node._command(argv, tail), ""]))
+            return self._write(root, f"{stage}-{step}.sbatch", "\n".join([*lines, one_node._command(argv, tail), ""]))
 
         ids: dict[str, str] = {}
-        if autoencoder:
-            first = script("autoencoder", f"{DATA_PARTS}/autoencoder.log", [*prepare, "--autoencoder-only"])
-            ids["autoencoder"] = self.sbatch(str(first))
+        if first is not None:
+            step, extra = first
+            ids[step] = self.sbatch(str(script(step, f"{folder}/{step}.log", [*command, *extra])))
         parts = script(
-            "parts", f"{DATA_PARTS}/%a-of-{n}.log", [*prepare, "--part"], f' "$SLURM_ARRAY_TASK_ID/{n}"', f"0-{n - 1}"
+            "parts", f"{folder}/%a-of-{n}.log", [*command, "--part"], f' "$SLURM_ARRAY_TASK_ID/{n}"', f"0-{n - 1}"
         )
-        ids["parts"] = self.sbatch(str(parts), [ids["autoencoder"]] if autoencoder else ())
-        merge = script("merge", f"{DATA_PARTS}/merge.log", [*prepare, "--merge", str(n)])
-        ids["merge"] = self.sbatch(str(merge), [ids["parts"]])
+        ids["parts"] = self.sbatch(str(parts), list(ids.values()))
+        ids["merge"] = self.sbatch(
+            str(script("merge", f"{folder}/merge.log", [*command, "--merge", str(n)])), [ids["parts"]]
+        )
         return ids
 
     def resubmit(self, root: RunRoot, spec: JobSpec, run_name: str) -> str:

@@ -81,18 +81,29 @@ def _register_cluster(sub: argparse._SubParsersAction) -> None:
     )
     add_run_root(p)
     p.add_argument(
-        "--backend",
+        "--kmeans",
         default="auto",
         choices=["auto", "faiss", "torch"],
         help="k-means implementation (auto: faiss when installed, else torch)",
     )
+    p.add_argument(
+        "--backend",
+        default="local",
+        help="with --parts: local (processes here) or slurm, or a run.yaml `backends` entry of kind slurm",
+    )
     add_device(p)
     add_progress(p, "--quiet")
-    add_parts_options(
+    split = add_parts_options(
         p,
-        part="write only part i (0-based) of N of the partitions, once `--parts N` or the clustering has decided them",
+        part="write only part i (0-based) of N of the partitions, once --fit-only (or --parts N) has decided them",
         merge="join the N parts' pieces, manifests, previews, report",
         parts="decide the partitions here, write them in N processes of --part i/N (--parallel at a time), then merge",
+    )
+    split.add_argument(
+        "--fit-only",
+        action="store_true",
+        help="only decide the partitions (the k-means, every item's cluster) into RUN_ROOT/cluster-parts/: once, "
+        "before --part i/N on N machines",
     )
 
 
@@ -210,11 +221,32 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     from flowfleet.errors import FlowfleetError
     from flowfleet.stages.cluster import cluster
-    from flowfleet.stages.cluster_parts import cluster_in_parts, merge_cluster_parts, write_cluster_part
+    from flowfleet.stages.cluster_parts import (
+        cluster_in_parts,
+        fit_for_parts,
+        merge_cluster_parts,
+        submit_cluster_parts,
+        write_cluster_part,
+    )
     from flowfleet.stages.prepare import parse_part
 
     if args.parallel is not None and (args.parts is None or args.parallel < 1):
         raise FlowfleetError(f"--parallel: {args.parallel} needs --parts N and must be >= 1")
+    if args.backend != "local" and args.parts is None:
+        raise FlowfleetError(f"--backend: {args.backend} needs --parts N")
+    if args.parts is not None and args.backend != "local":
+        ids = submit_cluster_parts(args.run_root, args.parts, args.backend)
+        print(
+            ", ".join(f"{step}: job {i}" for step, i in ids.items())
+            + " submitted; partitions/ is whole when merge ends"
+        )
+        return 0
+    if args.fit_only:
+        fit = fit_for_parts(args.run_root, backend=args.kmeans, device=args.device, progress=args.progress)
+        print(
+            f"partitions decided: sizes {fit.report['sizes']}; now `cluster --part i/N` for each part, then --merge N"
+        )
+        return 0
     if args.part is not None:
         i, n = parse_part(args.part)
         written = write_cluster_part(args.run_root, i, n, progress=args.progress)
@@ -228,13 +260,13 @@ def run_cluster(args: argparse.Namespace) -> int:
         report = cluster_in_parts(
             args.run_root,
             args.parts,
-            backend=args.backend,
+            backend=args.kmeans,
             device=args.device,
             parallel=args.parallel,
             progress=args.progress,
         ).report
     else:
-        report = cluster(args.run_root, backend=args.backend, device=args.device, progress=args.progress)
+        report = cluster(args.run_root, backend=args.kmeans, device=args.device, progress=args.progress)
     kind = (report.get("features") or {}).get("kind", "semantic")
     labels = ""
     if report.get("nmi") is not None:

@@ -5,7 +5,9 @@ is cut: part i of N takes a contiguous run of data/'s shards (`cluster --part i/
 that lie wholly in it where one cluster would, and the pieces of those that straddle two parts into
 cluster-parts/<i>-of-<N>/; `cluster --merge N` joins the pieces, writes each partition's manifest, the previews and
 the report. Every part knows where its items fall in each partition from the assignments alone, so no part waits
-for another. Elsewhere the parts are the same commands, started by hand or by any scheduler.
+for another. On a Slurm cluster (`--backend slurm`, or a run.yaml `backends` entry of kind slurm) the fit, the parts
+and the merge are Slurm jobs; elsewhere they are the same commands, started by hand or by any scheduler: `cluster
+--fit-only`, then `cluster --part i/N` on each machine, then `cluster --merge N`.
 
     cluster-parts/fit.json                  the report so far (what --merge completes into clusters/report.json)
     cluster-parts/<i>-of-<N>/done.json      part i has written all it writes
@@ -25,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowfleet.cluster.assignments import read_assignments
-from flowfleet.config import load_run_config
+from flowfleet.config import BackendConfig, load_run_config
 from flowfleet.data.shards import (
     ShardSet,
     ShardSetManifest,
@@ -39,13 +41,14 @@ from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import CLUSTER_PARTS, DATA, partition
 from flowfleet.stages.cluster import (
     EXAMPLE_CAPTIONS,
+    Fitted,
     PartitionRows,
     finish_report,
     fit_clusters,
     partition_extra,
     preview_members,
 )
-from flowfleet.stages.parts import run_parts
+from flowfleet.stages.parts import run_parts, submit_parts
 from flowfleet.storage import RunRoot
 
 FIT = "fit.json"
@@ -77,12 +80,30 @@ def cluster_in_parts(
     if n < 1:
         raise ParameterError("parts", f"must be >= 1, got {n}")
     t0 = time.perf_counter()
-    fit = fit_clusters(run_root, backend=backend, device=device, progress=progress)
-    fit.root.remove(CLUSTER_PARTS, recursive=True)
-    fit.root.write_json(fit.report, CLUSTER_PARTS, FIT)
+    fit = fit_for_parts(run_root, backend=backend, device=device, progress=progress)
     preload = ("flowfleet.cli", "flowfleet.stages.cluster_parts")  # what every part imports, once
     spans = run_parts(fit.root, ["cluster"], n, CLUSTER_PARTS, parallel=parallel, preload=preload)
     return PartsClustered(merge_cluster_parts(fit.root, n, device=device, started=t0, progress=progress), spans)
+
+
+def fit_for_parts(
+    run_root: str | RunRoot, *, backend: str = "auto", device: str | None = None, progress: bool = True
+) -> Fitted:
+    """`cluster --fit-only`: the partitions decided (the k-means, every item's assignment) and cluster-parts/ begun
+    afresh with fit.json, for `cluster --part i/N` anywhere after it."""
+    fit = fit_clusters(run_root, backend=backend, device=device, progress=progress)
+    for name in fit.root.ls(CLUSTER_PARTS):  # an earlier fit's parts; the logs stay (a scheduler appends to them)
+        if not name.endswith(".log"):
+            fit.root.remove(CLUSTER_PARTS, name, recursive=True)
+    fit.root.write_json(fit.report, CLUSTER_PARTS, FIT)
+    return fit
+
+
+def submit_cluster_parts(run_root: str | RunRoot, n: int, backend: str | BackendConfig) -> dict[str, str]:
+    """The fit, the n parts and the merge as jobs of a Slurm backend (stages.parts.submit_parts) -> step name ->
+    job id. Returns once they are submitted."""
+    root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
+    return submit_parts(root, "cluster", n, backend, CLUSTER_PARTS, ("fit", ["--fit-only"]))
 
 
 def shard_range(count: int, i: int, n: int) -> tuple[int, int]:
@@ -97,8 +118,8 @@ def write_cluster_part(run_root: str | RunRoot, i: int, n: int, *, progress: boo
     cfg = load_run_config(root)
     if not root.exists(CLUSTER_PARTS, FIT):
         raise FlowfleetError(
-            f"{root.url_of(CLUSTER_PARTS, FIT)}: missing; `flowfleet cluster {root.url} --parts {n}` decides the "
-            "partitions before its parts write them"
+            f"{root.url_of(CLUSTER_PARTS, FIT)}: missing; `flowfleet cluster {root.url} --fit-only` (or `--parts {n}`) "
+            "decides the partitions before its parts write them"
         )
     data = open_complete(root, DATA, f"flowfleet prepare {root.url}")
     manifest = data.manifest()

@@ -1,6 +1,7 @@
-"""A stage cut into N parts run as local processes at once: `prepare --parts N` and `cluster --parts N` start their
-`--part i/N` commands here (flowfleet.train.fanout: `parallel` at a time, the machine's cores or GPUs shared out among
-them), each part's output in a log of the run root's parts folder."""
+"""A stage cut into N parts: `prepare --parts N` and `cluster --parts N` start their `--part i/N` commands here as
+local processes at once (flowfleet.train.fanout: `parallel` at a time, the machine's cores or GPUs shared out among
+them), each part's output in a log of the run root's parts folder; or, with `--backend` a Slurm backend, submit the
+stage's first step, its parts and its merge as Slurm jobs (flowfleet.backends.slurm)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from flowfleet.errors import FlowfleetError
+from flowfleet.config import BackendConfig, load_run_config
+from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.storage import RunRoot
 from flowfleet.train.fanout import LocalFanout, ProcessJob, ProcessOutcome, plan_slots
 from flowfleet.train.specs import cli_command, launcher
@@ -74,3 +76,25 @@ def run_parts(
             why = done.last_line or f"exit code {done.returncode}"
             raise FlowfleetError(f"{what} {done.name} failed: {why} (its log: {root.url_of(folder, done.log.name)})")
     return spans
+
+
+def submit_parts(
+    root: RunRoot, stage: str, n: int, backend: str | BackendConfig, folder: str, first: tuple[str, list[str]] | None
+) -> dict[str, str]:
+    """`flowfleet STAGE` in n parts as jobs of a Slurm backend (a run.yaml `backends` name, `slurm`, or a
+    BackendConfig): `first` (a step's name and the STAGE arguments that make it) once, the parts after it, the merge
+    last -> step name -> job id. Returns once they are submitted."""
+    from flowfleet.backends import named_backend
+    from flowfleet.backends.slurm import SlurmBackend
+
+    if n < 1:
+        raise ParameterError("parts", f"must be >= 1, got {n}")
+    cfg = load_run_config(root)
+    config = backend if isinstance(backend, BackendConfig) else named_backend(cfg, backend)
+    if config.kind != "slurm":
+        raise ParameterError(
+            "backend",
+            f"{stage} --parts runs as local processes or Slurm jobs, not on {config.kind!r}: start "
+            f"`flowfleet {stage} {root.url} --part i/{n}` there, then `--merge {n}`",
+        )
+    return SlurmBackend(config).submit_parts(root, stage, n, cfg.name, folder, first)

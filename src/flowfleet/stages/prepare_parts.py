@@ -19,7 +19,7 @@ from flowfleet.config import BackendConfig, load_run_config
 from flowfleet.data.shards import ShardSetManifest
 from flowfleet.errors import ParameterError
 from flowfleet.layout import DATA_PARTS
-from flowfleet.stages.parts import run_parts
+from flowfleet.stages.parts import run_parts, submit_parts
 from flowfleet.stages.prepare import merge_parts, prepare_autoencoder
 from flowfleet.storage import RunRoot
 
@@ -51,21 +51,9 @@ def prepare_in_parts(
 
 
 def submit_prepare_parts(run_root: str | RunRoot, n: int, backend: str | BackendConfig) -> dict[str, str]:
-    """The n parts as jobs of a Slurm backend (a run.yaml `backends` name, `slurm`, or a BackendConfig), the
-    autoencoder first and the merge last -> step name -> job id. Returns once they are submitted."""
-    from flowfleet.backends import named_backend
-    from flowfleet.backends.slurm import SlurmBackend
-
+    """The n parts as jobs of a Slurm backend (stages.parts.submit_parts), the run's autoencoder first and the merge
+    last -> step name -> job id. Returns once they are submitted."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
-    if n < 1:
-        raise ParameterError("parts", f"must be >= 1, got {n}")
-    cfg = load_run_config(root)
-    config = backend if isinstance(backend, BackendConfig) else named_backend(cfg, backend)
-    if config.kind != "slurm":
-        raise ParameterError(
-            "backend",
-            f"prepare --parts runs as local processes or Slurm jobs, not on {config.kind!r}: start "
-            f"`flowfleet prepare {root.url} --part i/{n}` there, then `--merge {n}`",
-        )
-    autoencoder = cfg.encoders.latent.name == "autoencoder"
-    return SlurmBackend(config).submit_prepare(root, n, cfg.name, autoencoder)
+    autoencoder = load_run_config(root).encoders.latent.name == "autoencoder"
+    first = ("autoencoder", ["--autoencoder-only"]) if autoencoder else None
+    return submit_parts(root, "prepare", n, backend, DATA_PARTS, first)
