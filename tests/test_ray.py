@@ -167,3 +167,44 @@ def test_backend_ray_without_an_address_starts_a_cluster_here_for_the_run(tmp_pa
     )
     for job in ("experts/0", "experts/1", "router"):
         assert weights(ray, job) == weights(local, job), job
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _run_ray_parts(cluster, argv: list[str]) -> None:
+    """`flowfleet STAGE RUN --parts N --backend ray` inside the cluster's network, then until its Ray job ends."""
+    out = cluster.run([FLOWFLEET, *argv, "--backend", "ray"], env={"RAY_ADDRESS": cluster.address})
+    assert out.returncode == 0, out.stderr[-2000:]
+    job = out.stdout.split(": job ")[1].split()[0]
+    ray = str(Path(sys.executable).parent / "ray")
+    follow = cluster.run([ray, "job", "logs", "--follow", job])
+    status = cluster.run([ray, "job", "status", job])
+    assert "succeeded" in status.stdout, follow.stdout[-3000:] + status.stdout[-500:]
+
+
+def test_prepare_and_cluster_in_parts_as_a_ray_job_write_what_one_process_writes(tmp_path, cluster):
+    """`prepare --parts 2 --backend ray`, then `cluster --parts 2 --backend ray`: each one Ray job of tasks (the
+    parts at once, the merge after them; cluster's fit before them); data/ and partitions/ byte for byte one
+    process's, each step's output in its log."""
+    from fixtures.prepared_runs import make_run
+
+    from flowfleet.stages.cluster import cluster as cluster_stage
+    from flowfleet.stages.prepare import prepare
+
+    kw = dict(limit=80, shard_size=16, batch_size=8)
+    one, parts = make_run(tmp_path / "one", **kw), make_run(tmp_path / "parts", **kw)
+    prepare(one, progress=False)
+    _run_ray_parts(cluster, ["prepare", parts.url, "--parts", "2"])
+    shards = {k: v for k, v in _files(tmp_path / "one" / "data").items() if k.startswith("shard-")}
+    assert len(shards) == 5 and {k: v for k, v in _files(tmp_path / "parts" / "data").items() if k in shards} == shards
+    for i in range(2):
+        assert f"prepared part {i}/2" in (tmp_path / "parts" / "data-parts" / f"{i}-of-2.log").read_text()
+
+    cluster_stage(one, progress=False)
+    _run_ray_parts(cluster, ["cluster", parts.url, "--parts", "2"])
+    whole = _files(tmp_path / "one" / "partitions")
+    assert len(whole) > 4 and _files(tmp_path / "parts" / "partitions") == whole
+    assert "partitions decided" in (tmp_path / "parts" / "cluster-parts" / "fit.log").read_text()
+    assert "partitions" in (tmp_path / "parts" / "cluster-parts" / "merge.log").read_text()

@@ -5,6 +5,8 @@
 
 A run.yaml backend of kind ray with nodes_per_job N > 1 runs each job over N nodes: its entrypoint
 (flowfleet.backends.ray_nodes) reserves them as a placement group and starts one torchrun on each.
+`prepare --parts N --backend ray` and `cluster --parts N --backend ray` run as one Ray job of tasks
+(flowfleet.backends.ray_parts).
 
 Each job's entrypoint is the same flowfleet command as the local and Slurm backends (under torchrun with
 G > 1 GPUs), with C CPUs and G GPUs reserved for it by Ray; on a shared-folder run root its output is
@@ -21,6 +23,7 @@ import shlex
 import uuid
 from typing import Any, Sequence
 
+from flowfleet.backends.ray_parts import entrypoint_args
 from flowfleet.config import BackendConfig
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import LOG_FILE
@@ -104,6 +107,27 @@ class RayBackend:
             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(o.threads_per_rank)}},
             metadata={"flowfleet_run": root.url, "flowfleet_job": spec.name},
         )
+
+    def submit_parts(
+        self, root: RunRoot, stage: str, n: int, run_name: str, folder: str, first: tuple[str, list[str]] | None
+    ) -> dict[str, str]:
+        """`flowfleet STAGE` in n parts as one Ray job (flowfleet.backends.ray_parts: the first step, the parts as
+        tasks of this backend's CPUs and GPUs each, the merge) -> {"STAGE --parts N": its submission id}."""
+        o = self.config
+        argv = [launcher(o.python)[0], "-m", "flowfleet.backends.ray_parts"]
+        argv += entrypoint_args(stage, root.url, n, folder, first)
+        argv += [
+            f"--cpus={o.cpus}",
+            f"--gpus={o.gpus_per_job}",
+            *(f"--resource={k}={v}" for k, v in o.resources.items()),
+        ]
+        job = self.client.submit_job(
+            entrypoint=shlex.join(argv),
+            submission_id=f"flowfleet-{run_name}-{stage}-parts-{uuid.uuid4().hex[:8]}",
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(o.threads_per_rank)}},
+            metadata={"flowfleet_run": root.url, "flowfleet_job": f"{stage}-parts"},
+        )
+        return {f"{stage} --parts {n}": str(job)}
 
     def submit(self, root: RunRoot, specs: list[JobSpec], run_name: str, then_assemble: bool = False) -> dict[str, str]:
         """One Ray job per spec (Ray jobs cannot wait on each other: assemble once train-all returns,

@@ -126,11 +126,16 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.nodes < 2 or args.cpus < 1 or args.gpus < 0 or not args.command:
         p.error("--nodes >= 2, --cpus >= 1, --gpus >= 0 and a command after -- are required")
-    try:
-        args.resources = {k: float(v) for k, v in (r.split("=", 1) for r in args.resource)}
-    except ValueError:
-        p.error(f"--resource: NAME=AMOUNT, got {args.resource}")
+    args.resources = parse_resources(p, args.resource)
     return args
+
+
+def parse_resources(p: argparse.ArgumentParser, given: list[str]) -> dict[str, float]:
+    """--resource NAME=AMOUNT options -> Ray's custom resources."""
+    try:
+        return {k: float(v) for k, v in (r.split("=", 1) for r in given)}
+    except ValueError:
+        p.error(f"--resource: NAME=AMOUNT, got {given}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--backend",
         default="local",
-        help="with --parts: local (processes here) or slurm, or a run.yaml `backends` entry of kind slurm",
+        help="with --parts: local (processes here), slurm or ray, or a run.yaml `backends` entry of either kind",
     )
     add_device(p)
     add_progress(p, "--quiet")
@@ -89,7 +89,7 @@ def _register_cluster(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--backend",
         default="local",
-        help="with --parts: local (processes here) or slurm, or a run.yaml `backends` entry of kind slurm",
+        help="with --parts: local (processes here), slurm or ray, or a run.yaml `backends` entry of either kind",
     )
     add_device(p)
     add_progress(p, "--quiet")

@@ -6,7 +6,7 @@ that lie wholly in it where one cluster would, and the pieces of those that stra
 cluster-parts/<i>-of-<N>/; `cluster --merge N` joins the pieces, writes each partition's manifest, the previews and
 the report. Every part knows where its items fall in each partition from the assignments alone, so no part waits
 for another. On a Slurm cluster (`--backend slurm`, or a run.yaml `backends` entry of kind slurm) the fit, the parts
-and the merge are Slurm jobs; elsewhere they are the same commands, started by hand or by any scheduler: `cluster
+and the merge are Slurm jobs, on a Ray cluster (`--backend ray`) the tasks of one Ray job; elsewhere they are the same commands, started by hand or by any scheduler: `cluster
 --fit-only`, then `cluster --part i/N` on each machine, then `cluster --merge N`.
 
     cluster-parts/fit.json                  the report so far (what --merge completes into clusters/report.json)
@@ -100,7 +100,7 @@ def fit_for_parts(
 
 
 def submit_cluster_parts(run_root: str | RunRoot, n: int, backend: str | BackendConfig) -> dict[str, str]:
-    """The fit, the n parts and the merge as jobs of a Slurm backend (stages.parts.submit_parts) -> step name ->
+    """The fit, the n parts and the merge as jobs of a Slurm or Ray backend (stages.parts.submit_parts) -> step name ->
     job id. Returns once they are submitted."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     return submit_parts(root, "cluster", n, backend, CLUSTER_PARTS, ("fit", ["--fit-only"]))

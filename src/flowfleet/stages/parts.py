@@ -1,7 +1,8 @@
 """A stage cut into N parts: `prepare --parts N` and `cluster --parts N` start their `--part i/N` commands here as
 local processes at once (flowfleet.train.fanout: `parallel` at a time, the machine's cores or GPUs shared out among
-them), each part's output in a log of the run root's parts folder; or, with `--backend` a Slurm backend, submit the
-stage's first step, its parts and its merge as Slurm jobs (flowfleet.backends.slurm)."""
+them), each part's output in a log of the run root's parts folder; or, with `--backend` a Slurm or Ray backend, submit
+the stage's first step, its parts and its merge as Slurm jobs (flowfleet.backends.slurm) or one Ray job of tasks
+(flowfleet.backends.ray_parts)."""
 
 from __future__ import annotations
 
@@ -81,20 +82,23 @@ def run_parts(
 def submit_parts(
     root: RunRoot, stage: str, n: int, backend: str | BackendConfig, folder: str, first: tuple[str, list[str]] | None
 ) -> dict[str, str]:
-    """`flowfleet STAGE` in n parts as jobs of a Slurm backend (a run.yaml `backends` name, `slurm`, or a
+    """`flowfleet STAGE` in n parts as jobs of a Slurm or Ray backend (a run.yaml `backends` name, `slurm`, `ray`, or a
     BackendConfig): `first` (a step's name and the STAGE arguments that make it) once, the parts after it, the merge
     last -> step name -> job id. Returns once they are submitted."""
     from flowfleet.backends import named_backend
+    from flowfleet.backends.ray import RayBackend
     from flowfleet.backends.slurm import SlurmBackend
 
     if n < 1:
         raise ParameterError("parts", f"must be >= 1, got {n}")
     cfg = load_run_config(root)
     config = backend if isinstance(backend, BackendConfig) else named_backend(cfg, backend)
+    if config.kind == "ray":
+        return RayBackend(config).submit_parts(root, stage, n, cfg.name, folder, first)
     if config.kind != "slurm":
         raise ParameterError(
             "backend",
-            f"{stage} --parts runs as local processes or Slurm jobs, not on {config.kind!r}: start "
+            f"{stage} --parts runs as local processes, Slurm jobs or a Ray job, not on {config.kind!r}: start "
             f"`flowfleet {stage} {root.url} --part i/{n}` there, then `--merge {n}`",
         )
     return SlurmBackend(config).submit_parts(root, stage, n, cfg.name, folder, first)

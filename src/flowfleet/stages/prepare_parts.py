@@ -5,7 +5,8 @@ which every part encodes with, is trained once before the parts start. Each part
 interrupted at any point is finished by the same command.
 
 On a Slurm cluster (`--backend slurm`, or a run.yaml `backends` entry of kind slurm) the same steps are Slurm jobs:
-the autoencoder, an array of the N parts after it, the merge after them (flowfleet.backends.slurm). Elsewhere the
+the autoencoder, an array of the N parts after it, the merge after them (flowfleet.backends.slurm); on a Ray cluster
+(`--backend ray`) they are the tasks of one Ray job (flowfleet.backends.ray_parts). Elsewhere the
 parts are the same commands, started by hand or by any scheduler: `prepare --part i/N` on each, then `prepare
 --merge N`.
 """
@@ -51,7 +52,7 @@ def prepare_in_parts(
 
 
 def submit_prepare_parts(run_root: str | RunRoot, n: int, backend: str | BackendConfig) -> dict[str, str]:
-    """The n parts as jobs of a Slurm backend (stages.parts.submit_parts), the run's autoencoder first and the merge
+    """The n parts as jobs of a Slurm or Ray backend (stages.parts.submit_parts), the run's autoencoder first and the merge
     last -> step name -> job id. Returns once they are submitted."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     autoencoder = load_run_config(root).encoders.latent.name == "autoencoder"
