@@ -52,8 +52,8 @@ def prepare_in_parts(
 
 
 def submit_prepare_parts(run_root: str | RunRoot, n: int, backend: str | BackendConfig) -> dict[str, str]:
-    """The n parts as jobs of a Slurm or Ray backend (stages.parts.submit_parts), the run's autoencoder first and the merge
-    last -> step name -> job id. Returns once they are submitted."""
+    """The n parts as jobs of a Slurm or Ray backend (stages.parts.submit_parts), the run's autoencoder first and the
+    merge last -> step name -> job id. Returns once they are submitted."""
     root = run_root if isinstance(run_root, RunRoot) else RunRoot(run_root)
     autoencoder = load_run_config(root).encoders.latent.name == "autoencoder"
     first = ("autoencoder", ["--autoencoder-only"]) if autoencoder else None
