@@ -7,7 +7,8 @@ cluster-parts/<i>-of-<N>/; `cluster --merge N` joins the pieces, writes each par
 the report. Every part knows where its items fall in each partition from the assignments alone, so no part waits
 for another. On a Slurm cluster (`--backend slurm`, or a run.yaml `backends` entry of kind slurm) the fit, the parts
 and the merge are Slurm jobs, on a Ray cluster (`--backend ray`) the tasks of one Ray job; elsewhere they are the
-same commands, started by hand or by any scheduler: `cluster --fit-only`, then `cluster --part i/N` on each machine, then `cluster --merge N`.
+same commands, started by hand or by any scheduler: `cluster --fit-only`, then `cluster --part i/N` on each
+machine, then `cluster --merge N`.
 
     cluster-parts/fit.json                  the report so far (what --merge completes into clusters/report.json)
     cluster-parts/<i>-of-<N>/done.json      part i has written all it writes
