@@ -1,10 +1,12 @@
 """An expert over two nodes of a real Ray cluster (tests/fixtures/ray_cluster.py, a head and a worker of one CPU
 each): backends.NAME.nodes_per_job 2 runs one torchrun on each node, joined by torchrun's rendezvous, and trains
-the weights one process computes from the two ranks' micro-batches, bit for bit."""
+the weights one process computes from the two ranks' micro-batches, bit for bit; a node that fails ends the job
+with its exit code and stops the other."""
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,38 @@ def test_an_expert_over_two_ray_nodes_trains_one_process_accumulating_both_ranks
     assert a.keys() == b.keys()
     for key in a:  # exact: docs/numerics.md (two ranks' mean gradient is one process's accumulated mean)
         assert torch.equal(a[key], b[key]), key
+
+
+NODE = """
+import os, signal, sys, time
+try:
+    first = os.open(sys.argv[1] + "/first", os.O_CREAT | os.O_EXCL)
+except FileExistsError:
+    first = None
+if first is not None:  # the first node to start fails once the other runs
+    while not os.path.exists(sys.argv[1] + "/sleeping"):
+        time.sleep(0.1)
+    sys.exit(3)
+def stopped(*_):
+    open(sys.argv[1] + "/stopped", "w").write(os.environ["PET_NNODES"] + " " + os.environ["PET_RDZV_ENDPOINT"])
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stopped)
+open(sys.argv[1] + "/sleeping", "w").write("")
+time.sleep(600)
+"""
+
+
+def test_a_node_that_fails_ends_the_job_with_its_exit_code_and_stops_the_other(tmp_path, cluster):
+    """Each node runs the command with torchrun's rendezvous variables; the first to fail (exit 3) fails the job with
+    its code, and the other node's command gets SIGTERM (a trainer's cue to checkpoint) rather than running on."""
+    start = time.monotonic()
+    out = cluster.run(
+        [sys.executable, "-m", "flowfleet.backends.ray_nodes", "--nodes=2", "--cpus=1", "--", sys.executable]
+        + ["-c", NODE, str(tmp_path)],
+        env={"RAY_ADDRESS": "127.0.0.1:6379"},
+        timeout=300,
+    )
+    assert out.returncode == 3, out.stdout[-2000:] + out.stderr[-2000:]
+    assert time.monotonic() - start < 240  # not the other node's 600 s
+    nodes, endpoint = (tmp_path / "stopped").read_text().split()
+    assert nodes == "2" and endpoint.startswith("127.0.0.1:")
