@@ -1,7 +1,7 @@
 """An expert over two nodes of a real Ray cluster (tests/fixtures/ray_cluster.py, a head and a worker of one CPU
 each): backends.NAME.nodes_per_job 2 runs one torchrun on each node, joined by torchrun's rendezvous, and trains
 the weights one process computes from the two ranks' micro-batches, bit for bit; a node that fails ends the job
-with its exit code and stops the other."""
+with its exit code and stops the other; a stopped job leaves nothing running."""
 
 from __future__ import annotations
 
@@ -117,3 +117,38 @@ def test_a_node_that_fails_ends_the_job_with_its_exit_code_and_stops_the_other(t
     assert time.monotonic() - start < 240  # not the other node's 600 s
     nodes, endpoint = (tmp_path / "stopped").read_text().split()
     assert nodes == "2" and endpoint.startswith("127.0.0.1:")
+
+
+SLEEPER = """
+import os, sys, time
+open(os.path.join(sys.argv[1], str(os.getpid())), "w").write("")
+time.sleep(600)
+"""
+
+
+def test_a_stopped_job_leaves_no_command_running_on_its_nodes(tmp_path, cluster):
+    """`ray job stop` (train-all's cancel) while both nodes run: neither node's command outlives the job."""
+    ray = str(Path(sys.executable).parent / "ray")
+    argv = [ray, "job", "submit", "--no-wait", "--submission-id", "ffnodes-stop", "--", sys.executable, "-m"]
+    argv += [
+        "flowfleet.backends.ray_nodes",
+        "--nodes=2",
+        "--cpus=1",
+        "--",
+        sys.executable,
+        "-c",
+        SLEEPER,
+        str(tmp_path),
+    ]
+    submitted = cluster.run(argv)
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    deadline = time.monotonic() + 180
+    while len(list(tmp_path.iterdir())) < 2:
+        assert time.monotonic() < deadline, cluster.run([ray, "job", "logs", "ffnodes-stop"]).stdout[-2000:]
+        time.sleep(0.5)
+    pids = [int(p.name) for p in tmp_path.iterdir()]
+    assert cluster.run([ray, "job", "stop", "ffnodes-stop"]).returncode == 0
+    deadline = time.monotonic() + 120
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        assert time.monotonic() < deadline, f"still running after the job's stop: {pids}"
+        time.sleep(0.5)
