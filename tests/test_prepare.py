@@ -266,7 +266,8 @@ def test_prepare_in_parts_as_local_processes_gives_the_one_machine_shards(tmp_pa
         assert (tmp_path / "parts" / "data-parts" / f"{i}-of-3.log").read_text().count(f"prepared part {i}/3") == 2
 
 
-def test_prepare_parts_refuses_bad_counts_in_one_line(tmp_path, capsys):
+def test_prepare_parts_refuses_bad_counts_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     make_run(tmp_path / "r", limit=8)
     assert main(["prepare", str(tmp_path / "r"), "--parts", "0", "--quiet"]) == 1
     assert "parts: must be >= 1, got 0" in capsys.readouterr().err
@@ -275,7 +276,9 @@ def test_prepare_parts_refuses_bad_counts_in_one_line(tmp_path, capsys):
     assert main(["prepare", str(tmp_path / "r"), "--backend", "slurm", "--quiet"]) == 1
     assert "--backend: slurm needs --parts N" in capsys.readouterr().err
     assert main(["prepare", str(tmp_path / "r"), "--parts", "2", "--backend", "ray", "--quiet"]) == 1
-    assert "backend: prepare --parts runs as local processes or Slurm jobs, not on 'ray'" in capsys.readouterr().err
+    assert "address: the Ray cluster's dashboard URL (http://HEAD:8265) is unknown" in capsys.readouterr().err
+    assert main(["prepare", str(tmp_path / "r"), "--parts", "2", "--backend", "campus", "--quiet"]) == 1
+    assert "--backend: unknown 'campus' (known: local, slurm, ray)" in capsys.readouterr().err
 
 
 def test_parts_with_bad_images_merge_to_the_same_records(tmp_path):
