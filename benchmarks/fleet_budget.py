@@ -46,6 +46,7 @@ import yaml
 from fleet_runs import (  # benchmarks/ is the script's folder
     chosen_fd,
     floor_fd,
+    judge_options,
     keep_record,
     recluster,
     score_fleet,
@@ -190,6 +191,12 @@ def main() -> None:
     )
     p.add_argument("--routers", default="", help="comparison routers of the run (router-prompt): extra rows")
     p.add_argument(
+        "--posthoc-ema",
+        default="",
+        help="relative EMA lengths (comma-separated; with --set train.posthoc_ema=[...]): after training, each job's "
+        "length chosen among them on the validation split (`flowfleet ema --choose`) before the scoring",
+    )
+    p.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -234,6 +241,13 @@ def main() -> None:
         train_s = time.perf_counter() - t0
         assemble(str(run), progress=False)
         rec = {"budget_per_expert": budget, "seed": seed, "train_all_s": round(train_s, 1), "sets": a.set}
+        bar = min_accuracy(run) if a.min_accuracy is None else a.min_accuracy
+        if a.posthoc_ema:  # EDM2's choice on the validation split's draw; the scoring below reads the test split
+            from flowfleet.stages.posthoc_ema import choose_posthoc_ema
+
+            lengths = [float(x) for x in a.posthoc_ema.split(",")]
+            options = judge_options(a.n, tuple(a.strategies.split(",")), batch_size=a.n, min_accuracy=bar)
+            rec["posthoc_ema"] = choose_posthoc_ema(str(run), lengths, options)["chosen"]
         if planned is not None:
             rec["plan"] = planned
         routers = tuple(r for r in a.routers.split(",") if r)
@@ -245,7 +259,7 @@ def main() -> None:
                 a.n,
                 routers=routers,
                 repeats=a.repeats,
-                min_accuracy=min_accuracy(run) if a.min_accuracy is None else a.min_accuracy,
+                min_accuracy=bar,
             )
         )
         keep_record(rec, out / "budget.jsonl")
