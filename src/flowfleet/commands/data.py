@@ -175,19 +175,12 @@ def run_prepare(args: argparse.Namespace) -> int:
 
     from flowfleet.errors import FlowfleetError
     from flowfleet.stages.prepare import merge_parts, parse_part, prepare, prepare_autoencoder
+    from flowfleet.stages.prepare_parts import submit_prepare_parts
 
     if args.autoencoder_only:
         print(f"autoencoder: {prepare_autoencoder(args.run_root, restart=args.restart, progress=args.progress)}")
         return 0
-    if args.parallel is not None and (args.parts is None or args.parallel < 1):
-        raise FlowfleetError(f"--parallel: {args.parallel} needs --parts N and must be >= 1")
-    if args.backend != "local" and args.parts is None:
-        raise FlowfleetError(f"--backend: {args.backend} needs --parts N")
-    if args.parts is not None and args.backend != "local":
-        from flowfleet.stages.prepare_parts import submit_prepare_parts
-
-        ids = submit_prepare_parts(args.run_root, args.parts, args.backend)
-        print(", ".join(f"{step}: job {i}" for step, i in ids.items()) + " submitted; data/ is whole when merge ends")
+    if submitted_parts(args, submit_prepare_parts, "data/"):
         return 0
     if args.parts is not None:
         from flowfleet.stages.prepare_parts import prepare_in_parts
@@ -216,6 +209,22 @@ def run_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def submitted_parts(args: argparse.Namespace, submit: Callable[[str, int, str], dict[str, str]], whole: str) -> bool:
+    """prepare's and cluster's checks of --parallel and --backend; with --parts N on a scheduler (--backend slurm,
+    ray, a run.yaml backend), the stage's jobs submitted by `submit` and said -> whether they were."""
+    from flowfleet.errors import FlowfleetError
+
+    if args.parallel is not None and (args.parts is None or args.parallel < 1):
+        raise FlowfleetError(f"--parallel: {args.parallel} needs --parts N and must be >= 1")
+    if args.backend != "local" and args.parts is None:
+        raise FlowfleetError(f"--backend: {args.backend} needs --parts N")
+    if args.parts is None or args.backend == "local":
+        return False
+    ids = submit(args.run_root, args.parts, args.backend)
+    print(", ".join(f"{step}: job {i}" for step, i in ids.items()) + f" submitted; {whole} is whole when merge ends")
+    return True
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     """split the data into K semantic partitions (two-stage k-means)"""
 
@@ -230,16 +239,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     )
     from flowfleet.stages.prepare import parse_part
 
-    if args.parallel is not None and (args.parts is None or args.parallel < 1):
-        raise FlowfleetError(f"--parallel: {args.parallel} needs --parts N and must be >= 1")
-    if args.backend != "local" and args.parts is None:
-        raise FlowfleetError(f"--backend: {args.backend} needs --parts N")
-    if args.parts is not None and args.backend != "local":
-        ids = submit_cluster_parts(args.run_root, args.parts, args.backend)
-        print(
-            ", ".join(f"{step}: job {i}" for step, i in ids.items())
-            + " submitted; partitions/ is whole when merge ends"
-        )
+    if submitted_parts(args, submit_cluster_parts, "partitions/"):
         return 0
     if args.fit_only:
         fit = fit_for_parts(args.run_root, backend=args.kmeans, device=args.device, progress=args.progress)
