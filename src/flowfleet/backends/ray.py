@@ -79,12 +79,13 @@ class RayBackend:
         if o.nodes_per_job == 1:
             return spec.command(root.url, launcher(o.python, o.gpus_per_job))
         spread = [launcher(o.python)[0], "-m", "flowfleet.backends.ray_nodes", f"--nodes={o.nodes_per_job}"]
-        spread += [
-            f"--cpus={o.cpus}",
-            f"--gpus={o.gpus_per_job}",
-            *(f"--resource={k}={v}" for k, v in o.resources.items()),
-        ]
-        return [*spread, "--", *spec.command(root.url, node_launcher(o.python))]
+        return [*spread, *self._share_args(), "--", *spec.command(root.url, node_launcher(o.python))]
+
+    def _share_args(self) -> list[str]:
+        """What each node of a job (ray_nodes) or step of a stage in parts (ray_parts) reserves, as their options."""
+        o = self.config
+        resources = [f"--resource={k}={v}" for k, v in o.resources.items()]
+        return [f"--cpus={o.cpus}", f"--gpus={o.gpus_per_job}", *resources]
 
     def entrypoint(self, root: RunRoot, spec: JobSpec) -> str:
         cmd = shlex.join(self.command(root, spec))
@@ -115,12 +116,7 @@ class RayBackend:
         tasks of this backend's CPUs and GPUs each, the merge) -> {"STAGE --parts N": its submission id}."""
         o = self.config
         argv = [launcher(o.python)[0], "-m", "flowfleet.backends.ray_parts"]
-        argv += entrypoint_args(stage, root.url, n, folder, first)
-        argv += [
-            f"--cpus={o.cpus}",
-            f"--gpus={o.gpus_per_job}",
-            *(f"--resource={k}={v}" for k, v in o.resources.items()),
-        ]
+        argv += [*entrypoint_args(stage, root.url, n, folder, first), *self._share_args()]
         job = self.client.submit_job(
             entrypoint=shlex.join(argv),
             submission_id=f"flowfleet-{run_name}-{stage}-parts-{uuid.uuid4().hex[:8]}",

@@ -31,9 +31,28 @@ STOP_GRACE_S = 60.0  # a node's torchrun after SIGTERM (its trainer's checkpoint
 WAIT_REPORT_S = 60.0  # how often a job still waiting for its nodes says so
 
 
-def bundle_of(cpus: int, gpus: int, resources: dict[str, float]) -> dict[str, float]:
-    """What one node of the job reserves (Ray's resource names)."""
-    return {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {}), **resources}
+def add_share_options(p: argparse.ArgumentParser, per: str) -> None:
+    """--cpus, --gpus and --resource: what each `per` (a node, a step) reserves; share_of reads them."""
+    p.add_argument("--cpus", type=int, required=True, help=f"CPUs of each {per} (>= 1)")
+    p.add_argument("--gpus", type=int, default=0, help=f"GPUs of each {per}")
+    p.add_argument("--resource", action="append", default=[], metavar="NAME=AMOUNT", help=f"a custom resource a {per}")
+
+
+def share_of(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, float]:
+    """add_share_options' values -> the bundle of Ray resources each node or step reserves."""
+    if args.cpus < 1 or args.gpus < 0:
+        p.error(f"--cpus >= 1 and --gpus >= 0 are required, got {args.cpus} and {args.gpus}")
+    try:
+        resources = {k: float(v) for k, v in (r.split("=", 1) for r in args.resource)}
+    except ValueError:
+        p.error(f"--resource: NAME=AMOUNT, got {args.resource}")
+    return {"CPU": float(args.cpus), **({"GPU": float(args.gpus)} if args.gpus else {}), **resources}
+
+
+def task_options(bundle: dict[str, float]) -> dict[str, Any]:
+    """Ray task options that take a whole bundle, and never run again by themselves."""
+    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+    return dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom, max_retries=0)
 
 
 def node_endpoint() -> str:
@@ -86,11 +105,12 @@ def run(nodes: int, bundle: dict[str, float], command: Sequence[str]) -> int:
         job_id = ray.get_runtime_context().get_job_id()
         env = rendezvous_env(nodes, max(1, int(bundle.get("GPU", 0))), endpoint, f"flowfleet-{job_id}")
         log.info("%d nodes reserved; rendezvous at %s", nodes, endpoint)
-        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-        share = dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom, max_retries=0)
         task = ray.remote(run_node)
         return wait_all(
-            [task.options(**share, scheduling_strategy=on_node(i)).remote(command, env) for i in range(nodes)]
+            [
+                task.options(**task_options(bundle), scheduling_strategy=on_node(i)).remote(command, env)
+                for i in range(nodes)
+            ]
         )
     finally:
         remove_placement_group(group)
@@ -118,30 +138,20 @@ def wait_all(pending: list[Any]) -> int:
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flowfleet.backends.ray_nodes", description=__doc__)
     p.add_argument("--nodes", type=int, required=True, help="nodes of the job (>= 2)")
-    p.add_argument("--cpus", type=int, required=True, help="CPUs the job reserves on each node")
-    p.add_argument("--gpus", type=int, default=0, help="GPUs the job reserves on each node: its ranks there")
-    p.add_argument("--resource", action="append", default=[], metavar="NAME=AMOUNT", help="a custom resource a node")
+    add_share_options(p, "node (the GPUs: its ranks there)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- and each node's command (torchrun ...)")
     args = p.parse_args(argv)
     args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if args.nodes < 2 or args.cpus < 1 or args.gpus < 0 or not args.command:
-        p.error("--nodes >= 2, --cpus >= 1, --gpus >= 0 and a command after -- are required")
-    args.resources = parse_resources(p, args.resource)
+    if args.nodes < 2 or not args.command:
+        p.error("--nodes >= 2 and a command after -- are required")
+    args.bundle = share_of(p, args)
     return args
-
-
-def parse_resources(p: argparse.ArgumentParser, given: list[str]) -> dict[str, float]:
-    """--resource NAME=AMOUNT options -> Ray's custom resources."""
-    try:
-        return {k: float(v) for k, v in (r.split("=", 1) for r in given)}
-    except ValueError:
-        p.error(f"--resource: NAME=AMOUNT, got {given}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="flowfleet ray_nodes: %(message)s", stream=sys.stdout)
     args = parse(sys.argv[1:] if argv is None else argv)
-    return run(args.nodes, bundle_of(args.cpus, args.gpus, args.resources), args.command)
+    return run(args.nodes, args.bundle, args.command)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from flowfleet.backends.ray_nodes import bundle_of, parse_resources
+from flowfleet.backends.ray_nodes import add_share_options, share_of, task_options
 from flowfleet.storage import RunRoot
 from flowfleet.train.specs import cli_command, launcher
 
@@ -42,11 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     root = RunRoot(args.run)
     command = cli_command([args.stage, root.url, "--quiet"], launcher())
-    bundle = bundle_of(args.cpus, args.gpus, args.resources)
-    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-    step = ray.remote(run_step).options(
-        num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom, max_retries=0
-    )
+    step = ray.remote(run_step).options(**task_options(args.bundle))
 
     def log_of(name: str) -> str | None:
         local = root.local_path(args.folder, f"{name}.log")
@@ -80,13 +76,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--parts", type=int, required=True, help="N >= 1")
     p.add_argument("--folder", required=True, help="the run root's folder of the parts' logs")
     p.add_argument("--first", default=None, metavar="NAME=ARG", help="a step before the parts: its name and argument")
-    p.add_argument("--cpus", type=int, required=True, help="CPUs of each step")
-    p.add_argument("--gpus", type=int, default=0, help="GPUs of each step")
-    p.add_argument("--resource", action="append", default=[], metavar="NAME=AMOUNT", help="a custom resource a step")
+    add_share_options(p, "step")
     args = p.parse_args(argv)
-    if args.parts < 1 or args.cpus < 1 or args.gpus < 0:
-        p.error("--parts >= 1, --cpus >= 1 and --gpus >= 0 are required")
-    args.resources = parse_resources(p, args.resource)
+    if args.parts < 1:
+        p.error(f"--parts: must be >= 1, got {args.parts}")
+    args.bundle = share_of(p, args)
     return args
 
 
@@ -97,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entrypoint_args(stage: str, run_root: str, n: int, folder: str, first: tuple[str, list[str]] | None) -> list[str]:
     """This module's arguments for a stage's parts (the ray backend puts the interpreter and resources around them)."""
-    extra: list[Any] = [f"--first={first[0]}={first[1][0]}"] if first else []
+    extra = [f"--first={first[0]}={first[1][0]}"] if first else []
     return [f"--stage={stage}", f"--run={run_root}", f"--parts={n}", f"--folder={folder}", *extra]
 
 
