@@ -19,7 +19,7 @@ import os
 import posixpath
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
@@ -55,7 +55,7 @@ class Field:
 class ShardFile:
     """Where one shard file's fields lie: its header read once. `packed`: the padded length L of its text tokens
     where they are stored unpadded (flowfleet.data.shards.pack_tokens: text_tokens' rows are then tokens, not
-    items), else None."""
+    items), else None; then `token_start` [n + 1]: each item's first token row, and the end."""
 
     root: RunRoot
     path: str  # relative to root
@@ -64,24 +64,30 @@ class ShardFile:
     fields: dict[str, Field]
     packed: int | None = None
     mask_dtype: torch.dtype = torch.uint8
+    token_start: torch.Tensor | None = field(default=None, compare=False)
 
     @classmethod
     def read(cls, root: RunRoot, path: str) -> "ShardFile":
         with root.fs.open(root.path(path), "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
-        packed = is_packed(header)
-        fields, count = {}, None
-        for name, spec in header.items():
-            dtype, (begin, end), shape = DTYPES[spec["dtype"]], spec["data_offsets"], tuple(spec["shape"])
-            if not (packed and name in ("text_tokens", "text_mask")):
-                count = shape[0] if count is None else count
-            fields[name] = Field(dtype, shape[1:], begin, (end - begin) // max(shape[0], 1))
-        if not packed:
-            return cls(root, path, 8 + size, count or 0, fields)
+            header.pop("__metadata__", None)
+            packed = is_packed(header)
+            fields, count = {}, None
+            for name, spec in header.items():
+                dtype, (begin, end), shape = DTYPES[spec["dtype"]], spec["data_offsets"], tuple(spec["shape"])
+                if not (packed and name in ("text_tokens", "text_mask")):
+                    count = shape[0] if count is None else count
+                fields[name] = Field(dtype, shape[1:], begin, (end - begin) // max(shape[0], 1))
+            if not packed:
+                return cls(root, path, 8 + size, count or 0, fields)
+            lengths = fields["text_len"]  # [n] int32, read while the file is open
+            f.seek(8 + size + lengths.begin)
+            raw = f.read((count or 0) * lengths.row_bytes)
+        starts = torch.frombuffer(bytearray(raw), dtype=lengths.dtype).to(torch.int64).cumsum(0)
         mask = fields["text_mask"]  # an empty [0, L]: the padded length and the mask's dtype
-        return cls(root, path, 8 + size, count or 0, fields, mask.shape[0], mask.dtype)
+        token_start = torch.cat([torch.zeros(1, dtype=torch.int64), starts])
+        return cls(root, path, 8 + size, count or 0, fields, mask.shape[0], mask.dtype, token_start)
 
     def captions(self) -> list[str]:
         with self.root.fs.open(self.root.path(self.path), "rb") as f:
@@ -127,12 +133,12 @@ class StreamedData:
         streamed: list[str],
         tensors: dict[str, torch.Tensor],
         where: str,
+        layout: dict[str, tuple[torch.dtype, tuple[int, ...]]],
         readers: int = 4,
     ):
         self.files, self.file_of, self.row_of = files, file_of, row_of  # [N] int32 each: an item's file and row
         self.streamed, self.tensors, self.where = streamed, tensors, where
-        self.layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # a streamed field's dtype, item shape
-        self.token_start: dict[int, torch.Tensor] = {}  # a packed file's first token row of each item, and its end
+        self.layout = layout  # a streamed field's dtype and item shape (as the manifest says, however stored)
         self.readers = readers  # threads reading a batch's rows (train.loader_workers)
         self._reader = _Reader()
         self._pool: ThreadPoolExecutor | None = None
@@ -149,16 +155,12 @@ class StreamedData:
         file_of = torch.cat([torch.full((f.count,), i, dtype=torch.int32) for i, f in enumerate(files)])
         row_of = torch.cat([torch.arange(f.count, dtype=torch.int32) for f in files])
         small = [f for f in fields if not manifest.fields[f]["shape"]]  # a number an item (index, labels): in memory
-        data = cls(files, file_of, row_of, [f for f in fields if f not in small], {}, shards.url, readers)
+        streamed = [f for f in fields if f not in small]
+        layout = {
+            f: (getattr(torch, manifest.fields[f]["dtype"]), tuple(manifest.fields[f]["shape"])) for f in streamed
+        }
+        data = cls(files, file_of, row_of, streamed, {}, shards.url, layout, readers)
         data.tensors = {name: torch.cat([data._whole(file, name) for file in files]) for name in small}
-        data.layout = {
-            f: (getattr(torch, manifest.fields[f]["dtype"]), tuple(manifest.fields[f]["shape"])) for f in data.streamed
-        }
-        data.token_start = {
-            i: torch.cat([torch.zeros(1, dtype=torch.int64), data._whole(file, "text_len").cumsum(0)])
-            for i, file in enumerate(files)
-            if file.packed
-        }
         return data
 
     def __len__(self) -> int:
@@ -181,23 +183,23 @@ class StreamedData:
         tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in parts[0].tensors}
         where = " + ".join(p.where for p in parts)
         row_of = torch.cat([p.row_of for p in parts])
-        data = cls(files, torch.cat(file_of), row_of, parts[0].streamed, tensors, where, parts[0].readers)
-        data.layout = parts[0].layout
-        offset = 0
-        for part in parts:
-            data.token_start.update({offset + i: starts for i, starts in part.token_start.items()})
-            offset += len(part.files)
-        return data
+        first = parts[0]
+        return cls(files, torch.cat(file_of), row_of, first.streamed, tensors, where, first.layout, first.readers)
 
     def select(self, keep: torch.Tensor) -> "StreamedData":
         """Only the items where `keep` [N] bool is true."""
         items = keep.nonzero(as_tuple=True)[0]
         tensors = {name: t.index_select(0, items) for name, t in self.tensors.items()}
-        data = StreamedData(
-            self.files, self.file_of[items], self.row_of[items], self.streamed, tensors, self.where, self.readers
+        return StreamedData(
+            self.files,
+            self.file_of[items],
+            self.row_of[items],
+            self.streamed,
+            tensors,
+            self.where,
+            self.layout,
+            self.readers,
         )
-        data.layout, data.token_start = self.layout, self.token_start
-        return data
 
     def gather(self, items: torch.Tensor, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The given items as a batch, as InMemoryData.gather gives it."""
@@ -223,8 +225,8 @@ class StreamedData:
             def fetch(i: int, name: str = name, size: int = size, buf: bytearray = buf) -> None:
                 f, row = where[i]
                 file = self.files[f]
-                if file.packed and name in ("text_tokens", "text_mask"):
-                    first, end = self.token_start[f][row : row + 2].tolist()
+                if file.token_start is not None and name in ("text_tokens", "text_mask"):
+                    first, end = file.token_start[row : row + 2].tolist()
                     if name == "text_mask":  # the first `end - first` tokens are real
                         real = torch.arange(file.packed) < end - first
                         buf[i * size : (i + 1) * size] = real.to(file.mask_dtype).numpy().tobytes()
