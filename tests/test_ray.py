@@ -60,7 +60,7 @@ def test_train_all_on_ray_gives_the_local_backends_weights(tmp_path, cluster):
     rows = {r["job"]: r for r in json.loads(status.stdout)}
     assert rows["expert-1"]["backend"] == f"ray {submitted['expert-1']['id']} SUCCEEDED"
     assert rows["expert-1"]["state"] == "done"
-    logs = cluster.run([str(Path(sys.executable).parent / "ray"), "job", "logs", submitted["expert-1"]["id"]])
+    logs = cluster.job("logs", submitted["expert-1"]["id"])
     assert "expert-1: done" in logs.stdout, logs.stderr[-500:]
 
     # again: nothing is submitted twice
@@ -176,9 +176,8 @@ def _run_ray_parts(cluster, argv: list[str]) -> None:
     out = cluster.run([FLOWFLEET, *argv, "--backend", "ray"], env={"RAY_ADDRESS": cluster.address})
     assert out.returncode == 0, out.stderr[-2000:]
     job = out.stdout.split(": job ")[1].split()[0]
-    ray = str(Path(sys.executable).parent / "ray")
-    follow = cluster.run([ray, "job", "logs", "--follow", job])
-    status = cluster.run([ray, "job", "status", job])
+    follow = cluster.job("logs", "--follow", job)
+    status = cluster.job("status", job)
     assert "succeeded" in status.stdout, follow.stdout[-3000:] + status.stdout[-500:]
 
 

@@ -128,26 +128,17 @@ time.sleep(600)
 
 def test_a_stopped_job_leaves_no_command_running_on_its_nodes(tmp_path, cluster):
     """`ray job stop` (train-all's cancel) while both nodes run: neither node's command outlives the job."""
-    ray = str(Path(sys.executable).parent / "ray")
-    argv = [ray, "job", "submit", "--no-wait", "--submission-id", "ffnodes-stop", "--", sys.executable, "-m"]
-    argv += [
-        "flowfleet.backends.ray_nodes",
-        "--nodes=2",
-        "--cpus=1",
-        "--",
-        sys.executable,
-        "-c",
-        SLEEPER,
-        str(tmp_path),
-    ]
-    submitted = cluster.run(argv)
+    argv = ["submit", "--no-wait", "--submission-id", "ffnodes-stop", "--", sys.executable, "-m"]
+    argv += ["flowfleet.backends.ray_nodes", "--nodes=2", "--cpus=1", "--", sys.executable, "-c", SLEEPER]
+    submitted = cluster.job(*argv, str(tmp_path))
     assert submitted.returncode == 0, submitted.stderr[-2000:]
     deadline = time.monotonic() + 180
     while len(list(tmp_path.iterdir())) < 2:
-        assert time.monotonic() < deadline, cluster.run([ray, "job", "logs", "ffnodes-stop"]).stdout[-2000:]
+        assert time.monotonic() < deadline, cluster.job("logs", "ffnodes-stop").stdout[-2000:]
         time.sleep(0.5)
     pids = [int(p.name) for p in tmp_path.iterdir()]
-    assert cluster.run([ray, "job", "stop", "ffnodes-stop"]).returncode == 0
+    stopped = cluster.job("stop", "ffnodes-stop")
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
     deadline = time.monotonic() + 120
     while any(Path(f"/proc/{pid}").exists() for pid in pids):
         assert time.monotonic() < deadline, f"still running after the job's stop: {pids}"
