@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -126,11 +127,17 @@ def test_the_background_writer_writes_one_checkpoint_at_a_time_and_raises_its_er
 
     store.save = slow_save  # type: ignore[method-assign]
     writer = BackgroundWriter(store)
+    assert writer.write_s is None  # no write yet: nothing known of how long one takes
     ckpt = Checkpoint(step=2, tensors={"model": {"w": torch.ones(3)}}, state={"job": "expert-0"})
     assert writer.start(ckpt) is None and writer.busy and writer.finished() is None  # the caller goes on
     assert store.latest() is None  # nothing complete yet
+    # a first write not ended yet: it takes at least as long as it has run (a SIGTERM's grace reads this)
+    so_far = writer.write_s
+    time.sleep(0.05)
+    assert so_far is not None and writer.write_s >= so_far + 0.05 and writer.last_s is None
     release.set()
     assert writer.wait() == "step-0000002" and not writer.busy and writer.last_s is not None
+    assert writer.write_s == writer.last_s >= 0.05
     assert store.latest() == "step-0000002" and torch.equal(
         store.load("step-0000002").tensors["model"]["w"], torch.ones(3)
     )

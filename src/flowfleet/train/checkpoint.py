@@ -218,13 +218,24 @@ class BackgroundWriter:
         self._name: str | None = None
         self._error: BaseException | None = None
         self.last_s: float | None = None  # how long the last ended write took
+        self._started = 0.0  # when the write in flight started (time.perf_counter)
 
     @property
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def write_s(self) -> float | None:
+        """How long a write takes as far as this writer knows: the last ended write's time, or the one in flight's
+        so far where that is longer (a first write that has not ended yet); None before any write started."""
+        known = [self.last_s] if self.last_s is not None else []
+        if self.busy:
+            known.append(time.perf_counter() - self._started)
+        return max(known) if known else None
+
     def start(self, ckpt: Checkpoint) -> str | None:
         ended = self.wait()
+        self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._write, args=(ckpt,), name="flowfleet-checkpoint", daemon=True)
         self._thread.start()
         return ended

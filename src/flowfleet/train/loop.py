@@ -341,18 +341,19 @@ class JobCheckpoints:
             self.ended(st, ended)
 
     def past_grace(self) -> bool:
-        """A SIGTERM whose grace (train.stop_grace_s) the write in flight and one more, each as long as the last
-        write took, would outlast."""
-        if self.stop.reason != "SIGTERM" or self.writer.last_s is None:
+        """A SIGTERM whose grace (train.stop_grace_s) the write in flight and one more, each as long as a write takes
+        (the writer's write_s), would outlast."""
+        write_s = self.writer.write_s
+        if self.stop.reason != "SIGTERM" or write_s is None:
             return False
-        needed = self.writer.last_s * (2 if self.writer.busy else 1)
+        needed = write_s * (2 if self.writer.busy else 1)
         late = time.monotonic() - self.stop.time + needed > self.task.train_cfg.stop_grace_s
         if late:
             log.warning(
                 "%s: SIGTERM: no checkpoint of this step (a write takes %.1f s, train.stop_grace_s is %g); "
                 "the job resumes from its newest complete one",
                 self.task.name,
-                self.writer.last_s,
+                write_s,
                 self.task.train_cfg.stop_grace_s,
             )
         return late
