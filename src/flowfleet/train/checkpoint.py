@@ -210,7 +210,8 @@ class BackgroundWriter:
         writer = BackgroundWriter(store)
         writer.start(ckpt)          # waits for the previous write first; -> its name, if one ended
         writer.finished()           # -> the name of a write that ended since, else None (its error raised here)
-        writer.wait()               # joins the running write -> its name"""
+        writer.wait()               # joins the running write -> its name
+        writer.save(ckpt)           # or written in the caller's thread -> its name"""
 
     def __init__(self, store: CheckpointStore):
         self.store = store
@@ -239,6 +240,16 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=self._write, args=(ckpt,), name="flowfleet-checkpoint", daemon=True)
         self._thread.start()
         return ended
+
+    def save(self, ckpt: Checkpoint) -> str:
+        """Write a checkpoint in the caller's thread (train.async_checkpoint false), timed as a background write is;
+        -> its name."""
+        self.wait()
+        t0 = time.perf_counter()
+        try:
+            return self.store.save(ckpt)
+        finally:
+            self.last_s = time.perf_counter() - t0
 
     def _write(self, ckpt: Checkpoint) -> None:
         t0 = time.perf_counter()

@@ -322,7 +322,7 @@ class JobCheckpoints:
                     "train_config": self.task.train_cfg.model_dump(mode="json"),
                 },
             )
-            ended = self.writer.start(ckpt) if self.task.train_cfg.async_checkpoint else self.store.save(ckpt)
+            ended = self.writer.start(ckpt) if self.task.train_cfg.async_checkpoint else self.writer.save(ckpt)
             if ended:
                 self.ended(st, ended)
         st.island.barrier()
