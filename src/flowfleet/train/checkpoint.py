@@ -245,18 +245,18 @@ class BackgroundWriter:
         """Write a checkpoint in the caller's thread (train.async_checkpoint false), timed as a background write is;
         -> its name."""
         self.wait()
+        return self._timed_save(ckpt)
+
+    def _write(self, ckpt: Checkpoint) -> None:
+        try:
+            self._name = self._timed_save(ckpt)
+        except BaseException as err:  # raised in the loop's thread, at its next look
+            self._error = err
+
+    def _timed_save(self, ckpt: Checkpoint) -> str:
         t0 = time.perf_counter()
         try:
             return self.store.save(ckpt)
-        finally:
-            self.last_s = time.perf_counter() - t0
-
-    def _write(self, ckpt: Checkpoint) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._name = self.store.save(ckpt)
-        except BaseException as err:  # raised in the loop's thread, at its next look
-            self._error = err
         finally:
             self.last_s = time.perf_counter() - t0
 
