@@ -1,44 +1,48 @@
 """How close can any model in a run-trained latent space come to real images? The autoencoder's reconstructions
-of the held-out floor images, scored exactly like a model's samples (classifier FD, precision and recall in
-the run's judge's features, the digits' or the emoji's, against the same held-out reference as `flowfleet
-evaluate`): a DiT that matched the latent distribution perfectly would still be decoded by this decoder.
+of held-out images, scored exactly like a model's samples (classifier FD, precision and recall in the run's judge's
+features, the digits' or the emoji's, against the held-out reference `flowfleet evaluate` uses): a DiT that matched
+the latent distribution perfectly would still be decoded by this decoder.
 
 For each autoencoder recipe (AutoencoderConfig fields as KEY=VALUE, comma-separated; the rest as the run's), trains
-it on the run's training images (the first 4000 of MNIST-5k, or the emoji set's training part, as prepare does)
-and scores its reconstructions of the floor set, beside the real floor itself:
+it on the run's own training images (the first encoders.latent.autoencoder.train_items of them, as prepare reads
+them) and scores its reconstructions of the split's floor images, beside that real floor itself. The choice of a
+recipe reads the validation split (the default); --split test gives the figure a report states.
 
-    python benchmarks/autoencoder_ceiling.py --run runs/demo steps=400 steps=800 steps=800,batch_size=64 steps=1600
+    python benchmarks/autoencoder_ceiling.py --run runs/demo steps=800 steps=400,lr=4e-3 steps=400
+    python benchmarks/autoencoder_ceiling.py --run runs/demo-emoji steps=800 steps=400,lr=8e-3
 
-    python benchmarks/autoencoder_ceiling.py --run runs/demo-emoji latent_channels=4,batch_size=32,lr=2e-3 \
-        latent_channels=8,batch_size=32,lr=2e-3 latent_channels=8,batch_size=16,lr=4e-3
-
---run: an evaluated demo run (its eval/ split, its judge).
+--run: an evaluated demo run (its eval/ split, its judge, its model/ folder).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 
-def training_images(cfg):
-    """The run's training images in [-1, 1], as prepare reads them: the emoji set's training part, or the
-    digits' (the first 4000 of MNIST-5k)."""
-    if cfg.data.source == "emoji":
-        from flowfleet.data.sources.emoji import load_emoji
-        from flowfleet.evaluate.emoji import set_tensors
+def training_images(root, cfg):
+    """The run's autoencoder training images [N, C, S, S] in [-1, 1], as prepare reads them (never eval/'s)."""
+    import torch
 
-        emoji = load_emoji()
-        return set_tensors(emoji)[0][: emoji.train_stop]
-    from flowfleet.evaluate.digits import mnist_tensors
+    from flowfleet.data.decoding import BadInput, decode_items
+    from flowfleet.data.sources import build_source
+    from flowfleet.stages.prepare import _Split
 
-    return mnist_tensors()[0][: 5000 - cfg.data.holdout]
+    source = build_source(cfg.data, cfg.storage.options)
+    split = _Split.of(cfg, source)
+    ae, d = cfg.encoders.latent.autoencoder, cfg.data
+    stop = min(split.train_stop, ae.train_items) if split.train_stop is not None else ae.train_items
+    items = itertools.islice(source.items(0), stop)
+    bad = BadInput([], 0, 0)
+    return torch.stack([image for _, image, _, _ in decode_items(items, 0, d.image_size, d.channels, bad, d.labels)])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", default="runs/demo")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--split", default="validation", choices=["validation", "test"])
     p.add_argument("recipes", nargs="+", help="KEY=VALUE[,KEY=VALUE...] of the autoencoder section")
     a = p.parse_args()
 
@@ -47,17 +51,19 @@ def main() -> None:
 
     from flowfleet.config import AutoencoderConfig, load_run_config
     from flowfleet.data.autoencoder import crop, pad, train_autoencoder
-    from flowfleet.evaluate.fid import FIDSettings
     from flowfleet.stages.evaluate import EvaluateOptions
-    from flowfleet.stages.evaluate.stage import _Evaluation  # the evaluation's own split and judge
+    from flowfleet.stages.evaluate.draw import EvaluationDraw
     from flowfleet.storage import RunRoot
 
     torch.set_num_threads(a.threads)
-    cfg = load_run_config(RunRoot(a.run))
+    root = RunRoot(a.run)
+    cfg = load_run_config(root)
     base = cfg.encoders.latent.autoencoder.model_dump()
-    train = training_images(cfg)
-    options = EvaluateOptions(n=300, batch_size=300, fid=FIDSettings(resize=75), diagnostics=False, device="cpu")
-    ev = _Evaluation.open(f"{a.run}/model", a.run, options, None)
+    train = training_images(root, cfg)
+    options = EvaluateOptions(n=300, batch_size=300, diagnostics=False, device="cpu")
+    ev = EvaluationDraw.open(f"{a.run}/model", a.run, options, None, inception=False, split=a.split)
+    if ev.ref_images is None or ev.judge_fd is None:
+        raise SystemExit(f"{a.run}: its held-out images or its judge's features are missing")
     floor = ev.ref_images[ev.split.floor].float() / 127.5 - 1.0  # [n, C, S, S] the real held-out images
     judge = ev.judge_fd[0]
     rows = [("real floor", None, ev._judge_scores(judge.features(floor)))]
@@ -67,13 +73,15 @@ def main() -> None:
             key, _, value = part.partition("=")
             fields[key] = yaml.safe_load(value)
         t0 = time.perf_counter()
-        vae = train_autoencoder(train, AutoencoderConfig(**fields), progress=False)
+        vae = train_autoencoder(train, AutoencoderConfig(**fields), progress=False, threads=a.threads)
         seconds = time.perf_counter() - t0
         with torch.no_grad():
             z = vae.encode(pad(floor, vae.config.sample_size)).latent_dist.mean
             recon = crop(vae.decode(z).sample, floor.shape[-1]).clamp(-1, 1)
         rows.append((recipe, seconds, ev._judge_scores(judge.features(recon))))
-    print(f"\n{ev.split.floor.numel()} held-out images against {ev.ref_n} reference images, {a.threads} threads")
+        print(recipe, f"{seconds:.0f} s", rows[-1][2], flush=True)
+    print(f"\n{a.split} split: {ev.split.floor.numel()} held-out images against {ev.ref_n} reference images, "
+          f"{train.shape[0]} training images, {a.threads} threads")
     print("| autoencoder | train s | classifier FD | precision | recall |")
     print("|---|---|---|---|---|")
     for name, seconds, s in rows:

@@ -197,15 +197,15 @@ def test_demo_refuses_an_out_folder_of_another_run(tmp_path):
 
 def test_demo_plans_validate_and_quick_is_smaller():
     full, quick = demo_plan("full"), demo_plan("quick")
-    # K >= 4 clusters of image features as Paris', top-2; DDM's recipe on them: a router that reads the prompt as the
-    # experts do, guidance over the mixture, every expert all the steps at its share of the batch
+    # K >= 4 clusters of image features as Paris', top-2; DDM's sampling on them: a router that reads the prompt as the
+    # experts do, guidance over the mixture; Paris' compute matching (each expert the batch, its share of the steps)
     for plan in (full, quick):
         c = plan.config
         assert c.cluster.k >= 4 and c.cluster.features == "semantic" and c.encoders.semantic.name == "inception"
         # ... less what the caption predicts of them: every expert holds every digit (docs/training.md)
         assert c.cluster.caption_residual
         assert c.router.conditioning == c.expert.conditioning and c.sampling.strategy.name == "top2"
-        assert c.sampling.guidance == "mixture" and c.train.split == "batch"
+        assert c.sampling.guidance == "mixture" and c.train.split == "steps"
         # Paris' router beside it is an option (--prompt-router: the comparison router), as the caption fleet is
         assert not c.router_baseline and not c.router_prompt and plan.evaluation.routers == ()
         assert c.train.expert_steps == "by_size"  # each expert passes over its digits as often as the monolith
@@ -227,17 +227,17 @@ def test_demo_plans_validate_and_quick_is_smaller():
         demo_plan("huge")
 
 
-def test_the_emoji_demo_plan_is_ddms_recipe_on_content_clusters_paris_router_on_ask():
+def test_the_emoji_demo_plan_samples_as_ddm_on_content_clusters_paris_router_on_ask():
     full = demo_plan("full", data="emoji")
     c = full.config
     assert c.data.source == "emoji" and c.data.holdout >= 500 and c.data.limit is None  # every image: 6572 to train
     # K >= 4 clusters of image features (of content: no caption residual), none under 5 %, top-2, as Paris; DDM's
-    # recipe on them: a router that reads the prompt as the experts do (their conditioning and condition dropout),
-    # guidance over the mixture, every expert all the steps at its share of the batch; Paris' router beside it on ask
+    # sampling on them: a router that reads the prompt as the experts do (their conditioning and condition dropout),
+    # guidance over the mixture; Paris' compute matching; Paris' router beside it on ask
     assert c.cluster.k >= 4 and c.cluster.features == "semantic" and not c.cluster.caption_residual
     assert c.cluster.min_share >= 0.05 and c.encoders.semantic.name == "inception"
     assert c.router.conditioning == c.expert.conditioning and c.router.cond_dropout == c.expert.cond_dropout > 0
-    assert c.sampling.strategy.name == "top2" and c.sampling.guidance == "mixture" and c.train.split == "batch"
+    assert c.sampling.strategy.name == "top2" and c.sampling.guidance == "mixture" and c.train.split == "steps"
     assert not c.router_baseline and not c.router_prompt
     assert full.evaluation.routers == () and full.evaluation.monolith
     assert c.encoders.latent.name == "autoencoder" and c.data.channels == 3

