@@ -80,8 +80,10 @@ def main() -> None:
             recon = crop(vae.decode(z).sample, floor.shape[-1]).clamp(-1, 1)
         rows.append((recipe, seconds, ev._judge_scores(judge.features(recon))))
         print(recipe, f"{seconds:.0f} s", rows[-1][2], flush=True)
-    print(f"\n{a.split} split: {ev.split.floor.numel()} held-out images against {ev.ref_n} reference images, "
-          f"{train.shape[0]} training images, {a.threads} threads")
+    print(
+        f"\n{a.split} split: {ev.split.floor.numel()} held-out images against {ev.ref_n} reference images, "
+        f"{train.shape[0]} training images, {a.threads} threads"
+    )
     print("| autoencoder | train s | classifier FD | precision | recall |")
     print("|---|---|---|---|---|")
     for name, seconds, s in rows:
