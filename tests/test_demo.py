@@ -227,17 +227,17 @@ def test_demo_plans_validate_and_quick_is_smaller():
         demo_plan("huge")
 
 
-def test_the_emoji_demo_plan_samples_as_ddm_on_content_clusters_paris_router_on_ask():
+def test_the_emoji_demo_plan_is_ddms_recipe_on_content_clusters_paris_router_on_ask():
     full = demo_plan("full", data="emoji")
     c = full.config
     assert c.data.source == "emoji" and c.data.holdout >= 500 and c.data.limit is None  # every image: 6572 to train
     # K >= 4 clusters of image features (of content: no caption residual), none under 5 %, top-2, as Paris; DDM's
     # sampling on them: a router that reads the prompt as the experts do (their conditioning and condition dropout),
-    # guidance over the mixture; Paris' compute matching; Paris' router beside it on ask
+    # guidance over the mixture, every expert all the steps at its share of the batch; Paris' router beside it on ask
     assert c.cluster.k >= 4 and c.cluster.features == "semantic" and not c.cluster.caption_residual
     assert c.cluster.min_share >= 0.05 and c.encoders.semantic.name == "inception"
     assert c.router.conditioning == c.expert.conditioning and c.router.cond_dropout == c.expert.cond_dropout > 0
-    assert c.sampling.strategy.name == "top2" and c.sampling.guidance == "mixture" and c.train.split == "steps"
+    assert c.sampling.strategy.name == "top2" and c.sampling.guidance == "mixture" and c.train.split == "batch"
     assert not c.router_baseline and not c.router_prompt
     assert full.evaluation.routers == () and full.evaluation.monolith
     assert c.encoders.latent.name == "autoencoder" and c.data.channels == 3

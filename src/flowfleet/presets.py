@@ -7,8 +7,9 @@ emoji / emoji-tiny    the built-in emoji (flowfleet.data.sources.emoji: 7572 in 
                       the batch, top-2; the set's 1000 held-out emoji held out (tiny: 16 px pixels)
 mnist / mnist-tiny    the built-in digits (flowfleet.data.sources.mnist: the 10,000 once fetched, else MNIST-5k) at
                       28 px in the 8 x 8 x 4 latent of an autoencoder prepare trains (tiny:
-                      16 px pixels, Paris' prompt-blind router), K = 4 clusters of image features, DDM's recipe
-                      as the emoji's, top-2; the last 1000 digits held out for evaluation
+                      16 px pixels, Paris' prompt-blind router), K = 4 clusters of image features, the emoji's
+                      router and guidance under Paris' compute matching (each expert the batch, its share of the
+                      steps), top-2; the last 1000 digits held out for evaluation
 images                the emoji recipe for a folder of your own images (`--set data.path=FOLDER`)
 shapes / shapes-tiny  built-in procedural shapes (RGB), captions describing shape and colour
 paris-b2 / paris-xl2  the Paris paper's §3.1 recipes: 32x32x4 sd-vae-ft-mse latents, CLIP ViT-L/14
@@ -214,9 +215,9 @@ def _digits(**changes: Any) -> dict[str, Any]:
         # the digits' clusters each hold every digit, and take it all the same: one recipe for both
         router_reads_prompt=True,
         # Paris' compute matching: each expert the monolith's batch of 32 for its cluster's share of K x train.steps.
-        # DDM's (split "batch": every expert all the steps at its share of the batch) gave the same figures within
-        # the seeds' spread at the same FLOPs, in more wall time: a step's fixed cost is paid K times as often
-        # ("Paris' recipe on the test split", "The demos' wall time")
+        # On the digits DDM's (split "batch": every expert all the steps at its share of the batch) gives the same
+        # figures within the seeds' spread at the same FLOPs, in more wall time: a step's fixed cost is paid K times
+        # as often ("The demos' wall time")
         split="steps",
     )
     return _builtin(**{**recipe, **changes})
@@ -228,7 +229,7 @@ def _emoji(source: str, holdout: int = 0, **data: Any) -> dict[str, Any]:
     data.path=FOLDER`): 32 px colour in the 8 x 8 x 8 latent of an autoencoder prepare trains, K = 4 clusters of
     Inception features at 75 px (its standard 299 px costs an order of magnitude more on a CPU), power-normalised,
     none under 15 % of the data (a smaller one takes the fine clusters nearest it; BENCHMARKS.md, "The emoji's
-    clusters"), and the digits' training recipe."""
+    clusters"), and the digits' training recipe under DDM's compute matching."""
     return _digits(
         source=source,
         size=32,
@@ -245,6 +246,10 @@ def _emoji(source: str, holdout: int = 0, **data: Any) -> dict[str, Any]:
         cluster_power=0.5,
         fine_k=128,
         min_share=0.15,
+        # DDM's compute matching, where the prompt decides the expert: its fleet follows the prompt's subcategory
+        # better than under Paris' and draws sharper emoji, for the wall time its small expert batches cost ("The
+        # demos' wall time")
+        split="batch",
         **data,
     )
 
