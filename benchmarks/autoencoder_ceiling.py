@@ -17,25 +17,16 @@ recipe reads the validation split (the default); --split test gives the figure a
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
 
 
-def training_images(root, cfg):
+def training_images(cfg):
     """The run's autoencoder training images [N, C, S, S] in [-1, 1], as prepare reads them (never eval/'s)."""
-    import torch
-
-    from flowfleet.data.decoding import BadInput, decode_items
     from flowfleet.data.sources import build_source
-    from flowfleet.stages.prepare import _Split
+    from flowfleet.stages.prepare import _Split, autoencoder_images
 
     source = build_source(cfg.data, cfg.storage.options)
-    split = _Split.of(cfg, source)
-    ae, d = cfg.encoders.latent.autoencoder, cfg.data
-    stop = min(split.train_stop, ae.train_items) if split.train_stop is not None else ae.train_items
-    items = itertools.islice(source.items(0), stop)
-    bad = BadInput([], 0, 0)
-    return torch.stack([image for _, image, _, _ in decode_items(items, 0, d.image_size, d.channels, bad, d.labels)])
+    return autoencoder_images(cfg, source, _Split.of(cfg, source))
 
 
 def main() -> None:
@@ -56,10 +47,9 @@ def main() -> None:
     from flowfleet.storage import RunRoot
 
     torch.set_num_threads(a.threads)
-    root = RunRoot(a.run)
-    cfg = load_run_config(root)
+    cfg = load_run_config(RunRoot(a.run))
     base = cfg.encoders.latent.autoencoder.model_dump()
-    train = training_images(root, cfg)
+    train = training_images(cfg)
     options = EvaluateOptions(n=300, batch_size=300, diagnostics=False, device="cpu")
     ev = EvaluationDraw.open(f"{a.run}/model", a.run, options, None, inception=False, split=a.split)
     if ev.ref_images is None or ev.judge_fd is None:

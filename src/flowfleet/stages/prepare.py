@@ -381,7 +381,16 @@ def ensure_autoencoder(
             f"{where}: missing; train the run's autoencoder once first (`flowfleet prepare {root.url} "
             "--autoencoder-only`), then run the parts"
         )
-    d = cfg.data
+    images = autoencoder_images(cfg, source, split)
+    vae = train_autoencoder(images, ae, progress=progress, threads=threads)
+    save_autoencoder(vae, root, AUTOENCODER)
+    root.write_json(recipe, AUTOENCODER, AUTOENCODER_RECIPE)
+
+
+def autoencoder_images(cfg: RunConfig, source: Source, split: "_Split") -> torch.Tensor:
+    """The images the run's autoencoder trains on, [N, C, S, S] in [-1, 1]: the first `train_items` training items
+    (never eval/'s) that decode; none is a one-line error."""
+    ae, d = cfg.encoders.latent.autoencoder, cfg.data
     stop = min(split.train_stop, ae.train_items) if split.train_stop is not None else ae.train_items
     bad = BadInput([], 0, 0)
     items = itertools.islice(source.items(0), stop)
@@ -389,9 +398,7 @@ def ensure_autoencoder(
     if not images:
         raise FlowfleetError(f"data.source: {d.source} {d.path or ''} gave no usable image to train the autoencoder")
     log.info("autoencoder: training on %d images (%d skipped)", len(images), len(bad.skipped_pos))
-    vae = train_autoencoder(torch.stack(images), ae, progress=progress, threads=threads)
-    save_autoencoder(vae, root, AUTOENCODER)
-    root.write_json(recipe, AUTOENCODER, AUTOENCODER_RECIPE)
+    return torch.stack(images)
 
 
 def prepare_autoencoder(run_root: str | RunRoot, *, restart: bool = False, progress: bool = True) -> str:
