@@ -7,13 +7,14 @@ import math
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 from fixtures import synthetic_run
 from fixtures.synthetic_run import synthetic_config, write_synthetic_run
-from fixtures.tolerances import gamma
+from fixtures.tolerances import gamma, network_terms, reorder
 
 from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.shards import ShardSet, ShardSetManifest
@@ -159,6 +160,42 @@ def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     metrics_a = [json.loads(x) for x in (tmp_path / "a/experts/0/metrics.jsonl").read_text().splitlines()]
     metrics_b = [json.loads(x) for x in (tmp_path / "b/experts/0/metrics.jsonl").read_text().splitlines()]
     assert [m["loss"] for m in metrics_a] == [m["loss"] for m in metrics_b]
+
+
+def final_weights(root: RunRoot) -> dict[str, torch.Tensor]:
+    return tensors(Path(root.path("experts/0/final/diffusion_pytorch_model.safetensors")))
+
+
+def first_loss(root: RunRoot) -> float:
+    return json.loads(Path(root.path("experts/0/metrics.jsonl")).read_text().splitlines()[0])["loss"]
+
+
+def test_a_compiled_job_repeats_itself_bit_for_bit_and_starts_from_the_eager_jobs_loss(tmp_path, monkeypatch):
+    # a cache of its own: Inductor's cache does not key its kernels by ATEN_CPU_CAPABILITY, and `make test` runs this
+    # file again under ATEN_CPU_CAPABILITY=default, where the first pass's vectorised kernels fail to build
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compiler-cache"))
+    eager = make_run(tmp_path / "eager", steps=3)
+    first, second = (make_run(tmp_path / name, steps=3, train=dict(compile=True)) for name in ("a", "b"))
+    for root in (eager, first, second):
+        assert run_job(root).state == "done"
+    assert_bit_identical(final_weights(first), final_weights(second))
+    # step 1's loss is one forward of the same batch and noise: compiled kernels differ from eager ones by rounding
+    # alone (the expert: hidden 32, MLP 128, one block; the loss a mean of squares over the batch's 8 x 1 x 8 x 8)
+    loss = first_loss(eager)
+    assert first_loss(first) == pytest.approx(loss, abs=reorder(network_terms(128, 6) + 512, scale=max(loss, 1.0)))
+    assert not all(torch.equal(x, y) for x, y in zip(final_weights(eager).values(), final_weights(first).values()))
+
+
+def test_compile_without_a_compiler_warns_naming_the_job_and_trains_eagerly(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr("flowfleet.device.shutil.which", lambda name: None)
+    eager = make_run(tmp_path / "eager", steps=2)
+    asked = make_run(tmp_path / "asked", steps=2, train=dict(compile=True))
+    assert run_job(eager).state == "done"
+    with caplog.at_level("WARNING", logger="flowfleet.device"):
+        assert run_job(asked).state == "done"
+    assert any("expert-0: compile" in r.message and "C++ compiler" in r.message for r in caplog.records), caplog.text
+    assert_bit_identical(final_weights(eager), final_weights(asked))
 
 
 def test_crash_during_a_checkpoint_then_resume_matches_uninterrupted(tmp_path, monkeypatch):

@@ -1,14 +1,20 @@
-"""Device choice, in one place: what `--device auto|cpu|cuda|cuda:N` means for every stage and rank, and what a
-device can do at most (its peak throughput, for a training job's MFU)."""
+"""Device choice, in one place: what `--device auto|cpu|cuda|cuda:N` means for every stage and rank, what a
+device can do at most (its peak throughput, for a training job's MFU), and whether torch.compile can build kernels
+for it."""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
+import shutil
 import sys
 
 import torch
 
 from flowfleet.errors import FlowfleetError, ParameterError
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(device: str | None = "auto", local_rank: int = 0) -> torch.device:
@@ -80,3 +86,24 @@ def peak_memory(device: torch.device) -> int:
         return 0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS says bytes, Linux KiB
+
+
+def compiler_missing(device: torch.device) -> str | None:
+    """What torch.compile's default backend (Inductor) lacks to build kernels for `device`, or None when it has it:
+    a C++ compiler for a CPU (its CXX, else c++ / g++ / clang++ on the PATH), Triton for a GPU."""
+    if device.type == "cuda":
+        return None if importlib.util.find_spec("triton") is not None else "Triton (pip install triton)"
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    if any(shutil.which(name) for name in candidates):
+        return None
+    return f"a C++ compiler ({' / '.join(candidates)} not found)"
+
+
+def compiled(module: torch.nn.Module, device: torch.device, who: str) -> torch.nn.Module:
+    """torch.compile(module) where its backend can build kernels for `device`; else `module` itself, with a warning
+    naming `who` (a job) and what is missing. The compiled wrapper shares the module's parameters: save the module."""
+    missing = compiler_missing(device)
+    if missing is not None:
+        log.warning("%s: compile asked for, but torch.compile needs %s on %s; running eagerly", who, missing, device)
+        return module
+    return torch.compile(module)  # type: ignore[return-value]  # an OptimizedModule, which calls as the module does

@@ -38,6 +38,10 @@ class TrainConfig(Strict):
     posthoc_every: int = Field(500, ge=1)
     grad_clip: float | None = Field(None, gt=0)
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # autocast on CUDA only; CPU runs fp32
+    # torch.compile the model as it trains (its forward and backward: fused kernels, fewer passes over memory) after a
+    # one-off compile at the first step, which a later job of the same shape reads from the compiler's cache. Needs a
+    # C++ compiler on a CPU, Triton on a GPU; where there is none the job warns and trains eagerly
+    compile: bool = False
     time_sampling: Literal["uniform", "logit_normal"] = "uniform"
     # logit_normal: t = sigmoid(time_mean + time_std * n), n ~ N(0, 1) (SD3's 0 and 1; a positive mean draws noisier t)
     time_mean: float = 0.0

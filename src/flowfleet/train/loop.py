@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from flowfleet.config import TrainConfig
-from flowfleet.device import peak_flops, peak_memory
+from flowfleet.device import compiled, peak_flops, peak_memory
 from flowfleet.distributed import DistContext, join_from_env
 from flowfleet.errors import FlowfleetError
 from flowfleet.layout import FINAL, JOB_REPORT, SAMPLES
@@ -569,6 +569,8 @@ class Trainer:
             st.net = DistributedDataParallel(
                 model, device_ids=[dev.index] if dev.type == "cuda" else None, broadcast_buffers=False
             )
+        if tc.compile:
+            st.net = compiled(st.net, dev, task.name)  # around DDP: compile splits its graph at DDP's buckets
         self.hooks.started(st)
         return st
 

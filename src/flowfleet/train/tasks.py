@@ -152,7 +152,8 @@ class FlowTask(TrainTask):
         tc, repa = self.train_cfg, self.model_cfg.repa_dim > 0
         if not (tc.dispersive_weight or repa):
             return self._regression(model, batch, gen), {}
-        bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        bare = getattr(model, "_orig_mod", model)  # the module in torch.compile's wrapper (train.compile), in DDP's
+        bare = bare.module if isinstance(bare, torch.nn.parallel.DistributedDataParallel) else bare
         with contextlib.ExitStack() as reads:  # the hidden tokens each regulariser reads, from the one forward
             spread = reads.enter_context(block_output(bare, tc.dispersive_block)) if tc.dispersive_weight else None
             aligned = reads.enter_context(block_output(bare, self.repa_block)) if repa else None
