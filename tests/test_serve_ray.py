@@ -9,6 +9,7 @@ Without a cluster: the ingress's retry rule (ReplicaFront) over a stand-in handl
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -170,10 +171,16 @@ def test_two_replicas_on_two_nodes_keep_serving_when_one_node_dies(tmp_path, clu
 
         answers = tmp_path / "answers.jsonl"
         answers.touch()
-        load = cluster.popen([sys.executable, LOAD_CLIENT, url, "60", "4", str(answers), "40"])
+        # 8 clients over the 2 replicas: Serve's router sends each call to the shorter of the two queues, so the
+        # worker's replica holds some of the calls at any moment, and the kill below finds one in flight there
+        load = cluster.popen([sys.executable, LOAD_CLIENT, url, "60", "8", str(answers), "40"])
 
-        # both replicas draw before the node dies
-        _wait_for(lambda: len({r["replica"] for r in _records(answers) if r["status"] == 200}) == 2, 120, "both")
+        # both replicas draw, twice each, before the node dies
+        def answered_twice() -> bool:
+            drawn = collections.Counter(r["replica"] for r in _records(answers) if r["status"] == 200)
+            return len(drawn) == 2 and min(drawn.values()) >= 2
+
+        _wait_for(answered_twice, 120, "both")
         killed_at = time.time()
         cluster.kill_worker()
         assert load.wait(timeout=600) == 0
