@@ -1,7 +1,8 @@
 """How close can any model in a run-trained latent space come to real images? The autoencoder's reconstructions
-of held-out images, scored exactly like a model's samples (classifier FD, precision and recall in the run's judge's
-features, the digits' or the emoji's, against the held-out reference `flowfleet evaluate` uses): a DiT that matched
-the latent distribution perfectly would still be decoded by this decoder.
+of held-out images: their mean squared error (pixels in [-1, 1]), and their scores exactly as a model's samples
+are scored (classifier FD, precision and recall in the run's judge's features, the digits' or the emoji's, against
+the held-out reference `flowfleet evaluate` uses): a DiT that matched the latent distribution perfectly would still
+be decoded by this decoder.
 
 For each autoencoder recipe (AutoencoderConfig fields as KEY=VALUE, comma-separated; the rest as the run's), trains
 it on the run's own training images (the first encoders.latent.autoencoder.train_items of them, as prepare reads
@@ -56,7 +57,7 @@ def main() -> None:
         raise SystemExit(f"{a.run}: its held-out images or its judge's features are missing")
     floor = ev.ref_images[ev.split.floor].float() / 127.5 - 1.0  # [n, C, S, S] the real held-out images
     judge = ev.judge_fd[0]
-    rows = [("real floor", None, ev._judge_scores(judge.features(floor)))]
+    rows = [("real floor", None, None, ev._judge_scores(judge.features(floor)))]
     for recipe in a.recipes:
         fields = dict(base)
         for part in recipe.split(","):
@@ -68,17 +69,19 @@ def main() -> None:
         with torch.no_grad():
             z = vae.encode(pad(floor, vae.config.sample_size)).latent_dist.mean
             recon = crop(vae.decode(z).sample, floor.shape[-1]).clamp(-1, 1)
-        rows.append((recipe, seconds, ev._judge_scores(judge.features(recon))))
-        print(recipe, f"{seconds:.0f} s", rows[-1][2], flush=True)
+        mse = float(torch.nn.functional.mse_loss(recon, floor))
+        rows.append((recipe, seconds, mse, ev._judge_scores(judge.features(recon))))
+        print(recipe, f"{seconds:.0f} s", f"MSE {mse:.5f}", rows[-1][3], flush=True)
     print(
         f"\n{a.split} split: {ev.split.floor.numel()} held-out images against {ev.ref_n} reference images, "
         f"{train.shape[0]} training images, {a.threads} threads"
     )
-    print("| autoencoder | train s | classifier FD | precision | recall |")
-    print("|---|---|---|---|---|")
-    for name, seconds, s in rows:
+    print("| autoencoder | train s | reconstruction MSE | classifier FD | precision | recall |")
+    print("|---|---|---|---|---|---|")
+    for name, seconds, mse, s in rows:
         sec = f"{seconds:.0f}" if seconds is not None else ""
-        print(f"| {name} | {sec} | {s['classifier_fd']:.2f} | {s['precision']:.3f} | {s['recall']:.3f} |")
+        err = f"{mse:.5f}" if mse is not None else ""
+        print(f"| {name} | {sec} | {err} | {s['classifier_fd']:.2f} | {s['precision']:.3f} | {s['recall']:.3f} |")
 
 
 if __name__ == "__main__":

