@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 PREVIEW = "preview.png"  # data/preview.png
 # The shortest autoencoder training beside which the semantic and text encoders run in a process of their own (its
-# start costs a few seconds of imports; the demos train 1600 steps, their quick runs 400)
+# start costs a few seconds of imports; the demos train 1600 or 2400 steps, their quick runs a quarter)
 BESIDE_MIN_STEPS = 100
 
 
