@@ -243,8 +243,8 @@ def _emoji(source: str, holdout: int = 0, **data: Any) -> dict[str, Any]:
         validation=0.3 if holdout else 0.0,
         # 8 latent channels, not the digits' 4: a colour image is three times the numbers. 2400 steps of 8 at 4e-3:
         # at 800 steps of 16 its reconstructions were a ceiling the models sat under; 1600 of 16 lowered every
-        # model's classifier FD by a quarter at the same training FLOPs, and 2400 of 8 (three quarters of those
-        # images, more updates) reconstructs as closely, the models' FD the same ("The demos' wall time")
+        # model's classifier FD at the same training FLOPs, and 2400 of 8 (three quarters of those images, more
+        # updates) reconstructs as closely, the models' FD the same ("The demos' wall time")
         autoencoder=dict(block_out_channels=[16, 32, 32], latent_channels=8, steps=2400, batch_size=8, lr=4e-3),
         # clusters of content: no caption residual (each expert holds its own emoji), features power-normalised
         caption_residual=False,
