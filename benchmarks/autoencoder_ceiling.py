@@ -1,8 +1,9 @@
 """How close can any model in a run-trained latent space come to real images? The autoencoder's reconstructions
 of held-out images: their mean squared error (pixels in [-1, 1]), and their scores exactly as a model's samples
 are scored (classifier FD, precision and recall in the run's judge's features, the digits' or the emoji's, against
-the held-out reference `flowfleet evaluate` uses): a DiT that matched the latent distribution perfectly would still
-be decoded by this decoder.
+the held-out reference `flowfleet evaluate` uses), and the judge's prompt accuracy of every image of the split
+reconstructed, its own caption the prompt: a DiT that matched the latent distribution perfectly would still be
+decoded by this decoder, so neither figure of a model's samples can be better than its reconstructions' by much.
 
 For each autoencoder recipe (AutoencoderConfig fields as KEY=VALUE, comma-separated; the rest as the run's), trains
 it on the run's own training images (the first encoders.latent.autoencoder.train_items of them, as prepare reads
@@ -57,7 +58,23 @@ def main() -> None:
         raise SystemExit(f"{a.run}: its held-out images or its judge's features are missing")
     floor = ev.ref_images[ev.split.floor].float() / 127.5 - 1.0  # [n, C, S, S] the real held-out images
     judge = ev.judge_fd[0]
-    rows = [("real floor", None, None, ev._judge_scores(judge.features(floor)))]
+    # the prompt accuracy's images: the whole split (the floor is half of it), each with its own caption
+    items = ev.splits.items(a.split)
+    if items is None:
+        raise SystemExit(f"{a.run}: no {a.split} split (data.validation)")
+    split_images = ev.ref_images[items].float() / 127.5 - 1.0
+    every_caption = ev.ref_data.load([], with_captions=True)[1]
+    captions = [every_caption[i] for i in items.tolist()]
+
+    def accuracy(images: torch.Tensor) -> float:
+        return float(ev.judge.prompt_accuracy(images, captions)["accuracy"])
+
+    def reconstruct(vae, images: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            z = vae.encode(pad(images, vae.config.sample_size)).latent_dist.mean
+            return crop(vae.decode(z).sample, images.shape[-1]).clamp(-1, 1)
+
+    rows = [("real floor", None, None, ev._judge_scores(judge.features(floor)), accuracy(split_images))]
     for recipe in a.recipes:
         fields = dict(base)
         for part in recipe.split(","):
@@ -66,22 +83,27 @@ def main() -> None:
         t0 = time.perf_counter()
         vae = train_autoencoder(train, AutoencoderConfig(**fields), progress=False, threads=a.threads)
         seconds = time.perf_counter() - t0
-        with torch.no_grad():
-            z = vae.encode(pad(floor, vae.config.sample_size)).latent_dist.mean
-            recon = crop(vae.decode(z).sample, floor.shape[-1]).clamp(-1, 1)
+        recon = reconstruct(vae, floor)
         mse = float(torch.nn.functional.mse_loss(recon, floor))
-        rows.append((recipe, seconds, mse, ev._judge_scores(judge.features(recon))))
-        print(recipe, f"{seconds:.0f} s", f"MSE {mse:.5f}", rows[-1][3], flush=True)
+        rows.append(
+            (recipe, seconds, mse, ev._judge_scores(judge.features(recon)), accuracy(reconstruct(vae, split_images)))
+        )
+        print(
+            recipe, f"{seconds:.0f} s", f"MSE {mse:.5f}", rows[-1][3], f"prompt accuracy {rows[-1][4]:.3f}", flush=True
+        )
     print(
         f"\n{a.split} split: {ev.split.floor.numel()} held-out images against {ev.ref_n} reference images, "
-        f"{train.shape[0]} training images, {a.threads} threads"
+        f"{train.shape[0]} training images, {a.threads} threads; prompt accuracy over the split's {len(items)}"
     )
-    print("| autoencoder | train s | reconstruction MSE | classifier FD | precision | recall |")
-    print("|---|---|---|---|---|---|")
-    for name, seconds, mse, s in rows:
+    print("| autoencoder | train s | reconstruction MSE | classifier FD | precision | recall | prompt accuracy |")
+    print("|---|---|---|---|---|---|---|")
+    for name, seconds, mse, s, acc in rows:
         sec = f"{seconds:.0f}" if seconds is not None else ""
         err = f"{mse:.5f}" if mse is not None else ""
-        print(f"| {name} | {sec} | {err} | {s['classifier_fd']:.2f} | {s['precision']:.3f} | {s['recall']:.3f} |")
+        print(
+            f"| {name} | {sec} | {err} | {s['classifier_fd']:.2f} | {s['precision']:.3f} | {s['recall']:.3f} "
+            f"| {acc:.3f} |"
+        )
 
 
 if __name__ == "__main__":

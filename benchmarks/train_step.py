@@ -102,16 +102,49 @@ def bench_config(size: str, batch: int, steps: int, log_every: int, precision: s
     return RunConfig.from_dict(raw, where="benchmark config")
 
 
+class MuonSplit(torch.optim.Optimizer):
+    """Muon (torch.optim.Muon, its update scaled to AdamW's RMS so that AdamW's rate carries over) on the transformer
+    blocks' weight matrices, fused AdamW on everything else (embeddings, biases, the final layer), as Muon's authors
+    split a network; one step() runs both. A timing stand-in for the benchmark: no state_dict of its own."""
+
+    def __init__(self, model: torch.nn.Module, lr: float):
+        matrices = [p for name, p in model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")]
+        chosen = {id(p) for p in matrices}
+        rest = [p for p in model.parameters() if id(p) not in chosen]
+        self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW(rest, lr=lr, weight_decay=0.0, fused=True)
+        super().__init__(self.muon.param_groups + self.adamw.param_groups, {})
+
+    def step(self, closure=None):
+        self.muon.step()
+        self.adamw.step()
+
+
+def newton_schulz_flops(model: torch.nn.Module, steps: int = 5) -> int:
+    """Multiply-adds x 2 of Muon's Newton-Schulz iterations over the blocks' weight matrices in one optimiser step:
+    per iteration, for X of [m, n] with m <= n, X X^T (2 m^2 n), its square (2 m^3) and that times X (2 m^2 n)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if p.ndim == 2 and name.startswith("blocks."):
+            m, n = sorted(p.shape)
+            total += steps * (4 * m * m * n + 2 * m**3)
+    return total
+
+
 class BareStep:
     """A bare forward / flow-matching loss / backward / AdamW step on one resident batch."""
 
     def __init__(self, cfg: RunConfig, device: torch.device, adamw: str = "fused"):
-        """adamw: fused (the trainer's), foreach or for-loop (torch's implementations of one update)."""
+        """adamw: fused (the trainer's), foreach or for-loop (torch's implementations of one update), or muon
+        (torch.optim.Muon on the blocks' weight matrices, fused AdamW on the rest: Muon's usual split)."""
         torch.manual_seed(0)
         self.device, self.amp = device, autocast_dtype(cfg.train.precision, device)
         self.model = DiTModel.from_dit_config(cfg.expert).to(device)
-        kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[adamw]
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=0.0, **kind)
+        if adamw == "muon":
+            self.opt = MuonSplit(self.model, cfg.train.lr)
+        else:
+            kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[adamw]
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=0.0, **kind)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == torch.float16)
         self.x0 = torch.randn(cfg.train.batch_size, *cfg.latent_shape, device=device)
         e, b = cfg.expert, cfg.train.batch_size
@@ -186,11 +219,11 @@ def checkpoint_write_s(trainer_step: TrainerStep) -> float:
 
 
 def compare_adamw(args: argparse.Namespace, device: torch.device, sync) -> int:
-    """The bare step of each model under each AdamW implementation, one step of each in turn."""
+    """The bare step of each model under each optimiser (AdamW three ways, Muon), one step of each in turn."""
     for name in args.models.split(","):
         batch, steps = getattr(args, f"batch_{name}"), getattr(args, f"steps_{name}")
         cfg = bench_config(MODELS[name], batch, 10**6, log_every=args.log_every, precision=args.precision)
-        kinds = ("fused", "foreach", "for-loop")
+        kinds = ("fused", "foreach", "for-loop", "muon")
         loops = [BareStep(cfg, device, kind) for kind in kinds]
         times: list[list[float]] = [[] for _ in kinds]
         for i in range(max(2, steps // 10) + steps):
@@ -203,7 +236,11 @@ def compare_adamw(args: argparse.Namespace, device: torch.device, sync) -> int:
                     out.append(time.perf_counter() - t0)
         medians = {k: 1e3 * statistics.median(t) for k, t in zip(kinds, times)}
         print(f"{MODELS[name]} batch {batch}: " + ", ".join(f"{k} {ms:.2f} ms" for k, ms in medians.items()))
-        print(json.dumps({"model": MODELS[name], "batch": batch, "steps": steps, "median_step_ms": medians}))
+        ns = newton_schulz_flops(loops[0].model) / 1e9
+        step = batch * train_flops_per_sample(cfg.expert) / 1e9
+        print(f"a training step {step:.3f} GFLOP; Muon's Newton-Schulz iterations {ns:.3f} GFLOP more")
+        row = {"model": MODELS[name], "batch": batch, "steps": steps, "median_step_ms": medians}
+        print(json.dumps({**row, "train_step_gflop": step, "newton_schulz_gflop": ns}))
     return 0
 
 
@@ -262,7 +299,7 @@ def main() -> int:
         "--adamw",
         action="store_true",
         help="instead: the bare step with each of torch's AdamW implementations (fused, the trainer's; foreach; "
-        "for-loop), interleaved step by step",
+        "for-loop) and with Muon on the blocks' matrices, interleaved step by step",
     )
     args = p.parse_args()
     device = resolve_device(args.device)
