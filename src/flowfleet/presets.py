@@ -255,6 +255,10 @@ def _emoji(source: str, holdout: int = 0, **data: Any) -> dict[str, Any]:
         # better than under Paris' and draws sharper emoji, for the wall time its small expert batches cost ("The
         # demos' wall time")
         split="batch",
+        # Guidance at every step, not the digits' interval: the emoji's category and shape are set at the noisiest
+        # steps, and guiding them lowered both models' classifier FD and raised their prompt accuracy on the
+        # validation split, in every seed ("Sampling at the demos' budget")
+        guidance_max_t=1.0,
         **data,
     )
 

@@ -92,8 +92,8 @@ DEMO_INCEPTION_SIZE = 75
 # autoencoder's reconstructions stopped capping it; 1.5: top-2's on caption-free clusters; 3 and 4.5 show the
 # trade-off beyond them (the sweep goes further past an edge where a model's best lies there).
 GUIDANCE_SWEEP = (1.25, 1.5, 2.0, 3.0, 4.5)
-# The emoji's: every model is best between 4.5 and 8 ("The emoji demo"); two scales keep the demo to ten minutes
-EMOJI_GUIDANCE_SWEEP = (4.5, 8.0)
+# The emoji's: guided at every step, every model is best between 2.5 and 4.5 ("Sampling at the demos' budget")
+EMOJI_GUIDANCE_SWEEP = (2.5, 3.5, 4.5)
 STRATEGIES = (Strategy(1, "top1"), Strategy(2, "top2"), Strategy(None, "full"))  # the showcase draws each
 # The evaluation sweeps guidance for Paris' claim, top-2 against the monolith (top-1 and the full ensemble
 # cost 1 and 4 expert passes a step more: `flowfleet evaluate --strategies top1,top2,full` scores them too)
