@@ -19,6 +19,7 @@ recipe reads the validation split (the default); --split test gives the figure a
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 
@@ -77,7 +78,7 @@ def main() -> None:
     rows = [("real floor", None, None, ev._judge_scores(judge.features(floor)), accuracy(split_images))]
     for recipe in a.recipes:
         fields = dict(base)
-        for part in recipe.split(","):
+        for part in re.split(r",(?=\w+=)", recipe):  # a comma before KEY= parts them: a list's own commas stay
             key, _, value = part.partition("=")
             fields[key] = yaml.safe_load(value)
         t0 = time.perf_counter()
