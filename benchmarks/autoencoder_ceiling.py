@@ -41,9 +41,8 @@ def main() -> None:
     a = p.parse_args()
 
     import torch
-    import yaml
 
-    from flowfleet.config import AutoencoderConfig, load_run_config
+    from flowfleet.config import AutoencoderConfig, load_run_config, set_dotted
     from flowfleet.data.autoencoder import crop, pad, train_autoencoder
     from flowfleet.stages.evaluate import EvaluateOptions
     from flowfleet.stages.evaluate.draw import EvaluationDraw
@@ -79,8 +78,7 @@ def main() -> None:
     for recipe in a.recipes:
         fields = dict(base)
         for part in re.split(r",(?=\w+=)", recipe):  # a comma before KEY= parts them: a list's own commas stay
-            key, _, value = part.partition("=")
-            fields[key] = yaml.safe_load(value)
+            set_dotted(fields, part)
         t0 = time.perf_counter()
         vae = train_autoencoder(train, AutoencoderConfig(**fields), progress=False, threads=a.threads)
         seconds = time.perf_counter() - t0

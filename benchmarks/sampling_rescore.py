@@ -18,7 +18,6 @@ import shutil
 import statistics
 from pathlib import Path
 
-import yaml
 from fleet_budget import min_accuracy  # benchmarks/ is the script's folder
 from fleet_runs import judge_options, keep_record
 
@@ -74,12 +73,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    sampling = {}
+    from flowfleet.config import set_dotted
+
+    sampling: dict = {}
     for item in a.sampling:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--sampling {item!r}: expected KEY=VALUE")
-        sampling[key] = yaml.safe_load(value)
+        set_dotted(sampling, item)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for run in (Path(r) for r in a.runs.split(",")):

@@ -102,13 +102,18 @@ def bench_config(size: str, batch: int, steps: int, log_every: int, precision: s
     return RunConfig.from_dict(raw, where="benchmark config")
 
 
+def block_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The transformer blocks' weight matrices: what Muon updates (the rest stays with AdamW)."""
+    return [p for name, p in model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")]
+
+
 class MuonSplit(torch.optim.Optimizer):
     """Muon (torch.optim.Muon, its update scaled to AdamW's RMS so that AdamW's rate carries over) on the transformer
     blocks' weight matrices, fused AdamW on everything else (embeddings, biases, the final layer), as Muon's authors
     split a network; one step() runs both. A timing stand-in for the benchmark: no state_dict of its own."""
 
     def __init__(self, model: torch.nn.Module, lr: float):
-        matrices = [p for name, p in model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")]
+        matrices = block_matrices(model)
         chosen = {id(p) for p in matrices}
         rest = [p for p in model.parameters() if id(p) not in chosen]
         self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
@@ -124,10 +129,9 @@ def newton_schulz_flops(model: torch.nn.Module, steps: int = 5) -> int:
     """Multiply-adds x 2 of Muon's Newton-Schulz iterations over the blocks' weight matrices in one optimiser step:
     per iteration, for X of [m, n] with m <= n, X X^T (2 m^2 n), its square (2 m^3) and that times X (2 m^2 n)."""
     total = 0
-    for name, p in model.named_parameters():
-        if p.ndim == 2 and name.startswith("blocks."):
-            m, n = sorted(p.shape)
-            total += steps * (4 * m * m * n + 2 * m**3)
+    for p in block_matrices(model):
+        m, n = sorted(p.shape)
+        total += steps * (4 * m * m * n + 2 * m**3)
     return total
 
 
