@@ -22,6 +22,8 @@ alike. Reported: the ratio of median step times and the median of the paired per
     python benchmarks/train_step.py --device cuda --precision bf16 --batch-S 64   # on a GPU machine
     python benchmarks/train_step.py --device cuda --precision bf16 --models xl --batch-xl 32   # an XL step's speed and
                                                                                               # peak memory, on a GPU
+    .venv/bin/python benchmarks/train_step.py --models demo --threads 1 --batch-demo 8 --compiled   # eager against
+                                                                                                  # torch.compile
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from fixtures.synthetic_run import write_synthetic_run
 from tqdm import tqdm  # noqa: E402
 
 from flowfleet.config import RunConfig, load_run_config
-from flowfleet.device import peak_memory, resolve_device
+from flowfleet.device import compiled, peak_memory, resolve_device
 from flowfleet.distributed import join_from_env
 from flowfleet.flow import flow_matching_loss, sample_t
 from flowfleet.models.dit import DiTModel
@@ -248,6 +250,34 @@ def compare_adamw(args: argparse.Namespace, device: torch.device, sync) -> int:
     return 0
 
 
+def compare_compiled(args: argparse.Namespace, device: torch.device, sync) -> int:
+    """The bare step of each model eager and under torch.compile (as train.compile trains it), one step of each in
+    turn after the compiled model's first step, whose seconds (the compile, or the compiler's cache read) are
+    reported apart."""
+    for name in args.models.split(","):
+        batch, steps = getattr(args, f"batch_{name}"), getattr(args, f"steps_{name}")
+        cfg = bench_config(MODELS[name], batch, 10**6, log_every=args.log_every, precision=args.precision)
+        eager, fused = BareStep(cfg, device), BareStep(cfg, device)
+        fused.model = compiled(fused.model, device, "benchmark")
+        sync()
+        t0 = time.perf_counter()
+        fused()
+        sync()
+        first_s = time.perf_counter() - t0
+        te, tc = interleaved(eager, fused, steps, warmup=max(2, steps // 10), sync=sync)
+        row = {
+            "model": MODELS[name],
+            "batch": batch,
+            "steps": steps,
+            "first_compiled_step_s": first_s,
+            "eager_step_ms_median": 1e3 * statistics.median(te),
+            "compiled_step_ms_median": 1e3 * statistics.median(tc),
+            "compiled_over_eager_median_pair": statistics.median(c / e for c, e in zip(tc, te)),
+        }
+        print(json.dumps(row), flush=True)
+    return 0
+
+
 def bare_only(args: argparse.Namespace, device: torch.device, sync, peak: float) -> int:
     """The bare step of each model alone: the samples a second a training step consumes."""
     for name in args.models.split(","):
@@ -305,6 +335,12 @@ def main() -> int:
         help="instead: the bare step with each of torch's AdamW implementations (fused, the trainer's; foreach; "
         "for-loop) and with Muon on the blocks' matrices, interleaved step by step",
     )
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="instead: the bare step eager and under torch.compile, interleaved step by step, and the compiled model's "
+        "first step (the compile) apart",
+    )
     args = p.parse_args()
     device = resolve_device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -316,6 +352,8 @@ def main() -> int:
     print(f"sgemm 1024^3 fp32: {peak:.1f} GFLOP/s")
     if args.adamw:
         return compare_adamw(args, device, sync)
+    if args.compiled:
+        return compare_compiled(args, device, sync)
     if args.bare:
         return bare_only(args, device, sync, peak)
     results = {}
