@@ -257,14 +257,14 @@ def compare_compiled(args: argparse.Namespace, device: torch.device, sync) -> in
     for name in args.models.split(","):
         batch, steps = getattr(args, f"batch_{name}"), getattr(args, f"steps_{name}")
         cfg = bench_config(MODELS[name], batch, 10**6, log_every=args.log_every, precision=args.precision)
-        eager, fused = BareStep(cfg, device), BareStep(cfg, device)
-        fused.model = compiled(fused.model, device, "benchmark")
+        eager, compiled_step = BareStep(cfg, device), BareStep(cfg, device)
+        compiled_step.model = compiled(compiled_step.model, device, "benchmark")
         sync()
         t0 = time.perf_counter()
-        fused()
+        compiled_step()
         sync()
         first_s = time.perf_counter() - t0
-        te, tc = interleaved(eager, fused, steps, warmup=max(2, steps // 10), sync=sync)
+        te, tc = interleaved(eager, compiled_step, steps, warmup=max(2, steps // 10), sync=sync)
         row = {
             "model": MODELS[name],
             "batch": batch,
