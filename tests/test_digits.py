@@ -118,3 +118,31 @@ def test_a_cached_classifier_of_another_network_is_retrained(digit_classifier, t
     copy.write_json(record, *FOLDER, "classifier.json")
     DigitJudge.load_or_train(copy, progress=False)
     assert trained == [5000, 5000]
+
+
+def test_a_judge_trains_to_the_same_weights_whatever_the_callers_thread_count():
+    import torch.nn.functional as F
+
+    from flowfleet.evaluate.digits import DigitNet, TrainSettings
+    from flowfleet.evaluate.judge import fit_classifier
+
+    x = torch.randn(256, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 10, (256,), generator=torch.Generator().manual_seed(2))
+    before = torch.get_num_threads()
+    weights = []
+    try:
+        for threads in (1, 3):  # a one-core box and a bigger one than the judges' two threads
+            torch.set_num_threads(threads)
+            torch.manual_seed(0)
+            net = DigitNet()
+
+            def loss(i: torch.Tensor, net: DigitNet = net) -> torch.Tensor:
+                return F.cross_entropy(net(x[i]), y[i])
+
+            fit_classifier(net, 256, loss, TrainSettings(epochs=1), torch.Generator().manual_seed(0), "t", False)
+            assert torch.get_num_threads() == threads  # the caller's count, restored
+            weights.append(net.state_dict())
+    finally:
+        torch.set_num_threads(before)
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # bit for bit: sums in the same order

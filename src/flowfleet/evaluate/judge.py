@@ -129,6 +129,9 @@ class FitSettings:
     lr: float = 2e-3
     shift: int = 2  # random translation in pixels (augmentation)
     seed: int = 0
+    # The loop's CPU threads, fixed: a CPU's sums, and so the judge's weights and every figure it scores, follow the
+    # thread count, which would otherwise be the box's cores (two: the count BENCHMARKS.md's judges trained at)
+    threads: int = 2
 
 
 def shifted(x: torch.Tensor, shift: int, gen: torch.Generator, fill: float = -1.0) -> torch.Tensor:
@@ -151,8 +154,25 @@ def fit_classifier(
     progress: bool = True,
 ) -> None:
     """The built-in judges' training loop: settings.epochs passes over n items in a seeded order (`gen`), AdamW
-    (weight decay 1e-4) under a one-cycle schedule; loss_of(indices [b]) gives a batch's loss. Leaves `net` in eval
-    mode."""
+    (weight decay 1e-4) under a one-cycle schedule, at settings.threads CPU threads (the caller's count restored
+    after); loss_of(indices [b]) gives a batch's loss. Leaves `net` in eval mode."""
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        _fit(net, n, loss_of, settings, gen, desc, progress)
+    finally:
+        torch.set_num_threads(caller_threads)
+
+
+def _fit(
+    net: nn.Module,
+    n: int,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    settings: FitSettings,
+    gen: torch.Generator,
+    desc: str,
+    progress: bool,
+) -> None:
     opt = torch.optim.AdamW(net.parameters(), lr=settings.lr, weight_decay=1e-4)
     steps = settings.epochs * ((n + settings.batch_size - 1) // settings.batch_size)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, settings.lr, total_steps=steps)
