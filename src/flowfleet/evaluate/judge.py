@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.storage import RunRoot
+from flowfleet.threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -155,38 +156,26 @@ def fit_classifier(
 ) -> None:
     """The built-in judges' training loop: settings.epochs passes over n items in a seeded order (`gen`), AdamW
     (weight decay 1e-4) under a one-cycle schedule, at settings.threads CPU threads (the caller's count restored
-    after); loss_of(indices [b]) gives a batch's loss. Leaves `net` in eval mode."""
-    caller_threads = torch.get_num_threads()
-    torch.set_num_threads(settings.threads)
-    try:
-        _fit(net, n, loss_of, settings, gen, desc, progress)
-    finally:
-        torch.set_num_threads(caller_threads)
-
-
-def _fit(
-    net: nn.Module,
-    n: int,
-    loss_of: Callable[[torch.Tensor], torch.Tensor],
-    settings: FitSettings,
-    gen: torch.Generator,
-    desc: str,
-    progress: bool,
-) -> None:
+    after: the trainer's ThreadGovernor, pinned); loss_of(indices [b]) gives a batch's loss. Leaves `net` in eval
+    mode."""
+    governor = ThreadGovernor(follow=False, fixed=settings.threads)
     opt = torch.optim.AdamW(net.parameters(), lr=settings.lr, weight_decay=1e-4)
     steps = settings.epochs * ((n + settings.batch_size - 1) // settings.batch_size)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, settings.lr, total_steps=steps)
     bar = tqdm(total=steps, desc=desc, unit="step", disable=not progress, leave=False)
-    for _ in range(settings.epochs):
-        net.train()
-        perm = torch.randperm(n, generator=gen)
-        for i in range(0, n, settings.batch_size):
-            loss = loss_of(perm[i : i + settings.batch_size])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            bar.update(1)
+    try:
+        for _ in range(settings.epochs):
+            net.train()
+            perm = torch.randperm(n, generator=gen)
+            for i in range(0, n, settings.batch_size):
+                loss = loss_of(perm[i : i + settings.batch_size])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                bar.update(1)
+    finally:
+        governor.restore()
     bar.close()
     net.eval()
 
