@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 from fixtures.tolerances import net_tol
@@ -99,7 +101,8 @@ def test_classifier_fd_separates_digits_from_noise(judge, held_out):
 def test_a_cached_classifier_of_another_network_is_retrained(digit_classifier, tmp_path, monkeypatch):
     import flowfleet.evaluate.digits as digits
 
-    copy = RunRoot(str(tmp_path))
+    monkeypatch.setenv("FLOWFLEET_CACHE", str(tmp_path / "machine"))  # a machine that holds no judge yet
+    copy = RunRoot(str(tmp_path / "run"))
     copy.write_bytes(digit_classifier.read_bytes(*FOLDER, "model.safetensors"), *FOLDER, "model.safetensors")
     record = {**digit_classifier.read_json(*FOLDER, "classifier.json"), "network": "digitnet-1"}
     copy.write_json(record, *FOLDER, "classifier.json")
@@ -107,17 +110,47 @@ def test_a_cached_classifier_of_another_network_is_retrained(digit_classifier, t
 
     def fake_train(x, y, settings, progress=True):
         trained.append(len(y))
-        return digits.DigitNet(), {"network": digits.NETWORK, "val_accuracy": 0.0}
+        return digits.DigitNet(), {"network": digits.NETWORK, "settings": asdict(settings), "val_accuracy": 0.0}
 
     monkeypatch.setattr(digits, "train_classifier", fake_train)
     judge = DigitJudge.load_or_train(copy, progress=False)
     assert trained == [5000] and judge.record["network"] == digits.NETWORK
-    assert copy.read_json(*FOLDER, "classifier.json")["network"] == digits.NETWORK  # the cache now holds the new one
-    # the right network trained with another recipe is not this judge either
+    assert copy.read_json(*FOLDER, "classifier.json")["network"] == digits.NETWORK  # the run now holds the new one
+    machine = RunRoot(str(tmp_path / "machine" / digits.MACHINE_FOLDER))
+    (digest,) = machine.ls()
+    assert machine.read_json(digest, "classifier.json")["network"] == digits.NETWORK  # and so does the machine
+    # the right network trained with another recipe is not this judge either: the run's is replaced by the machine's
     record = {**digit_classifier.read_json(*FOLDER, "classifier.json"), "settings": {"epochs": 8}}
     copy.write_json(record, *FOLDER, "classifier.json")
     DigitJudge.load_or_train(copy, progress=False)
+    assert trained == [5000] and copy.read_json(*FOLDER, "classifier.json")["settings"] != {"epochs": 8}
+    # ... and trained again where the machine's is of another recipe too
+    copy.write_json(record, *FOLDER, "classifier.json")
+    machine.write_json(
+        {**machine.read_json(digest, "classifier.json"), "settings": {"epochs": 8}}, digest, "classifier.json"
+    )
+    DigitJudge.load_or_train(copy, progress=False)
     assert trained == [5000, 5000]
+
+
+def test_a_run_without_a_judge_takes_the_machines_without_training(digit_classifier, tmp_path, monkeypatch):
+    import flowfleet.evaluate.digits as digits
+    from flowfleet.data.sources.mnist.digits import load_mnist_5k
+
+    monkeypatch.setenv("FLOWFLEET_CACHE", str(tmp_path / "machine"))
+    machine = RunRoot(str(tmp_path / "machine" / digits.MACHINE_FOLDER / load_mnist_5k().digest))
+    for name in ("model.safetensors", "classifier.json"):  # the judge this machine trained once
+        machine.write_bytes(digit_classifier.read_bytes(*FOLDER, name), name)
+    monkeypatch.setattr(digits, "train_classifier", lambda *a, **k: pytest.fail("trained the machine's judge again"))
+    run = RunRoot(str(tmp_path / "run"))
+    judge = DigitJudge.load_or_train(run, progress=False)
+    for a, b in zip(
+        judge.net.state_dict().values(), DigitJudge.load_or_train(digit_classifier).net.state_dict().values()
+    ):
+        assert torch.equal(a, b)
+    # the run carries its copy of the judge of its figures, byte for byte
+    assert run.read_bytes(*FOLDER, "model.safetensors") == machine.read_bytes("model.safetensors")
+    assert run.read_json(*FOLDER, "classifier.json")["sha256"] == machine.read_json("classifier.json")["sha256"]
 
 
 def test_a_judge_trains_to_the_same_weights_whatever_the_callers_thread_count():

@@ -1,7 +1,7 @@
 """A digit classifier that judges generated MNIST digits: prompt accuracy and a Fréchet distance in its
 feature space.
 
-    judge = DigitJudge.load_or_train(root)                 # cached in RUN_ROOT/reports/digit_classifier/
+    judge = DigitJudge.load_or_train(root)                 # RUN_ROOT/reports/digit_classifier/, trained once a machine
     judge.prompt_accuracy(images, prompts)                 # {"accuracy", "confidence", "per_class", ...}
     FID(settings, extractor=judge.extractor())             # Fréchet distance in its 128-d features
 
@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flowfleet.data.images import resize_batch
-from flowfleet.data.sources.mnist.digits import DIGIT_WORDS, load_mnist_5k
+from flowfleet.data.sources.fetched import cache_dir
+from flowfleet.data.sources.mnist.digits import DIGIT_WORDS, Digits, load_mnist_5k
 from flowfleet.errors import FlowfleetError
 from flowfleet.evaluate.judge import (
     ClassifierJudge,
@@ -42,7 +43,8 @@ from flowfleet.storage import RunRoot
 
 log = logging.getLogger(__name__)
 
-FOLDER = ("reports", "digit_classifier")
+FOLDER = ("reports", "digit_classifier")  # the run's copy: a run carries the judge of its figures
+MACHINE_FOLDER = "digit-classifier"  # CACHE/digit-classifier/<MNIST-5k digest>/: trained once a machine, as the emoji's
 SIDE = 28
 FEATURES = 128
 NETWORK = "digitnet-2"  # the architecture's name in the cached record: a cache of another one is retrained
@@ -85,10 +87,10 @@ class TrainSettings(FitSettings):
     train_items: int = 4000  # the rest of MNIST-5k is the validation set
 
 
-def mnist_tensors() -> tuple[torch.Tensor, torch.Tensor]:
-    """MNIST-5k as images [5000, 1, 28, 28] in [-1, 1] and labels [5000] (the judge's data whichever built-in
-    set a run uses: its first 4000 are the first 4000 of the 10,000 too)."""
-    digits = load_mnist_5k()
+def mnist_tensors(digits: Digits | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MNIST-5k (`digits`, or read now) as images [5000, 1, 28, 28] in [-1, 1] and labels [5000] (the judge's data
+    whichever built-in set a run uses: its first 4000 are the first 4000 of the 10,000 too)."""
+    digits = digits if digits is not None else load_mnist_5k()
     x = torch.from_numpy(digits.images).float().unsqueeze(1) / 127.5 - 1.0
     return x, torch.from_numpy(digits.labels)
 
@@ -141,14 +143,25 @@ class DigitJudge(ClassifierJudge):
     def load_or_train(
         cls, root: RunRoot, progress: bool = True, settings: TrainSettings = TrainSettings()
     ) -> "DigitJudge":
-        """The run's cached classifier, or a new one trained on MNIST-5k with `settings` and cached
-        (atomic writes). A cache made by another network or recipe is trained again."""
+        """The run's classifier (FOLDER); where the run has none of this network and recipe, this machine's (the
+        fetched data's cache, MACHINE_FOLDER, as the emoji judge) copied into the run; where neither has, one trained
+        now on MNIST-5k with `settings` and written to both. Atomic writes, each with its weights' sha256; a copy of
+        another network or recipe is replaced. The judge's weights are the same on every machine (its fixed threads
+        and seed), so a judge trained on this machine scores a run as one trained in the run."""
+        recipe = (NETWORK, asdict(settings))
 
-        def train() -> tuple[nn.Module, dict[str, Any]]:
-            log.info("training the digit classifier on MNIST-5k (cached in %s)", root.url_of(*FOLDER))
-            return train_classifier(*mnist_tensors(), settings, progress=progress)
+        def from_machine() -> tuple[nn.Module, dict[str, Any]]:
+            digits = load_mnist_5k()
+            cache = RunRoot(str(cache_dir()))
+            folder = (MACHINE_FOLDER, digits.digest)
 
-        net, record = cached_classifier(root, FOLDER, "classifier.json", (NETWORK, asdict(settings)), DigitNet, train)
+            def train() -> tuple[nn.Module, dict[str, Any]]:
+                log.info("training the digit classifier on MNIST-5k (cached in %s)", cache.url_of(*folder))
+                return train_classifier(*mnist_tensors(digits), settings, progress=progress)
+
+            return cached_classifier(cache, folder, "classifier.json", recipe, DigitNet, train)
+
+        net, record = cached_classifier(root, FOLDER, "classifier.json", recipe, DigitNet, from_machine)
         assert isinstance(net, DigitNet)
         return cls(net, record)
 

@@ -60,6 +60,7 @@ from flowfleet.config import RunConfig, load_run_config
 from flowfleet.data.sources.emoji import fetch_emoji
 from flowfleet.device import resolve_device
 from flowfleet.errors import FlowfleetError
+from flowfleet.evaluate.digits import DigitJudge
 from flowfleet.evaluate.emoji import EmojiJudge
 from flowfleet.evaluate.fid import FIDSettings
 from flowfleet.evaluate.report import TIMINGS_FILE, write_report
@@ -339,6 +340,8 @@ def _demo(out: str, plan: DemoPlan, with_caption_fleet: bool, progress: bool) ->
     if plan.config.data.source == "emoji":  # the set and its judge, once per machine (the cache)
         stage("fetch", lambda: fetch_emoji(progress=progress))
         stage("judge", lambda: EmojiJudge.load_or_train(progress=progress))
+    else:  # the digits' judge, once per machine, and the run's copy of it
+        stage("judge", lambda: DigitJudge.load_or_train(root, progress=progress))
     # (a run-trained latent space: prepare trains it, the semantic and text encoders beside it)
     stage("prepare", lambda: prepare(root, progress=progress))
     # (like prepare and train-all, a stage finished earlier takes no time: every stage is in timings.json)

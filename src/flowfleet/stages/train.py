@@ -352,6 +352,13 @@ def _run_placed(
             outcome.record(spec.name, "not started")
 
 
+def _decoder_modules(cfg: RunConfig) -> tuple[str, ...]:
+    """What every job's previews import to decode their samples: diffusers' AutoencoderKL for an autoencoder's latents
+    (its package imports every autoencoder diffusers has, which each job would otherwise import again), nothing for
+    pixels."""
+    return () if cfg.encoders.latent.name == "pixels" else ("diffusers.models.autoencoders",)
+
+
 def _train_locally(
     root: RunRoot,
     cfg: RunConfig,
@@ -408,7 +415,7 @@ def _train_locally(
             # in forked subprocess" in every job otherwise).
             jobs = [ProcessJob(s.name, s.command(url, launcher()), log_path(s), forkable=not gpus) for s in group]
             # every job imports the same modules: the forkserver does it once (flowfleet.train.fanout)
-            preload = ("flowfleet.cli", "flowfleet.stages.train")
+            preload = ("flowfleet.cli", "flowfleet.stages.train", *_decoder_modules(cfg))
             fanout = LocalFanout(slots, on_start=started, on_exit=exited, on_poll=on_poll, preload=preload)
             fanout.run(jobs)
             if fanout.stopped:

@@ -15,7 +15,8 @@ RUN_ROOT/reports/. Writes, under the reference run root:
     reports/evaluation.json             everything below, read by `flowfleet report`
     reports/samples/<name>.png          the first `grid` samples with their prompts
     reports/samples/<name>.npz          every scored sample: images uint8 [n, H, W, C], prompts, seed
-    reports/digit_classifier/           (MNIST) the digit classifier behind prompt accuracy and classifier FD
+    reports/digit_classifier/           (MNIST) the digit classifier behind prompt accuracy and classifier FD (a copy
+                                        of the one this machine trained once)
     reports/samples/<name>.routing.png  router probabilities over the sampling steps (fleet strategies)
     reports/fid_ref_*.safetensors       the cached reference statistics
 
