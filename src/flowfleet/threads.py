@@ -322,7 +322,7 @@ class ThreadGovernor:
         self,
         environ: Mapping[str, str] | None = None,
         topology: CpuTopology | None = None,
-        read_load: Callable[[], MachineLoad] = MachineLoad.read,
+        read_load: Callable[[], MachineLoad] | None = None,  # None: MachineLoad.read, looked up when built
         every_s: float = FOLLOW_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
         follow: bool = True,
@@ -333,7 +333,8 @@ class ThreadGovernor:
         environ = os.environ if environ is None else environ
         self.topology = topology or CpuTopology.read()
         self.ceiling = int(environ[CEILING]) if CEILING in environ else torch.get_num_threads()
-        self.read_load, self.every_s, self.clock = read_load, every_s, clock
+        self.read_load = read_load or MachineLoad.read
+        self.every_s, self.clock = every_s, clock
         self._last = -math.inf
         self.started = torch.get_num_threads()
         self.active = follow and loops_follow_load(environ)
