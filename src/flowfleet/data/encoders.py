@@ -205,6 +205,13 @@ def build_latent_encoder(
     raise EncoderError(f"encoders.latent.name: unknown {cfg.name!r}")
 
 
+def latent_decoder_modules(cfg: LatentEncoderConfig) -> tuple[str, ...]:
+    """The modules building `cfg`'s decoder imports: diffusers' autoencoders (whose package imports every autoencoder
+    diffusers has) for sd-vae-ft-mse and a run-trained autoencoder, none for pixels. A fan-out's forkserver imports
+    them once for every job that decodes (train-all's previews)."""
+    return () if cfg.name == "pixels" else ("diffusers.models.autoencoders",)
+
+
 def run_latent_encoder(root: RunRoot, cfg: "RunConfig", device: torch.device | str = "cpu") -> LatentEncoder:
     """The latent encoder of a run (its autoencoder/ when it trained one)."""
     return build_latent_encoder(cfg.encoders.latent, cfg.data.channels, device, root.url_of(AUTOENCODER))

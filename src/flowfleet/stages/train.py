@@ -34,6 +34,7 @@ from flowfleet.backends import (
 )
 from flowfleet.backends.watch import RemoteWatch
 from flowfleet.config import BackendConfig, RunConfig, load_run_config
+from flowfleet.data.encoders import latent_decoder_modules
 from flowfleet.errors import FlowfleetError, ParameterError
 from flowfleet.layout import LOG_FILE, PLAN
 from flowfleet.storage import RunRoot
@@ -352,13 +353,6 @@ def _run_placed(
             outcome.record(spec.name, "not started")
 
 
-def _decoder_modules(cfg: RunConfig) -> tuple[str, ...]:
-    """What every job's previews import to decode their samples: diffusers' AutoencoderKL for an autoencoder's latents
-    (its package imports every autoencoder diffusers has, which each job would otherwise import again), nothing for
-    pixels."""
-    return () if cfg.encoders.latent.name == "pixels" else ("diffusers.models.autoencoders",)
-
-
 def _train_locally(
     root: RunRoot,
     cfg: RunConfig,
@@ -414,8 +408,9 @@ def _train_locally(
             # imports do: on a GPU machine every job starts as a fresh process (measured: "Cannot re-initialize CUDA
             # in forked subprocess" in every job otherwise).
             jobs = [ProcessJob(s.name, s.command(url, launcher()), log_path(s), forkable=not gpus) for s in group]
-            # every job imports the same modules: the forkserver does it once (flowfleet.train.fanout)
-            preload = ("flowfleet.cli", "flowfleet.stages.train", *_decoder_modules(cfg))
+            # every job imports the same modules, its previews' decoder's too: the forkserver does it once
+            # (flowfleet.train.fanout)
+            preload = ("flowfleet.cli", "flowfleet.stages.train", *latent_decoder_modules(cfg.encoders.latent))
             fanout = LocalFanout(slots, on_start=started, on_exit=exited, on_poll=on_poll, preload=preload)
             fanout.run(jobs)
             if fanout.stopped:
