@@ -95,3 +95,13 @@ def test_a_run_yaml_written_before_guidance_scale_loads_and_is_written_back_with
     dumped = cfg.to_dict()
     assert "cfg" not in dumped["sampling"] and dumped["sampling"]["guidance_scale"] == 2.5
     assert SamplingConfig.model_validate({"cfg": 3.0}) == SamplingConfig(guidance_scale=3.0)
+
+
+def test_sampling_settings_describe_a_scale_as_its_shortest_decimal():
+    """A scale the guidance sweep extends to (1.6 * 1.6 / 2) is logged as 1.28, not 1.2800000000000002."""
+    from flowfleet.config import SamplingConfig
+
+    past_an_edge = SamplingConfig(guidance_scale=1.6 * 1.6 / 2.0, guidance_max_t=0.78, steps=20)
+    assert past_an_edge.guidance_scale != 1.28  # (the float itself is kept: the scale sampled is the one computed)
+    assert past_an_edge.describe() == "20 euler steps, guidance 1.28 at t <= 0.78"
+    assert SamplingConfig(guidance_scale=10.125).describe() == "30 euler steps, guidance 10.125"

@@ -71,11 +71,11 @@ class SamplingConfig(Strict):
         return guidance_scale_at(self.guidance_scale, t, self.guidance_max_t)
 
     def describe(self) -> str:
-        """'20 euler steps, cfg 3.0 at t <= 0.78' (the interval only when it is not every step; ', guided inside each
-        expert' under that rule)."""
+        """'20 euler steps, guidance 3 at t <= 0.78' (the interval only when it is not every step; ', guided inside
+        each expert' under that rule; a scale as its shortest decimal, 1.28 rather than 1.2800000000000002)."""
         interval = f" at t <= {self.guidance_max_t:g}" if self.guidance_max_t < 1 else ""
         rule = ", guided inside each expert" if self.guidance == "expert" else ""
-        return f"{self.steps} {self.sampler} steps, guidance {self.guidance_scale}{interval}{rule}"
+        return f"{self.steps} {self.sampler} steps, guidance {self.guidance_scale:g}{interval}{rule}"
 
     def for_call(self, experts: int, **choices: Any) -> "SamplingSettings":
         """One call's settings: these with the call's `choices` (a None choice: this config's), k resolved against

@@ -111,7 +111,7 @@ def evaluate(
             chosen = ev.runs[name].cfg if name in ev.runs else None
             if chosen is not None:
                 set_default_guidance_scale(folder, chosen)
-                log.info(f"evaluate: {folder}: default guidance scale now {chosen} ({name})")
+                log.info(f"evaluate: {folder}: default guidance scale now {chosen:g} ({name})")
     ev.timings["total_s"] = time.perf_counter() - t_start
     result = evaluation_record(ev)
     ev.root.write_json(result, REPORTS, ev.out, EVALUATION_FILE)  # (an empty ev.out joins to nothing)

@@ -80,7 +80,7 @@ class GuidanceSweep(DrawScoring):
             )
             if further is not None and further not in drawn:
                 log.info(
-                    f"evaluate: {name}: the best scale {chosen} is the sweep's edge on the {self.split_name} split"
+                    f"evaluate: {name}: the best scale {chosen:g} is the sweep's edge on the {self.split_name} split"
                 )
                 todo.append(further)
         if sweep.stop:
@@ -110,5 +110,5 @@ class GuidanceSweep(DrawScoring):
         scores = self._score(images, out.prompts, name, with_fid=with_fid)
         timed.fid_s += time.perf_counter() - t0
         scores["cache_saved"] = out.trace.stats.cache.saved  # blocks skipped by --cache (0 without it)
-        log.info(f"evaluate: {name}: guidance {settings.guidance_scale}: " + describe_scores(scores))
+        log.info(f"evaluate: {name}: guidance {settings.guidance_scale:g}: " + describe_scores(scores))
         return settings, out, images, scores
