@@ -105,3 +105,15 @@ def test_sampling_settings_describe_a_scale_as_its_shortest_decimal():
     assert past_an_edge.guidance_scale != 1.28  # (the float itself is kept: the scale sampled is the one computed)
     assert past_an_edge.describe() == "20 euler steps, guidance 1.28 at t <= 0.78"
     assert SamplingConfig(guidance_scale=10.125).describe() == "30 euler steps, guidance 10.125"
+
+
+def test_the_configs_load_without_diffusers():
+    """run.yaml's sections and their validation import neither diffusers nor the models (the command line's --help
+    and every config check stay light): a fresh interpreter importing flowfleet.config and the presets has not
+    imported diffusers."""
+    import subprocess
+    import sys
+
+    code = "import sys, flowfleet.config, flowfleet.presets; print('diffusers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

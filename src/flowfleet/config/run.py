@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError, model_validator
 
-from flowfleet.config.base import ConfigError, Strict
+from flowfleet.config.base import ConfigError, Strict, validated, validation_message
 from flowfleet.config.compute import BACKEND_KINDS, BackendConfig, MachineConfig, StorageConfig
 from flowfleet.config.data import AUGMENT_DIM, ClusterConfig, DataConfig, EncodersConfig
 from flowfleet.config.fleet import _SHAPE_FIELDS, EXPERT_OVERRIDABLE, Addition, DistillConfig
@@ -15,7 +15,6 @@ from flowfleet.config.training import DiLoCoConfig, MonolithConfig, TrainConfig
 from flowfleet.errors import ParameterError
 from flowfleet.layout import RUN_FILE
 from flowfleet.models.config import DiTConfig
-from flowfleet.models.files import validated, validation_message
 from flowfleet.storage import RunRoot
 
 

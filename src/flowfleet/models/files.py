@@ -10,50 +10,23 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import safetensors.torch
 from diffusers.models.modeling_utils import ModelMixin
-from pydantic import BaseModel, ValidationError
 
+from flowfleet.config.base import validated
 from flowfleet.errors import FlowfleetError
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
 from flowfleet.storage import RunRoot
 
 M = TypeVar("M", bound=DiTModel)
-Doc = TypeVar("Doc", bound=BaseModel)
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 
 
 class ModelFileError(FlowfleetError):
     """A model folder that cannot be loaded; the message is one line naming the folder and field."""
-
-
-def validation_message(err: ValidationError) -> str:
-    """The first pydantic error as 'dotted.key: message' on one line. flowfleet's model-level validators phrase
-    their messages as 'key: message' relative to the section they validate; those keys are joined onto its path."""
-    first = err.errors()[0]
-    loc = [str(p) for p in first["loc"]]
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
-    elif first["type"] == "value_error":
-        key, sep, rest = msg.partition(": ")
-        if sep and key.replace(".", "").replace("_", "").isalnum():
-            loc, msg = loc + [key], rest
-    return f"{'.'.join(loc) or '(top level)'}: {msg}"
-
-
-def validated(model: type[Doc], raw: Any, where: str, error: type[Exception], expected: str = "a JSON object") -> Doc:
-    """A parsed document (JSON, YAML) as the pydantic `model`, or `error` in one line naming `where` and the field
-    at fault."""
-    if not isinstance(raw, dict):
-        raise error(f"{where}: expected {expected}")
-    try:
-        return model.model_validate(raw)
-    except ValidationError as err:
-        raise error(f"{where}: {validation_message(err)}") from None
 
 
 def read_dit_config(folder: RunRoot | str | Path, *parts: str) -> DiTConfig:

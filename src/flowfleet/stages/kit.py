@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from flowfleet.config import EXPERT_OVERRIDABLE, RunConfig, load_run_config
+from flowfleet.config.base import validated
 from flowfleet.errors import FlowfleetError
 from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.layout import (
@@ -40,7 +41,6 @@ from flowfleet.layout import (
 )
 from flowfleet.models import flops
 from flowfleet.models.config import DiTConfig
-from flowfleet.models.files import validated
 from flowfleet.storage import RunRoot
 
 OBJECTIVES = ("fm", "ddpm")  # what a fleet's experts may learn: flow matching, or DDPM's noise (converted)

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flowfleet.config.base import validated
 from flowfleet.layout import PACKAGE_EXPERT, PACKAGE_HELDOUT, PACKAGE_SAMPLE
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert
-from flowfleet.models.files import WEIGHTS_NAME, validated
+from flowfleet.models.files import WEIGHTS_NAME
 from flowfleet.stages.admit.formats import FormatError, load_safetensors, safetensors_header
 from flowfleet.stages.admit.refusal import Refused, refusing, shown
 from flowfleet.stages.admit.signature import BYTES_PER_PARAM

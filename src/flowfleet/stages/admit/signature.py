@@ -15,8 +15,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flowfleet.config import RunConfig
+from flowfleet.config.base import validated
 from flowfleet.layout import PACKAGE_EXPERT, PACKAGE_HELDOUT, PACKAGE_MANIFEST, PACKAGE_SAMPLE, PACKAGE_SIGNATURE
-from flowfleet.models.files import WEIGHTS_NAME, validated
+from flowfleet.models.files import WEIGHTS_NAME
 from flowfleet.sampling.signing import read_trusted, signed_by
 from flowfleet.stages.admit.formats import HEADER_MAX_BYTES, FormatError, load_json
 from flowfleet.stages.admit.package import PACKAGE_OWN, copy_capped, list_entries, read_capped
