@@ -100,7 +100,7 @@ def data_config(args: argparse.Namespace, **like: Any) -> Any:
     from pydantic import ValidationError
 
     from flowfleet.config import ConfigError, DataConfig
-    from flowfleet.config.base import validation_message
+    from flowfleet.errors import validation_message
 
     try:
         labels = [int(v) for v in args.labels.split(",") if v.strip()] if args.labels else None
@@ -174,6 +174,6 @@ def settings_from(cls: type[T], args: argparse.Namespace, fields: Sequence[str],
 def option_error(err: "ValidationError") -> FlowfleetError:
     """A settings model's first validation error as the option at fault: '--max-batch: ...'. A check across
     fields (pydantic's "(root)") names its first field itself."""
-    from flowfleet.config.base import validation_message
+    from flowfleet.errors import validation_message
 
     return FlowfleetError("--" + validation_message(err).removeprefix("(root): ").replace("_", "-"))

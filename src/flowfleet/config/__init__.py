@@ -1,7 +1,6 @@
-"""run.yaml: the whole run's typed, validated configuration, one module per concern (base: what a section is, and
-any validated document's one-line error; data: data, encoders, clusters; training: the jobs' training; sampling: how
-a fleet samples; fleet: what changes a fleet after training; compute: backends, machines, storage; run: RunConfig,
-reading and changing it).
+"""run.yaml: the whole run's typed, validated configuration, one module per concern (base: what a section is;
+data: data, encoders, clusters; training: the jobs' training; sampling: how a fleet samples; fleet: what changes a
+fleet after training; compute: backends, machines, storage; run: RunConfig, reading and changing it).
 
 Every stage reads RunConfig from RUN_ROOT/run.yaml before doing any work; a bad key or value is one
 line naming it (ConfigError). Derived facts (latent shape, text width) are checked here so that an

@@ -6,13 +6,13 @@ from typing import Any
 
 from pydantic import ValidationError, model_validator
 
-from flowfleet.config.base import ConfigError, Strict, validated, validation_message
+from flowfleet.config.base import ConfigError, Strict
 from flowfleet.config.compute import BACKEND_KINDS, BackendConfig, MachineConfig, StorageConfig
 from flowfleet.config.data import AUGMENT_DIM, ClusterConfig, DataConfig, EncodersConfig
 from flowfleet.config.fleet import _SHAPE_FIELDS, EXPERT_OVERRIDABLE, Addition, DistillConfig
 from flowfleet.config.sampling import SamplingConfig
 from flowfleet.config.training import DiLoCoConfig, MonolithConfig, TrainConfig
-from flowfleet.errors import ParameterError
+from flowfleet.errors import ParameterError, validated, validation_message
 from flowfleet.layout import RUN_FILE
 from flowfleet.models.config import DiTConfig
 from flowfleet.storage import RunRoot

@@ -15,8 +15,7 @@ from typing import TypeVar
 import safetensors.torch
 from diffusers.models.modeling_utils import ModelMixin
 
-from flowfleet.config.base import validated
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, validated
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTModel
 from flowfleet.storage import RunRoot

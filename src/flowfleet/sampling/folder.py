@@ -39,8 +39,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flowfleet.config import LatentEncoderConfig, SamplingConfig, TextEncoderConfig
-from flowfleet.config.base import validated
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, validated
 from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.layout import CHECKSUMS, CONTRIBUTION, INDEX_FILE, PACKAGE_EXPERT, VERIFIED
 from flowfleet.models.files import load_model, read_dit_config

@@ -33,8 +33,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flowfleet import __version__
-from flowfleet.config.base import validation_message
-from flowfleet.errors import ParameterError
+from flowfleet.errors import ParameterError, validation_message
 from flowfleet.parallel.mode import DEFAULT_PARALLEL, DISPLACED_WARMUP
 from flowfleet.serve.http import RETRY_AFTER_S, Service, generate_on_loop, png_base64
 from flowfleet.serve.openai_api import PREFIX as OPENAI_PREFIX

@@ -24,7 +24,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from flowfleet.config.base import validation_message
+from flowfleet.errors import validation_message
 from flowfleet.serve.http import RETRY_AFTER_S, Service, generate_on_loop, png_base64
 from flowfleet.serve.service import BadRequest, Busy, GenerateRequest
 

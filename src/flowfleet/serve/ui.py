@@ -15,7 +15,7 @@ import gradio as gr
 from PIL import Image
 from pydantic import ValidationError
 
-from flowfleet.config.base import validation_message
+from flowfleet.errors import validation_message
 from flowfleet.sampling.card import card_markdown
 from flowfleet.sampling.views import sample_routing_view
 from flowfleet.serve.service import STRATEGIES, BadRequest, Busy, FleetService, GenerateRequest, Generation

@@ -25,8 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from flowfleet.config import EXPERT_OVERRIDABLE, RunConfig, load_run_config
-from flowfleet.config.base import validated
-from flowfleet.errors import FlowfleetError
+from flowfleet.errors import FlowfleetError, validated
 from flowfleet.flow.path import TIME_CONVENTION
 from flowfleet.layout import (
     AUTOENCODER,

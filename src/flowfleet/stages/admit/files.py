@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flowfleet.config.base import validated
+from flowfleet.errors import validated
 from flowfleet.layout import PACKAGE_EXPERT, PACKAGE_HELDOUT, PACKAGE_SAMPLE
 from flowfleet.models.config import DiTConfig
 from flowfleet.models.dit import DiTExpert

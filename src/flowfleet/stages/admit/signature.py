@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flowfleet.config import RunConfig
-from flowfleet.config.base import validated
+from flowfleet.errors import validated
 from flowfleet.layout import PACKAGE_EXPERT, PACKAGE_HELDOUT, PACKAGE_MANIFEST, PACKAGE_SAMPLE, PACKAGE_SIGNATURE
 from flowfleet.models.files import WEIGHTS_NAME
 from flowfleet.sampling.signing import read_trusted, signed_by
